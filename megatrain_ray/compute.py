@@ -1,0 +1,229 @@
+"""The compute worker: runs one training step layer-major over all of its micro-batches.
+
+It holds no model weights across units: each unit's weights arrive in a device slot (announced by
+a :class:`~megatrain_ray.tickets.FetchTicket`), are bound to the stateless template for the call,
+and the slot is released as soon as the unit is done. One step, as one loop:
+
+1. embedding of every micro-batch;
+2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint;
+3. head: final norm, LM head and loss in chunks of tokens (never the full logits), forward and
+   backward at once; its gradient goes out;
+4. backward of layer L-1..0, recomputing each layer from its checkpoint, for every micro-batch,
+   accumulating the weight gradient in fp32; each layer's gradient goes out as soon as it is done;
+5. embedding gradient (scatter of the input gradients, plus the head's when tied) goes out.
+
+Two helper threads keep Python off the critical path: the *loader* takes fetch tickets as they
+come and starts each copy into its slot, and the *outbox* waits for each gradient's copy to the
+host store to complete before sending its ticket to the sink (and sends slot releases).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .device import make_backend
+from .errors import PipelineError
+from .model import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
+                    token_loss_sum)
+from .store import HostStore, StoreSpec
+from .tickets import FetchTicket, GradTicket
+
+
+class ComputeWorker:
+    """Plain class; made a Ray actor (with a GPU when there is one) at spawn."""
+
+    def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
+                 fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.cfg = spec.model
+        self.store = HostStore(spec)
+        self.layout = self.store.layout
+        self.dtype = spec.precision.compute
+        self.chunk = loss_chunk_size
+        self.timeout_s = timeout_s
+        self.fetch_q, self.grad_q, self.release_q = fetch_q, grad_q, release_q
+        self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
+        self.backend.register_host(self.store.arrays.get("stream", self.store.arrays["master"]))
+        self.backend.register_host(self.store.arrays["grad"])
+        self.fetches: collections.Counter[str] = collections.Counter()
+        self._arrived: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n)
+                         for f, n in ((self._load_loop, "loader"), (self._outbox_loop, "outbox"))]
+        for t in self._threads:
+            t.start()
+
+    # -- helper threads ----------------------------------------------------------------------
+
+    def _guard(self, loop) -> None:
+        try:
+            loop()
+        except BaseException as e:  # surfaced by the next _take / run_step
+            self._error = e
+            self._arrived.put(None)
+
+    def _load_loop(self) -> None:
+        """Take fetch tickets as the prefetcher issues them and start each copy into its slot."""
+        while not self._stop.is_set():
+            try:
+                ticket: FetchTicket = self.fetch_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            handle = self.backend.load(ticket.slot, self.store.block("stream", ticket.unit))
+            self._arrived.put((ticket, handle))
+
+    def _outbox_loop(self) -> None:
+        """Send slot releases and gradient tickets, the latter once the host copy is complete."""
+        while not self._stop.is_set() or not self._outbox.empty():
+            try:
+                handle, target, item = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if handle is not None:
+                handle.done()
+            target.put(item, timeout=self.timeout_s)
+
+    # -- one unit's weights ------------------------------------------------------------------
+
+    def _take(self, unit: int, step: int) -> tuple[FetchTicket, torch.Tensor]:
+        """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot."""
+        try:
+            item = self._arrived.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the weights of "
+                                f"{self.layout.units[unit]}: the prefetcher or the gradient sink is stalled; "
+                                "raise runtime.actor_timeout_s if the update is just slow.") from None
+        if item is None:
+            raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
+        ticket, handle = item
+        if (ticket.unit, ticket.step) != (unit, step):
+            raise PipelineError(f"fetch out of order: expected {self.layout.units[unit]} for step {step}, "
+                                f"got {self.layout.units[ticket.unit]} for step {ticket.step}.")
+        if self.store.version(unit) != step:
+            raise PipelineError(f"{self.layout.units[unit]} has version {self.store.version(unit)} "
+                                f"but step {step} needs version {step}.")
+        self.backend.wait(handle)
+        self.fetches["layers" if 0 < unit <= self.cfg.num_hidden_layers else self.layout.units[unit]] += 1
+        return ticket, self.backend.slots[ticket.slot][:self.layout.templates[unit].numel]
+
+    def _release(self, ticket: FetchTicket) -> None:
+        self.backend.release(ticket.slot)
+        self._outbox.put((None, self.release_q, ticket.slot))
+
+    def _send_grad(self, unit: int, step: int, grad: torch.Tensor) -> None:
+        """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink."""
+        handle = self.backend.store(grad, self.store.block("grad", unit))
+        self._outbox.put((handle, self.grad_q, GradTicket(unit, step)))
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def run_step(self, step: int, batch: dict[str, Any]) -> dict[str, Any]:
+        """batch: input_ids, labels: [M, B, S] int. Returns loss, token count, fetch counts, time."""
+        if self._error is not None:
+            raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
+        start = time.perf_counter()
+        self.fetches.clear()
+        dev = self.backend.device
+        ids = torch.tensor(batch["input_ids"], dtype=torch.long).to(dev)
+        labels = torch.tensor(batch["labels"], dtype=torch.long).to(dev)
+        num_mb, seq = ids.shape[0], ids.shape[2]
+        n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))
+        rope = rope_cache(self.cfg, seq, dev, self.dtype)
+        n_layers = self.cfg.num_hidden_layers
+        templates = self.layout.templates
+
+        with torch.no_grad():
+            ticket, flat = self._take(0, step)
+            ckpt = [[embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]]
+            self._release(ticket)
+            for i in range(1, n_layers + 1):
+                ticket, flat = self._take(i, step)
+                p = templates[i].bind(flat)
+                ckpt.append([decoder_layer(p, x, rope, self.cfg) for x in ckpt[-1]])
+                self._release(ticket)
+
+        embed_grad = torch.zeros(templates[0].numel, dtype=torch.float32, device=dev)
+        loss, dx = self._head(step, ckpt.pop(), labels, n_tokens, embed_grad)
+
+        for i in range(n_layers, 0, -1):
+            ticket, flat = self._take(i, step)
+            w = flat.detach().requires_grad_(True)
+            p = templates[i].bind(w)
+            grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
+            inputs = ckpt.pop()
+            for m in range(num_mb):
+                x = inputs[m].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    y = decoder_layer(p, x, rope, self.cfg)
+                gw, dx[m] = torch.autograd.grad(y, (w, x), dx[m])
+                grad += gw
+            self._release(ticket)
+            self._send_grad(i, step, grad)
+
+        table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
+        for m in range(num_mb):
+            table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
+        self._send_grad(0, step, embed_grad)
+        self.backend.synchronize()
+        return {"step": step, "loss": float(loss), "tokens": n_tokens, "fetches": dict(self.fetches),
+                "compute_s": time.perf_counter() - start}
+
+    def _head(self, step: int, hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int,
+              embed_grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final norm + LM head + loss, forward and backward, in token chunks.
+
+        hidden: M x [B, S, H]; labels: [M, B, S]. Returns the loss (mean over the step's counted
+        tokens) and the gradient of each micro-batch's hidden input. The head's gradient is sent;
+        with tied embeddings the LM-head part is added into ``embed_grad`` [V*H] fp32.
+        """
+        unit = self.cfg.num_hidden_layers + 1
+        tied = self.cfg.tie_word_embeddings
+        templates = self.layout.templates
+        ticket, flat = self._take(unit, step)
+        wh = flat.detach().requires_grad_(True)
+        tickets = [ticket]
+        if tied:
+            ticket_e, flat_e = self._take(0, step)
+            tickets.append(ticket_e)
+            we = flat_e.detach().requires_grad_(True)
+        head_grad = torch.zeros(templates[unit].numel, dtype=torch.float32, device=wh.device)
+        w_leaf, w_grad = (we, embed_grad) if tied else (wh, head_grad)
+        loss = torch.zeros((), dtype=torch.float32, device=wh.device)
+        dxs = []
+        for m, x in enumerate(hidden):
+            x = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                hn = final_norm(templates[unit].bind(wh), x, self.cfg)
+            flat_h = hn.detach().reshape(-1, hn.shape[-1])
+            flat_labels = labels[m].reshape(-1)
+            dh = torch.empty_like(flat_h)
+            for s in range(0, flat_h.shape[0], self.chunk):
+                hc = flat_h[s:s + self.chunk].requires_grad_(True)
+                with torch.enable_grad():
+                    w = lm_head_weight(templates[unit].bind(wh), templates[0].bind(we) if tied else None)
+                    part = token_loss_sum(hc, w, flat_labels[s:s + self.chunk]) / n_tokens
+                dh[s:s + self.chunk], gw = torch.autograd.grad(part, (hc, w_leaf))
+                w_grad += gw
+                loss += part.detach()
+            dx, gwh = torch.autograd.grad(hn, (x, wh), dh.view_as(hn))
+            head_grad += gwh
+            dxs.append(dx)
+        for t in tickets:
+            self._release(t)
+        self._send_grad(unit, step, head_grad)
+        return loss, dxs
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self.backend.close()

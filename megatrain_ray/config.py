@@ -1,0 +1,392 @@
+"""Typed configuration of a training run: dataclasses, YAML loading, ``--set`` overrides, validation.
+
+A run is described by one :class:`TrainConfig` with five sections (``model``, ``optim``, ``train``,
+``data``, ``runtime``). YAML files mirror that nesting; ``--set section.key=value`` overrides one
+field. Model fields carry Hugging Face ``config.json`` names, so an HF config maps onto
+:class:`ModelConfig` directly (:meth:`ModelConfig.from_hf_dict`).
+
+Every check raises :class:`~megatrain_ray.errors.ConfigError` with one sentence that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral), named as in HF config.json."""
+
+    model_type: str = "llama"
+    """Architecture family: one of llama, qwen2, qwen3, mistral (qwen2 adds q/k/v biases, qwen3 q/k norms)."""
+    vocab_size: int = 260
+    """Number of token embeddings (rows of the embedding and LM-head matrices)."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    intermediate_size: int = 176
+    """Width of the SwiGLU MLP's gate/up projections."""
+    num_hidden_layers: int = 2
+    """Number of decoder layers."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_key_value_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); None means equal to num_attention_heads."""
+    head_dim: int | None = None
+    """Per-head width; None means hidden_size // num_attention_heads."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model is configured for; train.seq_len may not exceed it."""
+    tie_word_embeddings: bool = False
+    """If true the LM head reuses the embedding matrix."""
+    attention_bias: bool | None = None
+    """q/k/v projections carry a bias; None means the family default (true for qwen2, else false)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation of matrices when not loading weights."""
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.attention_bias is None:
+            self.attention_bias = self.model_type == "qwen2"
+
+    @property
+    def head_size(self) -> int:
+        """Per-head width actually used (head_dim, or hidden_size / heads)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
+
+    def validate(self) -> None:
+        _require(self.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
+                 f"must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, got {self.model_type!r}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            _require(getattr(self, key) > 0, f"model.{key}", f"must be positive, got {getattr(self, key)}")
+        _require(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+                 "model.num_attention_heads",
+                 f"must divide model.hidden_size ({self.hidden_size}), got {self.num_attention_heads}")
+        _require(self.head_size % 2 == 0, "model.head_dim", f"must be even for RoPE, got {self.head_size}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
+                 f"must divide model.num_attention_heads ({self.num_attention_heads}), "
+                 f"got {self.num_key_value_heads}")
+        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+        _require(self.initializer_range > 0, "model.initializer_range",
+                 f"must be positive, got {self.initializer_range}")
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Map a Hugging Face config.json dict onto a ModelConfig; unsupported features are errors."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} in config.json is not supported; "
+                              f"use one of {', '.join(SUPPORTED_MODEL_TYPES)}.")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"rope_scaling type {rope_type!r} in config.json is not supported yet; "
+                              "only the default RoPE is.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in hf.items() if k in names}
+        kwargs["model_type"] = model_type
+        if "rope_theta" not in hf and "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF config.json fields of this shape (architectures included)."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[self.model_type]
+        out = dataclasses.asdict(self)
+        out["head_dim"] = self.head_size
+        out["architectures"] = [arch]
+        out["hidden_act"] = "silu"
+        return out
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with decoupled weight decay, global-norm clipping and a warmup + cosine schedule."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def validate(self) -> None:
+        _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", f"must be within [0, optim.lr], got {self.min_lr}")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {self.beta1}")
+        _require(0 <= self.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {self.beta2}")
+        _require(self.eps > 0, "optim.eps", f"must be positive, got {self.eps}")
+        _require(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.max_grad_norm >= 0, "optim.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass
+class TrainSection:
+    """How many steps, and the shape of each step's batch."""
+
+    steps: int = 60
+    """Number of optimizer steps to run."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch."""
+    num_micro_batches: int = 2
+    """Micro-batches per optimizer step (gradient accumulation), processed layer-major."""
+    seed: int = 0
+    """Seed of weight initialisation and of the data order."""
+    log_every: int = 1
+    """Print a progress line every this many steps."""
+
+    def validate(self) -> None:
+        for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every"):
+            _require(getattr(self, key) > 0, f"train.{key}", f"must be positive, got {getattr(self, key)}")
+        _require(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
+
+
+@dataclass
+class DataSection:
+    """Where the training tokens come from."""
+
+    path: str | None = None
+    """A UTF-8 text file (byte-level tokenised) or a .npy array of token ids; None uses the built-in corpus."""
+    num_workers: int = 1
+    """Number of data-loader actors producing batches in parallel."""
+
+    def validate(self) -> None:
+        _require(self.num_workers > 0, "data.num_workers", f"must be positive, got {self.num_workers}")
+        if self.path is not None:
+            _require(os.path.isfile(self.path), "data.path", f"does not name a readable file: {self.path!r}")
+            _require(self.path.endswith((".txt", ".npy")), "data.path",
+                     f"must be a .txt or .npy file, got {self.path!r}")
+
+
+@dataclass
+class RuntimeSection:
+    """Where and how the pipeline runs: device, precision, buffering, Ray and output locations."""
+
+    device: str = "auto"
+    """Compute device: auto (cuda if present, else cpu), cpu, or cuda."""
+    compute_dtype: str = "auto"
+    """Dtype of streamed weights and activations: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16."""
+    master_dtype: str = "float32"
+    """Dtype of the master weights in host RAM: float32, or bfloat16 to save host memory."""
+    buffer_depth: int = 2
+    """Number of device weight slots (2 = double buffering); also the fetch-queue capacity."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the LM head and loss, so full logits are never materialised."""
+    init_from: str | None = None
+    """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
+    run_dir: str = "runs"
+    """Directory where each run writes its final weights and metrics."""
+    shm_dir: str = "/dev/shm"
+    """Directory (a tmpfs) holding the host parameter store's shared-memory segments."""
+    ray_address: str | None = None
+    """Address of a running Ray cluster; None starts (or joins, under ray job) a local one."""
+    object_store_memory: int = 256 * 2**20
+    """Bytes of Ray object store when this process starts Ray (only control messages go through it)."""
+    actor_timeout_s: float = 300.0
+    """Seconds a pipeline stage may wait on another before the run fails with a timeout."""
+
+    def validate(self) -> None:
+        _require(self.device in ("auto", "cpu", "cuda"), "runtime.device",
+                 f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(self.compute_dtype in ("auto", "float32", "bfloat16"), "runtime.compute_dtype",
+                 f"must be auto, float32 or bfloat16, got {self.compute_dtype!r}")
+        _require(self.master_dtype in ("float32", "bfloat16"), "runtime.master_dtype",
+                 f"must be float32 or bfloat16, got {self.master_dtype!r}")
+        _require(self.buffer_depth >= 2, "runtime.buffer_depth", f"must be >= 2, got {self.buffer_depth}")
+        _require(self.loss_chunk_size > 0, "runtime.loss_chunk_size",
+                 f"must be positive, got {self.loss_chunk_size}")
+        _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")
+        _require(self.object_store_memory >= 75 * 2**20, "runtime.object_store_memory",
+                 f"must be at least 78643200 bytes (Ray's minimum), got {self.object_store_memory}")
+        _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",
+                 f"must be positive, got {self.actor_timeout_s}")
+        if self.init_from is not None:
+            _require(os.path.isfile(os.path.join(self.init_from, "config.json")), "runtime.init_from",
+                     f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")
+
+
+@dataclass
+class TrainConfig:
+    """A whole run: model shape, optimizer, batch shape, data and runtime."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape (ignored fields are replaced by runtime.init_from's config.json when set)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    train: TrainSection = field(default_factory=TrainSection)
+    """Steps and batch shape."""
+    data: DataSection = field(default_factory=DataSection)
+    """Training data."""
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    """Device, precision, buffering and Ray."""
+
+    def validate(self) -> "TrainConfig":
+        """Check every section and the cross-section rules; return self."""
+        for section in (self.model, self.optim, self.train, self.data, self.runtime):
+            section.validate()
+        _require(self.train.seq_len <= self.model.max_position_embeddings, "train.seq_len",
+                 f"({self.train.seq_len}) exceeds model.max_position_embeddings "
+                 f"({self.model.max_position_embeddings})")
+        _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
+                 f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _require(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {what}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a TrainConfig from dicts, YAML files and --set overrides.
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check/convert one YAML value against a field annotation (str, int, float, bool, optionals)."""
+    hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})  # noqa: S307
+    args = typing.get_args(hint)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{key} may not be empty (null).")
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}.")
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}.")
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}.")
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}.")
+    return value
+
+
+def _section_from_dict(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix} must be a mapping of keys to values, got {data!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"{prefix}.{key} is not a known key; known keys of {prefix}: "
+                              f"{', '.join(sorted(fields))}.")
+        kwargs[key] = _coerce(value, fields[key].type, f"{prefix}.{key}")
+    return cls(**kwargs)
+
+
+_SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainSection,
+             "data": DataSection, "runtime": RuntimeSection}
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build (without validating) a TrainConfig from a nested dict; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the configuration must be a mapping of sections, got {type(data).__name__}.")
+    kwargs = {}
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{name} is not a known section; use one of {', '.join(_SECTIONS)}.")
+        kwargs[name] = _section_from_dict(_SECTIONS[name], value or {}, name)
+    return TrainConfig(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r} must look like section.key=value.")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {key!r} must name section.key, e.g. optim.lr.")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+    """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
+
+    When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape.
+    """
+    data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist.")
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise ConfigError(f"config file {path!r} is not valid YAML{where}.") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, "
+                              f"got {type(loaded).__name__}.")
+        for name, section in (loaded or {}).items():
+            if isinstance(section, dict) and isinstance(data.get(name), dict):
+                data[name] = {**data[name], **section}
+            else:
+                data[name] = section
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        current = data.setdefault(section, {})
+        if not isinstance(current, dict):
+            raise ConfigError(f"{section} must be a mapping of keys to values.")
+        current[key] = value
+    cfg = config_from_dict(data)
+    if cfg.runtime.init_from is not None:
+        cfg.runtime.validate()
+        with open(os.path.join(cfg.runtime.init_from, "config.json")) as f:
+            cfg.model = ModelConfig.from_hf_dict(json.load(f))
+    return cfg.validate()

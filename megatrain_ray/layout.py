@@ -1,0 +1,113 @@
+"""Flat-buffer layout of the model's units, shared by the host store and the compute templates.
+
+Every unit (``embed``, ``layers.i``, ``head``) is one contiguous run of elements. Inside it the
+weight-decayed parameters (matrices) come first and the others (norms, biases) after them, so the
+optimizer sees two contiguous views per unit. Each unit starts at a multiple of
+:data:`UNIT_ALIGN` elements, so its block is page-aligned in every dtype of the store (fp32, bf16),
+which is what ``cudaHostRegister``-backed copies and per-layer mappings want.
+
+A :class:`LayerTemplate` is the stateless view of one unit: given any flat tensor holding that
+unit (a host block, a device slot), ``bind`` returns the parameter dict of views into it, with no
+copy and nothing retained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .model import unit_names, unit_params
+
+UNIT_ALIGN = 4096
+"""Elements; 4096 elements are a whole number of 4 KiB pages in any dtype of >= 1 byte."""
+PARAM_ALIGN = 64
+"""Elements; parameters inside a unit start at this alignment (256 B in fp32) for vector loads."""
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for dim in shape:
+        out *= dim
+    return out
+
+
+@dataclass(frozen=True)
+class LayerTemplate:
+    """Parameter names, shapes and offsets of one unit inside its flat buffer."""
+
+    unit: str
+    params: tuple[tuple[str, tuple[int, ...], int], ...]
+    """(name, shape, offset in elements), decayed parameters first."""
+    numel: int
+    """Elements used by the unit (the last parameter's end)."""
+    decay_numel: int
+    """The first ``decay_numel`` elements are weight-decayed (matrices); the rest are not."""
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, unit: str) -> "LayerTemplate":
+        entries = unit_params(cfg, unit)
+        ordered = [e for e in entries if len(e[1]) >= 2] + [e for e in entries if len(e[1]) < 2]
+        params, offset, decay_numel = [], 0, 0
+        for name, shape in ordered:
+            offset = _round_up(offset, PARAM_ALIGN)
+            size = _prod(shape)
+            params.append((name, shape, offset))
+            offset += size
+            if len(shape) >= 2:
+                decay_numel = offset
+        return cls(unit, tuple(params), offset, decay_numel)
+
+    @property
+    def param_count(self) -> int:
+        """Parameters of the unit (alignment padding excluded)."""
+        return sum(_prod(shape) for _, shape, _ in self.params)
+
+    def bind(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """flat: [>= numel] -> {name: view of its shape}; no copy."""
+        out = {}
+        for name, shape, offset in self.params:
+            out[name] = flat[offset:offset + _prod(shape)].view(shape)
+        return out
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Where each unit lives in the store's flat per-kind arrays."""
+
+    units: tuple[str, ...]
+    templates: tuple[LayerTemplate, ...]
+    offsets: tuple[int, ...]
+    """Start of each unit, in elements, in every per-kind array."""
+    total: int
+    """Elements of every per-kind array (units padded to UNIT_ALIGN)."""
+
+    @classmethod
+    def build(cls, cfg: ModelConfig) -> "StoreLayout":
+        units = tuple(unit_names(cfg))
+        templates = tuple(LayerTemplate.build(cfg, u) for u in units)
+        offsets, pos = [], 0
+        for t in templates:
+            offsets.append(pos)
+            pos += _round_up(t.numel, UNIT_ALIGN)
+        return cls(units, templates, tuple(offsets), pos)
+
+    def index(self, unit: str) -> int:
+        return self.units.index(unit)
+
+    def block(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """flat: [total] -> the unit's used elements [numel] (a view)."""
+        return flat[self.offsets[i]:self.offsets[i] + self.templates[i].numel]
+
+    @property
+    def max_unit_numel(self) -> int:
+        return max(t.numel for t in self.templates)
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.param_count for t in self.templates)

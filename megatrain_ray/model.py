@@ -1,0 +1,153 @@
+"""The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral), architecture only.
+
+Everything here is a pure function of (weights, inputs). Weights arrive as a dict of tensors keyed
+by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...), so the same
+functions run on views into a streamed flat buffer (see :mod:`megatrain_ray.layout`) or on any
+other tensors. Nothing here knows about streaming, offload, devices or Ray.
+
+The model is split into *units*, the granularity at which weights are stored and streamed:
+``embed`` (token embeddings), ``layers.{i}`` (one decoder layer each) and ``head`` (final norm and,
+unless tied, the LM head). :func:`unit_params` lists each unit's parameters and shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+Params = dict[str, torch.Tensor]
+
+IGNORE_INDEX = -100
+"""Label value whose position does not count in the loss (padding, prompt tokens)."""
+
+
+def unit_names(cfg: ModelConfig) -> list[str]:
+    """All units in forward order."""
+    return ["embed", *(f"layers.{i}" for i in range(cfg.num_hidden_layers)), "head"]
+
+
+def unit_params(cfg: ModelConfig, unit: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name relative to the unit, shape) of each parameter of one unit, in HF naming."""
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_size
+    if unit == "embed":
+        return [("weight", (cfg.vocab_size, h))]
+    if unit == "head":
+        params = [("norm.weight", (h,))]
+        if not cfg.tie_word_embeddings:
+            params.append(("lm_head.weight", (cfg.vocab_size, h)))
+        return params
+    q = cfg.num_attention_heads * cfg.head_size
+    params = [
+        ("self_attn.q_proj.weight", (q, h)),
+        ("self_attn.k_proj.weight", (kv, h)),
+        ("self_attn.v_proj.weight", (kv, h)),
+        ("self_attn.o_proj.weight", (h, q)),
+        ("mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+        ("mlp.up_proj.weight", (cfg.intermediate_size, h)),
+        ("mlp.down_proj.weight", (h, cfg.intermediate_size)),
+        ("input_layernorm.weight", (h,)),
+        ("post_attention_layernorm.weight", (h,)),
+    ]
+    if cfg.attention_bias:
+        params += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)),
+                   ("self_attn.v_proj.bias", (kv,))]
+    if cfg.qk_norm:
+        params += [("self_attn.q_norm.weight", (cfg.head_size,)), ("self_attn.k_norm.weight", (cfg.head_size,))]
+    return params
+
+
+def hf_name(unit: str, name: str) -> str:
+    """Full Hugging Face state-dict name of a unit's parameter."""
+    if unit == "embed":
+        return "model.embed_tokens.weight"
+    if unit == "head":
+        return "lm_head.weight" if name == "lm_head.weight" else "model.norm.weight"
+    return f"model.{unit}.{name}"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D], weight: [D]. Normalises in fp32, returns x's dtype (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cache(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [seq_len, head_size] for positions 0..seq_len-1, computed in fp32 then cast."""
+    d = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+    freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, S, d]; cos/sin: [S, d]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig
+              ) -> torch.Tensor:
+    """Causal grouped-query self-attention. x: [B, S, H] -> [B, S, H]."""
+    b, s, _ = x.shape
+    d = cfg.head_size
+    q = F.linear(x, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
+    k = F.linear(x, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
+    v = F.linear(x, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q = q.view(b, s, -1, d)
+    k = k.view(b, s, -1, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(b, s, -1, d).transpose(1, 2)
+    cos, sin = rope
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads)
+    out = out.transpose(1, 2).reshape(b, s, -1)
+    return F.linear(out, p["self_attn.o_proj.weight"])
+
+
+def mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP. x: [B, S, H] -> [B, S, H]."""
+    gate = F.silu(F.linear(x, p["mlp.gate_proj.weight"]))
+    return F.linear(gate * F.linear(x, p["mlp.up_proj.weight"]), p["mlp.down_proj.weight"])
+
+
+def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig
+                  ) -> torch.Tensor:
+    """One pre-norm decoder layer. x: [B, S, H] -> [B, S, H]."""
+    x = x + attention(p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope, cfg)
+    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+
+
+def embed(p: Params, ids: torch.Tensor) -> torch.Tensor:
+    """ids: [B, S] int64 -> [B, S, H]."""
+    return F.embedding(ids, p["weight"])
+
+
+def final_norm(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """x: [B, S, H] -> [B, S, H]."""
+    return rms_norm(x, p["norm.weight"], cfg.rms_norm_eps)
+
+
+def lm_head_weight(head: Params, embed_params: Params | None) -> torch.Tensor:
+    """The [V, H] output projection: the head's own, or the embedding matrix when tied."""
+    return head["lm_head.weight"] if "lm_head.weight" in head else embed_params["weight"]
+
+
+def token_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over non-ignored tokens. h: [N, H], w: [V, H], labels: [N] -> scalar fp32.
+
+    Logits are upcast to fp32 before the softmax.
+    """
+    logits = F.linear(h, w).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -1,0 +1,62 @@
+"""The precision policy, stated once and applied by the store, the compute worker and the sink.
+
+- **Master weights** live in host RAM in ``runtime.master_dtype``: float32 by default, or
+  bfloat16 to save host memory (the update is then computed in fp32 on an O(one unit) temporary
+  and rounded back to nearest).
+- **AdamW states** (``exp_avg``, ``exp_avg_sq``) are always float32 in host RAM.
+- **Streamed weights and activations** use the compute dtype: bfloat16 on CUDA, float32 on the CPU
+  (``runtime.compute_dtype`` overrides). When it differs from the master dtype the store keeps a
+  second, compute-dtype copy of every unit (the *stream* copy) that the sink refreshes after each
+  update, so the link carries compute-dtype bytes; when equal, the master block is streamed.
+- **Gradients** are accumulated over micro-batches in float32 on the device and handed to the
+  sink as float32.
+- **Loss**: logits are upcast to float32 before the softmax; RMSNorm normalises in float32.
+
+Host bytes per parameter: 4 (fp32 master) + 8 (AdamW) + 4 (fp32 gradient) + 2 (bf16 stream copy)
+with fp32 master and bf16 compute; 2 + 8 + 4 with bf16 master and bf16 compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import RuntimeSection
+from .errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Resolved dtypes of one run (see the module docstring for the policy)."""
+
+    master: torch.dtype
+    compute: torch.dtype
+    optim_state: torch.dtype = torch.float32
+    grad: torch.dtype = torch.float32
+
+    @property
+    def separate_stream_copy(self) -> bool:
+        """Whether the store holds a compute-dtype copy besides the master weights."""
+        return self.master != self.compute
+
+
+def resolve_device(runtime: RuntimeSection, gpus_available: float) -> str:
+    """'cpu' or 'cuda' for runtime.device, failing clearly when CUDA is asked for but absent.
+
+    ``gpus_available`` is what the Ray cluster offers (the driver itself may see no GPU).
+    """
+    if runtime.device == "auto":
+        return "cuda" if gpus_available >= 1 else "cpu"
+    if runtime.device == "cuda" and gpus_available < 1:
+        raise ConfigError("runtime.device is cuda but no CUDA GPU is visible; set runtime.device=cpu or auto.")
+    return runtime.device
+
+
+def resolve_precision(runtime: RuntimeSection, device: str) -> Precision:
+    compute = runtime.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if device == "cuda" else "float32"
+    return Precision(master=_DTYPES[runtime.master_dtype], compute=_DTYPES[compute])

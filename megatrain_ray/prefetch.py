@@ -1,0 +1,67 @@
+"""The prefetcher: decides which unit's weights go into which device slot, and when.
+
+One loop over the run: for every step, for every unit in :func:`~megatrain_ray.tickets.fetch_order`,
+take a free slot (slots come back from the compute worker on the release queue; there are
+``buffer_depth`` of them, so it never runs more than that far ahead), wait until the unit's
+version in the store equals the step (its previous update is complete), and put a
+:class:`~megatrain_ray.tickets.FetchTicket` on the fetch queue. The compute worker starts the copy
+as soon as the ticket arrives, while it still computes the previous unit.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+
+from .errors import PipelineError
+from .store import HostStore, StoreSpec
+from .tickets import FetchTicket, fetch_order
+
+
+class Prefetcher:
+    """Plain class; made a Ray actor at spawn."""
+
+    def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float):
+        self.store = HostStore(spec)
+        self.units = self.store.layout.units
+        self.order = fetch_order(spec.model.num_hidden_layers, spec.model.tie_word_embeddings)
+        self.depth = buffer_depth
+        self.fetch_q, self.release_q = fetch_q, release_q
+        self.timeout_s = timeout_s
+        self.version_wait_s = 0.0
+
+    def run(self, start_step: int, end_step: int) -> dict:
+        """Issue every fetch ticket of steps [start_step, end_step); returns wait statistics."""
+        free = collections.deque(range(self.depth))
+        issued = 0
+        for step in range(start_step, end_step):
+            for unit in self.order:
+                if not free:
+                    free.append(self._get(self.release_q, "a free device slot"))
+                self._wait_version(unit, step)
+                self.fetch_q.put(FetchTicket(unit, step, free.popleft()), timeout=self.timeout_s)
+                issued += 1
+        return {"issued": issued, "version_wait_s": self.version_wait_s}
+
+    def _get(self, q, what: str):
+        try:
+            return q.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise PipelineError(f"the prefetcher waited {self.timeout_s:.0f} s for {what}: "
+                                "the compute worker is stalled.") from None
+
+    def _wait_version(self, unit: int, step: int) -> None:
+        """Block until ``unit`` has received exactly ``step`` updates (polls shared memory)."""
+        start = time.perf_counter()
+        pause = 1e-4
+        while self.store.version(unit) != step:
+            if self.store.version(unit) > step:
+                raise PipelineError(f"{self.units[unit]} is at version {self.store.version(unit)}, "
+                                    f"past step {step}: two pipelines share one store.")
+            if time.perf_counter() - start > self.timeout_s:
+                raise PipelineError(f"the prefetcher waited {self.timeout_s:.0f} s for the step-{step - 1} "
+                                    f"update of {self.units[unit]}: the gradient sink is stalled.")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        self.version_wait_s += time.perf_counter() - start

@@ -1,0 +1,88 @@
+"""The gradient sink: AdamW on the CPU, one unit at a time, as gradients arrive.
+
+One loop over the run: for every step, take :class:`~megatrain_ray.tickets.GradTicket` s from the
+grad queue (each names a unit whose fp32 gradient is complete in its host grad block) and add the
+block's squared norm to the step's total. Without clipping each unit is updated the moment its
+gradient arrives. With clipping the factor needs the global norm, so the updates run once the last
+gradient (the embedding's) is in, in the order the next step's forward needs them — embedding,
+layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating.
+After a unit's update its stream copy is refreshed and only then its version bumped, which is what
+lets the prefetcher stream it for the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+
+import torch
+
+from .config import OptimConfig
+from .errors import PipelineError
+from .optim import adamw_unit, clip_coefficient, lr_at
+from .store import HostStore, StoreSpec
+from .tickets import GradTicket, update_order
+
+
+class GradientSink:
+    """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
+
+    def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
+                 timeout_s: float, num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.store = HostStore(spec)
+        self.layout = self.store.layout
+        self.optim = optim
+        self.total_steps = total_steps
+        self.grad_q, self.stats_q = grad_q, stats_q
+        self.timeout_s = timeout_s
+        self.order = update_order(spec.model.num_hidden_layers)
+
+    def run(self, start_step: int, end_step: int) -> dict:
+        """Apply the updates of steps [start_step, end_step); returns time spent updating."""
+        busy = 0.0
+        for step in range(start_step, end_step):
+            lr = lr_at(self.optim, step, self.total_steps)
+            clip = self.optim.max_grad_norm > 0
+            pending = set(range(len(self.layout.units)))
+            sq_norm = 0.0
+            while pending:
+                ticket = self._get()
+                if ticket.step != step or ticket.unit not in pending:
+                    raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
+                                        f"{ticket.step} while collecting step {step}.")
+                pending.discard(ticket.unit)
+                t0 = time.perf_counter()
+                sq_norm += float(torch.linalg.vector_norm(self.store.block("grad", ticket.unit))) ** 2
+                if not clip:
+                    self._update(ticket.unit, step, lr, 1.0)
+                busy += time.perf_counter() - t0
+            norm = math.sqrt(sq_norm)
+            if not math.isfinite(norm):
+                raise PipelineError(f"the gradient norm of step {step} is {norm}; training diverged, "
+                                    "lower optim.lr or check the data.")
+            t0 = time.perf_counter()
+            if clip:
+                coef = clip_coefficient(norm, self.optim.max_grad_norm)
+                for unit in self.order:
+                    self._update(unit, step, lr, coef)
+            busy += time.perf_counter() - t0
+            self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr}, timeout=self.timeout_s)
+        return {"update_s": busy}
+
+    def _get(self) -> GradTicket:
+        try:
+            return self.grad_q.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for a gradient: "
+                                "the compute worker is stalled.") from None
+
+    def _update(self, unit: int, step: int, lr: float, coef: float) -> None:
+        s = self.store
+        adamw_unit(s.block("master", unit), s.block("grad", unit), s.block("exp_avg", unit),
+                   s.block("exp_avg_sq", unit), self.layout.templates[unit].decay_numel,
+                   step + 1, lr, self.optim, grad_scale=coef)
+        s.refresh_stream(unit)
+        s.set_version(unit, step + 1)

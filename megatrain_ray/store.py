@@ -1,0 +1,221 @@
+"""The host parameter/optimizer store: flat per-kind arrays in shared memory, one block per unit.
+
+Kinds (each one segment, each unit a page-aligned block at the same element offset in all):
+
+- ``master``      master weights (precision policy: fp32, or bf16)
+- ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
+- ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32
+- ``grad``        the step's accumulated gradient, fp32, written by the compute worker
+- ``versions``    int64 per unit: how many optimizer updates the unit has received
+
+:class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
+it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
+them as a Hugging Face safetensors checkpoint, and removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import shm
+from .config import ModelConfig
+from .errors import ConfigError
+from .layout import StoreLayout
+from .model import hf_name
+from .precision import Precision
+
+WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Everything an actor needs to map the store (small and picklable)."""
+
+    model: ModelConfig
+    precision: Precision
+    shm_dir: str
+    owner_pid: int
+    run_id: str
+
+    def path(self, kind: str) -> str:
+        return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
+
+    def dtype(self, kind: str) -> torch.dtype:
+        if kind == "master":
+            return self.precision.master
+        if kind == "stream":
+            return self.precision.compute
+        return torch.float32
+
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(k for k in WEIGHT_KINDS if k != "stream" or self.precision.separate_stream_copy)
+
+    def nbytes(self) -> int:
+        """Bytes of shared memory the store takes."""
+        layout = StoreLayout.build(self.model)
+        return sum(layout.total * self.dtype(k).itemsize for k in self.kinds()) + 8 * len(layout.units)
+
+
+class HostStore:
+    """A mapping of the store's segments in this process; views are zero-copy and writable."""
+
+    def __init__(self, spec: StoreSpec, create: bool = False):
+        self.spec = spec
+        self.layout = StoreLayout.build(spec.model)
+        open_ = shm.create if create else shm.attach
+        self.arrays = {k: open_(spec.path(k), self.layout.total, spec.dtype(k)) for k in spec.kinds()}
+        self.versions = open_(spec.path("versions"), len(self.layout.units), torch.int64)
+
+    def block(self, kind: str, i: int) -> torch.Tensor:
+        """Unit i's flat block [numel] of one kind; ``stream`` falls back to ``master``."""
+        if kind == "stream" and "stream" not in self.arrays:
+            kind = "master"
+        return self.layout.block(self.arrays[kind], i)
+
+    def params(self, kind: str, i: int) -> dict[str, torch.Tensor]:
+        return self.layout.templates[i].bind(self.block(kind, i))
+
+    def version(self, i: int) -> int:
+        return int(self.versions[i])
+
+    def set_version(self, i: int, value: int) -> None:
+        self.versions[i] = value
+
+    def refresh_stream(self, i: int) -> None:
+        """Copy unit i's master weights into its compute-dtype stream copy (if there is one)."""
+        if "stream" in self.arrays:
+            self.block("stream", i).copy_(self.block("master", i))
+
+
+class ParameterStore:
+    """Owner of the shared-memory store (plain class; made a Ray actor at spawn)."""
+
+    def __init__(self, spec: StoreSpec, seed: int, init_from: str | None = None):
+        self.spec = spec
+        self.store = HostStore(spec, create=True)
+        try:
+            if init_from is None:
+                self._init_random(seed)
+            else:
+                self._load_hf(init_from)
+        except BaseException:
+            self.close()
+            raise
+
+    def ready(self) -> int:
+        """Bytes of shared memory held (called to wait for initialisation)."""
+        return self.spec.nbytes()
+
+    def _init_random(self, seed: int) -> None:
+        """Normal(0, initializer_range) matrices, unit norms, zero biases; deterministic per unit."""
+        std = self.spec.model.initializer_range
+        for i in range(len(self.store.layout.units)):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            for name, p in self.store.params("master", i).items():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                elif name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
+            self.store.refresh_stream(i)
+
+    def _load_hf(self, directory: str) -> None:
+        """Copy an HF checkpoint into the master blocks, one tensor at a time via safetensors mmap."""
+        from safetensors import safe_open
+
+        index = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ConfigError(f"runtime.init_from {directory!r} holds no model.safetensors "
+                              "or model.safetensors.index.json.")
+        wanted = {}
+        for i, unit in enumerate(self.store.layout.units):
+            for name, _, _ in self.store.layout.templates[i].params:
+                wanted[hf_name(unit, name)] = (i, name)
+        missing = sorted(k for k in wanted if k not in weight_map)
+        if missing:
+            raise ConfigError(f"runtime.init_from {directory!r} lacks tensors the model needs: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}.")
+        by_file: dict[str, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(weight_map[key], []).append(key)
+        for filename, keys in sorted(by_file.items()):
+            with safe_open(os.path.join(directory, filename), framework="pt") as f:
+                for key in keys:
+                    i, name = wanted[key]
+                    dst = self.store.params("master", i)[name]
+                    src = f.get_tensor(key)
+                    if tuple(src.shape) != tuple(dst.shape):
+                        raise ConfigError(f"tensor {key} in {directory!r} has shape {tuple(src.shape)}, "
+                                          f"but the config.json implies {tuple(dst.shape)}.")
+                    dst.copy_(src)
+        for i in range(len(self.store.layout.units)):
+            self.store.refresh_stream(i)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights as HF-named tensors (copies; for small models and tests)."""
+        out = {}
+        for i, unit in enumerate(self.store.layout.units):
+            for name, p in self.store.params("master", i).items():
+                out[hf_name(unit, name)] = p.clone()
+        return out
+
+    def save_hf(self, directory: str, shard_bytes: int = 2 * 2**30) -> list[str]:
+        """Write the master weights as a sharded HF safetensors checkpoint plus config.json.
+
+        Shards are written to temporary names and renamed, then the index; at most one shard of
+        tensors is copied out of shared memory at a time.
+        """
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        groups: list[list[int]] = [[]]
+        size = 0
+        for i, t in enumerate(self.store.layout.templates):
+            nbytes = t.param_count * self.spec.precision.master.itemsize
+            if groups[-1] and size + nbytes > shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += nbytes
+        weight_map, files = {}, []
+        for g, units in enumerate(groups):
+            filename = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {}
+            for i in units:
+                for name, p in self.store.params("master", i).items():
+                    tensors[hf_name(self.store.layout.units[i], name)] = p.clone()
+            tmp = os.path.join(directory, filename + ".tmp")
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            os.replace(tmp, os.path.join(directory, filename))
+            weight_map.update({k: filename for k in tensors})
+            files.append(filename)
+        total = sum(t.param_count for t in self.store.layout.templates) * self.spec.precision.master.itemsize
+        _write_json(os.path.join(directory, "model.safetensors.index.json"),
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+        hf_config = self.spec.model.to_hf_dict()
+        hf_config["torch_dtype"] = str(self.spec.precision.master).removeprefix("torch.")
+        _write_json(os.path.join(directory, "config.json"), hf_config)
+        return files
+
+    def close(self) -> list[str]:
+        """Remove this run's segments (idempotent)."""
+        return shm.remove_run(self.spec.shm_dir, self.spec.owner_pid, self.spec.run_id)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)

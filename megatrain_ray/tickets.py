@@ -1,0 +1,42 @@
+"""Control messages of the pipeline and the order in which units are fetched.
+
+Queues between actors carry only these small tickets, never tensors: the bytes they refer to live
+in the host store's shared memory (grad blocks) or in the compute worker's device slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FetchTicket:
+    """Prefetcher -> compute: stream ``unit``'s weights at version ``step`` into device slot ``slot``."""
+
+    unit: int
+    step: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class GradTicket:
+    """Compute -> sink: ``unit``'s gradient for ``step`` is complete in its host grad block."""
+
+    unit: int
+    step: int
+
+
+def fetch_order(num_layers: int, tied: bool) -> list[int]:
+    """Unit indices in the order one step fetches them (embed=0, layers 1..L, head=L+1).
+
+    Layer-major: embedding, layers forward, head (with the embedding again when tied), layers
+    backward. Every decoder layer appears exactly twice, whatever the number of micro-batches.
+    """
+    layers = list(range(1, num_layers + 1))
+    head = num_layers + 1
+    return [0, *layers, head, *([0] if tied else []), *reversed(layers)]
+
+
+def update_order(num_layers: int) -> list[int]:
+    """Units in the order the next step's forward needs them: embed, layers 0.., head."""
+    return list(range(num_layers + 2))
