@@ -302,6 +302,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if base is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key} must be a number, got {value!r}.")
     if base is str:
         if isinstance(value, str):
