@@ -82,14 +82,15 @@ class ComputeWorker:
             self._arrived.put((ticket, handle))
 
     def _outbox_loop(self) -> None:
-        """Send slot releases and gradient tickets, the latter once the host copy is complete."""
+        """Send slot releases, and gradient tickets once the gradient's host copy is complete."""
         while not self._stop.is_set() or not self._outbox.empty():
             try:
-                handle, target, item = self._outbox.get(timeout=0.2)
+                target, item = self._outbox.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if handle is not None:
-                handle.done()
+            if isinstance(item, tuple):  # (unit, step, handle) of a gradient
+                unit, step, handle = item
+                item = GradTicket(unit, step, handle.result())
             target.put(item, timeout=self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
@@ -117,12 +118,14 @@ class ComputeWorker:
 
     def _release(self, ticket: FetchTicket) -> None:
         self.backend.release(ticket.slot)
-        self._outbox.put((None, self.release_q, ticket.slot))
+        self._outbox.put((self.release_q, ticket.slot))
 
     def _send_grad(self, unit: int, step: int, grad: torch.Tensor) -> None:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink."""
-        handle = self.backend.store(grad, self.store.block("grad", unit))
-        self._outbox.put((handle, self.grad_q, GradTicket(unit, step)))
+        sq_norm = torch.dot(grad, grad)
+        host = self.store.block("grad", unit)
+        handle = self.backend.store(grad.to(host.dtype), host, sq_norm)
+        self._outbox.put((self.grad_q, (unit, step, handle)))
 
     # -- one step ----------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ A backend owns the device weight slots and the two copy directions:
 - ``load(slot, host_block)``: start copying a unit's streamed weights into a slot; returns a
   handle that ``wait`` turns into "the compute may read the slot now";
 - ``release(slot)``: the compute is done reading the slot (a later load may overwrite it);
-- ``store(dev, host_block)``: start copying a device tensor (a gradient) to the host; returns a
-  handle whose ``done()`` blocks until the host bytes are complete.
+- ``store(dev, host_block, scalar)``: start copying a device tensor (a gradient) to the host,
+  with a device scalar (its squared norm); returns a handle whose ``result()`` blocks until the
+  host bytes are complete and returns the scalar as a float.
 
 :class:`CpuBackend` does plain synchronous copies. :class:`CudaBackend` registers the host store's
 shared memory as pinned memory once (``cudaHostRegister``) and runs H2D and D2H on their own
@@ -40,9 +41,9 @@ class CpuBackend:
     def release(self, slot: int) -> None:
         pass
 
-    def store(self, dev: torch.Tensor, host: torch.Tensor) -> "_Done":
+    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor) -> "_Done":
         host.copy_(dev)
-        return _Done()
+        return _Done(float(scalar))
 
     def synchronize(self) -> None:
         pass
@@ -52,8 +53,11 @@ class CpuBackend:
 
 
 class _Done:
-    def done(self) -> None:
-        pass
+    def __init__(self, value: float):
+        self.value = value
+
+    def result(self) -> float:
+        return self.value
 
 
 class CudaBackend:
@@ -97,16 +101,19 @@ class CudaBackend:
         free.record(torch.cuda.current_stream(self.device))
         self._slot_free[slot] = free
 
-    def store(self, dev: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event:
+    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor) -> "_EventDone":
         computed = torch.cuda.Event()
         computed.record(torch.cuda.current_stream(self.device))
+        value = torch.empty((), dtype=scalar.dtype, pin_memory=True)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(computed)
             host.copy_(dev, non_blocking=True)
+            value.copy_(scalar, non_blocking=True)
             dev.record_stream(self.d2h)
+            scalar.record_stream(self.d2h)
             done = torch.cuda.Event()
             done.record(self.d2h)
-        return _EventDone(done)
+        return _EventDone(done, value)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -119,11 +126,12 @@ class CudaBackend:
 
 
 class _EventDone:
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
+    def __init__(self, event: torch.cuda.Event, value: torch.Tensor):
+        self.event, self.value = event, value
 
-    def done(self) -> None:
+    def result(self) -> float:
         self.event.synchronize()
+        return float(self.value)
 
 
 def make_backend(device: str, num_slots: int, slot_numel: int, dtype: torch.dtype):

@@ -31,24 +31,38 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def adamw_unit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               decay_numel: int, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0) -> None:
-    """One AdamW step on one unit, in place.
+CHUNK = 1 << 22
+"""Elements per piece of a unit's update (16 MiB of fp32): small enough that the upcast gradient,
+the update and the refreshed stream copy of a piece stay in cache, large enough for all threads."""
 
-    param: [n] master weights (fp32, or bf16: updated through an fp32 temporary);
-    grad, exp_avg, exp_avg_sq: [n] fp32; the first ``decay_numel`` elements get weight decay.
-    ``step`` is the 1-based AdamW step count; ``grad_scale`` is the clipping factor.
+
+def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
+               grad_scale: float = 1.0) -> None:
+    """One AdamW step on one unit, in place, piece by piece.
+
+    master: [n] fp32 or bf16 (bf16 is updated through an fp32 temporary and rounded back);
+    grad: [n] in any float dtype, scaled by ``grad_scale`` (the clipping factor) as it is upcast;
+    it may alias ``stream``, since each piece's gradient is read before its stream copy is
+    rewritten; exp_avg, exp_avg_sq: [n] fp32; stream: [n] compute-dtype copy to refresh, or None.
+    The first ``decay_numel`` elements get weight decay. ``step`` is the 1-based AdamW step.
     """
-    if grad_scale != 1.0:
-        grad.mul_(grad_scale)
-    work = param if param.dtype == torch.float32 else param.float()
-    regions = ((slice(0, decay_numel), cfg.weight_decay), (slice(decay_numel, param.numel()), 0.0))
-    for region, weight_decay in regions:
-        if region.stop <= region.start:
-            continue
-        torch._fused_adamw_(
-            [work[region]], [grad[region]], [exp_avg[region]], [exp_avg_sq[region]], [],
-            [torch.tensor(float(step))], lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-            weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
-    if work is not param:
-        param.copy_(work)
+    step_t = torch.tensor(float(step))
+    g_buf = torch.empty(min(CHUNK, master.numel()), dtype=torch.float32)
+    p_buf = g_buf.new_empty(g_buf.shape) if master.dtype != torch.float32 else None
+    for lo, hi, weight_decay in ((0, decay_numel, cfg.weight_decay), (decay_numel, master.numel(), 0.0)):
+        for a in range(lo, hi, CHUNK):
+            b = min(hi, a + CHUNK)
+            # An fp32 gradient is scaled in place: its block is scratch once read (even when it
+            # aliases the stream copy, which is rewritten only after this piece's update).
+            g = grad[a:b] if grad.dtype == torch.float32 else g_buf[:b - a].copy_(grad[a:b])
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            p = master[a:b] if p_buf is None else p_buf[:b - a].copy_(master[a:b])
+            torch._fused_adamw_(
+                [p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step_t], lr=lr, beta1=cfg.beta1,
+                beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
+            if p_buf is not None:
+                master[a:b].copy_(p)
+            if stream is not None:
+                stream[a:b].copy_(p)

@@ -8,12 +8,14 @@
   (``runtime.compute_dtype`` overrides). When it differs from the master dtype the store keeps a
   second, compute-dtype copy of every unit (the *stream* copy) that the sink refreshes after each
   update, so the link carries compute-dtype bytes; when equal, the master block is streamed.
-- **Gradients** are accumulated over micro-batches in float32 on the device and handed to the
-  sink as float32.
+- **Gradients** are accumulated over micro-batches in float32 on the device; their squared norm
+  is taken there in float32, and they cross the link and wait for the update in the compute dtype
+  (in the unit's stream block when there is one). The update upcasts them to float32 chunk by chunk.
 - **Loss**: logits are upcast to float32 before the softmax; RMSNorm normalises in float32.
 
-Host bytes per parameter: 4 (fp32 master) + 8 (AdamW) + 4 (fp32 gradient) + 2 (bf16 stream copy)
-with fp32 master and bf16 compute; 2 + 8 + 4 with bf16 master and bf16 compute.
+Host bytes per parameter: 4 (fp32 master) + 8 (AdamW) + 2 (bf16 stream copy, which also holds the
+gradient) = 14 with fp32 master and bf16 compute; 2 + 8 + 2 (bf16 gradient) = 12 with bf16 master;
+4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ class Precision:
     master: torch.dtype
     compute: torch.dtype
     optim_state: torch.dtype = torch.float32
-    grad: torch.dtype = torch.float32
 
     @property
     def separate_stream_copy(self) -> bool:

@@ -1,8 +1,8 @@
 """The gradient sink: AdamW on the CPU, one unit at a time, as gradients arrive.
 
 One loop over the run: for every step, take :class:`~megatrain_ray.tickets.GradTicket` s from the
-grad queue (each names a unit whose fp32 gradient is complete in its host grad block) and add the
-block's squared norm to the step's total. Without clipping each unit is updated the moment its
+grad queue (each names a unit whose gradient is complete in its host grad block, and carries its
+squared norm, taken on the device) and add them up. Without clipping each unit is updated the moment its
 gradient arrives. With clipping the factor needs the global norm, so the updates run once the last
 gradient (the embedding's) is in, in the order the next step's forward needs them — embedding,
 layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating.
@@ -54,11 +54,11 @@ class GradientSink:
                     raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
                                         f"{ticket.step} while collecting step {step}.")
                 pending.discard(ticket.unit)
-                t0 = time.perf_counter()
-                sq_norm += float(torch.linalg.vector_norm(self.store.block("grad", ticket.unit))) ** 2
+                sq_norm += ticket.sq_norm
                 if not clip:
+                    t0 = time.perf_counter()
                     self._update(ticket.unit, step, lr, 1.0)
-                busy += time.perf_counter() - t0
+                    busy += time.perf_counter() - t0
             norm = math.sqrt(sq_norm)
             if not math.isfinite(norm):
                 raise PipelineError(f"the gradient norm of step {step} is {norm}; training diverged, "
@@ -81,8 +81,8 @@ class GradientSink:
 
     def _update(self, unit: int, step: int, lr: float, coef: float) -> None:
         s = self.store
+        stream = s.block("stream", unit) if s.separate_stream_copy else None
         adamw_unit(s.block("master", unit), s.block("grad", unit), s.block("exp_avg", unit),
-                   s.block("exp_avg_sq", unit), self.layout.templates[unit].decay_numel,
+                   s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
                    step + 1, lr, self.optim, grad_scale=coef)
-        s.refresh_stream(unit)
         s.set_version(unit, step + 1)

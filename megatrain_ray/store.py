@@ -5,7 +5,10 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 - ``master``      master weights (precision policy: fp32, or bf16)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
 - ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32
-- ``grad``        the step's accumulated gradient, fp32, written by the compute worker
+- ``grad``        the step's gradient in the compute dtype, written by the compute worker; only
+                  when there is no stream copy. Otherwise the gradient is written into the unit's
+                  stream block, which is dead from the unit's last fetch of step t until the sink
+                  refreshes it after the step-t update (the prefetcher never streams it between).
 - ``versions``    int64 per unit: how many optimizer updates the unit has received
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
@@ -47,12 +50,13 @@ class StoreSpec:
     def dtype(self, kind: str) -> torch.dtype:
         if kind == "master":
             return self.precision.master
-        if kind == "stream":
+        if kind in ("stream", "grad"):
             return self.precision.compute
         return torch.float32
 
     def kinds(self) -> tuple[str, ...]:
-        return tuple(k for k in WEIGHT_KINDS if k != "stream" or self.precision.separate_stream_copy)
+        separate = self.precision.separate_stream_copy
+        return tuple(k for k in WEIGHT_KINDS if k != ("grad" if separate else "stream"))
 
     def nbytes(self) -> int:
         """Bytes of shared memory the store takes."""
@@ -71,9 +75,15 @@ class HostStore:
         self.versions = open_(spec.path("versions"), len(self.layout.units), torch.int64)
 
     def block(self, kind: str, i: int) -> torch.Tensor:
-        """Unit i's flat block [numel] of one kind; ``stream`` falls back to ``master``."""
+        """Unit i's flat block [numel] of one kind.
+
+        ``stream`` is the master block when there is no separate stream copy, and ``grad`` is the
+        stream block when there is one (see the module docstring).
+        """
         if kind == "stream" and "stream" not in self.arrays:
             kind = "master"
+        elif kind == "grad" and "grad" not in self.arrays:
+            kind = "stream"
         return self.layout.block(self.arrays[kind], i)
 
     def params(self, kind: str, i: int) -> dict[str, torch.Tensor]:
@@ -85,9 +95,13 @@ class HostStore:
     def set_version(self, i: int, value: int) -> None:
         self.versions[i] = value
 
+    @property
+    def separate_stream_copy(self) -> bool:
+        return "stream" in self.arrays
+
     def refresh_stream(self, i: int) -> None:
         """Copy unit i's master weights into its compute-dtype stream copy (if there is one)."""
-        if "stream" in self.arrays:
+        if self.separate_stream_copy:
             self.block("stream", i).copy_(self.block("master", i))
 
 

@@ -24,6 +24,8 @@ class GradTicket:
 
     unit: int
     step: int
+    sq_norm: float
+    """Squared L2 norm of the gradient, taken on the device in fp32."""
 
 
 def fetch_order(num_layers: int, tied: bool) -> list[int]:

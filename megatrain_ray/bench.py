@@ -1,0 +1,185 @@
+"""Benchmark: the streamed pipeline against a GPU-resident PyTorch baseline, side by side in one run.
+
+    python -m megatrain_ray.bench --preset 1b --tokens 65536 --steps 6 --out bench.json
+
+Reports steady-state seconds per step, tokens/s and model TFLOPS (6·N·T per step) for
+megatrain_ray, and for the same model trained plainly on the GPU (fp32 parameters, bf16 autocast,
+per-layer recompute, fused AdamW on the GPU) where it fits, plus a bf16 GEMM measured in the same
+run. ``--check`` first compares the CUDA bf16 path's losses with the CPU fp32 path on a small model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from .config import ModelConfig, load_config
+from .layout import StoreLayout
+
+PRESETS = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6),
+    "7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6),
+}
+
+
+def model_params(preset: str) -> int:
+    return StoreLayout.build(ModelConfig(**PRESETS[preset], max_position_embeddings=32768)).num_params
+
+
+def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: int, data: str,
+            extra: list[str]) -> object:
+    model = [f"model.{k}={v}" for k, v in PRESETS[preset].items()]
+    mbs = tokens // (seq_len * micro_batches)
+    return load_config(None, model + [
+        "model.max_position_embeddings=32768", f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}",
+        f"train.num_micro_batches={micro_batches}", f"train.steps={steps}", f"data.path={data}",
+        "optim.lr=1e-4", "optim.warmup_steps=0", *extra])
+
+
+def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def run_pipeline(cfg) -> dict:
+    from .pipeline import train
+
+    rows = []
+    result = train(cfg, log=lambda line: rows.append(line))
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    step_s = statistics.median(m["compute_s"] for m in metrics[1:]) if len(metrics) > 1 else metrics[0]["compute_s"]
+    return {"losses": result.losses, "step_s": step_s, "fetches": result.fetches[-1],
+            "tokens": metrics[-1]["tokens"]}
+
+
+def run_resident(cfg, steps: int) -> dict:
+    """The same model trained GPU-resident: fp32 params, bf16 autocast, per-layer recompute, fused AdamW."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .data import source_from_config
+    from .model import decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
+
+    mc = cfg.model
+    layout = StoreLayout.build(mc)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    units = []
+    for t in layout.templates:
+        p = {}
+        for name, shape, _ in t.params:
+            if len(shape) >= 2:
+                p[name] = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
+            else:
+                p[name] = torch.nn.Parameter(torch.ones(shape, device="cuda") if "norm" in name
+                                             else torch.zeros(shape, device="cuda"))
+        units.append(p)
+    params = [p for u in units for p in u.values()]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    source = source_from_config(cfg)
+    seq = cfg.train.seq_len
+    rope = rope_cache(mc, seq, torch.device("cuda"), torch.bfloat16)
+    times = []
+    for step in range(steps):
+        batch = source.batch(step)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ids_all = torch.tensor(batch["input_ids"], device="cuda")
+        labels_all = torch.tensor(batch["labels"], device="cuda")
+        n_tok = labels_all.numel()
+        for m in range(ids_all.shape[0]):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                x = embed(units[0], ids_all[m]).to(torch.bfloat16)
+                for u in units[1:-1]:
+                    x = checkpoint(decoder_layer, u, x, rope, mc, use_reentrant=False)
+                h = final_norm(units[-1], x, mc).reshape(-1, mc.hidden_size)
+                w = lm_head_weight(units[-1], units[0])
+                loss = token_loss_sum(h, w, labels_all[m].reshape(-1)) / n_tok
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--buffer-depth", type=int, default=3)
+    ap.add_argument("--master-dtype", default="float32")
+    ap.add_argument("--baseline", action="store_true", help="also train GPU-resident (must fit the GPU)")
+    ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    report: dict = {"preset": args.preset, "params": model_params(args.preset), "tokens_per_step": args.tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = PRESETS[args.preset]["vocab_size"]
+        data = os.path.join(tmp, "tokens.npy")
+        np.save(data, np.random.default_rng(0).integers(0, vocab, size=4_000_000))
+        if args.check:
+            small = os.path.join(tmp, "small.npy")
+            np.save(small, np.random.default_rng(0).integers(0, PRESETS["tiny"]["vocab_size"], size=200_000))
+            losses = {}
+            for dev, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+                cfg = _config("tiny", 4096, 256, 2, 4, small, [f"runtime.device={dev}",
+                                                                f"runtime.compute_dtype={dtype}",
+                                                                f"runtime.run_dir={tmp}/runs"])
+                losses[dev] = run_pipeline(cfg)["losses"]
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses["cuda"], losses["cpu"]))
+            report["check"] = {"cpu_fp32_losses": losses["cpu"], "cuda_bf16_losses": losses["cuda"],
+                               "max_rel_diff": rel, "ok": rel < 2e-2}
+            print(f"check: CUDA bf16 vs CPU fp32 losses, max relative difference {rel:.2e}", flush=True)
+        if torch.cuda.is_available():
+            report["gemm_tflops"] = gemm_tflops()
+        cfg = _config(args.preset, args.tokens, args.seq_len, args.micro_batches, args.steps, data,
+                      [f"runtime.buffer_depth={args.buffer_depth}", f"runtime.master_dtype={args.master_dtype}",
+                       f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192"])
+        ours = run_pipeline(cfg)
+        flops = 6 * report["params"] * ours["tokens"]
+        report["megatrain_ray"] = {**ours, "tokens_per_s": ours["tokens"] / ours["step_s"],
+                                   "model_tflops": flops / ours["step_s"] / 1e12}
+        if args.baseline:
+            base = run_resident(cfg, args.steps)
+            report["gpu_resident"] = {**base, "model_tflops": flops / base["step_s"] / 1e12}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(f"\n{'system':<16}{'s/step':>9}{'tok/s':>11}{'TFLOPS':>9}")
+    for name in ("megatrain_ray", "gpu_resident"):
+        if name in report:
+            r = report[name]
+            print(f"{name:<16}{r['step_s']:>9.3f}{ours['tokens'] / r['step_s']:>11,.0f}{r['model_tflops']:>9.1f}")
+    if "gemm_tflops" in report:
+        print(f"bf16 GEMM {report['gemm_tflops']:.0f} TFLOP/s; params {report['params'] / 1e9:.2f} B")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
