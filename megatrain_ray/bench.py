@@ -63,16 +63,62 @@ def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def run_pipeline(cfg) -> dict:
+def summarize(rows: list[dict]) -> dict:
+    """Steady-state numbers from per-step rows (the first step, which warms up, is left out)."""
+    steady = rows[1:] if len(rows) > 2 else rows
+    starts = [r["start"] for r in rows]
+    periods = [b - a for a, b in zip(starts, starts[1:])][1:] or [rows[-1]["step_s"]]
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    step_s = statistics.median(periods)
+    out = {"step_s": step_s, "losses": [r["loss"] for r in rows], "fetches": rows[-1]["fetches"],
+           "tokens": rows[-1]["tokens"], "device_peak_gib": max(r["device_peak_bytes"] for r in rows) / 2**30}
+    for lane in ("compute", "h2d", "d2h", "update"):
+        out[f"{lane}_busy_frac"] = med(f"{lane}_busy_s") / step_s
+    out["h2d_gbps"] = med("h2d_bytes") / max(med("h2d_busy_s"), 1e-9) / 1e9
+    out["d2h_gbps"] = med("d2h_bytes") / max(med("d2h_busy_s"), 1e-9) / 1e9
+    return out
+
+
+def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
+    """Train through the Ray actor pipeline; returns the summary and the last step's timeline."""
     from .pipeline import train
 
-    rows = []
-    result = train(cfg, log=lambda line: rows.append(line))
+    result = train(cfg, log=lambda line: None)
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
-    step_s = statistics.median(m["compute_s"] for m in metrics[1:]) if len(metrics) > 1 else metrics[0]["compute_s"]
-    return {"losses": result.losses, "step_s": step_s, "fetches": result.fetches[-1],
-            "tokens": metrics[-1]["tokens"]}
+        rows = [json.loads(line) for line in f]
+    for r in rows:
+        r["device_peak_bytes"] = r.get("device_peak_bytes", 0)
+    return summarize(rows), result.timeline
+
+
+def run_single_process(cfg) -> dict:
+    from .local import train_local
+
+    rows = train_local(cfg, torch.cuda.device_count())
+    for r in rows:
+        r["update_busy_s"] = r.get("update_busy_s", 0.0)
+    return summarize(rows)
+
+
+def plot_timeline(spans: list[tuple], path: str) -> None:
+    """One PNG row per lane (h2d, compute, d2h, adamw) of one step's spans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = ["h2d", "compute", "d2h", "adamw"]
+    t0 = min(s[2] for s in spans)
+    fig, ax = plt.subplots(figsize=(14, 3.2))
+    colors = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange", "adamw": "tab:red"}
+    for lane, label, start, end, _ in spans:
+        y = lanes.index(lane)
+        ax.broken_barh([(start - t0, end - start)], (y - 0.4, 0.8), color=colors[lane], alpha=0.8)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds")
+    ax.set_title("megatrain_ray: one training step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def run_resident(cfg, steps: int) -> dict:
@@ -134,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--buffer-depth", type=int, default=3)
     ap.add_argument("--master-dtype", default="float32")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--baseline", action="store_true", help="also train GPU-resident (must fit the GPU)")
+    ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=".", help="directory for bench-<preset>.json and the timeline PNG")
     args = ap.parse_args(argv)
-    report: dict = {"preset": args.preset, "params": model_params(args.preset), "tokens_per_step": args.tokens}
+    os.makedirs(args.out, exist_ok=True)
+    report: dict = {"preset": args.preset, "params": model_params(args.preset), "tokens_per_step": args.tokens,
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         vocab = PRESETS[args.preset]["vocab_size"]
         data = os.path.join(tmp, "tokens.npy")
@@ -151,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = _config("tiny", 4096, 256, 2, 4, small, [f"runtime.device={dev}",
                                                                 f"runtime.compute_dtype={dtype}",
                                                                 f"runtime.run_dir={tmp}/runs"])
-                losses[dev] = run_pipeline(cfg)["losses"]
+                losses[dev] = run_pipeline(cfg)[0]["losses"]
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses["cuda"], losses["cpu"]))
             report["check"] = {"cpu_fp32_losses": losses["cpu"], "cuda_bf16_losses": losses["cuda"],
                                "max_rel_diff": rel, "ok": rel < 2e-2}
@@ -160,24 +210,36 @@ def main(argv: list[str] | None = None) -> int:
             report["gemm_tflops"] = gemm_tflops()
         cfg = _config(args.preset, args.tokens, args.seq_len, args.micro_batches, args.steps, data,
                       [f"runtime.buffer_depth={args.buffer_depth}", f"runtime.master_dtype={args.master_dtype}",
-                       f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192"])
-        ours = run_pipeline(cfg)
-        flops = 6 * report["params"] * ours["tokens"]
-        report["megatrain_ray"] = {**ours, "tokens_per_s": ours["tokens"] / ours["step_s"],
-                                   "model_tflops": flops / ours["step_s"] / 1e12}
+                       f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192",
+                       f"optim.max_grad_norm={args.max_grad_norm}"])
+        flops = 6 * report["params"] * args.tokens
+        systems = {}
+        systems["megatrain_ray"], timeline = run_pipeline(cfg)
+        try:
+            plot_timeline(timeline, os.path.join(args.out, f"timeline-{args.preset}.png"))
+        except ImportError:
+            print("matplotlib is not installed: no timeline PNG")
+        if args.single_process:
+            systems["single_process"] = run_single_process(cfg)
         if args.baseline:
-            base = run_resident(cfg, args.steps)
-            report["gpu_resident"] = {**base, "model_tflops": flops / base["step_s"] / 1e12}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    print(f"\n{'system':<16}{'s/step':>9}{'tok/s':>11}{'TFLOPS':>9}")
-    for name in ("megatrain_ray", "gpu_resident"):
-        if name in report:
-            r = report[name]
-            print(f"{name:<16}{r['step_s']:>9.3f}{ours['tokens'] / r['step_s']:>11,.0f}{r['model_tflops']:>9.1f}")
+            systems["gpu_resident"] = run_resident(cfg, args.steps)
+        for r in systems.values():
+            r["tokens_per_s"] = args.tokens / r["step_s"]
+            r["model_tflops"] = flops / r["step_s"] / 1e12
+        report["systems"] = systems
+    with open(os.path.join(args.out, f"bench-{args.preset}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    ours = systems["megatrain_ray"]
+    print(f"\n{args.preset}: {report['params'] / 1e9:.2f} B params, {args.tokens} tokens/step, {report['device']}")
+    print(f"{'system':<16}{'s/step':>8}{'tok/s':>9}{'TFLOPS':>8}{'vs ours':>8}{'GPU GiB':>9}")
+    for name, r in systems.items():
+        print(f"{name:<16}{r['step_s']:>8.3f}{r['tokens_per_s']:>9,.0f}{r['model_tflops']:>8.1f}"
+              f"{ours['step_s'] / r['step_s']:>8.2f}{r.get('device_peak_gib', r.get('peak_gpu_gib', 0)):>9.1f}")
+    print("ours, share of the step: " + ", ".join(
+        f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update"))
+        + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
     if "gemm_tflops" in report:
-        print(f"bf16 GEMM {report['gemm_tflops']:.0f} TFLOP/s; params {report['params'] / 1e9:.2f} B")
+        print(f"bf16 GEMM measured in this run: {report['gemm_tflops']:.0f} TFLOP/s")
     return 0
 
 

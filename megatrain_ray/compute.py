@@ -78,7 +78,8 @@ class ComputeWorker:
                 ticket: FetchTicket = self.fetch_q.get(timeout=0.2)
             except queue.Empty:
                 continue
-            handle = self.backend.load(ticket.slot, self.store.block("stream", ticket.unit))
+            handle = self.backend.load(ticket.slot, self.store.block("stream", ticket.unit),
+                                       self.layout.units[ticket.unit])
             self._arrived.put((ticket, handle))
 
     def _outbox_loop(self) -> None:
@@ -124,16 +125,21 @@ class ComputeWorker:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink."""
         sq_norm = torch.dot(grad, grad)
         host = self.store.block("grad", unit)
-        handle = self.backend.store(grad.to(host.dtype), host, sq_norm)
+        handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
         self._outbox.put((self.grad_q, (unit, step, handle)))
 
     # -- one step ----------------------------------------------------------------------------
 
     def run_step(self, step: int, batch: dict[str, Any]) -> dict[str, Any]:
-        """batch: input_ids, labels: [M, B, S] int. Returns loss, token count, fetch counts, time."""
+        """batch: input_ids, labels: [M, B, S] int.
+
+        Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
+        seconds and bytes per lane (h2d, compute, d2h) and the spans themselves.
+        """
         if self._error is not None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
-        start = time.perf_counter()
+        self.backend.begin_step()
+        start = time.time()
         self.fetches.clear()
         dev = self.backend.device
         ids = torch.tensor(batch["input_ids"], dtype=torch.long).to(dev)
@@ -146,12 +152,14 @@ class ComputeWorker:
 
         with torch.no_grad():
             ticket, flat = self._take(0, step)
-            ckpt = [[embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]]
+            with self.backend.compute("embed"):
+                ckpt = [[embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]]
             self._release(ticket)
             for i in range(1, n_layers + 1):
                 ticket, flat = self._take(i, step)
-                p = templates[i].bind(flat)
-                ckpt.append([decoder_layer(p, x, rope, self.cfg) for x in ckpt[-1]])
+                with self.backend.compute(self.layout.units[i]):
+                    p = templates[i].bind(flat)
+                    ckpt.append([decoder_layer(p, x, rope, self.cfg) for x in ckpt[-1]])
                 self._release(ticket)
 
         embed_grad = torch.zeros(templates[0].numel, dtype=torch.float32, device=dev)
@@ -159,26 +167,33 @@ class ComputeWorker:
 
         for i in range(n_layers, 0, -1):
             ticket, flat = self._take(i, step)
-            w = flat.detach().requires_grad_(True)
-            p = templates[i].bind(w)
-            grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
-            inputs = ckpt.pop()
-            for m in range(num_mb):
-                x = inputs[m].detach().requires_grad_(True)
-                with torch.enable_grad():
-                    y = decoder_layer(p, x, rope, self.cfg)
-                gw, dx[m] = torch.autograd.grad(y, (w, x), dx[m])
-                grad += gw
+            with self.backend.compute(self.layout.units[i] + " bwd"):
+                w = flat.detach().requires_grad_(True)
+                p = templates[i].bind(w)
+                grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
+                inputs = ckpt.pop()
+                for m in range(num_mb):
+                    x = inputs[m].detach().requires_grad_(True)
+                    with torch.enable_grad():
+                        y = decoder_layer(p, x, rope, self.cfg)
+                    gw, dx[m] = torch.autograd.grad(y, (w, x), dx[m])
+                    grad += gw
             self._release(ticket)
             self._send_grad(i, step, grad)
 
-        table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
-        for m in range(num_mb):
-            table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
+        with self.backend.compute("embed bwd"):
+            table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
+            for m in range(num_mb):
+                table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
         self._send_grad(0, step, embed_grad)
-        self.backend.synchronize()
-        return {"step": step, "loss": float(loss), "tokens": n_tokens, "fetches": dict(self.fetches),
-                "compute_s": time.perf_counter() - start}
+        loss = float(loss)
+        spans = self.backend.end_step()
+        busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
+                for lane in ("h2d", "compute", "d2h")}
+        moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
+        return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
+                "start": start, "step_s": time.time() - start, **busy, **moved, "spans": spans,
+                "device_peak_bytes": self.backend.peak_bytes()}
 
     def _head(self, step: int, hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int,
               embed_grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -190,14 +205,26 @@ class ComputeWorker:
         """
         unit = self.cfg.num_hidden_layers + 1
         tied = self.cfg.tie_word_embeddings
-        templates = self.layout.templates
         ticket, flat = self._take(unit, step)
-        wh = flat.detach().requires_grad_(True)
+        wh, we = flat.detach().requires_grad_(True), None
         tickets = [ticket]
         if tied:
             ticket_e, flat_e = self._take(0, step)
             tickets.append(ticket_e)
             we = flat_e.detach().requires_grad_(True)
+        with self.backend.compute("head"):
+            loss, dxs, head_grad = self._head_compute(wh, we, hidden, labels, n_tokens, embed_grad)
+        for t in tickets:
+            self._release(t)
+        self._send_grad(unit, step, head_grad)
+        return loss, dxs
+
+    def _head_compute(self, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
+                      labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor):
+        """wh: head unit [numel], we: embedding unit [numel] when tied; see :meth:`_head`."""
+        unit = self.cfg.num_hidden_layers + 1
+        tied = we is not None
+        templates = self.layout.templates
         head_grad = torch.zeros(templates[unit].numel, dtype=torch.float32, device=wh.device)
         w_leaf, w_grad = (we, embed_grad) if tied else (wh, head_grad)
         loss = torch.zeros((), dtype=torch.float32, device=wh.device)
@@ -220,10 +247,7 @@ class ComputeWorker:
             dx, gwh = torch.autograd.grad(hn, (x, wh), dh.view_as(hn))
             head_grad += gwh
             dxs.append(dx)
-        for t in tickets:
-            self._release(t)
-        self._send_grad(unit, step, head_grad)
-        return loss, dxs
+        return loss, dxs, head_grad
 
     def close(self) -> None:
         self._stop.set()

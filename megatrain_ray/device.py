@@ -7,7 +7,10 @@ A backend owns the device weight slots and the two copy directions:
 - ``release(slot)``: the compute is done reading the slot (a later load may overwrite it);
 - ``store(dev, host_block, scalar)``: start copying a device tensor (a gradient) to the host,
   with a device scalar (its squared norm); returns a handle whose ``result()`` blocks until the
-  host bytes are complete and returns the scalar as a float.
+  host bytes are complete and returns the scalar as a float;
+- ``compute(label)``: a context around one unit's compute;
+- ``begin_step()`` / ``end_step()``: the step's timeline, as (lane, label, start, end) spans in
+  wall-clock seconds, for lanes ``h2d``, ``compute`` and ``d2h``.
 
 :class:`CpuBackend` does plain synchronous copies. :class:`CudaBackend` registers the host store's
 shared memory as pinned memory once (``cudaHostRegister``) and runs H2D and D2H on their own
@@ -17,7 +20,28 @@ steady state except where a gradient must be complete before its ticket is sent.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import torch
+
+
+class _Spans:
+    """Thread-safe list of (lane, label, start, end) records of the current step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple] = []
+
+    def add(self, *item) -> None:
+        with self._lock:
+            self._items.append(item)
+
+    def take(self) -> list[tuple]:
+        with self._lock:
+            items, self._items = self._items, []
+        return items
 
 
 class CpuBackend:
@@ -28,12 +52,15 @@ class CpuBackend:
     def __init__(self, num_slots: int, slot_numel: int, dtype: torch.dtype):
         self.device = torch.device("cpu")
         self.slots = [torch.empty(slot_numel, dtype=dtype) for _ in range(num_slots)]
+        self._spans = _Spans()
 
     def register_host(self, tensor: torch.Tensor) -> None:
         """Nothing to pin on the CPU."""
 
-    def load(self, slot: int, host: torch.Tensor) -> None:
+    def load(self, slot: int, host: torch.Tensor, label: str = "") -> None:
+        t0 = time.time()
         self.slots[slot][:host.numel()].copy_(host)
+        self._spans.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
 
     def wait(self, handle: None) -> None:
         pass
@@ -41,9 +68,26 @@ class CpuBackend:
     def release(self, slot: int) -> None:
         pass
 
-    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor) -> "_Done":
+    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_Done":
+        t0 = time.time()
         host.copy_(dev)
+        self._spans.add("d2h", label, t0, time.time(), host.numel() * host.element_size())
         return _Done(float(scalar))
+
+    @contextlib.contextmanager
+    def compute(self, label: str):
+        t0 = time.time()
+        yield
+        self._spans.add("compute", label, t0, time.time(), 0)
+
+    def begin_step(self) -> None:
+        self._spans.take()
+
+    def peak_bytes(self) -> int:
+        return 0
+
+    def end_step(self) -> list[tuple]:
+        return self._spans.take()
 
     def synchronize(self) -> None:
         pass
@@ -73,6 +117,14 @@ class CudaBackend:
         self.d2h = torch.cuda.Stream(self.device)
         self._slot_free = [None] * num_slots
         self._registered: list[int] = []
+        self._spans = _Spans()
+        self._origin = (time.time(), self._event())
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def register_host(self, tensor: torch.Tensor) -> None:
         """Pin a shared-memory mapping once so copies from/to it run at full link speed."""
@@ -84,36 +136,55 @@ class CudaBackend:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
         self._registered.append(ptr)
 
-    def load(self, slot: int, host: torch.Tensor) -> torch.cuda.Event:
+    def load(self, slot: int, host: torch.Tensor, label: str = "") -> torch.cuda.Event:
         with torch.cuda.stream(self.h2d):
             if self._slot_free[slot] is not None:
                 self.h2d.wait_event(self._slot_free[slot])
+            start = self._event()
             self.slots[slot][:host.numel()].copy_(host, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.h2d)
+            ready = self._event()
+        self._spans.add("h2d", label, start, ready, host.numel() * host.element_size())
         return ready
 
     def wait(self, handle: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(handle)
 
     def release(self, slot: int) -> None:
-        free = torch.cuda.Event()
-        free.record(torch.cuda.current_stream(self.device))
-        self._slot_free[slot] = free
+        self._slot_free[slot] = self._event()
 
-    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor) -> "_EventDone":
-        computed = torch.cuda.Event()
-        computed.record(torch.cuda.current_stream(self.device))
+    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_EventDone":
+        computed = self._event()
         value = torch.empty((), dtype=scalar.dtype, pin_memory=True)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(computed)
+            start = self._event()
             host.copy_(dev, non_blocking=True)
             value.copy_(scalar, non_blocking=True)
             dev.record_stream(self.d2h)
             scalar.record_stream(self.d2h)
-            done = torch.cuda.Event()
-            done.record(self.d2h)
+            done = self._event()
+        self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
         return _EventDone(done, value)
+
+    @contextlib.contextmanager
+    def compute(self, label: str):
+        start = self._event()
+        yield
+        self._spans.add("compute", label, start, self._event(), 0)
+
+    def begin_step(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def end_step(self) -> list[tuple]:
+        """Wait for the device, then turn the step's event pairs into wall-clock spans."""
+        spans = self._spans.take()
+        self.synchronize()
+        wall0, ev0 = self._origin
+        return [(lane, label, wall0 + ev0.elapsed_time(a) / 1e3, wall0 + ev0.elapsed_time(b) / 1e3, nbytes)
+                for lane, label, a, b, nbytes in spans]
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

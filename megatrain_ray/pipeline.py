@@ -54,6 +54,8 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     fetches: list[dict[str, int]] = field(default_factory=list)
     tokens_per_s: float = 0.0
+    timeline: list[tuple] = field(default_factory=list)
+    """(lane, label, start, end, bytes) spans of the last step: h2d, compute, d2h and adamw."""
 
 
 def connect_ray(cfg: TrainConfig) -> None:
@@ -179,7 +181,7 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles) -> Non
     roles.queues = [fetch_q, release_q, grad_q, stats_q]
     roles.stats_q = stats_q
 
-    store = remote(ParameterStore, "store", 0, num_cpus=0.25).remote(spec, cfg.train.seed, rt.init_from)
+    store = remote(ParameterStore, "store", 0, num_cpus=0.25).remote(spec, cfg.train.seed, rt.init_from, cpu)
     roles.actors["store"] = store
     _get(store.ready.remote(), "store", rt.actor_timeout_s)
     roles.actors["prefetch"] = remote(Prefetcher, "prefetch", 1, num_cpus=0.25).remote(
@@ -266,10 +268,12 @@ def _drain(q: Queue) -> list[dict]:
 def _log_step(out, stats, steps, tokens, start, result, metrics, log, cfg) -> None:
     step = out["step"]
     result.grad_norms.append(stats["grad_norm"])
+    result.timeline = out["spans"] + stats["spans"]
     elapsed = time.perf_counter() - start
     row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-           "tokens": out["tokens"], "compute_s": out["compute_s"], "fetches": out["fetches"],
-           "elapsed_s": elapsed}
+           "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
+           "elapsed_s": elapsed, "update_busy_s": stats["update_busy_s"],
+           **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))}}
     metrics.write(json.dumps(row) + "\n")
     metrics.flush()
     if step % cfg.train.log_every == 0 or step == steps - 1:

@@ -39,11 +39,15 @@ class GradientSink:
         self.grad_q, self.stats_q = grad_q, stats_q
         self.timeout_s = timeout_s
         self.order = update_order(spec.model.num_hidden_layers)
+        self.spans: list[tuple] = []
 
-    def run(self, start_step: int, end_step: int) -> dict:
-        """Apply the updates of steps [start_step, end_step); returns time spent updating."""
-        busy = 0.0
+    def run(self, start_step: int, end_step: int) -> int:
+        """Apply the updates of steps [start_step, end_step); returns the number of steps done.
+
+        After each step, puts {step, grad_norm, lr, update_busy_s, spans} on the stats queue.
+        """
         for step in range(start_step, end_step):
+            self.spans = []
             lr = lr_at(self.optim, step, self.total_steps)
             clip = self.optim.max_grad_norm > 0
             pending = set(range(len(self.layout.units)))
@@ -56,21 +60,19 @@ class GradientSink:
                 pending.discard(ticket.unit)
                 sq_norm += ticket.sq_norm
                 if not clip:
-                    t0 = time.perf_counter()
                     self._update(ticket.unit, step, lr, 1.0)
-                    busy += time.perf_counter() - t0
             norm = math.sqrt(sq_norm)
             if not math.isfinite(norm):
                 raise PipelineError(f"the gradient norm of step {step} is {norm}; training diverged, "
                                     "lower optim.lr or check the data.")
-            t0 = time.perf_counter()
             if clip:
                 coef = clip_coefficient(norm, self.optim.max_grad_norm)
                 for unit in self.order:
                     self._update(unit, step, lr, coef)
-            busy += time.perf_counter() - t0
-            self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr}, timeout=self.timeout_s)
-        return {"update_s": busy}
+            self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,
+                              "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
+                              "spans": self.spans}, timeout=self.timeout_s)
+        return end_step - start_step
 
     def _get(self) -> GradTicket:
         try:
@@ -81,8 +83,10 @@ class GradientSink:
 
     def _update(self, unit: int, step: int, lr: float, coef: float) -> None:
         s = self.store
+        start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
         adamw_unit(s.block("master", unit), s.block("grad", unit), s.block("exp_avg", unit),
                    s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
                    step + 1, lr, self.optim, grad_scale=coef)
         s.set_version(unit, step + 1)
+        self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))

@@ -108,7 +108,10 @@ class HostStore:
 class ParameterStore:
     """Owner of the shared-memory store (plain class; made a Ray actor at spawn)."""
 
-    def __init__(self, spec: StoreSpec, seed: int, init_from: str | None = None):
+    def __init__(self, spec: StoreSpec, seed: int, init_from: str | None = None,
+                 num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.spec = spec
         self.store = HostStore(spec, create=True)
         try:

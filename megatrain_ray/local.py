@@ -1,0 +1,70 @@
+"""A single-process driver of the same engine, without Ray: the plain actor classes run as threads.
+
+Used by the benchmark to measure what Ray orchestration costs (same store, same prefetcher,
+compute worker and sink code; ``queue.Queue`` instead of Ray queues; method calls instead of
+actor calls). Segments are removed on every exit path, as in :func:`megatrain_ray.pipeline.train`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import uuid
+
+from . import shm
+from .compute import ComputeWorker
+from .config import TrainConfig
+from .data import source_from_config
+from .precision import resolve_device, resolve_precision
+from .prefetch import Prefetcher
+from .sink import GradientSink
+from .store import ParameterStore, StoreSpec
+
+
+def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
+    """Run cfg.train.steps steps in this process; returns one row per step (compute output + sink stats)."""
+    rt, steps = cfg.runtime, cfg.train.steps
+    device = resolve_device(rt, gpus_available)
+    spec = StoreSpec(cfg.model, resolve_precision(rt, device), rt.shm_dir, os.getpid(),
+                     "local-" + uuid.uuid4().hex[:6])
+    source = source_from_config(cfg)
+    fetch_q, release_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth)
+    grad_q, stats_q = queue.Queue(), queue.Queue()
+    compute = None
+    errors: list[BaseException] = []
+
+    def loop(fn, *args):
+        try:
+            fn(*args)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    try:
+        ParameterStore(spec, cfg.train.seed, rt.init_from)  # creates and fills the segments
+        prefetcher = Prefetcher(spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
+        compute = ComputeWorker(spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
+                                rt.actor_timeout_s)
+        sink = GradientSink(spec, cfg.optim, steps, grad_q, stats_q, rt.actor_timeout_s)
+        threads = [threading.Thread(target=loop, args=(prefetcher.run, 0, steps), daemon=True),
+                   threading.Thread(target=loop, args=(sink.run, 0, steps), daemon=True)]
+        for t in threads:
+            t.start()
+        rows = []
+        for step in range(steps):
+            if errors:
+                raise errors[0]
+            rows.append(compute.run_step(step, source.batch(step)))
+        for row in rows:
+            stats = stats_q.get(timeout=rt.actor_timeout_s)
+            row["spans"] = row["spans"] + stats.pop("spans")
+            row.update(stats)
+        for t in threads:
+            t.join(timeout=rt.actor_timeout_s)
+        if errors:
+            raise errors[0]
+        return rows
+    finally:
+        if compute is not None:
+            compute.close()
+        shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
