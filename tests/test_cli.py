@@ -1,0 +1,118 @@
+"""The ``megatrain-ray`` command line, run as a real subprocess.
+
+User errors: exit status 2, one ``error:`` line on stderr, no traceback, nothing written.
+The default run (no arguments at all): starts its own local Ray, trains the tiny preset and its
+loss falls.
+"""
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from megatrain_ray.config import TrainSection
+
+STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss ([0-9.]+) \|")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    return env
+
+
+def _cli(args, cwd, timeout):
+    return subprocess.run([sys.executable, "-m", "megatrain_ray.cli", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,named", [
+    (["train", "--set", "optim.lr=0"], "optim.lr"),
+    (["train", "--config", "missing.yaml"], "missing.yaml"),
+    (["train", "--set", "foo.bar=1"], "foo"),
+    (["train", "--set", "optim.lrr=0.1"], "optim.lrr"),
+    (["train", "--set", "optim.lr"], "optim.lr"),
+])
+def test_user_error_exits_2_with_one_error_line(tmp_path, args, named):
+    proc = _cli(args, tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    assert named in lines[0]
+    assert proc.stdout == ""
+    # Failed before any work: no run directory, nothing at all written in the working directory.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_malformed_yaml_exits_2(tmp_path):
+    (tmp_path / "bad.yaml").write_text("optim: {lr: [1, 2\n")
+    proc = _cli(["train", "--config", "bad.yaml"], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "not valid YAML" in lines[0] and "bad.yaml" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_no_command_is_a_usage_error(tmp_path):
+    proc = _cli([], tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "usage:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_default_run_trains_and_the_loss_falls(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train"], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+
+    # Progress lines: every step 1..M, in order, with the default step count.
+    steps, losses = [], []
+    for line in out.splitlines():
+        m = STEP_LINE.match(line)
+        if m:
+            steps.append(int(m.group(1)))
+            assert int(m.group(2)) == TrainSection().steps
+            losses.append(float(m.group(3)))
+    total = TrainSection().steps
+    assert steps == list(range(1, total + 1)), out[-2000:]
+    assert all(0 < x < 20 for x in losses)
+    # The loss falls clearly: a byte-level model starts near ln(260) = 5.56 nats.
+    assert losses[0] > 4.5
+    assert losses[-1] <= losses[0] - 0.5, (losses[0], losses[-1])
+    assert statistics.mean(losses[-5:]) < statistics.mean(losses[:5]) - 1.0, losses
+    assert re.search(r"^done: \d+ steps, final loss [0-9.]+", out, re.M)
+
+    # The run directory: config, one metrics row per step, final HF checkpoint.
+    run_dirs = list((tmp_path / "runs").iterdir())
+    assert len(run_dirs) == 1
+    run_dir = run_dirs[0]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(total))
+    assert [round(r["loss"], 4) for r in rows] == pytest.approx(losses, abs=1e-4)
+    assert all(r["grad_norm"] > 0 and r["lr"] > 0 and r["tokens"] > 0 for r in rows)
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["train"]["steps"] == total
+    final = run_dir / "final"
+    assert (final / "config.json").is_file()
+    assert (final / "model.safetensors.index.json").is_file()
+    assert list(final.glob("*.safetensors"))
+
+    # The run removed its shared-memory segments from the default runtime.shm_dir.
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"megatrain-{proc.pid}-")] \
+        if os.path.isdir("/dev/shm") else []
+    assert leftovers == []
