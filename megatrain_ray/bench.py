@@ -72,8 +72,9 @@ def summarize(rows: list[dict]) -> dict:
     step_s = statistics.median(periods)
     out = {"step_s": step_s, "losses": [r["loss"] for r in rows], "fetches": rows[-1]["fetches"],
            "tokens": rows[-1]["tokens"], "device_peak_gib": max(r["device_peak_bytes"] for r in rows) / 2**30}
-    for lane in ("compute", "h2d", "d2h", "update"):
+    for lane in ("compute", "h2d", "d2h", "update", "wait"):
         out[f"{lane}_busy_frac"] = med(f"{lane}_busy_s") / step_s
+    out["outside_run_step_s"] = step_s - med("step_s")
     out["h2d_gbps"] = med("h2d_bytes") / max(med("h2d_busy_s"), 1e-9) / 1e9
     out["d2h_gbps"] = med("d2h_bytes") / max(med("d2h_busy_s"), 1e-9) / 1e9
     return out
@@ -88,7 +89,9 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
         rows = [json.loads(line) for line in f]
     for r in rows:
         r["device_peak_bytes"] = r.get("device_peak_bytes", 0)
-    return summarize(rows), result.timeline
+    summary = summarize(rows)
+    summary["rows"] = rows
+    return summary, result.timeline
 
 
 def run_single_process(cfg) -> dict:
@@ -107,16 +110,17 @@ def plot_timeline(spans: list[tuple], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lanes = ["h2d", "compute", "d2h", "adamw"]
+    lanes = ["wait", "h2d", "compute", "d2h", "adamw"]
     t0 = min(s[2] for s in spans)
     fig, ax = plt.subplots(figsize=(14, 3.2))
-    colors = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange", "adamw": "tab:red"}
+    colors = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange", "adamw": "tab:red",
+              "wait": "tab:gray"}
     for lane, label, start, end, _ in spans:
         y = lanes.index(lane)
         ax.broken_barh([(start - t0, end - start)], (y - 0.4, 0.8), color=colors[lane], alpha=0.8)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("seconds")
-    ax.set_title("megatrain_ray: one training step")
+    ax.set_title("megatrain_ray: the last two training steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -171,6 +175,108 @@ def run_resident(cfg, steps: int) -> dict:
     return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def layer_probe(cfg, micro_batches: int) -> dict:
+    """One decoder layer at the run's shape, on the GPU: ms for the forward and the recompute +
+    backward of all micro-batches, through a flat weight buffer as the compute worker does and
+    through separate tensors, with attention's GQA native (enable_gqa) or by repeating K/V."""
+    import torch.nn.functional as F
+
+    from . import model as M
+    from .layout import LayerTemplate
+
+    mc = cfg.model
+    t = LayerTemplate.build(mc, "layers.0")
+    flat = (torch.randn(t.numel, device="cuda") * 0.02).to(torch.bfloat16)
+    mb = cfg.train.micro_batch_size
+    xs = [torch.randn(mb, cfg.train.seq_len, mc.hidden_size, device="cuda", dtype=torch.bfloat16)
+          for _ in range(micro_batches)]
+    rope = M.rope_cache(mc, cfg.train.seq_len, torch.device("cuda"), torch.bfloat16)
+
+    def timed(fn, reps=3):
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / reps
+
+    def fwd():
+        with torch.no_grad():
+            for x in xs:
+                M.decoder_layer(t.bind(flat), x, rope, mc)
+
+    def bwd_flat():
+        w = flat.detach().requires_grad_(True)
+        p = t.bind(w)
+        for x in xs:
+            x = x.detach().requires_grad_(True)
+            y = M.decoder_layer(p, x, rope, mc)
+            torch.autograd.grad(y, (w, x), torch.ones_like(y))
+
+    sep = {k: v.detach().clone().requires_grad_(True) for k, v in t.bind(flat).items()}
+
+    def bwd_sep():
+        for x in xs:
+            x = x.detach().requires_grad_(True)
+            y = M.decoder_layer(sep, x, rope, mc)
+            torch.autograd.grad(y, (*sep.values(), x), torch.ones_like(y))
+
+    out = {"fwd_ms": timed(fwd), "bwd_flat_ms": timed(bwd_flat), "bwd_separate_ms": timed(bwd_sep)}
+    sdpa = F.scaled_dot_product_attention
+    groups = mc.num_attention_heads // mc.num_key_value_heads
+
+    def repeated(q, k, v, is_causal, enable_gqa):
+        return sdpa(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=is_causal)
+
+    F.scaled_dot_product_attention = repeated
+    try:
+        out["fwd_repeat_kv_ms"] = timed(fwd)
+        out["bwd_flat_repeat_kv_ms"] = timed(bwd_flat)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    flops = 2 * t.param_count * cfg.train.seq_len * mb * micro_batches
+    out["fwd_gemm_floor_ms"] = flops / 790e12 * 1e3
+    out["bwd_gemm_floor_ms"] = 3 * flops / 790e12 * 1e3
+    return out
+
+
+def adamw_probe(numel: int, threads: int) -> dict:
+    """CPU rates (G params/s) of torch's fused AdamW alone and of our per-unit update."""
+    from .config import OptimConfig
+    from .optim import adamw_unit
+
+    torch.set_num_threads(threads)
+    p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    g16 = torch.randn(numel).to(torch.bfloat16)
+    g32, stream = g16.float(), torch.empty(numel, dtype=torch.bfloat16)
+    step = torch.tensor(1.0)
+
+    def rate(fn):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return numel / (time.perf_counter() - t0) / 1e9
+
+    from . import optim
+
+    chunks = {}
+    for bits in (18, 20, 22):
+        optim.CHUNK, saved = 1 << bits, optim.CHUNK
+        chunks[f"unit_update_chunk{bits}_gps"] = rate(lambda: adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4,
+                                                                         OptimConfig(), grad_scale=0.5))
+        optim.CHUNK = saved
+    return {**chunks, "fused_fp32_gps": rate(lambda: torch._fused_adamw_([p], [g32], [m], [v], [], [step], lr=1e-4,
+                                                               beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
+                                                               amsgrad=False, maximize=False)),
+            "unit_update_gps": rate(lambda: adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4, OptimConfig(),
+                                                       grad_scale=0.5)),
+            "memcpy_gbps": 2 * numel * 4 / 1e9 / (lambda t0: (p.copy_(m), time.perf_counter() - t0)[1])(
+                time.perf_counter())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
@@ -184,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="store_true", help="also train GPU-resident (must fit the GPU)")
     ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
+    ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
     ap.add_argument("--out", default=".", help="directory for bench-<preset>.json and the timeline PNG")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -213,8 +320,21 @@ def main(argv: list[str] | None = None) -> int:
                        f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192",
                        f"optim.max_grad_norm={args.max_grad_norm}"])
         flops = 6 * report["params"] * args.tokens
+        if args.probe:
+            report["layer_probe"] = layer_probe(cfg, args.micro_batches)
+            layer_numel = StoreLayout.build(cfg.model).templates[1].numel
+            report["adamw_probe"] = adamw_probe(layer_numel, os.cpu_count() or 1)
+            print("probe:", json.dumps({k: {a: round(b, 2) for a, b in v.items()}
+                                        for k, v in report.items() if k.endswith("_probe")}), flush=True)
         systems = {}
         systems["megatrain_ray"], timeline = run_pipeline(cfg)
+        rows = systems["megatrain_ray"].pop("rows")
+        report["rows"] = rows
+        print("step  start(s)  run_step(s)  waiting(s)  compute(s)  adamw(s)")
+        for r in rows:
+            print(f"{r['step']:>4}{r['start'] - rows[0]['start']:>10.3f}{r['step_s']:>13.3f}"
+                  f"{r.get('wait_busy_s', 0):>12.3f}{r['compute_busy_s']:>12.3f}{r['update_busy_s']:>10.3f}")
+        report["timeline"] = timeline
         try:
             plot_timeline(timeline, os.path.join(args.out, f"timeline-{args.preset}.png"))
         except ImportError:
@@ -236,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<16}{r['step_s']:>8.3f}{r['tokens_per_s']:>9,.0f}{r['model_tflops']:>8.1f}"
               f"{ours['step_s'] / r['step_s']:>8.2f}{r.get('device_peak_gib', r.get('peak_gpu_gib', 0)):>9.1f}")
     print("ours, share of the step: " + ", ".join(
-        f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update"))
+        f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update", "wait"))
+        + f"; {ours['outside_run_step_s']:.3f} s/step outside run_step"
         + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
     if "gemm_tflops" in report:
         print(f"bf16 GEMM measured in this run: {report['gemm_tflops']:.0f} TFLOP/s")

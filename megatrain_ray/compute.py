@@ -12,9 +12,10 @@ and the slot is released as soon as the unit is done. One step, as one loop:
    accumulating the weight gradient in fp32; each layer's gradient goes out as soon as it is done;
 5. embedding gradient (scatter of the input gradients, plus the head's when tied) goes out.
 
-Two helper threads keep Python off the critical path: the *loader* takes fetch tickets as they
-come and starts each copy into its slot, and the *outbox* waits for each gradient's copy to the
-host store to complete before sending its ticket to the sink (and sends slot releases).
+Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
+fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
+back to the prefetcher, and the *grad sender* waits for each gradient's copy to the host store to
+complete before sending its ticket to the sink.
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ class ComputeWorker:
         self.timeout_s = timeout_s
         self.fetch_q, self.grad_q, self.release_q = fetch_q, grad_q, release_q
         self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
-        self.backend.register_host(self.store.arrays.get("stream", self.store.arrays["master"]))
-        self.backend.register_host(self.store.arrays["grad"])
+        for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
+            if kind in self.store.arrays:
+                self.backend.register_host(self.store.arrays[kind])
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
+        self._releases: queue.Queue = queue.Queue()
+        self._grads: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n)
-                         for f, n in ((self._load_loop, "loader"), (self._outbox_loop, "outbox"))]
+        self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in (
+            (self._load_loop, "loader"), (self._release_loop, "releaser"), (self._grad_loop, "grad-sender"))]
         for t in self._threads:
             t.start()
 
@@ -82,24 +85,32 @@ class ComputeWorker:
                                        self.layout.units[ticket.unit])
             self._arrived.put((ticket, handle))
 
-    def _outbox_loop(self) -> None:
-        """Send slot releases, and gradient tickets once the gradient's host copy is complete."""
-        while not self._stop.is_set() or not self._outbox.empty():
+    def _drain(self, inbox: queue.Queue):
+        """Items of an outgoing local queue until stopped and empty."""
+        while not self._stop.is_set() or not inbox.empty():
             try:
-                target, item = self._outbox.get(timeout=0.2)
+                yield inbox.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if isinstance(item, tuple):  # (unit, step, handle) of a gradient
-                unit, step, handle = item
-                item = GradTicket(unit, step, handle.result())
-            target.put(item, timeout=self.timeout_s)
+
+    def _release_loop(self) -> None:
+        """Hand freed slot ids back to the prefetcher, as soon as the compute has queued its last use."""
+        for slot in self._drain(self._releases):
+            self.release_q.put(slot, timeout=self.timeout_s)
+
+    def _grad_loop(self) -> None:
+        """Send each gradient's ticket once its copy to the host store is complete."""
+        for unit, step, handle in self._drain(self._grads):
+            self.grad_q.put(GradTicket(unit, step, handle.result()), timeout=self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
 
     def _take(self, unit: int, step: int) -> tuple[FetchTicket, torch.Tensor]:
         """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot."""
+        waited = time.time()
         try:
             item = self._arrived.get(timeout=self.timeout_s)
+            self.backend.note("wait", self.layout.units[unit], waited, time.time())
         except queue.Empty:
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the weights of "
                                 f"{self.layout.units[unit]}: the prefetcher or the gradient sink is stalled; "
@@ -119,14 +130,14 @@ class ComputeWorker:
 
     def _release(self, ticket: FetchTicket) -> None:
         self.backend.release(ticket.slot)
-        self._outbox.put((self.release_q, ticket.slot))
+        self._releases.put(ticket.slot)
 
     def _send_grad(self, unit: int, step: int, grad: torch.Tensor) -> None:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink."""
         sq_norm = torch.dot(grad, grad)
         host = self.store.block("grad", unit)
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
-        self._outbox.put((self.grad_q, (unit, step, handle)))
+        self._grads.put((unit, step, handle))
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -189,7 +200,7 @@ class ComputeWorker:
         loss = float(loss)
         spans = self.backend.end_step()
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
-                for lane in ("h2d", "compute", "d2h")}
+                for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
                 "start": start, "step_s": time.time() - start, **busy, **moved, "spans": spans,

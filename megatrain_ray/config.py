@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class ModelConfig:
     """q/k/v projections carry a bias; None means the family default (true for qwen2, else false)."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation of matrices when not loading weights."""
+    sliding_window: int | None = None
+    """Sliding-window attention span (Mistral v0.1); attention here is full causal, so train.seq_len
+    may not exceed it. None: no sliding window."""
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -67,6 +71,11 @@ class ModelConfig:
     def head_size(self) -> int:
         """Per-head width actually used (head_dim, or hidden_size / heads)."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias (HF Llama/Qwen3 with attention_bias)."""
+        return bool(self.attention_bias) and self.model_type in ("llama", "qwen3")
 
     @property
     def qk_norm(self) -> bool:
@@ -82,7 +91,11 @@ class ModelConfig:
         _require(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
                  "model.num_attention_heads",
                  f"must divide model.hidden_size ({self.hidden_size}), got {self.num_attention_heads}")
+        _require(self.head_dim is None or self.head_dim > 0, "model.head_dim",
+                 f"must be positive, got {self.head_dim}")
         _require(self.head_size % 2 == 0, "model.head_dim", f"must be even for RoPE, got {self.head_size}")
+        _require(self.sliding_window is None or self.sliding_window > 0, "model.sliding_window",
+                 f"must be positive, got {self.sliding_window}")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
                  f"must divide model.num_attention_heads ({self.num_attention_heads}), "
                  f"got {self.num_key_value_heads}")
@@ -98,17 +111,24 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} in config.json is not supported; "
                               f"use one of {', '.join(SUPPORTED_MODEL_TYPES)}.")
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias: true in config.json is not supported; only bias-free MLPs are.")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} in config.json is not supported; only silu (SwiGLU) is.")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ConfigError(f"rope_scaling type {rope_type!r} in config.json is not supported yet; "
                               "only the default RoPE is.")
         names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in hf.items() if k in names}
-        kwargs["model_type"] = model_type
+        data = {k: v for k, v in hf.items() if k in names}
+        data["model_type"] = model_type
         if "rope_theta" not in hf and "rope_theta" in rope:
-            kwargs["rope_theta"] = rope["rope_theta"]
-        cfg = cls(**kwargs)
+            data["rope_theta"] = rope["rope_theta"]
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            data["sliding_window"] = None
+        cfg = _section_from_dict(cls, data, "model")
         cfg.validate()
         return cfg
 
@@ -145,6 +165,8 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def validate(self) -> None:
+        for key in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"):
+            _require(math.isfinite(getattr(self, key)), f"optim.{key}", f"must be finite, got {getattr(self, key)}")
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", f"must be within [0, optim.lr], got {self.min_lr}")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -264,6 +286,10 @@ class TrainConfig:
         _require(self.train.seq_len <= self.model.max_position_embeddings, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.max_position_embeddings "
                  f"({self.model.max_position_embeddings})")
+        window = self.model.sliding_window
+        _require(window is None or self.train.seq_len <= window, "train.seq_len",
+                 f"({self.train.seq_len}) exceeds model.sliding_window ({window}); sliding-window attention "
+                 "is not implemented, so shorter sequences are needed")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self
@@ -340,7 +366,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     for name, value in data.items():
         if name not in _SECTIONS:
             raise ConfigError(f"{name} is not a known section; use one of {', '.join(_SECTIONS)}.")
-        kwargs[name] = _section_from_dict(_SECTIONS[name], value or {}, name)
+        kwargs[name] = _section_from_dict(_SECTIONS[name], {} if value is None else value, name)
     return TrainConfig(**kwargs)
 
 
@@ -385,13 +411,22 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
                 data[name] = section
     for text in overrides:
         (section, key), value = parse_override(text)
-        current = data.setdefault(section, {})
+        current = data.get(section)
+        if current is None:
+            current = data[section] = {}
         if not isinstance(current, dict):
             raise ConfigError(f"{section} must be a mapping of keys to values.")
         current[key] = value
     cfg = config_from_dict(data)
     if cfg.runtime.init_from is not None:
         cfg.runtime.validate()
-        with open(os.path.join(cfg.runtime.init_from, "config.json")) as f:
-            cfg.model = ModelConfig.from_hf_dict(json.load(f))
+        path = os.path.join(cfg.runtime.init_from, "config.json")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"runtime.init_from's config.json ({path}) is not readable JSON ({e}).") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"runtime.init_from's config.json ({path}) must hold a JSON object.")
+        cfg.model = ModelConfig.from_hf_dict(hf)
     return cfg.validate()

@@ -80,6 +80,10 @@ class CpuBackend:
         yield
         self._spans.add("compute", label, t0, time.time(), 0)
 
+    def note(self, lane: str, label: str, start: float, end: float) -> None:
+        """Record a host-side span (e.g. the compute thread waiting for weights)."""
+        self._spans.add(lane, label, start, end, 0)
+
     def begin_step(self) -> None:
         self._spans.take()
 
@@ -172,6 +176,10 @@ class CudaBackend:
         yield
         self._spans.add("compute", label, start, self._event(), 0)
 
+    def note(self, lane: str, label: str, start: float, end: float) -> None:
+        """Record a host-side span (e.g. the compute thread waiting for weights)."""
+        self._spans.add(lane, label, start, end, 0)
+
     def begin_step(self) -> None:
         pass
 
@@ -183,8 +191,10 @@ class CudaBackend:
         spans = self._spans.take()
         self.synchronize()
         wall0, ev0 = self._origin
-        return [(lane, label, wall0 + ev0.elapsed_time(a) / 1e3, wall0 + ev0.elapsed_time(b) / 1e3, nbytes)
-                for lane, label, a, b, nbytes in spans]
+
+        def wall(t):
+            return t if isinstance(t, float) else wall0 + ev0.elapsed_time(t) / 1e3
+        return [(lane, label, wall(a), wall(b), nbytes) for lane, label, a, b, nbytes in spans]
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

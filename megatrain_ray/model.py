@@ -53,6 +53,8 @@ def unit_params(cfg: ModelConfig, unit: str) -> list[tuple[str, tuple[int, ...]]
     if cfg.attention_bias:
         params += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)),
                    ("self_attn.v_proj.bias", (kv,))]
+    if cfg.o_proj_bias:
+        params.append(("self_attn.o_proj.bias", (h,)))
     if cfg.qk_norm:
         params += [("self_attn.q_norm.weight", (cfg.head_size,)), ("self_attn.k_norm.weight", (cfg.head_size,))]
     return params
@@ -113,7 +115,7 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                          enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads)
     out = out.transpose(1, 2).reshape(b, s, -1)
-    return F.linear(out, p["self_attn.o_proj.weight"])
+    return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
 
 def mlp(p: Params, x: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-CHUNK = 1 << 22
-"""Elements per piece of a unit's update (16 MiB of fp32): small enough that the upcast gradient,
+CHUNK = 1 << 20
+"""Elements per piece of a unit's update (4 MiB of fp32): small enough that the upcast gradient,
 the update and the refreshed stream copy of a piece stay in cache, large enough for all threads."""
 
 
@@ -55,9 +55,10 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             b = min(hi, a + CHUNK)
             # An fp32 gradient is scaled in place: its block is scratch once read (even when it
             # aliases the stream copy, which is rewritten only after this piece's update).
-            g = grad[a:b] if grad.dtype == torch.float32 else g_buf[:b - a].copy_(grad[a:b])
-            if grad_scale != 1.0:
-                g.mul_(grad_scale)
+            if grad.dtype == torch.float32:
+                g = grad[a:b].mul_(grad_scale) if grad_scale != 1.0 else grad[a:b]
+            else:
+                g = torch.mul(grad[a:b], grad_scale, out=g_buf[:b - a])
             p = master[a:b] if p_buf is None else p_buf[:b - a].copy_(master[a:b])
             torch._fused_adamw_(
                 [p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step_t], lr=lr, beta1=cfg.beta1,

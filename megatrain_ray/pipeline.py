@@ -55,7 +55,9 @@ class RunResult:
     fetches: list[dict[str, int]] = field(default_factory=list)
     tokens_per_s: float = 0.0
     timeline: list[tuple] = field(default_factory=list)
-    """(lane, label, start, end, bytes) spans of the last step: h2d, compute, d2h and adamw."""
+    """(lane, label, start, end, bytes) spans of the last two steps: h2d, compute, d2h, wait
+    (the compute thread blocked on weights) and adamw."""
+    last_spans: list[tuple] = field(default_factory=list, repr=False)
 
 
 def connect_ray(cfg: TrainConfig) -> None:
@@ -106,8 +108,9 @@ def _actor_error(e: BaseException, role: str) -> MegatrainError:
     if isinstance(cause, MegatrainError):
         return type(cause)(str(cause))
     if isinstance(e, ray.exceptions.RayActorError):
-        return PipelineError(f"the {role} actor died; see its log in the Ray dashboard or "
-                             "/tmp/ray/session_latest/logs.")
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return PipelineError(f"the {role} actor died ({lines[-1] if lines else 'no reason given'}); "
+                             "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
     return PipelineError(f"the {role} actor failed: {cause or e}")
 
 
@@ -122,32 +125,30 @@ def _check_shm_space(spec: StoreSpec) -> None:
 
 def train(cfg: TrainConfig, log=print) -> RunResult:
     """Run cfg.train.steps optimizer steps through the actor pipeline; returns losses and paths."""
-    source = source_from_config(cfg)  # fail on bad data before any actor starts
-    del source
-    connect_ray(cfg)
-    device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
-    precision = resolve_precision(cfg.runtime, device)
-    run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id)
-    _check_shm_space(spec)
-    for path in shm.remove_stale(cfg.runtime.shm_dir):
-        log(f"removed a stale shared-memory segment of a dead run: {path}")
-    run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-
-    roles = _Roles()
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+    source_from_config(cfg)  # fail on bad data before any actor starts
+    # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    roles, spec = _Roles(), None
     try:
+        connect_ray(cfg)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
+        precision = resolve_precision(cfg.runtime, device)
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id)
+        _check_shm_space(spec)
+        for path in shm.remove_stale(cfg.runtime.shm_dir):
+            log(f"removed a stale shared-memory segment of a dead run: {path}")
+        run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
         return _run(cfg, spec, device, run_dir, roles, log)
     finally:
         roles.kill()
-        shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
-        if previous in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if spec is not None:
+            shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_interrupt(signum, frame):
@@ -223,10 +224,17 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _R
         return batches.pop(step)
 
     result = RunResult(run_id=spec.run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"))
-    metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as metrics:
+        return _steps(cfg, a, loops, batch_ref, result, metrics, roles, log)
+
+
+def _steps(cfg: TrainConfig, a: dict, loops: dict, batch_ref, result: RunResult, metrics, roles: _Roles,
+           log) -> RunResult:
+    """The driver's loop: keep two steps queued at the compute actor, log each as its stats arrive."""
+    steps = cfg.train.steps
     window = 2  # run_step calls queued at the compute actor, so it never waits on the driver
     submitted = {s: a["compute"].run_step.remote(s, batch_ref(s)) for s in range(min(window, steps))}
-    start, tokens, pending_stats, loop_stats = time.perf_counter(), 0, {}, {}
+    start, tokens, pending_stats = time.perf_counter(), 0, {}
     for step in range(steps):
         ref = submitted.pop(step)
         while True:
@@ -234,8 +242,7 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _R
             if ref in done:
                 break
             for r in done:  # a loop ended early: fine if it finished its work, else its error is raised
-                role = loops.pop(r)
-                loop_stats[role] = _get(r, role, cfg.runtime.actor_timeout_s)
+                _get(r, loops.pop(r), cfg.runtime.actor_timeout_s)
         out = _get(ref, "compute", cfg.runtime.actor_timeout_s)
         nxt = step + window
         if nxt < steps:
@@ -247,10 +254,9 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _R
         for st in _drain(roles.stats_q):
             _log_step(pending_stats.pop(st["step"]), st, steps, tokens, start, result, metrics, log, cfg)
     for r, role in loops.items():
-        loop_stats[role] = _get(r, role, cfg.runtime.actor_timeout_s)
+        _get(r, role, cfg.runtime.actor_timeout_s)
     for st in _drain(roles.stats_q):
         _log_step(pending_stats.pop(st["step"]), st, steps, tokens, start, result, metrics, log, cfg)
-    metrics.close()
     result.tokens_per_s = tokens / (time.perf_counter() - start)
     _get(a["store"].save_hf.remote(result.final_dir), "store", cfg.runtime.actor_timeout_s)
     log(f"done: {steps} steps, final loss {result.losses[-1]:.4f}, {result.tokens_per_s:,.0f} tokens/s; "
@@ -268,7 +274,8 @@ def _drain(q: Queue) -> list[dict]:
 def _log_step(out, stats, steps, tokens, start, result, metrics, log, cfg) -> None:
     step = out["step"]
     result.grad_norms.append(stats["grad_norm"])
-    result.timeline = out["spans"] + stats["spans"]
+    spans = out["spans"] + stats["spans"]
+    result.timeline, result.last_spans = result.last_spans + spans, spans
     elapsed = time.perf_counter() - start
     row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
            "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],

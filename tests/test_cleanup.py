@@ -167,11 +167,6 @@ def test_sigterm_exits_nonzero_and_removes_segments(sigterm_run):
     assert leftovers == []
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="BUG pipeline.py train: connect_ray() (ray.init) installs Ray's own SIGTERM "
-                          "handler (sys.exit) before train checks `previous in (SIG_DFL, None)`, so the "
-                          "package's KeyboardInterrupt handler is never installed; SIGTERM ends the CLI "
-                          "by SystemExit(15) and then SIGABRT (status -6), not with 130 and its message")
 def test_sigterm_exits_like_ctrl_c(sigterm_run):
     status, stderr, _, _ = sigterm_run
     assert status == 130, status

@@ -235,9 +235,6 @@ def test_init_from_config_json_defines_the_model(tmp_path):
     assert cfg.model.attention_bias is False
 
 
-@pytest.mark.xfail(strict=True, raises=json.JSONDecodeError,
-                   reason="BUG config.py load_config: a config.json that is not JSON raises a raw "
-                          "JSONDecodeError instead of a ConfigError (the CLI then prints a traceback)")
 def test_init_from_config_json_that_is_not_json_is_a_config_error(tmp_path):
     model_dir = tmp_path / "broken"
     model_dir.mkdir()
@@ -293,10 +290,6 @@ def test_defaults_are_valid():
     assert cfg.model.num_key_value_heads == cfg.model.num_attention_heads
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="BUG config.py load_config: a YAML section left empty (`optim:` -> null) is "
-                          "accepted alone, but a --set into that section fails with "
-                          "'optim must be a mapping of keys to values'")
 def test_set_into_a_section_left_empty_in_yaml(tmp_path):
     path = _write(tmp_path, "run.yaml", "optim:\ntrain:\n  steps: 5\n")
     assert load_config(path).optim.lr == OptimConfig().lr  # the file alone is accepted
@@ -350,10 +343,6 @@ def test_from_hf_dict_rejects_rope_scaling():
     assert "'linear'" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="BUG config.py ModelConfig.from_hf_dict: documented 'unsupported features are "
-                          "errors', but mlp_bias=True (MLP biases the model does not have) is silently "
-                          "dropped")
 def test_from_hf_dict_rejects_mlp_bias():
     hf = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, mlp_bias=True).to_dict()
