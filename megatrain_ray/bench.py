@@ -179,8 +179,6 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     """One decoder layer at the run's shape, on the GPU: ms for the forward and the recompute +
     backward of all micro-batches, through a flat weight buffer as the compute worker does and
     through separate tensors, with attention's GQA native (enable_gqa) or by repeating K/V."""
-    import torch.nn.functional as F
-
     from . import model as M
     from .layout import LayerTemplate
 
@@ -224,19 +222,22 @@ def layer_probe(cfg, micro_batches: int) -> dict:
             y = M.decoder_layer(sep, x, rope, mc)
             torch.autograd.grad(y, (*sep.values(), x), torch.ones_like(y))
 
-    out = {"fwd_ms": timed(fwd), "bwd_flat_ms": timed(bwd_flat), "bwd_separate_ms": timed(bwd_sep)}
-    sdpa = F.scaled_dot_product_attention
-    groups = mc.num_attention_heads // mc.num_key_value_heads
+    def bwd_unfused():
+        w = flat.detach().requires_grad_(True)
+        p = t.bind(w, fused=False)
+        for x in xs:
+            x = x.detach().requires_grad_(True)
+            y = M.decoder_layer(p, x, rope, mc)
+            torch.autograd.grad(y, (w, x), torch.ones_like(y))
 
-    def repeated(q, k, v, is_causal, enable_gqa):
-        return sdpa(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=is_causal)
+    out = {"fwd_ms": timed(fwd), "bwd_flat_ms": timed(bwd_flat), "bwd_separate_ms": timed(bwd_sep),
+           "bwd_unfused_ms": timed(bwd_unfused)}
+    from torch.profiler import ProfilerActivity, profile
 
-    F.scaled_dot_product_attention = repeated
-    try:
-        out["fwd_repeat_kv_ms"] = timed(fwd)
-        out["bwd_flat_repeat_kv_ms"] = timed(bwd_flat)
-    finally:
-        F.scaled_dot_product_attention = sdpa
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bwd_flat()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     flops = 2 * t.param_count * cfg.train.seq_len * mb * micro_batches
     out["fwd_gemm_floor_ms"] = flops / 790e12 * 1e3
     out["bwd_gemm_floor_ms"] = 3 * flops / 790e12 * 1e3

@@ -8,7 +8,9 @@ which is what ``cudaHostRegister``-backed copies and per-layer mappings want.
 
 A :class:`LayerTemplate` is the stateless view of one unit: given any flat tensor holding that
 unit (a host block, a device slot), ``bind`` returns the parameter dict of views into it, with no
-copy and nothing retained.
+copy and nothing retained. Projections that read the same input and lie back to back in the
+buffer (q/k/v, gate/up) are also offered as one fused view (``self_attn.qkv_proj.weight``,
+``mlp.gate_up_proj.weight``), so the model can run one large GEMM instead of several.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class LayerTemplate:
     """Elements used by the unit (the last parameter's end)."""
     decay_numel: int
     """The first ``decay_numel`` elements are weight-decayed (matrices); the rest are not."""
+    fused: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+    """(name, shape, offset) of fused views over adjacent parameters (see the module docstring)."""
 
     @classmethod
     def build(cls, cfg: ModelConfig, unit: str) -> "LayerTemplate":
@@ -61,19 +65,48 @@ class LayerTemplate:
             offset += size
             if len(shape) >= 2:
                 decay_numel = offset
-        return cls(unit, tuple(params), offset, decay_numel)
+        return cls(unit, tuple(params), offset, decay_numel, _fusable(params))
 
     @property
     def param_count(self) -> int:
         """Parameters of the unit (alignment padding excluded)."""
         return sum(_prod(shape) for _, shape, _ in self.params)
 
-    def bind(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """flat: [>= numel] -> {name: view of its shape}; no copy."""
+    def bind(self, flat: torch.Tensor, fused: bool = True) -> dict[str, torch.Tensor]:
+        """flat: [>= numel] -> {name: view of its shape} (plus the fused views); no copy."""
         out = {}
-        for name, shape, offset in self.params:
+        for name, shape, offset in self.params + (self.fused if fused else ()):
             out[name] = flat[offset:offset + _prod(shape)].view(shape)
         return out
+
+
+_FUSIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+
+def _fusable(params: list[tuple[str, tuple[int, ...], int]]) -> tuple:
+    """Fused views for each group whose weights (and biases, if any) lie back to back."""
+    where = {name: (shape, offset) for name, shape, offset in params}
+    out = []
+    for fused, members in _FUSIONS:
+        views = []
+        for suffix in ("weight", "bias"):
+            names = [f"{m}.{suffix}" for m in members]
+            present = [n in where for n in names]
+            if not any(present):
+                continue
+            if not all(present):
+                break
+            shapes = [where[n][0] for n in names]
+            offsets = [where[n][1] for n in names]
+            if any(offsets[j + 1] != offsets[j] + _prod(shapes[j]) for j in range(len(names) - 1)):
+                break
+            if any(sh[1:] != shapes[0][1:] for sh in shapes):
+                break
+            views.append((f"{fused}.{suffix}", (sum(sh[0] for sh in shapes), *shapes[0][1:]), offsets[0]))
+        else:
+            out += views
+    return tuple(out)
 
 
 @dataclass(frozen=True)

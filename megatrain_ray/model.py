@@ -1,7 +1,9 @@
 """The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral), architecture only.
 
 Everything here is a pure function of (weights, inputs). Weights arrive as a dict of tensors keyed
-by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...), so the same
+by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...), optionally
+with fused ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` tensors equal to the concatenation of
+their parts (then used instead, as one GEMM), so the same
 functions run on views into a streamed flat buffer (see :mod:`megatrain_ray.layout`) or on any
 other tensors. Nothing here knows about streaming, offload, devices or Ray.
 
@@ -101,15 +103,20 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     """Causal grouped-query self-attention. x: [B, S, H] -> [B, S, H]."""
     b, s, _ = x.shape
     d = cfg.head_size
-    q = F.linear(x, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
-    k = F.linear(x, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
-    v = F.linear(x, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
-    q = q.view(b, s, -1, d)
-    k = k.view(b, s, -1, d)
+    if "self_attn.qkv_proj.weight" in p:  # one GEMM over the q/k/v weights lying back to back
+        qkv = F.linear(x, p["self_attn.qkv_proj.weight"], p.get("self_attn.qkv_proj.bias"))
+        kv = cfg.num_key_value_heads * d
+        q, k, v = qkv.split([cfg.num_attention_heads * d, kv, kv], dim=-1)
+    else:
+        q = F.linear(x, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
+        k = F.linear(x, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
+        v = F.linear(x, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q = q.reshape(b, s, -1, d)
+    k = k.reshape(b, s, -1, d)
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(b, s, -1, d).transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.reshape(b, s, -1, d).transpose(1, 2)
     cos, sin = rope
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -120,8 +127,11 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
 
 def mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP. x: [B, S, H] -> [B, S, H]."""
-    gate = F.silu(F.linear(x, p["mlp.gate_proj.weight"]))
-    return F.linear(gate * F.linear(x, p["mlp.up_proj.weight"]), p["mlp.down_proj.weight"])
+    if "mlp.gate_up_proj.weight" in p:  # one GEMM over the gate/up weights lying back to back
+        gate, up = F.linear(x, p["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(x, p["mlp.gate_proj.weight"]), F.linear(x, p["mlp.up_proj.weight"])
+    return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
 
 
 def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig

@@ -115,6 +115,8 @@ class ParameterStore:
         self.spec = spec
         self.store = HostStore(spec, create=True)
         try:
+            for array in self.store.arrays.values():  # fault every page in now, not during step 1
+                array.zero_()
             if init_from is None:
                 self._init_random(seed)
             else:

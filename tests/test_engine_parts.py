@@ -1,0 +1,95 @@
+"""The engine's parts without Ray: layout and fused views, the per-unit AdamW, fetch order,
+and the bf16 precision modes through the real pipeline."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain_ray import model as M
+from megatrain_ray import optim
+from megatrain_ray.config import ModelConfig, OptimConfig, load_config
+from megatrain_ray.layout import UNIT_ALIGN, LayerTemplate, StoreLayout
+from megatrain_ray.tickets import fetch_order
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fused_views_are_the_concatenated_parameters_and_change_nothing(model_type):
+    cfg = ModelConfig(model_type=model_type, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=192)
+    t = LayerTemplate.build(cfg, "layers.0")
+    flat = torch.randn(t.numel, dtype=torch.float64)
+    p = t.bind(flat)
+    assert "mlp.gate_up_proj.weight" in p and "self_attn.qkv_proj.weight" in p
+    assert torch.equal(p["mlp.gate_up_proj.weight"], torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]))
+    qkv = torch.cat([p[f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(p["self_attn.qkv_proj.weight"], qkv)
+    if model_type == "qwen2":
+        assert torch.equal(p["self_attn.qkv_proj.bias"], torch.cat([p[f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+    x = torch.randn(2, 16, 128, dtype=torch.float64)
+    rope = M.rope_cache(cfg, 16, torch.device("cpu"), torch.float64)
+    fused = M.decoder_layer(p, x, rope, cfg)
+    plain = M.decoder_layer(t.bind(flat, fused=False), x, rope, cfg)
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_store_layout_is_page_aligned_and_counts_parameters():
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3)
+    layout = StoreLayout.build(cfg)
+    assert layout.units == ("embed", "layers.0", "layers.1", "layers.2", "head")
+    assert all(o % UNIT_ALIGN == 0 for o in layout.offsets)
+    per_layer = 4 * 64 * 64 + 3 * 64 * 176 + 2 * 64
+    assert layout.num_params == 2 * 300 * 64 + 3 * per_layer + 64
+    # matrices first: everything past decay_numel is 1-D
+    t = layout.templates[1]
+    assert all(len(shape) == 1 for _, shape, off in t.params if off >= t.decay_numel)
+
+
+def test_fetch_order_streams_each_layer_twice():
+    order = fetch_order(4, tied=False)
+    assert order == [0, 1, 2, 3, 4, 5, 4, 3, 2, 1]
+    assert fetch_order(2, tied=True) == [0, 1, 2, 3, 0, 2, 1]
+
+
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
+def test_unit_update_matches_torch_adamw(master_dtype, monkeypatch):
+    """Chunked update with a bf16 gradient, clipping factor and stream refresh vs torch.optim.AdamW."""
+    monkeypatch.setattr(optim, "CHUNK", 1000)  # several pieces, and a piece across the decay boundary
+    n, decay = 5000, 3100
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.99)
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(n, generator=gen).to(master_dtype)
+    master, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+    stream = torch.empty(n, dtype=torch.bfloat16)
+    ref = torch.nn.Parameter(start.float().clone())
+    opt = torch.optim.AdamW([{"params": [ref], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99), eps=cfg.eps)
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+        stream.copy_(grad)  # the gradient lives in the stream block, as in the store
+        optim.adamw_unit(master, stream, m, v, stream, decay, step, cfg.lr, cfg, grad_scale=0.5)
+        ref.grad = grad.float() * 0.5
+        with torch.no_grad():  # decoupled decay on the first `decay` elements only, as our layout does
+            ref[:decay] *= 1 - cfg.lr * cfg.weight_decay
+        opt.step()
+        if master_dtype == torch.float32:
+            torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)
+        else:  # bf16 master: the same update, rounded to bf16 each step
+            torch.testing.assert_close(master.float(), ref.detach(), rtol=2e-2, atol=2e-2)
+            ref.data.copy_(master.float())
+        assert torch.equal(stream, master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["runtime.compute_dtype=bfloat16"],
+    ["runtime.master_dtype=bfloat16"],
+    ["runtime.compute_dtype=bfloat16", "runtime.master_dtype=bfloat16", "optim.max_grad_norm=0"],
+])
+def test_bf16_modes_track_the_fp32_run(overrides, ray_cluster, shm_dir, tmp_path):
+    from megatrain_ray.pipeline import train
+
+    base = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}", "train.steps=4", "runtime.device=cpu"]
+    extra = [o for o in overrides if o.startswith("optim.")]
+    ref = train(load_config(None, base + extra), log=lambda line: None).losses
+    got = train(load_config(None, base + overrides), log=lambda line: None).losses
+    assert got[-1] < got[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-2)
+    assert got != ref  # it really ran in another precision
