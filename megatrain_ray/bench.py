@@ -65,9 +65,10 @@ def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
 
 def summarize(rows: list[dict]) -> dict:
     """Steady-state numbers from per-step rows (the first step, which warms up, is left out)."""
-    steady = rows[1:] if len(rows) > 2 else rows
+    warm = 2 if len(rows) > 3 else 1  # the first steps fault pages in and warm caches up
+    steady = rows[warm:] if len(rows) > warm else rows
     starts = [r["start"] for r in rows]
-    periods = [b - a for a, b in zip(starts, starts[1:])][1:] or [rows[-1]["step_s"]]
+    periods = [b - a for a, b in zip(starts, starts[1:])][warm:] or [rows[-1]["step_s"]]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     step_s = statistics.median(periods)
     out = {"step_s": step_s, "losses": [r["loss"] for r in rows], "fetches": rows[-1]["fetches"],
@@ -80,17 +81,55 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def _used_host_bytes() -> int:
+    """MemTotal - MemAvailable from /proc/meminfo (counts /dev/shm and every process)."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class HostMemoryPeak:
+    """Samples the machine's used memory in a thread; ``peak - baseline`` is what a run added."""
+
+    def __enter__(self):
+        import threading
+
+        self.baseline = self.peak = _used_host_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, _used_host_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.baseline
+
+
 def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     """Train through the Ray actor pipeline; returns the summary and the last step's timeline."""
     from .pipeline import train
 
-    result = train(cfg, log=lambda line: None)
+    with HostMemoryPeak() as mem:
+        result = train(cfg, log=lambda line: None)
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     for r in rows:
         r["device_peak_bytes"] = r.get("device_peak_bytes", 0)
     summary = summarize(rows)
     summary["rows"] = rows
+    summary["host_peak_added_gib"] = mem.added / 2**30
+    summary["host_bytes_per_param"] = mem.added / StoreLayout.build(cfg.model).num_params
     return summary, result.timeline
 
 
@@ -359,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     print("ours, share of the step: " + ", ".join(
         f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update", "wait"))
         + f"; {ours['outside_run_step_s']:.3f} s/step outside run_step"
+        + f"; host memory added {ours['host_peak_added_gib']:.1f} GiB = {ours['host_bytes_per_param']:.1f} B/param"
         + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
     if "gemm_tflops" in report:
         print(f"bf16 GEMM measured in this run: {report['gemm_tflops']:.0f} TFLOP/s")
