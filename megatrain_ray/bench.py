@@ -253,7 +253,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
             y = M.decoder_layer(p, x, rope, mc)
             torch.autograd.grad(y, (w, x), torch.ones_like(y))
 
-    sep = {k: v.detach().clone().requires_grad_(True) for k, v in t.bind(flat).items()}
+    sep = {k: v.detach().clone().requires_grad_(True) for k, v in t.bind(flat, fused=False).items()}
 
     def bwd_sep():
         for x in xs:
