@@ -243,11 +243,11 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     def fwd():
         with torch.no_grad():
             for x in xs:
-                M.decoder_layer(t.bind(flat), x, rope, mc)
+                M.decoder_layer(t.bind(flat, fused=True), x, rope, mc)
 
     def bwd_flat():
         w = flat.detach().requires_grad_(True)
-        p = t.bind(w)
+        p = t.bind(w, fused=True)
         for x in xs:
             x = x.detach().requires_grad_(True)
             y = M.decoder_layer(p, x, rope, mc)

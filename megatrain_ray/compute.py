@@ -169,7 +169,7 @@ class ComputeWorker:
             for i in range(1, n_layers + 1):
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
-                    p = templates[i].bind(flat)
+                    p = templates[i].bind(flat, fused=True)
                     ckpt.append([decoder_layer(p, x, rope, self.cfg) for x in ckpt[-1]])
                 self._release(ticket)
 
@@ -180,7 +180,7 @@ class ComputeWorker:
             ticket, flat = self._take(i, step)
             with self.backend.compute(self.layout.units[i] + " bwd"):
                 w = flat.detach().requires_grad_(True)
-                p = templates[i].bind(w)
+                p = templates[i].bind(w, fused=True)
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
                 inputs = ckpt.pop()
                 for m in range(num_mb):

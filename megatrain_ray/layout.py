@@ -72,8 +72,8 @@ class LayerTemplate:
         """Parameters of the unit (alignment padding excluded)."""
         return sum(_prod(shape) for _, shape, _ in self.params)
 
-    def bind(self, flat: torch.Tensor, fused: bool = True) -> dict[str, torch.Tensor]:
-        """flat: [>= numel] -> {name: view of its shape} (plus the fused views); no copy."""
+    def bind(self, flat: torch.Tensor, fused: bool = False) -> dict[str, torch.Tensor]:
+        """flat: [>= numel] -> {name: view of its shape} (plus the fused views if asked); no copy."""
         out = {}
         for name, shape, offset in self.params + (self.fused if fused else ()):
             out[name] = flat[offset:offset + _prod(shape)].view(shape)

@@ -18,7 +18,7 @@ def test_fused_views_are_the_concatenated_parameters_and_change_nothing(model_ty
                       intermediate_size=192)
     t = LayerTemplate.build(cfg, "layers.0")
     flat = torch.randn(t.numel, dtype=torch.float64)
-    p = t.bind(flat)
+    p = t.bind(flat, fused=True)
     assert "mlp.gate_up_proj.weight" in p and "self_attn.qkv_proj.weight" in p
     assert torch.equal(p["mlp.gate_up_proj.weight"], torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]))
     qkv = torch.cat([p[f"self_attn.{n}_proj.weight"] for n in "qkv"])
