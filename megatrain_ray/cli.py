@@ -1,5 +1,11 @@
 """The ``megatrain-ray`` command line: ``megatrain-ray train [--config FILE.yaml] [--set key=value ...]``.
 
+Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the memory a config needs, see
+:mod:`megatrain_ray.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
+``export RUN_DIR_OR_CHECKPOINT --out DIR`` (a Hugging Face model directory, see
+:mod:`megatrain_ray.hf_io`) and ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
+:mod:`megatrain_ray.evaluate`).
+
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
 generated corpus) on a local Ray started for it. User errors print one ``error:`` line and exit
 with status 2; an interrupted run exits with 130 after cleaning up.
@@ -20,6 +26,35 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config field, e.g. --set optim.lr=1e-3 (repeatable)")
+    train.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
+                       help="continue from a checkpoint (a run directory: its newest one); its config is the "
+                            "base that --config and --set override")
+    plan = sub.add_parser("plan", help="print the host RAM, /dev/shm and GPU memory a config needs")
+    plan.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config field (repeatable)")
+    plan.add_argument("--device", choices=("cpu", "cuda"), help="plan for this device (default: runtime.device, "
+                      "auto meaning cuda when a GPU is visible)")
+    plan.add_argument("--gpu-memory", type=float, metavar="GIB",
+                      help="GPU memory to plan for, in GiB (default: GPU 0's, if visible)")
+    plot = sub.add_parser("plot", help="write PNG plots (loss, throughput, stage busy time) of a run")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run id>) with a metrics.jsonl")
+    plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR/plots)")
+    export = sub.add_parser("export", help="write a run's (or checkpoint's) weights as a Hugging Face model "
+                            "directory: sharded safetensors, config.json, tokenizer")
+    export.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT")
+    export.add_argument("--out", required=True, help="new directory to write")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast (default: as stored)")
+    export.add_argument("--shard-size", type=int, default=2 * 2**30, metavar="BYTES", help="bytes per shard")
+    export.add_argument("--tokenizer", help="tokenizer directory to include (default: the run's)")
+    ev = sub.add_parser("eval", help="loss and perplexity of a run's (or checkpoint's) weights on held-out data")
+    ev.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT")
+    ev.add_argument("--config", help="YAML file overriding the run's data settings")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config field, e.g. --set data.val_path=held_out.jsonl (repeatable)")
+    ev.add_argument("--split", choices=("val", "train"), default="val", help="which split (default: val)")
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    ev.add_argument("--max-batches", type=int, help="stop after this many batches (default: all)")
     return parser
 
 
@@ -30,15 +65,62 @@ def main(argv: list[str] | None = None) -> int:
             from .config import load_config
             from .pipeline import train
 
-            cfg = load_config(args.config, args.overrides)
-            train(cfg)
+            if args.resume is not None:
+                from .checkpoint import resume_config
+
+                cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
+                train(cfg, resume=resume)
+            else:
+                cfg = load_config(args.config, args.overrides)
+                train(cfg)
+        elif args.command == "plan":
+            return _plan(args)
+        elif args.command == "export":
+            from .hf_io import export
+
+            out = export(args.src, args.out, args.shard_size, args.dtype, args.tokenizer)
+            print(f"exported {out['source']} to {out['out']}: {out['tensors']} tensors, {out['shards']} shard(s), "
+                  f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; copied {', '.join(out['copied']) or 'no'} "
+                  "tokenizer/config files")
+        elif args.command == "eval":
+            from .evaluate import run_eval
+
+            run_eval(args.src, args.config, args.overrides, args.split, args.batch_size, args.max_batches)
+        elif args.command == "plot":
+            from .plot import plot_run
+
+            for path in plot_run(args.run_dir, args.out):
+                print(path)
         return 0
     except MegatrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: the run was stopped and its shared memory removed.", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        saved = getattr(e, "checkpoint", None)
+        if saved:
+            print(f"interrupted: the run was stopped after saving a checkpoint to {saved} (continue with "
+                  f"`megatrain-ray train --resume {saved}`) and its shared memory removed.", file=sys.stderr)
+        else:
+            why = getattr(e, "note", "")
+            print(f"interrupted: the run was stopped{f' without a checkpoint ({why})' if why else ''} "
+                  "and its shared memory removed.", file=sys.stderr)
         return 130
+
+
+def _plan(args) -> int:
+    """``plan``: print the memory table; exit status 2 (and one error line) if the run would not fit."""
+    from .config import load_config
+    from .preflight import plan
+
+    cfg = load_config(args.config, args.overrides)
+    gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
+    result = plan(cfg, args.device, gpu)
+    print(result.table())
+    problems = result.problems()
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

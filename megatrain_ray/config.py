@@ -126,7 +126,7 @@ class ModelConfig:
         data["model_type"] = model_type
         if "rope_theta" not in hf and "rope_theta" in rope:
             data["rope_theta"] = rope["rope_theta"]
-        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             data["sliding_window"] = None
         cfg = _section_from_dict(cls, data, "model")
         cfg.validate()
@@ -193,28 +193,73 @@ class TrainSection:
     """Seed of weight initialisation and of the data order."""
     log_every: int = 1
     """Print a progress line every this many steps."""
+    checkpoint_every: int = 100
+    """Save a checkpoint (weights, AdamW states, step, data position, config) to <run dir>/checkpoints
+    every this many steps and at the end of the run; 0 saves only when the run is interrupted
+    (Ctrl-C, SIGTERM, ``ray job stop``)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
 
     def validate(self) -> None:
-        for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every"):
+        for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every", "keep_checkpoints"):
             _require(getattr(self, key) > 0, f"train.{key}", f"must be positive, got {getattr(self, key)}")
         _require(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every",
+                 f"must be >= 0 (0 = only on interrupt), got {self.checkpoint_every}")
 
 
 @dataclass
 class DataSection:
-    """Where the training tokens come from."""
+    """Where the training tokens come from and how they become batches (see megatrain_ray.datasets)."""
 
     path: str | None = None
-    """A UTF-8 text file (byte-level tokenised) or a .npy array of token ids; None uses the built-in corpus."""
+    """A data file, or a directory of files of one kind: .txt, .jsonl/.json, .parquet, .arrow or .npy;
+    None uses the built-in corpus."""
+    format: str = "auto"
+    """How to read data.path: windows (random windows over one byte-level .txt or 1-D .npy token
+    stream, the original behaviour), text (documents tokenised, EOS-separated, packed into sequences),
+    alpaca or sharegpt (chat SFT, loss on response tokens only), tokens (pre-tokenised input_ids:
+    .npy, .arrow, .parquet, .jsonl), or auto: windows for one .txt or 1-D .npy file, else by columns."""
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer directory; None uses runtime.init_from's tokenizer when it has
+    one, else byte-level ids (256 bytes + EOS, model.vocab_size >= 260)."""
+    text_key: str = "text"
+    """The field holding each document's text in .jsonl/.json/.parquet rows (format text)."""
+    val_path: str | None = None
+    """Held-out data read like data.path (all of it is the validation split); None: see val_fraction."""
+    val_fraction: float = 0.0
+    """Share of data.path's documents held out for validation (chosen by a fixed hash of the document
+    index, the same for every seed); 0 holds out none."""
+    cache_dir: str | None = None
+    """Where tokenised data is cached, keyed by a fingerprint of files and tokenizer; None uses
+    <runtime.run_dir>/data-cache."""
     num_workers: int = 1
-    """Number of data-loader actors producing batches in parallel."""
+    """Size of the tokenizer actor pool (Ray Data) and number of data-loader actors serving batches."""
 
     def validate(self) -> None:
         _require(self.num_workers > 0, "data.num_workers", f"must be positive, got {self.num_workers}")
-        if self.path is not None:
-            _require(os.path.isfile(self.path), "data.path", f"does not name a readable file: {self.path!r}")
-            _require(self.path.endswith((".txt", ".npy")), "data.path",
-                     f"must be a .txt or .npy file, got {self.path!r}")
+        for key in ("path", "val_path"):
+            path = getattr(self, key)
+            if path is None:
+                continue
+            _require(os.path.exists(path), f"data.{key}", f"does not name a readable file or directory: {path!r}")
+            _require(os.path.isdir(path) or path.endswith(_DATA_EXTENSIONS), f"data.{key}",
+                     f"must be a .txt or .npy file, or a .jsonl, .json, .parquet or .arrow file (or a directory "
+                     f"of them), got {path!r}")
+        _require(self.format in _DATA_FORMATS, "data.format",
+                 f"must be one of {', '.join(_DATA_FORMATS)}, got {self.format!r}")
+        _require(0.0 <= self.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        _require(not (self.val_path and self.val_fraction), "data.val_fraction",
+                 "must be 0 when data.val_path is set (the validation data is either held out or separate)")
+        _require(bool(self.text_key), "data.text_key", "may not be empty")
+        if self.tokenizer is not None:
+            _require(os.path.isdir(self.tokenizer) and any(os.path.isfile(os.path.join(self.tokenizer, n)) for n in (
+                "tokenizer.json", "tokenizer.model", "vocab.json")), "data.tokenizer",
+                f"must be a Hugging Face tokenizer directory (with tokenizer.json), got {self.tokenizer!r}")
+
+
+_DATA_EXTENSIONS = (".txt", ".npy", ".jsonl", ".json", ".parquet", ".arrow")
+_DATA_FORMATS = ("auto", "windows", "text", "alpaca", "sharegpt", "tokens")
 
 
 @dataclass
@@ -242,7 +287,11 @@ class RuntimeSection:
     object_store_memory: int = 256 * 2**20
     """Bytes of Ray object store when this process starts Ray (only control messages go through it)."""
     actor_timeout_s: float = 300.0
-    """Seconds a pipeline stage may wait on another before the run fails with a timeout."""
+    """Seconds a pipeline stage may wait on another before the run fails with a timeout (a periodic
+    checkpoint pauses the updates, so it must also exceed the time one checkpoint takes to write)."""
+    max_restarts: int = 0
+    """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
+    (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
 
     def validate(self) -> None:
         _require(self.device in ("auto", "cpu", "cuda"), "runtime.device",
@@ -255,10 +304,13 @@ class RuntimeSection:
         _require(self.loss_chunk_size > 0, "runtime.loss_chunk_size",
                  f"must be positive, got {self.loss_chunk_size}")
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")
+        _require(not os.path.exists(self.run_dir) or os.path.isdir(self.run_dir), "runtime.run_dir",
+                 f"names a file, not a directory: {self.run_dir!r}")
         _require(self.object_store_memory >= 75 * 2**20, "runtime.object_store_memory",
                  f"must be at least 78643200 bytes (Ray's minimum), got {self.object_store_memory}")
         _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",
                  f"must be positive, got {self.actor_timeout_s}")
+        _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
         if self.init_from is not None:
             _require(os.path.isfile(os.path.join(self.init_from, "config.json")), "runtime.init_from",
                      f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")

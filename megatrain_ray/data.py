@@ -1,13 +1,23 @@
-"""Training tokens: a byte-level tokenizer, the built-in corpus, and the data-loader actor logic.
+"""Training tokens: the byte-level tokenizer, the built-in corpus, and which data-loader a config gets.
 
-The batch of step ``t`` depends only on (seed, t) and the token stream, never on how many loader
-actors there are or which one made it, so a run is reproducible and a loader can be restarted.
-Each sequence is a random window of ``seq_len + 1`` tokens: inputs are its first ``seq_len``,
-labels its last ``seq_len`` (next-token prediction).
+Two kinds of loader, both plain classes made remote at spawn, both with ``batch(step)``:
+
+- :class:`BatchSource` (``data.format: windows``, the default for one ``.txt`` or 1-D ``.npy``
+  file and for the built-in corpus): each sequence is a random window of ``seq_len + 1`` tokens of
+  the whole token stream, drawn with ``numpy.random.default_rng([seed, step])``.
+- :class:`~megatrain_ray.corpus.CorpusSource` (text, alpaca, sharegpt, tokens): epochs over a
+  corpus tokenized by Ray Data (:mod:`megatrain_ray.datasets`).
+
+In both, the batch of step ``t`` depends only on (data, seed, t), never on how many loader actors
+there are or which one made it, so a run is reproducible, a loader can be restarted, and a resumed
+run continues with exactly the batches it would have seen. Inputs are a sequence's first
+``seq_len`` tokens, labels its last ``seq_len`` (next-token prediction).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import random
 
@@ -107,9 +117,73 @@ class BatchSource:
         windows = windows.reshape(*self.shape, self.seq_len + 1)
         return {"input_ids": windows[..., :-1].copy(), "labels": windows[..., 1:].copy()}
 
+    def state(self, next_step: int) -> dict:
+        """The read position before step ``next_step``, for a checkpoint (JSON-serialisable)."""
+        return {"fingerprint": self.fingerprint, "seed": self.seed, "seq_len": self.seq_len,
+                "batch_shape": list(self.shape), "next_step": next_step}
 
-def source_from_config(cfg) -> BatchSource:
-    """The BatchSource of a TrainConfig."""
-    return BatchSource(cfg.data.path and os.path.abspath(cfg.data.path), cfg.train.seq_len,
-                       cfg.train.micro_batch_size, cfg.train.num_micro_batches, cfg.train.seed,
-                       cfg.model.vocab_size)
+    def resume_step(self, state: dict) -> int:
+        """The step to continue from, after checking that ``state`` came from this same data and order."""
+        changed = [k for k, v in self.state(0).items() if k != "next_step" and state.get(k) != v]
+        if changed:
+            raise DataError(f"cannot resume: the checkpoint's data position was taken with a different "
+                            f"{', '.join(changed)}; resume with the data and train settings it was saved with.")
+        return int(state["next_step"])
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the token stream (the windows are drawn from it)."""
+        return hashlib.sha256(np.ascontiguousarray(self.tokens).view(np.uint8)).hexdigest()[:20]
+
+
+def uses_windows(cfg) -> bool:
+    """Whether the config's training data is read by :class:`BatchSource` (random windows)."""
+    from .datasets import plan
+
+    return plan(cfg.data, cfg.runtime.init_from, cfg.data.path).format == "windows"
+
+
+def corpus_ref(cfg, split: str = "train", log=print):
+    """The prepared corpus (a CorpusRef) of one split, tokenizing into the cache first if needed.
+
+    ``val`` is data.val_path when set, else the held-out data.val_fraction of data.path. Data that
+    trains as random windows is evaluated as a packed corpus of the same tokens.
+    """
+    from .datasets import prepare, plan
+
+    d = cfg.data
+    separate = split == "val" and bool(d.val_path)
+    p = plan(d, cfg.runtime.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
+    if split == "val" and not separate and not d.val_fraction:
+        raise DataError(f"{p.where} has no validation split; set data.val_fraction or data.val_path.")
+    if p.format == "windows":  # the same tokens, as a corpus that can be split and read in order
+        p = dataclasses.replace(p, format="tokens" if p.kind == "npy" else "text")
+    p = dataclasses.replace(p, val_fraction=1.0 if separate else d.val_fraction)
+    cache = d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
+
+    def connect() -> None:
+        from .pipeline import connect_ray
+
+        connect_ray(cfg)
+
+    return prepare(p, cache, d.num_workers, connect, log)
+
+
+def loader_spec(cfg, split: str = "train", log=print) -> tuple[type, tuple]:
+    """(class, constructor arguments) of the data-loader actors of a config."""
+    t = cfg.train
+    shape = (t.seq_len, t.micro_batch_size, t.num_micro_batches, t.seed, cfg.model.vocab_size)
+    if split == "train" and uses_windows(cfg):
+        if cfg.data.val_fraction:
+            raise DataError("data.val_fraction needs tokenized data, but data.format windows draws windows from "
+                            "the whole stream; set data.format to text or tokens, or use data.val_path.")
+        return BatchSource, (cfg.data.path and os.path.abspath(cfg.data.path), *shape)
+    from .corpus import CorpusSource
+
+    return CorpusSource, (corpus_ref(cfg, split, log), split, *shape)
+
+
+def source_from_config(cfg, split: str = "train", log=print):
+    """The batch source of a config's training (or ``val``) data, preparing the data if needed."""
+    cls, args = loader_spec(cfg, split, log)
+    return cls(*args)

@@ -14,14 +14,26 @@ driver holds the long-running loop calls of the prefetcher and the sink and wait
 with each step, so the first actor failure ends the run with an error naming the role. Whatever
 happens (success, exception, Ctrl-C, SIGTERM), the placement group, the actors and the store's
 shared-memory segments are removed before :func:`train` returns or raises.
+
+Before anything is allocated, :mod:`megatrain_ray.preflight` checks that the run fits host RAM
+and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.checkpoint`) are saved by the sink every
+train.checkpoint_every steps and at the end; on Ctrl-C / SIGTERM (``ray job stop``) the driver stops
+submitting steps, lets those in flight finish (a second signal skips this), and has the store
+actor save the boundary they reach. ``train(cfg, resume=checkpoint_dir)`` loads one and runs the
+steps [its step, train.steps) with the same schedule, so the result is bit-identical to an
+uninterrupted run. Every step is a row of runs/<id>/metrics.jsonl and a set of Ray gauges
+(:mod:`megatrain_ray.metrics`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import math
 import os
-import shutil
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,11 +44,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import shm
+from . import checkpoint, preflight, shm
 from .compute import ComputeWorker
 from .config import TrainConfig
-from .data import BatchSource, source_from_config
-from .errors import ConfigError, MegatrainError, PipelineError
+from .data import loader_spec, source_from_config
+from .errors import MegatrainError, PipelineError
+from .metrics import RunMetrics
 from .precision import resolve_device, resolve_precision
 from .prefetch import Prefetcher
 from .sink import GradientSink
@@ -58,6 +71,23 @@ class RunResult:
     """(lane, label, start, end, bytes) spans of the last two steps: h2d, compute, d2h, wait
     (the compute thread blocked on weights) and adamw."""
     last_spans: list[tuple] = field(default_factory=list, repr=False)
+    start_step: int = 0
+    """First step this run trained (the checkpoint's step when resumed)."""
+    checkpoints: list[str] = field(default_factory=list)
+    """Checkpoint directories saved by this run, oldest first."""
+
+
+class ActorDied(PipelineError):
+    """An actor of the pipeline died (killed, OOM, node failure): the run can restart from a checkpoint."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM ended the run; ``checkpoint`` is where its state was saved, if anywhere."""
+
+    def __init__(self, checkpoint: str | None = None, note: str = ""):
+        super().__init__(checkpoint or note)
+        self.checkpoint = checkpoint
+        self.note = note
 
 
 def connect_ray(cfg: TrainConfig) -> None:
@@ -65,6 +95,8 @@ def connect_ray(cfg: TrainConfig) -> None:
     if ray.is_initialized():
         return
     address = cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
     try:
         if address:
             ray.init(address=address, log_to_driver=True)
@@ -101,6 +133,7 @@ class _Roles:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
+        self.__init__()  # empty again: a restarted pipeline spawns into the same object
 
 
 def _actor_error(e: BaseException, role: str) -> MegatrainError:
@@ -109,41 +142,75 @@ def _actor_error(e: BaseException, role: str) -> MegatrainError:
         return type(cause)(str(cause))
     if isinstance(e, ray.exceptions.RayActorError):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        return PipelineError(f"the {role} actor died ({lines[-1] if lines else 'no reason given'}); "
+        return ActorDied(f"the {role} actor died ({lines[-1] if lines else 'no reason given'}); "
                              "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
     return PipelineError(f"the {role} actor failed: {cause or e}")
 
 
-def _check_shm_space(spec: StoreSpec) -> None:
-    need = spec.nbytes()
-    free = shutil.disk_usage(spec.shm_dir).free
-    if need > free:
-        raise ConfigError(f"the host store needs {need / 2**30:.2f} GiB in runtime.shm_dir "
-                          f"({spec.shm_dir}) but only {free / 2**30:.2f} GiB is free; use a smaller "
-                          "model, runtime.master_dtype=bfloat16, or a larger /dev/shm.")
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with one sentence, when a host:port Ray address does not answer."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
+                            "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
 
 
-def train(cfg: TrainConfig, log=print) -> RunResult:
-    """Run cfg.train.steps optimizer steps through the actor pipeline; returns losses and paths."""
-    source_from_config(cfg)  # fail on bad data before any actor starts
+def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
+    """Run optimizer steps [start, cfg.train.steps) through the actor pipeline; returns losses and paths.
+
+    ``resume``: a checkpoint directory (see :func:`megatrain_ray.checkpoint.resume_config`); the
+    run continues from its step, bit for bit. Ctrl-C and SIGTERM save a checkpoint, then raise
+    :class:`Interrupted`.
+    """
+    source = source_from_config(cfg)  # fail on bad data or weights before any actor starts
+    start_step = 0
+    if resume is None:
+        preflight.check_init_from(cfg)
+    else:
+        meta = checkpoint.read_meta(resume)
+        checkpoint.check_model(meta, cfg.model, resume)
+        checkpoint.check_files(resume)
+        start_step = meta["step"]
+        if hasattr(source, "resume_step") and "fingerprint" in meta.get("data", {}):
+            source.resume_step(meta["data"])  # the same data, seed and batch shape
+    starts_ray = not ray.is_initialized() and not (cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
+    preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=starts_ray)
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    roles, spec = _Roles(), None
+    roles, spec, plan = _Roles(), None, None
     try:
         connect_ray(cfg)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
         precision = resolve_precision(cfg.runtime, device)
+        preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id)
-        _check_shm_space(spec)
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-        return _run(cfg, spec, device, run_dir, roles, log)
+            json.dump({**cfg.to_dict(), **({"resumed_from": resume} if resume else {})}, f, indent=2)
+        plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
+                                         cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
+                                         _data_state(source), wait_s=cfg.runtime.actor_timeout_s)
+        if resume is not None:
+            log(f"resuming from {resume} at step {start_step}")
+        return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan)
+    except MegatrainError as e:
+        last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
+        if last is None or plan is None or last in str(e):
+            raise
+        raise type(e)(f"{str(e).rstrip('.')}; the last good checkpoint is {last} "
+                      f"(resume with --resume {last}).") from None
     finally:
         roles.kill()
         if spec is not None:
@@ -151,11 +218,43 @@ def train(cfg: TrainConfig, log=print) -> RunResult:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _Roles, log, start: int,
+              resume: str | None, plan: checkpoint.CheckpointPlan) -> RunResult:
+    """Run the pipeline; when an actor dies, restart it (up to runtime.max_restarts times) from the
+    newest checkpoint of the run, or from where the run began if there is none yet.
+
+    The store is never trusted after a death (a unit may be half-updated); a checkpoint is a step
+    boundary and resuming from one is bit-exact, so the run ends with the weights of an unfaulted one.
+    """
+    base_id = spec.run_id
+    for attempt in range(cfg.runtime.max_restarts + 1):
+        try:
+            return _run(cfg, spec, device, run_dir, roles, log, start, resume, plan)
+        except ActorDied as e:
+            if attempt == cfg.runtime.max_restarts:
+                raise
+            roles.kill()
+            shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
+            resume = checkpoint.latest(plan.directory, missing_ok=True) or resume
+            start = checkpoint.read_meta(resume)["step"] if resume else 0
+            spec = dataclasses.replace(spec, run_id=f"{base_id}-r{attempt + 1}")
+            log(f"restart {attempt + 1} of {cfg.runtime.max_restarts}: {str(e).rstrip('.')}; restarting the pipeline "
+                f"from {resume or 'the initial weights'} (step {start}).")
+    raise AssertionError("unreachable")
+
+
+def _data_state(source) -> dict:
+    """The loader's position record without its step (each checkpoint adds its own next_step)."""
+    state = source.state(0) if hasattr(source, "state") else {}
+    return {k: v for k, v in state.items() if k != "next_step"}
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles) -> None:
+def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume: str | None = None,
+           plan: checkpoint.CheckpointPlan | None = None) -> None:
     rt, n_data = cfg.runtime, cfg.data.num_workers
     cpu = os.cpu_count() or 2
     bundles = [{"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5, **({"GPU": 1} if device == "cuda" else {})},
@@ -182,7 +281,8 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles) -> Non
     roles.queues = [fetch_q, release_q, grad_q, stats_q]
     roles.stats_q = stats_q
 
-    store = remote(ParameterStore, "store", 0, num_cpus=0.25).remote(spec, cfg.train.seed, rt.init_from, cpu)
+    store = remote(ParameterStore, "store", 0, num_cpus=0.25).remote(spec, cfg.train.seed, rt.init_from, cpu,
+                                                                     resume_from=resume)
     roles.actors["store"] = store
     _get(store.ready.remote(), "store", rt.actor_timeout_s)
     roles.actors["prefetch"] = remote(Prefetcher, "prefetch", 1, num_cpus=0.25).remote(
@@ -192,11 +292,10 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles) -> Non
         spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
         rt.actor_timeout_s, cpu if device == "cpu" else None)
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
-        spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, cpu)
+        spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, cpu, checkpoint=plan)
+    loader_cls, loader_args = loader_spec(cfg)  # BatchSource, or CorpusSource over the prepared corpus
     for k in range(n_data):
-        roles.actors[f"data-{k}"] = remote(BatchSource, f"data-{k}", 4 + k, num_cpus=0.25).remote(
-            cfg.data.path and os.path.abspath(cfg.data.path), cfg.train.seq_len,
-            cfg.train.micro_batch_size, cfg.train.num_micro_batches, cfg.train.seed, cfg.model.vocab_size)
+        roles.actors[f"data-{k}"] = remote(loader_cls, f"data-{k}", 4 + k, num_cpus=0.25).remote(*loader_args)
 
 
 def _get(ref, role: str, timeout: float):
@@ -209,11 +308,13 @@ def _get(ref, role: str, timeout: float):
         raise _actor_error(e, role) from None
 
 
-def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _Roles, log) -> RunResult:
-    _spawn(cfg, spec, device, roles)
+def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _Roles, log, start: int = 0,
+         resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None) -> RunResult:
+    _spawn(cfg, spec, device, roles, resume, plan)
     a = roles.actors
     steps, n_data = cfg.train.steps, cfg.data.num_workers
-    loops = {a["prefetch"].run.remote(0, steps): "prefetch", a["grad-sink"].run.remote(0, steps): "grad-sink"}
+    loops = {a["prefetch"].run.remote(start, steps): "prefetch",
+             a["grad-sink"].run.remote(start, steps): "grad-sink"}
     batches: dict[int, Any] = {}
 
     def batch_ref(step: int):
@@ -223,45 +324,175 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _R
                 batches[s] = a[f"data-{s % n_data}"].batch.remote(s)
         return batches.pop(step)
 
-    result = RunResult(run_id=spec.run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"))
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as metrics:
-        return _steps(cfg, a, loops, batch_ref, result, metrics, roles, log)
+    run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
+    result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
+    gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes())
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends
+        return _Driver(cfg, a, loops, roles, plan, result, metrics, gauges, log).run(batch_ref, start)
 
 
-def _steps(cfg: TrainConfig, a: dict, loops: dict, batch_ref, result: RunResult, metrics, roles: _Roles,
-           log) -> RunResult:
-    """The driver's loop: keep two steps queued at the compute actor, log each as its stats arrive."""
-    steps = cfg.train.steps
-    window = 2  # run_step calls queued at the compute actor, so it never waits on the driver
-    submitted = {s: a["compute"].run_step.remote(s, batch_ref(s)) for s in range(min(window, steps))}
-    start, tokens, pending_stats = time.perf_counter(), 0, {}
-    for step in range(steps):
-        ref = submitted.pop(step)
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM until the block ends, so a submitted step is always recorded as such."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _Driver:
+    """The driver's loop over one run's steps: submit, wait, log; on an interrupt, drain and save.
+
+    Two ``run_step`` calls are kept queued at the compute actor, so it never waits on the driver.
+    Each step's compute result (loss, timings) and the sink's stats (grad norm, lr) are joined into
+    one metrics row when both are in.
+    """
+
+    WINDOW = 2
+
+    def __init__(self, cfg: TrainConfig, actors: dict, loops: dict, roles: _Roles,
+                 plan: checkpoint.CheckpointPlan | None, result: RunResult, metrics_file, gauges: RunMetrics, log):
+        self.cfg, self.a, self.loops, self.roles, self.plan = cfg, actors, loops, roles, plan
+        self.result, self.metrics_file, self.gauges, self.log = result, metrics_file, gauges, log
+        self.steps = cfg.train.steps
+        self.timeout = cfg.runtime.actor_timeout_s
+        self.submitted: dict[int, Any] = {}
+        """step -> ref of its run_step call, until its result is in."""
+        self.outputs: dict[int, dict] = {}
+        self.stats: dict[int, dict] = {}
+        self.tokens = 0
+        self.clock = time.perf_counter()
+
+    def run(self, batch_ref, start: int) -> RunResult:
+        try:
+            for step in range(start, min(start + self.WINDOW, self.steps)):
+                self._submit(step, batch_ref)
+            for step in range(start, self.steps):
+                self._collect(step)
+                if step + self.WINDOW < self.steps:
+                    self._submit(step + self.WINDOW, batch_ref)
+                self._handle(_drain(self.roles.stats_q))
+            for ref, role in list(self.loops.items()):  # the sink's ends with the final checkpoint
+                _get(ref, role, self.timeout)
+            self._handle(_drain(self.roles.stats_q))
+        except KeyboardInterrupt:
+            raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
+        r = self.result
+        r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
+        _get(self.a["store"].save_hf.remote(r.final_dir), "store", self.timeout)
+        with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
+            json.dump(r.timeline, f)
+        loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
+        self.log(f"done: {self.steps - start} steps, {loss}{r.tokens_per_s:,.0f} tokens/s; "
+                 f"weights saved to {r.final_dir}")
+        return r
+
+    def _submit(self, step: int, batch_ref) -> None:
+        with _signals_deferred():
+            self.submitted[step] = self.a["compute"].run_step.remote(step, batch_ref(step))
+
+    def _collect(self, step: int) -> None:
+        """Wait for run_step(step), watching the prefetcher and sink loops for failures."""
+        ref = self.submitted[step]
         while True:
-            done, _ = ray.wait([ref, *loops], num_returns=1, timeout=1.0)
+            done, _ = ray.wait([ref, *self.loops], num_returns=1, timeout=1.0)
             if ref in done:
                 break
             for r in done:  # a loop ended early: fine if it finished its work, else its error is raised
-                _get(r, loops.pop(r), cfg.runtime.actor_timeout_s)
-        out = _get(ref, "compute", cfg.runtime.actor_timeout_s)
-        nxt = step + window
-        if nxt < steps:
-            submitted[nxt] = a["compute"].run_step.remote(nxt, batch_ref(nxt))
-        tokens += out["tokens"]
-        result.losses.append(out["loss"])
-        result.fetches.append(out["fetches"])
-        pending_stats[step] = out
-        for st in _drain(roles.stats_q):
-            _log_step(pending_stats.pop(st["step"]), st, steps, tokens, start, result, metrics, log, cfg)
-    for r, role in loops.items():
-        _get(r, role, cfg.runtime.actor_timeout_s)
-    for st in _drain(roles.stats_q):
-        _log_step(pending_stats.pop(st["step"]), st, steps, tokens, start, result, metrics, log, cfg)
-    result.tokens_per_s = tokens / (time.perf_counter() - start)
-    _get(a["store"].save_hf.remote(result.final_dir), "store", cfg.runtime.actor_timeout_s)
-    log(f"done: {steps} steps, final loss {result.losses[-1]:.4f}, {result.tokens_per_s:,.0f} tokens/s; "
-        f"weights saved to {result.final_dir}")
-    return result
+                _get(r, self.loops.pop(r), self.timeout)
+        out = _get(ref, "compute", self.timeout)
+        del self.submitted[step]
+        if not math.isfinite(out["loss"]):
+            self._diverged(step, out["loss"])
+        self.tokens += out["tokens"]
+        self.result.losses.append(out["loss"])
+        self.result.fetches.append(out["fetches"])
+        self.outputs[step] = out
+
+    def _diverged(self, step: int, loss: float) -> None:
+        """Let the sink reach its verdict on this step (and finish any save it is writing), then stop."""
+        sink = [r for r, role in self.loops.items() if role == "grad-sink"]
+        deadline = time.monotonic() + self.timeout
+        while sink and step not in self.stats and time.monotonic() < deadline:
+            done, _ = ray.wait(sink, timeout=0.5)
+            if done:
+                try:
+                    _get(done[0], "grad-sink", self.timeout)
+                except MegatrainError:
+                    pass  # its non-finite gradient norm: the same divergence, said below
+                break
+            self._handle(_drain(self.roles.stats_q))
+        raise PipelineError(f"the loss of step {step + 1} is {loss}, so training diverged; lower optim.lr "
+                            "(or raise optim.warmup_steps) or check the data.")
+
+    def _handle(self, items: list[dict]) -> None:
+        """Record sink messages: checkpoint notices, and step stats (logged once the step's output is in)."""
+        for st in items:
+            if "checkpoint" in st:
+                self.result.checkpoints.append(st["checkpoint"])
+                self.gauges.checkpoint(st["step"])
+                self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s")
+            else:
+                self.stats[st["step"]] = st
+        for step in sorted(s for s in self.stats if s in self.outputs):
+            self._log_step(self.outputs.pop(step), self.stats.pop(step))
+
+    def _log_step(self, out: dict, stats: dict) -> None:
+        step, r = out["step"], self.result
+        r.grad_norms.append(stats["grad_norm"])
+        spans = out["spans"] + stats["spans"]
+        r.timeline, r.last_spans = r.last_spans + spans, spans
+        elapsed = time.perf_counter() - self.clock
+        done = step + 1 - r.start_step
+        eta = elapsed / done * (self.steps - step - 1)
+        row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+               "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
+               "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
+               "tokens_per_s": out["tokens"] / max(out["step_s"], 1e-9),
+               "model_tflops": out["tokens"] * self.gauges.flops_per_token / max(out["step_s"], 1e-9) / 1e12,
+               **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))}}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        self.gauges.step(row, _size(self.roles.queues[2]) if len(self.roles.queues) > 2 else None)
+        if step % self.cfg.train.log_every == 0 or step == self.steps - 1:
+            self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
+                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}")
+
+    def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
+        """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
+        if self.plan is None:
+            return None, "checkpoints are off"
+        done = start + len(self.result.losses)
+        boundary = max(self.submitted, default=done - 1) + 1
+        if boundary <= start:
+            return None, "no step had finished"
+        self.log(f"interrupted: finishing the steps up to {boundary} and saving a checkpoint "
+                 "(interrupt again to stop without one)")
+        try:
+            for step in sorted(self.submitted):
+                out = _get(self.submitted.pop(step), "compute", self.timeout)
+                if not math.isfinite(out["loss"]):
+                    return None, f"the loss of step {step + 1} is {out['loss']}"
+                self.tokens += out["tokens"]
+                self.result.losses.append(out["loss"])
+                self.outputs[step] = out
+            # The store actor waits until the sink has applied every submitted step's update.
+            save = self.a["store"].save_checkpoint.remote(self.plan, boundary)
+            while True:
+                ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)
+                if save in ready:
+                    break
+                for r in ready:
+                    _get(r, self.loops.pop(r), self.timeout)
+                self._handle(_drain(self.roles.stats_q))
+            path = _get(save, "store", self.timeout)
+            self._handle(_drain(self.roles.stats_q))
+        except MegatrainError as e:
+            return None, f"no checkpoint could be saved ({e})"
+        self.result.checkpoints.append(path)
+        self.log(f"checkpoint: step {boundary} saved to {path}")
+        return path, ""
 
 
 def _drain(q: Queue) -> list[dict]:
@@ -271,18 +502,17 @@ def _drain(q: Queue) -> list[dict]:
     return items
 
 
-def _log_step(out, stats, steps, tokens, start, result, metrics, log, cfg) -> None:
-    step = out["step"]
-    result.grad_norms.append(stats["grad_norm"])
-    spans = out["spans"] + stats["spans"]
-    result.timeline, result.last_spans = result.last_spans + spans, spans
-    elapsed = time.perf_counter() - start
-    row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-           "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
-           "elapsed_s": elapsed, "update_busy_s": stats["update_busy_s"],
-           **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))}}
-    metrics.write(json.dumps(row) + "\n")
-    metrics.flush()
-    if step % cfg.train.log_every == 0 or step == steps - 1:
-        log(f"step {step + 1:>5}/{steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
-            f"lr {stats['lr']:.2e} | {tokens / elapsed:,.0f} tok/s")
+def _size(q: Queue) -> int | None:
+    try:
+        return q.size()
+    except Exception:
+        return None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"

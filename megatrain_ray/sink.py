@@ -8,6 +8,11 @@ gradient (the embedding's) is in, in the order the next step's forward needs the
 layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating.
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
+
+Checkpoints (when given a :class:`~megatrain_ray.checkpoint.CheckpointPlan`) are written here, at
+the top of the step loop: every update of the previous step is done and none of this step's has
+begun, so the store is at a step boundary; this step's gradients queue up in the grad queue
+meanwhile and the compute worker runs on. The last boundary is saved after the loop.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int | None = None):
+                 timeout_s: float, num_threads: int | None = None, checkpoint=None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.store = HostStore(spec)
@@ -40,13 +45,16 @@ class GradientSink:
         self.timeout_s = timeout_s
         self.order = update_order(spec.model.num_hidden_layers)
         self.spans: list[tuple] = []
+        self.checkpoint = checkpoint
 
     def run(self, start_step: int, end_step: int) -> int:
         """Apply the updates of steps [start_step, end_step); returns the number of steps done.
 
-        After each step, puts {step, grad_norm, lr, update_busy_s, spans} on the stats queue.
+        After each step, puts {step, grad_norm, lr, update_busy_s, spans} on the stats queue; after
+        each checkpoint, {checkpoint: path, step, save_s}.
         """
         for step in range(start_step, end_step):
+            self._maybe_checkpoint(step, start_step, end_step)
             self.spans = []
             lr = lr_at(self.optim, step, self.total_steps)
             clip = self.optim.max_grad_norm > 0
@@ -63,7 +71,7 @@ class GradientSink:
                     self._update(ticket.unit, step, lr, 1.0)
             norm = math.sqrt(sq_norm)
             if not math.isfinite(norm):
-                raise PipelineError(f"the gradient norm of step {step} is {norm}; training diverged, "
+                raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
                                     "lower optim.lr or check the data.")
             if clip:
                 coef = clip_coefficient(norm, self.optim.max_grad_norm)
@@ -72,7 +80,16 @@ class GradientSink:
             self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,
                               "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
                               "spans": self.spans}, timeout=self.timeout_s)
+        self._maybe_checkpoint(end_step, start_step, end_step)
         return end_step - start_step
+
+    def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
+        """Save the boundary after ``step`` updates if the plan asks for it (see the module docstring)."""
+        if self.checkpoint is not None and self.checkpoint.due(step, start_step, end_step):
+            start = time.time()
+            path = self.checkpoint.save(self.store, step)
+            self.stats_q.put({"checkpoint": path, "step": step, "save_s": time.time() - start},
+                             timeout=self.timeout_s)
 
     def _get(self) -> GradTicket:
         try:

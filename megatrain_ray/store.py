@@ -109,15 +109,18 @@ class ParameterStore:
     """Owner of the shared-memory store (plain class; made a Ray actor at spawn)."""
 
     def __init__(self, spec: StoreSpec, seed: int, init_from: str | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, resume_from: str | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.spec = spec
+        self.init_from = init_from
         self.store = HostStore(spec, create=True)
         try:
             for array in self.store.arrays.values():  # fault every page in now, not during step 1
                 array.zero_()
-            if init_from is None:
+            if resume_from is not None:
+                self.load_checkpoint(resume_from)
+            elif init_from is None:
                 self._init_random(seed)
             else:
                 self._load_hf(init_from)
@@ -144,43 +147,10 @@ class ParameterStore:
             self.store.refresh_stream(i)
 
     def _load_hf(self, directory: str) -> None:
-        """Copy an HF checkpoint into the master blocks, one tensor at a time via safetensors mmap."""
-        from safetensors import safe_open
+        """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.hf_io`)."""
+        from . import hf_io
 
-        index = os.path.join(directory, "model.safetensors.index.json")
-        single = os.path.join(directory, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ConfigError(f"runtime.init_from {directory!r} holds no model.safetensors "
-                              "or model.safetensors.index.json.")
-        wanted = {}
-        for i, unit in enumerate(self.store.layout.units):
-            for name, _, _ in self.store.layout.templates[i].params:
-                wanted[hf_name(unit, name)] = (i, name)
-        missing = sorted(k for k in wanted if k not in weight_map)
-        if missing:
-            raise ConfigError(f"runtime.init_from {directory!r} lacks tensors the model needs: "
-                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}.")
-        by_file: dict[str, list[str]] = {}
-        for key in wanted:
-            by_file.setdefault(weight_map[key], []).append(key)
-        for filename, keys in sorted(by_file.items()):
-            with safe_open(os.path.join(directory, filename), framework="pt") as f:
-                for key in keys:
-                    i, name = wanted[key]
-                    dst = self.store.params("master", i)[name]
-                    src = f.get_tensor(key)
-                    if tuple(src.shape) != tuple(dst.shape):
-                        raise ConfigError(f"tensor {key} in {directory!r} has shape {tuple(src.shape)}, "
-                                          f"but the config.json implies {tuple(dst.shape)}.")
-                    dst.copy_(src)
-        for i in range(len(self.store.layout.units)):
-            self.store.refresh_stream(i)
+        hf_io.load_into(self.store, directory)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights as HF-named tensors (copies; for small models and tests)."""
@@ -191,42 +161,23 @@ class ParameterStore:
         return out
 
     def save_hf(self, directory: str, shard_bytes: int = 2 * 2**30) -> list[str]:
-        """Write the master weights as a sharded HF safetensors checkpoint plus config.json.
+        """Write the master weights as a sharded HF safetensors checkpoint plus config.json, with the
+        tokenizer files of runtime.init_from when it has them (see :func:`megatrain_ray.hf_io.save_store`)."""
+        from . import hf_io
 
-        Shards are written to temporary names and renamed, then the index; at most one shard of
-        tensors is copied out of shared memory at a time.
-        """
-        from safetensors.torch import save_file
+        return hf_io.save_store(self.store, directory, shard_bytes, source=self.init_from)
 
-        os.makedirs(directory, exist_ok=True)
-        groups: list[list[int]] = [[]]
-        size = 0
-        for i, t in enumerate(self.store.layout.templates):
-            nbytes = t.param_count * self.spec.precision.master.itemsize
-            if groups[-1] and size + nbytes > shard_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += nbytes
-        weight_map, files = {}, []
-        for g, units in enumerate(groups):
-            filename = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
-            tensors = {}
-            for i in units:
-                for name, p in self.store.params("master", i).items():
-                    tensors[hf_name(self.store.layout.units[i], name)] = p.clone()
-            tmp = os.path.join(directory, filename + ".tmp")
-            save_file(tensors, tmp, metadata={"format": "pt"})
-            os.replace(tmp, os.path.join(directory, filename))
-            weight_map.update({k: filename for k in tensors})
-            files.append(filename)
-        total = sum(t.param_count for t in self.store.layout.templates) * self.spec.precision.master.itemsize
-        _write_json(os.path.join(directory, "model.safetensors.index.json"),
-                    {"metadata": {"total_size": total}, "weight_map": weight_map})
-        hf_config = self.spec.model.to_hf_dict()
-        hf_config["torch_dtype"] = str(self.spec.precision.master).removeprefix("torch.")
-        _write_json(os.path.join(directory, "config.json"), hf_config)
-        return files
+    def load_checkpoint(self, directory: str) -> int:
+        """Master weights, AdamW states and unit versions from a training checkpoint; returns its step
+        (see :mod:`megatrain_ray.checkpoint`)."""
+        from . import checkpoint
+
+        return checkpoint.load_into(self.store, directory)
+
+    def save_checkpoint(self, plan, step: int) -> str:
+        """Write the store, which must be at the boundary after ``step`` updates, as a training
+        checkpoint of ``plan`` (a :class:`~megatrain_ray.checkpoint.CheckpointPlan`); returns its path."""
+        return plan.save(self.store, step)
 
     def close(self) -> list[str]:
         """Remove this run's segments (idempotent)."""

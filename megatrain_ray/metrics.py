@@ -1,0 +1,104 @@
+"""Per-step metrics of a run: one JSON line each in runs/<id>/metrics.jsonl, and Ray metrics.
+
+The driver records every step through :class:`RunMetrics`, which sets gauges made with
+``ray.util.metrics``; Ray's metrics agent exports them on each node's Prometheus endpoint (and so
+to the dashboard's Grafana panels) as ``ray_megatrain_<name>``, tagged with the run id:
+
+==========================  ========================================================================
+tokens_per_s                tokens trained per second over the last step
+model_tflops                model FLOPs per second (6 x matmul parameters + attention, per token), TFLOP/s
+step_time_s                 wall time of the last step on the compute worker
+stage_busy_s{stage}         busy seconds of the last step per stage: h2d, compute, d2h, wait, adamw
+stage_busy_fraction{stage}  the same, divided by the step time
+link_gbps{direction}        GB/s of the host-device copies while busy (h2d, d2h)
+loss, learning_rate, grad_norm
+queue_depth{queue}          gradients waiting for the sink (grad)
+host_store_bytes            bytes of the host store in shared memory
+host_memory_used_bytes      used RAM of the node
+device_peak_bytes           peak device memory of the compute worker during the step
+step, checkpoint_step       last finished step, last saved checkpoint
+==========================  ========================================================================
+"""
+
+from __future__ import annotations
+
+import psutil
+
+from .config import ModelConfig
+
+STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one trained token: 6 per matmul parameter, plus causal attention's 12 L S d.
+
+    Recomputation in the backward pass is not counted (the usual MFU convention).
+    """
+    h, inter = model.hidden_size, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    matmul = model.num_hidden_layers * per_layer + model.vocab_size * h
+    return 6.0 * matmul + 12.0 * model.num_hidden_layers * seq_len * q
+
+
+class RunMetrics:
+    """The gauges of one run (create in the driver after ray.init)."""
+
+    def __init__(self, run_id: str, model: ModelConfig, seq_len: int, store_bytes: int):
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run_id": run_id}
+        self.flops_per_token = flops_per_token(model, seq_len)
+        self.store_bytes = store_bytes
+
+        def gauge(name: str, description: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"megatrain_{name}", description=description, tag_keys=("run_id", *extra))
+
+        self.g = {
+            "tokens_per_s": gauge("tokens_per_s", "Tokens trained per second over the last step."),
+            "model_tflops": gauge("model_tflops", "Model TFLOP/s of the last step (6N + attention per token)."),
+            "step_time_s": gauge("step_time_s", "Wall time of the last step on the compute worker, seconds."),
+            "loss": gauge("loss", "Training loss of the last step."),
+            "learning_rate": gauge("learning_rate", "Learning rate of the last step."),
+            "grad_norm": gauge("grad_norm", "Global gradient norm of the last step, before clipping."),
+            "step": gauge("step", "Number of steps finished."),
+            "checkpoint_step": gauge("checkpoint_step", "Step of the newest checkpoint saved."),
+            "host_store_bytes": gauge("host_store_bytes", "Bytes of the host parameter store in shared memory."),
+            "host_memory_used_bytes": gauge("host_memory_used_bytes", "Used RAM of the node, bytes."),
+            "device_peak_bytes": gauge("device_peak_bytes", "Peak device memory of the compute worker, bytes."),
+        }
+        self.stage_busy = gauge("stage_busy_s", "Busy seconds of the last step per pipeline stage.", ("stage",))
+        self.stage_fraction = gauge("stage_busy_fraction", "Busy share of the last step per stage.", ("stage",))
+        self.link = gauge("link_gbps", "Host-device copy bandwidth while busy, GB/s.", ("direction",))
+        self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
+
+    def step(self, row: dict, grad_queue_depth: int | None = None) -> None:
+        """Record one metrics.jsonl row (see :func:`megatrain_ray.pipeline._log_step`)."""
+        step_s = max(row.get("step_s", 0.0), 1e-9)
+        values = {
+            "tokens_per_s": row["tokens"] / step_s,
+            "model_tflops": row["tokens"] * self.flops_per_token / step_s / 1e12,
+            "step_time_s": row["step_s"],
+            "loss": row["loss"],
+            "learning_rate": row["lr"],
+            "grad_norm": row["grad_norm"],
+            "step": row["step"] + 1,
+            "host_store_bytes": self.store_bytes,
+            "host_memory_used_bytes": psutil.virtual_memory().used,
+            "device_peak_bytes": row.get("device_peak_bytes") or 0,
+        }
+        for name, value in values.items():
+            self.g[name].set(float(value), tags=self.tags)
+        for stage in STAGES:
+            busy = row.get("update_busy_s" if stage == "adamw" else f"{stage}_busy_s", 0.0)
+            self.stage_busy.set(busy, tags={**self.tags, "stage": stage})
+            self.stage_fraction.set(busy / step_s, tags={**self.tags, "stage": stage})
+        for direction in ("h2d", "d2h"):
+            busy = row.get(f"{direction}_busy_s", 0.0)
+            if busy > 0:
+                self.link.set(row.get(f"{direction}_bytes", 0) / busy / 1e9, tags={**self.tags, "direction": direction})
+        if grad_queue_depth is not None:
+            self.queue.set(grad_queue_depth, tags={**self.tags, "queue": "grad"})
+
+    def checkpoint(self, step: int) -> None:
+        self.g["checkpoint_step"].set(step, tags=self.tags)

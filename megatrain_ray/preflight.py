@@ -1,0 +1,383 @@
+"""Preflight: what a run needs in /dev/shm, host RAM and device memory, before anything is allocated.
+
+``megatrain-ray plan --config ...`` prints the table; ``train`` computes the same plan and refuses,
+with the table and one sentence, a run that would not fit host RAM or runtime.shm_dir instead of
+letting the OOM killer end it hours later.
+
+Where the bytes go (see :mod:`megatrain_ray.precision` for the dtypes):
+
+- **/dev/shm** (counted in host RAM too): the host store, one array per kind (master weights,
+  the compute-dtype stream copy or the gradient array, both AdamW moments; every unit padded to a
+  page-aligned block), and Ray's object store when this process starts Ray.
+- **host RAM**: the above, plus one Python process per actor (torch imported), the token stream
+  held by every data loader, and one shard of the final Hugging Face export.
+- **device** (the GPU; on a CPU run, host RAM): ``buffer_depth`` weight slots of the largest unit;
+  the activation checkpoints (each layer's input, for every micro-batch: (layers + 1) x tokens
+  per step x hidden); the input gradients of every micro-batch; one layer's working set while it
+  is recomputed and differentiated for one micro-batch (its activations and their gradients, its
+  fp32 gradient accumulator); the fp32 embedding and head gradients; one loss chunk of fp32 logits.
+
+The device figures are estimates of the dominant terms, the rest are exact sizes. Checked on an
+H200 (a 0.5B Llama shape, 2 x 2048-token micro-batches, bf16): the device total without the CUDA
+context came out 5-10% above torch's measured peak allocation (3.96 GiB at micro-batch 8,
+1.91 GiB at 2), i.e. on the safe side. The largest micro-batch is the largest ``train.micro_batch_size`` whose device
+total fits the device memory (90% of it on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .layout import StoreLayout
+from .precision import resolve_precision
+from .store import StoreSpec
+
+PROCESS_BYTES = 350 * 2**20
+"""Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
+CUDA_CONTEXT_BYTES = 600 * 2**20
+"""Device memory the CUDA context and kernels take before any tensor."""
+GPU_USABLE = 0.9
+"""Share of the GPU's memory the plan lets a run use (the rest: allocator slack)."""
+EXPORT_SHARD_BYTES = 2 * 2**30
+"""Shard size of the final Hugging Face export (one shard is in memory at a time)."""
+_KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to the device)",
+                "exp_avg": "AdamW exp_avg", "exp_avg_sq": "AdamW exp_avg_sq",
+                "grad": "gradients (host side)"}
+
+
+class PreflightError(ConfigError):
+    """The run would not fit this machine; raised before anything is allocated."""
+
+
+@dataclass
+class Row:
+    """One component: where its bytes live and how many."""
+
+    component: str
+    where: str
+    """"shm" (a tmpfs; also host RAM), "host" or "device"."""
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    """The memory a run needs, what the machine has, and the largest micro-batch that fits."""
+
+    title: str
+    device: str
+    rows: list[Row]
+    shm_free: int
+    host_available: int
+    device_bytes: int | None
+    """Memory of the device (None: unknown, e.g. planning a GPU run on a machine without one)."""
+    micro_batch_size: int
+    largest_micro_batch: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, where: str) -> int:
+        """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
+        if where == "host":
+            host = sum(r.nbytes for r in self.rows if r.where in ("shm", "host"))
+            return host + (self.total("device") if self.device == "cpu" else 0)
+        return sum(r.nbytes for r in self.rows if r.where == where)
+
+    def problems(self) -> list[str]:
+        """One sentence per resource the run does not fit (host RAM, /dev/shm); empty if it fits."""
+        out = []
+        shm, host = self.total("shm"), self.total("host")
+        fix = ("use a smaller model, runtime.master_dtype=bfloat16, a smaller train.micro_batch_size, "
+               "or a machine with more memory")
+        if shm > self.shm_free:
+            out.append(f"the run needs {fmt(shm)} in runtime.shm_dir but only {fmt(self.shm_free)} is free there; "
+                       f"{fix}, or enlarge /dev/shm.")
+        if host > self.host_available:
+            out.append(f"the run needs {fmt(host)} of host RAM but only {fmt(self.host_available)} is available; "
+                       f"{fix}.")
+        return out
+
+    def device_fits(self) -> bool | None:
+        if self.device == "cpu" or self.device_bytes is None:
+            return None
+        return self.total("device") <= self.device_bytes * GPU_USABLE
+
+    def table(self) -> str:
+        where_names = {"shm": "/dev/shm", "host": "host RAM", "device": "CPU" if self.device == "cpu" else "GPU"}
+        width = max(len(r.component) for r in self.rows) + 2
+        lines = [self.title, f"{'component':<{width}}{'in':<10}{'bytes':>12}"]
+        for r in self.rows:
+            lines.append(f"{r.component:<{width}}{where_names[r.where]:<10}{fmt(r.nbytes):>12}")
+
+        def total(label: str, need: int, have: int | None, what: str) -> str:
+            verdict = "unknown" if have is None else (
+                f"{what} {fmt(have)}: {'ok' if need <= have else 'DOES NOT FIT'}")
+            return f"{label:<{width}}{'':<10}{fmt(need):>12}  ({verdict})"
+
+        lines.append(total("total /dev/shm", self.total("shm"), self.shm_free, "free"))
+        lines.append(total("total host RAM", self.total("host"), self.host_available, "available"))
+        if self.device != "cpu":
+            have = None if self.device_bytes is None else int(self.device_bytes * GPU_USABLE)
+            lines.append(total("total GPU", self.total("device"), have, "usable"))
+        if self.largest_micro_batch is None:
+            lines.append("largest micro-batch that fits: unknown (no GPU visible; pass --gpu-memory GIB)")
+        elif self.largest_micro_batch == 0:
+            lines.append(f"largest micro-batch that fits: none (train.micro_batch_size is {self.micro_batch_size})")
+        else:
+            lines.append(f"largest micro-batch that fits: {self.largest_micro_batch} "
+                         f"(train.micro_batch_size is {self.micro_batch_size})")
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def fmt(n: float) -> str:
+    """Bytes in binary units: 512 B, 3.0 KiB, ..., 1.2 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the machine has.
+
+def host_available() -> int:
+    """Bytes of RAM a new run can use: MemAvailable, capped by the cgroup's memory limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            avail = min(avail, int(limit) - usage)
+        break
+    return max(0, avail)
+
+
+def gpu_memory() -> int | None:
+    """Total memory of GPU 0 as this process sees it, or None without CUDA."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:
+        pass
+    return None
+
+
+def guess_device(cfg: TrainConfig) -> str:
+    """runtime.device before Ray is up: auto means cuda when this process sees a GPU."""
+    if cfg.runtime.device != "auto":
+        return cfg.runtime.device
+    return "cuda" if gpu_memory() is not None else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the run needs.
+
+def _tokens_in_data(path: str | None) -> int:
+    """Token count of data.path without reading it (a .npy header, a text file's byte count)."""
+    if path is None:
+        return 110_000  # the built-in corpus
+    if os.path.isdir(path):
+        return sum(_tokens_in_data(os.path.join(path, name)) for name in os.listdir(path)
+                   if os.path.isfile(os.path.join(path, name)))
+    if path.endswith(".npy"):
+        import numpy as np
+
+        try:
+            return int(np.load(path, mmap_mode="r").size)
+        except (OSError, ValueError):
+            return os.path.getsize(path) // 8
+    return os.path.getsize(path)
+
+
+def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Row]:
+    """The device-memory components of one step at ``micro_batch_size`` (see the module docstring)."""
+    m, t, rt = cfg.model, cfg.train, cfg.runtime
+    precision = resolve_precision(rt, device)
+    c = precision.compute.itemsize
+    layout = StoreLayout.build(m)
+    tokens = micro_batch_size * t.seq_len  # per micro-batch
+    h, inter, q, kv = m.hidden_size, m.intermediate_size, m.num_attention_heads * m.head_size, \
+        m.num_key_value_heads * m.head_size
+    layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
+    head_numel = layout.templates[-1].numel
+    chunk = min(rt.loss_chunk_size, tokens)
+    rows = [
+        Row(f"weight slots ({rt.buffer_depth} x largest unit)", "device",
+            rt.buffer_depth * layout.max_unit_numel * c),
+        Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {t.num_micro_batches} x {tokens} tokens x {h})",
+            "device", (m.num_hidden_layers + 1) * t.num_micro_batches * tokens * h * c),
+        Row("input gradients of every micro-batch", "device", t.num_micro_batches * tokens * h * c),
+        Row("one layer's working set (one micro-batch)", "device",
+            tokens * (4 * h + 2 * q + 2 * kv + 4 * inter) * c + layer_numel * (4 + c)),
+        Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
+        Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
+            chunk * m.vocab_size * (2 * 4 + c) + 3 * tokens * h * 4),
+    ]
+    if device == "cuda":
+        rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
+    return rows
+
+
+def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
+         starts_ray: bool | None = None) -> Plan:
+    """The memory plan of ``cfg`` on this machine (nothing is allocated).
+
+    ``device``: cpu or cuda (default: :func:`guess_device`); ``device_bytes``: GPU memory to plan
+    for (default: this process's GPU 0); ``starts_ray``: whether this process will start Ray
+    (and so its object store), by default when neither runtime.ray_address nor RAY_ADDRESS is set.
+    """
+    device = device or guess_device(cfg)
+    if device == "cuda" and device_bytes is None:
+        device_bytes = gpu_memory()
+    if starts_ray is None:
+        starts_ray = not (cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
+    rt, m = cfg.runtime, cfg.model
+    precision = resolve_precision(rt, device)
+    spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan")
+    layout = StoreLayout.build(m)
+    rows = [Row(f"{_KIND_LABELS[k]} ({str(spec.dtype(k)).removeprefix('torch.')})", "shm",
+                layout.total * spec.dtype(k).itemsize) for k in spec.kinds()]
+    rows.append(Row("unit versions", "shm", 8 * len(layout.units)))
+    if starts_ray:
+        same_fs = _same_filesystem(rt.shm_dir, "/dev/shm")
+        rows.append(Row("Ray object store", "shm" if same_fs else "host", rt.object_store_memory))
+    n_proc = 4 + cfg.data.num_workers + 1
+    rows.append(Row(f"{n_proc} processes (driver, store, prefetch, compute, sink, loaders)", "host",
+                    n_proc * PROCESS_BYTES))
+    rows.append(Row(f"token stream x {cfg.data.num_workers} loader(s)", "host",
+                    _tokens_in_data(cfg.data.path) * 8 * cfg.data.num_workers))
+    rows.append(Row("one shard of the final export", "host",
+                    min(EXPORT_SHARD_BYTES, layout.num_params * precision.master.itemsize)))
+    rows += device_rows(cfg, device, cfg.train.micro_batch_size)
+    shm_free = shutil.disk_usage(rt.shm_dir).free
+    host = host_available()
+    n_params = layout.num_params
+    title = (f"preflight: {m.model_type}, {_count(n_params)} parameters ({m.num_hidden_layers} layers, "
+             f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
+             f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
+             f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step")
+    result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None)
+    result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
+    result.notes.append(_checkpoint_note(cfg, n_params * (precision.master.itemsize + 8)))
+    return result
+
+
+def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
+    """Disk a checkpoint takes against what runtime.run_dir has, and the pause it causes."""
+    t, rt = cfg.train, cfg.runtime
+    where = rt.run_dir
+    while where and not os.path.exists(where):
+        where = os.path.dirname(where.rstrip("/")) or "."
+    free = shutil.disk_usage(where or ".").free
+    keep = (t.keep_checkpoints + 1) * nbytes
+    when = f"every {t.checkpoint_every} steps" if t.checkpoint_every else "only when interrupted"
+    return (f"checkpoints: {fmt(nbytes)} each ({when}, up to {t.keep_checkpoints} kept + 1 being written = "
+            f"{fmt(keep)}; {fmt(free)} free in runtime.run_dir{'' if keep <= free else ': NOT ENOUGH'}); "
+            f"updates pause while one is written, so runtime.actor_timeout_s ({rt.actor_timeout_s:.0f} s) must "
+            "exceed its write time")
+
+
+def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | None:
+    if device == "cpu":
+        budget = base.host_available - (base.total("host") - base.total("device"))
+    elif base.device_bytes is None:
+        return None
+    else:
+        budget = int(base.device_bytes * GPU_USABLE)
+
+    def fits(b: int) -> bool:
+        return sum(r.nbytes for r in device_rows(cfg, device, b)) <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 2**24:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _same_filesystem(a: str, b: str) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+    """runtime.init_from's weights: every tensor present, every shard readable, every shape right.
+
+    Reads only the safetensors headers, so a missing, truncated or foreign checkpoint fails in
+    milliseconds, before Ray starts, instead of in the store actor.
+    """
+    directory = cfg.runtime.init_from
+    if directory is None:
+        return
+    from safetensors import safe_open
+
+    from . import hf_io
+    from .model import hf_name, unit_names, unit_params
+
+    what = "runtime.init_from"
+    try:
+        mapping = hf_io.weight_map(directory, what)
+    except ConfigError:
+        raise
+    except Exception as e:  # a corrupt single-file checkpoint fails inside safetensors
+        raise ConfigError(f"{what}'s model.safetensors in {directory!r} is corrupt ({e}); re-save the model "
+                          "with save_pretrained.") from None
+    hf_io.check_tensors(cfg.model, mapping, directory, what)
+    shapes = {hf_name(u, n): tuple(shape) for u in unit_names(cfg.model) for n, shape in unit_params(cfg.model, u)}
+    for filename in sorted({mapping[k] for k in shapes}):
+        path = os.path.join(directory, filename)
+        try:
+            with safe_open(path, framework="pt") as f:
+                found = {k: tuple(f.get_slice(k).get_shape()) for k in shapes if mapping[k] == filename}
+        except Exception as e:
+            raise ConfigError(f"{what}'s shard {filename} in {directory!r} is missing or corrupt ({e}); re-save "
+                              "the model with save_pretrained.") from None
+        for key, shape in found.items():
+            if shape != shapes[key]:
+                raise ConfigError(f"tensor {key} in {what} ({directory}) has shape {shape}, but its config.json "
+                                  f"implies {shapes[key]}.")
+
+
+def check(cfg: TrainConfig, device: str, log=print, starts_ray: bool | None = None) -> Plan:
+    """The plan of a run about to start; prints the table and raises PreflightError if it does not fit."""
+    result = plan(cfg, device, starts_ray=starts_ray)
+    problems = result.problems()
+    if problems:
+        log(result.table())
+        raise PreflightError(problems[0])
+    return result

@@ -1,0 +1,186 @@
+"""Text to token ids: byte-level or a local Hugging Face tokenizer; documents and chat examples.
+
+Two operations, both pure functions of their input:
+
+- :meth:`encode_document` (pretraining): the document's tokens, with the tokenizer's own special
+  tokens (a BOS where its post-processor adds one), then EOS. EOS is what marks document
+  boundaries once documents are packed into fixed-length sequences.
+- :meth:`encode_chat` (SFT): a conversation rendered with the tokenizer's chat template, and a
+  0/1 mask of the tokens that belong to assistant responses: the only tokens whose prediction
+  counts in the loss. A response is located as the text that the template adds for an assistant
+  message after the prompt rendered with ``add_generation_prompt``; so its end-of-turn marker is
+  part of it (the model learns to stop), while the role headers and every user, system and
+  template token is not. A token counts if its characters overlap a response.
+
+Tokenizers without a chat template (and byte-level) use :data:`DEFAULT_CHAT_TEMPLATE`.
+Conversations come from rows in the alpaca (instruction / input / output) or sharegpt
+(conversations: [{from, value}]) layouts via :func:`messages_from_row`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from .data import BYTE_TOKENIZER_VOCAB, EOS_ID, encode_bytes
+from .errors import DataError
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+"""Chat layout for tokenizers that have none: ``<|role|>\\n`` + content (+ EOS for the assistant) + ``\\n``."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+"""Files of a Hugging Face tokenizer: hashed for cache keys, copied along with exported weights."""
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+         "system": "system"}
+"""sharegpt ``from`` values and the chat roles they mean."""
+
+
+def is_tokenizer_dir(path: str | None) -> bool:
+    """Whether ``path`` is a directory holding a Hugging Face tokenizer."""
+    return bool(path) and os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def tokenizer_fingerprint(path: str | None) -> str:
+    """A hash of the tokenizer's files (``bytes`` for byte-level), for cache keys."""
+    if path is None:
+        return "bytes"
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            h.update(name.encode())
+            with open(full, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255, EOS is 256 (see :mod:`megatrain_ray.data`)."""
+
+    vocab_size = BYTE_TOKENIZER_VOCAB
+    eos_id = EOS_ID
+    pad_id = EOS_ID
+
+    def encode_document(self, text: str) -> np.ndarray:
+        """[n + 1] int32: the bytes, then EOS."""
+        return np.append(encode_bytes(text), np.int32(EOS_ID)).astype(np.int32)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """DEFAULT_CHAT_TEMPLATE with EOS as the id 256; returns ids [n] int32 and mask [n] uint8."""
+        ids, mask = [], []
+        for m in messages:
+            head = encode_bytes(f"<|{m['role']}|>\n")
+            ids.append(head)
+            mask.append(np.zeros(len(head), np.uint8))
+            body = encode_bytes(m["content"])
+            if m["role"] == "assistant":
+                body = np.concatenate([body, [EOS_ID], encode_bytes("\n")]).astype(np.int32)
+            else:
+                body = np.concatenate([body, encode_bytes("\n")]).astype(np.int32)
+            ids.append(body)
+            mask.append(np.full(len(body), m["role"] == "assistant", np.uint8))
+        return np.concatenate(ids).astype(np.int32), np.concatenate(mask)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local directory (``tokenizer.json`` etc.; never downloads)."""
+
+    def __init__(self, directory: str):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per pool actor
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise DataError(f"data.tokenizer {directory!r} needs the transformers package; "
+                            "pip install transformers (or use byte-level data without data.tokenizer).") from None
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as e:  # transformers raises many types for a broken directory
+            raise DataError(f"data.tokenizer {directory!r} is not a loadable Hugging Face tokenizer "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).") from None
+        if not getattr(self.hf, "is_fast", False):
+            raise DataError(f"data.tokenizer {directory!r} has no fast tokenizer (tokenizer.json), which "
+                            "response masking needs; convert it with transformers and save it again.")
+        if self.hf.eos_token_id is None:
+            raise DataError(f"data.tokenizer {directory!r} defines no eos_token; set one in tokenizer_config.json.")
+        self.eos_id = int(self.hf.eos_token_id)
+        self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(self.hf)
+        self.template = self.hf.chat_template or DEFAULT_CHAT_TEMPLATE
+
+    def encode_document(self, text: str) -> np.ndarray:
+        ids = self.hf(text, add_special_tokens=True)["input_ids"]
+        if not ids or ids[-1] != self.eos_id:
+            ids = [*ids, self.eos_id]
+        return np.asarray(ids, dtype=np.int32)
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        if not messages and generation_prompt is False:
+            return ""
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                           chat_template=self.template)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        full = self._render(messages, False)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:i], True) if i else ""
+            upto = self._render(messages[:i + 1], False)
+            if not (full.startswith(upto) and upto.startswith(prompt)):
+                raise DataError("the tokenizer's chat template does not render a conversation as its prompt "
+                                "followed by the response, so response tokens cannot be located; set "
+                                "data.tokenizer to one whose template does, or remove its chat_template.")
+            spans.append((len(prompt), len(upto)))
+        enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [any(s < b and e > a for a, b in spans) for s, e in enc["offset_mapping"]]
+        return np.asarray(enc["input_ids"], dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def load_tokenizer(directory: str | None):
+    """A tokenizer for ``directory`` (an HF tokenizer directory), or byte-level for None."""
+    return ByteTokenizer() if directory is None else HFTokenizer(directory)
+
+
+def messages_from_row(row: dict[str, Any], layout: str) -> list[dict[str, str]]:
+    """Chat messages [{role, content}] of one alpaca or sharegpt row; malformed rows are DataErrors."""
+    if layout == "alpaca":
+        missing = [k for k in ("instruction", "output") if not isinstance(row.get(k), str)]
+        if missing:
+            raise DataError(f"an alpaca row lacks the text field(s) {', '.join(missing)} "
+                            f"(it has {', '.join(sorted(row)) or 'none'}).")
+        prompt = row["instruction"]
+        if isinstance(row.get("input"), str) and row["input"].strip():
+            prompt += "\n\n" + row["input"]
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+        if isinstance(row.get("system"), str) and row["system"].strip():
+            messages.insert(0, {"role": "system", "content": row["system"]})
+        return messages
+    turns = row.get("conversations")
+    if not isinstance(turns, (list, tuple)) or not turns:
+        raise DataError(f"a sharegpt row needs a non-empty 'conversations' list "
+                        f"(it has {', '.join(sorted(row)) or 'no fields'}).")
+    messages = []
+    for turn in turns:
+        if isinstance(turn, str):
+            turn = json.loads(turn)
+        who = turn.get("from", turn.get("role"))
+        text = turn.get("value", turn.get("content"))
+        if who not in ROLES or not isinstance(text, str):
+            raise DataError(f"a sharegpt turn must have 'from' in {', '.join(ROLES)} and a text 'value', "
+                            f"got from={who!r}.")
+        messages.append({"role": ROLES[who], "content": text})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("a sharegpt conversation has no gpt/assistant turn, so nothing to train on.")
+    return messages

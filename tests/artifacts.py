@@ -1,0 +1,100 @@
+"""Tiny real artifacts for the tests: random Hugging Face models of every supported architecture,
+and tokenizers trained here.
+
+Every parameter is randomised (HF initialises norms to one and biases to zero, which would hide a
+norm or bias that is loaded into the wrong place), and the model is saved with save_pretrained in
+several small shards so import really goes shard by shard.
+"""
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+ARCHS = {
+    # Llama 2: multi-head attention, untied head.
+    "llama2": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+               dict(num_key_value_heads=4, tie_word_embeddings=False, rope_theta=10000.0)),
+    # Llama 3: grouped-query attention, rope_theta 500000, tied head (as Llama 3.2 1B).
+    "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+               dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0)),
+    # Llama with attention_bias: q/k/v and o_proj biases.
+    "llama-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   dict(num_key_value_heads=2, attention_bias=True)),
+    # Qwen2 / 2.5: q/k/v biases, tied head, rope_theta 1e6.
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0)),
+    # Qwen3: per-head q/k RMSNorm, head_dim independent of hidden_size / heads.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)),
+    # Mistral: grouped-query attention, a sliding window longer than the test sequences.
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(num_key_value_heads=2, sliding_window=4096, rope_theta=10000.0)),
+}
+
+
+def make_model(arch: str, seed: int = 0, **overrides):
+    """A tiny random fp32 model of ``arch`` (see ARCHS)."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**COMMON, **extra, **overrides})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def save_model(arch: str, directory, seed: int = 0, shard: str = "40KB", **overrides):
+    """Save a tiny random model of ``arch`` in several safetensors shards; returns the model."""
+    model = make_model(arch, seed, **overrides)
+    model.save_pretrained(directory, max_shard_size=shard)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers trained here with `tokenizers`, saved as Hugging Face tokenizer directories.
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A ChatML chat template (the Qwen layout), without a default system message."""
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CORPUS = [
+    "the engineer streams the weights one layer at a time",
+    "a small model learns to count the tokens in order",
+    "what is two plus two? it is four.",
+    "the optimizer updates the moments after every step",
+    "host memory holds the master weights and the optimizer state",
+    "please write a short poem about the data loader",
+    "sure, here is a poem: tokens flow like water",
+]
+
+
+def save_tokenizer(directory, kind: str = "bpe", vocab_size: int = 200, chat_template: str | None = CHATML):
+    """Train a tokenizer on CORPUS and save it with save_pretrained; returns the HF tokenizer.
+
+    kind: "bpe" (SentencePiece-like: Metaspace pre-tokenizer, lossless decoding) or "word" (one id
+    per whitespace/punctuation-separated word, so hand-built expectations are easy to write).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS)
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=SPECIALS)
+    tok.train_from_iterator(CORPUS * 3 + ["user assistant system", "\n"], trainer)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                                              pad_token="<|endoftext|>")
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(directory)
+    return hf

@@ -1,0 +1,325 @@
+"""Checkpoints: format, atomicity under a real crash, keep-last-K, bit-exact resume, fault recovery.
+
+The store-level tests use real shared-memory stores without Ray. The resume test trains through
+the real actor pipeline three times: A (12 straight steps, a checkpoint after every step), B (the
+same run, checkpointing every 3 steps, interrupted like Ctrl-C once its step-3 checkpoint is out)
+and C (``megatrain-ray train --resume`` of B's step-3 checkpoint: 3 steps + resume + 9 steps).
+B's checkpoints (periodic and on interrupt) must equal A's at the same step bit for bit, so they
+were taken at step boundaries, and C must end with A's weights and AdamW states bit for bit. The
+fault test kills four actors of one run in turn; it too must end with A's weights.
+"""
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain_ray import checkpoint, cli
+from megatrain_ray.config import load_config
+from megatrain_ray.model import hf_name
+from megatrain_ray.pipeline import Interrupted, train
+from megatrain_ray.precision import Precision
+from megatrain_ray.store import ParameterStore, StoreSpec
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (weights and optimizer states), by name."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        out.update(load_file(path))
+    return out
+
+
+def _store(shm_dir, run_id, seed=0, master=torch.float32, **model) -> ParameterStore:
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()]).model
+    return ParameterStore(StoreSpec(cfg, Precision(master, torch.float32), shm_dir, os.getpid(), run_id), seed)
+
+
+def _weights(ps: ParameterStore) -> dict[str, torch.Tensor]:
+    """Master weights by full HF name (the model's parameters, no fused views)."""
+    layout = ps.store.layout
+    return {hf_name(u, name): ps.store.params("master", i)[name].clone()
+            for i, u in enumerate(layout.units) for name, _, _ in layout.templates[i].params}
+
+
+def _fill_optimizer(ps: ParameterStore, step: int, seed: int = 5) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for kind in ("exp_avg", "exp_avg_sq"):
+        arr = ps.store.arrays[kind]
+        arr.copy_(torch.rand(arr.shape, generator=gen))
+    for i in range(len(ps.store.layout.units)):
+        ps.store.set_version(i, step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Format and store round trip (no Ray).
+
+@pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
+def test_save_load_round_trip_is_exact_and_layout_independent(master, shm_dir, tmp_path):
+    src = _store(shm_dir, "src", seed=0, master=master, num_hidden_layers=3, tie_word_embeddings="false")
+    dst = _store(shm_dir, "dst", seed=1, master=master, num_hidden_layers=3, tie_word_embeddings="false")
+    try:
+        _fill_optimizer(src, step=7)
+        path = checkpoint.save(src.store, str(tmp_path / "ckpts"), 7, {"train": {"seed": 0}}, "run-x")
+        assert os.path.basename(path) == "step-000007"
+        assert sorted(os.listdir(tmp_path / "ckpts")) == ["step-000007"]  # no temporary left
+
+        # Flat and layout-independent: full HF names, no padding, nothing positional.
+        tensors = _tensors(path)
+        ours = _weights(src)
+        hf_names = set(ours)
+        assert {k for k in tensors if not k.startswith("exp_avg")} == hf_names
+        assert {k for k in tensors if k.startswith("exp_avg.")} == {f"exp_avg.{k}" for k in hf_names}
+        assert {k for k in tensors if k.startswith("exp_avg_sq.")} == {f"exp_avg_sq.{k}" for k in hf_names}
+        meta = json.loads(open(os.path.join(path, "meta.json")).read())
+        assert meta["format_version"] == checkpoint.FORMAT_VERSION and meta["step"] == 7
+        assert meta["versions"] == {u: 7 for u in src.store.layout.units}
+        assert meta["data"]["next_step"] == 7 and meta["run_id"] == "run-x"
+
+        # Round trip into a store initialised differently: every byte of every kind comes back.
+        assert checkpoint.load_into(dst.store, path) == 7
+        assert {k: v.dtype for k, v in tensors.items() if not k.startswith("exp_avg")} == {k: master for k in ours}
+        for kind in ("master", "exp_avg", "exp_avg_sq", "stream"):
+            for i in range(len(src.store.layout.units)):
+                assert torch.equal(src.store.block(kind, i), dst.store.block(kind, i)), (kind, i)
+        assert [dst.store.version(i) for i in range(5)] == [7] * 5
+
+        # The weights part is a Hugging Face checkpoint: transformers loads it with our values.
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=master)
+        for name, value in model.state_dict().items():
+            if name in ours:
+                assert torch.equal(value, ours[name]), name
+        assert set(ours) <= set(model.state_dict())
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_save_refuses_a_store_that_is_not_at_a_step_boundary(shm_dir, tmp_path):
+    ps = _store(shm_dir, "mixed")
+    try:
+        _fill_optimizer(ps, step=3)
+        ps.store.set_version(1, 4)  # layers.0 already has its next update
+        with pytest.raises(checkpoint.CheckpointError, match="not at a step boundary"):
+            checkpoint.save(ps.store, str(tmp_path), 3, {}, "r")
+        assert os.listdir(tmp_path) == []
+    finally:
+        ps.close()
+
+
+def test_keep_last_k_prunes_only_after_a_new_checkpoint_is_complete(shm_dir, tmp_path):
+    ps = _store(shm_dir, "keep")
+    root = str(tmp_path / "ckpts")
+    plan = checkpoint.CheckpointPlan(root, every=1, keep=2, run_config={}, run_id="r")
+    try:
+        for step in range(1, 6):
+            _fill_optimizer(ps, step=step)
+            plan.save(ps.store, step)
+            kept = sorted(os.listdir(root))
+            assert kept == [f"step-{s:06d}" for s in range(max(1, step - 1), step + 1)], kept
+        assert checkpoint.latest(root).endswith("step-000005")
+        assert checkpoint.find(str(tmp_path / "ckpts")).endswith("step-000005")
+    finally:
+        ps.close()
+
+
+_CRASH_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from megatrain_ray import checkpoint
+    from megatrain_ray.config import load_config
+    from megatrain_ray.precision import Precision
+    from megatrain_ray.store import ParameterStore, StoreSpec
+    shm_dir, root = sys.argv[1], sys.argv[2]
+    cfg = load_config(None, ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=8",
+                             "model.num_attention_heads=4", "model.vocab_size=8000"]).model  # 11M parameters
+    ps = ParameterStore(StoreSpec(cfg, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "crash"), 0)
+    for i in range(len(ps.store.layout.units)):
+        ps.store.set_version(i, 1)
+    checkpoint.save(ps.store, root, 1, {}, "crash")
+    print("saved", flush=True)
+    for i in range(len(ps.store.layout.units)):
+        ps.store.block("master", i).add_(1.0)
+        ps.store.set_version(i, 2)
+    checkpoint.save(ps.store, root, 2, {}, "crash")  # the parent kills this process while it writes
+    print("the save of step 2 finished before the kill", flush=True)
+""")
+
+
+def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
+    root = tmp_path / "ckpts"
+    store_dir = tmp_path / "store"  # the killed process cannot clean up: keep its store out of /dev/shm
+    store_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH_SCRIPT, str(store_dir), str(root)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        good = _tensors(root / "step-000001")
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(".step-000002.tmp-") for n in os.listdir(root)):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)  # a real crash, in the middle of writing step 2
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    names = sorted(os.listdir(root))
+    temps = [n for n in names if n.startswith(".step-000002.tmp-")]
+    assert temps, names
+    assert not os.path.isfile(root / temps[0] / "meta.json")  # the partial save is not a checkpoint
+    # Readers see step 1, bit for bit as it was saved, and it loads.
+    assert checkpoint.find(str(root)) == str(root / "step-000001")
+    after = _tensors(root / "step-000001")
+    assert after.keys() == good.keys() and all(torch.equal(after[k], good[k]) for k in good)
+    checkpoint.check_files(str(root / "step-000001"))
+    # The next save's pruning removes the dead saver's temporary directory.
+    checkpoint.prune(str(root), keep=1)
+    assert os.listdir(root) == ["step-000001"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume through the real pipeline.
+
+STEPS = 12
+
+
+def _cfg(shm_dir, run_dir, *extra):
+    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+                              f"train.steps={STEPS}", "train.seq_len=32", "train.micro_batch_size=4",
+                              "optim.warmup_steps=2", "optim.weight_decay=0.1", "runtime.actor_timeout_s=120",
+                              *extra])
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def straight_run(ray_cluster, tmp_path_factory):
+    """A: 12 steps straight through, a checkpoint after every step (all kept)."""
+    base = tmp_path_factory.mktemp("straight")
+    shm_dir = f"/dev/shm/megatrain-test-{os.getpid()}-straight" if os.path.isdir("/dev/shm") else str(base / "shm")
+    os.makedirs(shm_dir)
+    try:
+        a = train(_cfg(shm_dir, base / "a", "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}"),
+                  log=lambda line: None)
+        assert os.listdir(shm_dir) == []
+    finally:
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
+        os.rmdir(shm_dir)
+    return a
+
+
+def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, shm_dir, tmp_path):
+    a = straight_run
+    a_ckpts = os.path.join(a.run_dir, "checkpoints")
+    assert sorted(os.listdir(a_ckpts)) == [f"step-{s:06d}" for s in range(1, STEPS + 1)]
+
+    # B: the same run with a checkpoint every 3 steps, interrupted (as by Ctrl-C) once step 3's is out.
+    lines = []
+
+    def interrupt_after_checkpoint_3(line):
+        lines.append(line)
+        if line.startswith("checkpoint: step 3 saved"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(shm_dir, tmp_path / "b", "train.checkpoint_every=3", f"train.keep_checkpoints={STEPS}"),
+              log=interrupt_after_checkpoint_3)
+    saved = info.value.checkpoint  # where the interrupt drained the steps in flight to
+    boundary = checkpoint.read_meta(saved)["step"]
+    assert 3 <= boundary < STEPS, lines
+    assert os.listdir(shm_dir) == []
+    b_run = os.path.dirname(os.path.dirname(saved))
+    b_ckpts = sorted(os.listdir(os.path.join(b_run, "checkpoints")))
+    # The periodic ones (every 3 steps, by the sink) up to the boundary, and the boundary's (by the store).
+    assert set(b_ckpts) == {f"step-{s:06d}" for s in (*range(3, boundary + 1, 3), boundary)}, b_ckpts
+    # Every checkpoint of B (periodic, by the sink; on interrupt, by the store) equals A's at that
+    # step in every tensor: both were taken with all units at the same version.
+    for name in b_ckpts:
+        ours, theirs = _tensors(os.path.join(b_run, "checkpoints", name)), _tensors(os.path.join(a_ckpts, name))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+    # C: 3 steps + `megatrain-ray train --resume B/checkpoints/step-000003` + 9 steps.
+    step3 = os.path.join(b_run, "checkpoints", "step-000003")
+    assert cli.main(["train", "--resume", step3]) == 0
+    c_run = [d for d in glob.glob(str(tmp_path / "b" / "*")) if d != b_run]
+    assert len(c_run) == 1
+    c_run = c_run[0]
+    assert json.load(open(os.path.join(c_run, "config.json")))["resumed_from"] == step3
+
+    final_a, final_c = _tensors(a.final_dir), _tensors(os.path.join(c_run, "final"))
+    assert final_a.keys() == final_c.keys()
+    assert all(torch.equal(final_a[k], final_c[k]) for k in final_a)
+    # AdamW states too, and the per-step loss and learning rate of the resumed steps.
+    end_a, end_c = _tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")), \
+        _tensors(os.path.join(c_run, "checkpoints", f"step-{STEPS:06d}"))
+    assert all(torch.equal(end_a[k], end_c[k]) for k in end_a)
+    rows_a, rows_c = _metrics(a.run_dir), _metrics(c_run)
+    assert [r["step"] for r in rows_c] == list(range(3, STEPS))
+    assert [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_c] == \
+        [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_a[3:]]
+    # The weights really moved over the resumed steps.
+    start = _tensors(step3)
+    key = hf_name("layers.0", "mlp.up_proj.weight")
+    assert not torch.equal(start[key], final_c[key])
+    assert os.listdir(shm_dir) == []
+
+
+def _kill_in_turn(roles: list[str], lines: list[str]):
+    """A log callback that records lines and ray.kill s each role's actor in turn: the first at the
+    step-2 line, each next one at the first step line after the pipeline restarted from the previous."""
+    import ray
+
+    pending = list(roles)
+
+    def log(line):
+        lines.append(line)
+        restarts = sum(ln.startswith("restart ") for ln in lines)
+        killed = sum(ln.startswith("killed ") for ln in lines)
+        m = re.match(r"step\s+(\d+)/", line)
+        if m and pending and restarts == killed and int(m.group(1)) >= 2:
+            role = pending.pop(0)
+            suffix = re.compile(rf"-r{restarts}$" if restarts else r"-[0-9a-f]{6}$")
+            (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"].startswith(role + "-") and suffix.search(a["name"])]
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            lines.append(f"killed {actor['name']}")
+
+    return log
+
+
+def test_killed_actors_are_replaced_and_the_weights_are_identical(straight_run, shm_dir, tmp_path):
+    """ray.kill the data loader, the compute worker, the grad sink and the prefetcher, one after another."""
+    lines = []
+    roles = ["data-0", "compute", "grad-sink", "prefetch"]
+    result = train(_cfg(shm_dir, tmp_path, "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}",
+                        "runtime.max_restarts=4"), log=_kill_in_turn(roles, lines))
+    killed = [ln for ln in lines if ln.startswith("killed ")]
+    restarts = [ln for ln in lines if ln.startswith("restart ")]
+    assert [re.match(r"killed (data-0|compute|grad-sink|prefetch)-", k).group(1) for k in killed] == roles, killed
+    assert len(restarts) == 4, "\n".join(lines)
+    for n, line in enumerate(restarts, 1):
+        assert line.startswith(f"restart {n} of 4: the ") and " actor died" in line, line
+        assert "restarting the pipeline from " in line and "/checkpoints/step-" in line, line
+    final, expected = _tensors(result.final_dir), _tensors(straight_run.final_dir)
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    end, end_a = (_tensors(os.path.join(r, "checkpoints", f"step-{STEPS:06d}"))
+                  for r in (result.run_dir, straight_run.run_dir))
+    assert all(torch.equal(end[k], end_a[k]) for k in end_a)
+    assert os.listdir(shm_dir) == []

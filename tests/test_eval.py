@@ -1,0 +1,120 @@
+"""``megatrain-ray eval``: held-out loss and perplexity, checked against transformers.
+
+The model runs in this process from the checkpoint's safetensors, one unit at a time; the
+reference is the same checkpoint loaded by transformers, with cross-entropy over the same
+sequences and the same counted labels.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from artifacts import save_model, save_tokenizer  # noqa: E402
+
+from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
+from megatrain_ray.evaluate import checkpoint_reader, run_eval  # noqa: E402
+from megatrain_ray.model import IGNORE_INDEX  # noqa: E402
+from megatrain_ray.precision import resolve_precision  # noqa: E402
+from megatrain_ray.store import ParameterStore, StoreSpec  # noqa: E402
+
+LINE = re.compile(r"^eval: val loss ([0-9.]+) \| perplexity ([0-9.]+) \| ([0-9,]+) tokens in ([0-9,]+) sequences")
+
+
+def _reference_loss(model, ids: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(ids)).logits.float()
+    labels = torch.tensor(labels)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return float(total), int((labels != IGNORE_INDEX).sum())
+
+
+def test_eval_of_a_run_dir_matches_transformers(tmp_path, shm_dir):
+    """A run directory (final/ weights + the run's config.json) evaluated by the CLI in a subprocess."""
+    model = save_model("llama3", tmp_path / "hf")
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "train.npy", rng.integers(0, 96, 400))
+    val = rng.integers(0, 96, 150)
+    np.save(tmp_path / "val.npy", val)
+    run = tmp_path / "runs" / "r1"
+    cfg = load_config(None, [f"runtime.init_from={tmp_path / 'hf'}", f"data.path={tmp_path / 'train.npy'}",
+                             f"data.val_path={tmp_path / 'val.npy'}", "train.seq_len=16",
+                             f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    os.makedirs(run)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "ev"), 0, str(tmp_path / "hf"))
+    try:
+        store.save_hf(str(run / "final"))
+    finally:
+        store.close()
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "eval", str(run), "--batch-size", "3"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    match = LINE.match(proc.stdout.strip().splitlines()[-1])
+    assert match, proc.stdout
+    loss, ppl = float(match.group(1)), float(match.group(2))
+
+    n = (len(val) - 1) // 16  # the val stream tiled into windows of 17 tokens, each once
+    windows = np.stack([val[k * 16:k * 16 + 17] for k in range(n)])
+    total, count = _reference_loss(model, windows[:, :-1], windows[:, 1:])
+    assert int(match.group(3).replace(",", "")) == count == n * 16
+    assert int(match.group(4)) == n
+    assert loss == pytest.approx(total / count, rel=1e-4)  # printed with 4 decimals
+    assert ppl == pytest.approx(math.exp(total / count), rel=1e-3)
+
+
+def test_eval_of_sft_data_counts_only_responses(tmp_path, ray_cluster):
+    """In process, on an HF directory with a tokenizer: chat data, masked labels, exact to 1e-5."""
+    # Its own directory: transformers 5 loads a tokenizer that sits next to a config.json as that
+    # model family's tokenizer class (Qwen2's would replace this one's pre-tokenizer).
+    hf_tok = save_tokenizer(tmp_path / "tok", kind="word")
+    model = save_model("qwen2", tmp_path / "hf", vocab_size=len(hf_tok))
+    rows = [{"instruction": "what is two plus two?", "output": "it is four."},
+            {"instruction": "please write a short poem", "output": "tokens flow like water"},
+            {"instruction": "count", "input": "the tokens", "output": "one"}]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = []
+    result = run_eval(str(tmp_path / "hf"), None, [f"data.val_path={tmp_path / 'val.jsonl'}", "train.seq_len=24",
+                                                   f"data.tokenizer={tmp_path / 'tok'}",
+                                                   f"data.cache_dir={tmp_path / 'cache'}"],
+                      batch_size=2, log=lines.append)
+    cfg, read = checkpoint_reader(str(tmp_path / "hf"))
+    assert cfg.tie_word_embeddings and lines[-1].startswith("eval: val loss")
+
+    total, count = 0.0, 0
+    for row in rows:  # the hand-made reference: ChatML rendering, CE over response positions only
+        prompt = row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+        full = hf_tok.apply_chat_template(messages, tokenize=False)
+        head = hf_tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+        ids = hf_tok(full, add_special_tokens=False)["input_ids"]
+        n_head = len(hf_tok(head, add_special_tokens=False)["input_ids"])
+        labels = [IGNORE_INDEX] * (n_head - 1) + ids[n_head:]
+        s, c = _reference_loss(model, np.array([ids[:-1]]), np.array([labels]))
+        total, count = total + s, count + c
+    assert result.tokens == count == 5 + 5 + 2  # "it is four . <|im_end|>", "tokens flow like water <|im_end|>", ...
+    assert result.loss == pytest.approx(total / count, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+def test_eval_without_held_out_data_is_one_sentence(tmp_path):
+    save_model("llama2", tmp_path / "hf")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "eval", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: the built-in corpus has no validation split; set data.val_fraction or data.val_path."]

@@ -1,0 +1,241 @@
+"""Hugging Face checkpoints in and out, checked against transformers itself.
+
+- Import, per supported architecture: a tiny random model saved with save_pretrained (several
+  shards) is loaded into a real shared-memory store, and our forward (model.py, fed from the store)
+  gives transformers' logits (fp32, 1e-5).
+- Missing tensors, foreign tensors and unsupported architectures: one ConfigError naming them.
+- Round trips: import -> export without training gives bit-identical tensors; import -> train k
+  steps through the real Ray pipeline -> ``megatrain-ray export`` -> transformers loads it (and its
+  tokenizer) and its logits equal ours.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from artifacts import ARCHS, save_model, save_tokenizer  # noqa: E402
+
+from megatrain_ray import hf_io  # noqa: E402
+from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
+from megatrain_ray.errors import ConfigError  # noqa: E402
+from megatrain_ray.evaluate import checkpoint_reader, forward_logits, store_reader  # noqa: E402
+from megatrain_ray.precision import resolve_precision  # noqa: E402
+from megatrain_ray.store import ParameterStore, StoreSpec  # noqa: E402
+
+
+def _store(directory, shm_dir, master_dtype="float32") -> ParameterStore:
+    cfg, _ = hf_io.read_config(str(directory))
+    precision = resolve_precision(RuntimeSection(master_dtype=master_dtype, shm_dir=shm_dir), "cpu")
+    spec = StoreSpec(cfg, precision, shm_dir, os.getpid(), "t" + os.urandom(3).hex())
+    return ParameterStore(spec, seed=0, init_from=str(directory))
+
+
+def _ids(vocab=96, batch=2, seq=24, seed=0):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _tensors(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_imported_logits_match_transformers(arch, tmp_path, shm_dir):
+    model = save_model(arch, tmp_path / "hf")
+    assert len([n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]) > 2
+    store = _store(tmp_path / "hf", shm_dir)
+    try:
+        assert store.spec.model.model_type == model.config.model_type
+        ids = _ids()
+        ours = forward_logits(store.spec.model, store_reader(store.store), ids)
+        with torch.no_grad():
+            theirs = model(input_ids=ids).logits.float()
+        assert ours.shape == theirs.shape == (2, 24, 96)
+        assert theirs.std() > 0.1  # not a degenerate model
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    finally:
+        store.close()
+
+
+def test_bf16_checkpoint_is_upcast_into_fp32_master(tmp_path, shm_dir):
+    model = save_model("qwen3", tmp_path / "hf")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    store = _store(tmp_path / "bf16", shm_dir)
+    try:
+        ours = store.state_dict()
+        for name, ref in model.state_dict().items():
+            if name in ours:
+                assert ours[name].dtype == torch.float32
+                assert torch.equal(ours[name], ref.float()), name
+    finally:
+        store.close()
+
+
+def test_missing_tensor_is_named(tmp_path, shm_dir):
+    save_model("llama2", tmp_path / "hf", shard="10GB")
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight"):
+        _store(tmp_path / "hf", shm_dir)
+    assert os.listdir(shm_dir) == []  # the failed store removed its segments
+
+
+def test_foreign_tensors_are_named(tmp_path, shm_dir):
+    # Qwen3 weights under a config.json that says llama: the q/k norms have nowhere to go.
+    save_model("qwen3", tmp_path / "hf", head_dim=16)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"q_norm\.weight.*not a supported variant"):
+        _store(tmp_path / "hf", shm_dir)
+
+
+@pytest.mark.parametrize("edit,named", [
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "GemmaForCausalLM"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
+    ({"model_type": "phi3", "architectures": None}, "phi3"),
+])
+def test_unsupported_architecture_is_one_sentence(tmp_path, edit, named):
+    save_model("llama2", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.update(edit)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        hf_io.read_config(str(tmp_path / "hf"))
+    assert named in str(err.value) and str(err.value).count(". ") == 0
+
+
+def test_import_then_export_without_training_is_bit_identical(tmp_path, shm_dir):
+    model = save_model("qwen2", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    store = _store(tmp_path / "hf", shm_dir)
+    try:
+        store.save_hf(str(tmp_path / "final"), shard_bytes=30_000)
+    finally:
+        store.close()
+    summary = hf_io.export(str(tmp_path / "final"), str(tmp_path / "out"), shard_bytes=50_000)
+    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    assert set(exported) == set(original) - {"lm_head.weight"}  # tied: the head is the embedding
+    for name, ref in exported.items():
+        assert ref.dtype == original[name].dtype and torch.equal(ref, original[name]), name
+    assert summary["shards"] > 1 and "tokenizer.json" in summary["copied"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+
+
+def test_export_casts_to_bf16_on_request(tmp_path):
+    model = save_model("mistral", tmp_path / "hf")
+    hf_io.export(str(tmp_path / "hf"), str(tmp_path / "out"), dtype="bfloat16")
+    exported = _tensors(tmp_path / "out")
+    for name, ref in model.state_dict().items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], ref.to(torch.bfloat16))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("make,named", [
+    (lambda p: None, "is not a directory"),
+    (lambda p: p.mkdir(), "neither a run directory"),
+])
+def test_export_of_a_non_checkpoint_names_it(tmp_path, make, named):
+    src = tmp_path / "src"
+    make(src)
+    with pytest.raises(ConfigError, match=named):
+        hf_io.export(str(src), str(tmp_path / "out"))
+
+
+def test_export_refuses_a_non_empty_out(tmp_path):
+    save_model("llama2", tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match="--out .* not empty"):
+        hf_io.export(str(tmp_path / "hf"), str(tmp_path / "out"))
+
+
+def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
+    """import -> 3 steps through the real pipeline -> `megatrain-ray export` -> transformers."""
+    hf_tok = save_tokenizer(tmp_path / "hf")
+    init = save_model("qwen3", tmp_path / "hf", vocab_size=len(hf_tok), tie_word_embeddings=True)
+    from megatrain_ray.pipeline import train
+
+    cfg = load_config(None, [
+        f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
+        "runtime.device=cpu", "runtime.compute_dtype=float32", "train.steps=3", "train.seq_len=16",
+        "train.micro_batch_size=2", "train.num_micro_batches=1", "optim.lr=1e-2", "data.num_workers=1",
+        f"data.path={_token_file(tmp_path, len(hf_tok))}",
+    ])
+    result = train(cfg, log=lambda line: None)
+    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "export", result.run_dir,
+                           "--out", str(tmp_path / "export"), "--shard-size", "60000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokenizer.json" in proc.stdout
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+    ids = _ids(vocab=len(hf_tok), seq=16)
+    with torch.no_grad():
+        theirs = loaded(input_ids=ids).logits
+        before = init(input_ids=ids).logits
+    cfg_ours, read = checkpoint_reader(str(tmp_path / "export"))
+    ours = forward_logits(cfg_ours, read, ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (theirs - before).abs().max() > 1e-3  # training changed the model
+    # Our logits from the run's own final weights agree too, and the tokenizer came along.
+    cfg_final, read_final = checkpoint_reader(result.final_dir)
+    torch.testing.assert_close(forward_logits(cfg_final, read_final, ids), theirs, rtol=1e-5, atol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    source = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "the engineer streams the weights"
+    assert type(tok) is type(source) and tok.encode(text) == source.encode(text) and len(tok.encode(text)) > 3
+
+
+def _token_file(tmp_path, vocab: int) -> str:
+    import numpy as np
+
+    tokens = (np.arange(3000) * 7) % vocab
+    np.save(tmp_path / "tokens.npy", tokens)
+    return str(tmp_path / "tokens.npy")
+
+
+def test_import_peak_memory_is_the_store_plus_one_tensor(tmp_path, shm_dir):
+    """Peak RSS of importing a one-file checkpoint, measured in a fresh process (see import_memory.py)."""
+    from megatrain_ray.config import ModelConfig
+    from megatrain_ray.model import unit_params
+
+    cfg = ModelConfig(model_type="llama", vocab_size=8000, hidden_size=512, intermediate_size=1536,
+                      num_hidden_layers=8, num_attention_heads=8, tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=gen) * 0.02
+               for name, (unit, rel) in hf_io.expected_names(cfg).items()
+               for r, shape in unit_params(cfg, unit) if r == rel}
+    os.makedirs(tmp_path / "hf")
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    hf_io.write_json(str(tmp_path / "hf" / "config.json"), hf_io.hf_config(cfg, torch.float32))
+    weights = sum(t.numel() * 4 for t in tensors.values())
+    largest = max(t.numel() * 4 for t in tensors.values())
+    del tensors
+    script = os.path.join(os.path.dirname(__file__), "import_memory.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path / "hf"), shm_dir], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    growth = m["peak"] - m["baseline"]
+    assert m["weights_bytes"] == weights > 100 * 2**20  # a one-file checkpoint of > 100 MiB
+    assert growth < 1.2 * m["store_bytes"], m
+    # Above the store itself: one tensor in flight, not a second copy of the weights.
+    assert growth - m["store_bytes"] < 2 * largest + 32 * 2**20 < weights, m

@@ -1,0 +1,123 @@
+"""Observability: Ray metrics scraped from the node's Prometheus endpoint, metrics.jsonl, plots.
+
+One real run through the pipeline (session Ray: ``include_dashboard=False`` still runs the
+metrics agent), then: every ``ray_megatrain_*`` gauge is on the endpoint with this run's id and
+the values of its last step; ``megatrain-ray plot`` turns its metrics.jsonl into PNGs.
+"""
+
+import json
+import os
+import re
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from megatrain_ray import cli
+from megatrain_ray.config import load_config
+from megatrain_ray.pipeline import train
+from megatrain_ray.precision import Precision
+from megatrain_ray.store import StoreSpec
+
+STEPS = 4
+GAUGES = ("tokens_per_s", "model_tflops", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
+          "checkpoint_step", "host_store_bytes", "host_memory_used_bytes", "device_peak_bytes", "stage_busy_s",
+          "stage_busy_fraction", "link_gbps", "queue_depth")
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_cluster, tmp_path_factory):
+    base = tmp_path_factory.mktemp("metrics")
+    shm_dir = f"/dev/shm/megatrain-test-{os.getpid()}-metrics" if os.path.isdir("/dev/shm") else str(base / "shm")
+    os.makedirs(shm_dir)
+    try:
+        cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={base / 'runs'}", "runtime.device=cpu",
+                                 f"train.steps={STEPS}", "train.checkpoint_every=2", "runtime.actor_timeout_s=120"])
+        lines = []
+        result = train(cfg, log=lines.append)
+        assert os.listdir(shm_dir) == []
+    finally:
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
+        os.rmdir(shm_dir)
+    return cfg, result, lines
+
+
+def _scrape(run_id: str, final_step: int, timeout: float = 90.0) -> dict[tuple[str, tuple], float]:
+    """{(metric name, sorted extra tags): value} of this run's ray_megatrain_* samples on the node,
+    once the exporter shows every gauge at the run's final step (it exports every few seconds)."""
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    deadline = time.monotonic() + timeout
+    found: dict[tuple[str, tuple], float] = {}
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        found = {}
+        for m in re.finditer(r'^ray_megatrain_(\w+)\{([^}]*)\} (\S+)$', text, re.M):
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if tags.get("run_id") == run_id:
+                extra = tuple(sorted((k, v) for k, v in tags.items() if k in ("stage", "direction", "queue")))
+                found[(m.group(1), extra)] = float(m.group(3))
+        if {name for name, _ in found} >= set(GAUGES) and found.get(("step", ())) == final_step \
+                and found.get(("checkpoint_step", ())) == final_step:
+            return found
+        time.sleep(2)
+    return found
+
+
+def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
+    cfg, result, _ = finished_run
+    found = _scrape(result.run_id, STEPS)
+    assert {name for name, _ in found} >= set(GAUGES), sorted(found)
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    last = rows[-1]
+    assert found[("step", ())] == STEPS
+    assert found[("checkpoint_step", ())] == STEPS
+    assert found[("loss", ())] == pytest.approx(result.losses[-1], rel=1e-6)
+    assert found[("learning_rate", ())] == pytest.approx(last["lr"], rel=1e-6)
+    assert found[("grad_norm", ())] == pytest.approx(last["grad_norm"], rel=1e-6)
+    assert found[("tokens_per_s", ())] == pytest.approx(last["tokens"] / last["step_s"], rel=1e-6)
+    assert found[("model_tflops", ())] == pytest.approx(last["model_tflops"], rel=1e-6) and last["model_tflops"] > 0
+    spec = StoreSpec(cfg.model, Precision(*(2 * [__import__("torch").float32])), "/dev/shm", 0, "x")
+    assert found[("host_store_bytes", ())] == spec.nbytes()
+    assert found[("host_memory_used_bytes", ())] > 0
+    for stage in ("h2d", "compute", "d2h", "wait", "adamw"):
+        busy = found[("stage_busy_s", (("stage", stage),))]
+        key = "update_busy_s" if stage == "adamw" else f"{stage}_busy_s"
+        assert busy == pytest.approx(last[key], rel=1e-6, abs=1e-12)
+        assert found[("stage_busy_fraction", (("stage", stage),))] == pytest.approx(busy / last["step_s"], rel=1e-6)
+    assert found[("stage_busy_s", (("stage", "compute"),))] > 0
+    assert found[("link_gbps", (("direction", "h2d"),))] > 0
+    assert found[("queue_depth", (("queue", "grad"),))] >= 0
+
+
+def test_metrics_file_and_console_line(finished_run):
+    _, result, lines = finished_run
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["loss"] for r in rows] == result.losses
+    for r in rows:
+        assert r["compute_busy_s"] > 0 and r["update_busy_s"] > 0 and r["tokens_per_s"] > 0 and r["eta_s"] >= 0
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert len(steps) == STEPS
+    assert all(re.search(r"\| [\d,]+ tok/s \| eta \d+(s|m\d\ds|h\d\dm)$", ln) for ln in steps), steps
+    assert [ln for ln in lines if ln.startswith("checkpoint: step")] == [
+        ln for ln in lines if re.match(r"checkpoint: step (2|4) saved to .*step-00000(2|4) in [0-9.]+ s$", ln)]
+    assert len(result.checkpoints) == 2
+
+
+def test_plot_writes_pngs(finished_run, capsys):
+    from PIL import Image
+
+    _, result, _ = finished_run
+    assert cli.main(["plot", result.run_dir]) == 0
+    written = capsys.readouterr().out.split()
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["loss.png", "stages.png", "throughput.png", "timeline.png"]
+    for path in written:
+        assert os.path.dirname(path) == os.path.join(result.run_dir, "plots")
+        with Image.open(path) as img:
+            assert img.format == "PNG" and img.size[0] >= 600 and img.size[1] >= 250
+            lo, hi = img.convert("L").getextrema()
+            assert hi - lo > 100  # something was drawn

@@ -1,0 +1,108 @@
+"""Preflight: ``megatrain-ray plan`` and the up-front refusal of a run that cannot fit.
+
+The host-store rows are checked against the segments a real store creates; an absurdly large
+model is refused by ``train`` before Ray starts, with the table and one sentence, exit status 2.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+from megatrain_ray import cli, preflight
+from megatrain_ray.config import load_config
+from megatrain_ray.layout import StoreLayout
+from megatrain_ray.precision import Precision
+from megatrain_ray.store import ParameterStore, StoreSpec
+
+HUGE = ["--set", "model.hidden_size=16384", "--set", "model.num_hidden_layers=200", "--set",
+        "model.intermediate_size=53248", "--set", "model.num_attention_heads=128", "--set", "model.vocab_size=128256"]
+
+
+def _bytes(text: str) -> int:
+    """'576.0 KiB' -> bytes (to the printed precision)."""
+    value, unit = text.split()
+    return int(float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit])
+
+
+def test_store_rows_match_the_segments_a_real_store_creates(shm_dir):
+    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "model.num_hidden_layers=3"])
+    plan = preflight.plan(cfg, "cpu", starts_ray=False)
+    store = ParameterStore(StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(),
+                                     "plan"), seed=0)
+    try:
+        sizes = {name.rsplit("-", 1)[1]: os.path.getsize(os.path.join(shm_dir, name)) for name in os.listdir(shm_dir)}
+    finally:
+        store.close()
+    shm_rows = [r for r in plan.rows if r.where == "shm"]
+    assert sum(r.nbytes for r in shm_rows) == sum(sizes.values())
+    total = StoreLayout.build(cfg.model).total
+    assert {r.component: r.nbytes for r in shm_rows} == {
+        "master weights (float32)": sizes["master"], "AdamW exp_avg (float32)": sizes["exp_avg"],
+        "AdamW exp_avg_sq (float32)": sizes["exp_avg_sq"], "gradients (host side) (float32)": sizes["grad"],
+        "unit versions": sizes["versions"]}
+    assert sizes["master"] == total * 4
+
+
+def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
+    cfg = load_config(None, ["model.hidden_size=1024", "model.num_hidden_layers=8", "model.intermediate_size=2816",
+                             "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=512"])
+    plan = preflight.plan(cfg, "cuda", device_bytes=8 * 2**30, starts_ray=False)
+    rows = {r.component: r for r in plan.rows}
+    total = StoreLayout.build(cfg.model).total
+    assert rows["stream copy (streamed to the device) (bfloat16)"].nbytes == total * 2
+    assert "gradients (host side) (float32)" not in rows  # gradients travel in the stream copy
+    best = plan.largest_micro_batch
+    assert best and best > 0
+
+    def device_total(b):
+        return sum(r.nbytes for r in preflight.device_rows(cfg, "cuda", b))
+
+    assert device_total(best) <= 8 * 2**30 * preflight.GPU_USABLE < device_total(best + 1)
+    # Beyond one loss chunk, the device total grows linearly with the micro-batch (activations).
+    assert device_total(3 * best) - device_total(2 * best) == device_total(2 * best) - device_total(best) > 0
+
+
+def test_plan_prints_the_table_and_fits(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "--set", "runtime.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    for component in ("master weights (float32)", "AdamW exp_avg (float32)", "weight slots (2 x largest unit)",
+                      "activation checkpoints", "one layer's working set", "loss chunk", "total /dev/shm",
+                      "total host RAM", "largest micro-batch that fits"):
+        assert component in out, component
+    assert "DOES NOT FIT" not in out
+    assert re.search(r"largest micro-batch that fits: \d+ \(train.micro_batch_size is 8\)", out)
+    assert os.listdir(tmp_path) == []
+
+
+def test_plan_of_an_absurd_model_says_it_does_not_fit(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", *HUGE, "--device", "cuda", "--gpu-memory", "141"]) == 2
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out
+    master = re.search(r"master weights \(float32\)\s+/dev/shm\s+([0-9.]+ \w+)", out).group(1)
+    layout_total = StoreLayout.build(load_config(None, [a for a in HUGE if a != "--set"]).model).total
+    assert abs(_bytes(master) - layout_total * 4) / (layout_total * 4) < 0.01  # ~2.7 TiB
+    assert err.startswith("error: the run needs") and err.count("\n") == 1
+
+
+def test_train_refuses_an_absurd_model_before_starting_anything(shm_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", *HUGE, "--set",
+                           f"runtime.shm_dir={shm_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr  # no Ray start-up lines: refused before Ray
+    assert re.match(r"error: the run needs [0-9.]+ TiB in runtime.shm_dir but only [0-9.]+ \wiB is free there; "
+                    r"use a smaller model", lines[0]), lines[0]
+    assert "total /dev/shm" in proc.stdout and "DOES NOT FIT" in proc.stdout
+    assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []
+
+
+def test_host_available_is_below_physical_memory():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < preflight.host_available() <= total
