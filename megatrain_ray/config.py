@@ -471,14 +471,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
         current[key] = value
     cfg = config_from_dict(data)
     if cfg.runtime.init_from is not None:
+        from .hf_io import read_config
+
         cfg.runtime.validate()
-        path = os.path.join(cfg.runtime.init_from, "config.json")
-        try:
-            with open(path) as f:
-                hf = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"runtime.init_from's config.json ({path}) is not readable JSON ({e}).") from None
-        if not isinstance(hf, dict):
-            raise ConfigError(f"runtime.init_from's config.json ({path}) must hold a JSON object.")
-        cfg.model = ModelConfig.from_hf_dict(hf)
+        cfg.model = read_config(cfg.runtime.init_from, "runtime.init_from")[0]
     return cfg.validate()

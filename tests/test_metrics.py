@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 import ray
+import torch
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
@@ -79,7 +80,7 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     assert found[("grad_norm", ())] == pytest.approx(last["grad_norm"], rel=1e-6)
     assert found[("tokens_per_s", ())] == pytest.approx(last["tokens"] / last["step_s"], rel=1e-6)
     assert found[("model_tflops", ())] == pytest.approx(last["model_tflops"], rel=1e-6) and last["model_tflops"] > 0
-    spec = StoreSpec(cfg.model, Precision(*(2 * [__import__("torch").float32])), "/dev/shm", 0, "x")
+    spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), "/dev/shm", 0, "x")  # cpu: fp32
     assert found[("host_store_bytes", ())] == spec.nbytes()
     assert found[("host_memory_used_bytes", ())] > 0
     for stage in ("h2d", "compute", "d2h", "wait", "adamw"):
