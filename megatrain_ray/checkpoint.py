@@ -87,6 +87,7 @@ class CheckpointPlan:
     run_config: dict
     """The run's TrainConfig as a dict, stored in every checkpoint so --resume needs nothing else."""
     run_id: str
+    """The run's id (its directory name), recorded in each checkpoint's meta.json."""
     data_state: dict = field(default_factory=dict)
     """The data loader's position record (:meth:`BatchSource.state`: fingerprint, seed, shapes), to
     which each checkpoint adds its ``next_step``."""
