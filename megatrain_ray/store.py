@@ -18,7 +18,6 @@ them as a Hugging Face safetensors checkpoint, and removes them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ import torch
 
 from . import shm
 from .config import ModelConfig
-from .errors import ConfigError
 from .layout import StoreLayout
 from .model import hf_name
 from .precision import Precision
@@ -182,10 +180,3 @@ class ParameterStore:
     def close(self) -> list[str]:
         """Remove this run's segments (idempotent)."""
         return shm.remove_run(self.spec.shm_dir, self.spec.owner_pid, self.spec.run_id)
-
-
-def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
