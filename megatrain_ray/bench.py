@@ -35,18 +35,23 @@ PRESETS = {
 }
 
 
-def model_params(preset: str) -> int:
-    return StoreLayout.build(ModelConfig(**PRESETS[preset], max_position_embeddings=32768)).num_params
+def preset_shape(preset: str, layers: int | None = None) -> dict:
+    """The preset's model fields, with ``num_hidden_layers`` replaced when ``layers`` is given."""
+    return {**PRESETS[preset], **({"num_hidden_layers": layers} if layers else {})}
+
+
+def model_params(preset: str, layers: int | None = None) -> int:
+    return StoreLayout.build(ModelConfig(**preset_shape(preset, layers), max_position_embeddings=32768)).num_params
 
 
 def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: int, data: str,
-            extra: list[str]) -> object:
-    model = [f"model.{k}={v}" for k, v in PRESETS[preset].items()]
+            extra: list[str], layers: int | None = None) -> object:
+    model = [f"model.{k}={v}" for k, v in preset_shape(preset, layers).items()]
     mbs = tokens // (seq_len * micro_batches)
     return load_config(None, model + [
         "model.max_position_embeddings=32768", f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}",
         f"train.num_micro_batches={micro_batches}", f"train.steps={steps}", f"data.path={data}",
-        "optim.lr=1e-4", "optim.warmup_steps=0", *extra])
+        "optim.lr=1e-4", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
 
 
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -216,14 +221,16 @@ def run_resident(cfg, steps: int) -> dict:
 
 def layer_probe(cfg, micro_batches: int) -> dict:
     """One decoder layer at the run's shape, on the GPU: ms for the forward and the recompute +
-    backward of all micro-batches, through a flat weight buffer as the compute worker does and
-    through separate tensors, with attention's GQA native (enable_gqa) or by repeating K/V."""
+    backward of all micro-batches, as the compute worker runs them (views of a flat slot, gradients
+    into a flat fp32 buffer), eager and compiled."""
     from . import model as M
+    from .compute import layer_backward
     from .layout import LayerTemplate
 
     mc = cfg.model
     t = LayerTemplate.build(mc, "layers.0")
     flat = (torch.randn(t.numel, device="cuda") * 0.02).to(torch.bfloat16)
+    grad = torch.zeros(t.numel, device="cuda")
     mb = cfg.train.micro_batch_size
     xs = [torch.randn(mb, cfg.train.seq_len, mc.hidden_size, device="cuda", dtype=torch.bfloat16)
           for _ in range(micro_batches)]
@@ -240,33 +247,27 @@ def layer_probe(cfg, micro_batches: int) -> dict:
         torch.cuda.synchronize()
         return a.elapsed_time(b) / reps
 
-    def fwd():
+    def fwd(fn):
         with torch.no_grad():
             for x in xs:
-                M.decoder_layer(t.bind(flat, fused=True), x, rope, mc)
+                fn(t.bind(flat, fused=True), x, rope, mc)
 
-    def bwd_flat(fused: bool = True):
-        w = flat.detach().requires_grad_(True)
-        p = t.bind(w, fused=fused)
-        for x in xs:
-            x = x.detach().requires_grad_(True)
-            y = M.decoder_layer(p, x, rope, mc)
-            torch.autograd.grad(y, (w, x), torch.ones_like(y))
+    def bwd(fn):
+        layer_backward(fn, t.bind(flat, fused=True), t.bind(grad, fused=True), xs, [torch.ones_like(x) for x in xs],
+                       rope, mc)
 
-    sep = {k: v.detach().clone().requires_grad_(True) for k, v in t.bind(flat, fused=False).items()}
-
-    def bwd_sep():
-        for x in xs:
-            x = x.detach().requires_grad_(True)
-            y = M.decoder_layer(sep, x, rope, mc)
-            torch.autograd.grad(y, (*sep.values(), x), torch.ones_like(y))
-
-    out = {"fwd_ms": timed(fwd), "bwd_flat_ms": timed(bwd_flat), "bwd_separate_ms": timed(bwd_sep),
-           "bwd_unfused_ms": timed(lambda: bwd_flat(fused=False))}
+    compiled = torch.compile(M.decoder_layer, dynamic=False)
+    start = time.perf_counter()
+    fwd(compiled)
+    bwd(compiled)
+    out = {"compile_s": time.perf_counter() - start}
+    for name, fn in (("eager", M.decoder_layer), ("compiled", compiled)):
+        out[f"fwd_{name}_ms"] = timed(lambda: fwd(fn))
+        out[f"bwd_{name}_ms"] = timed(lambda: bwd(fn))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        bwd_flat()
+        bwd(compiled)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     flops = 2 * t.param_count * cfg.train.seq_len * mb * micro_batches
@@ -276,15 +277,17 @@ def layer_probe(cfg, micro_batches: int) -> dict:
 
 
 def adamw_probe(numel: int, threads: int) -> dict:
-    """CPU rates (G params/s) of torch's fused AdamW alone and of our per-unit update."""
+    """CPU rates (G params/s) of torch's fused AdamW alone (fp32 gradient, all threads on one op) and
+    of our per-unit update (bf16 gradient in, clip factor, stream copy out) on the calling thread's
+    intra-op threads and on an :class:`~megatrain_ray.optim.AdamWRunner` pool, by piece size."""
+    from . import optim
     from .config import OptimConfig
-    from .optim import adamw_unit
 
     torch.set_num_threads(threads)
     p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
     g16 = torch.randn(numel).to(torch.bfloat16)
     g32, stream = g16.float(), torch.empty(numel, dtype=torch.bfloat16)
-    step = torch.tensor(1.0)
+    step, cfg = torch.tensor(1.0), OptimConfig()
 
     def rate(fn):
         fn()
@@ -292,26 +295,27 @@ def adamw_probe(numel: int, threads: int) -> dict:
         fn()
         return numel / (time.perf_counter() - t0) / 1e9
 
-    from . import optim
-
-    chunks = {}
-    for bits in (18, 20, 22):
-        optim.CHUNK, saved = 1 << bits, optim.CHUNK
-        chunks[f"unit_update_chunk{bits}_gps"] = rate(lambda: adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4,
-                                                                         OptimConfig(), grad_scale=0.5))
-        optim.CHUNK = saved
-    return {**chunks, "fused_fp32_gps": rate(lambda: torch._fused_adamw_([p], [g32], [m], [v], [], [step], lr=1e-4,
-                                                               beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
-                                                               amsgrad=False, maximize=False)),
-            "unit_update_gps": rate(lambda: adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4, OptimConfig(),
-                                                       grad_scale=0.5)),
-            "memcpy_gbps": 2 * numel * 4 / 1e9 / (lambda t0: (p.copy_(m), time.perf_counter() - t0)[1])(
-                time.perf_counter())}
+    out = {"fused_fp32_gps": rate(lambda: torch._fused_adamw_(
+        [p], [g32], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
+        amsgrad=False, maximize=False))}
+    saved = optim.CHUNK
+    optim.CHUNK = 1 << 20
+    out["unit_intraop_gps"] = rate(lambda: optim.adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4, cfg, 0.5))
+    for bits in (16, 17, 18):
+        optim.CHUNK = 1 << bits
+        for n in sorted({threads // 2, threads - 2, threads}):
+            runner = optim.AdamWRunner(n)
+            out[f"runner_t{n}_chunk{bits}_gps"] = rate(lambda: runner.update(p, g16, m, v, stream, numel, 1, 1e-4,
+                                                                             cfg, 0.5))
+            runner.close()
+    optim.CHUNK = saved
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--micro-batches", type=int, default=4)
@@ -323,10 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
     ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override for our runs (repeatable), e.g. runtime.compile=false")
+    ap.add_argument("--tag", default=None, help="name of this run's output files (default: the preset)")
     ap.add_argument("--out", default=".", help="directory for bench-<preset>.json and the timeline PNG")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    report: dict = {"preset": args.preset, "params": model_params(args.preset), "tokens_per_step": args.tokens,
+    report: dict = {"preset": args.preset, "layers": preset_shape(args.preset, args.layers)["num_hidden_layers"],
+                    "params": model_params(args.preset, args.layers), "overrides": args.set,
+                    "max_grad_norm": args.max_grad_norm, "tokens_per_step": args.tokens,
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         vocab = PRESETS[args.preset]["vocab_size"]
@@ -350,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config(args.preset, args.tokens, args.seq_len, args.micro_batches, args.steps, data,
                       [f"runtime.buffer_depth={args.buffer_depth}", f"runtime.master_dtype={args.master_dtype}",
                        f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192",
-                       f"optim.max_grad_norm={args.max_grad_norm}"])
+                       f"optim.max_grad_norm={args.max_grad_norm}", *args.set], args.layers)
         flops = 6 * report["params"] * args.tokens
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
@@ -368,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('wait_busy_s', 0):>12.3f}{r['compute_busy_s']:>12.3f}{r['update_busy_s']:>10.3f}")
         report["timeline"] = timeline
         try:
-            plot_timeline(timeline, os.path.join(args.out, f"timeline-{args.preset}.png"))
+            plot_timeline(timeline, os.path.join(args.out, f"timeline-{args.tag or args.preset}.png"))
         except ImportError:
             print("matplotlib is not installed: no timeline PNG")
         if args.single_process:
@@ -379,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             r["tokens_per_s"] = args.tokens / r["step_s"]
             r["model_tflops"] = flops / r["step_s"] / 1e12
         report["systems"] = systems
-    with open(os.path.join(args.out, f"bench-{args.preset}.json"), "w") as f:
+    with open(os.path.join(args.out, f"bench-{args.tag or args.preset}.json"), "w") as f:
         json.dump(report, f, indent=2)
     ours = systems["megatrain_ray"]
     print(f"\n{args.preset}: {report['params'] / 1e9:.2f} B params, {args.tokens} tokens/step, {report['device']}")

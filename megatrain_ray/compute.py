@@ -36,14 +36,40 @@ from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, GradTicket
 
 
+def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                   inputs: list[torch.Tensor], dx: list[torch.Tensor], rope, cfg) -> None:
+    """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
+
+    layer_fn: :func:`~megatrain_ray.model.decoder_layer` or its compiled form; params: the layer's
+    views into its device slot; grads: the same views into its fp32 gradient buffer, accumulated
+    into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter replaced by the
+    input gradients. Each parameter is its own autograd leaf (a view of the slot, no copy), so its
+    gradient is added straight into its place in the flat buffer rather than assembled into a
+    whole-layer gradient first.
+    """
+    leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
+    for m, x in enumerate(inputs):
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = layer_fn(leaves, x, rope, cfg)
+        *gws, dx[m] = torch.autograd.grad(y, [*leaves.values(), x], dx[m], allow_unused=True)
+        for name, gw in zip(leaves, gws):
+            if gw is not None:  # the parts of a fused projection get theirs through the fused view
+                grads[name].add_(gw)
+
+
 class ComputeWorker:
     """Plain class; made a Ray actor (with a GPU when there is one) at spawn."""
 
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
-                 fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None):
+                 fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
+                 compile_layers: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
+        # One compiled decoder layer serves every layer (same shapes): fuses the elementwise work
+        # (RMSNorm, RoPE, SwiGLU, residuals) around the GEMMs and attention, forward and backward.
+        self.layer_fn = torch.compile(decoder_layer, dynamic=False) if compile_layers else decoder_layer
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
@@ -170,7 +196,7 @@ class ComputeWorker:
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
                     p = templates[i].bind(flat, fused=True)
-                    ckpt.append([decoder_layer(p, x, rope, self.cfg) for x in ckpt[-1]])
+                    ckpt.append([self.layer_fn(p, x, rope, self.cfg) for x in ckpt[-1]])
                 self._release(ticket)
 
         embed_grad = torch.zeros(templates[0].numel, dtype=torch.float32, device=dev)
@@ -179,16 +205,9 @@ class ComputeWorker:
         for i in range(n_layers, 0, -1):
             ticket, flat = self._take(i, step)
             with self.backend.compute(self.layout.units[i] + " bwd"):
-                w = flat.detach().requires_grad_(True)
-                p = templates[i].bind(w, fused=True)
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
-                inputs = ckpt.pop()
-                for m in range(num_mb):
-                    x = inputs[m].detach().requires_grad_(True)
-                    with torch.enable_grad():
-                        y = decoder_layer(p, x, rope, self.cfg)
-                    gw, dx[m] = torch.autograd.grad(y, (w, x), dx[m])
-                    grad += gw
+                layer_backward(self.layer_fn, templates[i].bind(flat, fused=True),
+                               templates[i].bind(grad, fused=True), ckpt.pop(), dx, rope, self.cfg)
             self._release(ticket)
             self._send_grad(i, step, grad)
 

@@ -199,6 +199,8 @@ class TrainSection:
     (Ctrl-C, SIGTERM, ``ray job stop``)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
+    save_final: bool = True
+    """Export the final weights to <run dir>/final (Hugging Face safetensors) at the end of the run."""
 
     def validate(self) -> None:
         for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every", "keep_checkpoints"):
@@ -276,6 +278,10 @@ class RuntimeSection:
     """Number of device weight slots (2 = double buffering); also the fetch-queue capacity."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the LM head and loss, so full logits are never materialised."""
+    compile: bool | None = None
+    """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
+    optimizer_threads: int = 0
+    """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"
@@ -293,6 +299,10 @@ class RuntimeSection:
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
 
+    def compile_on(self, device: str) -> bool:
+        """Whether the decoder layer is compiled on the resolved ``device``."""
+        return device == "cuda" if self.compile is None else self.compile
+
     def validate(self) -> None:
         _require(self.device in ("auto", "cpu", "cuda"), "runtime.device",
                  f"must be auto, cpu or cuda, got {self.device!r}")
@@ -301,6 +311,8 @@ class RuntimeSection:
         _require(self.master_dtype in ("float32", "bfloat16"), "runtime.master_dtype",
                  f"must be float32 or bfloat16, got {self.master_dtype!r}")
         _require(self.buffer_depth >= 2, "runtime.buffer_depth", f"must be >= 2, got {self.buffer_depth}")
+        _require(self.optimizer_threads >= 0, "runtime.optimizer_threads",
+                 f"must be >= 0 (0 = one per CPU), got {self.optimizer_threads}")
         _require(self.loss_chunk_size > 0, "runtime.loss_chunk_size",
                  f"must be positive, got {self.loss_chunk_size}")
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")

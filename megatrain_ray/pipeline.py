@@ -290,9 +290,10 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
     roles.actors["compute"] = remote(ComputeWorker, "compute", 2, num_cpus=0.5,
                                      num_gpus=1 if device == "cuda" else 0).remote(
         spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
-        rt.actor_timeout_s, cpu if device == "cpu" else None)
+        rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device))
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
-        spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, cpu, checkpoint=plan)
+        spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.optimizer_threads or cpu,
+        checkpoint=plan)
     loader_cls, loader_args = loader_spec(cfg)  # BatchSource, or CorpusSource over the prepared corpus
     for k in range(n_data):
         roles.actors[f"data-{k}"] = remote(loader_cls, f"data-{k}", 4 + k, num_cpus=0.25).remote(*loader_args)
@@ -380,12 +381,13 @@ class _Driver:
             raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
         r = self.result
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
-        _get(self.a["store"].save_hf.remote(r.final_dir), "store", self.timeout)
+        if self.cfg.train.save_final:
+            _get(self.a["store"].save_hf.remote(r.final_dir), "store", self.timeout)
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
-        self.log(f"done: {self.steps - start} steps, {loss}{r.tokens_per_s:,.0f} tokens/s; "
-                 f"weights saved to {r.final_dir}")
+        saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
+        self.log(f"done: {self.steps - start} steps, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
         return r
 
     def _submit(self, step: int, batch_ref) -> None:

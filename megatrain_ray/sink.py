@@ -25,7 +25,7 @@ import torch
 
 from .config import OptimConfig
 from .errors import PipelineError
-from .optim import adamw_unit, clip_coefficient, lr_at
+from .optim import AdamWRunner, adamw_unit, clip_coefficient, lr_at
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
 
@@ -35,8 +35,9 @@ class GradientSink:
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
                  timeout_s: float, num_threads: int | None = None, checkpoint=None):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        # With threads given, the update runs on its own pool of threads; without, on the calling
+        # thread with the process's intra-op threads.
+        self.runner = AdamWRunner(num_threads) if num_threads else None
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.optim = optim
@@ -102,7 +103,8 @@ class GradientSink:
         s = self.store
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
-        adamw_unit(s.block("master", unit), s.block("grad", unit), s.block("exp_avg", unit),
+        update = self.runner.update if self.runner is not None else adamw_unit
+        update(s.block("master", unit), s.block("grad", unit), s.block("exp_avg", unit),
                    s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
                    step + 1, lr, self.optim, grad_scale=coef)
         s.set_version(unit, step + 1)

@@ -50,9 +50,11 @@ def test_fetch_order_streams_each_layer_twice():
     assert fetch_order(2, tied=True) == [0, 1, 2, 3, 0, 2, 1]
 
 
+@pytest.mark.parametrize("threads", [0, 3])
 @pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
-def test_unit_update_matches_torch_adamw(master_dtype, monkeypatch):
-    """Chunked update with a bf16 gradient, clipping factor and stream refresh vs torch.optim.AdamW."""
+def test_unit_update_matches_torch_adamw(master_dtype, threads, monkeypatch):
+    """Chunked update with a bf16 gradient, clipping factor and stream refresh vs torch.optim.AdamW,
+    on the calling thread (0) and on a pool of threads taking pieces as they come (3)."""
     monkeypatch.setattr(optim, "CHUNK", 1000)  # several pieces, and a piece across the decay boundary
     n, decay = 5000, 3100
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.99)
@@ -65,7 +67,8 @@ def test_unit_update_matches_torch_adamw(master_dtype, monkeypatch):
     for step in range(1, 4):
         grad = torch.randn(n, generator=gen).to(torch.bfloat16)
         stream.copy_(grad)  # the gradient lives in the stream block, as in the store
-        optim.adamw_unit(master, stream, m, v, stream, decay, step, cfg.lr, cfg, grad_scale=0.5)
+        update = optim.AdamWRunner(threads).update if threads else optim.adamw_unit
+        update(master, stream, m, v, stream, decay, step, cfg.lr, cfg, grad_scale=0.5)
         ref.grad = grad.float() * 0.5
         with torch.no_grad():  # decoupled decay on the first `decay` elements only, as our layout does
             ref[:decay] *= 1 - cfg.lr * cfg.weight_decay
