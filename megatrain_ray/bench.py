@@ -11,6 +11,7 @@ run. ``--check`` first compares the CUDA bf16 path's losses with the CPU fp32 pa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -170,7 +171,22 @@ def plot_timeline(spans: list[tuple], path: str) -> None:
 
 
 def run_resident(cfg, steps: int) -> dict:
-    """The same model trained GPU-resident: fp32 params, bf16 autocast, per-layer recompute, fused AdamW."""
+    """The same model trained GPU-resident: fp32 params, bf16 autocast, per-layer recompute, fused AdamW.
+
+    Tries the run's micro-batches first, then splits each into 4 and 16 smaller ones (same tokens
+    per step) while the GPU runs out of memory; reports the split that fit, or status "oom".
+    """
+    for split in (1, 4, 16):
+        try:
+            return {**_resident(cfg, steps, split), "micro_batch_split": split, "status": "ok"}
+        except torch.cuda.OutOfMemoryError:
+            pass
+        gc.collect()  # the failed attempt's tensors, once its traceback is gone
+        torch.cuda.empty_cache()
+    return {"status": "oom", "step_s": float("nan"), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def _resident(cfg, steps: int, split: int) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     from .data import source_from_config
@@ -179,6 +195,7 @@ def run_resident(cfg, steps: int) -> dict:
     mc = cfg.model
     layout = StoreLayout.build(mc)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
     units = []
     for t in layout.templates:
         p = {}
@@ -199,8 +216,9 @@ def run_resident(cfg, steps: int) -> dict:
         batch = source.batch(step)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ids_all = torch.tensor(batch["input_ids"], device="cuda")
-        labels_all = torch.tensor(batch["labels"], device="cuda")
+        ids_all = torch.tensor(batch["input_ids"], device="cuda")  # [M, B, S] -> [M * split, B / split, S]
+        ids_all = ids_all.reshape(ids_all.shape[0] * split, -1, seq)
+        labels_all = torch.tensor(batch["labels"], device="cuda").reshape(ids_all.shape)
         n_tok = labels_all.numel()
         for m in range(ids_all.shape[0]):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -216,7 +234,10 @@ def run_resident(cfg, steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del units, params, opt
+    torch.cuda.empty_cache()
+    return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": peak}
 
 
 def layer_probe(cfg, micro_batches: int) -> dict:
@@ -278,8 +299,8 @@ def layer_probe(cfg, micro_batches: int) -> dict:
 
 def adamw_probe(numel: int, threads: int) -> dict:
     """CPU rates (G params/s) of torch's fused AdamW alone (fp32 gradient, all threads on one op) and
-    of our per-unit update (bf16 gradient in, clip factor, stream copy out) on the calling thread's
-    intra-op threads and on an :class:`~megatrain_ray.optim.AdamWRunner` pool, by piece size."""
+    of our per-unit update (bf16 gradient in, clip factor, stream copy out) with torch's kernels and
+    with the native one-pass kernel on an :class:`~megatrain_ray.optim.AdamWRunner` pool of n threads."""
     from . import optim
     from .config import OptimConfig
 
@@ -298,17 +319,12 @@ def adamw_probe(numel: int, threads: int) -> dict:
     out = {"fused_fp32_gps": rate(lambda: torch._fused_adamw_(
         [p], [g32], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
         amsgrad=False, maximize=False))}
-    saved = optim.CHUNK
-    optim.CHUNK = 1 << 20
-    out["unit_intraop_gps"] = rate(lambda: optim.adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4, cfg, 0.5))
-    for bits in (16, 17, 18):
-        optim.CHUNK = 1 << bits
-        for n in sorted({threads // 2, threads - 2, threads}):
-            runner = optim.AdamWRunner(n)
-            out[f"runner_t{n}_chunk{bits}_gps"] = rate(lambda: runner.update(p, g16, m, v, stream, numel, 1, 1e-4,
-                                                                             cfg, 0.5))
-            runner.close()
-    optim.CHUNK = saved
+    out["unit_torch_gps"] = rate(lambda: optim.adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4, cfg, 0.5))
+    for n in sorted({threads // 2, threads - 4, threads - 2, threads}):
+        runner = optim.AdamWRunner(n)
+        if runner.kernel is not None:
+            out[f"unit_native_t{n}_gps"] = rate(lambda: runner.update(p, g16, m, v, stream, numel, 1, 1e-4, cfg, 0.5))
+        runner.close()
     return out
 
 

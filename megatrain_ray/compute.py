@@ -216,8 +216,8 @@ class ComputeWorker:
             for m in range(num_mb):
                 table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
         self._send_grad(0, step, embed_grad)
+        spans = self.backend.end_step()  # waits for the device without spinning a core
         loss = float(loss)
-        spans = self.backend.end_step()
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}

@@ -281,7 +281,8 @@ class RuntimeSection:
     compile: bool | None = None
     """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
     optimizer_threads: int = 0
-    """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node."""
+    """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
+    compute worker's kernel launches)."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"
@@ -299,6 +300,10 @@ class RuntimeSection:
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
 
+    def adamw_threads(self) -> int:
+        """Threads of the AdamW update (see ``optimizer_threads``)."""
+        return self.optimizer_threads or max(1, (os.cpu_count() or 2) - 1)
+
     def compile_on(self, device: str) -> bool:
         """Whether the decoder layer is compiled on the resolved ``device``."""
         return device == "cuda" if self.compile is None else self.compile
@@ -312,7 +317,7 @@ class RuntimeSection:
                  f"must be float32 or bfloat16, got {self.master_dtype!r}")
         _require(self.buffer_depth >= 2, "runtime.buffer_depth", f"must be >= 2, got {self.buffer_depth}")
         _require(self.optimizer_threads >= 0, "runtime.optimizer_threads",
-                 f"must be >= 0 (0 = one per CPU), got {self.optimizer_threads}")
+                 f"must be >= 0 (0 = one per CPU but one), got {self.optimizer_threads}")
         _require(self.loss_chunk_size > 0, "runtime.loss_chunk_size",
                  f"must be positive, got {self.loss_chunk_size}")
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")

@@ -125,8 +125,10 @@ class CudaBackend:
         self._origin = (time.time(), self._event())
 
     @staticmethod
-    def _event() -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+    def _event(blocking: bool = False) -> torch.cuda.Event:
+        """A timing event recorded on the current stream; ``blocking`` ones are for the host to
+        wait on: the waiting thread sleeps instead of spinning a core that the AdamW threads need."""
+        ev = torch.cuda.Event(enable_timing=True, blocking=blocking)
         ev.record()
         return ev
 
@@ -166,7 +168,7 @@ class CudaBackend:
             value.copy_(scalar, non_blocking=True)
             dev.record_stream(self.d2h)
             scalar.record_stream(self.d2h)
-            done = self._event()
+            done = self._event(blocking=True)
         self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
         return _EventDone(done, value)
 
@@ -189,7 +191,9 @@ class CudaBackend:
     def end_step(self) -> list[tuple]:
         """Wait for the device, then turn the step's event pairs into wall-clock spans."""
         spans = self._spans.take()
-        self.synchronize()
+        for stream in (torch.cuda.current_stream(self.device), self.h2d, self.d2h):
+            with torch.cuda.stream(stream):
+                self._event(blocking=True).synchronize()
         wall0, ev0 = self._origin
 
         def wall(t):

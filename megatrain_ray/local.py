@@ -46,7 +46,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         compute = ComputeWorker(spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
                                 rt.actor_timeout_s, compile_layers=rt.compile_on(device))
         sink = GradientSink(spec, cfg.optim, steps, grad_q, stats_q, rt.actor_timeout_s,
-                            rt.optimizer_threads or os.cpu_count())
+                            rt.adamw_threads())
         threads = [threading.Thread(target=loop, args=(prefetcher.run, 0, steps), daemon=True),
                    threading.Thread(target=loop, args=(sink.run, 0, steps), daemon=True)]
         for t in threads:

@@ -31,7 +31,6 @@ host memory (status ``oom``) or past its time limit (``timeout``, with the steps
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -133,10 +132,11 @@ def check_environment(system: str, device: str = "cuda", ds_torch_adam: bool = F
         raise PeerSetupError(f"CUDA is not available to torch {torch.__version__}; run the peers on a machine with "
                              "an NVIDIA GPU and a CUDA build of torch.")
     if system == "fsdp2":
-        if importlib.util.find_spec("torch.distributed.fsdp") is None or not hasattr(
-                __import__("torch.distributed.fsdp", fromlist=["fully_shard"]), "fully_shard"):
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: F401
+        except ImportError:
             raise PeerSetupError(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2); "
-                                 "install torch >= 2.6.")
+                                 "install torch >= 2.6.") from None
         return
     missing = [name for name in ("deepspeed", "hjson", "pydantic") if importlib.util.find_spec(name) is None]
     if missing:
@@ -372,8 +372,8 @@ def deepspeed_step(engine, spec: PeerSpec):
 # One system in this process.
 
 def _jit_env(spec: PeerSpec) -> None:
-    """Where DeepSpeed's JIT ops build, and for which GPU; the accelerator named, not guessed."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "megatrain_torch_extensions"))
+    """The accelerator DeepSpeed uses, named rather than guessed, and the GPU its JIT ops build for
+    (they build under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, once per machine)."""
     os.environ.setdefault("DS_ACCELERATOR", spec.device)
     if spec.device == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -438,6 +438,7 @@ def new_report(spec: PeerSpec) -> dict:
     return {"system": spec.system, "preset": spec.preset, "layers": spec.shape["num_hidden_layers"],
             "params": num_params(spec), "tokens_per_step": spec.tokens, "seq_len": spec.seq_len,
             "micro_batches": spec.micro_batches, "micro_batch_size": spec.micro_batch_size,
+            "weight_decay": spec.weight_decay,
             "status": "running", "step_times": [], "losses": [], "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if spec.device == "cuda" and torch.cuda.is_available() else "cpu"}
 
@@ -478,6 +479,9 @@ def child_main(spec: PeerSpec, json_path: str) -> int:
             traceback.print_exc()
             line = (str(e).strip().splitlines() or [""])[0][:300]
             report["status"] = "oom" if _is_oom(e) else f"error: {type(e).__name__}: {line}"
+            if "cpu_adam" in str(e) and not spec.ds_torch_adam:  # the JIT build of DeepSpeedCPUAdam failed
+                report["status"] = (f"error: the DeepSpeedCPUAdam op did not build ({line[:160]}); see the log, "
+                                    "or rerun with --ds-torch-adam")
             report["error"] = f"{type(e).__name__}: {line}"
             rc = 1
         if spec.system == "deepspeed" and "deepspeed" in sys.modules:
@@ -508,19 +512,19 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_peer(system: str, preset: str, *, tokens: int = 65536, seq_len: int = 1024, micro_batches: int = 4,
              steps: int = 3, layers: int | None = None, timeout_s: float = 300.0, ds_torch_adam: bool = False,
              device: str = "cuda", log_path: str | None = None, min_available_gib: float = 2.0,
-             echo: bool = True) -> dict:
+             weight_decay: float = 0.1, echo: bool = True) -> dict:
     """Train one system in a subprocess and return its report; status ``ok``, ``oom`` (CUDA or host
     out of memory, killed by the kernel, or stopped here when MemAvailable fell under
     ``min_available_gib``), ``timeout`` (steps done so far kept) or ``error: <one line>``."""
-    spec = PeerSpec(system, preset, tokens, seq_len, micro_batches, steps, layers, ds_torch_adam=ds_torch_adam,
-                    device=device)
+    spec = PeerSpec(system, preset, tokens, seq_len, micro_batches, steps, layers, weight_decay=weight_decay,
+                    ds_torch_adam=ds_torch_adam, device=device)
     spec.validate()
     with tempfile.TemporaryDirectory() as tmp:
         json_path = os.path.join(tmp, "report.json")
         log_path = log_path or os.path.join(tmp, "child.log")
         cmd = [sys.executable, "-m", "megatrain_ray.peers", "--system", system, "--preset", preset,
                "--tokens", str(tokens), "--seq-len", str(seq_len), "--micro-batches", str(micro_batches),
-               "--steps", str(steps), "--device", device, "--json", json_path]
+               "--steps", str(steps), "--device", device, "--weight-decay", repr(weight_decay), "--json", json_path]
         cmd += ["--layers", str(layers)] if layers is not None else []
         cmd += ["--ds-torch-adam"] if ds_torch_adam else []
         available_before = _mem_available()
@@ -581,12 +585,20 @@ def _wait_for_memory(available_before: int, limit_s: float = 60.0) -> None:
 # ---------------------------------------------------------------------------------------------
 # Command line.
 
-def _ours(path: str | None) -> float | None:
-    """megatrain_ray's step_s from a bench-<preset>.json, if there is one."""
+def _ours(path: str | None, tokens: int) -> float | None:
+    """megatrain_ray's step_s from a bench-<preset>.json run at the same tokens per step, if there is one."""
     if not path or not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f).get("systems", {}).get("megatrain_ray", {}).get("step_s")
+        bench = json.load(f)
+    if bench.get("tokens_per_step") != tokens:
+        print(f"peers: {path} was run at {bench.get('tokens_per_step')} tokens/step, not {tokens}: no ratio")
+        return None
+    return bench.get("systems", {}).get("megatrain_ray", {}).get("step_s")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
 
 
 def format_table(rows: list[dict], ours_step_s: float | None = None) -> str:
@@ -597,7 +609,7 @@ def format_table(rows: list[dict], ours_step_s: float | None = None) -> str:
         ok = "step_s" in r
         num = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
         status = r["status"] if len(r["status"]) <= 9 else r["status"][:9]
-        lines.append(f"{r['system']:<11}{r['layers']:>7}{r['params'] / 1e9:>7.2f}B{status:>10}"
+        lines.append(f"{r['system']:<11}{r['layers']:>7}{_size(r['params']):>8}{status:>10}"
                      f"{num('step_s', '9.2f'):>9}{num('tokens_per_s', '9,.0f'):>9}{num('model_tflops', '8.1f'):>8}"
                      f"{num('gpu_peak_gib', '9.1f'):>9}{num('host_peak_added_gib', '10.1f'):>10}"
                      + (f"{r['step_s'] / ours_step_s:>8.2f}" if ours_step_s and ok else ""))
@@ -618,6 +630,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep-layers", help="comma-separated layer counts: per system, the largest that trains")
     ap.add_argument("--timeout-s", type=float, default=270.0, help="per-system limit, then status timeout")
     ap.add_argument("--budget-s", type=float, help="stop starting systems once this much wall time has passed")
+    ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
     ap.add_argument("--ds-torch-adam", action="store_true", help="DeepSpeed with torch.optim.AdamW, not DeepSpeedCPUAdam")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
     ap.add_argument("--ours", help="bench-<preset>.json of megatrain_ray for the ratio column "
@@ -641,7 +654,7 @@ def _run_all(args, plan: list[tuple[str, str, int | None]]) -> list[dict]:
         print(f"peers: {tag}: starting (limit {min(args.timeout_s, left):.0f} s)", flush=True)
         r = run_peer(system, preset, tokens=args.tokens, seq_len=args.seq_len, micro_batches=args.micro_batches,
                      steps=args.steps, layers=layers, timeout_s=min(args.timeout_s, left),
-                     ds_torch_adam=args.ds_torch_adam, device=args.device,
+                     ds_torch_adam=args.ds_torch_adam, device=args.device, weight_decay=args.weight_decay,
                      log_path=os.path.join(args.out, f"peers-{tag}.log"))
         rows.append(r)
         if layers is not None and r["status"] != "ok":
@@ -656,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 raise PeerSetupError("--system needs --json PATH for its report.")
             spec = PeerSpec(args.system, args.preset, args.tokens, args.seq_len, args.micro_batches, args.steps,
-                            args.layers, ds_torch_adam=args.ds_torch_adam, device=args.device)
+                            args.layers, weight_decay=args.weight_decay, ds_torch_adam=args.ds_torch_adam,
+                            device=args.device)
             return child_main(spec, args.json)
         systems = [s for s in args.systems.split(",") if s]
         presets = [p for p in args.preset.split(",") if p]
@@ -673,8 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     for preset in presets:
         plan = [(s, preset, n) for s in systems for n in sorted(layer_counts, key=lambda n: n or 0)]
         rows = _run_all(args, plan)
-        ours = _ours(args.ours or os.path.join(args.out, f"bench-{preset}.json"))
-        name = f"peers-sweep-{preset}.json" if args.sweep_layers else f"peers-{preset}.json"
+        ours = _ours(args.ours or os.path.join(args.out, f"bench-{preset}.json"), args.tokens)
+        subset = "" if sorted(systems) == sorted(SYSTEMS) else "-" + "-".join(systems)  # runs split by system
+        name = f"peers-{'sweep-' if args.sweep_layers else ''}{preset}{subset}.json"
         report = {"preset": preset, "tokens_per_step": args.tokens, "seq_len": args.seq_len,
                   "micro_batches": args.micro_batches, "steps": args.steps, "ours_step_s": ours, "runs": rows}
         if args.sweep_layers:
@@ -686,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows, ours))
         if args.sweep_layers:
             for s, n in report["largest_trained"].items():
-                print(f"largest that trained with {s}: " + (f"{n} layers ({num_params(PeerSpec(s, preset, layers=n)) / 1e9:.2f} B params)"
+                print(f"largest that trained with {s}: " + (f"{n} layers ({_size(num_params(PeerSpec(s, preset, layers=n)))} params)"
                                                               if n else "none of those tried"))
         for r in rows:
             if r.get("error"):

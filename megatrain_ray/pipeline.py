@@ -292,7 +292,7 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
         spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
         rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device))
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
-        spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.optimizer_threads or cpu,
+        spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
         checkpoint=plan)
     loader_cls, loader_args = loader_spec(cfg)  # BatchSource, or CorpusSource over the prepared corpus
     for k in range(n_data):

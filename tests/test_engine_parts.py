@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatrain_ray import model as M
-from megatrain_ray import optim
+from megatrain_ray import adamw_native, optim
 from megatrain_ray.config import ModelConfig, OptimConfig, load_config
 from megatrain_ray.layout import UNIT_ALIGN, LayerTemplate, StoreLayout
 from megatrain_ray.tickets import fetch_order
@@ -50,11 +50,13 @@ def test_fetch_order_streams_each_layer_twice():
     assert fetch_order(2, tied=True) == [0, 1, 2, 3, 0, 2, 1]
 
 
-@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
-def test_unit_update_matches_torch_adamw(master_dtype, threads, monkeypatch):
+def test_unit_update_matches_torch_adamw(master_dtype, native, monkeypatch):
     """Chunked update with a bf16 gradient, clipping factor and stream refresh vs torch.optim.AdamW,
-    on the calling thread (0) and on a pool of threads taking pieces as they come (3)."""
+    with torch's kernels and with the one-pass C kernel on a pool of threads."""
+    if native and adamw_native.kernel() is None:
+        pytest.skip("no C compiler: the native AdamW kernel cannot be built here")
     monkeypatch.setattr(optim, "CHUNK", 1000)  # several pieces, and a piece across the decay boundary
     n, decay = 5000, 3100
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.99)
@@ -67,7 +69,7 @@ def test_unit_update_matches_torch_adamw(master_dtype, threads, monkeypatch):
     for step in range(1, 4):
         grad = torch.randn(n, generator=gen).to(torch.bfloat16)
         stream.copy_(grad)  # the gradient lives in the stream block, as in the store
-        update = optim.AdamWRunner(threads).update if threads else optim.adamw_unit
+        update = optim.AdamWRunner(3, native=native).update
         update(master, stream, m, v, stream, decay, step, cfg.lr, cfg, grad_scale=0.5)
         ref.grad = grad.float() * 0.5
         with torch.no_grad():  # decoupled decay on the first `decay` elements only, as our layout does
