@@ -18,6 +18,6 @@ timeout 90 python3 -m megatrain_ray.bench --preset 7b --layers 14 --steps 3 --ou
 timeout 120 python3 -c "
 import sys; sys.argv = ['x']
 from megatrain_ray import bench
-cfg = bench._config('7b', 65536, 1024, 4, 4, '/tmp/tok.npy', [])
 import numpy as np; np.save('/tmp/tok.npy', np.random.default_rng(0).integers(0, 152064, size=1_000_000))
+cfg = bench._config('7b', 65536, 1024, 4, 4, '/tmp/tok.npy', [])
 print('7b gpu-resident baseline:', bench.run_resident(cfg, 4))" 2>&1 | tail -3 | tee "$out/log_7b-resident.txt"
