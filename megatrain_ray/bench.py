@@ -52,7 +52,7 @@ def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: i
     return load_config(None, model + [
         "model.max_position_embeddings=32768", f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}",
         f"train.num_micro_batches={micro_batches}", f"train.steps={steps}", f"data.path={data}",
-        "optim.lr=1e-4", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
+        "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
 
 
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
