@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 
 from .config import TrainConfig
@@ -373,10 +374,35 @@ def check_init_from(cfg: TrainConfig) -> None:
                                   f"implies {shapes[key]}.")
 
 
+def _fits_an_idle_machine(result: Plan, cfg: TrainConfig) -> bool:
+    """Whether the run would fit this machine with nothing else on it (then waiting may help)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return (result.total("shm") <= shutil.disk_usage(cfg.runtime.shm_dir).total
+            and result.total("host") <= physical)
+
+
+RELEASE_WAIT_S = 30.0
+"""Seconds :func:`check` waits, at most, for free memory that is still growing before it fails."""
+RELEASE_POLL_S = 2.0
+
+
 def check(cfg: TrainConfig, device: str, log=print, starts_ray: bool | None = None) -> Plan:
     """The plan of a run about to start; prints the table and raises PreflightError if it does not fit."""
     result = plan(cfg, device, starts_ray=starts_ray)
     problems = result.problems()
+    waited = 0.0
+    while problems and waited < RELEASE_WAIT_S and _fits_an_idle_machine(result, cfg):
+        # A run that has just ended frees its memory only as its processes exit (its segments are
+        # unlinked, but mappings live until then): wait while the free memory is still growing.
+        time.sleep(RELEASE_POLL_S)
+        waited += RELEASE_POLL_S
+        again = plan(cfg, device, starts_ray=starts_ray)
+        growing = again.shm_free > result.shm_free or again.host_available > result.host_available
+        if waited == RELEASE_POLL_S and growing:
+            log("waiting for the memory of a run that just ended to be released")
+        result, problems = again, again.problems()
+        if not growing:
+            break
     if problems:
         log(result.table())
         raise PreflightError(problems[0])

@@ -106,3 +106,27 @@ def test_train_refuses_an_absurd_model_before_starting_anything(shm_dir, tmp_pat
 def test_host_available_is_below_physical_memory():
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < preflight.host_available() <= total
+
+
+def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypatch):
+    """Right after another run ends its memory comes back as its processes exit: a run that would
+    fit an idle machine waits while the free memory grows, then starts."""
+    import dataclasses
+
+    cfg = load_config(None, [f"runtime.run_dir={tmp_path}"])
+    real = preflight.plan(cfg, "cpu", starts_ray=False)
+    need = real.total("shm")
+    frees = iter([need // 2, need // 2 + need // 4, need * 2])  # releasing, still short, then enough
+    monkeypatch.setattr(preflight, "RELEASE_POLL_S", 0.01)
+    monkeypatch.setattr(preflight, "plan", lambda *a, **k: dataclasses.replace(real, shm_free=next(frees)))
+    lines = []
+    assert preflight.check(cfg, "cpu", lines.append, starts_ray=False).shm_free == need * 2
+    assert lines == ["waiting for the memory of a run that just ended to be released"]
+
+    frees = iter([need // 2, need // 2])  # not growing: fails at once, with the table and the sentence
+    try:
+        preflight.check(cfg, "cpu", lines.append, starts_ray=False)
+    except preflight.PreflightError as e:
+        assert str(e).startswith("the run needs")
+    else:
+        raise AssertionError("a run that does not fit was not refused")
