@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .activations import ActivationStore
 from .device import make_backend
 from .errors import PipelineError
 from .model import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
@@ -63,13 +64,14 @@ class ComputeWorker:
 
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, offload_activations: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
         # One compiled decoder layer serves every layer (same shapes): fuses the elementwise work
         # (RMSNorm, RoPE, SwiGLU, residuals) around the GEMMs and attention, forward and backward.
         self.layer_fn = torch.compile(decoder_layer, dynamic=False) if compile_layers else decoder_layer
+        self.offload_activations = offload_activations
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
@@ -187,27 +189,34 @@ class ComputeWorker:
         n_layers = self.cfg.num_hidden_layers
         templates = self.layout.templates
 
+        acts = ActivationStore(self.backend, self.offload_activations)
         with torch.no_grad():
             ticket, flat = self._take(0, step)
             with self.backend.compute("embed"):
-                ckpt = [[embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]]
+                xs = [embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]
             self._release(ticket)
             for i in range(1, n_layers + 1):
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
                     p = templates[i].bind(flat, fused=True)
-                    ckpt.append([self.layer_fn(p, x, rope, self.cfg) for x in ckpt[-1]])
+                    ys = [self.layer_fn(p, x, rope, self.cfg) for x in xs]
+                acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
+                xs = ys
                 self._release(ticket)
 
         embed_grad = torch.zeros(templates[0].numel, dtype=torch.float32, device=dev)
-        loss, dx = self._head(step, ckpt.pop(), labels, n_tokens, embed_grad)
+        loss, dx = self._head(step, xs, labels, n_tokens, embed_grad)
+        xs = ys = None  # the head has used the last hidden states
 
         for i in range(n_layers, 0, -1):
             ticket, flat = self._take(i, step)
+            inputs = acts.take(i)
+            acts.prefetch(i - 1)  # the next backward's inputs come in while this one computes
             with self.backend.compute(self.layout.units[i] + " bwd"):
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
                 layer_backward(self.layer_fn, templates[i].bind(flat, fused=True),
-                               templates[i].bind(grad, fused=True), ckpt.pop(), dx, rope, self.cfg)
+                               templates[i].bind(grad, fused=True), inputs, dx, rope, self.cfg)
+            del inputs
             self._release(ticket)
             self._send_grad(i, step, grad)
 

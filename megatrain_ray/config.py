@@ -280,6 +280,10 @@ class RuntimeSection:
     """Tokens per chunk of the LM head and loss, so full logits are never materialised."""
     compile: bool | None = None
     """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
+    offload_activations: bool = False
+    """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
+    on the device, copied out and back on the copy streams: device memory no longer grows with the
+    number of layers (for long contexts), at the cost of host memory and link time."""
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
     compute worker's kernel launches)."""

@@ -80,6 +80,22 @@ class CpuBackend:
         yield
         self._spans.add("compute", label, t0, time.time(), 0)
 
+    def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def stash(self, dev: torch.Tensor, host: torch.Tensor, label: str = "") -> None:
+        """Copy an activation out to a host buffer (see :mod:`megatrain_ray.activations`)."""
+        t0 = time.time()
+        host.copy_(dev)
+        self._spans.add("d2h", label, t0, time.time(), host.numel() * host.element_size())
+
+    def unstash(self, host: torch.Tensor, done: None, label: str = "") -> tuple[torch.Tensor, None]:
+        """A device copy of a stashed activation, and the handle to :meth:`wait` on before use."""
+        t0 = time.time()
+        dev = host.clone()
+        self._spans.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
+        return dev, None
+
     def note(self, lane: str, label: str, start: float, end: float) -> None:
         """Record a host-side span (e.g. the compute thread waiting for weights)."""
         self._spans.add(lane, label, start, end, 0)
@@ -177,6 +193,36 @@ class CudaBackend:
         start = self._event()
         yield
         self._spans.add("compute", label, start, self._event(), 0)
+
+    def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def stash(self, dev: torch.Tensor, host: torch.Tensor, label: str = "") -> torch.cuda.Event:
+        """Copy an activation out to a pinned host buffer on the copy-out stream, after the compute
+        enqueued so far; the device tensor's memory is reused only once the copy is done."""
+        computed = self._event()
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(computed)
+            start = self._event()
+            host.copy_(dev, non_blocking=True)
+            dev.record_stream(self.d2h)
+            done = self._event()
+        self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
+        return done
+
+    def unstash(self, host: torch.Tensor, done: torch.cuda.Event, label: str = "") -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A device copy of a stashed activation, started on the copy-in stream once its copy-out
+        (``done``) is complete; :meth:`wait` on the returned event before using the tensor."""
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        allocated = self._event()  # the new memory's previous user on the compute stream is done
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(allocated)
+            self.h2d.wait_event(done)
+            start = self._event()
+            dev.copy_(host, non_blocking=True)
+            ready = self._event()
+        self._spans.add("h2d", label, start, ready, host.numel() * host.element_size())
+        return dev, ready
 
     def note(self, lane: str, label: str, start: float, end: float) -> None:
         """Record a host-side span (e.g. the compute thread waiting for weights)."""

@@ -44,7 +44,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         ParameterStore(spec, cfg.train.seed, rt.init_from)  # creates and fills the segments
         prefetcher = Prefetcher(spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
         compute = ComputeWorker(spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
-                                rt.actor_timeout_s, compile_layers=rt.compile_on(device))
+                                rt.actor_timeout_s, compile_layers=rt.compile_on(device),
+                                offload_activations=rt.offload_activations)
         sink = GradientSink(spec, cfg.optim, steps, grad_q, stats_q, rt.actor_timeout_s,
                             rt.adamw_threads())
         threads = [threading.Thread(target=loop, args=(prefetcher.run, 0, steps), daemon=True),

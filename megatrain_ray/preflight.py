@@ -13,7 +13,8 @@ Where the bytes go (see :mod:`megatrain_ray.precision` for the dtypes):
   held by every data loader, and one shard of the final Hugging Face export.
 - **device** (the GPU; on a CPU run, host RAM): ``buffer_depth`` weight slots of the largest unit;
   the activation checkpoints (each layer's input, for every micro-batch: (layers + 1) x tokens
-  per step x hidden); the input gradients of every micro-batch; one layer's working set while it
+  per step x hidden; in host RAM with runtime.offload_activations, leaving ~3 layers' worth on
+  the device); the input gradients of every micro-batch; one layer's working set while it
   is recomputed and differentiated for one micro-batch (its activations and their gradients, its
   fp32 gradient accumulator); the fp32 embedding and head gradients; one loss chunk of fp32 logits.
 
@@ -227,8 +228,11 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Ro
     rows = [
         Row(f"weight slots ({rt.buffer_depth} x largest unit)", "device",
             rt.buffer_depth * layout.max_unit_numel * c),
-        Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {t.num_micro_batches} x {tokens} tokens x {h})",
-            "device", (m.num_hidden_layers + 1) * t.num_micro_batches * tokens * h * c),
+        Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {t.num_micro_batches} x {tokens} tokens x {h})"
+            + (", offloaded" if rt.offload_activations else ""), "host" if rt.offload_activations else "device",
+            (m.num_hidden_layers + 1) * t.num_micro_batches * tokens * h * c),
+        *([Row(f"activation checkpoints in flight (3 x {t.num_micro_batches} x {tokens} tokens x {h})", "device",
+               3 * t.num_micro_batches * tokens * h * c)] if rt.offload_activations else []),
         Row("input gradients of every micro-batch", "device", t.num_micro_batches * tokens * h * c),
         Row("one layer's working set (one micro-batch)", "device",
             tokens * (4 * h + 2 * q + 2 * kv + 4 * inter) * c + layer_numel * (4 + c)),

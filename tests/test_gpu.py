@@ -5,6 +5,7 @@ worker (the gradient sink left out, so the gradients stay in the host store to b
 against the same weights held on the GPU in fp32 and run under bf16 autocast with plain autograd.
 """
 
+import gc
 import os
 import queue
 import threading
@@ -25,18 +26,18 @@ from megatrain_ray.store import HostStore, ParameterStore, StoreSpec
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _config(tmp_path, shm_dir, tied: bool):
+def _config(tmp_path, shm_dir, tied: bool, layers: int = 4):
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 4096, size=200_000))
     return load_config(None, [
-        "model.hidden_size=256", "model.intermediate_size=704", "model.num_hidden_layers=4",
+        "model.hidden_size=256", "model.intermediate_size=704", f"model.num_hidden_layers={layers}",
         "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.vocab_size=4096",
         f"model.tie_word_embeddings={str(tied).lower()}", "train.seq_len=256", "train.micro_batch_size=4",
         "train.num_micro_batches=3", "train.steps=1", f"data.path={data}", "runtime.device=cuda",
         f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}/runs", "runtime.loss_chunk_size=300"])
 
 
-def _streamed_step(cfg, compile_layers: bool):
+def _streamed_step(cfg, compile_layers: bool, offload: bool = False):
     """One step through store + prefetcher + compute worker; returns (result, store, spec)."""
     rt = cfg.runtime
     spec = StoreSpec(cfg.model, resolve_precision(rt, "cuda"), rt.shm_dir, os.getpid(), "gpu-" + uuid.uuid4().hex[:6])
@@ -46,7 +47,7 @@ def _streamed_step(cfg, compile_layers: bool):
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     worker = ComputeWorker(spec, "cuda", rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
-                           rt.actor_timeout_s, compile_layers=compile_layers)
+                           rt.actor_timeout_s, compile_layers=compile_layers, offload_activations=offload)
     try:
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:
@@ -78,10 +79,11 @@ def _resident_step(cfg, store: HostStore):
     return total, units
 
 
-@pytest.mark.parametrize("tied,compile_layers", [(False, False), (True, False), (False, True)])
-def test_streamed_bf16_step_matches_the_gpu_resident_model(tied, compile_layers, tmp_path, shm_dir):
+@pytest.mark.parametrize("tied,compile_layers,offload", [(False, False, False), (True, False, False),
+                                                        (False, True, False), (False, False, True)])
+def test_streamed_bf16_step_matches_the_gpu_resident_model(tied, compile_layers, offload, tmp_path, shm_dir):
     cfg = _config(tmp_path, shm_dir, tied)  # the shm_dir fixture removes the segments afterwards
-    result, tickets, spec = _streamed_step(cfg, compile_layers)
+    result, tickets, spec = _streamed_step(cfg, compile_layers, offload)
     store = HostStore(spec)
     ref_loss, ref_units = _resident_step(cfg, store)
     n_layers = cfg.model.num_hidden_layers
@@ -101,3 +103,18 @@ def test_streamed_bf16_step_matches_the_gpu_resident_model(tied, compile_layers,
             assert err < 3e-2, f"{store.layout.units[ticket.unit]}.{name}: relative gradient error {err:.3g}"
     ref_sq = sum(float(p.grad.float().pow(2).sum()) for u in ref_units for p in u.values())
     assert sq_norm == pytest.approx(ref_sq, rel=2e-2)
+
+
+def test_offloaded_activations_keep_device_memory_flat_in_depth(tmp_path, shm_dir):
+    """With runtime.offload_activations the peak device memory of a step does not grow with the
+    number of layers; kept on the device, it grows by one checkpoint set per layer."""
+    peaks = {}
+    for offload in (False, True):
+        for layers in (2, 8):
+            cfg = _config(tmp_path, shm_dir, False, layers)
+            gc.collect()  # the previous worker's slots
+            torch.cuda.reset_peak_memory_stats()
+            peaks[offload, layers] = _streamed_step(cfg, False, offload)[0]["device_peak_bytes"]
+    per_layer = 3 * 4 * 256 * 256 * 2  # micro-batches x [4, 256, 256] bf16
+    assert peaks[False, 8] - peaks[False, 2] >= 6 * per_layer * 0.9
+    assert abs(peaks[True, 8] - peaks[True, 2]) < 1.5 * per_layer

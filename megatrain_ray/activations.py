@@ -1,0 +1,56 @@
+"""Where each layer's input, kept from the forward for the recompute in the backward, lives.
+
+By default the inputs stay on the device: (layers + 1) x micro-batches x [B, S, H] in the compute
+dtype, the one part of device memory that grows with the number of layers. With
+``runtime.offload_activations`` each layer's inputs are copied to pinned host buffers (on the
+copy-out stream, overlapping the next layer's forward) as soon as the forward has used them, and
+copied back (on the copy-in stream) one layer ahead of the backward that recomputes from them, so
+device memory holds the inputs of about two layers whatever the depth: what long contexts need.
+The host buffers are allocated once, at the first step, and reused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ActivationStore:
+    """Layer inputs by unit index, on the device or offloaded through a compute backend."""
+
+    def __init__(self, backend, offload: bool):
+        self.backend = backend
+        self.offload = offload
+        self._kept: dict[int, list[torch.Tensor]] = {}
+        self._stashed: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self._fetched: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self._host: dict[tuple[int, int], torch.Tensor] = {}
+
+    def put(self, unit: int, xs: list[torch.Tensor]) -> None:
+        """xs: M x [B, S, H], the input of ``unit`` for every micro-batch, no longer needed by the forward."""
+        if not self.offload:
+            self._kept[unit] = xs
+            return
+        entries = []
+        for m, x in enumerate(xs):
+            host = self._host.get((unit, m))
+            if host is None or host.shape != x.shape or host.dtype != x.dtype:
+                host = self._host[(unit, m)] = self.backend.host_buffer(x.shape, x.dtype)
+            entries.append((host, self.backend.stash(x, host, f"inputs of unit {unit}")))
+        self._stashed[unit] = entries
+
+    def prefetch(self, unit: int) -> None:
+        """Start bringing ``unit``'s inputs back to the device (no-op when kept there or absent)."""
+        if self.offload and unit in self._stashed and unit not in self._fetched:
+            self._fetched[unit] = [self.backend.unstash(host, done, f"inputs of unit {unit}")
+                                   for host, done in self._stashed.pop(unit)]
+
+    def take(self, unit: int) -> list[torch.Tensor]:
+        """``unit``'s inputs on the device, ready for the compute stream; forgets them here."""
+        if not self.offload:
+            return self._kept.pop(unit)
+        self.prefetch(unit)
+        out = []
+        for x, ready in self._fetched.pop(unit):
+            self.backend.wait(ready)
+            out.append(x)
+        return out
