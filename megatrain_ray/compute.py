@@ -64,7 +64,7 @@ class ComputeWorker:
 
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
-                 compile_layers: bool = False, offload_activations: bool = False):
+                 compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
@@ -78,6 +78,7 @@ class ComputeWorker:
         self.chunk = loss_chunk_size
         self.timeout_s = timeout_s
         self.fetch_q, self.grad_q, self.release_q = fetch_q, grad_q, release_q
+        self.grad_slot_q = grad_slot_q  # free slots of the store's gradient ring, from the sink
         self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
         for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
             if kind in self.store.arrays:
@@ -128,8 +129,8 @@ class ComputeWorker:
 
     def _grad_loop(self) -> None:
         """Send each gradient's ticket once its copy to the host store is complete."""
-        for unit, step, handle in self._drain(self._grads):
-            self.grad_q.put(GradTicket(unit, step, handle.result()), timeout=self.timeout_s)
+        for unit, step, slot, handle in self._drain(self._grads):
+            self.grad_q.put(GradTicket(unit, step, handle.result(), slot), timeout=self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
 
@@ -163,9 +164,18 @@ class ComputeWorker:
     def _send_grad(self, unit: int, step: int, grad: torch.Tensor) -> None:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink."""
         sq_norm = torch.dot(grad, grad)
-        host = self.store.block("grad", unit)
+        slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
+        host = self.store.grad_block(unit, slot)
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
-        self._grads.put((unit, step, handle))
+        self._grads.put((unit, step, slot, handle))
+
+    def _free_grad_slot(self, unit: int) -> int:
+        """A slot of the gradient ring that the sink has finished with (waits for one)."""
+        try:
+            return self.grad_slot_q.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for a free gradient slot for "
+                                f"{self.layout.units[unit]}: the gradient sink is stalled.") from None
 
     # -- one step ----------------------------------------------------------------------------
 

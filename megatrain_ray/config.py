@@ -23,6 +23,8 @@ import yaml
 from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
 
 
 @dataclass
@@ -49,6 +51,10 @@ class ModelConfig:
     """Epsilon inside every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    rope_scaling: dict[str, float | int | str] | None = None
+    """RoPE frequency scaling, as HF config.json's rope_scaling: None for plain RoPE, or Llama 3.1's
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    (see model.rope_cache); other rope types are refused."""
     max_position_embeddings: int = 2048
     """Longest sequence the model is configured for; train.seq_len may not exceed it."""
     tie_word_embeddings: bool = False
@@ -101,8 +107,33 @@ class ModelConfig:
                  f"got {self.num_key_value_heads}")
         _require(self.rms_norm_eps > 0, "model.rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
         _require(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            self._validate_rope_scaling()
         _require(self.initializer_range > 0, "model.initializer_range",
                  f"must be positive, got {self.initializer_range}")
+
+    def _validate_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        _require(isinstance(rs, dict), "model.rope_scaling", f"must be a mapping (or null), got {rs!r}")
+        rope_type = rs.get("rope_type")
+        _require(rope_type == "llama3", "model.rope_scaling",
+                 f"has rope_type {rope_type!r}, which is not supported; supported are 'llama3' "
+                 "(Llama 3.1 to 3.3) and null (plain RoPE)")
+        unknown = sorted(set(rs) - set(LLAMA3_ROPE_KEYS))
+        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
+                 f"is not a key of a llama3 rope_scaling; its keys are {', '.join(LLAMA3_ROPE_KEYS)}")
+        for key in LLAMA3_ROPE_KEYS[1:]:
+            value = rs.get(key)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"model.rope_scaling.{key}",
+                     f"must be a number, got {value!r}")
+        _require(rs["factor"] >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs['factor']}")
+        _require(rs["low_freq_factor"] > 0, "model.rope_scaling.low_freq_factor",
+                 f"must be positive, got {rs['low_freq_factor']}")
+        _require(rs["high_freq_factor"] > rs["low_freq_factor"], "model.rope_scaling.high_freq_factor",
+                 f"must exceed low_freq_factor ({rs['low_freq_factor']}), got {rs['high_freq_factor']}")
+        original = rs["original_max_position_embeddings"]
+        _require(original > 0 and float(original).is_integer(), "model.rope_scaling.original_max_position_embeddings",
+                 f"must be a positive integer, got {original!r}")
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -116,16 +147,25 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} in config.json is not supported; only silu (SwiGLU) is.")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope_scaling type {rope_type!r} in config.json is not supported yet; "
-                              "only the default RoPE is.")
+        # transformers 4 writes rope_scaling (rope_theta beside it), 5 writes rope_parameters (rope_theta
+        # inside); 5 reads rope_scaling first and prefers the rope_theta inside, and so do we.
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_scaling in config.json must be a JSON object, got {rope!r}.")
         names = {f.name for f in dataclasses.fields(cls)}
         data = {k: v for k, v in hf.items() if k in names}
         data["model_type"] = model_type
-        if "rope_theta" not in hf and "rope_theta" in rope:
-            data["rope_theta"] = rope["rope_theta"]
+        data["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        data["rope_scaling"] = None
+        if rope_type not in ("default", None):  # validate() refuses the types model.rope_cache lacks
+            data["rope_scaling"] = {"rope_type": rope_type,
+                                    **{k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta")}}
+            if rope_type == "llama3":  # transformers' precedence for the pretraining length
+                fallback = rope.get("original_max_position_embeddings",
+                                    hf.get("max_position_embeddings", cls.max_position_embeddings))
+                data["rope_scaling"]["original_max_position_embeddings"] = hf.get(
+                    "original_max_position_embeddings", fallback)
         if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             data["sliding_window"] = None
         cfg = _section_from_dict(cls, data, "model")

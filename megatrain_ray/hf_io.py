@@ -204,9 +204,9 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) ->
     """config.json for ``cfg``: the original config's other fields (token ids, ...) kept, the shape ours."""
     out = dict(base or {})
     ours = cfg.to_hf_dict()
-    if "rope_parameters" in out:  # transformers 5 keeps rope_theta inside rope_parameters
-        out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": cfg.rope_theta}
-    out.update(ours)
+    if "rope_parameters" in out:  # transformers 5's form: rope_theta and the scaling inside rope_parameters
+        out["rope_parameters"] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    out.update(ours)  # transformers 4's form (rope_theta, rope_scaling), which 5 reads too
     name = str(dtype).removeprefix("torch.")
     out["dtype"] = out["torch_dtype"] = name
     return out

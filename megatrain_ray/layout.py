@@ -142,5 +142,10 @@ class StoreLayout:
         return max(t.numel for t in self.templates)
 
     @property
+    def slot_numel(self) -> int:
+        """Elements of a unit-sized slot that holds any unit, page-aligned."""
+        return _round_up(self.max_unit_numel, UNIT_ALIGN)
+
+    @property
     def num_params(self) -> int:
         return sum(t.param_count for t in self.templates)

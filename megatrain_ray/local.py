@@ -19,18 +19,19 @@ from .data import source_from_config
 from .precision import resolve_device, resolve_precision
 from .prefetch import Prefetcher
 from .sink import GradientSink
-from .store import ParameterStore, StoreSpec
+from .store import ParameterStore, StoreSpec, grad_slots_for
 
 
 def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     """Run cfg.train.steps steps in this process; returns one row per step (compute output + sink stats)."""
     rt, steps = cfg.runtime, cfg.train.steps
     device = resolve_device(rt, gpus_available)
-    spec = StoreSpec(cfg.model, resolve_precision(rt, device), rt.shm_dir, os.getpid(),
-                     "local-" + uuid.uuid4().hex[:6])
+    precision = resolve_precision(rt, device)
+    spec = StoreSpec(cfg.model, precision, rt.shm_dir, os.getpid(), "local-" + uuid.uuid4().hex[:6],
+                     grad_slots_for(precision, cfg.optim.max_grad_norm))
     source = source_from_config(cfg)
     fetch_q, release_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth)
-    grad_q, stats_q = queue.Queue(), queue.Queue()
+    grad_q, stats_q, grad_slot_q = queue.Queue(), queue.Queue(), queue.Queue()
     compute = None
     errors: list[BaseException] = []
 
@@ -45,9 +46,9 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         prefetcher = Prefetcher(spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
         compute = ComputeWorker(spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
                                 rt.actor_timeout_s, compile_layers=rt.compile_on(device),
-                                offload_activations=rt.offload_activations)
+                                offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q)
         sink = GradientSink(spec, cfg.optim, steps, grad_q, stats_q, rt.actor_timeout_s,
-                            rt.adamw_threads())
+                            rt.adamw_threads(), grad_slot_q=grad_slot_q)
         threads = [threading.Thread(target=loop, args=(prefetcher.run, 0, steps), daemon=True),
                    threading.Thread(target=loop, args=(sink.run, 0, steps), daemon=True)]
         for t in threads:

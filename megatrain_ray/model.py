@@ -80,9 +80,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_cache(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [seq_len, head_size] for positions 0..seq_len-1, computed in fp32 then cast."""
+    """cos, sin: [seq_len, head_size] for positions 0..seq_len-1, computed in fp32 then cast.
+
+    With ``rope_scaling`` of type llama3 (Llama 3.1+), the frequencies are rescaled by wavelength as
+    transformers' ``_compute_llama3_parameters`` does: wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than .../low_freq_factor
+    are divided by factor, and those between are interpolated smoothly between the two.
+    """
     d = cfg.head_size
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+    if cfg.rope_scaling is not None:  # rope_type llama3, the only one ModelConfig.validate accepts
+        rs = cfg.rope_scaling
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
     freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -53,7 +53,7 @@ from .metrics import RunMetrics
 from .precision import resolve_device, resolve_precision
 from .prefetch import Prefetcher
 from .sink import GradientSink
-from .store import ParameterStore, StoreSpec
+from .store import ParameterStore, StoreSpec, grad_slots_for
 
 
 @dataclass
@@ -192,7 +192,8 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         precision = resolve_precision(cfg.runtime, device)
         preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id)
+        spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id,
+                         grad_slots_for(precision, cfg.optim.max_grad_norm))
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
@@ -278,7 +279,8 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
     release_q = Queue(maxsize=rt.buffer_depth, **queue_opts)
     grad_q = Queue(maxsize=0, **queue_opts)
     stats_q = Queue(maxsize=0, **queue_opts)
-    roles.queues = [fetch_q, release_q, grad_q, stats_q]
+    grad_slot_q = Queue(maxsize=0, **queue_opts) if spec.grad_slots else None
+    roles.queues = [q for q in (fetch_q, release_q, grad_q, stats_q, grad_slot_q) if q is not None]
     roles.stats_q = stats_q
 
     store = remote(ParameterStore, "store", 0, num_cpus=0.25).remote(spec, cfg.train.seed, rt.init_from, cpu,
@@ -291,10 +293,10 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
                                      num_gpus=1 if device == "cuda" else 0).remote(
         spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
         rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
-        offload_activations=rt.offload_activations)
+        offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q)
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
         spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
-        checkpoint=plan)
+        checkpoint=plan, grad_slot_q=grad_slot_q)
     loader_cls, loader_args = loader_spec(cfg)  # BatchSource, or CorpusSource over the prepared corpus
     for k in range(n_data):
         roles.actors[f"data-{k}"] = remote(loader_cls, f"data-{k}", 4 + k, num_cpus=0.25).remote(*loader_args)

@@ -15,7 +15,9 @@
 
 Host bytes per parameter: 4 (fp32 master) + 8 (AdamW) + 2 (bf16 stream copy, which also holds the
 gradient) = 14 with fp32 master and bf16 compute; 2 + 8 + 2 (bf16 gradient) = 12 with bf16 master;
-4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32.
+4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32. Without clipping (``optim.max_grad_norm=0``)
+the last two need no whole-model gradient array, only a ring of three unit-sized slots (see
+:mod:`megatrain_ray.store`): 10 and 12 bytes per parameter plus O(one unit).
 """
 
 from __future__ import annotations

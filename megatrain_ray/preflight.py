@@ -36,7 +36,7 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .layout import StoreLayout
 from .precision import resolve_precision
-from .store import StoreSpec
+from .store import StoreSpec, grad_slots_for
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -260,10 +260,11 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
         starts_ray = not (cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
     rt, m = cfg.runtime, cfg.model
     precision = resolve_precision(rt, device)
-    spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan")
+    spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan", grad_slots_for(precision, cfg.optim.max_grad_norm))
     layout = StoreLayout.build(m)
-    rows = [Row(f"{_KIND_LABELS[k]} ({str(spec.dtype(k)).removeprefix('torch.')})", "shm",
-                layout.total * spec.dtype(k).itemsize) for k in spec.kinds()]
+    rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
+                f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
+            for k in spec.kinds()]
     rows.append(Row("unit versions", "shm", 8 * len(layout.units)))
     if starts_ray:
         same_fs = _same_filesystem(rt.shm_dir, "/dev/shm")

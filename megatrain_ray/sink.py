@@ -34,7 +34,7 @@ class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int | None = None, checkpoint=None):
+                 timeout_s: float, num_threads: int | None = None, checkpoint=None, grad_slot_q=None):
         # With threads given, the update runs on its own pool of threads; without, on the calling
         # thread with the process's intra-op threads.
         self.runner = AdamWRunner(num_threads) if num_threads else None
@@ -47,6 +47,9 @@ class GradientSink:
         self.order = update_order(spec.model.num_hidden_layers)
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
+        self.grad_slot_q = grad_slot_q
+        for slot in range(spec.grad_slots):  # the gradient ring starts empty: every slot is free
+            grad_slot_q.put(slot, timeout=timeout_s)
 
     def run(self, start_step: int, end_step: int) -> int:
         """Apply the updates of steps [start_step, end_step); returns the number of steps done.
@@ -69,7 +72,9 @@ class GradientSink:
                 pending.discard(ticket.unit)
                 sq_norm += ticket.sq_norm
                 if not clip:
-                    self._update(ticket.unit, step, lr, 1.0)
+                    self._update(ticket.unit, step, lr, 1.0, ticket.slot)
+                    if ticket.slot >= 0:
+                        self.grad_slot_q.put(ticket.slot, timeout=self.timeout_s)
             norm = math.sqrt(sq_norm)
             if not math.isfinite(norm):
                 raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
@@ -99,12 +104,12 @@ class GradientSink:
             raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for a gradient: "
                                 "the compute worker is stalled.") from None
 
-    def _update(self, unit: int, step: int, lr: float, coef: float) -> None:
+    def _update(self, unit: int, step: int, lr: float, coef: float, slot: int = -1) -> None:
         s = self.store
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
         update = self.runner.update if self.runner is not None else adamw_unit
-        update(s.block("master", unit), s.block("grad", unit), s.block("exp_avg", unit),
+        update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
                    s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
                    step + 1, lr, self.optim, grad_scale=coef)
         s.set_version(unit, step + 1)

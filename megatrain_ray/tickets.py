@@ -26,6 +26,8 @@ class GradTicket:
     step: int
     sq_norm: float
     """Squared L2 norm of the gradient, taken on the device in fp32."""
+    slot: int = -1
+    """The gradient ring's slot holding it, when the store has a ring (else -1: the unit's block)."""
 
 
 def fetch_order(num_layers: int, tied: bool) -> list[int]:

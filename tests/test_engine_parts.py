@@ -121,3 +121,32 @@ def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
         # each layer's inputs (micro_batches x [2, 32, 64] fp32) go out once per step when offloaded
         assert moved == (3 * 3 * 2 * 32 * 64 * 4 * 3 if offload == "true" else 0)
     assert results["true"] == results["false"]
+
+
+def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_array(shm_dir, tmp_path, monkeypatch):
+    """Without clipping and without a stream copy (here fp32 on the CPU; bf16 master on a GPU) the
+    store keeps a ring of 3 unit-sized gradient slots instead of a whole-model array: same losses
+    bit for bit, and the store shrinks by the array minus the ring."""
+    from megatrain_ray import store as S
+    from megatrain_ray.local import train_local
+    from megatrain_ray.precision import Precision
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 512, size=20_000))
+    overrides = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=4",
+                 "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+                 "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=3",
+                 f"data.path={data}", "runtime.device=cpu", f"runtime.shm_dir={shm_dir}",
+                 f"runtime.run_dir={tmp_path}", "optim.max_grad_norm=0", "optim.weight_decay=0.1"]
+    fp32 = Precision(torch.float32, torch.float32)
+    assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
+    assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
+    ring = [r["loss"] for r in train_local(load_config(None, overrides), 0)]
+    monkeypatch.setattr("megatrain_ray.local.grad_slots_for", lambda precision, max_grad_norm: 0)
+    whole = [r["loss"] for r in train_local(load_config(None, overrides), 0)]  # the whole-model array
+    assert ring == whole and len(set(ring)) == 3
+    cfg = load_config(None, overrides)
+    layout = StoreLayout.build(cfg.model)
+    with_ring = S.StoreSpec(cfg.model, fp32, str(shm_dir), 0, "x", S.GRAD_RING_SLOTS)
+    without = S.StoreSpec(cfg.model, fp32, str(shm_dir), 0, "x", 0)
+    assert without.nbytes() - with_ring.nbytes() == 4 * (layout.total - S.GRAD_RING_SLOTS * layout.slot_numel)

@@ -3,16 +3,22 @@
 - Import, per supported architecture: a tiny random model saved with save_pretrained (several
   shards) is loaded into a real shared-memory store, and our forward (model.py, fed from the store)
   gives transformers' logits (fp32, 1e-5).
+- Llama 3.1 RoPE scaling (rope_type llama3): logits equal transformers' past the pretraining length
+  (and differ without the scaling); config.json of either transformers 4 or 5 form imports, exports
+  and reloads; other rope types and bad rope_scaling keys are one ConfigError naming them.
 - Missing tensors, foreign tensors and unsupported architectures: one ConfigError naming them.
 - Round trips: import -> export without training gives bit-identical tensors; import -> train k
   steps through the real Ray pipeline -> ``megatrain-ray export`` -> transformers loads it (and its
   tokenizer) and its logits equal ours.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -115,6 +121,112 @@ def test_unsupported_architecture_is_one_sentence(tmp_path, edit, named):
     with pytest.raises(ConfigError) as err:
         hf_io.read_config(str(tmp_path / "hf"))
     assert named in str(err.value) and str(err.value).count(". ") == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE scaling of Llama 3.1 / 3.2 / 3.3.
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+"""Llama 3.1's rope_scaling, with a pretraining length of 64 so that 128-token sequences go past it.
+
+With rope_theta 5e5 and head_dim 16 the wavelengths fall in all three bands of the transform (kept,
+interpolated, divided by factor)."""
+
+
+def _llama31(directory):
+    return save_model("llama3", directory, max_position_embeddings=512, rope_scaling=dict(LLAMA31_ROPE))
+
+
+def _edit_config(directory, edit: Callable[[dict], None]) -> None:
+    path = directory / "config.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+def _as_transformers4(raw: dict) -> None:
+    """config.json in transformers 4's form (as Llama 3.1's own): rope_theta beside rope_scaling."""
+    rope = raw.pop("rope_parameters", None) or raw.pop("rope_scaling")
+    raw["rope_theta"] = rope.pop("rope_theta", raw.get("rope_theta"))
+    raw["rope_scaling"] = rope
+
+
+def test_llama31_rope_scaling_logits_match_transformers(tmp_path, shm_dir):
+    model = _llama31(tmp_path / "hf")
+    store = _store(tmp_path / "hf", shm_dir)
+    try:
+        cfg = store.spec.model
+        assert cfg.rope_scaling == LLAMA31_ROPE and cfg.rope_theta == 500000.0
+        ids = _ids(seq=128)
+        ours = forward_logits(cfg, store_reader(store.store), ids)
+        with torch.no_grad():
+            theirs = model(input_ids=ids).logits.float()
+        assert theirs.std() > 0.1
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        # The scaling matters here: plain RoPE on the same weights misses by ~100x the tolerance (the
+        # tiny random model attends almost uniformly, so positions move its logits only a little).
+        plain = forward_logits(dataclasses.replace(cfg, rope_scaling=None), store_reader(store.store), ids)
+        assert (plain - theirs).abs().max() > 1e-3
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("form", ["transformers5", "transformers4", "run checkpoint"])
+def test_llama31_rope_scaling_survives_export(tmp_path, form):
+    model = _llama31(tmp_path / "hf")
+    if form == "transformers4":
+        _edit_config(tmp_path / "hf", _as_transformers4)
+    elif form == "run checkpoint":  # what checkpoint.save writes: ModelConfig.to_hf_dict, no base
+        cfg, _ = hf_io.read_config(str(tmp_path / "hf"))
+        hf_io.write_json(str(tmp_path / "hf" / "config.json"), hf_io.hf_config(cfg, torch.float32))
+    hf_io.export(str(tmp_path / "hf"), str(tmp_path / "out"))
+    cfg, raw = hf_io.read_config(str(tmp_path / "out"))
+    assert cfg.rope_scaling == LLAMA31_ROPE and cfg.rope_theta == 500000.0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert loaded.config.rope_scaling["rope_type"] == "llama3"
+    ids = _ids(seq=128)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope", "linear"])
+@pytest.mark.parametrize("form", ["transformers5", "transformers4"])
+def test_unsupported_rope_type_is_one_sentence(tmp_path, rope_type, form):
+    _llama31(tmp_path / "hf")
+    if form == "transformers4":
+        _edit_config(tmp_path / "hf", _as_transformers4)
+    key = "rope_parameters" if form == "transformers5" else "rope_scaling"
+    _edit_config(tmp_path / "hf", lambda raw: raw[key].update(rope_type=rope_type))
+    with pytest.raises(ConfigError) as err:
+        hf_io.read_config(str(tmp_path / "hf"))
+    assert str(err.value) == (f"model.rope_scaling has rope_type {rope_type!r}, which is not supported; "
+                              "supported are 'llama3' (Llama 3.1 to 3.3) and null (plain RoPE).")
+
+
+@pytest.mark.parametrize("rope,message", [
+    ("{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 64}",
+     None),
+    ("{rope_type: llama3, factor: 0.5, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 64}",
+     "model.rope_scaling.factor must be >= 1, got 0.5."),
+    ("{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4}",
+     "model.rope_scaling.original_max_position_embeddings must be a number, got None."),
+    ("{rope_type: llama3, factor: 8, low_freq_factor: 4, high_freq_factor: 1, original_max_position_embeddings: 64}",
+     "model.rope_scaling.high_freq_factor must exceed low_freq_factor (4), got 1."),
+    ("{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 64, "
+     "beta_fast: 32}",
+     "model.rope_scaling.beta_fast is not a key of a llama3 rope_scaling; its keys are rope_type, factor, "
+     "low_freq_factor, high_freq_factor, original_max_position_embeddings."),
+    ("8", "model.rope_scaling must be a mapping (or null), got 8."),
+])
+def test_rope_scaling_through_set_names_the_bad_key(rope, message):
+    overrides = [f"model.rope_scaling={rope}", "model.max_position_embeddings=512"]
+    if message is None:
+        assert load_config(None, overrides).model.rope_scaling["factor"] == 8
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value) == message
 
 
 def test_import_then_export_without_training_is_bit_identical(tmp_path, shm_dir):
