@@ -5,7 +5,8 @@ a :class:`~megatrain_ray.tickets.FetchTicket`), are bound to the stateless templ
 and the slot is released as soon as the unit is done. One step, as one loop:
 
 1. embedding of every micro-batch;
-2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint;
+2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint
+   (on the device, or offloaded to host memory: see :mod:`megatrain_ray.activations`);
 3. head: final norm, LM head and loss in chunks of tokens (never the full logits), forward and
    backward at once; its gradient goes out;
 4. backward of layer L-1..0, recomputing each layer from its checkpoint, for every micro-batch,

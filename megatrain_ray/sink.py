@@ -3,7 +3,8 @@
 One loop over the run: for every step, take :class:`~megatrain_ray.tickets.GradTicket` s from the
 grad queue (each names a unit whose gradient is complete in its host grad block, and carries its
 squared norm, taken on the device) and add them up. Without clipping each unit is updated the moment its
-gradient arrives. With clipping the factor needs the global norm, so the updates run once the last
+gradient arrives (and, when the store keeps the gradients in a ring of slots, the slot is handed
+back to the compute worker right after). With clipping the factor needs the global norm, so the updates run once the last
 gradient (the embedding's) is in, in the order the next step's forward needs them — embedding,
 layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating.
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
