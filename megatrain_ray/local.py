@@ -32,7 +32,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     source = source_from_config(cfg)
     fetch_q, release_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth)
     grad_q, stats_q, grad_slot_q = queue.Queue(), queue.Queue(), queue.Queue()
-    compute = None
+    compute = sink = None
     errors: list[BaseException] = []
 
     def loop(fn, *args):
@@ -70,4 +70,6 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     finally:
         if compute is not None:
             compute.close()
+        if sink is not None:
+            sink.close()
         shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)

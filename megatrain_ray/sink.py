@@ -90,6 +90,11 @@ class GradientSink:
         self._maybe_checkpoint(end_step, start_step, end_step)
         return end_step - start_step
 
+    def close(self) -> None:
+        """Stop the AdamW thread pool (an actor's process ends with it anyway)."""
+        if self.runner is not None:
+            self.runner.close()
+
     def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
         """Save the boundary after ``step`` updates if the plan asks for it (see the module docstring)."""
         if self.checkpoint is not None and self.checkpoint.due(step, start_step, end_step):
