@@ -170,15 +170,16 @@ def plot_timeline(spans: list[tuple], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run_resident(cfg, steps: int) -> dict:
+def run_resident(cfg, steps: int, compiled: bool = False) -> dict:
     """The same model trained GPU-resident: fp32 params, bf16 autocast, per-layer recompute, fused AdamW.
 
     Tries the run's micro-batches first, then splits each into 4 and 16 smaller ones (same tokens
     per step) while the GPU runs out of memory; reports the split that fit, or status "oom".
+    ``compiled`` runs the decoder layer through torch.compile, as our pipeline does on CUDA.
     """
     for split in (1, 4, 16):
         try:
-            return {**_resident(cfg, steps, split), "micro_batch_split": split, "status": "ok"}
+            return {**_resident(cfg, steps, split, compiled), "micro_batch_split": split, "status": "ok"}
         except torch.cuda.OutOfMemoryError:
             pass
         gc.collect()  # the failed attempt's tensors, once its traceback is gone
@@ -186,7 +187,7 @@ def run_resident(cfg, steps: int) -> dict:
     return {"status": "oom", "step_s": float("nan"), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def _resident(cfg, steps: int, split: int) -> dict:
+def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     from .data import source_from_config
@@ -211,6 +212,7 @@ def _resident(cfg, steps: int, split: int) -> dict:
     source = source_from_config(cfg)
     seq = cfg.train.seq_len
     rope = rope_cache(mc, seq, torch.device("cuda"), torch.bfloat16)
+    layer_fn = torch.compile(decoder_layer, dynamic=False) if compiled else decoder_layer
     times = []
     for step in range(steps):
         batch = source.batch(step)
@@ -224,7 +226,7 @@ def _resident(cfg, steps: int, split: int) -> dict:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 x = embed(units[0], ids_all[m]).to(torch.bfloat16)
                 for u in units[1:-1]:
-                    x = checkpoint(decoder_layer, u, x, rope, mc, use_reentrant=False)
+                    x = checkpoint(layer_fn, u, x, rope, mc, use_reentrant=False)
                 h = final_norm(units[-1], x, mc).reshape(-1, mc.hidden_size)
                 w = lm_head_weight(units[-1], units[0])
                 loss = token_loss_sum(h, w, labels_all[m].reshape(-1)) / n_tok
@@ -340,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-dtype", default="float32")
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--baseline", action="store_true", help="also train GPU-resident (must fit the GPU)")
+    ap.add_argument("--baseline-compiled", action="store_true",
+                    help="also train GPU-resident with the decoder layer compiled, as ours is")
     ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
     ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
@@ -400,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             systems["single_process"] = run_single_process(cfg)
         if args.baseline:
             systems["gpu_resident"] = run_resident(cfg, args.steps)
+        if args.baseline_compiled:
+            systems["gpu_resident_compiled"] = run_resident(cfg, args.steps, compiled=True)
         for r in systems.values():
             r["tokens_per_s"] = args.tokens / r["step_s"]
             r["model_tflops"] = flops / r["step_s"] / 1e12
