@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared for the next device session (not run yet): the measurements issue 3 still lacks, in one
-# call of ~9 minutes. Usage on the GPU machine, after installing the wheels:
+# Prepared for the next device session (not run yet): the measurements issue 3 still lacks, ~13
+# minutes in all: more than one call's 10-minute limit, so run it as two calls (comment out halves). Usage on the GPU machine, after installing the wheels:
 #   bash benchmarks/h200_next.sh $OUT
 set -uo pipefail
 out=${1:-/tmp/out}; mkdir -p "$out"
