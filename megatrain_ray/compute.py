@@ -60,6 +60,31 @@ def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, t
                 grads[name].add_(gw)
 
 
+class CompiledLayer:
+    """:func:`~megatrain_ray.model.decoder_layer` through ``torch.compile``, one compiled graph for
+    every layer (same shapes), fusing the elementwise work (RMSNorm, RoPE, SwiGLU, residuals) around
+    the GEMMs and attention, forward and backward. If compiling fails (no Triton, an unsupported
+    GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
+    """
+
+    def __init__(self, backend: str | object = "inductor", warn=print):
+        self.compiled = torch.compile(decoder_layer, dynamic=False, backend=backend)
+        self.failure: BaseException | None = None
+        self.warn = warn
+
+    def __call__(self, p, x, rope, cfg):
+        if self.failure is None:
+            try:
+                return self.compiled(p, x, rope, cfg)
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
+                self.failure = e
+                cause = getattr(e, "inner_exception", None) or e
+                self.warn(f"warning: torch.compile of the decoder layer failed ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0] if str(cause) else ''}); "
+                          "running it eagerly (set runtime.compile=false to skip the attempt).")
+        return decoder_layer(p, x, rope, cfg)
+
+
 class ComputeWorker:
     """Plain class; made a Ray actor (with a GPU when there is one) at spawn."""
 
@@ -69,9 +94,7 @@ class ComputeWorker:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
-        # One compiled decoder layer serves every layer (same shapes): fuses the elementwise work
-        # (RMSNorm, RoPE, SwiGLU, residuals) around the GEMMs and attention, forward and backward.
-        self.layer_fn = torch.compile(decoder_layer, dynamic=False) if compile_layers else decoder_layer
+        self.layer_fn = CompiledLayer() if compile_layers else decoder_layer
         self.offload_activations = offload_activations
         self.store = HostStore(spec)
         self.layout = self.store.layout

@@ -150,3 +150,35 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     with_ring = S.StoreSpec(cfg.model, fp32, str(shm_dir), 0, "x", S.GRAD_RING_SLOTS)
     without = S.StoreSpec(cfg.model, fp32, str(shm_dir), 0, "x", 0)
     assert without.nbytes() - with_ring.nbytes() == 4 * (layout.total - S.GRAD_RING_SLOTS * layout.slot_numel)
+
+
+def test_compiled_layer_matches_eager_and_falls_back_when_compiling_fails():
+    """The compiled decoder layer (inductor, on the CPU here) gives the eager layer's output and
+    gradients; a compiler that fails makes it warn once and run eagerly instead of failing the run."""
+    from megatrain_ray.compute import CompiledLayer
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
+    t = LayerTemplate.build(cfg, "layers.0")
+    flat = torch.randn(t.numel, generator=torch.Generator().manual_seed(0)) * 0.1
+    p = t.bind(flat, fused=True)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    rope = M.rope_cache(cfg, 16, torch.device("cpu"), torch.float32)
+
+    def run(fn):
+        y = fn(p, x, rope, cfg)
+        return y.detach(), torch.autograd.grad(y.square().sum(), x)[0]
+
+    eager = run(M.decoder_layer)
+    for got, want in zip(run(CompiledLayer()), eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def broken_backend(graph, inputs):
+        raise RuntimeError("no compiler here")
+
+    warnings = []
+    layer = CompiledLayer(backend=broken_backend, warn=warnings.append)
+    for _ in range(2):
+        for got, want in zip(run(layer), eager):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(warnings) == 1 and "running it eagerly" in warnings[0] and "no compiler here" in warnings[0]
