@@ -6,7 +6,8 @@ dtype, the one part of device memory that grows with the number of layers. With
 copy-out stream, overlapping the next layer's forward) as soon as the forward has used them, and
 copied back (on the copy-in stream) one layer ahead of the backward that recomputes from them, so
 device memory holds the inputs of about two layers whatever the depth: what long contexts need.
-The host buffers are allocated once, at the first step, and reused.
+The host buffers are allocated once, at the first step, and reused (torch's pinned allocator
+rounds each up to a power of two bytes, so they may take up to twice the checkpoints' size).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ class ActivationStore:
         self._stashed: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._fetched: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._host: dict[tuple[int, int], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        """Forget every layer's inputs (the host buffers stay for the next step)."""
+        self._kept.clear()
+        self._stashed.clear()
+        self._fetched.clear()
 
     def put(self, unit: int, xs: list[torch.Tensor]) -> None:
         """xs: M x [B, S, H], the input of ``unit`` for every micro-batch, no longer needed by the forward."""

@@ -95,7 +95,6 @@ class ComputeWorker:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
         self.layer_fn = CompiledLayer() if compile_layers else decoder_layer
-        self.offload_activations = offload_activations
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
@@ -104,6 +103,7 @@ class ComputeWorker:
         self.fetch_q, self.grad_q, self.release_q = fetch_q, grad_q, release_q
         self.grad_slot_q = grad_slot_q  # free slots of the store's gradient ring, from the sink
         self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
+        self.activations = ActivationStore(self.backend, offload_activations)  # host buffers kept across steps
         for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind])
@@ -223,7 +223,8 @@ class ComputeWorker:
         n_layers = self.cfg.num_hidden_layers
         templates = self.layout.templates
 
-        acts = ActivationStore(self.backend, self.offload_activations)
+        acts = self.activations
+        acts.clear()  # anything a failed step left
         with torch.no_grad():
             ticket, flat = self._take(0, step)
             with self.backend.compute("embed"):
