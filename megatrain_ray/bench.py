@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import json
 import os
 import statistics
@@ -330,6 +331,22 @@ def adamw_probe(numel: int, threads: int) -> dict:
     return out
 
 
+def format_systems(systems: dict[str, dict]) -> str:
+    """One row per system: s/step, tok/s, TFLOPS, megatrain_ray's speed over it, GPU and host memory,
+    and the status of runs that did not finish (oom, timeout, error)."""
+    ours = systems["megatrain_ray"]["step_s"]
+    lines = [f"{'system':<22}{'s/step':>8}{'tok/s':>9}{'TFLOPS':>8}{'ours x':>8}{'GPU GiB':>9}{'host GiB':>9}  status"]
+    for name, r in systems.items():
+        gpu = r.get("device_peak_gib", r.get("peak_gpu_gib", r.get("gpu_peak_gib")))
+        host = r.get("host_peak_added_gib")
+        cells = [f"{r['step_s']:>8.3f}", f"{r['tokens_per_s']:>9,.0f}", f"{r['model_tflops']:>8.1f}",
+                 f"{r['step_s'] / ours:>8.2f}"] if math.isfinite(r["step_s"]) else [f"{'-':>8}", f"{'-':>9}",
+                                                                                      f"{'-':>8}", f"{'-':>8}"]
+        cells += [f"{gpu:>9.1f}" if gpu is not None else f"{'-':>9}", f"{host:>9.1f}" if host is not None else f"{'-':>9}"]
+        lines.append(f"{name:<22}{''.join(cells)}  {r.get('status', 'ok')}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
@@ -345,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-compiled", action="store_true",
                     help="also train GPU-resident with the decoder layer compiled, as ours is")
     ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
+    ap.add_argument("--peers", default="", metavar="SYSTEMS",
+                    help="also train with these peers (comma-separated: deepspeed, fsdp2; see megatrain_ray.peers)")
+    ap.add_argument("--peer-timeout-s", type=float, default=300.0, help="time limit of each peer run")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
     ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -406,7 +426,14 @@ def main(argv: list[str] | None = None) -> int:
             systems["gpu_resident"] = run_resident(cfg, args.steps)
         if args.baseline_compiled:
             systems["gpu_resident_compiled"] = run_resident(cfg, args.steps, compiled=True)
+        for system in filter(None, args.peers.split(",")):
+            from .peers import run_peer
+
+            systems[system] = run_peer(system, args.preset, tokens=args.tokens, seq_len=args.seq_len,
+                                       micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
+                                       timeout_s=args.peer_timeout_s)
         for r in systems.values():
+            r.setdefault("step_s", float("nan"))
             r["tokens_per_s"] = args.tokens / r["step_s"]
             r["model_tflops"] = flops / r["step_s"] / 1e12
         report["systems"] = systems
@@ -414,10 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, f, indent=2)
     ours = systems["megatrain_ray"]
     print(f"\n{args.preset}: {report['params'] / 1e9:.2f} B params, {args.tokens} tokens/step, {report['device']}")
-    print(f"{'system':<16}{'s/step':>8}{'tok/s':>9}{'TFLOPS':>8}{'vs ours':>8}{'GPU GiB':>9}")
-    for name, r in systems.items():
-        print(f"{name:<16}{r['step_s']:>8.3f}{r['tokens_per_s']:>9,.0f}{r['model_tflops']:>8.1f}"
-              f"{ours['step_s'] / r['step_s']:>8.2f}{r.get('device_peak_gib', r.get('peak_gpu_gib', 0)):>9.1f}")
+    print(format_systems(systems))
     print("ours, share of the step: " + ", ".join(
         f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update", "wait"))
         + f"; {ours['outside_run_step_s']:.3f} s/step outside run_step"

@@ -173,3 +173,22 @@ def test_fsdp2_loop_matches_plain_torch_adamw(monkeypatch):
 def test_fsdp2_offload_trains_on_gpu():
     r = peers.run_peer("fsdp2", steps=2, echo=False, **TINY)
     assert r["status"] == "ok" and r["gpu_peak_gib"] > 0
+
+
+def test_bench_table_puts_peers_beside_ours_with_the_speedup_and_status():
+    """`bench --peers`: one table; the speedup column is the peer's step time over ours, and a peer
+    that ran out of memory shows its status instead of numbers."""
+    from megatrain_ray.bench import format_systems
+
+    nan = float("nan")
+    table = format_systems({
+        "megatrain_ray": {"step_s": 3.2, "tokens_per_s": 20480.0, "model_tflops": 417.2, "device_peak_gib": 28.9,
+                          "host_peak_added_gib": 48.6},
+        "deepspeed": {"step_s": 7.2, "tokens_per_s": 9102.2, "model_tflops": 185.4, "gpu_peak_gib": 32.3,
+                      "host_peak_added_gib": 79.5, "status": "ok"},
+        "fsdp2": {"step_s": nan, "tokens_per_s": nan, "model_tflops": nan, "status": "oom"}}).splitlines()
+    assert table[0].split() == ["system", "s/step", "tok/s", "TFLOPS", "ours", "x", "GPU", "GiB", "host", "GiB",
+                                "status"]
+    assert table[1].split() == ["megatrain_ray", "3.200", "20,480", "417.2", "1.00", "28.9", "48.6", "ok"]
+    assert table[2].split() == ["deepspeed", "7.200", "9,102", "185.4", "2.25", "32.3", "79.5", "ok"]
+    assert table[3].split() == ["fsdp2", "-", "-", "-", "-", "-", "-", "oom"]
