@@ -203,11 +203,13 @@ class ComputeWorker:
 
     # -- one step ----------------------------------------------------------------------------
 
-    def run_step(self, step: int, batch: dict[str, Any]) -> dict[str, Any]:
-        """batch: input_ids, labels: [M, B, S] int.
+    def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None) -> dict[str, Any]:
+        """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None.
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
-        seconds and bytes per lane (h2d, compute, d2h) and the spans themselves.
+        seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
+        ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
+        ``step`` updates), computed alongside the forward and the head, without gradients.
         """
         if self._error is not None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
@@ -225,23 +227,31 @@ class ComputeWorker:
 
         acts = self.activations
         acts.clear()  # anything a failed step left
+        if eval_batch is not None:  # validation sequences ride along the forward: no extra weight traffic
+            eval_ids = torch.tensor(eval_batch["input_ids"], dtype=torch.long).to(dev)
+            eval_labels = torch.tensor(eval_batch["labels"], dtype=torch.long).to(dev)
+            if eval_ids.shape[2] != seq:
+                raise PipelineError(f"validation sequences have {eval_ids.shape[2]} tokens but training ones {seq}.")
         with torch.no_grad():
             ticket, flat = self._take(0, step)
             with self.backend.compute("embed"):
                 xs = [embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]
+                es = [] if eval_batch is None else [embed(templates[0].bind(flat), e) for e in eval_ids]
             self._release(ticket)
             for i in range(1, n_layers + 1):
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
                     p = templates[i].bind(flat, fused=True)
                     ys = [self.layer_fn(p, x, rope, self.cfg) for x in xs]
+                    es = [self.layer_fn(p, e, rope, self.cfg) for e in es]
                 acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
                 xs = ys
                 self._release(ticket)
 
         embed_grad = torch.zeros(templates[0].numel, dtype=torch.float32, device=dev)
-        loss, dx = self._head(step, xs, labels, n_tokens, embed_grad)
-        xs = ys = None  # the head has used the last hidden states
+        evaluation = (es, eval_labels) if eval_batch is not None else None
+        loss, dx, val_loss = self._head(step, xs, labels, n_tokens, embed_grad, evaluation)
+        xs = ys = es = None  # the head has used the last hidden states
 
         for i in range(n_layers, 0, -1):
             ticket, flat = self._take(i, step)
@@ -262,20 +272,24 @@ class ComputeWorker:
         self._send_grad(0, step, embed_grad)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         loss = float(loss)
+        extra = {} if val_loss is None else {"val_loss": float(val_loss)}
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
                 "start": start, "step_s": time.time() - start, **busy, **moved, "spans": spans,
-                "device_peak_bytes": self.backend.peak_bytes()}
+                "device_peak_bytes": self.backend.peak_bytes(), **extra}
 
     def _head(self, step: int, hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int,
-              embed_grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              embed_grad: torch.Tensor, evaluation: tuple[list[torch.Tensor], torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         """Final norm + LM head + loss, forward and backward, in token chunks.
 
         hidden: M x [B, S, H]; labels: [M, B, S]. Returns the loss (mean over the step's counted
-        tokens) and the gradient of each micro-batch's hidden input. The head's gradient is sent;
-        with tied embeddings the LM-head part is added into ``embed_grad`` [V*H] fp32.
+        tokens), the gradient of each micro-batch's hidden input, and the validation loss of
+        ``evaluation`` (hidden states E x [B, S, H], labels [E, B, S]; forward only) or None. The
+        head's gradient is sent; with tied embeddings the LM-head part is added into ``embed_grad``
+        [V*H] fp32.
         """
         unit = self.cfg.num_hidden_layers + 1
         tied = self.cfg.tie_word_embeddings
@@ -288,10 +302,26 @@ class ComputeWorker:
             we = flat_e.detach().requires_grad_(True)
         with self.backend.compute("head"):
             loss, dxs, head_grad = self._head_compute(wh, we, hidden, labels, n_tokens, embed_grad)
+            val_loss = None if evaluation is None else self._eval_loss(wh.detach(), we, *evaluation)
         for t in tickets:
             self._release(t)
         self._send_grad(unit, step, head_grad)
-        return loss, dxs
+        return loss, dxs, val_loss
+
+    @torch.no_grad()
+    def _eval_loss(self, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
+                   labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the counted tokens of validation hidden states E x [B, S, H], labels [E, B, S]."""
+        unit = self.cfg.num_hidden_layers + 1
+        templates = self.layout.templates
+        w = lm_head_weight(templates[unit].bind(wh), templates[0].bind(we.detach()) if we is not None else None)
+        total = torch.zeros((), dtype=torch.float32, device=wh.device)
+        for e, lab in zip(hidden, labels):
+            h = final_norm(templates[unit].bind(wh), e, self.cfg).reshape(-1, e.shape[-1])
+            lab = lab.reshape(-1)
+            for s in range(0, h.shape[0], self.chunk):
+                total += token_loss_sum(h[s:s + self.chunk], w, lab[s:s + self.chunk])
+        return total / (labels != IGNORE_INDEX).sum().clamp_min(1)
 
     def _head_compute(self, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
                       labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor):

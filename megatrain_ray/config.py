@@ -241,11 +241,16 @@ class TrainSection:
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
     save_final: bool = True
     """Export the final weights to <run dir>/final (Hugging Face safetensors) at the end of the run."""
+    eval_every: int = 0
+    """Every this many steps, the validation loss of the model as it stands (after that many updates),
+    on one step's worth of sequences from the validation split (data.val_fraction or data.val_path);
+    it rides along the next step's forward, so no weights cross the link for it. 0 = never."""
 
     def validate(self) -> None:
         for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every", "keep_checkpoints"):
             _require(getattr(self, key) > 0, f"train.{key}", f"must be positive, got {getattr(self, key)}")
         _require(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
+        _require(self.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every",
                  f"must be >= 0 (0 = only on interrupt), got {self.checkpoint_every}")
 
@@ -403,6 +408,8 @@ class TrainConfig:
         _require(window is None or self.train.seq_len <= window, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.sliding_window ({window}); sliding-window attention "
                  "is not implemented, so shorter sequences are needed")
+        _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path, "train.eval_every",
+                 "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self

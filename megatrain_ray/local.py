@@ -30,6 +30,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     spec = StoreSpec(cfg.model, precision, rt.shm_dir, os.getpid(), "local-" + uuid.uuid4().hex[:6],
                      grad_slots_for(precision, cfg.optim.max_grad_norm))
     source = source_from_config(cfg)
+    eval_batch = source_from_config(cfg, "val").batch(0) if cfg.train.eval_every else None
     fetch_q, release_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth)
     grad_q, stats_q, grad_slot_q = queue.Queue(), queue.Queue(), queue.Queue()
     compute = sink = None
@@ -57,7 +58,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         for step in range(steps):
             if errors:
                 raise errors[0]
-            rows.append(compute.run_step(step, source.batch(step)))
+            due = eval_batch is not None and step % cfg.train.eval_every == 0
+            rows.append(compute.run_step(step, source.batch(step), eval_batch if due else None))
         for row in rows:
             stats = stats_q.get(timeout=rt.actor_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")

@@ -65,6 +65,8 @@ class RunResult:
     final_dir: str
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """step -> validation loss of the weights that step started from (train.eval_every)."""
     fetches: list[dict[str, int]] = field(default_factory=list)
     tokens_per_s: float = 0.0
     timeline: list[tuple] = field(default_factory=list)
@@ -328,11 +330,15 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _R
                 batches[s] = a[f"data-{s % n_data}"].batch.remote(s)
         return batches.pop(step)
 
+    eval_ref = None
+    if cfg.train.eval_every:  # one fixed validation batch, in the object store once for the whole run
+        eval_ref = ray.put(source_from_config(cfg, "val", log).batch(0))
+
     run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
     result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
     gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes())
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends
-        return _Driver(cfg, a, loops, roles, plan, result, metrics, gauges, log).run(batch_ref, start)
+        return _Driver(cfg, a, loops, roles, plan, result, metrics, gauges, log, eval_ref).run(batch_ref, start)
 
 
 @contextlib.contextmanager
@@ -356,8 +362,11 @@ class _Driver:
     WINDOW = 2
 
     def __init__(self, cfg: TrainConfig, actors: dict, loops: dict, roles: _Roles,
-                 plan: checkpoint.CheckpointPlan | None, result: RunResult, metrics_file, gauges: RunMetrics, log):
+                 plan: checkpoint.CheckpointPlan | None, result: RunResult, metrics_file, gauges: RunMetrics, log,
+                 eval_ref=None):
         self.cfg, self.a, self.loops, self.roles, self.plan = cfg, actors, loops, roles, plan
+        self.eval_ref = eval_ref
+        """The validation batch (an object ref) that rides along every train.eval_every-th step, or None."""
         self.result, self.metrics_file, self.gauges, self.log = result, metrics_file, gauges, log
         self.steps = cfg.train.steps
         self.timeout = cfg.runtime.actor_timeout_s
@@ -395,7 +404,9 @@ class _Driver:
 
     def _submit(self, step: int, batch_ref) -> None:
         with _signals_deferred():
-            self.submitted[step] = self.a["compute"].run_step.remote(step, batch_ref(step))
+            due = self.eval_ref is not None and step % self.cfg.train.eval_every == 0
+            self.submitted[step] = self.a["compute"].run_step.remote(step, batch_ref(step),
+                                                                     self.eval_ref if due else None)
 
     def _collect(self, step: int) -> None:
         """Wait for run_step(step), watching the prefetcher and sink loops for failures."""
@@ -446,6 +457,8 @@ class _Driver:
     def _log_step(self, out: dict, stats: dict) -> None:
         step, r = out["step"], self.result
         r.grad_norms.append(stats["grad_norm"])
+        if "val_loss" in out:
+            r.val_losses[step] = out["val_loss"]
         spans = out["spans"] + stats["spans"]
         r.timeline, r.last_spans = r.last_spans + spans, spans
         elapsed = time.perf_counter() - self.clock
@@ -456,13 +469,15 @@ class _Driver:
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
                "tokens_per_s": out["tokens"] / max(out["step_s"], 1e-9),
                "model_tflops": out["tokens"] * self.gauges.flops_per_token / max(out["step_s"], 1e-9) / 1e12,
-               **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))}}
+               **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
+               **({"val_loss": out["val_loss"]} if "val_loss" in out else {})}
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         self.gauges.step(row, _size(self.roles.queues[2]) if len(self.roles.queues) > 2 else None)
-        if step % self.cfg.train.log_every == 0 or step == self.steps - 1:
+        if step % self.cfg.train.log_every == 0 or step == self.steps - 1 or "val_loss" in out:
+            val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
-                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}")
+                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}")
 
     def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
         """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""

@@ -1,6 +1,7 @@
 """``megatrain-ray plot RUN_DIR``: PNG plots of a run's metrics.jsonl (and timeline.json).
 
-- ``loss.png``: training loss per step, learning rate on a second axis;
+- ``loss.png``: training loss per step (and the validation loss, with train.eval_every), learning
+  rate on a second axis;
 - ``throughput.png``: tokens/s and model TFLOP/s per step;
 - ``stages.png``: busy share of each step per pipeline stage (h2d, compute, d2h, wait, adamw);
   stages overlap in time, so the shares do not add up to one;
@@ -69,6 +70,10 @@ def plot_run(run_dir: str, out: str | None = None) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="loss")
+    val = [(r["step"] + 1, r["val_loss"]) for r in rows if "val_loss" in r]  # on its step, as the loss
+    if val:
+        ax.plot(*zip(*val), "o-", color="tab:green", label="validation loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     lr = ax.twinx()

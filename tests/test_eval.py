@@ -118,3 +118,43 @@ def test_eval_without_held_out_data_is_one_sentence(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: the built-in corpus has no validation split; set data.val_fraction or data.val_path."]
+
+
+def test_validation_loss_during_training_is_the_loss_of_the_checkpoint_at_that_step(tmp_path, ray_cluster, shm_dir):
+    """train.eval_every: the validation batch rides along the forward of every k-th step; its loss
+    is that of the weights the step started from, i.e. of the checkpoint saved at that boundary."""
+    from megatrain_ray.data import source_from_config
+    from megatrain_ray.evaluate import evaluate
+    from megatrain_ray.pipeline import train
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "train.npy", rng.integers(0, 128, 4000))
+    np.save(tmp_path / "val.npy", rng.integers(0, 128, 600))
+    cfg = load_config(None, [
+        "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=128",
+        f"data.path={tmp_path / 'train.npy'}", f"data.val_path={tmp_path / 'val.npy'}", "data.num_workers=1",
+        "train.seq_len=16", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=3",
+        "train.eval_every=2", "train.checkpoint_every=2", "optim.lr=1e-2", "runtime.device=cpu",
+        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    lines = []
+    result = train(cfg, log=lines.append)
+    assert sorted(result.val_losses) == [0, 2]
+    assert any("val loss" in line and "(after 2 updates)" in line for line in lines), lines
+
+    step2 = [c for c in result.checkpoints if c.endswith("step-000002")]
+    assert step2, result.checkpoints
+    model_cfg, read = checkpoint_reader(step2[0])
+    reference = evaluate(model_cfg, read, [source_from_config(cfg, "val").batch(0)]).loss
+    assert result.val_losses[2] == pytest.approx(reference, rel=1e-5)
+    assert abs(result.val_losses[2] - result.val_losses[0]) > 1e-3  # the weights did change in between
+    with open(tmp_path / "runs" / result.run_id / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r.get("val_loss") for r in rows] == [result.val_losses[0], None, result.val_losses[2]]
+
+
+def test_eval_every_without_validation_data_is_refused(tmp_path):
+    from megatrain_ray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train.eval_every needs validation data: set data.val_fraction"):
+        load_config(None, ["train.eval_every=10"])
