@@ -6,13 +6,21 @@ dtype, the one part of device memory that grows with the number of layers. With
 copy-out stream, overlapping the next layer's forward) as soon as the forward has used them, and
 copied back (on the copy-in stream) one layer ahead of the backward that recomputes from them, so
 device memory holds the inputs of about two layers whatever the depth: what long contexts need.
+The compute thread enqueues work far ahead of the device; memory that waits for a copy is only
+reused once the copy has run, so with offloading the thread is held to at most :data:`LEAD` layers
+ahead of the device, or device memory would fill with activations whose copies have not run yet.
 The host buffers are allocated once, at the first step, and reused (torch's pinned allocator
 rounds each up to a power of two bytes, so they may take up to twice the checkpoints' size).
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
+
+LEAD = 2
+"""Layers the compute thread may run ahead of the device while activations are offloaded."""
 
 
 class ActivationStore:
@@ -25,9 +33,11 @@ class ActivationStore:
         self._stashed: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._fetched: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._host: dict[tuple[int, int], torch.Tensor] = {}
+        self._marks: collections.deque = collections.deque()
 
     def clear(self) -> None:
         """Forget every layer's inputs (the host buffers stay for the next step)."""
+        self._marks.clear()
         self._kept.clear()
         self._stashed.clear()
         self._fetched.clear()
@@ -37,6 +47,7 @@ class ActivationStore:
         if not self.offload:
             self._kept[unit] = xs
             return
+        self._hold_back()
         entries = []
         for m, x in enumerate(xs):
             host = self._host.get((unit, m))
@@ -55,9 +66,16 @@ class ActivationStore:
         """``unit``'s inputs on the device, ready for the compute stream; forgets them here."""
         if not self.offload:
             return self._kept.pop(unit)
+        self._hold_back()
         self.prefetch(unit)
         out = []
         for x, ready in self._fetched.pop(unit):
             self.backend.wait(ready)
             out.append(x)
         return out
+
+    def _hold_back(self) -> None:
+        """Wait until the device has caught up to within LEAD layers of the compute thread."""
+        self._marks.append(self.backend.mark())
+        while len(self._marks) > LEAD:
+            self.backend.host_wait(self._marks.popleft())

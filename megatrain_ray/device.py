@@ -96,6 +96,13 @@ class CpuBackend:
         self._spans.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
         return dev, None
 
+    def mark(self) -> None:
+        """A point in the compute stream that :meth:`host_wait` can wait for (nothing to wait for here)."""
+        return None
+
+    def host_wait(self, mark: None) -> None:
+        pass
+
     def note(self, lane: str, label: str, start: float, end: float) -> None:
         """Record a host-side span (e.g. the compute thread waiting for weights)."""
         self._spans.add(lane, label, start, end, 0)
@@ -223,6 +230,14 @@ class CudaBackend:
             ready = self._event()
         self._spans.add("h2d", label, start, ready, host.numel() * host.element_size())
         return dev, ready
+
+    def mark(self) -> torch.cuda.Event:
+        """A point in the compute stream that :meth:`host_wait` can wait for."""
+        return self._event(blocking=True)
+
+    def host_wait(self, mark: torch.cuda.Event) -> None:
+        """Block this thread (sleeping, not spinning) until the device has reached ``mark``."""
+        mark.synchronize()
 
     def note(self, lane: str, label: str, start: float, end: float) -> None:
         """Record a host-side span (e.g. the compute thread waiting for weights)."""
