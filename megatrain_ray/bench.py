@@ -1,11 +1,14 @@
 """Benchmark: the streamed pipeline against a GPU-resident PyTorch baseline, side by side in one run.
 
-    python -m megatrain_ray.bench --preset 1b --tokens 65536 --steps 6 --out bench.json
+    python -m megatrain_ray.bench --preset 7b --steps 5 --baseline --peers deepspeed,fsdp2 --out OUT
 
 Reports steady-state seconds per step, tokens/s and model TFLOPS (6·N·T per step) for
-megatrain_ray, and for the same model trained plainly on the GPU (fp32 parameters, bf16 autocast,
-per-layer recompute, fused AdamW on the GPU) where it fits, plus a bf16 GEMM measured in the same
-run. ``--check`` first compares the CUDA bf16 path's losses with the CPU fp32 path on a small model.
+megatrain_ray, and in the same run: the same model trained plainly on the GPU (fp32 parameters,
+bf16 autocast, per-layer recompute, fused AdamW on the GPU; ``--baseline``, eager, or
+``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
+peers of :mod:`megatrain_ray.peers` (``--peers``), and a bf16 GEMM. ``--check`` first compares the
+CUDA bf16 path's losses with the CPU fp32 path on a small model; ``--probe`` times one layer
+(eager and compiled) and the CPU AdamW variants.
 """
 
 from __future__ import annotations
