@@ -12,6 +12,7 @@ stage_busy_s{stage}         busy seconds of the last step per stage: h2d, comput
 stage_busy_fraction{stage}  the same, divided by the step time
 link_gbps{direction}        GB/s of the host-device copies while busy (h2d, d2h)
 loss, learning_rate, grad_norm
+val_loss                    validation loss at the last train.eval_every step
 queue_depth{queue}          gradients waiting for the sink (grad)
 host_store_bytes            bytes of the host store in shared memory
 host_memory_used_bytes      used RAM of the node
@@ -59,6 +60,7 @@ class RunMetrics:
             "model_tflops": gauge("model_tflops", "Model TFLOP/s of the last step (6N + attention per token)."),
             "step_time_s": gauge("step_time_s", "Wall time of the last step on the compute worker, seconds."),
             "loss": gauge("loss", "Training loss of the last step."),
+            "val_loss": gauge("val_loss", "Validation loss at the last train.eval_every step."),
             "learning_rate": gauge("learning_rate", "Learning rate of the last step."),
             "grad_norm": gauge("grad_norm", "Global gradient norm of the last step, before clipping."),
             "step": gauge("step", "Number of steps finished."),
@@ -87,6 +89,8 @@ class RunMetrics:
             "host_memory_used_bytes": psutil.virtual_memory().used,
             "device_peak_bytes": row.get("device_peak_bytes") or 0,
         }
+        if "val_loss" in row:
+            values["val_loss"] = row["val_loss"]
         for name, value in values.items():
             self.g[name].set(float(value), tags=self.tags)
         for stage in STAGES:

@@ -24,7 +24,7 @@ from megatrain_ray.store import StoreSpec
 STEPS = 4
 GAUGES = ("tokens_per_s", "model_tflops", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
           "checkpoint_step", "host_store_bytes", "host_memory_used_bytes", "device_peak_bytes", "stage_busy_s",
-          "stage_busy_fraction", "link_gbps", "queue_depth")
+          "stage_busy_fraction", "link_gbps", "queue_depth", "val_loss")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def finished_run(ray_cluster, tmp_path_factory):
     os.makedirs(shm_dir)
     try:
         cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={base / 'runs'}", "runtime.device=cpu",
-                                 f"train.steps={STEPS}", "train.checkpoint_every=2", "runtime.actor_timeout_s=120"])
+                                 f"train.steps={STEPS}", "train.checkpoint_every=2", "runtime.actor_timeout_s=120",
+                                 "train.eval_every=2", "data.val_fraction=0.1", "data.format=text"])
         lines = []
         result = train(cfg, log=lines.append)
         assert os.listdir(shm_dir) == []
@@ -76,6 +77,7 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     assert found[("step", ())] == STEPS
     assert found[("checkpoint_step", ())] == STEPS
     assert found[("loss", ())] == pytest.approx(result.losses[-1], rel=1e-6)
+    assert found[("val_loss", ())] == pytest.approx(result.val_losses[2], rel=1e-6)  # the last evaluated step
     assert found[("learning_rate", ())] == pytest.approx(last["lr"], rel=1e-6)
     assert found[("grad_norm", ())] == pytest.approx(last["grad_norm"], rel=1e-6)
     assert found[("tokens_per_s", ())] == pytest.approx(last["tokens"] / last["step_s"], rel=1e-6)
@@ -102,7 +104,10 @@ def test_metrics_file_and_console_line(finished_run):
         assert r["compute_busy_s"] > 0 and r["update_busy_s"] > 0 and r["tokens_per_s"] > 0 and r["eta_s"] >= 0
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert len(steps) == STEPS
-    assert all(re.search(r"\| [\d,]+ tok/s \| eta \d+(s|m\d\ds|h\d\dm)$", ln) for ln in steps), steps
+    assert all(re.search(r"\| [\d,]+ tok/s \| eta \d+(s|m\d\ds|h\d\dm)"
+                         r"( \| val loss [0-9.]+ \(after (0|2) updates\))?$", ln) for ln in steps), steps
+    assert [float(re.search(r"val loss ([0-9.]+)", ln).group(1)) for ln in steps if "val loss" in ln] == [
+        round(result.val_losses[0], 4), round(result.val_losses[2], 4)]
     assert [ln for ln in lines if ln.startswith("checkpoint: step")] == [
         ln for ln in lines if re.match(r"checkpoint: step (2|4) saved to .*step-00000(2|4) in [0-9.]+ s$", ln)]
     assert len(result.checkpoints) == 2
