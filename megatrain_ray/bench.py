@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
 
 import numpy as np
+import psutil
 import torch
 
 from .config import ModelConfig, load_config
@@ -92,13 +93,9 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def _used_host_bytes() -> int:
-    """MemTotal - MemAvailable from /proc/meminfo (counts /dev/shm and every process)."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0]) * 1024
-    return info["MemTotal"] - info["MemAvailable"]
+    """MemTotal - MemAvailable (counts /dev/shm and every process)."""
+    vm = psutil.virtual_memory()
+    return vm.total - vm.available
 
 
 class HostMemoryPeak:

@@ -69,9 +69,7 @@ class CpuBackend:
         pass
 
     def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_Done":
-        t0 = time.time()
-        host.copy_(dev)
-        self._spans.add("d2h", label, t0, time.time(), host.numel() * host.element_size())
+        self.stash(dev, host, label)
         return _Done(float(scalar))
 
     @contextlib.contextmanager
@@ -182,18 +180,8 @@ class CudaBackend:
         self._slot_free[slot] = self._event()
 
     def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_EventDone":
-        computed = self._event()
         value = torch.empty((), dtype=scalar.dtype, pin_memory=True)
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(computed)
-            start = self._event()
-            host.copy_(dev, non_blocking=True)
-            value.copy_(scalar, non_blocking=True)
-            dev.record_stream(self.d2h)
-            scalar.record_stream(self.d2h)
-            done = self._event(blocking=True)
-        self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
-        return _EventDone(done, value)
+        return _EventDone(self._copy_out([(dev, host), (scalar, value)], label), value)
 
     @contextlib.contextmanager
     def compute(self, label: str):
@@ -207,13 +195,21 @@ class CudaBackend:
     def stash(self, dev: torch.Tensor, host: torch.Tensor, label: str = "") -> torch.cuda.Event:
         """Copy an activation out to a pinned host buffer on the copy-out stream, after the compute
         enqueued so far; the device tensor's memory is reused only once the copy is done."""
+        return self._copy_out([(dev, host)], label)
+
+    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], label: str) -> torch.cuda.Event:
+        """Copy each (device, host) pair on the copy-out stream after the compute enqueued so far;
+        device memory is reused only once its copy is done. Returns the (host-waitable) done event;
+        the span counts the first pair's bytes."""
         computed = self._event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(computed)
             start = self._event()
-            host.copy_(dev, non_blocking=True)
-            dev.record_stream(self.d2h)
-            done = self._event()
+            for dev, host in pairs:
+                host.copy_(dev, non_blocking=True)
+                dev.record_stream(self.d2h)
+            done = self._event(blocking=True)
+        host = pairs[0][1]
         self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
         return done
 

@@ -47,9 +47,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 
-from .bench import PRESETS, HostMemoryPeak, model_params
+from .bench import PRESETS, HostMemoryPeak, model_params, preset_shape
 from .config import ModelConfig
 from .errors import MegatrainError
 
@@ -96,10 +97,7 @@ class PeerSpec:
     @property
     def shape(self) -> dict:
         """The preset's HF config fields, with the layer override applied."""
-        shape = dict(PRESETS[self.preset])
-        if self.layers is not None:
-            shape["num_hidden_layers"] = self.layers
-        return shape
+        return preset_shape(self.preset, self.layers)
 
     def validate(self) -> None:
         if self.system not in SYSTEMS:
@@ -117,11 +115,7 @@ class PeerSpec:
 
 def num_params(spec: PeerSpec) -> int:
     """Parameter count of the model the spec trains (our layout's count; the HF model's is equal)."""
-    if spec.layers is None:
-        return model_params(spec.preset)
-    from .layout import StoreLayout
-
-    return StoreLayout.build(ModelConfig(**spec.shape, max_position_embeddings=32768)).num_params
+    return model_params(spec.preset, spec.layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,11 +488,7 @@ def child_main(spec: PeerSpec, json_path: str) -> int:
 # The parent: one subprocess per system, watched for memory and time.
 
 def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return psutil.virtual_memory().available
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from .config import OptimConfig
 from .errors import PipelineError
-from .optim import AdamWRunner, adamw_unit, clip_coefficient, lr_at
+from .optim import AdamWRunner, clip_coefficient, lr_at
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
 
@@ -35,10 +35,8 @@ class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int | None = None, checkpoint=None, grad_slot_q=None):
-        # With threads given, the update runs on its own pool of threads; without, on the calling
-        # thread with the process's intra-op threads.
-        self.runner = AdamWRunner(num_threads) if num_threads else None
+                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None):
+        self.runner = AdamWRunner(num_threads)
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.optim = optim
@@ -92,8 +90,7 @@ class GradientSink:
 
     def close(self) -> None:
         """Stop the AdamW thread pool (an actor's process ends with it anyway)."""
-        if self.runner is not None:
-            self.runner.close()
+        self.runner.close()
 
     def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
         """Save the boundary after ``step`` updates if the plan asks for it (see the module docstring)."""
@@ -114,8 +111,7 @@ class GradientSink:
         s = self.store
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
-        update = self.runner.update if self.runner is not None else adamw_unit
-        update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
+        self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
                    s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
                    step + 1, lr, self.optim, grad_scale=coef)
         s.set_version(unit, step + 1)

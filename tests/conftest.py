@@ -1,5 +1,6 @@
-"""Shared fixtures: one real local Ray cluster for the whole test session."""
+"""Shared fixtures: one real local Ray cluster for the whole test session, private shm directories."""
 
+import contextlib
 import os
 
 import pytest
@@ -17,13 +18,29 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture
-def shm_dir(tmp_path_factory):
-    """A private directory standing in for /dev/shm, so tests can list exactly what a run left."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path_factory.getbasetemp())
+@contextlib.contextmanager
+def _private_shm_dir(fallback: str):
+    """A private directory standing in for /dev/shm (under ``fallback`` where there is none), so a
+    test can list exactly what a run left; removed with its files afterwards."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else fallback
     path = os.path.join(base, f"megatrain-test-{os.getpid()}-{os.urandom(4).hex()}")
     os.makedirs(path)
-    yield path
-    for name in os.listdir(path):
-        os.unlink(os.path.join(path, name))
-    os.rmdir(path)
+    try:
+        yield path
+    finally:
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+
+
+@pytest.fixture(scope="session")
+def shm_dirs(tmp_path_factory):
+    """``with shm_dirs() as path:`` a private shm directory, for fixtures wider than one test."""
+    return lambda: _private_shm_dir(str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture
+def shm_dir(shm_dirs):
+    """A private shm directory for one test (see :func:`_private_shm_dir`)."""
+    with shm_dirs() as path:
+        yield path

@@ -129,37 +129,35 @@ def test_seq_len_above_the_checkpoint_max_positions(hf_dir, tmp_path, capsys, mo
     assert os.listdir(tmp_path) == []
 
 
-def test_init_from_without_safetensors(hf_dir, tmp_path, capsys, monkeypatch):
+def _init_from(tmp_path, capsys, monkeypatch, config: str, weights: bytes | None) -> str:
+    """The error line of a run initialised from tmp_path/model holding this config.json and weights."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text((hf_dir / "config.json").read_text())
-    line = _run(["train", "--set", f"runtime.init_from={model}", "--set", "train.seq_len=32"], tmp_path,
+    (model / "config.json").write_text(config)
+    if weights is not None:
+        (model / "model.safetensors").write_bytes(weights)
+    return _run(["train", "--set", f"runtime.init_from={model}", "--set", "train.seq_len=32"], tmp_path,
                 capsys, monkeypatch)
+
+
+def test_init_from_without_safetensors(hf_dir, tmp_path, capsys, monkeypatch):
+    line = _init_from(tmp_path, capsys, monkeypatch, (hf_dir / "config.json").read_text(), None)
     assert "runtime.init_from" in line and "model.safetensors" in line
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
 def test_init_from_with_a_truncated_safetensors(hf_dir, tmp_path, capsys, monkeypatch):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text((hf_dir / "config.json").read_text())
     data = (hf_dir / "model.safetensors").read_bytes()
-    (model / "model.safetensors").write_bytes(data[:len(data) // 2])  # an interrupted download
-    line = _run(["train", "--set", f"runtime.init_from={model}", "--set", "train.seq_len=32"], tmp_path,
-                capsys, monkeypatch)
+    line = _init_from(tmp_path, capsys, monkeypatch, (hf_dir / "config.json").read_text(),
+                      data[:len(data) // 2])  # an interrupted download
     assert "model.safetensors" in line and "corrupt" in line
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
 def test_init_from_with_weights_of_another_model(hf_dir, tmp_path, capsys, monkeypatch):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "model.safetensors").write_bytes((hf_dir / "model.safetensors").read_bytes())
     other = json.loads((hf_dir / "config.json").read_text())
     other["intermediate_size"] = 96  # this config.json does not describe these weights
-    (model / "config.json").write_text(json.dumps(other))
-    line = _run(["train", "--set", f"runtime.init_from={model}", "--set", "train.seq_len=32"], tmp_path,
-                capsys, monkeypatch)
+    line = _init_from(tmp_path, capsys, monkeypatch, json.dumps(other), (hf_dir / "model.safetensors").read_bytes())
     assert "mlp" in line and "has shape" in line and "(96, 32)" in line
     assert sorted(os.listdir(tmp_path)) == ["model"]
 

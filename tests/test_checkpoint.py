@@ -207,19 +207,13 @@ def _metrics(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def straight_run(ray_cluster, tmp_path_factory):
+def straight_run(ray_cluster, tmp_path_factory, shm_dirs):
     """A: 12 steps straight through, a checkpoint after every step (all kept)."""
     base = tmp_path_factory.mktemp("straight")
-    shm_dir = f"/dev/shm/megatrain-test-{os.getpid()}-straight" if os.path.isdir("/dev/shm") else str(base / "shm")
-    os.makedirs(shm_dir)
-    try:
+    with shm_dirs() as shm_dir:
         a = train(_cfg(shm_dir, base / "a", "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}"),
                   log=lambda line: None)
         assert os.listdir(shm_dir) == []
-    finally:
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
-        os.rmdir(shm_dir)
     return a
 
 

@@ -1,5 +1,6 @@
 """No shared-memory segment of a run survives it: success, exception, SIGINT, SIGTERM, dead owners."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -94,21 +95,9 @@ def test_segments_are_removed_when_the_run_raises(ray_cluster, shm_dir, tmp_path
 # Signals: the CLI as a subprocess, stopped once its segments exist.
 
 @pytest.fixture(scope="module")
-def signal_dir_factory(tmp_path_factory):
-    made = []
-
-    def make():
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path_factory.getbasetemp())
-        path = os.path.join(base, f"megatrain-test-{os.getpid()}-{os.urandom(4).hex()}")
-        os.makedirs(path)
-        made.append(path)
-        return path
-
-    yield make
-    for path in made:
-        for name in os.listdir(path):
-            os.unlink(os.path.join(path, name))
-        os.rmdir(path)
+def signal_dir_factory(shm_dirs):
+    with contextlib.ExitStack() as made:  # every directory made is removed after the module
+        yield lambda: made.enter_context(shm_dirs())
 
 
 def _interrupt_cli(sig, shm_dir, work_dir):

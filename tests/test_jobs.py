@@ -115,24 +115,20 @@ def _status(address, job_id) -> str:
 
 
 @pytest.fixture(scope="module")
-def long_job(head, tmp_path_factory):
+def long_job(head, tmp_path_factory, shm_dirs):
     """A long training job, submitted without waiting so it starts while the short one runs."""
     base = tmp_path_factory.mktemp("long-job")
-    shm_dir = f"/dev/shm/megatrain-test-{os.getpid()}-job" if os.path.isdir("/dev/shm") else str(base / "shm")
-    os.makedirs(shm_dir)
-    run_dir = base / "runs"
-    proc = _submit(head, "megatrain-stop", "--set", "train.steps=100000", "--set", "runtime.device=cpu",
-                   "--set", "train.checkpoint_every=0", "--set", f"runtime.shm_dir={shm_dir}",
-                   "--set", f"runtime.run_dir={run_dir}", wait=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    try:
-        yield "megatrain-stop", shm_dir, run_dir
-    finally:
-        if _status(head, "megatrain-stop") in ("RUNNING", "PENDING"):
-            _ray("job", "stop", "--address", head, "megatrain-stop")
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
-        os.rmdir(shm_dir)
+    with shm_dirs() as shm_dir:
+        run_dir = base / "runs"
+        proc = _submit(head, "megatrain-stop", "--set", "train.steps=100000", "--set", "runtime.device=cpu",
+                       "--set", "train.checkpoint_every=0", "--set", f"runtime.shm_dir={shm_dir}",
+                       "--set", f"runtime.run_dir={run_dir}", wait=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        try:
+            yield "megatrain-stop", shm_dir, run_dir
+        finally:
+            if _status(head, "megatrain-stop") in ("RUNNING", "PENDING"):
+                _ray("job", "stop", "--address", head, "megatrain-stop")
 
 
 def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_path):

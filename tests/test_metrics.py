@@ -28,21 +28,15 @@ GAUGES = ("tokens_per_s", "model_tflops", "step_time_s", "loss", "learning_rate"
 
 
 @pytest.fixture(scope="module")
-def finished_run(ray_cluster, tmp_path_factory):
+def finished_run(ray_cluster, tmp_path_factory, shm_dirs):
     base = tmp_path_factory.mktemp("metrics")
-    shm_dir = f"/dev/shm/megatrain-test-{os.getpid()}-metrics" if os.path.isdir("/dev/shm") else str(base / "shm")
-    os.makedirs(shm_dir)
-    try:
+    with shm_dirs() as shm_dir:
         cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={base / 'runs'}", "runtime.device=cpu",
                                  f"train.steps={STEPS}", "train.checkpoint_every=2", "runtime.actor_timeout_s=120",
                                  "train.eval_every=2", "data.val_fraction=0.1", "data.format=text"])
         lines = []
         result = train(cfg, log=lines.append)
         assert os.listdir(shm_dir) == []
-    finally:
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
-        os.rmdir(shm_dir)
     return cfg, result, lines
 
 
