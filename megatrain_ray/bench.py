@@ -23,10 +23,10 @@ import tempfile
 import time
 
 import numpy as np
-import psutil
 import torch
 
-from .config import ModelConfig, load_config
+from .config import ModelConfig, load_config, usable_cpus
+from .hostmem import HostMemoryPeak
 from .layout import StoreLayout
 
 PRESETS = {
@@ -92,51 +92,23 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def _used_host_bytes() -> int:
-    """MemTotal - MemAvailable (counts /dev/shm and every process)."""
-    vm = psutil.virtual_memory()
-    return vm.total - vm.available
-
-
-class HostMemoryPeak:
-    """Samples the machine's used memory in a thread; ``peak - baseline`` is what a run added."""
-
-    def __enter__(self):
-        import threading
-
-        self.baseline = self.peak = _used_host_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.2):
-            self.peak = max(self.peak, _used_host_bytes())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def added(self) -> int:
-        return self.peak - self.baseline
-
-
 def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     """Train through the Ray actor pipeline; returns the summary and the last step's timeline."""
     from .pipeline import train
 
-    with HostMemoryPeak() as mem:
+    t0 = time.perf_counter()
+    with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
         result = train(cfg, log=lambda line: None)
+    wall_s = time.perf_counter() - t0
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     for r in rows:
         r["device_peak_bytes"] = r.get("device_peak_bytes", 0)
     summary = summarize(rows)
     summary["rows"] = rows
-    summary["host_peak_added_gib"] = mem.added / 2**30
-    summary["host_bytes_per_param"] = mem.added / StoreLayout.build(cfg.model).num_params
+    summary.update(mem.summary(StoreLayout.build(cfg.model).num_params))
+    summary["wall_s"] = wall_s
+    summary["outside_steps_s"] = wall_s - sum(r["step_s"] for r in rows)  # start-up and shut-down
     return summary, result.timeline
 
 
@@ -404,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
             layer_numel = StoreLayout.build(cfg.model).templates[1].numel
-            report["adamw_probe"] = adamw_probe(layer_numel, os.cpu_count() or 1)
+            report["adamw_probe"] = adamw_probe(layer_numel, usable_cpus())
             print("probe:", json.dumps({k: {a: round(b, 2) for a, b in v.items()}
                                         for k, v in report.items() if k.endswith("_probe")}), flush=True)
         systems = {}
@@ -445,7 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     print("ours, share of the step: " + ", ".join(
         f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update", "wait"))
         + f"; {ours['outside_run_step_s']:.3f} s/step outside run_step"
+        + (f"; start-up + shut-down {ours['outside_steps_s']:.0f} s" if "outside_steps_s" in ours else "")
         + f"; host memory added {ours['host_peak_added_gib']:.1f} GiB = {ours['host_bytes_per_param']:.1f} B/param"
+        + f" (peak RSS + shm {ours['host_accounted_gib']:.1f} GiB = {ours['host_accounted_bytes_per_param']:.1f} B/param:"
+        + f" shm {ours['host_accounted_shm_gib']:.1f}, processes {ours['host_accounted_processes_gib']:.1f})"
         + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
     if "gemm_tflops" in report:
         print(f"bf16 GEMM measured in this run: {report['gemm_tflops']:.0f} TFLOP/s")

@@ -27,6 +27,14 @@ LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor"
 """The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: taskset, cpusets), not all the machine has."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral), named as in HF config.json."""
@@ -351,7 +359,7 @@ class RuntimeSection:
 
     def adamw_threads(self) -> int:
         """Threads of the AdamW update (see ``optimizer_threads``)."""
-        return self.optimizer_threads or max(1, (os.cpu_count() or 2) - 1)
+        return self.optimizer_threads or max(1, usable_cpus() - 1)
 
     def compile_on(self, device: str) -> bool:
         """Whether the decoder layer is compiled on the resolved ``device``."""

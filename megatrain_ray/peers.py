@@ -50,9 +50,10 @@ import numpy as np
 import psutil
 import torch
 
-from .bench import PRESETS, HostMemoryPeak, model_params, preset_shape
+from .bench import PRESETS, model_params, preset_shape
 from .config import ModelConfig
 from .errors import MegatrainError
+from .hostmem import HostMemoryPeak
 
 SYSTEMS = ("deepspeed", "fsdp2")
 EXIT_SETUP_ERROR = 2
@@ -460,6 +461,7 @@ def child_main(spec: PeerSpec, json_path: str) -> int:
     with HostMemoryPeak() as mem:
         def save(r: dict) -> None:
             r["host_peak_added_gib"] = mem.added / 2**30
+            r["host_accounted_gib"] = mem.accounted / 2**30
             _write_json(json_path, summarize(r))
 
         try:

@@ -46,7 +46,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from . import checkpoint, preflight, shm
 from .compute import ComputeWorker
-from .config import TrainConfig
+from .config import TrainConfig, usable_cpus
 from .data import loader_spec, source_from_config
 from .errors import MegatrainError, PipelineError
 from .metrics import RunMetrics
@@ -259,7 +259,7 @@ def _raise_interrupt(signum, frame):
 def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume: str | None = None,
            plan: checkpoint.CheckpointPlan | None = None) -> None:
     rt, n_data = cfg.runtime, cfg.data.num_workers
-    cpu = os.cpu_count() or 2
+    cpu = usable_cpus()
     bundles = [{"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5, **({"GPU": 1} if device == "cuda" else {})},
                {"CPU": 0.5}] + [{"CPU": 0.25}] * n_data
     roles.pg = placement_group(bundles, strategy="STRICT_PACK", name=f"megatrain-{spec.run_id}")

@@ -146,8 +146,9 @@ def fmt(n: float) -> str:
 # ---------------------------------------------------------------------------------------------
 # What the machine has.
 
-def host_available() -> int:
-    """Bytes of RAM a new run can use: MemAvailable, capped by the cgroup's memory limit."""
+def host_available(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Bytes of RAM a new run can use: MemAvailable, capped by the memory limits of this process's
+    cgroup and those above it."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -158,9 +159,7 @@ def host_available() -> int:
         pass
     if avail is None:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in _cgroup_memory_files(cgroup_root):
         try:
             with open(limit_file) as f:
                 limit = f.read().strip()
@@ -170,8 +169,34 @@ def host_available() -> int:
             continue
         if limit.isdigit() and int(limit) < 2**60:
             avail = min(avail, int(limit) - usage)
-        break
     return max(0, avail)
+
+
+def _cgroup_memory_files(root: str = "/sys/fs/cgroup") -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup and each one above it, v2 and v1
+    (paths that do not exist, e.g. in a container without a cgroup namespace, are skipped)."""
+    def chain(base: str, path: str, limit: str, usage: str) -> list[tuple[str, str]]:
+        out = []
+        while True:
+            d = os.path.join(base, path.strip("/"))
+            out.append((os.path.join(d, limit), os.path.join(d, usage)))
+            if path.strip("/") == "":
+                return out
+            path = os.path.dirname(path.rstrip("/"))
+
+    v2, v1 = "/", "/"
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    v2 = path
+                elif "memory" in controllers.split(","):
+                    v1 = path
+    except (OSError, ValueError):
+        pass
+    return (chain(root, v2, "memory.max", "memory.current")
+            + chain(os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
 
 
 def gpu_memory() -> int | None:

@@ -130,3 +130,18 @@ def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypa
         assert str(e).startswith("the run needs")
     else:
         raise AssertionError("a run that does not fit was not refused")
+
+
+def test_host_available_is_capped_by_this_process_cgroup(tmp_path):
+    """The limit of the cgroup the process is in (found through /proc/self/cgroup) caps it, as do
+    the limits of the cgroups above; unlimited ("max") ones do not."""
+    own = preflight._cgroup_memory_files(str(tmp_path))[0]
+    os.makedirs(os.path.dirname(own[0]), exist_ok=True)
+    with open(own[0], "w") as f:
+        f.write(str(2**30))
+    with open(own[1], "w") as f:
+        f.write(str(2**28))
+    assert preflight.host_available(str(tmp_path)) == 2**30 - 2**28
+    with open(own[0], "w") as f:
+        f.write("max")
+    assert preflight.host_available(str(tmp_path)) > 2**30 - 2**28

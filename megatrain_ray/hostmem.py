@@ -1,0 +1,116 @@
+"""Peak host memory of a benchmark run, measured two ways while it runs.
+
+- ``added``: the machine's used memory (MemTotal - MemAvailable) at its peak, minus what was used
+  before the run. It sees everything, pinned driver allocations included, but also whatever else
+  the machine did meanwhile.
+- ``accounted``: at its peak, the private resident memory (RSS less its file-backed and shared
+  pages) of this process and every process it started (Ray's GCS, raylet and workers are its
+  descendants), plus the bytes the shared-memory directory gained (the parameter store's
+  segments and Ray's object store). Each page is counted once, so this is "peak RSS + shared
+  memory", with a breakdown by process. Pinned buffers from the CUDA driver are not in any RSS;
+  ``added`` has them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+
+
+def used_bytes() -> int:
+    """MemTotal - MemAvailable (counts /dev/shm and every process)."""
+    vm = psutil.virtual_memory()
+    return vm.total - vm.available
+
+
+def shm_bytes(directory: str = "/dev/shm") -> int:
+    """Bytes allocated (not the nominal sizes) by the files in ``directory``."""
+    total = 0
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass  # removed while we looked
+    except OSError:
+        pass
+    return total
+
+
+def private_rss(proc: psutil.Process) -> int:
+    """Resident bytes of ``proc`` that are neither file-backed nor shared memory (RssAnon)."""
+    info = proc.memory_info()
+    return max(0, info.rss - getattr(info, "shared", 0))
+
+
+def process_tree(root: psutil.Process | None = None) -> list[psutil.Process]:
+    root = root or psutil.Process()
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return [root]
+
+
+class HostMemoryPeak:
+    """Samples host memory in a thread while a run is inside ``with``; see the module docstring.
+
+    Attributes after the block: ``added`` (bytes), ``accounted`` (bytes), ``accounted_shm`` (the
+    shared-memory part of it) and ``by_process`` ({process name: private bytes} at that peak).
+    """
+
+    def __init__(self, period_s: float = 0.25, shm_dir: str = "/dev/shm"):
+        self.period_s, self.shm_dir = period_s, shm_dir
+        self.accounted, self.accounted_shm, self.by_process = 0, 0, {}
+
+    def __enter__(self):
+        self.baseline = self.peak = used_bytes()
+        self.shm_baseline = shm_bytes(self.shm_dir)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="host-memory-peak")
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        """Take one sample now (the thread calls this every ``period_s``)."""
+        self.peak = max(self.peak, used_bytes())
+        shm = max(0, shm_bytes(self.shm_dir) - self.shm_baseline)
+        per = {}
+        for proc in process_tree():
+            try:
+                name = proc.name()
+                per[name] = per.get(name, 0) + private_rss(proc)
+            except psutil.Error:
+                pass  # exited while we looked
+        total = shm + sum(per.values())
+        if total > self.accounted:
+            self.accounted, self.accounted_shm, self.by_process = total, shm, per
+
+    def _sample(self):
+        while True:
+            self.sample()
+            if self._stop.wait(self.period_s):
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.baseline
+
+    def summary(self, num_params: int) -> dict:
+        """The JSON fields a benchmark records (GiB, and bytes per parameter of ``num_params``)."""
+        top = sorted(self.by_process.items(), key=lambda kv: -kv[1])[:12]
+        return {"host_peak_added_gib": self.added / 2**30,
+                "host_bytes_per_param": self.added / num_params,
+                "host_accounted_gib": self.accounted / 2**30,
+                "host_accounted_bytes_per_param": self.accounted / num_params,
+                "host_accounted_shm_gib": self.accounted_shm / 2**30,
+                "host_accounted_processes_gib": (self.accounted - self.accounted_shm) / 2**30,
+                "host_private_by_process_gib": {k: round(v / 2**30, 3) for k, v in top}}

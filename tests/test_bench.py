@@ -1,0 +1,33 @@
+"""The benchmark on the CPU: the Ray pipeline and the single-process driver of the same engine
+train the same steps (same losses), and the host memory it reports accounts for the store."""
+
+import json
+import os
+
+from megatrain_ray import bench
+from megatrain_ray.config import load_config
+from megatrain_ray.precision import resolve_precision
+from megatrain_ray.store import StoreSpec, grad_slots_for
+
+
+def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
+    out = tmp_path / "out"
+    rc = bench.main(["--preset", "tiny", "--layers", "2", "--tokens", "1024", "--seq-len", "128",
+                     "--micro-batches", "2", "--steps", "3", "--single-process", "--out", str(out),
+                     "--set", f"runtime.shm_dir={shm_dir}"])
+    assert rc == 0
+    report = json.loads((out / "bench-tiny.json").read_text())
+    ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
+    assert len(ours["losses"]) == 3 and ours["losses"] == local["losses"]
+    assert ours["losses"][-1] < ours["losses"][0]
+    assert report["params"] == bench.model_params("tiny", 2)
+    # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in bench.preset_shape("tiny", 2).items()])
+    precision = resolve_precision(cfg.runtime, "cpu")
+    store_bytes = StoreSpec(cfg.model, precision, shm_dir, 0, "x", grad_slots_for(precision, 1.0)).nbytes()
+    assert abs(ours["host_accounted_shm_gib"] * 2**30 - store_bytes) <= 0.01 * store_bytes + 2**20
+    assert ours["host_accounted_processes_gib"] > 0.1  # the driver and the Ray actors with torch loaded
+    assert ours["wall_s"] > sum(r["step_s"] for r in report["rows"])
+    assert os.listdir(shm_dir) == []
+    printed = capsys.readouterr().out
+    assert "megatrain_ray" in printed and "peak RSS + shm" in printed

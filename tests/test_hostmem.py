@@ -1,0 +1,28 @@
+"""The host-memory peak counts the private pages of processes a run starts and the shared-memory
+files it makes, each once."""
+
+import pathlib
+import subprocess
+import sys
+import time
+
+from megatrain_ray.hostmem import HostMemoryPeak
+
+
+def test_counts_child_private_memory_and_shm(shm_dir):
+    child = "import time, numpy as np; a = np.ones(256 * 2**20 // 8); print('ready', flush=True); time.sleep(2)"
+    with HostMemoryPeak(period_s=0.05, shm_dir=shm_dir) as mem:
+        with open(pathlib.Path(shm_dir) / "segment", "wb") as f:
+            for _ in range(64):
+                f.write(b"x" * 2**20)
+        proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        mem.sample()
+        proc.wait()
+    assert 64 * 2**20 <= mem.accounted_shm < 65 * 2**20
+    assert mem.accounted - mem.accounted_shm >= 256 * 2**20  # the child's array: private, resident
+    assert mem.added > 0
+    s = mem.summary(num_params=2**20)
+    assert abs(s["host_accounted_bytes_per_param"] * 2**20 - mem.accounted) < 1e-3 * mem.accounted
+    assert max(s["host_private_by_process_gib"].values()) >= 0.25
