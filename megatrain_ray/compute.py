@@ -67,10 +67,22 @@ class CompiledLayer:
     GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
     """
 
-    def __init__(self, backend: str | object = "inductor", warn=print):
+    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1):
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = self.threads = threads  # 1: no worker pool (its host memory)
         self.compiled = torch.compile(decoder_layer, dynamic=False, backend=backend)
         self.failure: BaseException | None = None
         self.warn = warn
+
+    def release_workers(self) -> None:
+        """Shut Inductor's compile worker pool down (after the first step, once both graphs are
+        compiled); a later recompile would start it again."""
+        try:
+            from torch._inductor.async_compile import shutdown_compile_workers
+        except ImportError:
+            return
+        shutdown_compile_workers()
 
     def __call__(self, p, x, rope, cfg):
         if self.failure is None:
@@ -90,11 +102,12 @@ class ComputeWorker:
 
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
-                 compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None):
+                 compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None,
+                 compile_threads: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
-        self.layer_fn = CompiledLayer() if compile_layers else decoder_layer
+        self.layer_fn = CompiledLayer(threads=compile_threads) if compile_layers else decoder_layer
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
@@ -271,6 +284,8 @@ class ComputeWorker:
                 table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
         self._send_grad(0, step, embed_grad)
         spans = self.backend.end_step()  # waits for the device without spinning a core
+        if isinstance(self.layer_fn, CompiledLayer) and self.layer_fn.threads > 1:
+            self.layer_fn.release_workers()  # both graphs are compiled by now: give their memory back
         loss = float(loss)
         extra = {} if val_loss is None else {"val_loss": float(val_loss)}
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)

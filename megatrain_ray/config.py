@@ -333,6 +333,10 @@ class RuntimeSection:
     """Tokens per chunk of the LM head and loss, so full logits are never materialised."""
     compile: bool | None = None
     """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
+    compile_threads: int = 1
+    """Parallel compile jobs for the layer's kernels: 1 (default) compiles inside the compute process;
+    more start a pool of Inductor worker processes (~0.4 GiB of host RAM each, which the store then
+    cannot use) that shortens the first step's compile and is shut down after it."""
     offload_activations: bool = False
     """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
     on the device, copied out and back on the copy streams: device memory no longer grows with the
@@ -373,6 +377,8 @@ class RuntimeSection:
         _require(self.master_dtype in ("float32", "bfloat16"), "runtime.master_dtype",
                  f"must be float32 or bfloat16, got {self.master_dtype!r}")
         _require(self.buffer_depth >= 2, "runtime.buffer_depth", f"must be >= 2, got {self.buffer_depth}")
+        _require(self.compile_threads >= 1, "runtime.compile_threads",
+                 f"must be >= 1 (1 = compile in the compute process), got {self.compile_threads}")
         _require(self.optimizer_threads >= 0, "runtime.optimizer_threads",
                  f"must be >= 0 (0 = one per CPU but one), got {self.optimizer_threads}")
         _require(self.loss_chunk_size > 0, "runtime.loss_chunk_size",

@@ -47,7 +47,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         prefetcher = Prefetcher(spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
         compute = ComputeWorker(spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
                                 rt.actor_timeout_s, compile_layers=rt.compile_on(device),
-                                offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q)
+                                offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q,
+                                compile_threads=rt.compile_threads)
         sink = GradientSink(spec, cfg.optim, steps, grad_q, stats_q, rt.actor_timeout_s,
                             rt.adamw_threads(), grad_slot_q=grad_slot_q)
         threads = [threading.Thread(target=loop, args=(prefetcher.run, 0, steps), daemon=True),

@@ -295,7 +295,7 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
                                      num_gpus=1 if device == "cuda" else 0).remote(
         spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
         rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
-        offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q)
+        offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads)
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
         spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
         checkpoint=plan, grad_slot_q=grad_slot_q)

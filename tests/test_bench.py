@@ -2,6 +2,7 @@
 train the same steps (same losses), and the host memory it reports accounts for the store."""
 
 import json
+import math
 import os
 
 from megatrain_ray import bench
@@ -19,7 +20,7 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     report = json.loads((out / "bench-tiny.json").read_text())
     ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
     assert len(ours["losses"]) == 3 and ours["losses"] == local["losses"]
-    assert ours["losses"][-1] < ours["losses"][0]
+    assert abs(ours["losses"][0] - math.log(bench.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
     assert report["params"] == bench.model_params("tiny", 2)
     # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in bench.preset_shape("tiny", 2).items()])

@@ -349,3 +349,9 @@ def test_from_hf_dict_rejects_mlp_bias():
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf_dict(hf)
     assert "mlp_bias" in str(info.value)
+
+
+def test_compile_threads_below_one_is_rejected():
+    msg = _error(overrides=["runtime.compile_threads=0"])
+    assert "runtime.compile_threads" in msg and "got 0" in msg
+    assert load_config(None, []).runtime.compile_threads == 1  # default: no compile worker pool

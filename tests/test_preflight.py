@@ -145,3 +145,33 @@ def test_host_available_is_capped_by_this_process_cgroup(tmp_path):
     with open(own[0], "w") as f:
         f.write("max")
     assert preflight.host_available(str(tmp_path)) > 2**30 - 2**28
+
+
+def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
+    """A CUDA run's host side: the compute worker's CUDA context, compile workers only when asked
+    for, offloaded checkpoints at what the pinned allocator takes (powers of 2), and the share of
+    RAM Ray's memory monitor needs free (none when the monitor is off)."""
+    base = ["model.hidden_size=1008", "model.num_hidden_layers=6", "model.intermediate_size=2816",
+            "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=500",
+            "train.micro_batch_size=3", "train.num_micro_batches=2", "runtime.offload_activations=true"]
+    rows = {r.component: r for r in preflight.plan(load_config(None, base), "cuda", device_bytes=80 * 2**30,
+                                                   starts_ray=False).rows}
+    assert rows["CUDA context, host side (compute worker)"].where == "host"
+    assert not any("compile worker" in name for name in rows)
+    offload = next(r for name, r in rows.items() if name.startswith("activation checkpoints (7 x 2"))
+    per_buffer = 3 * 500 * 1008 * 2  # bf16 [3, 500, 1008] = 3,024,000 bytes -> 4 MiB pinned
+    assert offload.where == "host" and offload.nbytes == 7 * 2 * 4 * 2**20 != 7 * 2 * per_buffer
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    margin = next(r for name, r in rows.items() if name.startswith("Ray memory monitor"))
+    assert margin.nbytes == int(0.05 * total)
+
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    plan = preflight.plan(load_config(None, base + ["runtime.compile_threads=8"]), "cuda",
+                          device_bytes=80 * 2**30, starts_ray=False)
+    names = [r.component for r in plan.rows]
+    assert not any(n.startswith("Ray memory monitor") for n in names)
+    workers = next(r for r in plan.rows if "compile worker" in r.component)
+    assert workers.nbytes == 8 * preflight.COMPILE_WORKER_BYTES
+    cpu_rows = [r.component for r in preflight.plan(load_config(None, base + ["runtime.compile_threads=8"]), "cpu",
+                                                    starts_ray=False).rows]
+    assert not any("compile worker" in n or "CUDA context" in n for n in cpu_rows)  # no compile on the CPU
