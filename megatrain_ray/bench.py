@@ -320,7 +320,7 @@ def format_systems(systems: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="megatrain-ray bench", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     ap.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")

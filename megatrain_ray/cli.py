@@ -3,8 +3,10 @@
 Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the memory a config needs, see
 :mod:`megatrain_ray.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
 ``export RUN_DIR_OR_CHECKPOINT --out DIR`` (a Hugging Face model directory, see
-:mod:`megatrain_ray.hf_io`) and ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
-:mod:`megatrain_ray.evaluate`).
+:mod:`megatrain_ray.hf_io`), ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
+:mod:`megatrain_ray.evaluate`), ``bench`` (throughput against a GPU-resident baseline and the peers,
+the options of :mod:`megatrain_ray.bench`) and ``peers`` (DeepSpeed ZeRO-3 / FSDP2 offload on the
+same model, the options of :mod:`megatrain_ray.peers`).
 
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
 generated corpus) on a local Ray started for it. User errors print one ``error:`` line and exit
@@ -55,12 +57,28 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=("val", "train"), default="val", help="which split (default: val)")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     ev.add_argument("--max-batches", type=int, help="stop after this many batches (default: all)")
+    for name, module in _FORWARDED.items():
+        sub.add_parser(name, help=module[1], add_help=False)
     return parser
 
 
+_FORWARDED = {
+    "bench": ("bench", "benchmark the pipeline on presets (1b/3b/7b...) against a GPU-resident baseline "
+                       "and the peers, side by side (megatrain-ray bench --help)"),
+    "peers": ("peers", "train the same model with DeepSpeed ZeRO-3 / FSDP2 CPU offload (megatrain-ray peers --help)"),
+}
+"""Commands whose arguments go to a module's own ``main`` unparsed: (module, help line)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    forwarded = argv[0] if argv and argv[0] in _FORWARDED else None
+    args = None if forwarded else _parser().parse_args(argv)
     try:
+        if forwarded:
+            import importlib
+
+            return importlib.import_module(f"megatrain_ray.{_FORWARDED[forwarded][0]}").main(argv[1:])
         if args.command == "train":
             from .config import load_config
             from .pipeline import train

@@ -108,6 +108,7 @@ class ComputeWorker:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
         self.layer_fn = CompiledLayer(threads=compile_threads) if compile_layers else decoder_layer
+        self._workers_released = False
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
@@ -284,8 +285,9 @@ class ComputeWorker:
                 table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
         self._send_grad(0, step, embed_grad)
         spans = self.backend.end_step()  # waits for the device without spinning a core
-        if isinstance(self.layer_fn, CompiledLayer) and self.layer_fn.threads > 1:
+        if isinstance(self.layer_fn, CompiledLayer) and self.layer_fn.threads > 1 and not self._workers_released:
             self.layer_fn.release_workers()  # both graphs are compiled by now: give their memory back
+            self._workers_released = True
         loss = float(loss)
         extra = {} if val_loss is None else {"val_loss": float(val_loss)}
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)

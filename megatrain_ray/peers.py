@@ -609,7 +609,7 @@ def format_table(rows: list[dict], ours_step_s: float | None = None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="megatrain-ray peers", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="7b", help=f"one or more of {', '.join(sorted(PRESETS))}, comma-separated")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     ap.add_argument("--system", choices=SYSTEMS, help="run one system in this process (what the table mode spawns)")

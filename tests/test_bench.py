@@ -1,11 +1,12 @@
-"""The benchmark on the CPU: the Ray pipeline and the single-process driver of the same engine
-train the same steps (same losses), and the host memory it reports accounts for the store."""
+"""The benchmark (``megatrain-ray bench``) on the CPU: the Ray pipeline and the single-process
+driver of the same engine train the same steps (same losses), and the host memory it reports
+accounts for the store. (``jobs/bench.py`` under ``ray job submit`` is in test_jobs.py.)"""
 
 import json
 import math
 import os
 
-from megatrain_ray import bench
+from megatrain_ray import bench, cli
 from megatrain_ray.config import load_config
 from megatrain_ray.precision import resolve_precision
 from megatrain_ray.store import StoreSpec, grad_slots_for
@@ -13,9 +14,9 @@ from megatrain_ray.store import StoreSpec, grad_slots_for
 
 def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     out = tmp_path / "out"
-    rc = bench.main(["--preset", "tiny", "--layers", "2", "--tokens", "1024", "--seq-len", "128",
-                     "--micro-batches", "2", "--steps", "3", "--single-process", "--out", str(out),
-                     "--set", f"runtime.shm_dir={shm_dir}"])
+    rc = cli.main(["bench", "--preset", "tiny", "--layers", "2", "--tokens", "1024", "--seq-len", "128",
+                   "--micro-batches", "2", "--steps", "3", "--single-process", "--out", str(out),
+                   "--set", f"runtime.shm_dir={shm_dir}"])
     assert rc == 0
     report = json.loads((out / "bench-tiny.json").read_text())
     ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]

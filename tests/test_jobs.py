@@ -94,12 +94,12 @@ def _ray(*args, timeout=300, **kwargs) -> subprocess.CompletedProcess:
                           **kwargs)
 
 
-def _submit(address, job_id, *train_args, wait=True) -> subprocess.CompletedProcess:
+def _submit(address, job_id, *train_args, wait=True, script="jobs/train.py") -> subprocess.CompletedProcess:
     runtime_env = {"excludes": ["runs", ".git", ".whl", "benchmarks", "*.png"],
                    "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}  # time to checkpoint on `ray job stop`
     return _ray("job", "submit", "--address", address, "--submission-id", job_id, "--working-dir", ".",
                 "--runtime-env-json", json.dumps(runtime_env), *([] if wait else ["--no-wait"]), "--",
-                "python", "jobs/train.py", *train_args)
+                "python", script, *train_args)
 
 
 def _status(address, job_id) -> str:
@@ -142,6 +142,23 @@ def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_pat
     rows = [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert os.path.isfile(tmp_path / run / "final" / "model.safetensors.index.json")
+    assert os.listdir(shm_dir) == []
+
+
+def test_bench_job_joins_the_cluster_and_writes_its_report(head, long_job, shm_dir, tmp_path):
+    """jobs/bench.py: the benchmark's pipeline runs on the job's cluster (RAY_ADDRESS) beside the
+    long training job, and its table and JSON come out."""
+    out = tmp_path / "bench-out"
+    proc = _submit(head, "megatrain-bench", "--preset", "tiny", "--layers", "2", "--tokens", "1024",
+                   "--seq-len", "128", "--micro-batches", "2", "--steps", "3", "--out", str(out),
+                   "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={tmp_path}/runs",
+                   script="jobs/bench.py")
+    logs = proc.stdout + proc.stderr
+    assert proc.returncode == 0, logs[-4000:]
+    assert re.search(r"^megatrain_ray\s+[0-9.]+", logs, re.M), logs[-4000:]
+    report = json.loads((out / "bench-tiny.json").read_text())
+    assert len(report["systems"]["megatrain_ray"]["losses"]) == 3
+    assert _status(head, "megatrain-bench") == "SUCCEEDED"
     assert os.listdir(shm_dir) == []
 
 
