@@ -82,7 +82,8 @@ def summarize(rows: list[dict]) -> dict:
     periods = [b - a for a, b in zip(starts, starts[1:])][warm:] or [rows[-1]["step_s"]]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     step_s = statistics.median(periods)
-    out = {"step_s": step_s, "losses": [r["loss"] for r in rows], "fetches": rows[-1]["fetches"],
+    out = {"step_s": step_s, "steady_periods": len(periods), "losses": [r["loss"] for r in rows],
+           "fetches": rows[-1]["fetches"],
            "tokens": rows[-1]["tokens"], "device_peak_gib": max(r["device_peak_bytes"] for r in rows) / 2**30}
     for lane in ("compute", "h2d", "d2h", "update", "wait"):
         out[f"{lane}_busy_frac"] = med(f"{lane}_busy_s") / step_s
@@ -422,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         + f" (peak RSS + shm {ours['host_accounted_gib']:.1f} GiB = {ours['host_accounted_bytes_per_param']:.1f} B/param:"
         + f" shm {ours['host_accounted_shm_gib']:.1f}, processes {ours['host_accounted_processes_gib']:.1f})"
         + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
+    if ours["steady_periods"] < 3:
+        print(f"note: s/step is the median of only {ours['steady_periods']} step(s) after the warm-up; the first "
+              "steps after it still run slower: use --steps 5 or more for numbers to quote")
     if "gemm_tflops" in report:
         print(f"bf16 GEMM measured in this run: {report['gemm_tflops']:.0f} TFLOP/s")
     return 0

@@ -2,7 +2,8 @@
 
 - ``added``: the machine's used memory (MemTotal - MemAvailable) at its peak, minus what was used
   before the run. It sees everything, pinned driver allocations included, but also whatever else
-  the machine did meanwhile.
+  the machine did meanwhile; so the baseline is taken once used memory has stopped falling (a
+  previous run's processes can take many seconds to give theirs back).
 - ``accounted``: at its peak, the private resident memory (RSS less its file-backed and shared
   pages) of this process and every process it started (Ray's GCS, raylet and workers are its
   descendants), plus the bytes the shared-memory directory gained (the parameter store's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import psutil
 
@@ -23,6 +25,20 @@ def used_bytes() -> int:
     """MemTotal - MemAvailable (counts /dev/shm and every process)."""
     vm = psutil.virtual_memory()
     return vm.total - vm.available
+
+
+def settled_used_bytes(limit_s: float, step_s: float = 0.5, tolerance: int = 128 * 2**20) -> int:
+    """:func:`used_bytes` once it has stopped falling by more than ``tolerance`` per ``step_s``
+    (waiting at most ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    used = used_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(step_s)
+        now = used_bytes()
+        if now > used - tolerance:
+            return now
+        used = now
+    return used
 
 
 def shm_bytes(directory: str = "/dev/shm") -> int:
@@ -62,12 +78,12 @@ class HostMemoryPeak:
     shared-memory part of it) and ``by_process`` ({process name: private bytes} at that peak).
     """
 
-    def __init__(self, period_s: float = 0.25, shm_dir: str = "/dev/shm"):
-        self.period_s, self.shm_dir = period_s, shm_dir
+    def __init__(self, period_s: float = 0.25, shm_dir: str = "/dev/shm", settle_s: float = 60.0):
+        self.period_s, self.shm_dir, self.settle_s = period_s, shm_dir, settle_s
         self.accounted, self.accounted_shm, self.by_process = 0, 0, {}
 
     def __enter__(self):
-        self.baseline = self.peak = used_bytes()
+        self.baseline = self.peak = settled_used_bytes(self.settle_s)
         self.shm_baseline = shm_bytes(self.shm_dir)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True, name="host-memory-peak")

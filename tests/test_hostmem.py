@@ -26,3 +26,33 @@ def test_counts_child_private_memory_and_shm(shm_dir):
     s = mem.summary(num_params=2**20)
     assert abs(s["host_accounted_bytes_per_param"] * 2**20 - mem.accounted) < 1e-3 * mem.accounted
     assert max(s["host_private_by_process_gib"].values()) >= 0.25
+
+
+def test_baseline_waits_until_memory_stops_falling(shm_dir):
+    """A previous run's memory coming back while the next starts must not count against the next:
+    the baseline is taken once used memory has stopped falling."""
+    path = pathlib.Path(shm_dir) / "previous-run"
+    with open(path, "wb") as f:
+        for _ in range(512):
+            f.write(b"x" * 2**20)
+
+    def release():  # the previous run's segment goes away in pieces, over ~1.5 s
+        with open(path, "r+b") as f:
+            for size in (384, 256, 128, 0):
+                time.sleep(0.4)
+                f.truncate(size * 2**20)
+
+    import threading
+
+    t = threading.Thread(target=release)
+    t.start()
+    start = time.monotonic()
+    with HostMemoryPeak(period_s=0.05, shm_dir=shm_dir) as mem:
+        waited = time.monotonic() - start
+        with open(pathlib.Path(shm_dir) / "this-run", "wb") as f:  # what this run adds: 256 MiB
+            for _ in range(256):
+                f.write(b"x" * 2**20)
+        mem.sample()
+    t.join()
+    assert waited >= 1.2  # it waited for the release...
+    assert mem.added >= 240 * 2**20  # ...so the release does not hide what this run added
