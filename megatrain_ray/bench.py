@@ -60,6 +60,17 @@ def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: i
         "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
 
 
+def flops_per_token(model: ModelConfig, seq_len: int) -> tuple[int, int]:
+    """Training FLOPs per token: (6·N, 6·N + the attention scores and values, 12·L·heads·head_dim·S).
+
+    The second counts the full S x S attention matrix per layer, as PaLM's model-FLOPs do (causal
+    kernels skip about half of it); N includes the embedding and the head.
+    """
+    n = StoreLayout.build(model).num_params
+    attention = 12 * model.num_hidden_layers * model.num_attention_heads * model.head_size * seq_len
+    return 6 * n, 6 * n + attention
+
+
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -373,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                       [f"runtime.buffer_depth={args.buffer_depth}", f"runtime.master_dtype={args.master_dtype}",
                        f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192",
                        f"optim.max_grad_norm={args.max_grad_norm}", *args.set], args.layers)
-        flops = 6 * report["params"] * args.tokens
+        flops = flops_per_token(cfg.model, args.seq_len)[0] * args.tokens
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
             layer_numel = StoreLayout.build(cfg.model).templates[1].numel
@@ -405,10 +416,14 @@ def main(argv: list[str] | None = None) -> int:
             systems[system] = run_peer(system, args.preset, tokens=args.tokens, seq_len=args.seq_len,
                                        micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
                                        timeout_s=args.peer_timeout_s)
+        with_attention = flops_per_token(cfg.model, args.seq_len)[1] * args.tokens
         for r in systems.values():
             r.setdefault("step_s", float("nan"))
             r["tokens_per_s"] = args.tokens / r["step_s"]
             r["model_tflops"] = flops / r["step_s"] / 1e12
+            r["model_tflops_with_attention"] = with_attention / r["step_s"] / 1e12
+            if "gemm_tflops" in report:
+                r["mfu"] = r["model_tflops_with_attention"] / report["gemm_tflops"]
         report["systems"] = systems
     with open(os.path.join(args.out, f"bench-{args.tag or args.preset}.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -426,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     if ours["steady_periods"] < 3:
         print(f"note: s/step is the median of only {ours['steady_periods']} step(s) after the warm-up; the first "
               "steps after it still run slower: use --steps 5 or more for numbers to quote")
-    if "gemm_tflops" in report:
-        print(f"bf16 GEMM measured in this run: {report['gemm_tflops']:.0f} TFLOP/s")
+    print(f"ours counting attention (PaLM's model FLOPs): {ours['model_tflops_with_attention']:.1f} TFLOPS"
+          + (f", MFU {ours['mfu']:.1%} of the bf16 GEMM measured in this run ({report['gemm_tflops']:.0f} TFLOP/s)"
+             if "mfu" in ours else ""))
     return 0
 
 

@@ -6,6 +6,8 @@ import json
 import math
 import os
 
+import pytest
+
 from megatrain_ray import bench, cli
 from megatrain_ray.config import load_config
 from megatrain_ray.precision import resolve_precision
@@ -23,6 +25,13 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert len(ours["losses"]) == 3 and ours["losses"] == local["losses"]
     assert abs(ours["losses"][0] - math.log(bench.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
     assert report["params"] == bench.model_params("tiny", 2)
+    # model FLOPs: 6·N·T, and with the attention matrix 12·L·heads·head_dim·S per token on top
+    shape = bench.PRESETS["tiny"]
+    attention = 12 * 2 * shape["num_attention_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 128
+    assert ours["model_tflops"] * ours["step_s"] * 1e12 == pytest.approx(6 * report["params"] * 1024)
+    assert ours["model_tflops_with_attention"] / ours["model_tflops"] == pytest.approx(
+        (6 * report["params"] + attention) / (6 * report["params"]))
+    assert "mfu" not in ours  # no GEMM to measure against on the CPU
     # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in bench.preset_shape("tiny", 2).items()])
     precision = resolve_precision(cfg.runtime, "cpu")
@@ -32,4 +41,4 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert ours["wall_s"] > sum(r["step_s"] for r in report["rows"])
     assert os.listdir(shm_dir) == []
     printed = capsys.readouterr().out
-    assert "megatrain_ray" in printed and "peak RSS + shm" in printed
+    assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "counting attention" in printed
