@@ -142,6 +142,12 @@ def _actor_error(e: BaseException, role: str) -> MegatrainError:
     cause = getattr(e, "cause", None)
     if isinstance(cause, MegatrainError):
         return type(cause)(str(cause))
+    if isinstance(e, ray.exceptions.OutOfMemoryError) or isinstance(cause, ray.exceptions.OutOfMemoryError):
+        return PipelineError(
+            f"the machine ran out of host memory: Ray's memory monitor killed the {role} actor's work "
+            f"(it does past {preflight.RAY_MEMORY_THRESHOLD:.0%} of RAM by default); see what the run needs with "
+            "`megatrain-ray plan` and stop other memory users, or lower it (runtime.master_dtype=bfloat16, "
+            "runtime.offload_activations=false, a smaller model or micro-batch).")
     if isinstance(e, ray.exceptions.RayActorError):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         return ActorDied(f"the {role} actor died ({lines[-1] if lines else 'no reason given'}); "

@@ -182,3 +182,20 @@ def test_compiled_layer_matches_eager_and_falls_back_when_compiling_fails():
         for got, want in zip(run(layer), eager):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(warnings) == 1 and "running it eagerly" in warnings[0] and "no compiler here" in warnings[0]
+
+
+def test_ray_memory_monitor_kill_becomes_one_sentence_naming_the_fix():
+    """When Ray's memory monitor kills pipeline work (host RAM past its threshold), the run fails
+    with one sentence that says so and names what to change, not Ray's multi-line report."""
+    import ray.exceptions
+
+    from megatrain_ray.pipeline import ActorDied, _actor_error
+
+    ray_text = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.1) "
+                "was 119.60GB used / 125.87GB limit (0.950233)")
+    for err in (ray.exceptions.OutOfMemoryError(ray_text),
+                ray.exceptions.RayTaskError("run", "traceback", ray.exceptions.OutOfMemoryError(ray_text))):
+        msg = str(_actor_error(err, "grad-sink"))
+        assert msg.startswith("the machine ran out of host memory") and "grad-sink" in msg
+        assert "megatrain-ray plan" in msg and "runtime.master_dtype=bfloat16" in msg and "\n" not in msg
+        assert not isinstance(_actor_error(err, "grad-sink"), ActorDied)  # no restart into the same wall
