@@ -28,6 +28,7 @@ import torch
 from .config import ModelConfig, load_config, usable_cpus
 from .hostmem import HostMemoryPeak
 from .layout import StoreLayout
+from .metrics import attention_flops_per_token
 
 PRESETS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -58,17 +59,6 @@ def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: i
         "model.max_position_embeddings=32768", f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}",
         f"train.num_micro_batches={micro_batches}", f"train.steps={steps}", f"data.path={data}",
         "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
-
-
-def flops_per_token(model: ModelConfig, seq_len: int) -> tuple[int, int]:
-    """Training FLOPs per token: (6·N, 6·N + the attention scores and values, 12·L·heads·head_dim·S).
-
-    The second counts the full S x S attention matrix per layer, as PaLM's model-FLOPs do (causal
-    kernels skip about half of it); N includes the embedding and the head.
-    """
-    n = StoreLayout.build(model).num_params
-    attention = 12 * model.num_hidden_layers * model.num_attention_heads * model.head_size * seq_len
-    return 6 * n, 6 * n + attention
 
 
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -384,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                       [f"runtime.buffer_depth={args.buffer_depth}", f"runtime.master_dtype={args.master_dtype}",
                        f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192",
                        f"optim.max_grad_norm={args.max_grad_norm}", *args.set], args.layers)
-        flops = flops_per_token(cfg.model, args.seq_len)[0] * args.tokens
+        flops = 6 * report["params"] * args.tokens
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
             layer_numel = StoreLayout.build(cfg.model).templates[1].numel
@@ -416,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             systems[system] = run_peer(system, args.preset, tokens=args.tokens, seq_len=args.seq_len,
                                        micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
                                        timeout_s=args.peer_timeout_s)
-        with_attention = flops_per_token(cfg.model, args.seq_len)[1] * args.tokens
+        with_attention = flops + attention_flops_per_token(cfg.model, args.seq_len) * args.tokens  # PaLM's model FLOPs
         for r in systems.values():
             r.setdefault("step_s", float("nan"))
             r["tokens_per_s"] = args.tokens / r["step_s"]

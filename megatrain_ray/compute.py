@@ -70,7 +70,7 @@ class CompiledLayer:
     def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1):
         import torch._inductor.config
 
-        torch._inductor.config.compile_threads = self.threads = threads  # 1: no worker pool (its host memory)
+        torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
         self.compiled = torch.compile(decoder_layer, dynamic=False, backend=backend)
         self.failure: BaseException | None = None
         self.warn = warn
@@ -108,7 +108,8 @@ class ComputeWorker:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
         self.layer_fn = CompiledLayer(threads=compile_threads) if compile_layers else decoder_layer
-        self._workers_released = False
+        self._compile_pool = self.layer_fn if compile_layers and compile_threads > 1 else None
+        """The compiled layer whose worker pool is still to be shut down after the first step."""
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
@@ -285,9 +286,9 @@ class ComputeWorker:
                 table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
         self._send_grad(0, step, embed_grad)
         spans = self.backend.end_step()  # waits for the device without spinning a core
-        if isinstance(self.layer_fn, CompiledLayer) and self.layer_fn.threads > 1 and not self._workers_released:
-            self.layer_fn.release_workers()  # both graphs are compiled by now: give their memory back
-            self._workers_released = True
+        if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
+            self._compile_pool.release_workers()
+            self._compile_pool = None
         loss = float(loss)
         extra = {} if val_loss is None else {"val_loss": float(val_loss)}
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
@@ -331,10 +332,11 @@ class ComputeWorker:
         """Mean loss over the counted tokens of validation hidden states E x [B, S, H], labels [E, B, S]."""
         unit = self.cfg.num_hidden_layers + 1
         templates = self.layout.templates
-        w = lm_head_weight(templates[unit].bind(wh), templates[0].bind(we.detach()) if we is not None else None)
+        head = templates[unit].bind(wh)
+        w = lm_head_weight(head, templates[0].bind(we.detach()) if we is not None else None)
         total = torch.zeros((), dtype=torch.float32, device=wh.device)
         for e, lab in zip(hidden, labels):
-            h = final_norm(templates[unit].bind(wh), e, self.cfg).reshape(-1, e.shape[-1])
+            h = final_norm(head, e, self.cfg).reshape(-1, e.shape[-1])
             lab = lab.reshape(-1)
             for s in range(0, h.shape[0], self.chunk):
                 total += token_loss_sum(h[s:s + self.chunk], w, lab[s:s + self.chunk])

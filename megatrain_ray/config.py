@@ -254,6 +254,10 @@ class TrainSection:
     on one step's worth of sequences from the validation split (data.val_fraction or data.val_path);
     it rides along the next step's forward, so no weights cross the link for it. 0 = never."""
 
+    def eval_due(self, step: int) -> bool:
+        """Whether step ``step`` carries the validation batch (see ``eval_every``)."""
+        return self.eval_every > 0 and step % self.eval_every == 0
+
     def validate(self) -> None:
         for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every", "keep_checkpoints"):
             _require(getattr(self, key) > 0, f"train.{key}", f"must be positive, got {getattr(self, key)}")

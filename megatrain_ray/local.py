@@ -59,8 +59,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         for step in range(steps):
             if errors:
                 raise errors[0]
-            due = eval_batch is not None and step % cfg.train.eval_every == 0
-            rows.append(compute.run_step(step, source.batch(step), eval_batch if due else None))
+            rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None))
         for row in rows:
             stats = stats_q.get(timeout=rt.actor_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")

@@ -30,8 +30,14 @@ from .config import ModelConfig
 STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
 
 
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs of the attention scores and values per token, 12 L S d (d = heads x head_dim):
+    the full S x S matrix, as PaLM's model FLOPs count it (causal kernels skip about half)."""
+    return 12 * model.num_hidden_layers * seq_len * model.num_attention_heads * model.head_size
+
+
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one trained token: 6 per matmul parameter, plus causal attention's 12 L S d.
+    """Model FLOPs of one trained token: 6 per matmul parameter, plus :func:`attention_flops_per_token`.
 
     Recomputation in the backward pass is not counted (the usual MFU convention).
     """
@@ -39,7 +45,7 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
     matmul = model.num_hidden_layers * per_layer + model.vocab_size * h
-    return 6.0 * matmul + 12.0 * model.num_hidden_layers * seq_len * q
+    return 6.0 * matmul + attention_flops_per_token(model, seq_len)
 
 
 class RunMetrics:

@@ -53,6 +53,7 @@ import torch
 from .bench import PRESETS, model_params, preset_shape
 from .config import ModelConfig
 from .errors import MegatrainError
+from .hf_io import write_json
 from .hostmem import HostMemoryPeak
 
 SYSTEMS = ("deepspeed", "fsdp2")
@@ -438,13 +439,6 @@ def new_report(spec: PeerSpec) -> dict:
             "device": torch.cuda.get_device_name() if spec.device == "cuda" and torch.cuda.is_available() else "cpu"}
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
 
@@ -462,7 +456,7 @@ def child_main(spec: PeerSpec, json_path: str) -> int:
         def save(r: dict) -> None:
             r["host_peak_added_gib"] = mem.added / 2**30
             r["host_accounted_gib"] = mem.accounted / 2**30
-            _write_json(json_path, summarize(r))
+            write_json(json_path, summarize(r))
 
         try:
             train_peer(spec, report, save)
@@ -687,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep_layers:
             report["largest_trained"] = {s: max((r["layers"] for r in rows if r["system"] == s and r["status"] == "ok"),
                                                 default=None) for s in systems}
-        _write_json(os.path.join(args.out, name), report)
+        write_json(os.path.join(args.out, name), report)
         print(f"\n{preset}: {args.tokens} tokens/step, {args.steps} steps (first left out), "
               f"{rows[0]['device'] if rows else ''}" + ("; 'ours x' = peer s/step over megatrain_ray's" if ours else ""))
         print(format_table(rows, ours))

@@ -410,7 +410,7 @@ class _Driver:
 
     def _submit(self, step: int, batch_ref) -> None:
         with _signals_deferred():
-            due = self.eval_ref is not None and step % self.cfg.train.eval_every == 0
+            due = self.cfg.train.eval_due(step)
             self.submitted[step] = self.a["compute"].run_step.remote(step, batch_ref(step),
                                                                      self.eval_ref if due else None)
 

@@ -22,8 +22,6 @@ import math
 import queue
 import time
 
-import torch
-
 from .config import OptimConfig
 from .errors import PipelineError
 from .optim import AdamWRunner, clip_coefficient, lr_at
@@ -112,7 +110,7 @@ class GradientSink:
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
         self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
-                   s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
-                   step + 1, lr, self.optim, grad_scale=coef)
+                           s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
+                           step + 1, lr, self.optim, grad_scale=coef)
         s.set_version(unit, step + 1)
         self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))

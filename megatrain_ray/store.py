@@ -22,7 +22,6 @@ them as a Hugging Face safetensors checkpoint, and removes them.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
