@@ -331,6 +331,10 @@ class RuntimeSection:
     """Dtype of streamed weights and activations: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16."""
     master_dtype: str = "float32"
     """Dtype of the master weights in host RAM: float32, or bfloat16 to save host memory."""
+    grad_dtype: str = "auto"
+    """Dtype in which gradients cross to the host and wait for the update: auto (the compute dtype:
+    bf16 on cuda, accumulated in fp32 on the device and rounded once per step), float32 (exact; twice
+    the device-to-host bytes and, with clipping, 4 more host bytes per parameter), or bfloat16."""
     buffer_depth: int = 2
     """Number of device weight slots (2 = double buffering); also the fetch-queue capacity."""
     loss_chunk_size: int = 1024
@@ -380,6 +384,8 @@ class RuntimeSection:
                  f"must be auto, float32 or bfloat16, got {self.compute_dtype!r}")
         _require(self.master_dtype in ("float32", "bfloat16"), "runtime.master_dtype",
                  f"must be float32 or bfloat16, got {self.master_dtype!r}")
+        _require(self.grad_dtype in ("auto", "float32", "bfloat16"), "runtime.grad_dtype",
+                 f"must be auto, float32 or bfloat16, got {self.grad_dtype!r}")
         _require(self.buffer_depth >= 2, "runtime.buffer_depth", f"must be >= 2, got {self.buffer_depth}")
         _require(self.compile_threads >= 1, "runtime.compile_threads",
                  f"must be >= 1 (1 = compile in the compute process), got {self.compile_threads}")

@@ -12,7 +12,7 @@ Precision: weights are upcast to float32 and everything runs in float32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +23,7 @@ from .config import ModelConfig
 from .errors import DataError
 from .model import (IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
                     token_loss_sum, unit_names)
-
-UnitReader = Callable[[str], Params]
-"""unit name (embed, layers.i, head) -> its parameters, named relative to the unit."""
+from .reference import UnitReader
 
 
 def checkpoint_reader(directory: str) -> tuple[ModelConfig, UnitReader]:

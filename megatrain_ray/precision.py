@@ -9,13 +9,19 @@
   second, compute-dtype copy of every unit (the *stream* copy) that the sink refreshes after each
   update, so the link carries compute-dtype bytes; when equal, the master block is streamed.
 - **Gradients** are accumulated over micro-batches in float32 on the device; their squared norm
-  is taken there in float32, and they cross the link and wait for the update in the compute dtype
-  (in the unit's stream block when there is one). The update upcasts them to float32 chunk by chunk.
+  (hence the clipping factor) is taken there in float32, and they cross the link and wait for the
+  update in ``runtime.grad_dtype``: by default the compute dtype (in the unit's stream block when
+  there is one: no host bytes of their own), or float32 (exact gradients, twice the device-to-host
+  bytes in bf16 runs and 4 more host bytes per parameter with clipping). The update upcasts them to
+  float32 chunk by chunk. A bf16 gradient is rounded once per step, after the fp32 accumulation:
+  a relative error of at most 2^-9 per element, unbiased across elements, where AdamW's update
+  m / sqrt(v) is itself insensitive to a common scale.
 - **Loss**: logits are upcast to float32 before the softmax; RMSNorm normalises in float32.
 
 Host bytes per parameter: 4 (fp32 master) + 8 (AdamW) + 2 (bf16 stream copy, which also holds the
 gradient) = 14 with fp32 master and bf16 compute; 2 + 8 + 2 (bf16 gradient) = 12 with bf16 master;
-4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32. Without clipping (``optim.max_grad_norm=0``)
+4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32, and with ``grad_dtype: float32`` in bf16 compute.
+Without clipping (``optim.max_grad_norm=0``)
 the last two need no whole-model gradient array, only a ring of three unit-sized slots (see
 :mod:`megatrain_ray.store`): 10 and 12 bytes per parameter plus O(one unit).
 """
@@ -39,11 +45,23 @@ class Precision:
     master: torch.dtype
     compute: torch.dtype
     optim_state: torch.dtype = torch.float32
+    grad: torch.dtype | None = None
+    """Dtype of the gradients on the host; None means the compute dtype."""
+
+    def __post_init__(self) -> None:
+        if self.grad is None:
+            object.__setattr__(self, "grad", self.compute)
 
     @property
     def separate_stream_copy(self) -> bool:
         """Whether the store holds a compute-dtype copy besides the master weights."""
         return self.master != self.compute
+
+    @property
+    def grad_in_stream_block(self) -> bool:
+        """Whether each unit's gradient is written into its stream block (dead between the unit's last
+        fetch of a step and its update) rather than into blocks of its own."""
+        return self.separate_stream_copy and self.grad == self.compute
 
 
 def resolve_device(runtime: RuntimeSection, gpus_available: float) -> str:
@@ -62,4 +80,5 @@ def resolve_precision(runtime: RuntimeSection, device: str) -> Precision:
     compute = runtime.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if device == "cuda" else "float32"
-    return Precision(master=_DTYPES[runtime.master_dtype], compute=_DTYPES[compute])
+    grad = compute if runtime.grad_dtype == "auto" else runtime.grad_dtype
+    return Precision(master=_DTYPES[runtime.master_dtype], compute=_DTYPES[compute], grad=_DTYPES[grad])

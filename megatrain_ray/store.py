@@ -5,11 +5,11 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 - ``master``      master weights (precision policy: fp32, or bf16)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
 - ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32
-- ``grad``        the step's gradient in the compute dtype, written by the compute worker; only
-                  when there is no stream copy. Otherwise the gradient is written into the unit's
-                  stream block, which is dead from the unit's last fetch of step t until the sink
+- ``grad``        the step's gradient in the gradient dtype (precision policy), written by the
+                  compute worker; only when there is no stream copy or the gradient dtype differs
+                  from it. Otherwise the gradient is written into the unit's stream block, which is dead from the unit's last fetch of step t until the sink
                   refreshes it after the step-t update (the prefetcher never streams it between).
-                  Without a stream copy and without global-norm clipping, each unit is updated as
+                  With its own array and without global-norm clipping, each unit is updated as
                   soon as its gradient arrives, so ``grad`` is only a ring of ``grad_slots``
                   unit-sized slots (handed back by the sink after each update) instead of a
                   whole-model array: 10 instead of 12 bytes per parameter with bf16 master.
@@ -41,7 +41,7 @@ GRAD_RING_SLOTS = 3
 def grad_slots_for(precision: Precision, max_grad_norm: float) -> int:
     """``StoreSpec.grad_slots`` of a run: a ring when the gradient has no stream block to live in
     and no clipping factor holds the updates back until the whole model's gradient is in; else 0."""
-    return GRAD_RING_SLOTS if not precision.separate_stream_copy and max_grad_norm <= 0 else 0
+    return GRAD_RING_SLOTS if not precision.grad_in_stream_block and max_grad_norm <= 0 else 0
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,16 @@ class StoreSpec:
     def dtype(self, kind: str) -> torch.dtype:
         if kind == "master":
             return self.precision.master
-        if kind in ("stream", "grad"):
+        if kind == "stream":
             return self.precision.compute
+        if kind == "grad":
+            return self.precision.grad
         return torch.float32
 
     def kinds(self) -> tuple[str, ...]:
-        separate = self.precision.separate_stream_copy
-        return tuple(k for k in WEIGHT_KINDS if k != ("grad" if separate else "stream"))
+        p = self.precision
+        return tuple(k for k in WEIGHT_KINDS if not (k == "stream" and not p.separate_stream_copy
+                                                      or k == "grad" and p.grad_in_stream_block))
 
     def numel(self, kind: str) -> int:
         """Elements of one kind's array."""

@@ -9,11 +9,14 @@ import ray
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A real local Ray (8 logical CPUs, no GPU, no dashboard), shared by every test that needs it."""
+    """A real local Ray (8 logical CPUs, the GPUs this machine has, no dashboard), shared by every
+    test that needs it."""
+    import torch
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, object_store_memory=200 * 2**20,
-                 log_to_driver=False)
+        ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+                 object_store_memory=200 * 2**20, log_to_driver=False)
     yield
     ray.shutdown()
 

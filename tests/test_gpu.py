@@ -18,9 +18,9 @@ import torch
 from megatrain_ray.compute import ComputeWorker
 from megatrain_ray.config import load_config
 from megatrain_ray.data import source_from_config
-from megatrain_ray.model import decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
 from megatrain_ray.precision import resolve_precision
 from megatrain_ray.prefetch import Prefetcher
+from megatrain_ray.reference import ResidentModel
 from megatrain_ray.store import HostStore, ParameterStore, StoreSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -59,24 +59,13 @@ def _streamed_step(cfg, compile_layers: bool, offload: bool = False):
 
 def _resident_step(cfg, store: HostStore):
     """The same step with every weight resident on the GPU in fp32 under bf16 autocast."""
-    mc, layout = cfg.model, store.layout
-    units = [{k: v.detach().float().cuda().requires_grad_(True) for k, v in store.params("master", i).items()}
-             for i in range(len(layout.units))]
+    model = ResidentModel(cfg.model, [store.params("master", i) for i in range(len(store.layout.units))], "cuda",
+                          autocast=torch.bfloat16)
     batch = source_from_config(cfg).batch(0)
     ids, labels = torch.tensor(batch["input_ids"]).cuda(), torch.tensor(batch["labels"]).cuda()
-    rope = rope_cache(mc, cfg.train.seq_len, torch.device("cuda"), torch.bfloat16)
     n_tok = int((labels != -100).sum())
-    total = 0.0
-    for m in range(ids.shape[0]):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            x = embed(units[0], ids[m]).to(torch.bfloat16)
-            for u in units[1:-1]:
-                x = decoder_layer(u, x, rope, mc)
-            h = final_norm(units[-1], x, mc).reshape(-1, mc.hidden_size)
-            loss = token_loss_sum(h, lm_head_weight(units[-1], units[0]), labels[m].reshape(-1)) / n_tok
-        loss.backward()
-        total += float(loss)
-    return total, units
+    total = sum(model.loss_backward(ids[m], labels[m], n_tok) for m in range(ids.shape[0]))
+    return total, model.units
 
 
 @pytest.mark.parametrize("tied,compile_layers,offload", [(False, False, False), (True, False, False),
