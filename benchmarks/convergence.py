@@ -9,7 +9,7 @@ batches in the same order:
 
 - ``megatrain_ray``: the pipeline with its defaults (bf16 compute, gradients to the host in bf16);
 - ``megatrain_ray_fp32_grads``: the same with ``runtime.grad_dtype=float32``;
-- ``gpu_resident``: :class:`megatrain_ray.reference.ResidentTrainer` (fp32 weights on the GPU,
+- ``gpu_resident``: :class:`megatrain_ray.engine.reference.ResidentTrainer` (fp32 weights on the GPU,
   bf16 autocast, fp32 gradients, torch AdamW).
 
 Writes convergence.json (per-step losses, grad norms, s/step, final and validation losses) and
@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.data import source_from_config  # noqa: E402
-from megatrain_ray.evaluate import checkpoint_reader  # noqa: E402
-from megatrain_ray.pipeline import train  # noqa: E402
-from megatrain_ray.reference import ResidentModel, ResidentTrainer  # noqa: E402
+from megatrain_ray.data.loader import source_from_config  # noqa: E402
+from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer  # noqa: E402
+from megatrain_ray.io.evaluate import checkpoint_reader  # noqa: E402
+from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 DOC_SUFFIXES = (".md", ".rst", ".txt")
 DOC_PREFIXES = ("LICENSE", "LICENCE", "COPYING", "README", "NOTICE", "AUTHORS")

@@ -1,7 +1,7 @@
 """Data-loader throughput: tokens/s of tokenization (Ray Data actor pool) and of batch serving, by pool size.
 
-    python -m megatrain_ray.data_bench                       # 1, 2, 4 actors, byte-level, generated corpus
-    python -m megatrain_ray.data_bench --tokenizer DIR --documents 50000 --workers 1,2,4,8
+    python benchmarks/data_bench.py                          # 1, 2, 4 actors, byte-level, generated corpus
+    python benchmarks/data_bench.py --tokenizer DIR --documents 50000 --workers 1,2,4,8
 
 For each pool size it tokenizes the same generated jsonl corpus into a fresh cache (``tokenize``:
 tokens written per second of wall time, Ray Data start-up included) and then serves ``--steps``
@@ -16,13 +16,16 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 import ray
 
-from .config import load_config
-from .data import builtin_corpus, loader_spec
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_ray.config import load_config  # noqa: E402
+from megatrain_ray.data.loader import builtin_corpus, loader_spec  # noqa: E402
 
 
 def _corpus(path: str, documents: int) -> None:
@@ -66,7 +69,7 @@ def measure(workers: int, data: str, tokenizer: str | None, work: str, seq_len: 
 
 
 def main(argv: list[str] | None = None, log=print) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m megatrain_ray.data_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/data_bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="1,2,4", help="comma-separated pool sizes (default 1,2,4)")
     parser.add_argument("--documents", type=int, default=20000, help="documents in the generated corpus")
     parser.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (default: byte-level)")

@@ -5,7 +5,7 @@
 set -uo pipefail
 out=${1:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=$PWD/build/torch_extensions
-p="python3 -m megatrain_ray.peers --preset 7b --tokens 16384 --steps 2 --timeout-s 150 --out $out"
+p="python3 benchmarks/peers.py --preset 7b --tokens 16384 --steps 2 --timeout-s 150 --out $out"
 timeout 200 $p --systems deepspeed --sweep-layers 16,20,24 --budget-s 190 2>&1 | tail -6
 timeout 170 $p --systems fsdp2 --sweep-layers 28,36 --budget-s 160 2>&1 | tail -6
 # ours: fp32 master at 32 layers (8.5 B, 111 GiB store), bf16 master without clipping at 44 layers (11.3 B, 106 GiB)

@@ -22,7 +22,7 @@ run 7b-offload 150 --steps 3 --set runtime.offload_activations=true
 grep -E "^ +0 " "$out/log_7b-offload.txt"  # step 0 includes the in-process compile
 run 7b-clip 110 --steps 3
 stamp "deepspeed sweep"
-timeout $(( $(left) - 5 )) python3 -m megatrain_ray.peers --preset 7b --tokens 16384 --steps 2 --systems deepspeed \
+timeout $(( $(left) - 5 )) python3 benchmarks/peers.py --preset 7b --tokens 16384 --steps 2 --systems deepspeed \
   --sweep-layers 20,24 --timeout-s 200 --budget-s $(( $(left) - 20 )) --out "$out" > "$out/log_peers-sweep.txt" 2>&1
 grep -E "^peers|layers|oom|ok" "$out/log_peers-sweep.txt" | tail -8
 stamp done

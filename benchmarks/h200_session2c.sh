@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=$PWD/build/torch_extensions
 start=$SECONDS
 timeout 120 python3 -m megatrain_ray.bench --preset 3b --steps 4 --out "$out/peers" 2>&1 | tail -6
 sleep 5
-timeout 420 python3 -m megatrain_ray.peers --preset 3b --systems deepspeed,fsdp2 --steps 3 --timeout-s 200 \
+timeout 420 python3 benchmarks/peers.py --preset 3b --systems deepspeed,fsdp2 --steps 3 --timeout-s 200 \
   --budget-s 400 --out "$out/peers" 2>&1 | tail -12
 left=$((560 - (SECONDS - start)))
 if [ $left -gt 75 ]; then

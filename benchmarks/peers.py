@@ -1,7 +1,7 @@
 """Peer baselines: the bench's model trained by DeepSpeed ZeRO-3 offload and by FSDP2 CPU offload.
 
-    python -m megatrain_ray.peers --preset 3b,7b --systems deepspeed,fsdp2 --steps 3 --out OUT
-    python -m megatrain_ray.peers --preset 7b --sweep-layers 12,20,28 --tokens 16384 --steps 2 --out OUT
+    python benchmarks/peers.py --preset 3b,7b --systems deepspeed,fsdp2 --steps 3 --out OUT
+    python benchmarks/peers.py --preset 7b --sweep-layers 12,20,28 --tokens 16384 --steps 2 --out OUT
 
 What users would run instead of megatrain_ray, set up as their documentation says and measured the
 way :mod:`megatrain_ray.bench` measures us: the same shapes (``bench.PRESETS``, optionally with
@@ -50,11 +50,13 @@ import numpy as np
 import psutil
 import torch
 
-from .bench import PRESETS, model_params, preset_shape
-from .config import ModelConfig
-from .errors import MegatrainError
-from .hf_io import write_json
-from .hostmem import HostMemoryPeak
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_ray.bench import PRESETS, model_params, preset_shape  # noqa: E402
+from megatrain_ray.config import ModelConfig  # noqa: E402
+from megatrain_ray.errors import MegatrainError  # noqa: E402
+from megatrain_ray.io.hf_io import write_json  # noqa: E402
+from megatrain_ray.orchestration.hostmem import HostMemoryPeak  # noqa: E402
 
 SYSTEMS = ("deepspeed", "fsdp2")
 EXIT_SETUP_ERROR = 2
@@ -508,7 +510,7 @@ def run_peer(system: str, preset: str, *, tokens: int = 65536, seq_len: int = 10
     with tempfile.TemporaryDirectory() as tmp:
         json_path = os.path.join(tmp, "report.json")
         log_path = log_path or os.path.join(tmp, "child.log")
-        cmd = [sys.executable, "-m", "megatrain_ray.peers", "--system", system, "--preset", preset,
+        cmd = [sys.executable, os.path.abspath(__file__), "--system", system, "--preset", preset,
                "--tokens", str(tokens), "--seq-len", str(seq_len), "--micro-batches", str(micro_batches),
                "--steps", str(steps), "--device", device, "--weight-decay", repr(weight_decay), "--json", json_path]
         cmd += ["--layers", str(layers)] if layers is not None else []
@@ -603,7 +605,7 @@ def format_table(rows: list[dict], ours_step_s: float | None = None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatrain-ray peers", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/peers.py", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="7b", help=f"one or more of {', '.join(sorted(PRESETS))}, comma-separated")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     ap.add_argument("--system", choices=SYSTEMS, help="run one system in this process (what the table mode spawns)")

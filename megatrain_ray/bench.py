@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, load_config, usable_cpus
-from .hostmem import HostMemoryPeak
-from .layout import StoreLayout
-from .metrics import attention_flops_per_token
+from .model.layout import StoreLayout
+from .orchestration.hostmem import HostMemoryPeak
+from .orchestration.metrics import attention_flops_per_token
 
 PRESETS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -96,7 +96,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     """Train through the Ray actor pipeline; returns the summary and the last step's timeline."""
-    from .pipeline import train
+    from .orchestration.pipeline import train
 
     t0 = time.perf_counter()
     with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
@@ -115,7 +115,7 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
 
 
 def run_single_process(cfg) -> dict:
-    from .local import train_local
+    from .orchestration.local import train_local
 
     rows = train_local(cfg, torch.cuda.device_count())
     for r in rows:
@@ -165,8 +165,8 @@ def run_resident(cfg, steps: int, compiled: bool = False) -> dict:
 def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
     from torch.utils.checkpoint import checkpoint
 
-    from .data import source_from_config
-    from .model import decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
+    from .data.loader import source_from_config
+    from .model.transformer import decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
 
     mc = cfg.model
     layout = StoreLayout.build(mc)
@@ -221,9 +221,9 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     """One decoder layer at the run's shape, on the GPU: ms for the forward and the recompute +
     backward of all micro-batches, as the compute worker runs them (views of a flat slot, gradients
     into a flat fp32 buffer), eager and compiled."""
-    from . import model as M
-    from .compute import layer_backward
-    from .layout import LayerTemplate
+    from .engine.compute import layer_backward
+    from .model import transformer as M
+    from .model.layout import LayerTemplate
 
     mc = cfg.model
     t = LayerTemplate.build(mc, "layers.0")
@@ -277,9 +277,9 @@ def layer_probe(cfg, micro_batches: int) -> dict:
 def adamw_probe(numel: int, threads: int) -> dict:
     """CPU rates (G params/s) of torch's fused AdamW alone (fp32 gradient, all threads on one op) and
     of our per-unit update (bf16 gradient in, clip factor, stream copy out) with torch's kernels and
-    with the native one-pass kernel on an :class:`~megatrain_ray.optim.AdamWRunner` pool of n threads."""
-    from . import optim
+    with the native one-pass kernel on an :class:`~megatrain_ray.engine.optim.AdamWRunner` pool of n threads."""
     from .config import OptimConfig
+    from .engine import optim
 
     torch.set_num_threads(threads)
     p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)

@@ -1,10 +1,10 @@
 """The ``megatrain-ray`` command line: ``megatrain-ray train [--config FILE.yaml] [--set key=value ...]``.
 
 Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the memory a config needs, see
-:mod:`megatrain_ray.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
+:mod:`megatrain_ray.orchestration.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
 ``export RUN_DIR_OR_CHECKPOINT --out DIR`` (a Hugging Face model directory, see
-:mod:`megatrain_ray.hf_io`), ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
-:mod:`megatrain_ray.evaluate`), ``bench`` (throughput against a GPU-resident baseline and the peers,
+:mod:`megatrain_ray.io.hf_io`), ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
+:mod:`megatrain_ray.io.evaluate`), ``bench`` (throughput against a GPU-resident baseline and the peers,
 the options of :mod:`megatrain_ray.bench`) and ``peers`` (DeepSpeed ZeRO-3 / FSDP2 offload on the
 same model, the options of :mod:`megatrain_ray.peers`).
 
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             return importlib.import_module(f"megatrain_ray.{_FORWARDED[forwarded][0]}").main(argv[1:])
         if args.command == "train":
             from .config import load_config
-            from .pipeline import train
+            from .orchestration.pipeline import train
 
             if args.resume is not None:
-                from .checkpoint import resume_config
+                from .io.checkpoint import resume_config
 
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
                 train(cfg, resume=resume)
@@ -94,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             return _plan(args)
         elif args.command == "export":
-            from .hf_io import export
+            from .io.hf_io import export
 
             out = export(args.src, args.out, args.shard_size, args.dtype, args.tokenizer)
             print(f"exported {out['source']} to {out['out']}: {out['tensors']} tensors, {out['shards']} shard(s), "
                   f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; copied {', '.join(out['copied']) or 'no'} "
                   "tokenizer/config files")
         elif args.command == "eval":
-            from .evaluate import run_eval
+            from .io.evaluate import run_eval
 
             run_eval(args.src, args.config, args.overrides, args.split, args.batch_size, args.max_batches)
         elif args.command == "plot":
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(args) -> int:
     """``plan``: print the memory table; exit status 2 (and one error line) if the run would not fit."""
     from .config import load_config
-    from .preflight import plan
+    from .orchestration.preflight import plan
 
     cfg = load_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)

@@ -269,7 +269,7 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    """Where the training tokens come from and how they become batches (see megatrain_ray.datasets)."""
+    """Where the training tokens come from and how they become batches (see megatrain_ray.data.datasets)."""
 
     path: str | None = None
     """A data file, or a directory of files of one kind: .txt, .jsonl/.json, .parquet, .arrow or .npy;
@@ -563,7 +563,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
         current[key] = value
     cfg = config_from_dict(data)
     if cfg.runtime.init_from is not None:
-        from .hf_io import read_config
+        from .io.hf_io import read_config
 
         cfg.runtime.validate()
         cfg.model = read_config(cfg.runtime.init_from, "runtime.init_from")[0]

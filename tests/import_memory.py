@@ -14,10 +14,10 @@ import sys
 import torch  # noqa: F401  (imported before the baseline)
 from safetensors import safe_open  # noqa: F401
 
-from megatrain_ray import hf_io
 from megatrain_ray.config import RuntimeSection
-from megatrain_ray.precision import resolve_precision
-from megatrain_ray.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.io import hf_io
+from megatrain_ray.model.precision import resolve_precision
 
 
 def status_kib(field: str) -> int:

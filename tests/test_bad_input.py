@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray import checkpoint, cli
+from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.data import source_from_config
-from megatrain_ray.precision import Precision
-from megatrain_ray.store import ParameterStore, StoreSpec
+from megatrain_ray.data.loader import source_from_config
+from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.io import checkpoint
+from megatrain_ray.model.precision import Precision
 
 transformers = pytest.importorskip("transformers")
 

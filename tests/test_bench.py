@@ -10,8 +10,8 @@ import pytest
 
 from megatrain_ray import bench, cli
 from megatrain_ray.config import load_config
-from megatrain_ray.precision import resolve_precision
-from megatrain_ray.store import StoreSpec, grad_slots_for
+from megatrain_ray.engine.store import StoreSpec, grad_slots_for
+from megatrain_ray.model.precision import resolve_precision
 
 
 def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):

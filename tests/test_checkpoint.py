@@ -23,12 +23,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain_ray import checkpoint, cli
+from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.model import hf_name
-from megatrain_ray.pipeline import Interrupted, train
-from megatrain_ray.precision import Precision
-from megatrain_ray.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.io import checkpoint
+from megatrain_ray.model.precision import Precision
+from megatrain_ray.model.transformer import hf_name
+from megatrain_ray.orchestration.pipeline import Interrupted, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,10 +137,10 @@ def test_keep_last_k_prunes_only_after_a_new_checkpoint_is_complete(shm_dir, tmp
 
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, sys, torch
-    from megatrain_ray import checkpoint
     from megatrain_ray.config import load_config
-    from megatrain_ray.precision import Precision
-    from megatrain_ray.store import ParameterStore, StoreSpec
+    from megatrain_ray.engine.store import ParameterStore, StoreSpec
+    from megatrain_ray.io import checkpoint
+    from megatrain_ray.model.precision import Precision
     shm_dir, root = sys.argv[1], sys.argv[2]
     cfg = load_config(None, ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=8",
                              "model.num_attention_heads=4", "model.vocab_size=8000"]).model  # 11M parameters

@@ -10,9 +10,9 @@ import time
 import pytest
 import ray
 
-from megatrain_ray import shm
 from megatrain_ray.config import load_config
-from megatrain_ray.pipeline import train
+from megatrain_ray.engine import shm
+from megatrain_ray.orchestration.pipeline import train
 
 KINDS = {"master", "exp_avg", "exp_avg_sq", "grad", "versions"}  # cpu + float32: no separate stream copy
 

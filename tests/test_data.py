@@ -18,17 +18,17 @@ transformers = pytest.importorskip("transformers")
 from artifacts import save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.corpus import CorpusSource  # noqa: E402
-from megatrain_ray.data import EOS_ID, BatchSource, encode_bytes, loader_spec, source_from_config  # noqa: E402
-from megatrain_ray.datasets import is_val  # noqa: E402
+from megatrain_ray.data.corpus import CorpusSource  # noqa: E402
+from megatrain_ray.data.datasets import is_val  # noqa: E402
+from megatrain_ray.data.loader import EOS_ID, BatchSource, encode_bytes, loader_spec, source_from_config  # noqa: E402
 from megatrain_ray.errors import ConfigError, DataError  # noqa: E402
-from megatrain_ray.model import IGNORE_INDEX  # noqa: E402
+from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 
-import megatrain_ray.corpus  # noqa: E402
+import megatrain_ray.data.corpus  # noqa: E402
 
 
 def test_loader_label_ignore_value_is_the_models():
-    assert megatrain_ray.corpus.IGNORE_INDEX == IGNORE_INDEX
+    assert megatrain_ray.data.corpus.IGNORE_INDEX == IGNORE_INDEX
 
 QUIET = {"log": lambda line: None}
 DOCS = [f"document {i} says " + "word " * (i % 7) + "end" for i in range(60)]

@@ -5,7 +5,7 @@ for real, on a small generated corpus, and each pool size must have tokenized th
 served batches.
 """
 
-from megatrain_ray.data_bench import main
+from benchmarks.data_bench import main
 
 
 def test_benchmark_reports_tokens_per_second_for_each_pool_size(ray_cluster):

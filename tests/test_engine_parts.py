@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray import model as M
-from megatrain_ray import adamw_native, optim
 from megatrain_ray.config import ModelConfig, OptimConfig, load_config
-from megatrain_ray.layout import UNIT_ALIGN, LayerTemplate, StoreLayout
-from megatrain_ray.tickets import fetch_order
+from megatrain_ray.engine import adamw_native, optim
+from megatrain_ray.engine.tickets import fetch_order
+from megatrain_ray.model import transformer as M
+from megatrain_ray.model.layout import UNIT_ALIGN, LayerTemplate, StoreLayout
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -89,7 +89,7 @@ def test_unit_update_matches_torch_adamw(master_dtype, native, monkeypatch):
     ["runtime.compute_dtype=bfloat16", "runtime.master_dtype=bfloat16", "optim.max_grad_norm=0"],
 ])
 def test_bf16_modes_track_the_fp32_run(overrides, ray_cluster, shm_dir, tmp_path):
-    from megatrain_ray.pipeline import train
+    from megatrain_ray.orchestration.pipeline import train
 
     base = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}", "train.steps=4", "runtime.device=cpu"]
     extra = [o for o in overrides if o.startswith("optim.")]
@@ -103,7 +103,7 @@ def test_bf16_modes_track_the_fp32_run(overrides, ray_cluster, shm_dir, tmp_path
 def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
     """runtime.offload_activations moves each layer's checkpoint out and back through the backend's
     copy paths (real copies on the CPU backend): the same losses, bit for bit, step after step."""
-    from megatrain_ray.local import train_local
+    from megatrain_ray.orchestration.local import train_local
 
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 512, size=20_000))
@@ -127,9 +127,9 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     """Without clipping and without a stream copy (here fp32 on the CPU; bf16 master on a GPU) the
     store keeps a ring of 3 unit-sized gradient slots instead of a whole-model array: same losses
     bit for bit, and the store shrinks by the array minus the ring."""
-    from megatrain_ray import store as S
-    from megatrain_ray.local import train_local
-    from megatrain_ray.precision import Precision
+    from megatrain_ray.engine import store as S
+    from megatrain_ray.model.precision import Precision
+    from megatrain_ray.orchestration.local import train_local
 
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 512, size=20_000))
@@ -142,7 +142,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
     assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
     ring = [r["loss"] for r in train_local(load_config(None, overrides), 0)]
-    monkeypatch.setattr("megatrain_ray.local.grad_slots_for", lambda precision, max_grad_norm: 0)
+    monkeypatch.setattr("megatrain_ray.orchestration.local.grad_slots_for", lambda precision, max_grad_norm: 0)
     whole = [r["loss"] for r in train_local(load_config(None, overrides), 0)]  # the whole-model array
     assert ring == whole and len(set(ring)) == 3
     cfg = load_config(None, overrides)
@@ -155,7 +155,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
 def test_compiled_layer_matches_eager_and_falls_back_when_compiling_fails():
     """The compiled decoder layer (inductor, on the CPU here) gives the eager layer's output and
     gradients; a compiler that fails makes it warn once and run eagerly instead of failing the run."""
-    from megatrain_ray.compute import CompiledLayer
+    from megatrain_ray.engine.compute import CompiledLayer
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64)
@@ -189,7 +189,7 @@ def test_ray_memory_monitor_kill_becomes_one_sentence_naming_the_fix():
     with one sentence that says so and names what to change, not Ray's multi-line report."""
     import ray.exceptions
 
-    from megatrain_ray.pipeline import ActorDied, _actor_error
+    from megatrain_ray.orchestration.pipeline import ActorDied, _actor_error
 
     ray_text = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.1) "
                 "was 119.60GB used / 125.87GB limit (0.950233)")

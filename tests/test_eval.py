@@ -22,10 +22,10 @@ transformers = pytest.importorskip("transformers")
 from artifacts import save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
-from megatrain_ray.evaluate import checkpoint_reader, run_eval  # noqa: E402
-from megatrain_ray.model import IGNORE_INDEX  # noqa: E402
-from megatrain_ray.precision import resolve_precision  # noqa: E402
-from megatrain_ray.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.io.evaluate import checkpoint_reader, run_eval  # noqa: E402
+from megatrain_ray.model.precision import resolve_precision  # noqa: E402
+from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 
 LINE = re.compile(r"^eval: val loss ([0-9.]+) \| perplexity ([0-9.]+) \| ([0-9,]+) tokens in ([0-9,]+) sequences")
 
@@ -123,9 +123,9 @@ def test_eval_without_held_out_data_is_one_sentence(tmp_path):
 def test_validation_loss_during_training_is_the_loss_of_the_checkpoint_at_that_step(tmp_path, ray_cluster, shm_dir):
     """train.eval_every: the validation batch rides along the forward of every k-th step; its loss
     is that of the weights the step started from, i.e. of the checkpoint saved at that boundary."""
-    from megatrain_ray.data import source_from_config
-    from megatrain_ray.evaluate import evaluate
-    from megatrain_ray.pipeline import train
+    from megatrain_ray.data.loader import source_from_config
+    from megatrain_ray.io.evaluate import evaluate
+    from megatrain_ray.orchestration.pipeline import train
 
     rng = np.random.default_rng(0)
     np.save(tmp_path / "train.npy", rng.integers(0, 128, 4000))

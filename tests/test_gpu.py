@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray.compute import ComputeWorker
 from megatrain_ray.config import load_config
-from megatrain_ray.data import source_from_config
-from megatrain_ray.precision import resolve_precision
-from megatrain_ray.prefetch import Prefetcher
-from megatrain_ray.reference import ResidentModel
-from megatrain_ray.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.data.loader import source_from_config
+from megatrain_ray.engine.compute import ComputeWorker
+from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.reference import ResidentModel
+from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.model.precision import resolve_precision
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

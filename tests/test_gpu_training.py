@@ -2,7 +2,7 @@
 
 Our pipeline (real Ray actors, store, prefetcher, compiled layer on the GPU, gradient sink with
 AdamW and clipping, 3 micro-batches) trains a small Llama from an HF checkpoint on a learnable token
-stream; :class:`megatrain_ray.reference.ResidentTrainer` trains the same weights on the same
+stream; :class:`megatrain_ray.engine.reference.ResidentTrainer` trains the same weights on the same
 batches GPU-resident: fp32 master weights, bf16 autocast, fp32 gradients, torch AdamW (R).
 
 Tolerance, argued before it was run: our run differs from R only by bf16 roundings in places
@@ -23,12 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_ray.config import load_config
-from megatrain_ray.data import source_from_config
-from megatrain_ray.evaluate import checkpoint_reader
-from megatrain_ray.layout import StoreLayout
-from megatrain_ray.model import hf_name
-from megatrain_ray.pipeline import train
-from megatrain_ray.reference import ResidentModel, ResidentTrainer
+from megatrain_ray.data.loader import source_from_config
+from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer
+from megatrain_ray.io.evaluate import checkpoint_reader
+from megatrain_ray.model.layout import StoreLayout
+from megatrain_ray.model.transformer import hf_name
+from megatrain_ray.orchestration.pipeline import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 transformers = pytest.importorskip("transformers")

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from megatrain_ray.config import RuntimeSection, load_config
+from megatrain_ray.engine.store import GRAD_RING_SLOTS, StoreSpec, grad_slots_for
 from megatrain_ray.errors import ConfigError
-from megatrain_ray.layout import StoreLayout
-from megatrain_ray.local import train_local
-from megatrain_ray.precision import resolve_precision
-from megatrain_ray.store import GRAD_RING_SLOTS, StoreSpec, grad_slots_for
+from megatrain_ray.model.layout import StoreLayout
+from megatrain_ray.model.precision import resolve_precision
+from megatrain_ray.orchestration.local import train_local
 
 
 @pytest.mark.parametrize("grad_dtype,clip,kinds,bytes_per_param", [

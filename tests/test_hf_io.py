@@ -28,12 +28,12 @@ transformers = pytest.importorskip("transformers")
 
 from artifacts import ARCHS, save_model, save_tokenizer  # noqa: E402
 
-from megatrain_ray import hf_io  # noqa: E402
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
+from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
-from megatrain_ray.evaluate import checkpoint_reader, forward_logits, store_reader  # noqa: E402
-from megatrain_ray.precision import resolve_precision  # noqa: E402
-from megatrain_ray.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.io import hf_io  # noqa: E402
+from megatrain_ray.io.evaluate import checkpoint_reader, forward_logits, store_reader  # noqa: E402
+from megatrain_ray.model.precision import resolve_precision  # noqa: E402
 
 
 def _store(directory, shm_dir, master_dtype="float32") -> ParameterStore:
@@ -282,7 +282,7 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
     """import -> 3 steps through the real pipeline -> `megatrain-ray export` -> transformers."""
     hf_tok = save_tokenizer(tmp_path / "hf")
     init = save_model("qwen3", tmp_path / "hf", vocab_size=len(hf_tok), tie_word_embeddings=True)
-    from megatrain_ray.pipeline import train
+    from megatrain_ray.orchestration.pipeline import train
 
     cfg = load_config(None, [
         f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
@@ -327,7 +327,7 @@ def _token_file(tmp_path, vocab: int) -> str:
 def test_import_peak_memory_is_the_store_plus_one_tensor(tmp_path, shm_dir):
     """Peak RSS of importing a one-file checkpoint, measured in a fresh process (see import_memory.py)."""
     from megatrain_ray.config import ModelConfig
-    from megatrain_ray.model import unit_params
+    from megatrain_ray.model.transformer import unit_params
 
     cfg = ModelConfig(model_type="llama", vocab_size=8000, hidden_size=512, intermediate_size=1536,
                       num_hidden_layers=8, num_attention_heads=8, tie_word_embeddings=False)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from megatrain_ray import checkpoint
+from megatrain_ray.io import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,9 +17,9 @@ import torch
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.pipeline import train
-from megatrain_ray.precision import Precision
-from megatrain_ray.store import StoreSpec
+from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.model.precision import Precision
+from megatrain_ray.orchestration.pipeline import train
 
 STEPS = 4
 GAUGES = ("tokens_per_s", "model_tflops", "step_time_s", "loss", "learning_rate", "grad_norm", "step",

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.data import BatchSource  # noqa: E402
-from megatrain_ray.model import IGNORE_INDEX  # noqa: E402
-from megatrain_ray.optim import lr_at  # noqa: E402
-from megatrain_ray.pipeline import train  # noqa: E402
+from megatrain_ray.data.loader import BatchSource  # noqa: E402
+from megatrain_ray.engine.optim import lr_at  # noqa: E402
+from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
+from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 STEPS = 5
 

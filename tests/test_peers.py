@@ -1,4 +1,4 @@
-"""The peer-baseline harness (megatrain_ray.peers) on the CPU: same model as the bench, clear setup
+"""The peer-baseline harness (benchmarks/peers.py) on the CPU: same model as the bench, clear setup
 errors, the subprocess wrapper's statuses, and the FSDP2 training loop against plain torch AdamW."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatrain_ray import peers
+from benchmarks import peers
 from megatrain_ray.bench import model_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,7 @@ TINY = dict(preset="tiny", tokens=256, seq_len=32, micro_batches=2, layers=2)
 
 def _cli(*args):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "megatrain_ray.peers", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peers.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

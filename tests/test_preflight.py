@@ -11,11 +11,12 @@ import sys
 
 import torch
 
-from megatrain_ray import cli, preflight
+from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.layout import StoreLayout
-from megatrain_ray.precision import Precision
-from megatrain_ray.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.model.layout import StoreLayout
+from megatrain_ray.model.precision import Precision
+from megatrain_ray.orchestration import preflight
 
 HUGE = ["--set", "model.hidden_size=16384", "--set", "model.num_hidden_layers=200", "--set",
         "model.intermediate_size=53248", "--set", "model.num_attention_heads=128", "--set", "model.vocab_size=128256"]

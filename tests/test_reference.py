@@ -1,4 +1,4 @@
-"""The resident reference (megatrain_ray.reference) against Hugging Face transformers, on the CPU.
+"""The resident reference (megatrain_ray.engine.reference) against Hugging Face transformers, on the CPU.
 
 The GPU tests and the convergence benchmark trust ResidentModel / ResidentTrainer as the
 GPU-resident PyTorch run; here they are checked against HF's own model and torch.optim.AdamW
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config import load_config
-from megatrain_ray.data import BatchSource
-from megatrain_ray.evaluate import checkpoint_reader
-from megatrain_ray.model import IGNORE_INDEX
-from megatrain_ray.optim import lr_at
-from megatrain_ray.reference import ResidentModel, ResidentTrainer
+from megatrain_ray.data.loader import BatchSource
+from megatrain_ray.engine.optim import lr_at
+from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer
+from megatrain_ray.io.evaluate import checkpoint_reader
+from megatrain_ray.model.transformer import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 from artifacts import save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.corpus import CorpusSource  # noqa: E402
-from megatrain_ray.data import EOS_ID, encode_bytes, source_from_config  # noqa: E402
+from megatrain_ray.data.corpus import CorpusSource  # noqa: E402
+from megatrain_ray.data.loader import EOS_ID, encode_bytes, source_from_config  # noqa: E402
+from megatrain_ray.data.tokenizer import ByteTokenizer, HFTokenizer, messages_from_row  # noqa: E402
 from megatrain_ray.errors import DataError  # noqa: E402
-from megatrain_ray.model import IGNORE_INDEX  # noqa: E402
-from megatrain_ray.tokenizer import ByteTokenizer, HFTokenizer, messages_from_row  # noqa: E402
+from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 
 QUESTION = {"instruction": "what is two plus two?", "input": "", "output": "it is four."}
 
@@ -102,7 +102,7 @@ def test_one_pipeline_step_counts_only_response_tokens(word_tok, tmp_path, ray_c
     rows = [{"conversations": [{"from": "human", "value": "what is two plus two?"},
                                {"from": "gpt", "value": "it is four."}]}]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from megatrain_ray.pipeline import train
+    from megatrain_ray.orchestration.pipeline import train
 
     cfg = load_config(None, [
         f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",

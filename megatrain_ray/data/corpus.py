@@ -1,7 +1,7 @@
 """Batches from a prepared corpus: the data-loader actors' logic for tokenized data.
 
 A :class:`CorpusSource` memory-maps one split (train or val) of a corpus
-(:class:`~megatrain_ray.datasets.CorpusRef`) and serves batches. Its unit of data is a *sample*:
+(:class:`~megatrain_ray.data.datasets.CorpusRef`) and serves batches. Its unit of data is a *sample*:
 
 - layout ``packed``: sample k is the window ``tokens[k*S : k*S + S + 1]`` of the concatenated,
   EOS-separated documents (S = train.seq_len), so consecutive samples tile the stream with no
@@ -28,8 +28,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..errors import DataError
 from .datasets import CorpusRef, is_val
-from .errors import DataError
 
 IGNORE_INDEX = -100
 """model.IGNORE_INDEX, repeated so that loader actors do not import torch (tests check they agree)."""

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import DataError, MegatrainError
+from ..errors import DataError, MegatrainError
 from .tokenizer import is_tokenizer_dir, load_tokenizer, messages_from_row, tokenizer_fingerprint
 
 CACHE_VERSION = 1
@@ -405,7 +405,7 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
     try:
         files = list(p.files)
         if p.kind == "builtin":
-            from .data import builtin_corpus
+            from .loader import builtin_corpus
 
             ds = ray.data.from_items([{p.text_key: d} for d in builtin_corpus().split("\n")])
         elif p.kind == "txt":

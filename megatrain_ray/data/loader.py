@@ -5,8 +5,8 @@ Two kinds of loader, both plain classes made remote at spawn, both with ``batch(
 - :class:`BatchSource` (``data.format: windows``, the default for one ``.txt`` or 1-D ``.npy``
   file and for the built-in corpus): each sequence is a random window of ``seq_len + 1`` tokens of
   the whole token stream, drawn with ``numpy.random.default_rng([seed, step])``.
-- :class:`~megatrain_ray.corpus.CorpusSource` (text, alpaca, sharegpt, tokens): epochs over a
-  corpus tokenized by Ray Data (:mod:`megatrain_ray.datasets`).
+- :class:`~megatrain_ray.data.corpus.CorpusSource` (text, alpaca, sharegpt, tokens): epochs over a
+  corpus tokenized by Ray Data (:mod:`megatrain_ray.data.datasets`).
 
 In both, the batch of step ``t`` depends only on (data, seed, t), never on how many loader actors
 there are or which one made it, so a run is reproducible, a loader can be restarted, and a resumed
@@ -23,7 +23,7 @@ import random
 
 import numpy as np
 
-from .errors import DataError
+from ..errors import DataError
 
 BYTE_VOCAB = 256
 EOS_ID = 256
@@ -162,7 +162,7 @@ def corpus_ref(cfg, split: str = "train", log=print):
     cache = d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
 
     def connect() -> None:
-        from .pipeline import connect_ray
+        from ..orchestration.pipeline import connect_ray
 
         connect_ray(cfg)
 

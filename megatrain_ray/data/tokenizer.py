@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .data import BYTE_TOKENIZER_VOCAB, EOS_ID, encode_bytes
-from .errors import DataError
+from ..errors import DataError
+from .loader import BYTE_TOKENIZER_VOCAB, EOS_ID, encode_bytes
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
@@ -64,7 +64,7 @@ def tokenizer_fingerprint(path: str | None) -> str:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255, EOS is 256 (see :mod:`megatrain_ray.data`)."""
+    """UTF-8 bytes are ids 0..255, EOS is 256 (see :mod:`megatrain_ray.data.loader`)."""
 
     vocab_size = BYTE_TOKENIZER_VOCAB
     eos_id = EOS_ID

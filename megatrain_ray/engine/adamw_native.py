@@ -7,7 +7,7 @@ what bounds AdamW on a CPU. Doing the same with torch's kernels takes three pass
 fused AdamW, downcast). The arithmetic follows ``torch._fused_adamw_`` (decoupled weight decay,
 ``lerp`` for the first moment, bias corrections as scalars), in fp32.
 
-The kernel has no threads of its own: :class:`~megatrain_ray.optim.AdamWRunner` calls it from a
+The kernel has no threads of its own: :class:`~megatrain_ray.engine.optim.AdamWRunner` calls it from a
 pool of Python threads on pieces of a unit (``ctypes`` releases the GIL for the call). It is
 compiled with ``cc -O3 -march=native -fno-math-errno`` into a per-user cache directory and loaded with
 ``ctypes``; where no compiler is found, :func:`kernel` returns None and the update runs on

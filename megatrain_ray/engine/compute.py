@@ -1,12 +1,12 @@
 """The compute worker: runs one training step layer-major over all of its micro-batches.
 
 It holds no model weights across units: each unit's weights arrive in a device slot (announced by
-a :class:`~megatrain_ray.tickets.FetchTicket`), are bound to the stateless template for the call,
+a :class:`~megatrain_ray.engine.tickets.FetchTicket`), are bound to the stateless template for the call,
 and the slot is released as soon as the unit is done. One step, as one loop:
 
 1. embedding of every micro-batch;
 2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint
-   (on the device, or offloaded to host memory: see :mod:`megatrain_ray.activations`);
+   (on the device, or offloaded to host memory: see :mod:`megatrain_ray.engine.activations`);
 3. head: final norm, LM head and loss in chunks of tokens (never the full logits), forward and
    backward at once; its gradient goes out;
 4. backward of layer L-1..0, recomputing each layer from its checkpoint, for every micro-batch,
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from ..errors import PipelineError
+from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
+                                 token_loss_sum)
 from .activations import ActivationStore
 from .device import make_backend
-from .errors import PipelineError
-from .model import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
-                    token_loss_sum)
 from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, GradTicket
 
@@ -42,7 +42,7 @@ def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, t
                    inputs: list[torch.Tensor], dx: list[torch.Tensor], rope, cfg) -> None:
     """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
 
-    layer_fn: :func:`~megatrain_ray.model.decoder_layer` or its compiled form; params: the layer's
+    layer_fn: :func:`~megatrain_ray.model.transformer.decoder_layer` or its compiled form; params: the layer's
     views into its device slot; grads: the same views into its fp32 gradient buffer, accumulated
     into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter replaced by the
     input gradients. Each parameter is its own autograd leaf (a view of the slot, no copy), so its
@@ -61,7 +61,7 @@ def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, t
 
 
 class CompiledLayer:
-    """:func:`~megatrain_ray.model.decoder_layer` through ``torch.compile``, one compiled graph for
+    """:func:`~megatrain_ray.model.transformer.decoder_layer` through ``torch.compile``, one compiled graph for
     every layer (same shapes), fusing the elementwise work (RMSNorm, RoPE, SwiGLU, residuals) around
     the GEMMs and attention, forward and backward. If compiling fails (no Triton, an unsupported
     GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.

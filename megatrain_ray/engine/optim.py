@@ -2,8 +2,8 @@
 
 The update is torch's own fused AdamW kernel (``torch._fused_adamw_``, the kernel behind
 ``torch.optim.AdamW(fused=True)``), applied to two contiguous views per unit: the weight-decayed
-matrices and the undecayed norms/biases (see :mod:`megatrain_ray.layout`), or, where a C compiler
-is found, a one-pass kernel with the same arithmetic (:mod:`megatrain_ray.adamw_native`) run on
+matrices and the undecayed norms/biases (see :mod:`megatrain_ray.model.layout`), or, where a C compiler
+is found, a one-pass kernel with the same arithmetic (:mod:`megatrain_ray.engine.adamw_native`) run on
 a pool of threads (:class:`AdamWRunner`). The math is ``torch.optim.AdamW``'s.
 """
 
@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..config import OptimConfig
 from . import adamw_native
-from .config import OptimConfig
 
 
 def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -44,7 +44,7 @@ for all threads; with the native kernel, one thread's share of work at a time.""
 class AdamWRunner:
     """One unit's AdamW step on ``threads`` CPU threads.
 
-    With the native one-pass kernel (:mod:`megatrain_ray.adamw_native`) a pool of threads pulls
+    With the native one-pass kernel (:mod:`megatrain_ray.engine.adamw_native`) a pool of threads pulls
     pieces of the unit from a shared counter, so a thread that the OS descheduled (the host also
     runs the compute worker, Ray and the loaders) delays only its own piece rather than a barrier
     of all threads. Without it, :func:`adamw_unit` runs on the calling thread with ``threads``

@@ -1,10 +1,10 @@
 """The prefetcher: decides which unit's weights go into which device slot, and when.
 
-One loop over the run: for every step, for every unit in :func:`~megatrain_ray.tickets.fetch_order`,
+One loop over the run: for every step, for every unit in :func:`~megatrain_ray.engine.tickets.fetch_order`,
 take a free slot (slots come back from the compute worker on the release queue; there are
 ``buffer_depth`` of them, so it never runs more than that far ahead), wait until the unit's
 version in the store equals the step (its previous update is complete), and put a
-:class:`~megatrain_ray.tickets.FetchTicket` on the fetch queue. The compute worker starts the copy
+:class:`~megatrain_ray.engine.tickets.FetchTicket` on the fetch queue. The compute worker starts the copy
 as soon as the ticket arrives, while it still computes the previous unit.
 """
 
@@ -14,7 +14,7 @@ import collections
 import queue
 import time
 
-from .errors import PipelineError
+from ..errors import PipelineError
 from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, fetch_order
 

@@ -1,11 +1,11 @@
 """The reference the streamed engine is checked against: the whole model resident on one device.
 
-Built from the model's own functions (:mod:`megatrain_ray.model`), so it differs from the engine
+Built from the model's own functions (:mod:`megatrain_ray.model.transformer`), so it differs from the engine
 only in *how* it runs, never in the math: every weight is one fp32 leaf tensor on one device, a
 step runs micro-batch by micro-batch with plain autograd (optionally under autocast in bf16, and
 with per-layer recompute through ``torch.utils.checkpoint``), gradients accumulate in fp32 in
 ``.grad``, and the update is ``torch.optim.AdamW`` after ``torch.nn.utils.clip_grad_norm_`` with the
-schedule of :func:`megatrain_ray.optim.lr_at`. The GPU tests, the convergence benchmark and the
+schedule of :func:`megatrain_ray.engine.optim.lr_at`. The GPU tests, the convergence benchmark and the
 benchmark's GPU-resident baseline all train through it.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from .config import ModelConfig, OptimConfig
-from .layout import StoreLayout
-from .model import IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
+from ..config import ModelConfig, OptimConfig
+from ..model.layout import StoreLayout
+from ..model.transformer import IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
 from .optim import lr_at
 
 UnitReader = Callable[[str], Params]
@@ -46,7 +46,7 @@ class ResidentModel:
 
     @classmethod
     def from_reader(cls, cfg: ModelConfig, read: UnitReader, device, **kwargs) -> "ResidentModel":
-        """From a unit reader (an HF checkpoint: :func:`megatrain_ray.evaluate.checkpoint_reader`)."""
+        """From a unit reader (an HF checkpoint: :func:`megatrain_ray.io.evaluate.checkpoint_reader`)."""
         return cls(cfg, [read(unit) for unit in StoreLayout.build(cfg).units], device, **kwargs)
 
     @classmethod
@@ -112,7 +112,7 @@ class ResidentTrainer:
     """``torch.optim.AdamW`` over a :class:`ResidentModel`, with our param groups and schedule.
 
     Matrices get weight decay; norms and biases only with ``optim.decay_norms_and_biases`` (when the
-    config has that option), as the engine does (:mod:`megatrain_ray.layout`).
+    config has that option), as the engine does (:mod:`megatrain_ray.model.layout`).
     """
 
     def __init__(self, model: ResidentModel, optim: OptimConfig, total_steps: int, fused: bool | None = None):

@@ -1,6 +1,6 @@
 """The gradient sink: AdamW on the CPU, one unit at a time, as gradients arrive.
 
-One loop over the run: for every step, take :class:`~megatrain_ray.tickets.GradTicket` s from the
+One loop over the run: for every step, take :class:`~megatrain_ray.engine.tickets.GradTicket` s from the
 grad queue (each names a unit whose gradient is complete in its host grad block, and carries its
 squared norm, taken on the device) and add them up. Without clipping each unit is updated the moment its
 gradient arrives (and, when the store keeps the gradients in a ring of slots, the slot is handed
@@ -10,7 +10,7 @@ layer 0, 1, ... — so the next forward can start on layer 0 while later layers 
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
 
-Checkpoints (when given a :class:`~megatrain_ray.checkpoint.CheckpointPlan`) are written here, at
+Checkpoints (when given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) are written here, at
 the top of the step loop: every update of the previous step is done and none of this step's has
 begun, so the store is at a step boundary; this step's gradients queue up in the grad queue
 meanwhile and the compute worker runs on. The last boundary is saved after the loop.
@@ -22,8 +22,8 @@ import math
 import queue
 import time
 
-from .config import OptimConfig
-from .errors import PipelineError
+from ..config import OptimConfig
+from ..errors import PipelineError
 from .optim import AdamWRunner, clip_coefficient, lr_at
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order

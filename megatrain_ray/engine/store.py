@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelConfig
+from ..model.layout import StoreLayout
+from ..model.precision import Precision
+from ..model.transformer import hf_name
 from . import shm
-from .config import ModelConfig
-from .layout import StoreLayout
-from .model import hf_name
-from .precision import Precision
 
 WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad")
 GRAD_RING_SLOTS = 3
@@ -190,8 +190,8 @@ class ParameterStore:
             list(pool.map(init_unit, sorted(units, key=lambda i: -self.store.layout.templates[i].numel)))
 
     def _load_hf(self, directory: str) -> None:
-        """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.hf_io`)."""
-        from . import hf_io
+        """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.io.hf_io`)."""
+        from ..io import hf_io
 
         hf_io.load_into(self.store, directory)
 
@@ -205,21 +205,21 @@ class ParameterStore:
 
     def save_hf(self, directory: str, shard_bytes: int = 2 * 2**30) -> list[str]:
         """Write the master weights as a sharded HF safetensors checkpoint plus config.json, with the
-        tokenizer files of runtime.init_from when it has them (see :func:`megatrain_ray.hf_io.save_store`)."""
-        from . import hf_io
+        tokenizer files of runtime.init_from when it has them (see :func:`megatrain_ray.io.hf_io.save_store`)."""
+        from ..io import hf_io
 
         return hf_io.save_store(self.store, directory, shard_bytes, source=self.init_from)
 
     def load_checkpoint(self, directory: str) -> int:
         """Master weights, AdamW states and unit versions from a training checkpoint; returns its step
-        (see :mod:`megatrain_ray.checkpoint`)."""
-        from . import checkpoint
+        (see :mod:`megatrain_ray.io.checkpoint`)."""
+        from ..io import checkpoint
 
         return checkpoint.load_into(self.store, directory)
 
     def save_checkpoint(self, plan, step: int) -> str:
         """Write the store, which must be at the boundary after ``step`` updates, as a training
-        checkpoint of ``plan`` (a :class:`~megatrain_ray.checkpoint.CheckpointPlan`); returns its path."""
+        checkpoint of ``plan`` (a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`); returns its path."""
         return plan.save(self.store, step)
 
     def close(self) -> list[str]:

@@ -46,8 +46,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import ConfigError, MegatrainError
-from .model import hf_name
+from ..errors import ConfigError, MegatrainError
+from ..model.transformer import hf_name
 
 FORMAT = "megatrain-ray-checkpoint"
 FORMAT_VERSION = 1
@@ -253,7 +253,7 @@ def _fsync_dir(path: str) -> None:
 
 def prune(root: str, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` checkpoints, and temporary directories of dead savers."""
-    from .shm import _alive
+    from ..engine.shm import _alive
 
     removed = []
     for step, path in _complete(root)[:-keep] if keep > 0 else []:
@@ -422,7 +422,7 @@ def resume_config(path: str, config_file: str | None, overrides: list[str]):
     checkpoint; ``runtime.init_from`` is kept for what else it provides (the model's config, the
     tokenizer), and ``--set runtime.init_from=null`` drops it. A different model shape is an error.
     """
-    from .config import load_config
+    from ..config import load_config
 
     directory = os.path.abspath(find(path))
     meta = read_meta(directory)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import ModelConfig
+from ..engine.reference import UnitReader
+from ..errors import DataError
+from ..model.transformer import (IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight,
+                                 rope_cache, token_loss_sum, unit_names)
 from . import hf_io
-from .config import ModelConfig
-from .errors import DataError
-from .model import (IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
-                    token_loss_sum, unit_names)
-from .reference import UnitReader
 
 
 def checkpoint_reader(directory: str) -> tuple[ModelConfig, UnitReader]:
@@ -111,8 +111,8 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
     overridden by ``config`` and ``overrides``; the model is the checkpoint's config.json. The
     tokenizer is the run's data.tokenizer, else the one saved next to the weights.
     """
-    from .config import load_config
-    from .data import source_from_config
+    from ..config import load_config
+    from ..data.loader import source_from_config
 
     if split not in ("val", "train"):
         raise DataError(f"--split must be val or train, got {split!r}.")

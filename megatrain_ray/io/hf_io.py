@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig
-from .errors import ConfigError
-from .model import hf_name
-from .tokenizer import TOKENIZER_FILES, is_tokenizer_dir
+from ..config import SUPPORTED_MODEL_TYPES, ModelConfig
+from ..data.tokenizer import TOKENIZER_FILES, is_tokenizer_dir
+from ..errors import ConfigError
+from ..model.transformer import hf_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -87,7 +87,7 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
 
 def expected_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{full HF name: (unit, name relative to the unit)} of every parameter the model has."""
-    from .model import unit_names, unit_params
+    from ..model.transformer import unit_names, unit_params
 
     return {hf_name(unit, name): (unit, name) for unit in unit_names(cfg) for name, _ in unit_params(cfg, unit)}
 
@@ -144,7 +144,7 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
     """One unit's parameters (names relative to the unit) read from an HF directory, as ``dtype``."""
     from safetensors import safe_open
 
-    from .model import unit_params
+    from ..model.transformer import unit_params
 
     out, by_file = {}, {}
     for name, _ in unit_params(cfg, unit):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
-from .model import unit_names, unit_params
+from ..config import ModelConfig
+from .transformer import unit_names, unit_params
 
 UNIT_ALIGN = 4096
 """Elements; 4096 elements are a whole number of 4 KiB pages in any dtype of >= 1 byte."""

@@ -23,7 +23,7 @@ gradient) = 14 with fp32 master and bf16 compute; 2 + 8 + 2 (bf16 gradient) = 12
 4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32, and with ``grad_dtype: float32`` in bf16 compute.
 Without clipping (``optim.max_grad_norm=0``)
 the last two need no whole-model gradient array, only a ring of three unit-sized slots (see
-:mod:`megatrain_ray.store`): 10 and 12 bytes per parameter plus O(one unit).
+:mod:`megatrain_ray.engine.store`): 10 and 12 bytes per parameter plus O(one unit).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import RuntimeSection
-from .errors import ConfigError
+from ..config import RuntimeSection
+from ..errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -4,7 +4,7 @@ Everything here is a pure function of (weights, inputs). Weights arrive as a dic
 by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...), optionally
 with fused ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` tensors equal to the concatenation of
 their parts (then used instead, as one GEMM), so the same
-functions run on views into a streamed flat buffer (see :mod:`megatrain_ray.layout`) or on any
+functions run on views into a streamed flat buffer (see :mod:`megatrain_ray.model.layout`) or on any
 other tensors. Nothing here knows about streaming, offload, devices or Ray.
 
 The model is split into *units*, the granularity at which weights are stored and streamed:
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 Params = dict[str, torch.Tensor]
 

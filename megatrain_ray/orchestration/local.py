@@ -2,7 +2,7 @@
 
 Used by the benchmark to measure what Ray orchestration costs (same store, same prefetcher,
 compute worker and sink code; ``queue.Queue`` instead of Ray queues; method calls instead of
-actor calls). Segments are removed on every exit path, as in :func:`megatrain_ray.pipeline.train`.
+actor calls). Segments are removed on every exit path, as in :func:`megatrain_ray.orchestration.pipeline.train`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import queue
 import threading
 import uuid
 
-from . import shm
-from .compute import ComputeWorker
-from .config import TrainConfig
-from .data import source_from_config
-from .precision import resolve_device, resolve_precision
-from .prefetch import Prefetcher
-from .sink import GradientSink
-from .store import ParameterStore, StoreSpec, grad_slots_for
+from ..config import TrainConfig
+from ..data.loader import source_from_config
+from ..engine import shm
+from ..engine.compute import ComputeWorker
+from ..engine.prefetch import Prefetcher
+from ..engine.sink import GradientSink
+from ..engine.store import ParameterStore, StoreSpec, grad_slots_for
+from ..model.precision import resolve_device, resolve_precision
 
 
 def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:

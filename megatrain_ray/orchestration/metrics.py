@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import psutil
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
 
@@ -81,7 +81,7 @@ class RunMetrics:
         self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
 
     def step(self, row: dict, grad_queue_depth: int | None = None) -> None:
-        """Record one metrics.jsonl row (see :func:`megatrain_ray.pipeline._log_step`)."""
+        """Record one metrics.jsonl row (see :func:`megatrain_ray.orchestration.pipeline._log_step`)."""
         step_s = max(row.get("step_s", 0.0), 1e-9)
         values = {
             "tokens_per_s": row["tokens"] / step_s,

@@ -15,14 +15,14 @@ with each step, so the first actor failure ends the run with an error naming the
 happens (success, exception, Ctrl-C, SIGTERM), the placement group, the actors and the store's
 shared-memory segments are removed before :func:`train` returns or raises.
 
-Before anything is allocated, :mod:`megatrain_ray.preflight` checks that the run fits host RAM
-and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.checkpoint`) are saved by the sink every
+Before anything is allocated, :mod:`megatrain_ray.orchestration.preflight` checks that the run fits host RAM
+and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.io.checkpoint`) are saved by the sink every
 train.checkpoint_every steps and at the end; on Ctrl-C / SIGTERM (``ray job stop``) the driver stops
 submitting steps, lets those in flight finish (a second signal skips this), and has the store
 actor save the boundary they reach. ``train(cfg, resume=checkpoint_dir)`` loads one and runs the
 steps [its step, train.steps) with the same schedule, so the result is bit-identical to an
 uninterrupted run. Every step is a row of runs/<id>/metrics.jsonl and a set of Ray gauges
-(:mod:`megatrain_ray.metrics`).
+(:mod:`megatrain_ray.orchestration.metrics`).
 """
 
 from __future__ import annotations
@@ -44,16 +44,18 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import checkpoint, preflight, shm
-from .compute import ComputeWorker
-from .config import TrainConfig, usable_cpus
-from .data import loader_spec, source_from_config
-from .errors import MegatrainError, PipelineError
+from ..config import TrainConfig, usable_cpus
+from ..data.loader import loader_spec, source_from_config
+from ..engine import shm
+from ..engine.compute import ComputeWorker
+from ..engine.prefetch import Prefetcher
+from ..engine.sink import GradientSink
+from ..engine.store import ParameterStore, StoreSpec, grad_slots_for
+from ..errors import MegatrainError, PipelineError
+from ..io import checkpoint
+from ..model.precision import resolve_device, resolve_precision
+from . import preflight
 from .metrics import RunMetrics
-from .precision import resolve_device, resolve_precision
-from .prefetch import Prefetcher
-from .sink import GradientSink
-from .store import ParameterStore, StoreSpec, grad_slots_for
 
 
 @dataclass
@@ -173,7 +175,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
 def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     """Run optimizer steps [start, cfg.train.steps) through the actor pipeline; returns losses and paths.
 
-    ``resume``: a checkpoint directory (see :func:`megatrain_ray.checkpoint.resume_config`); the
+    ``resume``: a checkpoint directory (see :func:`megatrain_ray.io.checkpoint.resume_config`); the
     run continues from its step, bit for bit. Ctrl-C and SIGTERM save a checkpoint, then raise
     :class:`Interrupted`.
     """

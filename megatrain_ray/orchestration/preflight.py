@@ -4,7 +4,7 @@
 with the table and one sentence, a run that would not fit host RAM or runtime.shm_dir instead of
 letting the OOM killer end it hours later.
 
-Where the bytes go (see :mod:`megatrain_ray.precision` for the dtypes):
+Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
 
 - **/dev/shm** (counted in host RAM too): the host store, one array per kind (master weights,
   the compute-dtype stream copy or the gradient array, both AdamW moments; every unit padded to a
@@ -32,11 +32,11 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from .config import TrainConfig
-from .errors import ConfigError
-from .layout import StoreLayout
-from .precision import resolve_precision
-from .store import StoreSpec, grad_slots_for
+from ..config import TrainConfig
+from ..engine.store import StoreSpec, grad_slots_for
+from ..errors import ConfigError
+from ..model.layout import StoreLayout
+from ..model.precision import resolve_precision
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -417,8 +417,8 @@ def check_init_from(cfg: TrainConfig) -> None:
         return
     from safetensors import safe_open
 
-    from . import hf_io
-    from .model import hf_name, unit_names, unit_params
+    from ..io import hf_io
+    from ..model.transformer import hf_name, unit_names, unit_params
 
     what = "runtime.init_from"
     try:

@@ -1,0 +1,11 @@
+"""Training data: from text or token files to the batches of each step.
+
+- :mod:`.builtin`: byte-level token ids and the generated built-in corpus (no files needed);
+- :mod:`.tokenizer`: text to token ids (byte-level or a local Hugging Face tokenizer), documents
+  and chat examples;
+- :mod:`.datasets`: planning a dataset from the config, tokenizing it with Ray Data, the cache;
+- :mod:`.corpus`: batches from a prepared corpus;
+- :mod:`.loader`: random windows of a token stream, and which loader a config gets.
+
+Nothing here starts or joins Ray by itself: the caller passes ``connect``.
+"""

@@ -1,0 +1,15 @@
+"""The engine: the roles that train one model streamed one unit at a time, as plain classes.
+
+- :mod:`.store`, :mod:`.shm`: the host parameter / optimizer store in shared-memory segments;
+- :mod:`.tickets`: the small messages between roles, and the fetch and update orders;
+- :mod:`.prefetch`: the prefetcher (which unit goes into which device slot, when);
+- :mod:`.compute`, :mod:`.device`, :mod:`.activations`: the compute worker, its CPU / CUDA backends,
+  and where the layer inputs kept for the backward live;
+- :mod:`.sink`, :mod:`.optim`, :mod:`.adamw_native`: the gradient sink, AdamW on the host and its
+  one-pass C kernel, the learning-rate schedule and clipping;
+- :mod:`.reference`: the whole model resident on one device, the reference the engine is checked
+  against.
+
+Who runs these classes, as Ray actors or as threads, is :mod:`megatrain_ray.orchestration`'s
+business. The engine reads weights and checkpoints through :mod:`megatrain_ray.io`.
+"""

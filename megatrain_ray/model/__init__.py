@@ -1,0 +1,11 @@
+"""The model, as a pure description: what is computed, never how it is streamed or run.
+
+- :mod:`.transformer`: the decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral) as stateless
+  functions of (weights, inputs), and the HF names of its units' tensors;
+- :mod:`.layout`: where each unit's tensors sit in one flat buffer (shared by the store and the
+  compute templates);
+- :mod:`.precision`: the precision policy (master, compute, gradient and stream dtypes), stated once;
+- :mod:`.presets`: named model shapes (tiny, 1b, 3b, 7b).
+
+Uses only :mod:`megatrain_ray.config` and :mod:`megatrain_ray.errors`.
+"""
