@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data.loader import source_from_config  # noqa: E402
 from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader  # noqa: E402
-from megatrain_ray.orchestration.pipeline import train  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
+from megatrain_ray.orchestration.pipeline import connect_ray, train  # noqa: E402
 
 DOC_SUFFIXES = (".md", ".rst", ".txt")
 DOC_PREFIXES = ("LICENSE", "LICENCE", "COPYING", "README", "NOTICE", "AUTHORS")
@@ -121,8 +121,8 @@ def run_resident(cfg) -> dict:
     model = ResidentModel.from_reader(cfg.model, checkpoint_reader(cfg.runtime.init_from)[1], "cuda",
                                       autocast=torch.bfloat16)
     trainer = ResidentTrainer(model, cfg.optim, cfg.train.steps)
-    source = source_from_config(cfg)
-    val = source_from_config(cfg, "val").batch(0)
+    source = source_from_config(cfg, connect=connect_ray)
+    val = source_from_config(cfg, "val", connect=connect_ray).batch(0)
     losses, norms, times, val_losses = [], [], [], {}
     for step in range(cfg.train.steps):
         if cfg.train.eval_due(step):
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     results = {}
     for name in args.variants.split(","):
         kind, extra = variants[name]
-        cfg = load_config(None, base + extra)
+        cfg = load_train_config(None, base + extra)
         print(f"== {name}", flush=True)
         results[name] = run_ours(cfg) if kind == "ours" else run_resident(cfg)
         r = results[name]

@@ -25,7 +25,8 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.data.loader import builtin_corpus, loader_spec  # noqa: E402
+from megatrain_ray.data.builtin import builtin_corpus  # noqa: E402
+from megatrain_ray.data.loader import loader_spec  # noqa: E402
 
 
 def _corpus(path: str, documents: int) -> None:

@@ -19,7 +19,7 @@ np.save('/tmp/tok.npy', np.random.default_rng(0).integers(0, 152064, size=1_000_
 cfg = bench._config('7b', 65536, 1024, 4, 4, '/tmp/tok.npy', [])
 print('7b gpu-resident compiled:', bench.run_resident(cfg, 4, compiled=True))" > "$out/log_7b-resident-compiled.txt" 2>&1 &
 stamp "ours + DeepSpeed on GPU 0, CPUs 0-$((half - 1))"
-CUDA_VISIBLE_DEVICES=0 taskset -c 0-$((half - 1)) timeout 560 python3 -m megatrain_ray.bench --preset 7b --steps 4 \
+CUDA_VISIBLE_DEVICES=0 taskset -c 0-$((half - 1)) timeout 560 python3 benchmarks/peers.py bench --preset 7b --steps 4 \
   --peers deepspeed --peer-timeout-s 400 --tag 7b-x2 --out "$out" > "$out/log_7b-x2.txt" 2>&1
 echo "rc=$?" >> "$out/log_7b-x2.txt"
 wait

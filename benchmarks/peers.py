@@ -2,9 +2,12 @@
 
     python benchmarks/peers.py --preset 3b,7b --systems deepspeed,fsdp2 --steps 3 --out OUT
     python benchmarks/peers.py --preset 7b --sweep-layers 12,20,28 --tokens 16384 --steps 2 --out OUT
+    python benchmarks/peers.py bench --preset 7b --steps 4 --peers deepspeed,fsdp2 --out OUT
+
+(``bench``: ``megatrain-ray bench`` with its ``--peers`` option, the peers in the same table.)
 
 What users would run instead of megatrain_ray, set up as their documentation says and measured the
-way :mod:`megatrain_ray.bench` measures us: the same shapes (``bench.PRESETS``, optionally with
+way :mod:`megatrain_ray.bench` measures us: the same shapes (``megatrain_ray.model.presets``, optionally with
 another layer count), random init, the same tokens per step (micro_batches x micro_batch_size x
 seq_len, accumulated over micro-batches), per-layer recompute, AdamW (lr 1e-4, betas (0.9, 0.95),
 eps 1e-8, weight decay on matrices only) and global-norm clipping at 1.0.
@@ -52,10 +55,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_ray.bench import PRESETS, model_params, preset_shape  # noqa: E402
 from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import MegatrainError  # noqa: E402
 from megatrain_ray.io.hf_io import write_json  # noqa: E402
+from megatrain_ray.model.presets import PRESETS, model_params, preset_shape  # noqa: E402
 from megatrain_ray.orchestration.hostmem import HostMemoryPeak  # noqa: E402
 
 SYSTEMS = ("deepspeed", "fsdp2")
@@ -73,7 +76,7 @@ class PeerSpec:
     system: str
     """``deepspeed`` or ``fsdp2``."""
     preset: str
-    """A key of ``bench.PRESETS``."""
+    """A key of ``megatrain_ray.model.presets.PRESETS``."""
     tokens: int = 65536
     """Tokens per optimizer step (= micro_batches x micro_batch_size x seq_len)."""
     seq_len: int = 1024
@@ -698,4 +701,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["bench"]:
+        from megatrain_ray import bench
+
+        raise SystemExit(bench.main(sys.argv[2:], run_peer=run_peer))
     raise SystemExit(main())

@@ -1,12 +1,13 @@
 """Benchmark: the streamed pipeline against a GPU-resident PyTorch baseline, side by side in one run.
 
-    python -m megatrain_ray.bench --preset 7b --steps 5 --baseline --peers deepspeed,fsdp2 --out OUT
+    python -m megatrain_ray.bench --preset 7b --steps 5 --baseline --out OUT
+    python benchmarks/peers.py bench --preset 7b --steps 5 --baseline --peers deepspeed,fsdp2 --out OUT
 
 Reports steady-state seconds per step, tokens/s and model TFLOPS (6·N·T per step) for
 megatrain_ray, and in the same run: the same model trained plainly on the GPU (fp32 parameters,
 bf16 autocast, per-layer recompute, fused AdamW on the GPU; ``--baseline``, eager, or
 ``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
-peers of :mod:`megatrain_ray.peers` (``--peers``), and a bf16 GEMM. ``--check`` first compares the
+peers of benchmarks/peers.py (``--peers``, run through that script), and a bf16 GEMM. ``--check`` first compares the
 CUDA bf16 path's losses with the CPU fp32 path on a small model; ``--probe`` times one layer
 (eager and compiled) and the CPU AdamW variants.
 """
@@ -25,37 +26,18 @@ import time
 import numpy as np
 import torch
 
-from .config import ModelConfig, load_config, usable_cpus
+from .config import usable_cpus
+from .io.hf_io import load_train_config
 from .model.layout import StoreLayout
+from .model.presets import PRESETS, model_params, preset_shape
 from .orchestration.hostmem import HostMemoryPeak
 from .orchestration.metrics import attention_flops_per_token
-
-PRESETS = {
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=4096),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    "3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6),
-    "7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6),
-}
-
-
-def preset_shape(preset: str, layers: int | None = None) -> dict:
-    """The preset's model fields, with ``num_hidden_layers`` replaced when ``layers`` is given."""
-    return {**PRESETS[preset], **({"num_hidden_layers": layers} if layers else {})}
-
-
-def model_params(preset: str, layers: int | None = None) -> int:
-    return StoreLayout.build(ModelConfig(**preset_shape(preset, layers), max_position_embeddings=32768)).num_params
-
 
 def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: int, data: str,
             extra: list[str], layers: int | None = None) -> object:
     model = [f"model.{k}={v}" for k, v in preset_shape(preset, layers).items()]
     mbs = tokens // (seq_len * micro_batches)
-    return load_config(None, model + [
+    return load_train_config(None, model + [
         "model.max_position_embeddings=32768", f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}",
         f"train.num_micro_batches={micro_batches}", f"train.steps={steps}", f"data.path={data}",
         "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
@@ -167,6 +149,7 @@ def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
 
     from .data.loader import source_from_config
     from .model.transformer import decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
+    from .orchestration.pipeline import connect_ray
 
     mc = cfg.model
     layout = StoreLayout.build(mc)
@@ -184,7 +167,7 @@ def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
         units.append(p)
     params = [p for u in units for p in u.values()]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    source = source_from_config(cfg)
+    source = source_from_config(cfg, connect=connect_ray)
     seq = cfg.train.seq_len
     rope = rope_cache(mc, seq, torch.device("cuda"), torch.bfloat16)
     layer_fn = torch.compile(decoder_layer, dynamic=False) if compiled else decoder_layer
@@ -321,7 +304,9 @@ def format_systems(systems: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run_peer=None) -> int:
+    """``run_peer``: benchmarks/peers.py's, passed by ``python benchmarks/peers.py bench ...`` (the
+    harness lives outside the package); without it ``--peers`` is refused."""
     ap = argparse.ArgumentParser(prog="megatrain-ray bench", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     ap.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
@@ -337,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also train GPU-resident with the decoder layer compiled, as ours is")
     ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
     ap.add_argument("--peers", default="", metavar="SYSTEMS",
-                    help="also train with these peers (comma-separated: deepspeed, fsdp2; see megatrain_ray.peers)")
+                    help="also train with these peers (comma-separated: deepspeed, fsdp2; only through "
+                         "python benchmarks/peers.py bench ...)")
     ap.add_argument("--peer-timeout-s", type=float, default=300.0, help="time limit of each peer run")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
     ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
@@ -346,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=None, help="name of this run's output files (default: the preset)")
     ap.add_argument("--out", default=".", help="directory for bench-<preset>.json and the timeline PNG")
     args = ap.parse_args(argv)
+    if args.peers and run_peer is None:
+        ap.error("--peers runs the DeepSpeed / FSDP2 harness of benchmarks/, outside the package: "
+                 "python benchmarks/peers.py bench ARGS (from the repository root).")
     os.makedirs(args.out, exist_ok=True)
     report: dict = {"preset": args.preset, "layers": preset_shape(args.preset, args.layers)["num_hidden_layers"],
                     "params": model_params(args.preset, args.layers), "overrides": args.set,
@@ -401,8 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_compiled:
             systems["gpu_resident_compiled"] = run_resident(cfg, args.steps, compiled=True)
         for system in filter(None, args.peers.split(",")):
-            from .peers import run_peer
-
             systems[system] = run_peer(system, args.preset, tokens=args.tokens, seq_len=args.seq_len,
                                        micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
                                        timeout_s=args.peer_timeout_s)

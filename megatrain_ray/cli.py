@@ -4,9 +4,9 @@ Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the memory a config nee
 :mod:`megatrain_ray.orchestration.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
 ``export RUN_DIR_OR_CHECKPOINT --out DIR`` (a Hugging Face model directory, see
 :mod:`megatrain_ray.io.hf_io`), ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
-:mod:`megatrain_ray.io.evaluate`), ``bench`` (throughput against a GPU-resident baseline and the peers,
-the options of :mod:`megatrain_ray.bench`) and ``peers`` (DeepSpeed ZeRO-3 / FSDP2 offload on the
-same model, the options of :mod:`megatrain_ray.peers`).
+:mod:`megatrain_ray.io.evaluate`) and ``bench`` (throughput against a GPU-resident baseline, the
+options of :mod:`megatrain_ray.bench`). The DeepSpeed ZeRO-3 / FSDP2 offload peers on the same model
+are a harness outside the package: ``python benchmarks/peers.py``.
 
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
 generated corpus) on a local Ray started for it. User errors print one ``error:`` line and exit
@@ -57,17 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=("val", "train"), default="val", help="which split (default: val)")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     ev.add_argument("--max-batches", type=int, help="stop after this many batches (default: all)")
-    for name, module in _FORWARDED.items():
-        sub.add_parser(name, help=module[1], add_help=False)
+    for name, help_line in _FORWARDED.items():
+        sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
 _FORWARDED = {
-    "bench": ("bench", "benchmark the pipeline on presets (1b/3b/7b...) against a GPU-resident baseline "
-                       "and the peers, side by side (megatrain-ray bench --help)"),
-    "peers": ("peers", "train the same model with DeepSpeed ZeRO-3 / FSDP2 CPU offload (megatrain-ray peers --help)"),
+    "bench": "benchmark the pipeline on presets (1b/3b/7b...) against a GPU-resident baseline, side by side "
+             "(megatrain-ray bench --help)",
 }
-"""Commands whose arguments go to a module's own ``main`` unparsed: (module, help line)."""
+"""Commands whose arguments go to a module's own ``main`` unparsed: their help lines."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     args = None if forwarded else _parser().parse_args(argv)
     try:
         if forwarded:
-            import importlib
+            from . import bench
 
-            return importlib.import_module(f"megatrain_ray.{_FORWARDED[forwarded][0]}").main(argv[1:])
+            return bench.main(argv[1:])
         if args.command == "train":
-            from .config import load_config
+            from .io.hf_io import load_train_config
             from .orchestration.pipeline import train
 
             if args.resume is not None:
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
                 train(cfg, resume=resume)
             else:
-                cfg = load_config(args.config, args.overrides)
+                cfg = load_train_config(args.config, args.overrides)
                 train(cfg)
         elif args.command == "plan":
             return _plan(args)
@@ -102,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                   "tokenizer/config files")
         elif args.command == "eval":
             from .io.evaluate import run_eval
+            from .orchestration.pipeline import connect_ray
 
-            run_eval(args.src, args.config, args.overrides, args.split, args.batch_size, args.max_batches)
+            run_eval(args.src, args.config, args.overrides, args.split, args.batch_size, args.max_batches,
+                     connect=connect_ray)
         elif args.command == "plot":
             from .plot import plot_run
 
@@ -127,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args) -> int:
     """``plan``: print the memory table; exit status 2 (and one error line) if the run would not fit."""
-    from .config import load_config
+    from .io.hf_io import load_train_config
     from .orchestration.preflight import plan
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_train_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
     result = plan(cfg, args.device, gpu)
     print(result.table())

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -529,10 +530,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
+                model_from: Callable[[str], ModelConfig] | None = None) -> TrainConfig:
     """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
 
-    When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape.
+    When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape:
+    ``model_from(init_from)`` reads it. This module reads no model files, so a config with
+    runtime.init_from is loaded through :func:`megatrain_ray.io.hf_io.load_train_config`, which
+    passes it; without ``model_from`` such a config is an error.
     """
     data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     if path is not None:
@@ -563,8 +568,9 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
         current[key] = value
     cfg = config_from_dict(data)
     if cfg.runtime.init_from is not None:
-        from .io.hf_io import read_config
-
         cfg.runtime.validate()
-        cfg.model = read_config(cfg.runtime.init_from, "runtime.init_from")[0]
+        if model_from is None:
+            raise ConfigError("runtime.init_from needs its config.json read for the model shape; load this "
+                              "configuration with megatrain_ray.io.hf_io.load_train_config.")
+        cfg.model = model_from(cfg.runtime.init_from)
     return cfg.validate()

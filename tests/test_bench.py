@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from megatrain_ray import bench, cli
+from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import StoreSpec, grad_slots_for
+from megatrain_ray.model import presets
 from megatrain_ray.model.precision import resolve_precision
 
 
@@ -23,17 +24,17 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     report = json.loads((out / "bench-tiny.json").read_text())
     ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
     assert len(ours["losses"]) == 3 and ours["losses"] == local["losses"]
-    assert abs(ours["losses"][0] - math.log(bench.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
-    assert report["params"] == bench.model_params("tiny", 2)
+    assert abs(ours["losses"][0] - math.log(presets.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
+    assert report["params"] == presets.model_params("tiny", 2)
     # model FLOPs: 6·N·T, and with the attention matrix 12·L·heads·head_dim·S per token on top
-    shape = bench.PRESETS["tiny"]
+    shape = presets.PRESETS["tiny"]
     attention = 12 * 2 * shape["num_attention_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 128
     assert ours["model_tflops"] * ours["step_s"] * 1e12 == pytest.approx(6 * report["params"] * 1024)
     assert ours["model_tflops_with_attention"] / ours["model_tflops"] == pytest.approx(
         (6 * report["params"] + attention) / (6 * report["params"]))
     assert "mfu" not in ours  # no GEMM to measure against on the CPU
     # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
-    cfg = load_config(None, [f"model.{k}={v}" for k, v in bench.preset_shape("tiny", 2).items()])
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in presets.preset_shape("tiny", 2).items()])
     precision = resolve_precision(cfg.runtime, "cpu")
     store_bytes = StoreSpec(cfg.model, precision, shm_dir, 0, "x", grad_slots_for(precision, 1.0)).nbytes()
     assert abs(ours["host_accounted_shm_gib"] * 2**30 - store_bytes) <= 0.01 * store_bytes + 2**20
@@ -42,3 +43,12 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert os.listdir(shm_dir) == []
     printed = capsys.readouterr().out
     assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "counting attention" in printed
+
+
+def test_bench_peers_only_through_the_benchmarks_harness(capsys):
+    """The DeepSpeed / FSDP2 harness lives in benchmarks/, which the package never imports: the user
+    command refuses --peers with the script to run instead, before any work."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--preset", "tiny", "--peers", "fsdp2"])
+    assert info.value.code == 2
+    assert "benchmarks/peers.py bench" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Configuration loading and validation: bad input fails early with a ConfigError naming the key.
 
-No Ray here: everything goes through ``load_config(path, overrides)`` and
-``ModelConfig.from_hf_dict``.
+No Ray here: everything goes through ``load_config(path, overrides)`` (``load_train_config`` where
+runtime.init_from's config.json defines the model) and ``ModelConfig.from_hf_dict``.
 """
 
 import json
@@ -11,12 +11,13 @@ import transformers
 
 from megatrain_ray.config import ModelConfig, OptimConfig, TrainSection, load_config
 from megatrain_ray.errors import ConfigError
+from megatrain_ray.io.hf_io import load_train_config
 
 
-def _error(path=None, overrides=()) -> str:
-    """The message of the ConfigError that load_config raises for this input."""
+def _error(path=None, overrides=(), load=load_config) -> str:
+    """The message of the ConfigError that ``load`` (load_config) raises for this input."""
     with pytest.raises(ConfigError) as info:
-        load_config(path, list(overrides))
+        load(path, list(overrides))
     return str(info.value)
 
 
@@ -205,9 +206,16 @@ def test_set_with_unknown_section_is_named():
 def test_init_from_without_config_json_is_rejected(tmp_path):
     empty = tmp_path / "model"
     empty.mkdir()
-    msg = _error(overrides=[f"runtime.init_from={empty}"])
+    msg = _error(overrides=[f"runtime.init_from={empty}"], load=load_train_config)
     assert "runtime.init_from" in msg
     assert "config.json" in msg
+
+
+def test_init_from_is_read_by_io_not_by_the_config_layer(tmp_path):
+    """config.load_config reads no model files: with runtime.init_from it names the loader that does."""
+    (tmp_path / "config.json").write_text("{}")
+    msg = _error(overrides=[f"runtime.init_from={tmp_path}"])
+    assert "runtime.init_from" in msg and "load_train_config" in msg
 
 
 def test_init_from_unsupported_model_type_is_rejected(tmp_path):
@@ -216,7 +224,7 @@ def test_init_from_unsupported_model_type_is_rejected(tmp_path):
     hf = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300).to_dict()
     assert hf["model_type"] == "gpt2"
     (model_dir / "config.json").write_text(json.dumps(hf))
-    msg = _error(overrides=[f"runtime.init_from={model_dir}"])
+    msg = _error(overrides=[f"runtime.init_from={model_dir}"], load=load_train_config)
     assert "model_type" in msg
     assert "'gpt2'" in msg
 
@@ -229,7 +237,7 @@ def test_init_from_config_json_defines_the_model(tmp_path):
                                   max_position_embeddings=256).to_dict()
     (model_dir / "config.json").write_text(json.dumps(hf))
     # model.* set by the user is replaced by the checkpoint's shape.
-    cfg = load_config(None, [f"runtime.init_from={model_dir}", "model.hidden_size=128", "train.seq_len=32"])
+    cfg = load_train_config(None, [f"runtime.init_from={model_dir}", "model.hidden_size=128", "train.seq_len=32"])
     assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size) == (32, 3, 300)
     assert cfg.model.num_key_value_heads == 2
     assert cfg.model.attention_bias is False
@@ -240,7 +248,7 @@ def test_init_from_config_json_that_is_not_json_is_a_config_error(tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{not json")
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"runtime.init_from={model_dir}"])
+        load_train_config(None, [f"runtime.init_from={model_dir}"])
     assert "config.json" in str(info.value)
 
 

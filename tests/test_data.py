@@ -18,9 +18,10 @@ transformers = pytest.importorskip("transformers")
 from artifacts import save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import load_config  # noqa: E402
+from megatrain_ray.data.builtin import EOS_ID, encode_bytes  # noqa: E402
 from megatrain_ray.data.corpus import CorpusSource  # noqa: E402
 from megatrain_ray.data.datasets import is_val  # noqa: E402
-from megatrain_ray.data.loader import EOS_ID, BatchSource, encode_bytes, loader_spec, source_from_config  # noqa: E402
+from megatrain_ray.data.loader import BatchSource, loader_spec, source_from_config  # noqa: E402
 from megatrain_ray.errors import ConfigError, DataError  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 

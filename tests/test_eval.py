@@ -24,6 +24,7 @@ from artifacts import save_model, save_tokenizer  # noqa: E402
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader, run_eval  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.precision import resolve_precision  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 
@@ -47,7 +48,7 @@ def test_eval_of_a_run_dir_matches_transformers(tmp_path, shm_dir):
     val = rng.integers(0, 96, 150)
     np.save(tmp_path / "val.npy", val)
     run = tmp_path / "runs" / "r1"
-    cfg = load_config(None, [f"runtime.init_from={tmp_path / 'hf'}", f"data.path={tmp_path / 'train.npy'}",
+    cfg = load_train_config(None, [f"runtime.init_from={tmp_path / 'hf'}", f"data.path={tmp_path / 'train.npy'}",
                              f"data.val_path={tmp_path / 'val.npy'}", "train.seq_len=16",
                              f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
     os.makedirs(run)

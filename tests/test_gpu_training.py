@@ -22,10 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
 from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer
 from megatrain_ray.io.evaluate import checkpoint_reader
+from megatrain_ray.io.hf_io import load_train_config
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import train
@@ -53,7 +53,7 @@ def setup(tmp_path_factory):
 
 
 def _config(tmp, shm_dir, *extra):
-    return load_config(None, [
+    return load_train_config(None, [
         f"runtime.init_from={tmp / 'init'}", f"data.path={tmp / 'tokens.npy'}", f"runtime.shm_dir={shm_dir}",
         f"runtime.run_dir={tmp / 'runs'}", "runtime.device=cuda", "train.checkpoint_every=0",
         f"train.steps={STEPS}", "train.seq_len=128", "train.micro_batch_size=4", "train.num_micro_batches=3",

@@ -33,6 +33,7 @@ from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader, forward_logits, store_reader  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.precision import resolve_precision  # noqa: E402
 
 
@@ -284,7 +285,7 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
     init = save_model("qwen3", tmp_path / "hf", vocab_size=len(hf_tok), tie_word_embeddings=True)
     from megatrain_ray.orchestration.pipeline import train
 
-    cfg = load_config(None, [
+    cfg = load_train_config(None, [
         f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
         "runtime.device=cpu", "runtime.compute_dtype=float32", "train.steps=3", "train.seq_len=16",
         "train.micro_batch_size=2", "train.num_micro_batches=1", "optim.lr=1e-2", "data.num_workers=1",

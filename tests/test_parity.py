@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
 from megatrain_ray.engine.optim import lr_at  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
@@ -77,7 +77,7 @@ def test_pipeline_matches_transformers_and_adamw(kind, micro_batches, ray_cluste
     rng = np.random.default_rng(1)  # a learnable stream: a fixed cycle with 10% noise
     tokens = np.where(rng.random(4000) < 0.1, rng.integers(0, 96, size=4000), (np.arange(4000) * 7) % 96)
     np.save(tmp_path / "tokens.npy", tokens)
-    cfg = load_config(None, [
+    cfg = load_train_config(None, [
         f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
         f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
         "runtime.device=cpu", "runtime.compute_dtype=float32", "runtime.loss_chunk_size=24",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import peers
-from megatrain_ray.bench import model_params
+from megatrain_ray.model.presets import model_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import BatchSource
 from megatrain_ray.engine.optim import lr_at
 from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer
 from megatrain_ray.io.evaluate import checkpoint_reader
+from megatrain_ray.io.hf_io import load_train_config
 from megatrain_ray.model.transformer import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +33,7 @@ def test_resident_trainer_matches_transformers_and_adamw(tmp_path, shm_dir):
             layer.self_attn.q_proj.bias.normal_(0, 0.1)
     hf.save_pretrained(tmp_path / "init", safe_serialization=True)
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 96, size=3000))
-    cfg = load_config(None, [f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
+    cfg = load_train_config(None, [f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
                              f"runtime.shm_dir={shm_dir}", "train.steps=3", "train.seq_len=16",
                              "train.micro_batch_size=2", "train.num_micro_batches=2", "optim.lr=1e-2",
                              "optim.weight_decay=0.1", "optim.max_grad_norm=0.5"])

@@ -18,10 +18,12 @@ transformers = pytest.importorskip("transformers")
 from artifacts import save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import load_config  # noqa: E402
+from megatrain_ray.data.builtin import EOS_ID, encode_bytes  # noqa: E402
 from megatrain_ray.data.corpus import CorpusSource  # noqa: E402
-from megatrain_ray.data.loader import EOS_ID, encode_bytes, source_from_config  # noqa: E402
+from megatrain_ray.data.loader import source_from_config  # noqa: E402
 from megatrain_ray.data.tokenizer import ByteTokenizer, HFTokenizer, messages_from_row  # noqa: E402
 from megatrain_ray.errors import DataError  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 
 QUESTION = {"instruction": "what is two plus two?", "input": "", "output": "it is four."}
@@ -104,7 +106,7 @@ def test_one_pipeline_step_counts_only_response_tokens(word_tok, tmp_path, ray_c
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     from megatrain_ray.orchestration.pipeline import train
 
-    cfg = load_config(None, [
+    cfg = load_train_config(None, [
         f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
         "runtime.device=cpu", "runtime.compute_dtype=float32", f"data.path={tmp_path / 'sft.jsonl'}",
         "data.num_workers=1", "train.steps=1", "train.seq_len=24", "train.micro_batch_size=2",

@@ -7,5 +7,6 @@
 - :mod:`.corpus`: batches from a prepared corpus;
 - :mod:`.loader`: random windows of a token stream, and which loader a config gets.
 
-Nothing here starts or joins Ray by itself: the caller passes ``connect``.
+How to join Ray before tokenizing is the caller's to pass (``connect``): data never imports the
+orchestration.
 """

@@ -405,7 +405,7 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
     try:
         files = list(p.files)
         if p.kind == "builtin":
-            from .loader import builtin_corpus
+            from .builtin import builtin_corpus
 
             ds = ray.data.from_items([{p.text_key: d} for d in builtin_corpus().split("\n")])
         elif p.kind == "txt":

@@ -1,4 +1,4 @@
-"""Training tokens: the byte-level tokenizer, the built-in corpus, and which data-loader a config gets.
+"""Training tokens: random windows of a token stream, and which data-loader a config gets.
 
 Two kinds of loader, both plain classes made remote at spawn, both with ``batch(step)``:
 
@@ -19,47 +19,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import random
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import DataError
+from .builtin import EOS_ID, builtin_corpus, encode_bytes
 
-BYTE_VOCAB = 256
-EOS_ID = 256
-"""Separates documents in the byte-level stream (ids 0..255 are bytes)."""
-BYTE_TOKENIZER_VOCAB = 260
-"""Smallest vocab_size for byte-level data (256 bytes + EOS + 3 reserved ids)."""
-
-
-def encode_bytes(text: str) -> np.ndarray:
-    """UTF-8 bytes as token ids [n] int32."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-
-def decode_bytes(ids) -> str:
-    return bytes(int(i) for i in ids if int(i) < BYTE_VOCAB).decode("utf-8", errors="replace")
-
-
-_SUBJECTS = ["the engineer", "a small model", "the optimizer", "our pipeline", "the host store",
-             "every layer", "the scheduler", "a patient reader", "the gradient", "the data loader"]
-_VERBS = ["streams", "updates", "checks", "measures", "loads", "writes", "trains", "compares", "moves"]
-_OBJECTS = ["the weights", "one layer at a time", "a long sequence", "the loss", "its moments",
-            "the next batch", "shared memory", "the checkpoint", "a thousand tokens", "the result"]
-_ENDINGS = [".", " again.", " carefully.", " before the next step.", " on the CPU.", " in order."]
-
-
-def builtin_corpus(num_documents: int = 400, seed: int = 1234) -> str:
-    """A small, deterministic English-like corpus generated from a fixed grammar (~100 KB)."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(num_documents):
-        sentences = []
-        for _ in range(rng.randint(3, 8)):
-            s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}{rng.choice(_ENDINGS)}"
-            sentences.append(s[0].upper() + s[1:])
-        docs.append(" ".join(sentences))
-    return "\n".join(docs)
+Connect = Callable[[object], None]
+"""Joins or starts Ray for a config before Ray Data tokenizes (the orchestration's ``connect_ray``);
+without one, Ray Data starts a local Ray of its own when none is running."""
 
 
 def load_tokens(path: str | None) -> np.ndarray:
@@ -143,7 +112,7 @@ def uses_windows(cfg) -> bool:
     return plan(cfg.data, cfg.runtime.init_from, cfg.data.path).format == "windows"
 
 
-def corpus_ref(cfg, split: str = "train", log=print):
+def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = None):
     """The prepared corpus (a CorpusRef) of one split, tokenizing into the cache first if needed.
 
     ``val`` is data.val_path when set, else the held-out data.val_fraction of data.path. Data that
@@ -161,15 +130,13 @@ def corpus_ref(cfg, split: str = "train", log=print):
     p = dataclasses.replace(p, val_fraction=1.0 if separate else d.val_fraction)
     cache = d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
 
-    def connect() -> None:
-        from ..orchestration.pipeline import connect_ray
+    def join() -> None:
+        connect(cfg)
 
-        connect_ray(cfg)
-
-    return prepare(p, cache, d.num_workers, connect, log)
+    return prepare(p, cache, d.num_workers, join if connect is not None else None, log)
 
 
-def loader_spec(cfg, split: str = "train", log=print) -> tuple[type, tuple]:
+def loader_spec(cfg, split: str = "train", log=print, connect: Connect | None = None) -> tuple[type, tuple]:
     """(class, constructor arguments) of the data-loader actors of a config."""
     t = cfg.train
     shape = (t.seq_len, t.micro_batch_size, t.num_micro_batches, t.seed, cfg.model.vocab_size)
@@ -180,10 +147,10 @@ def loader_spec(cfg, split: str = "train", log=print) -> tuple[type, tuple]:
         return BatchSource, (cfg.data.path and os.path.abspath(cfg.data.path), *shape)
     from .corpus import CorpusSource
 
-    return CorpusSource, (corpus_ref(cfg, split, log), split, *shape)
+    return CorpusSource, (corpus_ref(cfg, split, log, connect), split, *shape)
 
 
-def source_from_config(cfg, split: str = "train", log=print):
+def source_from_config(cfg, split: str = "train", log=print, connect: Connect | None = None):
     """The batch source of a config's training (or ``val``) data, preparing the data if needed."""
-    cls, args = loader_spec(cfg, split, log)
+    cls, args = loader_spec(cfg, split, log, connect)
     return cls(*args)

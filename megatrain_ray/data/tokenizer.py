@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError
-from .loader import BYTE_TOKENIZER_VOCAB, EOS_ID, encode_bytes
+from .builtin import BYTE_TOKENIZER_VOCAB, EOS_ID, encode_bytes
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"

@@ -18,11 +18,9 @@ import torch
 
 from ..config import ModelConfig, OptimConfig
 from ..model.layout import StoreLayout
-from ..model.transformer import IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
+from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, embed, final_norm, lm_head_weight,
+                                 rope_cache, token_loss_sum)
 from .optim import lr_at
-
-UnitReader = Callable[[str], Params]
-"""unit name (embed, layers.i, head) -> its parameters, named relative to the unit."""
 
 
 class ResidentModel:

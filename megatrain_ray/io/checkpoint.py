@@ -253,7 +253,7 @@ def _fsync_dir(path: str) -> None:
 
 def prune(root: str, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` checkpoints, and temporary directories of dead savers."""
-    from ..engine.shm import _alive
+    import psutil
 
     removed = []
     for step, path in _complete(root)[:-keep] if keep > 0 else []:
@@ -261,7 +261,7 @@ def prune(root: str, keep: int) -> list[str]:
         removed.append(path)
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = re.match(r"^\.step-\d+\.tmp-(\d+)-", name)
-        if m and not _alive(int(m.group(1))):
+        if m and not psutil.pid_exists(int(m.group(1))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(os.path.join(root, name))
     return removed
@@ -422,14 +422,14 @@ def resume_config(path: str, config_file: str | None, overrides: list[str]):
     checkpoint; ``runtime.init_from`` is kept for what else it provides (the model's config, the
     tokenizer), and ``--set runtime.init_from=null`` drops it. A different model shape is an error.
     """
-    from ..config import load_config
+    from .hf_io import load_train_config
 
     directory = os.path.abspath(find(path))
     meta = read_meta(directory)
     base = json.loads(json.dumps(meta.get("config") or {}))
     if not isinstance(base.get("runtime"), dict) or not isinstance(base.get("model"), dict):
         raise CheckpointError(f"checkpoint {directory} has no run config in its {META_FILE}.")
-    cfg = load_config(config_file, overrides, base=base)
+    cfg = load_train_config(config_file, overrides, base=base)
     check_model(meta, cfg.model, directory)
     if meta["step"] >= cfg.train.steps:
         raise ConfigError(f"train.steps ({cfg.train.steps}) is not beyond the checkpoint's step ({meta['step']}), "

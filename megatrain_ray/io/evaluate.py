@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..engine.reference import UnitReader
 from ..errors import DataError
-from ..model.transformer import (IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight,
-                                 rope_cache, token_loss_sum, unit_names)
+from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, embed, final_norm,
+                                 lm_head_weight, rope_cache, token_loss_sum, unit_names)
 from . import hf_io
 
 
@@ -104,14 +103,14 @@ SECTIONS = ("model", "optim", "train", "data", "runtime")
 
 
 def run_eval(src: str, config: str | None = None, overrides: list[str] = (), split: str = "val",
-             batch_size: int = 8, max_batches: int | None = None, log=print) -> EvalResult:
+             batch_size: int = 8, max_batches: int | None = None, log=print, connect=None) -> EvalResult:
     """``megatrain-ray eval``: loss / perplexity of a run's (or checkpoint's) weights on its data.
 
     The data settings are the run's own (runs/<id>/config.json, or the checkpoint's meta.json),
     overridden by ``config`` and ``overrides``; the model is the checkpoint's config.json. The
-    tokenizer is the run's data.tokenizer, else the one saved next to the weights.
+    tokenizer is the run's data.tokenizer, else the one saved next to the weights. ``connect``: how
+    to reach Ray if the data must be tokenized first (see :data:`megatrain_ray.data.loader.Connect`).
     """
-    from ..config import load_config
     from ..data.loader import source_from_config
 
     if split not in ("val", "train"):
@@ -125,10 +124,10 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
     base.setdefault("runtime", {})["init_from"] = None  # the weights are the checkpoint's
     if not base.setdefault("data", {}).get("tokenizer") and ckpt.tokenizer_dir:
         base["data"]["tokenizer"] = ckpt.tokenizer_dir
-    cfg = load_config(config, list(overrides), base=base)
+    cfg = hf_io.load_train_config(config, list(overrides), base=base)
     cfg.model = model_cfg
     cfg.validate()
-    source = source_from_config(cfg, split, log)
+    source = source_from_config(cfg, split, log, connect)
     result = evaluate(model_cfg, read, source.eval_batches(batch_size), max_batches)
     log(f"eval: {split} loss {result.loss:.4f} | perplexity {result.perplexity:.3f} | "
         f"{result.tokens:,} tokens in {result.sequences:,} sequences | weights {ckpt.weights_dir}")

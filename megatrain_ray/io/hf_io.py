@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SUPPORTED_MODEL_TYPES, ModelConfig
+from ..config import SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config
 from ..data.tokenizer import TOKENIZER_FILES, is_tokenizer_dir
 from ..errors import ConfigError
 from ..model.transformer import hf_name
@@ -54,6 +54,12 @@ def read_config(directory: str, what: str = "the checkpoint") -> tuple[ModelConf
         raise ConfigError(f"{what} ({directory}) is a {', '.join(archs)}, which is not supported; "
                           f"supported: {', '.join(ARCHITECTURES.values())}.")
     return ModelConfig.from_hf_dict(raw), raw
+
+
+def load_train_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+    """:func:`megatrain_ray.config.load_config`, with ``runtime.init_from``'s config.json as the model
+    shape (model.* settings are replaced by it)."""
+    return load_config(path, overrides, base, model_from=lambda d: read_config(d, "runtime.init_from")[0])
 
 
 def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:

@@ -14,12 +14,16 @@ unless tied, the LM head). :func:`unit_params` lists each unit's parameters and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
 
 Params = dict[str, torch.Tensor]
+UnitReader = Callable[[str], Params]
+"""unit name (embed, layers.i, head) -> its parameters, named relative to the unit."""
 
 IGNORE_INDEX = -100
 """Label value whose position does not count in the loss (padding, prompt tokens)."""

@@ -20,6 +20,7 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec, grad_slots_for
 from ..model.precision import resolve_device, resolve_precision
+from .pipeline import connect_ray
 
 
 def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
@@ -29,8 +30,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     precision = resolve_precision(rt, device)
     spec = StoreSpec(cfg.model, precision, rt.shm_dir, os.getpid(), "local-" + uuid.uuid4().hex[:6],
                      grad_slots_for(precision, cfg.optim.max_grad_norm))
-    source = source_from_config(cfg)
-    eval_batch = source_from_config(cfg, "val").batch(0) if cfg.train.eval_every else None
+    source = source_from_config(cfg, connect=connect_ray)
+    eval_batch = source_from_config(cfg, "val", connect=connect_ray).batch(0) if cfg.train.eval_every else None
     fetch_q, release_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth)
     grad_q, stats_q, grad_slot_q = queue.Queue(), queue.Queue(), queue.Queue()
     compute = sink = None

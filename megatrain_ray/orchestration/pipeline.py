@@ -179,7 +179,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     run continues from its step, bit for bit. Ctrl-C and SIGTERM save a checkpoint, then raise
     :class:`Interrupted`.
     """
-    source = source_from_config(cfg)  # fail on bad data or weights before any actor starts
+    source = source_from_config(cfg, connect=connect_ray)  # fail on bad data or weights before any actor starts
     start_step = 0
     if resume is None:
         preflight.check_init_from(cfg)
@@ -307,7 +307,7 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
         spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
         checkpoint=plan, grad_slot_q=grad_slot_q)
-    loader_cls, loader_args = loader_spec(cfg)  # BatchSource, or CorpusSource over the prepared corpus
+    loader_cls, loader_args = loader_spec(cfg, connect=connect_ray)  # BatchSource, or CorpusSource over the prepared corpus
     for k in range(n_data):
         roles.actors[f"data-{k}"] = remote(loader_cls, f"data-{k}", 4 + k, num_cpus=0.25).remote(*loader_args)
 
@@ -340,7 +340,7 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _R
 
     eval_ref = None
     if cfg.train.eval_every:  # one fixed validation batch, in the object store once for the whole run
-        eval_ref = ray.put(source_from_config(cfg, "val", log).batch(0))
+        eval_ref = ray.put(source_from_config(cfg, "val", log, connect_ray).batch(0))
 
     run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
     result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
