@@ -38,6 +38,7 @@ from .errors import ConfigError
 from .hostmem import HostMemoryPeak
 from .layout import StoreLayout
 from .metrics import attention_flops_per_token
+from .preflight import guess_device
 
 PRESETS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -428,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():
             report["gemm_tflops"] = gemm_tflops()
         cfg = bench_config(base, *shape, data, [*extra, f"runtime.run_dir={tmp}/runs"])
-        report["max_grad_norm"] = cfg.optim.max_grad_norm
+        device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
+        report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
+                      loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype)
         flops = 6 * report["params"] * args.tokens
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)

@@ -326,7 +326,8 @@ AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
 benchmark (README, Performance) ran with; on cpu, where slots are host memory, double buffering."""
 AUTO_LOSS_CHUNK_SIZE = {"cuda": 8192, "cpu": 1024}
 """runtime.loss_chunk_size when null, per resolved device: on cuda the benchmark's (larger LM-head
-GEMMs; the plan counts the chunk's logits), on cpu smaller chunks of logits."""
+GEMMs, for 10 bytes of device memory per token and vocabulary entry, which ``plan`` counts); on cpu
+smaller chunks of logits."""
 
 
 @dataclass

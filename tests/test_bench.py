@@ -29,6 +29,7 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert len(ours["losses"]) == 3 and ours["losses"] == local["losses"]
     assert abs(ours["losses"][0] - math.log(bench.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
     assert report["params"] == bench.model_params("tiny", 2)
+    assert (report["buffer_depth"], report["loss_chunk_size"]) == (2, 1024)  # the library's CPU defaults, as train's
     # model FLOPs: 6·N·T, and with the attention matrix 12·L·heads·head_dim·S per token on top
     shape = bench.PRESETS["tiny"]
     attention = 12 * 2 * shape["num_attention_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 128
