@@ -240,7 +240,7 @@ def test_bench_job_joins_the_cluster_and_writes_its_report(head, long_job, shm_d
     assert proc.returncode == 0, logs[-4000:]
     assert re.search(r"^megatrain_ray\s+[0-9.]+", logs, re.M), logs[-4000:]
     out = os.path.join(HEAD_ENV["HOME"], "megatrain-ray", "bench-out")
-    assert f"ray job: --out 'bench-out' is taken from ~/megatrain-ray" in logs
+    assert "ray job: --out 'bench-out' is taken from ~/megatrain-ray" in logs
     report = json.loads(open(os.path.join(out, "bench-tiny.json")).read())
     assert len(report["systems"]["megatrain_ray"]["losses"]) == 3
     assert _status(head, "megatrain-bench") == "SUCCEEDED"
