@@ -9,8 +9,10 @@ the options of :mod:`megatrain_ray.bench`) and ``peers`` (DeepSpeed ZeRO-3 / FSD
 same model, the options of :mod:`megatrain_ray.peers`).
 
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
-generated corpus) on a local Ray started for it. User errors print one ``error:`` line and exit
-with status 2; an interrupted run exits with 130 after cleaning up.
+generated corpus) on the Ray cluster running on this machine, or on a private one started for it
+(:mod:`megatrain_ray.cluster`); as a Ray job, a relative runtime.run_dir is taken from
+~/megatrain-ray. User errors print one ``error:`` line and exit with status 2; an interrupted run
+exits with 130 after cleaning up.
 """
 
 from __future__ import annotations
@@ -80,17 +82,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return importlib.import_module(f"megatrain_ray.{_FORWARDED[forwarded][0]}").main(argv[1:])
         if args.command == "train":
+            from .cluster import job_path
             from .config import load_config
             from .pipeline import train
 
+            resume = None
             if args.resume is not None:
                 from .checkpoint import resume_config
 
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
-                train(cfg, resume=resume)
             else:
                 cfg = load_config(args.config, args.overrides)
-                train(cfg)
+            cfg.runtime.run_dir = job_path(cfg.runtime.run_dir, "runtime.run_dir")
+            train(cfg, resume=resume)
         elif args.command == "plan":
             return _plan(args)
         elif args.command == "export":

@@ -161,12 +161,9 @@ def corpus_ref(cfg, split: str = "train", log=print):
     p = dataclasses.replace(p, val_fraction=1.0 if separate else d.val_fraction)
     cache = d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
 
-    def connect() -> None:
-        from .pipeline import connect_ray
+    from .cluster import connect
 
-        connect_ray(cfg)
-
-    return prepare(p, cache, d.num_workers, connect, log)
+    return prepare(p, cache, d.num_workers, lambda: connect(cfg.runtime, log), log)
 
 
 def loader_spec(cfg, split: str = "train", log=print) -> tuple[type, tuple]:

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -414,9 +415,15 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
             ds = ray.data.read_json(files, lines=p.kind == "jsonl", num_cpus=cpus)
         else:
             ds = ray.data.read_parquet(files, num_cpus=cpus)
-        ds = ds.map_batches(TokenizeBatch, fn_constructor_args=(p.format, p.tokenizer, p.text_key, p.kind),
-                            batch_format="pyarrow", batch_size=64, num_cpus=cpus,
-                            compute=ray.data.ActorPoolStrategy(size=num_workers))
+        # max_restarts=0: Ray Data hands its actors their constructor arguments as object refs, which
+        # a restart could not count on (Ray logs an error saying so for every actor of a restartable
+        # pool); a tokenizer actor that dies fails the data step with one error instead. Passing it
+        # is deprecated from Ray 2.60 (ray is pinned below 2.61), and that warning is not the user's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ds.map_batches(TokenizeBatch, fn_constructor_args=(p.format, p.tokenizer, p.text_key, p.kind),
+                                batch_format="pyarrow", batch_size=64, num_cpus=cpus, max_restarts=0,
+                                compute=ray.data.ActorPoolStrategy(size=num_workers))
         for table in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2):
             _write_table(writer, table)
     except Exception as e:

@@ -15,6 +15,7 @@ with each step, so the first actor failure ends the run with an error naming the
 happens (success, exception, Ctrl-C, SIGTERM), the placement group, the actors and the store's
 shared-memory segments are removed before :func:`train` returns or raises.
 
+The Ray it runs on (a running cluster, or a private one) is chosen by :mod:`megatrain_ray.cluster`.
 Before anything is allocated, :mod:`megatrain_ray.preflight` checks that the run fits host RAM
 and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.checkpoint`) are saved by the sink every
 train.checkpoint_every steps and at the end; on Ctrl-C / SIGTERM (``ray job stop``) the driver stops
@@ -33,7 +34,6 @@ import json
 import math
 import os
 import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -44,7 +44,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import checkpoint, preflight, shm
+from . import checkpoint, cluster, preflight, shm
 from .compute import ComputeWorker
 from .config import TrainConfig, usable_cpus
 from .data import loader_spec, source_from_config
@@ -92,24 +92,6 @@ class Interrupted(KeyboardInterrupt):
         self.note = note
 
 
-def connect_ray(cfg: TrainConfig) -> None:
-    """Join the cluster named by runtime.ray_address (or RAY_ADDRESS under ray job), else start one."""
-    if ray.is_initialized():
-        return
-    address = cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        _check_reachable(address)
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
-            ray.init(object_store_memory=cfg.runtime.object_store_memory, include_dashboard=False,
-                     log_to_driver=True)
-    except ConnectionError as e:
-        raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e}); start it with "
-                            "`ray start --head` or fix runtime.ray_address.") from None
-
-
 class _Roles:
     """The spawned actors and queues of one run, and how to tear them down."""
 
@@ -155,21 +137,6 @@ def _actor_error(e: BaseException, role: str) -> MegatrainError:
     return PipelineError(f"the {role} actor failed: {cause or e}")
 
 
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail in seconds, with one sentence, when a host:port Ray address does not answer."""
-    if address in ("auto", "local") or address.startswith("ray://"):
-        return
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as e:
-        raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
-                            "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
-
-
 def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     """Run optimizer steps [start, cfg.train.steps) through the actor pipeline; returns losses and paths.
 
@@ -188,13 +155,12 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         start_step = meta["step"]
         if hasattr(source, "resume_step") and "fingerprint" in meta.get("data", {}):
             source.resume_step(meta["data"])  # the same data, seed and batch shape
-    starts_ray = not ray.is_initialized() and not (cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
-    preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=starts_ray)
+    preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=cluster.starts_ray(cfg.runtime))
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     roles, spec, plan = _Roles(), None, None
     try:
-        connect_ray(cfg)
+        cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
         precision = resolve_precision(cfg.runtime, device)
@@ -206,6 +172,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
         os.makedirs(run_dir, exist_ok=True)
+        log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), **({"resumed_from": resume} if resume else {})}, f, indent=2)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
@@ -283,8 +250,9 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
 
     queue_opts = {"actor_options": {"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         roles.pg, placement_group_bundle_index=0)}}
-    fetch_q = Queue(maxsize=rt.buffer_depth, **queue_opts)
-    release_q = Queue(maxsize=rt.buffer_depth, **queue_opts)
+    depth = rt.buffer_depth_on(device)
+    fetch_q = Queue(maxsize=depth, **queue_opts)
+    release_q = Queue(maxsize=depth, **queue_opts)
     grad_q = Queue(maxsize=0, **queue_opts)
     stats_q = Queue(maxsize=0, **queue_opts)
     grad_slot_q = Queue(maxsize=0, **queue_opts) if spec.grad_slots else None
@@ -296,10 +264,10 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
     roles.actors["store"] = store
     _get(store.ready.remote(), "store", rt.actor_timeout_s)
     roles.actors["prefetch"] = remote(Prefetcher, "prefetch", 1, num_cpus=0.25).remote(
-        spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
+        spec, depth, fetch_q, release_q, rt.actor_timeout_s)
     roles.actors["compute"] = remote(ComputeWorker, "compute", 2, num_cpus=0.5,
                                      num_gpus=1 if device == "cuda" else 0).remote(
-        spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
+        spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
         rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
         offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads)
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(

@@ -1,8 +1,8 @@
 """The ``megatrain-ray`` command line, run as a real subprocess.
 
 User errors: exit status 2, one ``error:`` line on stderr, no traceback, nothing written.
-The default run (no arguments at all): starts its own local Ray, trains the tiny preset and its
-loss falls.
+The default run (no arguments at all): starts its own local Ray (printing none of Ray's lines the
+user cannot act on), trains the tiny preset and its loss falls.
 """
 
 import json
@@ -17,6 +17,10 @@ import pytest
 from megatrain_ray.config import TrainSection
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss ([0-9.]+) \|")
+RAY_NOISE = ("Token authentication is enabled", "Started a local Ray instance", "Connecting to existing Ray cluster",
+             "Connected to Ray cluster", "has constructor arguments in the object store", "Progress bars disabled",
+             "ray_remote_args` is deprecated")
+"""Ray log lines a run must not print (see megatrain_ray.cluster.quiet_ray_logs)."""
 
 
 def _env() -> dict[str, str]:
@@ -79,6 +83,10 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
             proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+    # None of Ray's lines that the user cannot act on (token auth stays on, without saying so each run).
+    for noise in RAY_NOISE:
+        assert noise not in out + err, err[-3000:]
+    assert not re.search(r"^joining the Ray cluster", out, re.M)  # no cluster runs here: a private one
 
     # Progress lines: every step 1..M, in order, with the default step count.
     steps, losses = [], []
