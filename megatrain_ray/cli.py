@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
             out = export(args.src, args.out, args.shard_size, args.dtype, args.tokenizer)
             print(f"exported {out['source']} to {out['out']}: {out['tensors']} tensors, {out['shards']} shard(s), "
-                  f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; copied {', '.join(out['copied']) or 'no'} "
-                  "tokenizer/config files")
+                  f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; tokenizer and config files: "
+                  f"{', '.join(out['copied']) or 'none'}")
         elif args.command == "eval":
             from .evaluate import run_eval
 

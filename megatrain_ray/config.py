@@ -251,7 +251,8 @@ class TrainSection:
     """Export the final weights to <run dir>/final (Hugging Face safetensors) at the end of the run."""
     eval_every: int = 0
     """Every this many steps, the validation loss of the model as it stands (after that many updates),
-    on one step's worth of sequences from the validation split (data.val_fraction or data.val_path);
+    on one step's worth of sequences from the validation split (data.val_fraction or data.val_path;
+    the built-in corpus has its own);
     it rides along the next step's forward, so no weights cross the link for it. 0 = never."""
 
     def eval_due(self, step: int) -> bool:
@@ -278,7 +279,8 @@ class DataSection:
     """How to read data.path: windows (random windows over one byte-level .txt or 1-D .npy token
     stream, the original behaviour), text (documents tokenised, EOS-separated, packed into sequences),
     alpaca or sharegpt (chat SFT, loss on response tokens only), tokens (pre-tokenised input_ids:
-    .npy, .arrow, .parquet, .jsonl), or auto: windows for one .txt or 1-D .npy file, else by columns."""
+    .npy, .arrow, .parquet, .jsonl), or auto: windows for the built-in corpus, one .txt or one 1-D .npy
+    file (text or tokens instead when data.val_fraction holds part of it out), else by columns."""
     tokenizer: str | None = None
     """A local Hugging Face tokenizer directory; None uses runtime.init_from's tokenizer when it has
     one, else byte-level ids (256 bytes + EOS, model.vocab_size >= 260)."""
@@ -288,7 +290,8 @@ class DataSection:
     """Held-out data read like data.path (all of it is the validation split); None: see val_fraction."""
     val_fraction: float = 0.0
     """Share of data.path's documents held out for validation (chosen by a fixed hash of the document
-    index, the same for every seed); 0 holds out none."""
+    index, the same for every seed; the tail of a 1-D .npy token stream); 0 holds out none (the
+    built-in corpus then validates on held-out documents of its own)."""
     cache_dir: str | None = None
     """Where tokenised data is cached, keyed by a fingerprint of files and tokenizer; None uses
     <runtime.run_dir>/data-cache."""
@@ -308,6 +311,9 @@ class DataSection:
         _require(self.format in _DATA_FORMATS, "data.format",
                  f"must be one of {', '.join(_DATA_FORMATS)}, got {self.format!r}")
         _require(0.0 <= self.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        _require(not (self.format == "windows" and self.val_fraction), "data.val_fraction",
+                 "must be 0 with data.format windows, whose random windows span the whole stream; use "
+                 "data.format auto, text or tokens to hold documents out, or data.val_path")
         _require(not (self.val_path and self.val_fraction), "data.val_fraction",
                  "must be 0 when data.val_path is set (the validation data is either held out or separate)")
         _require(bool(self.text_key), "data.text_key", "may not be empty")
@@ -459,7 +465,8 @@ class TrainConfig:
         _require(window is None or self.train.seq_len <= window, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.sliding_window ({window}); sliding-window attention "
                  "is not implemented, so shorter sequences are needed")
-        _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path, "train.eval_every",
+        _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path
+                 or self.data.path is None, "train.eval_every",
                  "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")

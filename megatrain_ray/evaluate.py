@@ -24,6 +24,7 @@ from .errors import DataError
 from .model import (IGNORE_INDEX, Params, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
                     token_loss_sum, unit_names)
 from .reference import UnitReader
+from .tokenizer import BYTE_LEVEL
 
 
 def checkpoint_reader(directory: str) -> tuple[ModelConfig, UnitReader]:
@@ -109,7 +110,9 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
 
     The data settings are the run's own (runs/<id>/config.json, or the checkpoint's meta.json),
     overridden by ``config`` and ``overrides``; the model is the checkpoint's config.json. The
-    tokenizer is the run's data.tokenizer, else the one saved next to the weights.
+    tokenizer is the run's (see :attr:`megatrain_ray.hf_io.Checkpoint.tokenizer`): byte-level for a
+    byte-level run, else a tokenizer directory, the one saved next to the weights when the run's
+    own is gone. With no data settings at all, the built-in corpus's held-out documents are read.
     """
     from .config import load_config
     from .data import source_from_config
@@ -123,8 +126,9 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
     base = {k: dict(v) for k, v in (ckpt.run_config or {}).items() if k in SECTIONS and isinstance(v, dict)}
     base.pop("model", None)
     base.setdefault("runtime", {})["init_from"] = None  # the weights are the checkpoint's
-    if not base.setdefault("data", {}).get("tokenizer") and ckpt.tokenizer_dir:
-        base["data"]["tokenizer"] = ckpt.tokenizer_dir
+    tokenizer = ckpt.tokenizer
+    if tokenizer not in (None, BYTE_LEVEL):
+        base.setdefault("data", {})["tokenizer"] = tokenizer
     cfg = load_config(config, list(overrides), base=base)
     cfg.model = model_cfg
     cfg.validate()

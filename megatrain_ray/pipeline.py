@@ -48,6 +48,7 @@ from . import checkpoint, cluster, preflight, shm
 from .compute import ComputeWorker
 from .config import TrainConfig, usable_cpus
 from .data import loader_spec, source_from_config
+from .datasets import run_tokenizer
 from .errors import MegatrainError, PipelineError
 from .metrics import RunMetrics
 from .precision import resolve_device, resolve_precision
@@ -141,15 +142,18 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     """Run optimizer steps [start, cfg.train.steps) through the actor pipeline; returns losses and paths.
 
     ``resume``: a checkpoint directory (see :func:`megatrain_ray.checkpoint.resume_config`); the
-    run continues from its step, bit for bit. Ctrl-C and SIGTERM save a checkpoint, then raise
-    :class:`Interrupted`.
+    run continues from its step, bit for bit, unless cfg changes the lr schedule (a larger
+    train.steps extends a run: see :func:`megatrain_ray.checkpoint.check_resume`, whose sentence is
+    logged). Ctrl-C and SIGTERM save a checkpoint, then raise :class:`Interrupted`.
     """
+    start_step, schedule_note = 0, None
+    if resume is not None:  # nothing to resume is refused before the data is read
+        meta = checkpoint.read_meta(resume)
+        schedule_note = checkpoint.check_resume(meta, cfg, resume)
     source = source_from_config(cfg)  # fail on bad data or weights before any actor starts
-    start_step = 0
     if resume is None:
         preflight.check_init_from(cfg)
     else:
-        meta = checkpoint.read_meta(resume)
         checkpoint.check_model(meta, cfg.model, resume)
         checkpoint.check_files(resume)
         start_step = meta["step"]
@@ -174,12 +178,15 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         os.makedirs(run_dir, exist_ok=True)
         log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
         with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), **({"resumed_from": resume} if resume else {})}, f, indent=2)
+            json.dump({**cfg.to_dict(), "device": device, **({"resumed_from": resume} if resume else {})}, f,
+                      indent=2)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
                                          _data_state(source), wait_s=cfg.runtime.actor_timeout_s)
         if resume is not None:
             log(f"resuming from {resume} at step {start_step}")
+            if schedule_note:
+                log(schedule_note)
         return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan)
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
@@ -350,6 +357,9 @@ class _Driver:
         self.stats: dict[int, dict] = {}
         self.tokens = 0
         self.clock = time.perf_counter()
+        self.steady: tuple[float, int] | None = None
+        """(time, steps done) at the end of the first step this driver logged: the ETA is timed from
+        there, leaving out the first step's compile and warm-up."""
 
     def run(self, batch_ref, start: int) -> RunResult:
         try:
@@ -367,8 +377,9 @@ class _Driver:
             raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
         r = self.result
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
-        if self.cfg.train.save_final:
-            _get(self.a["store"].save_hf.remote(r.final_dir), "store", self.timeout)
+        if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
+            tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
+            _get(self.a["store"].save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
@@ -435,9 +446,18 @@ class _Driver:
             r.val_losses[step] = out["val_loss"]
         spans = out["spans"] + stats["spans"]
         r.timeline, r.last_spans = r.last_spans + spans, spans
-        elapsed = time.perf_counter() - self.clock
-        done = step + 1 - r.start_step
-        eta = elapsed / done * (self.steps - step - 1)
+        now = time.perf_counter()
+        elapsed, done = now - self.clock, step + 1 - r.start_step
+        if self.steady is None:
+            self.steady = (now, done)
+        since, steady_done = self.steady
+        left = self.steps - step - 1
+        if not left:
+            eta = 0.0
+        elif done > steady_done:
+            eta = (now - since) / (done - steady_done) * left  # at the pace of the steps since the first
+        else:
+            eta = None  # the first step's compile and warm-up say nothing of the pace to come
         row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
@@ -503,7 +523,10 @@ def _size(q: Queue) -> int | None:
         return None
 
 
-def _duration(seconds: float) -> str:
+def _duration(seconds: float | None) -> str:
+    """1h02m, 3m05s, 42s; ``...`` while unknown (None)."""
+    if seconds is None:
+        return "..."
     seconds = int(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

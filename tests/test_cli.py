@@ -119,6 +119,18 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     assert (final / "config.json").is_file()
     assert (final / "model.safetensors.index.json").is_file()
     assert list(final.glob("*.safetensors"))
+    assert (final / "tokenizer.json").is_file()  # byte-level, as a Hugging Face tokenizer
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == 256
+    assert re.search(r"^step +1/\d+ \|.* \| eta \.\.\.$", out, re.M)  # no ETA from the compile step
+
+    # The README's next commands on this run, as written there.
+    ev = _cli(["eval", f"runs/{run_dir.name}"], tmp_path, timeout=180)
+    assert ev.returncode == 0, ev.stderr
+    m = re.search(r"^eval: val loss ([0-9.]+) \| perplexity [0-9.]+ \| [\d,]+ tokens", ev.stdout, re.M)
+    assert m and float(m.group(1)) < losses[0] - 0.5, ev.stdout  # held-out text the run never saw
+    ex = _cli(["export", f"runs/{run_dir.name}", "--out", "my-model"], tmp_path, timeout=120)
+    assert ex.returncode == 0, ex.stderr
+    assert "tokenizer.json" in ex.stdout and (tmp_path / "my-model" / "tokenizer.json").is_file()
 
     # The run removed its shared-memory segments from the default runtime.shm_dir.
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"megatrain-{proc.pid}-")] \
