@@ -36,7 +36,8 @@ from megatrain_ray.data.loader import source_from_config  # noqa: E402
 from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
-from megatrain_ray.orchestration.pipeline import connect_ray, train  # noqa: E402
+from megatrain_ray.orchestration.cluster import connect_ray  # noqa: E402
+from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 DOC_SUFFIXES = (".md", ".rst", ".txt")
 DOC_PREFIXES = ("LICENSE", "LICENCE", "COPYING", "README", "NOTICE", "AUTHORS")

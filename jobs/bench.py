@@ -2,8 +2,10 @@
 
     ray job submit --working-dir . -- python jobs/bench.py --preset 7b --steps 5 --baseline --out bench-out
 
-Under ``ray job submit`` RAY_ADDRESS is set, so the pipeline joins that cluster; ``--out`` is a
-path on the node the job's driver runs on (the head, for a one-node cluster).
+(the cluster started as in jobs/train.py). Under ``ray job submit`` RAY_ADDRESS is set, so the
+pipeline joins that cluster; a relative ``--out`` is taken from ~/megatrain-ray on the node the
+job's driver runs on (the head, for a one-node cluster), not from Ray's temporary copy of the
+working directory.
 """
 
 import os

@@ -1,8 +1,14 @@
 """Ray job entry point: the same as ``megatrain-ray train``.
 
+    export RAY_AUTH_MODE=token                    # token authentication on (Ray 2.60)
+    ray get-auth-token --generate > /dev/null     # once: ~/.ray/auth_token, if there is none
+    ray start --head --dashboard-host=127.0.0.1
     ray job submit --working-dir . -- python jobs/train.py --config my_run.yaml --set train.steps=100
 
 Under ``ray job submit`` RAY_ADDRESS is set, so the run joins that cluster instead of starting one.
+The job runs in Ray's temporary copy of the working directory, so a relative runtime.run_dir is
+taken from ~/megatrain-ray on the node of the job's driver (it says where; see
+:func:`megatrain_ray.orchestration.cluster.job_path`).
 """
 
 import os

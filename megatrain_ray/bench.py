@@ -2,19 +2,27 @@
 
     python -m megatrain_ray.bench --preset 7b --steps 5 --baseline --out OUT
     python benchmarks/peers.py bench --preset 7b --steps 5 --baseline --peers deepspeed,fsdp2 --out OUT
+    megatrain-ray bench --config run.yaml --steps 5 --out OUT      # the model and runtime of a run config
+    megatrain-ray bench --model path/to/hf_model --set model.num_hidden_layers=8 --out OUT
+
+The model is a preset, a run config's (its model, optim and runtime sections; random weights) or
+a Hugging Face config.json's, then ``--layers`` and ``--set`` overrides; the parameter count and
+the random tokens' vocabulary are those of the final config. Runtime settings not given keep the
+library's defaults, so ``train`` with the same config runs what the benchmark measured.
 
 Reports steady-state seconds per step, tokens/s and model TFLOPS (6·N·T per step) for
 megatrain_ray, and in the same run: the same model trained plainly on the GPU (fp32 parameters,
 bf16 autocast, per-layer recompute, fused AdamW on the GPU; ``--baseline``, eager, or
 ``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
-peers of benchmarks/peers.py (``--peers``, run through that script), and a bf16 GEMM. ``--check`` first compares the
-CUDA bf16 path's losses with the CPU fp32 path on a small model; ``--probe`` times one layer
-(eager and compiled) and the CPU AdamW variants.
+peers of benchmarks/peers.py (``--peers``, presets only, run through that script), and a bf16 GEMM. ``--check``
+first compares the CUDA bf16 path's losses with the CPU fp32 path on a small model; ``--probe``
+times one layer (eager and compiled) and the CPU AdamW variants.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -26,21 +34,50 @@ import time
 import numpy as np
 import torch
 
-from .config import usable_cpus
-from .io.hf_io import load_train_config
+from .config import TrainConfig, load_config, usable_cpus
+from .errors import ConfigError
+from .io.hf_io import load_train_config, read_config
 from .model.layout import StoreLayout
-from .model.presets import PRESETS, model_params, preset_shape
+from .model.presets import PRESETS, preset_model
 from .orchestration.hostmem import HostMemoryPeak
 from .orchestration.metrics import attention_flops_per_token
+from .orchestration.preflight import guess_device
 
-def _config(preset: str, tokens: int, seq_len: int, micro_batches: int, steps: int, data: str,
-            extra: list[str], layers: int | None = None) -> object:
-    model = [f"model.{k}={v}" for k, v in preset_shape(preset, layers).items()]
+def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
+    """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
+    runtime (its runtime.init_from's shape, with random weights); or an HF directory's config.json."""
+    if sum(x is not None for x in (preset, config, model_dir)) > 1:
+        raise ConfigError("give one of --preset, --config and --model, not several.")
+    if config is not None:
+        cfg = load_train_config(config)
+        base = {"model": dataclasses.asdict(cfg.model), "optim": dataclasses.asdict(cfg.optim),
+                "runtime": {**dataclasses.asdict(cfg.runtime), "init_from": None}}
+    elif model_dir is not None:
+        base = {"model": dataclasses.asdict(read_config(model_dir, "--model")[0])}
+    else:
+        base = {"model": dataclasses.asdict(preset_model(preset or "1b"))}
+    if layers:
+        base["model"]["num_hidden_layers"] = layers
+    return base
+
+
+def bench_config(base: dict, tokens: int, seq_len: int, micro_batches: int, steps: int, data: str | None,
+                 extra: list[str]) -> TrainConfig:
+    """The run the benchmark trains: ``base`` (see :func:`base_sections`) with the step shape, random
+    tokens at ``data`` (None: the built-in corpus, to learn the final model before drawing them),
+    no checkpoints, then ``extra`` (``--set``) overrides; runtime settings not set stay the library's."""
     mbs = tokens // (seq_len * micro_batches)
-    return load_train_config(None, model + [
-        "model.max_position_embeddings=32768", f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}",
-        f"train.num_micro_batches={micro_batches}", f"train.steps={steps}", f"data.path={data}",
-        "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false", *extra])
+    return load_config(None, [
+        f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}", f"train.num_micro_batches={micro_batches}",
+        f"train.steps={steps}", *([f"data.path={data}"] if data else []),
+        "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0",
+        "train.save_final=false", *extra], base=base)
+
+
+def random_tokens(path: str, vocab_size: int, n: int = 4_000_000) -> str:
+    """Write ``n`` uniformly random token ids below ``vocab_size`` as a .npy file; returns ``path``."""
+    np.save(path, np.random.default_rng(0).integers(0, vocab_size, size=n))
+    return path
 
 
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -145,57 +182,26 @@ def run_resident(cfg, steps: int, compiled: bool = False) -> dict:
 
 
 def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
-    from torch.utils.checkpoint import checkpoint
-
     from .data.loader import source_from_config
-    from .model.transformer import decoder_layer, embed, final_norm, lm_head_weight, rope_cache, token_loss_sum
-    from .orchestration.pipeline import connect_ray
+    from .engine.reference import ResidentModel, ResidentTrainer
+    from .model.transformer import decoder_layer
+    from .orchestration.cluster import connect_ray
 
-    mc = cfg.model
-    layout = StoreLayout.build(mc)
-    gen = torch.Generator(device="cuda").manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
-    units = []
-    for t in layout.templates:
-        p = {}
-        for name, shape, _ in t.params:
-            if len(shape) >= 2:
-                p[name] = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
-            else:
-                p[name] = torch.nn.Parameter(torch.ones(shape, device="cuda") if "norm" in name
-                                             else torch.zeros(shape, device="cuda"))
-        units.append(p)
-    params = [p for u in units for p in u.values()]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    source = source_from_config(cfg, connect=connect_ray)
-    seq = cfg.train.seq_len
-    rope = rope_cache(mc, seq, torch.device("cuda"), torch.bfloat16)
     layer_fn = torch.compile(decoder_layer, dynamic=False) if compiled else decoder_layer
+    model = ResidentModel.random(cfg.model, "cuda", autocast=torch.bfloat16, recompute=True, layer_fn=layer_fn)
+    trainer = ResidentTrainer(model, cfg.optim, steps)
+    source = source_from_config(cfg, connect=connect_ray)
     times = []
     for step in range(steps):
         batch = source.batch(step)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ids_all = torch.tensor(batch["input_ids"], device="cuda")  # [M, B, S] -> [M * split, B / split, S]
-        ids_all = ids_all.reshape(ids_all.shape[0] * split, -1, seq)
-        labels_all = torch.tensor(batch["labels"], device="cuda").reshape(ids_all.shape)
-        n_tok = labels_all.numel()
-        for m in range(ids_all.shape[0]):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                x = embed(units[0], ids_all[m]).to(torch.bfloat16)
-                for u in units[1:-1]:
-                    x = checkpoint(layer_fn, u, x, rope, mc, use_reentrant=False)
-                h = final_norm(units[-1], x, mc).reshape(-1, mc.hidden_size)
-                w = lm_head_weight(units[-1], units[0])
-                loss = token_loss_sum(h, w, labels_all[m].reshape(-1)) / n_tok
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        trainer.step(step, batch, split)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del units, params, opt
+    del model, trainer
     torch.cuda.empty_cache()
     return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": peak}
 
@@ -260,7 +266,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
 def adamw_probe(numel: int, threads: int) -> dict:
     """CPU rates (G params/s) of torch's fused AdamW alone (fp32 gradient, all threads on one op) and
     of our per-unit update (bf16 gradient in, clip factor, stream copy out) with torch's kernels and
-    with the native one-pass kernel on an :class:`~megatrain_ray.engine.optim.AdamWRunner` pool of n threads."""
+    with the native one-pass kernel on an :class:`~megatrain_ray.optim.AdamWRunner` pool of n threads."""
     from .config import OptimConfig
     from .engine import optim
 
@@ -306,52 +312,65 @@ def format_systems(systems: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None, run_peer=None) -> int:
     """``run_peer``: benchmarks/peers.py's, passed by ``python benchmarks/peers.py bench ...`` (the
-    harness lives outside the package); without it ``--peers`` is refused."""
+    harness lives outside the package, which imports nothing from benchmarks/)."""
     ap = argparse.ArgumentParser(prog="megatrain-ray bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    ap.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
+    what = ap.add_argument_group("what to benchmark (one of; default --preset 1b)")
+    what.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model shape")
+    what.add_argument("--config", help="a run config (YAML): its model, optim and runtime sections, random weights")
+    what.add_argument("--model", metavar="HF_MODEL_DIR", help="a Hugging Face model directory: its config.json's shape")
+    ap.add_argument("--layers", type=int, default=None, help="override the model's number of decoder layers")
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--buffer-depth", type=int, default=3)
-    ap.add_argument("--master-dtype", default="float32")
-    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--buffer-depth", type=int, default=None, help="runtime.buffer_depth (default: the library's)")
+    ap.add_argument("--master-dtype", default=None, help="runtime.master_dtype (default: the library's)")
+    ap.add_argument("--max-grad-norm", type=float, default=None, help="optim.max_grad_norm (default: the library's)")
     ap.add_argument("--baseline", action="store_true", help="also train GPU-resident (must fit the GPU)")
     ap.add_argument("--baseline-compiled", action="store_true",
                     help="also train GPU-resident with the decoder layer compiled, as ours is")
     ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
     ap.add_argument("--peers", default="", metavar="SYSTEMS",
-                    help="also train with these peers (comma-separated: deepspeed, fsdp2; only through "
-                         "python benchmarks/peers.py bench ...)")
+                    help="also train with these peers (comma-separated: deepspeed, fsdp2; presets only, "
+                         "through python benchmarks/peers.py bench ...)")
     ap.add_argument("--peer-timeout-s", type=float, default=300.0, help="time limit of each peer run")
     ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
     ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override for our runs (repeatable), e.g. runtime.compile=false")
-    ap.add_argument("--tag", default=None, help="name of this run's output files (default: the preset)")
-    ap.add_argument("--out", default=".", help="directory for bench-<preset>.json and the timeline PNG")
+                    help="config override for our runs (repeatable), e.g. runtime.compile=false or model.vocab_size=32000")
+    ap.add_argument("--tag", default=None, help="name of this run's output files (default: the preset, config or model name)")
+    ap.add_argument("--out", default=".", help="directory for bench-<name>.json and the timeline PNG")
     args = ap.parse_args(argv)
     if args.peers and run_peer is None:
         ap.error("--peers runs the DeepSpeed / FSDP2 harness of benchmarks/, outside the package: "
                  "python benchmarks/peers.py bench ARGS (from the repository root).")
+    from .orchestration.cluster import job_path
+
+    base = base_sections(args.preset, args.config, args.model, args.layers)
+    extra = [*([f"runtime.buffer_depth={args.buffer_depth}"] if args.buffer_depth else []),
+             *([f"runtime.master_dtype={args.master_dtype}"] if args.master_dtype else []),
+             *([f"optim.max_grad_norm={args.max_grad_norm}"] if args.max_grad_norm is not None else []), *args.set]
+    shape = (args.tokens, args.seq_len, args.micro_batches, args.steps)
+    model = bench_config(base, *shape, None, extra).model  # the final shape, --set model.* included
+    preset = args.preset or (None if args.config or args.model else "1b")
+    if args.peers and (preset is None or model != preset_model(preset, args.layers)):
+        raise ConfigError("--peers trains the presets' shapes only; drop --peers, or --config/--model/--set model.*.")
+    name = args.tag or preset or (os.path.splitext(os.path.basename(args.config))[0] if args.config
+                                  else os.path.basename(os.path.normpath(args.model)))
+    args.out = job_path(args.out, "--out")
     os.makedirs(args.out, exist_ok=True)
-    report: dict = {"preset": args.preset, "layers": preset_shape(args.preset, args.layers)["num_hidden_layers"],
-                    "params": model_params(args.preset, args.layers), "overrides": args.set,
-                    "max_grad_norm": args.max_grad_norm, "tokens_per_step": args.tokens,
+    report: dict = {"preset": preset, "name": name, "model": dataclasses.asdict(model),
+                    "layers": model.num_hidden_layers, "params": StoreLayout.build(model).num_params,
+                    "overrides": args.set, "tokens_per_step": args.tokens,
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
-        vocab = PRESETS[args.preset]["vocab_size"]
-        data = os.path.join(tmp, "tokens.npy")
-        np.save(data, np.random.default_rng(0).integers(0, vocab, size=4_000_000))
+        data = random_tokens(os.path.join(tmp, "tokens.npy"), model.vocab_size)
         if args.check:
-            small = os.path.join(tmp, "small.npy")
-            np.save(small, np.random.default_rng(0).integers(0, PRESETS["tiny"]["vocab_size"], size=200_000))
+            small = random_tokens(os.path.join(tmp, "small.npy"), PRESETS["tiny"]["vocab_size"], 200_000)
             losses = {}
             for dev, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
-                cfg = _config("tiny", 4096, 256, 2, 4, small, [f"runtime.device={dev}",
-                                                                f"runtime.compute_dtype={dtype}",
-                                                                f"runtime.run_dir={tmp}/runs"])
+                cfg = bench_config(base_sections("tiny", None, None, None), 4096, 256, 2, 4, small, [
+                    f"runtime.device={dev}", f"runtime.compute_dtype={dtype}", f"runtime.run_dir={tmp}/runs"])
                 losses[dev] = run_pipeline(cfg)[0]["losses"]
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses["cuda"], losses["cpu"]))
             report["check"] = {"cpu_fp32_losses": losses["cpu"], "cuda_bf16_losses": losses["cuda"],
@@ -359,10 +378,10 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
             print(f"check: CUDA bf16 vs CPU fp32 losses, max relative difference {rel:.2e}", flush=True)
         if torch.cuda.is_available():
             report["gemm_tflops"] = gemm_tflops()
-        cfg = _config(args.preset, args.tokens, args.seq_len, args.micro_batches, args.steps, data,
-                      [f"runtime.buffer_depth={args.buffer_depth}", f"runtime.master_dtype={args.master_dtype}",
-                       f"runtime.run_dir={tmp}/runs", "runtime.loss_chunk_size=8192",
-                       f"optim.max_grad_norm={args.max_grad_norm}", *args.set], args.layers)
+        cfg = bench_config(base, *shape, data, [*extra, f"runtime.run_dir={tmp}/runs"])
+        device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
+        report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
+                      loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype)
         flops = 6 * report["params"] * args.tokens
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
@@ -380,7 +399,7 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
                   f"{r.get('wait_busy_s', 0):>12.3f}{r['compute_busy_s']:>12.3f}{r['update_busy_s']:>10.3f}")
         report["timeline"] = timeline
         try:
-            plot_timeline(timeline, os.path.join(args.out, f"timeline-{args.tag or args.preset}.png"))
+            plot_timeline(timeline, os.path.join(args.out, f"timeline-{name}.png"))
         except ImportError:
             print("matplotlib is not installed: no timeline PNG")
         if args.single_process:
@@ -390,7 +409,7 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
         if args.baseline_compiled:
             systems["gpu_resident_compiled"] = run_resident(cfg, args.steps, compiled=True)
         for system in filter(None, args.peers.split(",")):
-            systems[system] = run_peer(system, args.preset, tokens=args.tokens, seq_len=args.seq_len,
+            systems[system] = run_peer(system, preset, tokens=args.tokens, seq_len=args.seq_len,
                                        micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
                                        timeout_s=args.peer_timeout_s)
         with_attention = flops + attention_flops_per_token(cfg.model, args.seq_len) * args.tokens  # PaLM's model FLOPs
@@ -402,10 +421,11 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
             if "gemm_tflops" in report:
                 r["mfu"] = r["model_tflops_with_attention"] / report["gemm_tflops"]
         report["systems"] = systems
-    with open(os.path.join(args.out, f"bench-{args.tag or args.preset}.json"), "w") as f:
+    with open(os.path.join(args.out, f"bench-{name}.json"), "w") as f:
         json.dump(report, f, indent=2)
     ours = systems["megatrain_ray"]
-    print(f"\n{args.preset}: {report['params'] / 1e9:.2f} B params, {args.tokens} tokens/step, {report['device']}")
+    print(f"\n{name}: {report['params'] / 1e9:.2f} B params ({report['layers']} layers, vocabulary "
+          f"{model.vocab_size}), {args.tokens} tokens/step, {report['device']}")
     print(format_systems(systems))
     print("ours, share of the step: " + ", ".join(
         f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update", "wait"))

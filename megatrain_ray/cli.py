@@ -9,8 +9,10 @@ options of :mod:`megatrain_ray.bench`). The DeepSpeed ZeRO-3 / FSDP2 offload pee
 are a harness outside the package: ``python benchmarks/peers.py``.
 
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
-generated corpus) on a local Ray started for it. User errors print one ``error:`` line and exit
-with status 2; an interrupted run exits with 130 after cleaning up.
+generated corpus) on the Ray cluster running on this machine, or on a private one started for it
+(:mod:`megatrain_ray.orchestration.cluster`); as a Ray job, a relative runtime.run_dir is taken from
+~/megatrain-ray. User errors print one ``error:`` line and exit with status 2; an interrupted run
+exits with 130 after cleaning up.
 """
 
 from __future__ import annotations
@@ -80,16 +82,18 @@ def main(argv: list[str] | None = None) -> int:
             return bench.main(argv[1:])
         if args.command == "train":
             from .io.hf_io import load_train_config
+            from .orchestration.cluster import job_path
             from .orchestration.pipeline import train
 
+            resume = None
             if args.resume is not None:
                 from .io.checkpoint import resume_config
 
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
-                train(cfg, resume=resume)
             else:
                 cfg = load_train_config(args.config, args.overrides)
-                train(cfg)
+            cfg.runtime.run_dir = job_path(cfg.runtime.run_dir, "runtime.run_dir")
+            train(cfg, resume=resume)
         elif args.command == "plan":
             return _plan(args)
         elif args.command == "export":
@@ -97,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
             out = export(args.src, args.out, args.shard_size, args.dtype, args.tokenizer)
             print(f"exported {out['source']} to {out['out']}: {out['tensors']} tensors, {out['shards']} shard(s), "
-                  f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; copied {', '.join(out['copied']) or 'no'} "
-                  "tokenizer/config files")
+                  f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; tokenizer and config files: "
+                  f"{', '.join(out['copied']) or 'none'}")
         elif args.command == "eval":
             from .io.evaluate import run_eval
-            from .orchestration.pipeline import connect_ray
+            from .orchestration.cluster import connect_ray
 
             run_eval(args.src, args.config, args.overrides, args.split, args.batch_size, args.max_batches,
                      connect=connect_ray)

@@ -252,7 +252,8 @@ class TrainSection:
     """Export the final weights to <run dir>/final (Hugging Face safetensors) at the end of the run."""
     eval_every: int = 0
     """Every this many steps, the validation loss of the model as it stands (after that many updates),
-    on one step's worth of sequences from the validation split (data.val_fraction or data.val_path);
+    on one step's worth of sequences from the validation split (data.val_fraction or data.val_path;
+    the built-in corpus has its own);
     it rides along the next step's forward, so no weights cross the link for it. 0 = never."""
 
     def eval_due(self, step: int) -> bool:
@@ -279,7 +280,8 @@ class DataSection:
     """How to read data.path: windows (random windows over one byte-level .txt or 1-D .npy token
     stream, the original behaviour), text (documents tokenised, EOS-separated, packed into sequences),
     alpaca or sharegpt (chat SFT, loss on response tokens only), tokens (pre-tokenised input_ids:
-    .npy, .arrow, .parquet, .jsonl), or auto: windows for one .txt or 1-D .npy file, else by columns."""
+    .npy, .arrow, .parquet, .jsonl), or auto: windows for the built-in corpus, one .txt or one 1-D .npy
+    file (text or tokens instead when data.val_fraction holds part of it out), else by columns."""
     tokenizer: str | None = None
     """A local Hugging Face tokenizer directory; None uses runtime.init_from's tokenizer when it has
     one, else byte-level ids (256 bytes + EOS, model.vocab_size >= 260)."""
@@ -289,7 +291,8 @@ class DataSection:
     """Held-out data read like data.path (all of it is the validation split); None: see val_fraction."""
     val_fraction: float = 0.0
     """Share of data.path's documents held out for validation (chosen by a fixed hash of the document
-    index, the same for every seed); 0 holds out none."""
+    index, the same for every seed; the tail of a 1-D .npy token stream); 0 holds out none (the
+    built-in corpus then validates on held-out documents of its own)."""
     cache_dir: str | None = None
     """Where tokenised data is cached, keyed by a fingerprint of files and tokenizer; None uses
     <runtime.run_dir>/data-cache."""
@@ -309,6 +312,9 @@ class DataSection:
         _require(self.format in _DATA_FORMATS, "data.format",
                  f"must be one of {', '.join(_DATA_FORMATS)}, got {self.format!r}")
         _require(0.0 <= self.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        _require(not (self.format == "windows" and self.val_fraction), "data.val_fraction",
+                 "must be 0 with data.format windows, whose random windows span the whole stream; use "
+                 "data.format auto, text or tokens to hold documents out, or data.val_path")
         _require(not (self.val_path and self.val_fraction), "data.val_fraction",
                  "must be 0 when data.val_path is set (the validation data is either held out or separate)")
         _require(bool(self.text_key), "data.text_key", "may not be empty")
@@ -320,6 +326,15 @@ class DataSection:
 
 _DATA_EXTENSIONS = (".txt", ".npy", ".jsonl", ".json", ".parquet", ".arrow")
 _DATA_FORMATS = ("auto", "windows", "text", "alpaca", "sharegpt", "tokens")
+
+
+AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
+"""runtime.buffer_depth when null, per resolved device: on cuda the depth every measurement of the
+benchmark (README, Performance) ran with; on cpu, where slots are host memory, double buffering."""
+AUTO_LOSS_CHUNK_SIZE = {"cuda": 8192, "cpu": 1024}
+"""runtime.loss_chunk_size when null, per resolved device: on cuda the benchmark's (larger LM-head
+GEMMs, for 10 bytes of device memory per token and vocabulary entry, which ``plan`` counts); on cpu
+smaller chunks of logits."""
 
 
 @dataclass
@@ -336,10 +351,12 @@ class RuntimeSection:
     """Dtype in which gradients cross to the host and wait for the update: auto (the compute dtype:
     bf16 on cuda, accumulated in fp32 on the device and rounded once per step), float32 (exact; twice
     the device-to-host bytes and, with clipping, 4 more host bytes per parameter), or bfloat16."""
-    buffer_depth: int = 2
-    """Number of device weight slots (2 = double buffering); also the fetch-queue capacity."""
-    loss_chunk_size: int = 1024
-    """Tokens per chunk of the LM head and loss, so full logits are never materialised."""
+    buffer_depth: int | None = None
+    """Number of device weight slots (2 = double buffering), also the fetch-queue capacity; None
+    (default) = what the benchmark uses: 3 on cuda, 2 on cpu (see ``buffer_depth_on``)."""
+    loss_chunk_size: int | None = None
+    """Tokens per chunk of the LM head and loss, so full logits are never materialised; None
+    (default) = what the benchmark uses: 8192 on cuda, 1024 on cpu (see ``loss_chunk_size_on``)."""
     compile: bool | None = None
     """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
     compile_threads: int = 1
@@ -356,13 +373,20 @@ class RuntimeSection:
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"
-    """Directory where each run writes its final weights and metrics."""
+    """Directory where each run writes its config, metrics, checkpoints and final weights (in
+    <run_dir>/<run id>). Relative paths are taken from the current directory, except in a Ray job,
+    whose working directory is Ray's temporary copy: there from ~/megatrain-ray on the job's node."""
     shm_dir: str = "/dev/shm"
     """Directory (a tmpfs) holding the host parameter store's shared-memory segments."""
     ray_address: str | None = None
-    """Address of a running Ray cluster; None starts (or joins, under ray job) a local one."""
+    """Which Ray the run uses: None (default) = the job's cluster under ``ray job submit``, else the
+    cluster ``ray start --head`` runs on this machine if there is one (a line says so), else a private
+    one started for the run; ``local`` = always a private one; ``auto`` = the cluster running on this
+    machine (an error if none); ``host:port`` or ``ray://host:port`` = that cluster (with token
+    authentication on, export RAY_AUTH_MODE=token). See megatrain_ray.orchestration.cluster."""
     object_store_memory: int = 256 * 2**20
-    """Bytes of Ray object store when this process starts Ray (only control messages go through it)."""
+    """Bytes of Ray object store when the run starts a private Ray (only control messages go through
+    it); a cluster it joins keeps its own."""
     actor_timeout_s: float = 300.0
     """Seconds a pipeline stage may wait on another before the run fails with a timeout (a periodic
     checkpoint pauses the updates, so it must also exceed the time one checkpoint takes to write)."""
@@ -378,6 +402,14 @@ class RuntimeSection:
         """Whether the decoder layer is compiled on the resolved ``device``."""
         return device == "cuda" if self.compile is None else self.compile
 
+    def buffer_depth_on(self, device: str) -> int:
+        """Device weight slots on the resolved ``device`` (see ``buffer_depth``)."""
+        return self.buffer_depth or AUTO_BUFFER_DEPTH[device]
+
+    def loss_chunk_size_on(self, device: str) -> int:
+        """Tokens per loss chunk on the resolved ``device`` (see ``loss_chunk_size``)."""
+        return self.loss_chunk_size or AUTO_LOSS_CHUNK_SIZE[device]
+
     def validate(self) -> None:
         _require(self.device in ("auto", "cpu", "cuda"), "runtime.device",
                  f"must be auto, cpu or cuda, got {self.device!r}")
@@ -387,13 +419,14 @@ class RuntimeSection:
                  f"must be float32 or bfloat16, got {self.master_dtype!r}")
         _require(self.grad_dtype in ("auto", "float32", "bfloat16"), "runtime.grad_dtype",
                  f"must be auto, float32 or bfloat16, got {self.grad_dtype!r}")
-        _require(self.buffer_depth >= 2, "runtime.buffer_depth", f"must be >= 2, got {self.buffer_depth}")
+        _require(self.buffer_depth is None or self.buffer_depth >= 2, "runtime.buffer_depth",
+                 f"must be >= 2 (or null: 3 on cuda, 2 on cpu), got {self.buffer_depth}")
         _require(self.compile_threads >= 1, "runtime.compile_threads",
                  f"must be >= 1 (1 = compile in the compute process), got {self.compile_threads}")
         _require(self.optimizer_threads >= 0, "runtime.optimizer_threads",
                  f"must be >= 0 (0 = one per CPU but one), got {self.optimizer_threads}")
-        _require(self.loss_chunk_size > 0, "runtime.loss_chunk_size",
-                 f"must be positive, got {self.loss_chunk_size}")
+        _require(self.loss_chunk_size is None or self.loss_chunk_size > 0, "runtime.loss_chunk_size",
+                 f"must be positive (or null: 8192 on cuda, 1024 on cpu), got {self.loss_chunk_size}")
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")
         _require(not os.path.exists(self.run_dir) or os.path.isdir(self.run_dir), "runtime.run_dir",
                  f"names a file, not a directory: {self.run_dir!r}")
@@ -433,7 +466,8 @@ class TrainConfig:
         _require(window is None or self.train.seq_len <= window, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.sliding_window ({window}); sliding-window attention "
                  "is not implemented, so shorter sequences are needed")
-        _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path, "train.eval_every",
+        _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path
+                 or self.data.path is None, "train.eval_every",
                  "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")

@@ -2,11 +2,15 @@
 
 - ``loss.png``: training loss per step (and the validation loss, with train.eval_every), learning
   rate on a second axis;
-- ``throughput.png``: tokens/s and model TFLOP/s per step;
-- ``stages.png``: busy share of each step per pipeline stage (h2d, compute, d2h, wait, adamw);
-  stages overlap in time, so the shares do not add up to one;
+- ``throughput.png``: tokens/s per step; the right axis reads the same line in model TFLOP/s (one
+  is the other times the model FLOPs per token, so they are one curve);
+- ``stages.png``: busy share of each step per pipeline stage (copy in, compute, copy out, wait,
+  adamw); stages overlap in time, so the shares do not add up to one;
 - ``timeline.png``: the spans of the run's last two steps, one row per stage (when the run
   finished and wrote timeline.json).
+
+The copy stages are named for the run's device (runs/<id>/config.json): ``h2d`` / ``d2h`` on a
+GPU, ``copy in`` / ``copy out`` (weights into a compute slot, gradients out of it) on the CPU.
 
 Needs matplotlib (``pip install 'megatrain-ray[plot]'``).
 """
@@ -19,6 +23,10 @@ import os
 from .errors import ConfigError
 
 STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
+"""The stages as metrics.jsonl and timeline.json name them."""
+CPU_LABELS = {"h2d": "copy in", "d2h": "copy out"}
+"""What the copy stages are on a CPU run: no host and device, the weights copied into a compute slot
+and the gradients out of it."""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -41,8 +49,24 @@ def read_metrics(run_dir: str) -> list[dict]:
     return [rows[s] for s in sorted(rows)]
 
 
-def plot_run(run_dir: str, out: str | None = None) -> list[str]:
-    """Write the PNGs of a run; returns their paths."""
+def run_device(run_dir: str) -> str | None:
+    """cpu or cuda, as the run resolved it (its config.json), or None if unknown."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    device = saved.get("device") or (saved.get("runtime") or {}).get("device")
+    return device if device in ("cpu", "cuda") else None
+
+
+def stage_labels(device: str | None) -> dict[str, str]:
+    """{stage: label} for a run on ``device`` (GPU names when unknown)."""
+    return {s: CPU_LABELS.get(s, s) if device == "cpu" else s for s in STAGES}
+
+
+def figures(run_dir: str) -> dict:
+    """{file name: matplotlib Figure} of a run's plots (the caller saves and closes them)."""
     rows = read_metrics(run_dir)
     try:
         import matplotlib
@@ -53,69 +77,91 @@ def plot_run(run_dir: str, out: str | None = None) -> list[str]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    out = out or os.path.join(run_dir, "plots")
-    os.makedirs(out, exist_ok=True)
     steps = [r["step"] + 1 for r in rows]
-    written = []
+    labels = stage_labels(run_device(run_dir))
+    out = {}
 
-    def save(fig, name: str) -> None:
-        path = os.path.join(out, name)
-        for ax in fig.axes:
-            if ax.get_xlabel() == "step":
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="loss")
     val = [(r["step"] + 1, r["val_loss"]) for r in rows if "val_loss" in r]  # on its step, as the loss
     if val:
         ax.plot(*zip(*val), "o-", color="tab:green", label="validation loss")
-        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     lr = ax.twinx()
-    lr.plot(steps, [r["lr"] for r in rows], color="tab:orange", alpha=0.6, label="learning rate")
+    lr.plot(steps, [r["lr"] for r in rows], color="tab:orange", alpha=0.6, label="learning rate (right axis)")
     lr.set_ylabel("learning rate")
+    _legend_below(ax, ax.get_lines() + lr.get_lines())
     ax.set_title(f"loss - {os.path.basename(os.path.abspath(run_dir))}")
-    save(fig, "loss.png")
+    out["loss.png"] = fig
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(steps, [r["tokens"] / max(r["step_s"], 1e-9) for r in rows], label="tokens/s")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    tokens_per_s = [r["tokens"] / max(r["step_s"], 1e-9) for r in rows]
+    ratios = [r["model_tflops"] / t for r, t in zip(rows, tokens_per_s) if "model_tflops" in r and t > 0]
+    label = "tokens/s (left axis)"
+    if ratios:  # model TFLOP/s = tokens/s x FLOPs per token: the same line, read on a second scale
+        per_token = ratios[-1]
+        tf = ax.secondary_yaxis("right", functions=(lambda t: t * per_token, lambda f: f / per_token))
+        tf.set_ylabel("model TFLOP/s")
+        label += f" = model TFLOP/s (right axis: {per_token * 1e12:.3g} FLOPs per token)"
+    ax.plot(steps, tokens_per_s, color="tab:blue", label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("tokens/s")
-    if all("model_tflops" in r for r in rows):
-        tf = ax.twinx()
-        tf.plot(steps, [r["model_tflops"] for r in rows], color="tab:green", linestyle="--", alpha=0.7)
-        tf.set_ylabel("model TFLOP/s")
+    _legend_below(ax, ax.get_lines())
     ax.set_title("throughput")
-    save(fig, "throughput.png")
+    out["throughput.png"] = fig
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for stage in STAGES:
         key = "update_busy_s" if stage == "adamw" else f"{stage}_busy_s"
         if any(key in r for r in rows):
-            ax.plot(steps, [r.get(key, 0.0) / max(r["step_s"], 1e-9) for r in rows], label=stage)
-    ax.set_xlabel("step")
+            ax.plot(steps, [r.get(key, 0.0) / max(r["step_s"], 1e-9) for r in rows], label=labels[stage])
     ax.set_ylabel("busy share of the step")
-    ax.legend(loc="upper right")
     ax.set_title("stage busy time")
-    save(fig, "stages.png")
+    ax.set_xlabel("step")
+    _legend_below(ax, ax.get_lines())
+    out["stages.png"] = fig
 
     timeline = os.path.join(run_dir, "timeline.json")
+    spans = []
     if os.path.isfile(timeline):
         with open(timeline) as f:
             spans = json.load(f)
-        if spans:
-            t0 = min(s[2] for s in spans)
-            fig, ax = plt.subplots(figsize=(10, 3))
-            for row, stage in enumerate(STAGES):
-                bars = [(s[2] - t0, s[3] - s[2]) for s in spans if s[0] == stage]
-                ax.broken_barh(bars, (row - 0.4, 0.8))
-            ax.set_yticks(range(len(STAGES)), STAGES)
-            ax.set_xlabel("seconds")
-            ax.set_title("stage timeline of the last two steps")
-            save(fig, "timeline.png")
+    if spans:
+        t0 = min(s[2] for s in spans)
+        fig, ax = plt.subplots(figsize=(10, 3))
+        for row, stage in enumerate(STAGES):
+            bars = [(s[2] - t0, s[3] - s[2]) for s in spans if s[0] == stage]
+            ax.broken_barh(bars, (row - 0.4, 0.8))
+        ax.set_yticks(range(len(STAGES)), [labels[s] for s in STAGES])
+        ax.set_xlabel("seconds")
+        ax.set_title("stage timeline of the last two steps")
+        out["timeline.png"] = fig
+
+    for fig in out.values():
+        for ax in fig.axes:
+            if ax.get_xlabel() == "step":
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.tight_layout()
+    return out
+
+
+def _legend_below(ax, lines) -> None:
+    """A legend of ``lines`` under the axes (below the x label), so it never covers the data."""
+    ax.legend(handles=lines, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(lines), 5), frameon=False)
+
+
+def plot_run(run_dir: str, out: str | None = None) -> list[str]:
+    """Write the PNGs of a run; returns their paths."""
+    import matplotlib.pyplot as plt
+
+    figs = figures(run_dir)
+    out = out or os.path.join(run_dir, "plots")
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for name, fig in figs.items():
+        path = os.path.join(out, name)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     return written

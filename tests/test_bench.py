@@ -1,17 +1,21 @@
 """The benchmark (``megatrain-ray bench``) on the CPU: the Ray pipeline and the single-process
 driver of the same engine train the same steps (same losses), and the host memory it reports
-accounts for the store. (``jobs/bench.py`` under ``ray job submit`` is in test_jobs.py.)"""
+accounts for the store; it benchmarks any model (a preset with ``--set model.*``, a run config, an
+HF config.json), counting and feeding the final one. (``jobs/bench.py`` under ``ray job submit`` is
+in test_jobs.py.)"""
 
+import dataclasses
 import json
 import math
 import os
 
 import pytest
 
-from megatrain_ray import cli
-from megatrain_ray.config import load_config
+from megatrain_ray import bench, cli
+from megatrain_ray.config import ModelConfig, load_config
 from megatrain_ray.engine.store import StoreSpec, grad_slots_for
 from megatrain_ray.model import presets
+from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
 
 
@@ -26,6 +30,7 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert len(ours["losses"]) == 3 and ours["losses"] == local["losses"]
     assert abs(ours["losses"][0] - math.log(presets.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
     assert report["params"] == presets.model_params("tiny", 2)
+    assert (report["buffer_depth"], report["loss_chunk_size"]) == (2, 1024)  # the library's CPU defaults, as train's
     # model FLOPs: 6·N·T, and with the attention matrix 12·L·heads·head_dim·S per token on top
     shape = presets.PRESETS["tiny"]
     attention = 12 * 2 * shape["num_attention_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 128
@@ -52,3 +57,58 @@ def test_bench_peers_only_through_the_benchmarks_harness(capsys):
         cli.main(["bench", "--preset", "tiny", "--peers", "fsdp2"])
     assert info.value.code == 2
     assert "benchmarks/peers.py bench" in capsys.readouterr().err
+
+
+SMALL_STEP = ["--tokens", "512", "--seq-len", "64", "--micro-batches", "2", "--steps", "2"]
+
+
+def test_bench_counts_and_feeds_the_model_after_set_overrides(ray_cluster, tmp_path, shm_dir):
+    """--set model.* changes the parameter count reported (not the preset's) and the vocabulary the
+    random tokens are drawn from (ids past it would fail the run)."""
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--preset", "tiny", *SMALL_STEP, "--out", str(out), "--set", f"runtime.shm_dir={shm_dir}",
+                   "--set", "model.vocab_size=300", "--set", "model.num_hidden_layers=3"])
+    assert rc == 0
+    report = json.loads((out / "bench-tiny.json").read_text())
+    model = presets.preset_model("tiny", 3)
+    model.vocab_size = 300
+    assert report["params"] == StoreLayout.build(model).num_params != presets.model_params("tiny")
+    assert report["layers"] == 3 and report["model"]["vocab_size"] == 300
+    losses = report["systems"]["megatrain_ray"]["losses"]
+    assert len(losses) == 2 and abs(losses[0] - math.log(300)) < 0.2  # uniform tokens of the final vocabulary
+    assert os.listdir(shm_dir) == []
+
+
+def test_bench_a_run_config(ray_cluster, tmp_path, shm_dir):
+    config = tmp_path / "my-run.yaml"
+    config.write_text("model: {model_type: qwen2, hidden_size: 96, intermediate_size: 256, num_hidden_layers: 2,\n"
+                      "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 500}\n"
+                      f"runtime: {{device: cpu, shm_dir: {shm_dir}, master_dtype: bfloat16}}\n"
+                      "train: {steps: 1000}\n")
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out)]) == 0
+    report = json.loads((out / "bench-my-run.json").read_text())  # named after the config
+    assert report["preset"] is None and report["model"]["hidden_size"] == 96
+    assert report["params"] == StoreLayout.build(load_config(str(config)).model).num_params
+    assert len(report["systems"]["megatrain_ray"]["losses"]) == 2  # the bench's steps, not the config's
+    assert os.listdir(shm_dir) == []
+
+
+def test_bench_model_from_an_hf_directory_and_what_is_refused(tmp_path, capsys):
+    """--model takes an HF config.json's shape (then --layers and --set); peers only run preset shapes,
+    and one source of the model is asked for. Refusals exit 2 before anything runs or is written."""
+    hf = ModelConfig(model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=1000).to_hf_dict()
+    directory = tmp_path / "Qwen-tiny"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf))
+    cfg = bench.bench_config(bench.base_sections(None, None, str(directory), 3), 1024, 128, 2, 2, None,
+                             ["model.vocab_size=700"])
+    assert cfg.model == dataclasses.replace(ModelConfig.from_hf_dict(hf), num_hidden_layers=3, vocab_size=700)
+    out = tmp_path / "out"
+    for args, named in ((["--model", str(directory), "--peers", "deepspeed"], "--peers"),
+                        (["--preset", "tiny", "--set", "model.vocab_size=300", "--peers", "fsdp2"], "--peers"),
+                        (["--preset", "tiny", "--model", str(directory)], "one of --preset, --config and --model")):
+        assert cli.main(["bench", *args, "--out", str(out)]) == 2
+        assert named in capsys.readouterr().err
+    assert not out.exists()

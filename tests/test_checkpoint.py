@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.transformer import hf_name
@@ -273,6 +274,56 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
     key = hf_name("layers.0", "mlp.up_proj.weight")
     assert not torch.equal(start[key], final_c[key])
     assert os.listdir(shm_dir) == []
+
+
+def test_a_finished_run_is_extended_only_explicitly_with_its_schedule_recomputed(straight_run, shm_dir, tmp_path,
+                                                                              capsys):
+    """Resuming a run that reached train.steps is refused with how to extend it; a larger train.steps
+    extends it, recomputing the cosine schedule over the new total, and the run says what that does
+    to the learning rate (here: from the old schedule's last, tiny rate back up)."""
+    from megatrain_ray.optim import lr_at
+
+    a = straight_run
+    end = os.path.join(a.run_dir, "checkpoints", f"step-{STEPS:06d}")
+    here = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}"]
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", a.run_dir, *sum((["--set", s] for s in here), [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: checkpoint {end} is the end of its run (step {STEPS} of train.steps {STEPS}), so there "
+                   f"is nothing to resume; to train on, extend the run explicitly with --set train.steps=N "
+                   f"(N > {STEPS}), which recomputes the cosine schedule over N steps."]
+    assert not os.path.exists(tmp_path / "runs")
+
+    longer = STEPS + 4
+    cfg, resume, _ = checkpoint.resume_config(a.run_dir, None, [*here, f"train.steps={longer}"])
+    lines = []
+    result = train(cfg, log=lines.append, resume=resume)
+    old_last, new_next = lr_at(cfg.optim, STEPS - 1, STEPS), lr_at(cfg.optim, STEPS, longer)
+    assert new_next > 5 * old_last  # the recomputed schedule jumps back up: that is why it is said
+    assert f"extending the run from {STEPS} to {longer} steps: the cosine schedule is recomputed over {longer} " \
+           f"steps, so step {STEPS + 1} runs at lr {new_next:.2e} (step {STEPS}, the last one trained, ran at " \
+           f"{old_last:.2e})" in lines
+    rows = _metrics(result.run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS, longer))
+    assert [r["lr"] for r in rows] == pytest.approx([lr_at(cfg.optim, s, longer) for s in range(STEPS, longer)])
+    assert _metrics(a.run_dir)[-1]["lr"] == pytest.approx(old_last)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_changed_step_count_or_schedule_is_said_and_an_unchanged_one_is_not():
+    cfg = load_config(None, ["train.steps=60"])
+    meta = {"step": 30, "config": cfg.to_dict()}
+    assert checkpoint.check_resume(meta, cfg, "ckpt") is None
+    shorter = load_config(None, ["train.steps=40"])
+    assert checkpoint.check_resume(meta, shorter, "ckpt") == (
+        "shortening the run from 60 to 40 steps: the cosine schedule is recomputed over 40 steps, so step 31 runs "
+        "at lr 4.39e-04 (step 30, the last one trained, ran at 1.58e-03)")
+    hotter = load_config(None, ["train.steps=60", "optim.lr=6e-3"])
+    assert checkpoint.check_resume(meta, hotter, "ckpt").startswith(
+        "the learning-rate schedule differs from the checkpoint's run (optim.* changed): step 31 runs at lr 3.00e-03 "
+        "instead of 1.50e-03")
+    with pytest.raises(ConfigError, match=r"^train.steps \(30\) is not beyond the checkpoint's step \(30\)"):
+        checkpoint.check_resume(meta, load_config(None, ["train.steps=30"]), "ckpt")
 
 
 def _kill_in_turn(roles: list[str], lines: list[str]):

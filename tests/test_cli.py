@@ -1,8 +1,8 @@
 """The ``megatrain-ray`` command line, run as a real subprocess.
 
 User errors: exit status 2, one ``error:`` line on stderr, no traceback, nothing written.
-The default run (no arguments at all): starts its own local Ray, trains the tiny preset and its
-loss falls.
+The default run (no arguments at all): starts its own local Ray (printing none of Ray's lines the
+user cannot act on), trains the tiny preset and its loss falls.
 """
 
 import json
@@ -17,6 +17,10 @@ import pytest
 from megatrain_ray.config import TrainSection
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss ([0-9.]+) \|")
+RAY_NOISE = ("Token authentication is enabled", "Started a local Ray instance", "Connecting to existing Ray cluster",
+             "Connected to Ray cluster", "has constructor arguments in the object store", "Progress bars disabled",
+             "ray_remote_args` is deprecated")
+"""Ray log lines a run must not print (see megatrain_ray.orchestration.cluster.quiet_ray_logs)."""
 
 
 def _env() -> dict[str, str]:
@@ -79,6 +83,10 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
             proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+    # None of Ray's lines that the user cannot act on (token auth stays on, without saying so each run).
+    for noise in RAY_NOISE:
+        assert noise not in out + err, err[-3000:]
+    assert not re.search(r"^joining the Ray cluster", out, re.M)  # no cluster runs here: a private one
 
     # Progress lines: every step 1..M, in order, with the default step count.
     steps, losses = [], []
@@ -111,6 +119,18 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     assert (final / "config.json").is_file()
     assert (final / "model.safetensors.index.json").is_file()
     assert list(final.glob("*.safetensors"))
+    assert (final / "tokenizer.json").is_file()  # byte-level, as a Hugging Face tokenizer
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == 256
+    assert re.search(r"^step +1/\d+ \|.* \| eta \.\.\.$", out, re.M)  # no ETA from the compile step
+
+    # The README's next commands on this run, as written there.
+    ev = _cli(["eval", f"runs/{run_dir.name}"], tmp_path, timeout=180)
+    assert ev.returncode == 0, ev.stderr
+    m = re.search(r"^eval: val loss ([0-9.]+) \| perplexity [0-9.]+ \| [\d,]+ tokens", ev.stdout, re.M)
+    assert m and float(m.group(1)) < losses[0] - 0.5, ev.stdout  # held-out text the run never saw
+    ex = _cli(["export", f"runs/{run_dir.name}", "--out", "my-model"], tmp_path, timeout=120)
+    assert ex.returncode == 0, ex.stderr
+    assert "tokenizer.json" in ex.stdout and (tmp_path / "my-model" / "tokenizer.json").is_file()
 
     # The run removed its shared-memory segments from the default runtime.shm_dir.
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"megatrain-{proc.pid}-")] \

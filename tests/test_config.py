@@ -363,3 +363,18 @@ def test_compile_threads_below_one_is_rejected():
     msg = _error(overrides=["runtime.compile_threads=0"])
     assert "runtime.compile_threads" in msg and "got 0" in msg
     assert load_config(None, []).runtime.compile_threads == 1  # default: no compile worker pool
+
+
+def test_buffer_depth_and_loss_chunk_default_to_the_benchmarks_settings_per_device(tmp_path):
+    """Left null, runtime.buffer_depth and runtime.loss_chunk_size are what the benchmark runs with on
+    the resolved device (3 and 8192 on cuda, 2 and 1024 on cpu); set, they win on both."""
+    rt = load_config(None, []).runtime
+    assert (rt.buffer_depth, rt.loss_chunk_size) == (None, None)
+    assert (rt.buffer_depth_on("cuda"), rt.loss_chunk_size_on("cuda")) == (3, 8192)
+    assert (rt.buffer_depth_on("cpu"), rt.loss_chunk_size_on("cpu")) == (2, 1024)
+    rt = load_config(None, ["runtime.buffer_depth=5", "runtime.loss_chunk_size=300"]).runtime
+    for device in ("cuda", "cpu"):
+        assert (rt.buffer_depth_on(device), rt.loss_chunk_size_on(device)) == (5, 300)
+    rt = load_config(_write(tmp_path, "c.yaml", "runtime:\n  buffer_depth: null\n  loss_chunk_size: null\n")).runtime
+    assert rt.buffer_depth_on("cuda") == 3
+    assert "runtime.loss_chunk_size" in _error(overrides=["runtime.loss_chunk_size=0"])

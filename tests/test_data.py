@@ -216,9 +216,6 @@ def test_data_errors_are_one_sentence(tmp_path, ray_cluster):
     with pytest.raises(DataError, match="token id 99, outside model.vocab_size \\(96\\)"):
         source_from_config(_cfg(tmp_path, f"data.path={tmp_path / 'big.npy'}", "model.vocab_size=96"), **QUIET)
     np.save(tmp_path / "stream.npy", np.arange(1000) % 90)
-    with pytest.raises(DataError, match="data.val_fraction needs tokenized data"):
-        source_from_config(_cfg(tmp_path, f"data.path={tmp_path / 'stream.npy'}", "data.val_fraction=0.1",
-                                "model.vocab_size=96"), **QUIET)
     with pytest.raises(DataError, match="no validation split"):
         source_from_config(_cfg(tmp_path, f"data.path={tmp_path / 'stream.npy'}", "model.vocab_size=96"), "val",
                            **QUIET)
@@ -234,3 +231,50 @@ def test_new_data_keys_are_validated(override, named):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert str(err.value).startswith(named)
+
+
+WINDOWS_VAL = ("data.val_fraction must be 0 with data.format windows, whose random windows span the whole stream; "
+               "use data.format auto, text or tokens to hold documents out, or data.val_path.")
+
+
+def test_val_fraction_of_one_stream_holds_part_of_it_out(tmp_path, ray_cluster):
+    """format auto + val_fraction on one .txt file or one 1-D .npy stream: documents (text) or the
+    stream's tail (tokens) are held out, instead of random windows over all of it."""
+    (tmp_path / "book.txt").write_text("\n\n".join(DOCS))
+    cfg = _cfg(tmp_path, f"data.path={tmp_path / 'book.txt'}", "data.val_fraction=0.2", "train.seq_len=8")
+    train, val = source_from_config(cfg, **QUIET), source_from_config(cfg, "val", **QUIET)
+    assert isinstance(train, CorpusSource) and train.ref.layout == "packed"
+    held = is_val(np.arange(len(DOCS)), 0.2)
+
+    def stream(docs):
+        return np.concatenate([np.append(encode_bytes(d), EOS_ID) for d in docs])
+
+    np.testing.assert_array_equal(train.tokens, stream([d for d, h in zip(DOCS, held) if not h]))
+    np.testing.assert_array_equal(val.tokens, stream([d for d, h in zip(DOCS, held) if h]))
+
+    np.save(tmp_path / "stream.npy", np.arange(1000) % 90)
+    cfg = _cfg(tmp_path, f"data.path={tmp_path / 'stream.npy'}", "data.val_fraction=0.1", "model.vocab_size=96")
+    train, val = source_from_config(cfg, **QUIET), source_from_config(cfg, "val", **QUIET)
+    np.testing.assert_array_equal(train.tokens, np.arange(900) % 90)
+    np.testing.assert_array_equal(val.tokens, np.arange(900, 1000) % 90)
+    # Without val_fraction the same files train as random windows, as before.
+    assert isinstance(source_from_config(_cfg(tmp_path, f"data.path={tmp_path / 'book.txt'}"), **QUIET), BatchSource)
+
+
+def test_windows_with_val_fraction_is_refused_alike_by_plan_train_and_eval(tmp_path, capsys, monkeypatch):
+    """One check in the config, so plan, train and eval all refuse it, with the same sentence."""
+    from artifacts import save_model
+
+    from megatrain_ray import cli
+
+    (tmp_path / "book.txt").write_text("\n\n".join(DOCS))
+    save_model("llama2", tmp_path / "hf", vocab_size=260)
+    bad = ["--set", f"data.path={tmp_path / 'book.txt'}", "--set", "data.format=windows",
+           "--set", "data.val_fraction=0.1"]
+    monkeypatch.chdir(tmp_path)
+    for argv in (["plan", *bad], ["train", *bad], ["eval", str(tmp_path / "hf"), *bad]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert err.splitlines() == [f"error: {WINDOWS_VAL}"] and out == "", argv
+    assert sorted(os.listdir(tmp_path)) == ["book.txt", "hf"]  # refused before any work

@@ -113,12 +113,59 @@ def test_eval_of_sft_data_counts_only_responses(tmp_path, ray_cluster):
 
 def test_eval_without_held_out_data_is_one_sentence(tmp_path):
     save_model("llama2", tmp_path / "hf")
+    np.save(tmp_path / "t.npy", np.arange(500) % 96)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "eval", str(tmp_path / "hf")],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "eval", str(tmp_path / "hf"), "--set",
+                           f"data.path={tmp_path / 't.npy'}"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: the built-in corpus has no validation split; set data.val_fraction or data.val_path."]
+        f"error: data.path '{tmp_path / 't.npy'}' has no validation split; set data.val_fraction or data.val_path."]
+
+
+def test_built_in_corpus_holds_out_documents_training_never_sees():
+    from megatrain_ray.data.builtin import BUILTIN_VAL_DOCUMENTS, builtin_corpus, builtin_documents
+
+    train_docs, val_docs = builtin_documents("train"), builtin_documents("val")
+    assert train_docs == builtin_corpus().split("\n")  # the training corpus is what it always was
+    assert len(val_docs) == BUILTIN_VAL_DOCUMENTS and not set(val_docs) & set(train_docs)
+    assert val_docs == builtin_documents("val") and all(len(d) > 50 for d in val_docs)
+
+
+def test_eval_of_the_default_run_reads_the_built_in_held_out_documents(tmp_path, shm_dir, capsys, monkeypatch):
+    """`megatrain-ray eval runs/<id>` of a default run (no data settings), checked against transformers
+    loading the run's final/ with the byte-level tokenizer written there."""
+    from megatrain_ray import cli
+    from megatrain_ray.data.builtin import builtin_documents
+    from megatrain_ray.tokenizer import BYTE_LEVEL
+
+    cfg = load_config(None, [f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    run = tmp_path / "runs" / "r1"
+    os.makedirs(run)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "ev"), 3)
+    try:
+        store.save_hf(str(run / "final"), tokenizer=BYTE_LEVEL)
+    finally:
+        store.close()
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["eval", "runs/r1", "--batch-size", "16"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("data: tokenized the built-in corpus's validation documents")
+    match = LINE.match(lines[-1])
+    assert match, lines
+
+    tok = transformers.AutoTokenizer.from_pretrained(run / "final")
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32).eval()
+    stream = np.concatenate([tok(d)["input_ids"] + [tok.eos_token_id] for d in builtin_documents("val")])
+    assert tok.eos_token_id == 256 and stream.max() == 256
+    s = cfg.train.seq_len
+    n = (len(stream) - 1) // s
+    windows = np.stack([stream[k * s:k * s + s + 1] for k in range(n)])
+    total, count = _reference_loss(model, windows[:, :-1], windows[:, 1:])
+    assert int(match.group(3).replace(",", "")) == count and int(match.group(4)) == n
+    assert float(match.group(1)) == pytest.approx(total / count, rel=1e-4)
 
 
 def test_validation_loss_during_training_is_the_loss_of_the_checkpoint_at_that_step(tmp_path, ray_cluster, shm_dir):
@@ -157,5 +204,7 @@ def test_validation_loss_during_training_is_the_loss_of_the_checkpoint_at_that_s
 def test_eval_every_without_validation_data_is_refused(tmp_path):
     from megatrain_ray.errors import ConfigError
 
+    np.save(tmp_path / "t.npy", np.arange(500) % 96)
     with pytest.raises(ConfigError, match=r"^train.eval_every needs validation data: set data.val_fraction"):
-        load_config(None, ["train.eval_every=10"])
+        load_config(None, ["train.eval_every=10", f"data.path={tmp_path / 't.npy'}"])
+    assert load_config(None, ["train.eval_every=10"]).data.path is None  # the built-in corpus has its own

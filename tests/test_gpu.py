@@ -42,11 +42,12 @@ def _streamed_step(cfg, compile_layers: bool, offload: bool = False):
     rt = cfg.runtime
     spec = StoreSpec(cfg.model, resolve_precision(rt, "cuda"), rt.shm_dir, os.getpid(), "gpu-" + uuid.uuid4().hex[:6])
     ParameterStore(spec, cfg.train.seed)
-    fetch_q, release_q, grad_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth), queue.Queue()
-    prefetcher = Prefetcher(spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
+    depth = rt.buffer_depth_on("cuda")
+    fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
+    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
-    worker = ComputeWorker(spec, "cuda", rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
+    worker = ComputeWorker(spec, "cuda", depth, rt.loss_chunk_size_on("cuda"), fetch_q, grad_q, release_q,
                            rt.actor_timeout_s, compile_layers=compile_layers, offload_activations=offload)
     try:
         result = worker.run_step(0, source_from_config(cfg).batch(0))

@@ -10,6 +10,9 @@
 - Round trips: import -> export without training gives bit-identical tensors; import -> train k
   steps through the real Ray pipeline -> ``megatrain-ray export`` -> transformers loads it (and its
   tokenizer) and its logits equal ours.
+- Tokenizer and token ids: a byte-level run's final/ and export carry the byte-level tokenizer as a
+  Hugging Face one that gives the training ids, config.json names its EOS, and transformers'
+  ``generate`` stops there; an init_from model keeps its own ids. Written files are 0o666 - umask.
 """
 
 import dataclasses
@@ -315,6 +318,11 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
     source = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "the engineer streams the weights"
     assert type(tok) is type(source) and tok.encode(text) == source.encode(text) and len(tok.encode(text)) > 3
+    # Qwen3Config saves eos_token_id null: the export names the tokenizer's EOS, so generate can stop.
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] is None
+    for directory in (result.final_dir, tmp_path / "export"):
+        saved = json.loads(open(os.path.join(directory, "config.json")).read())
+        assert saved["eos_token_id"] == source.eos_token_id == 1 and saved["bos_token_id"] is None
 
 
 def _token_file(tmp_path, vocab: int) -> str:
@@ -352,3 +360,93 @@ def test_import_peak_memory_is_the_store_plus_one_tensor(tmp_path, shm_dir):
     assert growth < 1.2 * m["store_bytes"], m
     # Above the store itself: one tensor in flight, not a second copy of the weights.
     assert growth - m["store_bytes"] < 2 * largest + 32 * 2**20 < weights, m
+
+
+def _modes(directory) -> dict[str, int]:
+    return {name: os.stat(os.path.join(directory, name)).st_mode & 0o777 for name in os.listdir(directory)}
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_byte_level_tokenizer_exports_as_hf_with_the_training_ids(tmp_path):
+    from megatrain_ray.tokenizer import (BYTE_TOKENIZER_VOCAB, EOS_ID, ByteTokenizer, HFTokenizer, messages_from_row,
+                                         save_byte_tokenizer)
+
+    written = save_byte_tokenizer(str(tmp_path / "tok"))
+    assert "tokenizer.json" in written
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    ours = ByteTokenizer()
+    assert len(hf) == BYTE_TOKENIZER_VOCAB and hf.eos_token_id == EOS_ID and hf.bos_token_id is None
+    for text in ["The engineer streams the weights.", "Héllo wörld, 😀\n\n  tabs\tand spaces ", ""]:
+        ids = hf(text)["input_ids"]
+        assert ids == ours.encode_document(text)[:-1].tolist()  # no BOS; EOS is ours to append
+        assert hf.decode(ids + [EOS_ID], skip_special_tokens=True) == text
+    # Chat: its template renders the layout the byte-level SFT data was tokenized with, mask included.
+    for row, layout in [({"instruction": "Add", "input": "1+1", "output": "zwei ü", "system": "Be brief"}, "alpaca"),
+                        ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
+                                            {"from": "human", "value": "again"}, {"from": "gpt", "value": "ok"}]},
+                         "sharegpt")]:
+        messages = messages_from_row(row, layout)
+        (a, mask_a), (b, mask_b) = HFTokenizer(str(tmp_path / "tok")).encode_chat(messages), ours.encode_chat(messages)
+        assert a.tolist() == b.tolist() and mask_a.tolist() == mask_b.tolist()
+
+
+def test_a_byte_level_run_exports_its_tokenizer_and_eos_and_generate_stops_there(tmp_path, shm_dir):
+    """A default run's final/ (as the driver writes it) and `export` of the run: config.json names
+    EOS 256, the tokenizer comes along, transformers' generate ends sequences at EOS, and every file
+    is readable by others as a plain open() would make it."""
+    from megatrain_ray.tokenizer import BYTE_LEVEL, EOS_ID
+
+    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}"])
+    run = tmp_path / "runs" / "r1"
+    os.makedirs(run)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "t" + os.urandom(3).hex()), seed=0)
+    try:
+        store.save_hf(str(run / "final"), tokenizer=BYTE_LEVEL)
+    finally:
+        store.close()
+    summary = hf_io.export(str(run), str(tmp_path / "out"), shard_bytes=200_000)
+    assert summary["shards"] > 1 and "tokenizer.json" in summary["copied"]
+    want = 0o666 & ~_umask()
+    for directory in (run / "final", tmp_path / "out"):
+        modes = _modes(directory)
+        assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(modes)
+        assert set(modes.values()) == {want}, modes
+        saved = json.loads((directory / "config.json").read_text())
+        assert saved["eos_token_id"] == EOS_ID and saved["bos_token_id"] is None
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert model.generation_config.eos_token_id == EOS_ID == tok.eos_token_id
+    prompt = tok("The engineer", return_tensors="pt")
+    torch.manual_seed(0)  # a random model samples near-uniformly over 260 ids: EOS comes up ~ every 260
+    out = model.generate(**prompt, do_sample=True, max_new_tokens=60, num_return_sequences=64,
+                         pad_token_id=tok.pad_token_id)
+    new = out[:, prompt["input_ids"].shape[1]:]
+    ended = [row for row in new.tolist() if EOS_ID in row]
+    assert len(ended) >= 8  # many sequences reached EOS ...
+    for row in ended:  # ... and stopped there: only padding (EOS) after it
+        assert set(row[row.index(EOS_ID):]) == {EOS_ID}
+    assert any(row[-1] != EOS_ID for row in new.tolist())  # the others ran to max_new_tokens
+
+
+def test_an_init_from_run_keeps_the_source_token_ids(tmp_path, shm_dir):
+    """Llama 2's config.json names bos 1 / eos 2: kept in final/ and in an export, whatever the tokenizer."""
+    hf_tok = save_tokenizer(tmp_path / "tok")
+    save_model("llama2", tmp_path / "hf", vocab_size=len(hf_tok))
+    store = _store(tmp_path / "hf", shm_dir)
+    try:
+        store.save_hf(str(tmp_path / "final"), tokenizer=str(tmp_path / "tok"))
+    finally:
+        store.close()
+    hf_io.export(str(tmp_path / "final"), str(tmp_path / "out"))
+    for directory in (tmp_path / "final", tmp_path / "out"):
+        saved = json.loads((directory / "config.json").read_text())
+        assert (saved["bos_token_id"], saved["eos_token_id"]) == (1, 2) != (None, hf_tok.eos_token_id)
+        assert (directory / "tokenizer.json").is_file()

@@ -1,10 +1,12 @@
-"""Ray jobs end to end: ``ray start --head``, ``ray job submit``, ``ray job stop``, with token auth on.
+"""Ray jobs end to end: ``ray start --head``, ``ray job submit``, ``ray job stop``, with token auth on,
+and plain ``megatrain-ray train`` joining the running head.
 
-A separate head node is started for this module, on free ports and its own temp dir (so it never
-becomes the "current cluster" that another ``ray.init()`` on this machine would join), with
-``RAY_AUTH_MODE=token``: the job CLI authenticates with the token Ray keeps in ~/.ray. It is
-stopped by terminating its own ``ray start --block`` process rather than ``ray stop``, which would
-kill every Ray on the machine, the test session's included.
+A separate head node is started for this module as the README says (``RAY_AUTH_MODE=token``, a
+token made by ``ray get-auth-token --generate``), but on free ports, with its own Ray temp dir
+(``RAY_TMPDIR``: only processes given it see this cluster as the "current cluster" that
+``ray.init()`` joins) and its own home (where the token is kept and where jobs write their runs).
+It is stopped by terminating its own ``ray start --block`` process rather than ``ray stop``,
+which would kill every Ray on the machine, the test session's included.
 """
 
 import glob
@@ -15,14 +17,18 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 import pytest
+from test_cli import RAY_NOISE  # the Ray lines no run may print
 
 from megatrain_ray.io import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAD_ENV: dict[str, str] = {}
+"""HOME and RAY_TMPDIR of the module's head, set by the ``head`` fixture for every command here."""
 
 
 def _free_port() -> int:
@@ -33,7 +39,7 @@ def _free_port() -> int:
 
 def _env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **extra)
+    env.update(RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **HEAD_ENV, **extra)
     return env
 
 
@@ -43,13 +49,16 @@ def head():
     if shutil.which("ray") is None:
         pytest.skip("the ray CLI is not on PATH")
     temp = tempfile.mkdtemp(prefix="mtr-", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    HEAD_ENV.update(HOME=os.path.join(temp, "home"), RAY_TMPDIR=temp)
+    token = subprocess.run(["ray", "get-auth-token", "--generate"], env=_env(), capture_output=True, text=True)
+    assert token.returncode == 0 and os.path.isfile(os.path.join(temp, "home", ".ray", "auth_token")), token.stderr
     dashboard = _free_port()
     log = open(os.path.join(temp, "head.log"), "w")
     proc = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={_free_port()}", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={_free_port()}",
          f"--ray-client-server-port={_free_port()}", "--num-cpus=4", "--num-gpus=0",
-         "--object-store-memory=200000000", f"--temp-dir={temp}"],
+         "--object-store-memory=200000000", f"--temp-dir={temp}/ray"],
         env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
     try:
@@ -74,6 +83,7 @@ def head():
             os.kill(pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+        HEAD_ENV.clear()
 
 
 def _processes_of(temp: str) -> list[int]:
@@ -145,18 +155,93 @@ def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_pat
     assert os.listdir(shm_dir) == []
 
 
+def test_documented_job_command_writes_the_run_under_home(head, shm_dir):
+    """The README's form, from a shell with RAY_AUTH_MODE=token and the head's token: no --address,
+    no runtime env, a relative runtime.run_dir. The run lands in ~/megatrain-ray/runs (the job's
+    working directory is Ray's temporary copy), and the job says so first."""
+    proc = _ray("job", "submit", "--working-dir", ".", "--", "python", "jobs/train.py", "--set", "train.steps=3",
+                "--set", "runtime.device=cpu", "--set", f"runtime.shm_dir={shm_dir}")
+    logs = proc.stdout + proc.stderr
+    assert proc.returncode == 0, logs[-4000:]
+    runs = os.path.join(HEAD_ENV["HOME"], "megatrain-ray", "runs")
+    (run,) = [name for name in os.listdir(runs) if name != "data-cache"]
+    assert re.search(r"^ray job: runtime.run_dir 'runs' is taken from ~/megatrain-ray, not from Ray's temporary "
+                     rf"copy of the working directory: {re.escape(runs)} ", logs, re.M), logs[-4000:]
+    assert f"config, metrics, checkpoints and weights go to {os.path.join(runs, run)}" in logs
+    assert [json.loads(line)["step"] for line in open(os.path.join(runs, run, "metrics.jsonl"))] == [0, 1, 2]
+    assert os.path.isfile(os.path.join(runs, run, "final", "model.safetensors.index.json"))
+    for noise in RAY_NOISE:
+        assert noise not in logs, logs[-4000:]
+    assert os.listdir(shm_dir) == []
+
+
+def test_train_joins_the_running_head(head, tmp_path, shm_dir):
+    """Plain ``megatrain-ray train`` with the head up, from a shell with only the head's token file
+    (no RAY_AUTH_MODE): it joins that cluster (said in one line; its driver logs into the head's
+    session) instead of failing on object_store_memory, trains, and prints none of Ray's noise, also
+    while a Ray Data pool tokenizes its data."""
+    corpus = tmp_path / "corpus.jsonl"
+    words = "the quick brown fox jumps over a lazy dog while seven green birds sing".split()
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(50))})
+                              + "\n" for i in range(300)))
+    env = {k: v for k, v in _env().items() if k != "RAY_AUTH_MODE"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "train.steps=3",
+                             "--set", "runtime.device=cpu", "--set", f"runtime.shm_dir={shm_dir}",
+                             "--set", f"data.path={corpus}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    out = stdout + stderr
+    assert proc.returncode == 0, out[-4000:]
+    m = re.search(r"^joining the Ray cluster already running at (\S+); set runtime.ray_address=local to start a "
+                  "private one$", stdout, re.M)
+    assert m, out[-4000:]
+    assert open(os.path.join(HEAD_ENV["RAY_TMPDIR"], "ray", "ray_current_cluster")).read().strip() == m.group(1)
+    logs = os.path.join(HEAD_ENV["RAY_TMPDIR"], "ray", "session_latest", "logs")
+    assert glob.glob(os.path.join(logs, f"python-core-driver-*_{proc.pid}.log")), sorted(os.listdir(logs))
+    for noise in RAY_NOISE:
+        assert noise not in out, out[-4000:]
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if p.name != "data-cache"]
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2]
+    assert os.listdir(shm_dir) == []
+
+
+def test_ray_address_chooses_the_cluster(head, monkeypatch):
+    """What connect() would do, without connecting: the head found through the Ray temp dir; a
+    private Ray with runtime.ray_address=local; RAY_ADDRESS (a job's) or a given address as is."""
+    from megatrain_ray import cluster
+    from megatrain_ray.config import RuntimeSection
+
+    monkeypatch.setenv("RAY_TMPDIR", HEAD_ENV["RAY_TMPDIR"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = open(os.path.join(HEAD_ENV["RAY_TMPDIR"], "ray", "ray_current_cluster")).read().strip()
+    assert cluster.cluster_to_join(RuntimeSection()) == (address, True)
+    assert cluster.cluster_to_join(RuntimeSection(ray_address="local")) == (None, False)
+    assert cluster.cluster_to_join(RuntimeSection(ray_address="10.0.0.1:6379")) == ("10.0.0.1:6379", False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert cluster.cluster_to_join(RuntimeSection()) == ("10.0.0.2:6379", False)
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setenv("RAY_TMPDIR", os.path.join(HEAD_ENV["RAY_TMPDIR"], "elsewhere"))  # no cluster recorded
+    assert cluster.cluster_to_join(RuntimeSection()) == (None, False)
+
+
 def test_bench_job_joins_the_cluster_and_writes_its_report(head, long_job, shm_dir, tmp_path):
     """jobs/bench.py: the benchmark's pipeline runs on the job's cluster (RAY_ADDRESS) beside the
-    long training job, and its table and JSON come out."""
-    out = tmp_path / "bench-out"
+    long training job, and its table and JSON come out, under ~/megatrain-ray for a relative --out."""
     proc = _submit(head, "megatrain-bench", "--preset", "tiny", "--layers", "2", "--tokens", "1024",
-                   "--seq-len", "128", "--micro-batches", "2", "--steps", "3", "--out", str(out),
+                   "--seq-len", "128", "--micro-batches", "2", "--steps", "3", "--out", "bench-out",
                    "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={tmp_path}/runs",
                    script="jobs/bench.py")
     logs = proc.stdout + proc.stderr
     assert proc.returncode == 0, logs[-4000:]
     assert re.search(r"^megatrain_ray\s+[0-9.]+", logs, re.M), logs[-4000:]
-    report = json.loads((out / "bench-tiny.json").read_text())
+    out = os.path.join(HEAD_ENV["HOME"], "megatrain-ray", "bench-out")
+    assert "ray job: --out 'bench-out' is taken from ~/megatrain-ray" in logs
+    report = json.loads(open(os.path.join(out, "bench-tiny.json")).read())
     assert len(report["systems"]["megatrain_ray"]["losses"]) == 3
     assert _status(head, "megatrain-bench") == "SUCCEEDED"
     assert os.listdir(shm_dir) == []

@@ -95,11 +95,17 @@ def test_metrics_file_and_console_line(finished_run):
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert [r["loss"] for r in rows] == result.losses
     for r in rows:
-        assert r["compute_busy_s"] > 0 and r["update_busy_s"] > 0 and r["tokens_per_s"] > 0 and r["eta_s"] >= 0
+        assert r["compute_busy_s"] > 0 and r["update_busy_s"] > 0 and r["tokens_per_s"] > 0
+    # The ETA leaves the first step (compile, warm-up) out: none after it, then the pace since its end.
+    assert rows[0]["eta_s"] is None and rows[-1]["eta_s"] == 0
+    for k in range(1, STEPS - 1):
+        pace = (rows[k]["elapsed_s"] - rows[0]["elapsed_s"]) / k
+        assert rows[k]["eta_s"] == pytest.approx(pace * (STEPS - 1 - k), rel=1e-6)
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert len(steps) == STEPS
+    assert re.search(r"\| [\d,]+ tok/s \| eta \.\.\.( \| val loss .*)?$", steps[0]), steps[0]
     assert all(re.search(r"\| [\d,]+ tok/s \| eta \d+(s|m\d\ds|h\d\dm)"
-                         r"( \| val loss [0-9.]+ \(after (0|2) updates\))?$", ln) for ln in steps), steps
+                         r"( \| val loss [0-9.]+ \(after (0|2) updates\))?$", ln) for ln in steps[1:]), steps
     assert [float(re.search(r"val loss ([0-9.]+)", ln).group(1)) for ln in steps if "val loss" in ln] == [
         round(result.val_losses[0], 4), round(result.val_losses[2], 4)]
     assert [ln for ln in lines if ln.startswith("checkpoint: step")] == [
@@ -121,3 +127,39 @@ def test_plot_writes_pngs(finished_run, capsys):
             assert img.format == "PNG" and img.size[0] >= 600 and img.size[1] >= 250
             lo, hi = img.convert("L").getextrema()
             assert hi - lo > 100  # something was drawn
+
+
+def test_plots_name_the_cpu_copy_lanes_and_keep_legends_off_the_data(finished_run):
+    """The figures behind the PNGs: on a CPU run the copy stages are "copy in"/"copy out" (there is no
+    device to go to); throughput has one line read on two labelled axes; legends sit below the axes."""
+    import matplotlib.pyplot as plt
+
+    from megatrain_ray.plot import figures, run_device
+
+    _, result, _ = finished_run
+    assert run_device(result.run_dir) == "cpu"
+    figs = figures(result.run_dir)
+    try:
+        stages = figs["stages.png"].axes[0]
+        labels = [t.get_text() for t in stages.get_legend().get_texts()]
+        assert labels == ["copy in", "compute", "copy out", "wait", "adamw"]
+        timeline = figs["timeline.png"].axes[0]
+        assert [t.get_text() for t in timeline.get_yticklabels()] == labels
+
+        throughput = figs["throughput.png"].axes[0]
+        (line,) = throughput.get_lines()
+        assert throughput.get_ylabel() == "tokens/s"
+        (right,) = [c for c in throughput.child_axes if c.get_ylabel() == "model TFLOP/s"]
+        assert [t.get_text() for t in throughput.get_legend().get_texts()] == [line.get_label()]
+        assert line.get_label().startswith("tokens/s (left axis) = model TFLOP/s (right axis")
+
+        loss = figs["loss.png"].axes[0]
+        assert [t.get_text() for t in loss.get_legend().get_texts()] == [
+            "loss", "validation loss", "learning rate (right axis)"]
+        for fig, ax in ((figs["stages.png"], stages), (figs["throughput.png"], throughput), (figs["loss.png"], loss)):
+            fig.canvas.draw()
+            box, data = ax.get_legend().get_window_extent(), ax.get_window_extent()
+            assert box.y1 <= data.y0 and box.y0 >= 0, fig  # under the axes, inside the figure
+    finally:
+        for fig in figs.values():
+            plt.close(fig)

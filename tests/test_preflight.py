@@ -176,3 +176,27 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
     cpu_rows = [r.component for r in preflight.plan(load_config(None, base + ["runtime.compile_threads=8"]), "cpu",
                                                     starts_ray=False).rows]
     assert not any("compile worker" in n or "CUDA context" in n for n in cpu_rows)  # no compile on the CPU
+
+
+def test_device_rows_use_the_buffer_depth_and_loss_chunk_resolved_for_the_device():
+    cfg = load_config(None, ["model.hidden_size=256", "model.num_hidden_layers=2", "model.intermediate_size=704",
+                             "model.num_attention_heads=4", "model.vocab_size=4096", "train.seq_len=512",
+                             "train.micro_batch_size=32"])  # 16,384 tokens per micro-batch: more than a chunk
+    layout = StoreLayout.build(cfg.model)
+    for device, depth, chunk, itemsize in (("cuda", 3, 8192, 2), ("cpu", 2, 1024, 4)):
+        rows = {r.component: r.nbytes for r in preflight.plan(cfg, device, device_bytes=80 * 2**30,
+                                                               starts_ray=False).rows}
+        assert rows[f"weight slots ({depth} x largest unit)"] == depth * layout.max_unit_numel * itemsize
+        assert f"loss chunk ({chunk} tokens x 4096 logits)" in rows
+    explicit = load_config(None, ["runtime.buffer_depth=5", "runtime.loss_chunk_size=300"])
+    names = [r.component for r in preflight.device_rows(explicit, "cuda", 8)]
+    assert "weight slots (5 x largest unit)" in names and "loss chunk (300 tokens x 260 logits)" in names
+
+
+def test_the_object_store_is_counted_only_when_the_run_starts_ray():
+    """runtime.ray_address=local starts a private Ray (its object store is the run's); an address
+    names a cluster that keeps its own."""
+    for address, counted in (("local", True), ("127.0.0.1:1", False)):
+        cfg = load_config(None, [f"runtime.ray_address={address}"])
+        names = [r.component for r in preflight.plan(cfg, "cpu").rows]
+        assert ("Ray object store" in names) == counted

@@ -35,8 +35,15 @@ _OBJECTS = ["the weights", "one layer at a time", "a long sequence", "the loss",
 _ENDINGS = [".", " again.", " carefully.", " before the next step.", " on the CPU.", " in order."]
 
 
-def builtin_corpus(num_documents: int = 400, seed: int = 1234) -> str:
-    """A small, deterministic English-like corpus generated from a fixed grammar (~100 KB)."""
+BUILTIN_DOCUMENTS = 400
+"""Training documents of the built-in corpus."""
+BUILTIN_VAL_DOCUMENTS = 40
+"""Held-out documents of the built-in corpus (its validation split), generated after the training ones."""
+
+
+def builtin_corpus(num_documents: int = BUILTIN_DOCUMENTS, seed: int = 1234) -> str:
+    """A small, deterministic English-like corpus generated from a fixed grammar (~250 B per document),
+    one document per line."""
     rng = random.Random(seed)
     docs = []
     for _ in range(num_documents):
@@ -46,3 +53,10 @@ def builtin_corpus(num_documents: int = 400, seed: int = 1234) -> str:
             sentences.append(s[0].upper() + s[1:])
         docs.append(" ".join(sentences))
     return "\n".join(docs)
+
+
+def builtin_documents(split: str = "train") -> list[str]:
+    """The documents of one split of the built-in corpus: ``train`` (the first BUILTIN_DOCUMENTS the
+    grammar generates) or ``val`` (the BUILTIN_VAL_DOCUMENTS after them, which training never sees)."""
+    docs = builtin_corpus(BUILTIN_DOCUMENTS + BUILTIN_VAL_DOCUMENTS).split("\n")
+    return docs[:BUILTIN_DOCUMENTS] if split == "train" else docs[BUILTIN_DOCUMENTS:]

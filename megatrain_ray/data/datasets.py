@@ -15,7 +15,8 @@ order on disk, memory-mapped by every data-loader actor.
 
 Tokenization runs as ``map_batches`` over an actor pool of ``data.num_workers`` actors (each
 loads the tokenizer once) with Ray Data's streaming executor, whose bounded queues give
-backpressure from the cache writer back to the file readers. Order is preserved, so the corpus
+backpressure from the cache writer back to the file readers; the built-in corpus (~110 KB) is
+tokenized in the calling process. Order is preserved, so the corpus
 depends only on the files and the tokenizer, never on the pool size. The corpus lives in
 ``<cache root>/<fingerprint>/``, keyed by the files' paths, sizes and mtimes, the format, the
 tokenizer's files and the split, and is written to a temporary directory and renamed when
@@ -23,7 +24,8 @@ complete; a later run (or a resumed one) reuses it without tokenizing again.
 
 Validation split: a document goes to ``val`` when a fixed hash of its index falls below
 ``data.val_fraction`` (independent of the training seed), else to ``train``; or all of
-``data.val_path`` is ``val``.
+``data.val_path`` is ``val``; without either, the built-in corpus's ``val`` is its own held-out
+documents (:func:`megatrain_ray.data.builtin.builtin_documents`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..errors import DataError, MegatrainError
-from .tokenizer import is_tokenizer_dir, load_tokenizer, messages_from_row, tokenizer_fingerprint
+from .tokenizer import BYTE_LEVEL, is_tokenizer_dir, load_tokenizer, messages_from_row, tokenizer_fingerprint
 
 CACHE_VERSION = 1
 EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
@@ -55,7 +58,8 @@ class DataPlan:
     files: tuple[str, ...]
     """Absolute paths in sorted order; empty for the built-in corpus."""
     kind: str
-    """File kind: txt, jsonl, json, parquet, arrow, npy, or builtin."""
+    """File kind: txt, jsonl, json, parquet, arrow, npy, builtin (the built-in corpus's training
+    documents) or builtin-val (its held-out ones)."""
     format: str
     """text, alpaca, sharegpt, tokens or windows (the original random windows; not prepared)."""
     tokenizer: str | None
@@ -146,14 +150,20 @@ def _arrow_reader(path: str):
         return pa.ipc.open_stream(source)
 
 
-def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str) -> str:
-    """The format of ``auto`` data, from its file kind and columns."""
+def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str, val_fraction: float = 0.0) -> str:
+    """The format of ``auto`` data, from its file kind and columns.
+
+    One text or token stream (the built-in corpus, one .txt file, a 1-D .npy array) is read as
+    random windows, unless ``val_fraction`` holds part of it out: then as documents (text) or a
+    packed token stream (tokens), which can be split.
+    """
+    windows = not val_fraction
     if kind == "builtin":
-        return "windows"
+        return "windows" if windows else "text"
     if kind == "txt":
-        return "windows" if len(files) == 1 else "text"
+        return "windows" if len(files) == 1 and windows else "text"
     if kind == "npy":
-        return "windows" if np.load(files[0], mmap_mode="r").ndim == 1 else "tokens"
+        return "windows" if np.load(files[0], mmap_mode="r").ndim == 1 and windows else "tokens"
     names = columns(files[0], kind)
     if "conversations" in names:
         return "sharegpt"
@@ -171,7 +181,8 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
     """Resolve a DataSection (``data``) and one of its paths into a DataPlan."""
     files, kind = list_files(path, key)
     where = f"{key} {path!r}" if path else "the built-in corpus"
-    fmt = data.format if data.format != "auto" else detect_format(files, kind, data.text_key, where)
+    fmt = data.format if data.format != "auto" else detect_format(files, kind, data.text_key, where,
+                                                                  data.val_fraction)
     if fmt == "windows":
         if kind not in ("txt", "npy", "builtin") or len(files) > 1:
             raise DataError(f"data.format windows reads one .txt or 1-D .npy file, not {where}.")
@@ -198,6 +209,24 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
         tokenizer = None
     return DataPlan(files, kind, fmt, tokenizer and os.path.abspath(tokenizer), data.text_key, has_labels,
                     data.val_fraction, where)
+
+
+def run_tokenizer(data: dict, init_from: str | None) -> str | None:
+    """The tokenizer a run's text was tokenized with, from its config (``data`` as a dict, as in a
+    run's config.json): a tokenizer directory, BYTE_LEVEL, or None where the data are token ids
+    that no configured tokenizer explains (or data.path can no longer be read to tell)."""
+    named = data.get("tokenizer") or (init_from if is_tokenizer_dir(init_from) else None)
+    if named:
+        return named
+    try:
+        files, kind = list_files(data.get("path"), "data.path")
+        fmt = data.get("format") or "auto"
+        if fmt == "auto":
+            fmt = detect_format(files, kind, data.get("text_key") or "text", "data.path",
+                                data.get("val_fraction") or 0.0)
+    except (DataError, OSError, ValueError):
+        return None
+    return None if fmt == "tokens" or kind == "npy" else BYTE_LEVEL
 
 
 def fingerprint(p: DataPlan) -> str:
@@ -342,6 +371,8 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
             writer = CacheWriter(tmp, p.val_fraction, p.has_labels)
             if p.kind == "arrow":
                 _write_arrow(p, writer)
+            elif p.kind in ("builtin", "builtin-val"):
+                _write_builtin(p, writer)
             else:
                 if connect is not None:
                     connect()
@@ -379,6 +410,17 @@ def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
             _write_table(writer, work(pa.Table.from_batches([batch])))
 
 
+def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:
+    """The built-in corpus's documents of one split, tokenized here (too small for an actor pool)."""
+    import pyarrow as pa
+
+    from .builtin import builtin_documents
+
+    docs = builtin_documents("val" if p.kind == "builtin-val" else "train")
+    work = TokenizeBatch(p.format, p.tokenizer, p.text_key, p.kind)
+    _write_table(writer, work(pa.table({p.text_key: docs})))
+
+
 def _write_table(writer: CacheWriter, table) -> None:
     errors = [e for e in table.column("error").to_pylist() if e] if "error" in table.column_names else []
     if errors:
@@ -404,19 +446,21 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
     cpus = max(0.1, min(1.0, ray.available_resources().get("CPU", 1.0) / (num_workers + 1)))
     try:
         files = list(p.files)
-        if p.kind == "builtin":
-            from .builtin import builtin_corpus
-
-            ds = ray.data.from_items([{p.text_key: d} for d in builtin_corpus().split("\n")])
-        elif p.kind == "txt":
+        if p.kind == "txt":
             ds = ray.data.read_binary_files(files, include_paths=True, num_cpus=cpus)
         elif p.kind in ("json", "jsonl"):
             ds = ray.data.read_json(files, lines=p.kind == "jsonl", num_cpus=cpus)
         else:
             ds = ray.data.read_parquet(files, num_cpus=cpus)
-        ds = ds.map_batches(TokenizeBatch, fn_constructor_args=(p.format, p.tokenizer, p.text_key, p.kind),
-                            batch_format="pyarrow", batch_size=64, num_cpus=cpus,
-                            compute=ray.data.ActorPoolStrategy(size=num_workers))
+        # max_restarts=0: Ray Data hands its actors their constructor arguments as object refs, which
+        # a restart could not count on (Ray logs an error saying so for every actor of a restartable
+        # pool); a tokenizer actor that dies fails the data step with one error instead. Passing it
+        # is deprecated from Ray 2.60 (ray is pinned below 2.61), and that warning is not the user's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ds.map_batches(TokenizeBatch, fn_constructor_args=(p.format, p.tokenizer, p.text_key, p.kind),
+                                batch_format="pyarrow", batch_size=64, num_cpus=cpus, max_restarts=0,
+                                compute=ray.data.ActorPoolStrategy(size=num_workers))
         for table in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2):
             _write_table(writer, table)
     except Exception as e:

@@ -3,8 +3,9 @@
 Two kinds of loader, both plain classes made remote at spawn, both with ``batch(step)``:
 
 - :class:`BatchSource` (``data.format: windows``, the default for one ``.txt`` or 1-D ``.npy``
-  file and for the built-in corpus): each sequence is a random window of ``seq_len + 1`` tokens of
-  the whole token stream, drawn with ``numpy.random.default_rng([seed, step])``.
+  file and for the built-in corpus when data.val_fraction holds nothing out of them): each
+  sequence is a random window of ``seq_len + 1`` tokens of the whole token stream, drawn with
+  ``numpy.random.default_rng([seed, step])``.
 - :class:`~megatrain_ray.data.corpus.CorpusSource` (text, alpaca, sharegpt, tokens): epochs over a
   corpus tokenized by Ray Data (:mod:`megatrain_ray.data.datasets`).
 
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import DataError
-from .builtin import EOS_ID, builtin_corpus, encode_bytes
+from .builtin import EOS_ID, builtin_documents, encode_bytes
 
 Connect = Callable[[object], None]
 """Joins or starts Ray for a config before Ray Data tokenizes (the orchestration's ``connect_ray``);
@@ -34,7 +35,7 @@ without one, Ray Data starts a local Ray of its own when none is running."""
 def load_tokens(path: str | None) -> np.ndarray:
     """The token stream [n] int64: the built-in corpus, a .txt file (bytes) or a .npy array."""
     if path is None:
-        docs = builtin_corpus().split("\n")
+        docs = builtin_documents("train")
     elif path.endswith(".npy"):
         try:
             tokens = np.load(path, allow_pickle=False)
@@ -115,19 +116,23 @@ def uses_windows(cfg) -> bool:
 def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = None):
     """The prepared corpus (a CorpusRef) of one split, tokenizing into the cache first if needed.
 
-    ``val`` is data.val_path when set, else the held-out data.val_fraction of data.path. Data that
-    trains as random windows is evaluated as a packed corpus of the same tokens.
+    ``val`` is data.val_path when set, else the held-out data.val_fraction of data.path, else, for
+    the built-in corpus, its own held-out documents (:func:`~megatrain_ray.data.builtin.builtin_documents`). Data that trains as
+    random windows is evaluated as a packed corpus of the same tokens.
     """
     from .datasets import prepare, plan
 
     d = cfg.data
     separate = split == "val" and bool(d.val_path)
     p = plan(d, cfg.runtime.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
-    if split == "val" and not separate and not d.val_fraction:
+    builtin_val = split == "val" and not separate and not d.val_fraction and p.kind == "builtin"
+    if split == "val" and not separate and not d.val_fraction and not builtin_val:
         raise DataError(f"{p.where} has no validation split; set data.val_fraction or data.val_path.")
     if p.format == "windows":  # the same tokens, as a corpus that can be split and read in order
         p = dataclasses.replace(p, format="tokens" if p.kind == "npy" else "text")
-    p = dataclasses.replace(p, val_fraction=1.0 if separate else d.val_fraction)
+    if builtin_val:
+        p = dataclasses.replace(p, kind="builtin-val", where="the built-in corpus's validation documents")
+    p = dataclasses.replace(p, val_fraction=1.0 if separate or builtin_val else d.val_fraction)
     cache = d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
 
     def join() -> None:
@@ -141,9 +146,6 @@ def loader_spec(cfg, split: str = "train", log=print, connect: Connect | None = 
     t = cfg.train
     shape = (t.seq_len, t.micro_batch_size, t.num_micro_batches, t.seed, cfg.model.vocab_size)
     if split == "train" and uses_windows(cfg):
-        if cfg.data.val_fraction:
-            raise DataError("data.val_fraction needs tokenized data, but data.format windows draws windows from "
-                            "the whole stream; set data.format to text or tokens, or use data.val_path.")
         return BatchSource, (cfg.data.path and os.path.abspath(cfg.data.path), *shape)
     from .corpus import CorpusSource
 

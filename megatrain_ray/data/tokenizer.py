@@ -15,6 +15,10 @@ Two operations, both pure functions of their input:
 Tokenizers without a chat template (and byte-level) use :data:`DEFAULT_CHAT_TEMPLATE`.
 Conversations come from rows in the alpaca (instruction / input / output) or sharegpt
 (conversations: [{from, value}]) layouts via :func:`messages_from_row`.
+
+A model trained on byte-level ids is exported with the byte-level tokenizer written as a Hugging
+Face one (:func:`save_byte_tokenizer`), which gives the same ids, so ``transformers`` can encode,
+generate and decode with it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ DEFAULT_CHAT_TEMPLATE = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 """Files of a Hugging Face tokenizer: hashed for cache keys, copied along with exported weights."""
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+"""The exported byte-level tokenizer's chat template: the layout :meth:`ByteTokenizer.encode_chat`
+trains on, written for transformers' renderer (which drops a newline that follows a block tag, so
+every newline here is inside an expression)."""
+BYTE_LEVEL = "bytes"
+"""Names the byte-level tokenizer where a tokenizer directory would otherwise go (see :func:`load_tokenizer`)."""
+EOS_TOKEN = "<|endoftext|>"
+"""The text of the byte-level EOS id in the exported Hugging Face tokenizer."""
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
          "system": "system"}
 """sharegpt ``from`` values and the chat roles they mean."""
@@ -68,6 +83,7 @@ class ByteTokenizer:
 
     vocab_size = BYTE_TOKENIZER_VOCAB
     eos_id = EOS_ID
+    bos_id = None
     pad_id = EOS_ID
 
     def encode_document(self, text: str) -> np.ndarray:
@@ -114,6 +130,7 @@ class HFTokenizer:
         if self.hf.eos_token_id is None:
             raise DataError(f"data.tokenizer {directory!r} defines no eos_token; set one in tokenizer_config.json.")
         self.eos_id = int(self.hf.eos_token_id)
+        self.bos_id = None if self.hf.bos_token_id is None else int(self.hf.bos_token_id)
         self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.hf)
         self.template = self.hf.chat_template or DEFAULT_CHAT_TEMPLATE
@@ -149,8 +166,42 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory: str | None):
-    """A tokenizer for ``directory`` (an HF tokenizer directory), or byte-level for None."""
-    return ByteTokenizer() if directory is None else HFTokenizer(directory)
+    """A tokenizer for ``directory`` (an HF tokenizer directory), or byte-level for None or BYTE_LEVEL."""
+    return ByteTokenizer() if directory in (None, BYTE_LEVEL) else HFTokenizer(directory)
+
+
+def _byte_chars() -> list[str]:
+    """The printable character standing for each byte 0..255 in a byte-level BPE vocabulary (GPT-2's
+    table: printable Latin-1 bytes stand for themselves, the others for chr(256 + n) in order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, extra = [], 0
+    for b in range(256):
+        chars.append(chr(b) if b in printable else chr(256 + extra))
+        extra += b not in printable
+    return chars
+
+
+def save_byte_tokenizer(directory: str) -> list[str]:
+    """Write the byte-level tokenizer as a Hugging Face fast tokenizer; returns the files written.
+
+    Ids as :class:`ByteTokenizer`: byte b is id b (a byte-level BPE without merges), EOS_TOKEN is
+    EOS_ID, and three reserved special tokens fill the vocabulary up to BYTE_TOKENIZER_VOCAB; no BOS;
+    :data:`BYTE_CHAT_TEMPLATE` as the chat template.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [EOS_TOKEN] + [f"<|reserved_{i}|>" for i in range(BYTE_TOKENIZER_VOCAB - EOS_ID - 1)]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID and tok.get_vocab_size() == BYTE_TOKENIZER_VOCAB
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    hf.chat_template = BYTE_CHAT_TEMPLATE
+    os.makedirs(directory, exist_ok=True)
+    hf.save_pretrained(directory)
+    return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
 
 
 def messages_from_row(row: dict[str, Any], layout: str) -> list[dict[str, str]]:

@@ -203,12 +203,16 @@ class ParameterStore:
                 out[hf_name(unit, name)] = p.clone()
         return out
 
-    def save_hf(self, directory: str, shard_bytes: int = 2 * 2**30) -> list[str]:
-        """Write the master weights as a sharded HF safetensors checkpoint plus config.json, with the
-        tokenizer files of runtime.init_from when it has them (see :func:`megatrain_ray.io.hf_io.save_store`)."""
+    def save_hf(self, directory: str, shard_bytes: int = 2 * 2**30, tokenizer: str | None = None) -> list[str]:
+        """Write the master weights as a sharded HF safetensors checkpoint plus config.json and the run's
+        ``tokenizer`` (a directory or BYTE_LEVEL; None: runtime.init_from's, if it has one); see
+        :func:`megatrain_ray.io.hf_io.save_store`."""
+        from ..data.tokenizer import is_tokenizer_dir
         from ..io import hf_io
 
-        return hf_io.save_store(self.store, directory, shard_bytes, source=self.init_from)
+        if tokenizer is None and is_tokenizer_dir(self.init_from):
+            tokenizer = self.init_from
+        return hf_io.save_store(self.store, directory, shard_bytes, source=self.init_from, tokenizer=tokenizer)
 
     def load_checkpoint(self, directory: str) -> int:
         """Master weights, AdamW states and unit versions from a training checkpoint; returns its step

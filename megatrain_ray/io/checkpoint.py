@@ -418,9 +418,10 @@ def resume_config(path: str, config_file: str | None, overrides: list[str]):
     """(TrainConfig, checkpoint dir, meta) for ``train --resume PATH [--config F] [--set k=v ...]``.
 
     The checkpoint's own run config is the base; a config file and ``--set`` overrides apply on
-    top (e.g. more ``train.steps``, another ``runtime.run_dir``). The weights come from the
-    checkpoint; ``runtime.init_from`` is kept for what else it provides (the model's config, the
-    tokenizer), and ``--set runtime.init_from=null`` drops it. A different model shape is an error.
+    top (e.g. more ``train.steps``, see :func:`check_resume`; another ``runtime.run_dir``). The
+    weights come from the checkpoint; ``runtime.init_from`` is kept for what else it provides (the
+    model's config, the tokenizer), and ``--set runtime.init_from=null`` drops it. A different
+    model shape is an error.
     """
     from .hf_io import load_train_config
 
@@ -431,7 +432,42 @@ def resume_config(path: str, config_file: str | None, overrides: list[str]):
         raise CheckpointError(f"checkpoint {directory} has no run config in its {META_FILE}.")
     cfg = load_train_config(config_file, overrides, base=base)
     check_model(meta, cfg.model, directory)
-    if meta["step"] >= cfg.train.steps:
-        raise ConfigError(f"train.steps ({cfg.train.steps}) is not beyond the checkpoint's step ({meta['step']}), "
-                          f"so there is nothing to resume; raise it with --set train.steps=N.")
     return cfg, directory, meta
+
+
+def check_resume(meta: dict, cfg, directory: str) -> str | None:
+    """Refuse (ConfigError) a resume with nothing left to train; describe a changed lr schedule.
+
+    The gradient sink computes each step's learning rate from the resumed run's optim section and
+    train.steps, so a train.steps other than the checkpoint's run had (or other optim.* settings)
+    recomputes the warmup + cosine schedule: the run goes on at the new schedule's rate for its next
+    step, not the old one's. Extending a finished run is done that way, explicitly, and the returned
+    sentence (None when the schedule is unchanged) says what it does to the learning rate.
+    """
+    from .config import OptimConfig
+    from .optim import lr_at
+
+    step, steps = meta["step"], cfg.train.steps
+    saved = meta.get("config") or {}
+    old_steps = (saved.get("train") or {}).get("steps", steps)
+    if step >= steps:
+        if old_steps == step == steps:
+            raise ConfigError(f"checkpoint {directory} is the end of its run (step {step} of train.steps {steps}), "
+                              f"so there is nothing to resume; to train on, extend the run explicitly with "
+                              f"--set train.steps=N (N > {step}), which recomputes the cosine schedule over N steps.")
+        raise ConfigError(f"train.steps ({steps}) is not beyond the checkpoint's step ({step}), so there is nothing "
+                          f"to resume; raise it with --set train.steps=N (N > {step}).")
+    try:
+        old_optim = OptimConfig(**saved["optim"])
+    except (KeyError, TypeError):
+        old_optim = cfg.optim
+    new_lr, old_lr = lr_at(cfg.optim, step, steps), lr_at(old_optim, step, old_steps)
+    if old_steps == steps and new_lr == old_lr:
+        return None
+    last = f" (step {step}, the last one trained, ran at {lr_at(old_optim, step - 1, old_steps):.2e})" if step else ""
+    if old_steps != steps:
+        verb = "extending" if steps > old_steps else "shortening"
+        return (f"{verb} the run from {old_steps} to {steps} steps: the cosine schedule is recomputed over {steps} "
+                f"steps, so step {step + 1} runs at lr {new_lr:.2e}{last}")
+    return (f"the learning-rate schedule differs from the checkpoint's run (optim.* changed): step {step + 1} "
+            f"runs at lr {new_lr:.2e} instead of {old_lr:.2e}{last}")

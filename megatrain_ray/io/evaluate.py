@@ -23,6 +23,7 @@ from ..errors import DataError
 from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, embed, final_norm,
                                  lm_head_weight, rope_cache, token_loss_sum, unit_names)
 from . import hf_io
+from ..data.tokenizer import BYTE_LEVEL
 
 
 def checkpoint_reader(directory: str) -> tuple[ModelConfig, UnitReader]:
@@ -108,8 +109,11 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
 
     The data settings are the run's own (runs/<id>/config.json, or the checkpoint's meta.json),
     overridden by ``config`` and ``overrides``; the model is the checkpoint's config.json. The
-    tokenizer is the run's data.tokenizer, else the one saved next to the weights. ``connect``: how
-    to reach Ray if the data must be tokenized first (see :data:`megatrain_ray.data.loader.Connect`).
+    tokenizer is the run's (see :attr:`megatrain_ray.io.hf_io.Checkpoint.tokenizer`): byte-level for a
+    byte-level run, else a tokenizer directory, the one saved next to the weights when the run's
+    own is gone. With no data settings at all, the built-in corpus's held-out documents are read.
+    ``connect``: how to reach Ray if the data must be tokenized first (see
+    :data:`megatrain_ray.data.loader.Connect`).
     """
     from ..data.loader import source_from_config
 
@@ -122,8 +126,9 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
     base = {k: dict(v) for k, v in (ckpt.run_config or {}).items() if k in SECTIONS and isinstance(v, dict)}
     base.pop("model", None)
     base.setdefault("runtime", {})["init_from"] = None  # the weights are the checkpoint's
-    if not base.setdefault("data", {}).get("tokenizer") and ckpt.tokenizer_dir:
-        base["data"]["tokenizer"] = ckpt.tokenizer_dir
+    tokenizer = ckpt.tokenizer
+    if tokenizer not in (None, BYTE_LEVEL):
+        base.setdefault("data", {})["tokenizer"] = tokenizer
     cfg = hf_io.load_train_config(config, list(overrides), base=base)
     cfg.model = model_cfg
     cfg.validate()

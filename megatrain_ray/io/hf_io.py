@@ -2,7 +2,11 @@
 
 The on-disk format is the one ``transformers`` writes and reads: ``config.json``, sharded
 ``model-0000k-of-0000n.safetensors`` files with a ``model.safetensors.index.json`` (or a single
-``model.safetensors``), and the tokenizer files next to them.
+``model.safetensors``), and the tokenizer files next to them. A written directory carries the
+tokenizer the run used (a copy of its directory, or the byte-level one written as a Hugging Face
+tokenizer) and config.json names its end-of-text and beginning-of-text ids (``eos_token_id``,
+``bos_token_id``: the source model's where it had them, else the tokenizer's), so ``generate``
+stops at EOS. Files get the mode a plain ``open`` would give them (0o666 less the umask).
 
 Memory policy, for every direction: tensors move one at a time. Import reads the shards in order
 through safetensors' memory mapping and copies each tensor straight into its place in the store's
@@ -22,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config
-from ..data.tokenizer import TOKENIZER_FILES, is_tokenizer_dir
-from ..errors import ConfigError
+from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
+from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -198,6 +202,7 @@ def write_shards(directory: str, tensors: Iterable[TensorSource], shard_bytes: i
         shard = {t.name: t.load().contiguous() for t in group}
         tmp = os.path.join(directory, filename + ".tmp")
         save_file(shard, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, _new_file_mode())  # safetensors creates it 0o600
         os.replace(tmp, os.path.join(directory, filename))
         mapping.update({name: filename for name in shard})
         total += sum(t.nbytes for t in group)
@@ -206,9 +211,47 @@ def write_shards(directory: str, tensors: Iterable[TensorSource], shard_bytes: i
     return mapping
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
-    """config.json for ``cfg``: the original config's other fields (token ids, ...) kept, the shape ours."""
+def _new_file_mode() -> int:
+    """The mode ``open`` gives a new file: 0o666 less this process's umask (read without changing it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def token_ids(tokenizer: str | None) -> dict:
+    """eos_token_id and bos_token_id (None: it has none) of a tokenizer directory or BYTE_LEVEL, for
+    config.json; empty for None (unknown) or a directory that cannot be loaded as a tokenizer."""
+    if tokenizer is None:
+        return {}
+    try:
+        tok = load_tokenizer(tokenizer)
+    except DataError:
+        return {}
+    return {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
+
+
+def write_tokenizer(tokenizer: str | None, out: str) -> list[str]:
+    """Put a run's tokenizer into ``out``: a directory's files copied, BYTE_LEVEL written as a Hugging
+    Face tokenizer, nothing for None; returns the file names."""
+    if tokenizer == BYTE_LEVEL:
+        return save_byte_tokenizer(out)
+    return copy_side_files(tokenizer, out, TOKENIZER_FILES)
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None, tokenizer: str | None = None) -> dict:
+    """config.json for ``cfg``: the original config's other fields (token ids, ...) kept, the shape ours;
+    token ids the original lacks come from ``tokenizer`` (a directory or BYTE_LEVEL; see :func:`token_ids`)."""
     out = dict(base or {})
+    for key, value in token_ids(tokenizer).items():
+        if out.get(key) is None:
+            out[key] = value
     ours = cfg.to_hf_dict()
     if "rope_parameters" in out:  # transformers 5's form: rope_theta and the scaling inside rope_parameters
         out["rope_parameters"] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
@@ -231,10 +274,13 @@ def copy_side_files(src: str | None, out: str, names: Iterable[str] = TOKENIZER_
     return copied
 
 
-def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, source: str | None = None) -> list[str]:
-    """Write a HostStore's master weights as an HF checkpoint; config and tokenizer files from ``source``.
+def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, source: str | None = None,
+               tokenizer: str | None = None) -> list[str]:
+    """Write a HostStore's master weights as an HF checkpoint, with config.json and the tokenizer.
 
-    ``source`` is the HF directory the run started from (runtime.init_from) or None.
+    ``source`` is the HF directory the run started from (runtime.init_from) or None: its config.json's
+    other fields and its generation_config.json are kept. ``tokenizer`` is the run's (a directory,
+    BYTE_LEVEL, or None: none written).
     """
     cfg, dtype = store.spec.model, store.spec.precision.master
 
@@ -248,8 +294,9 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
     base = None
     if source is not None and os.path.isfile(os.path.join(source, "config.json")):
         base = read_config(source, "runtime.init_from")[1]
-    write_json(os.path.join(directory, "config.json"), hf_config(cfg, dtype, base))
-    copy_side_files(source, directory)
+    write_json(os.path.join(directory, "config.json"), hf_config(cfg, dtype, base, tokenizer))
+    copy_side_files(source, directory, EXTRA_FILES)
+    write_tokenizer(tokenizer, directory)
     return sorted(set(mapping.values()))
 
 
@@ -279,15 +326,17 @@ class Checkpoint:
     """The TrainConfig dict of the run that wrote it (runs/<id>/config.json), when there is one."""
 
     @property
-    def tokenizer_dir(self) -> str | None:
-        """Where tokenizer files are: next to the weights, else the run's data.tokenizer or init_from."""
-        if is_tokenizer_dir(self.weights_dir):
-            return self.weights_dir
-        run = self.run_config or {}
-        for path in ((run.get("data") or {}).get("tokenizer"), (run.get("runtime") or {}).get("init_from")):
-            if is_tokenizer_dir(path):
-                return path
-        return None
+    def tokenizer(self) -> str | None:
+        """The tokenizer of these weights: the one the run's config names (its directory or BYTE_LEVEL,
+        see :func:`megatrain_ray.datasets.run_tokenizer`) while that is still there, else the tokenizer
+        files next to the weights, else None (unknown)."""
+        from .datasets import run_tokenizer
+
+        run = self.run_config
+        named = run and run_tokenizer(run.get("data") or {}, (run.get("runtime") or {}).get("init_from"))
+        if named == BYTE_LEVEL or is_tokenizer_dir(named):
+            return named
+        return self.weights_dir if is_tokenizer_dir(self.weights_dir) else None
 
 
 def resolve_checkpoint(path: str) -> Checkpoint:
@@ -336,8 +385,8 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     """Write ``src`` (a run or checkpoint directory) to ``out`` as a loadable HF checkpoint.
 
     Tensors are re-sharded to ``shard_bytes`` and optionally cast to ``dtype`` (float32, bfloat16,
-    float16); tokenizer files come from ``tokenizer``, else from :attr:`Checkpoint.tokenizer_dir`.
-    Returns a summary (paths, tensor count, bytes, tokenizer files copied).
+    float16); the tokenizer is ``tokenizer`` (a directory), else :attr:`Checkpoint.tokenizer`.
+    Returns a summary (paths, tensor count, bytes, tokenizer and config files written).
     """
     from safetensors import safe_open
 
@@ -370,9 +419,10 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     tensors = [TensorSource(key, _numel(shapes[key]) * target.itemsize, reader(key)) for key in names]
     os.makedirs(out, exist_ok=True)
     new_map = write_shards(out, tensors, shard_bytes)
-    write_json(os.path.join(out, "config.json"), hf_config(cfg, target, raw))
+    tok = tokenizer or ckpt.tokenizer
+    write_json(os.path.join(out, "config.json"), hf_config(cfg, target, raw, tok))
     copied = copy_side_files(ckpt.weights_dir, out, EXTRA_FILES)
-    copied += copy_side_files(tokenizer or ckpt.tokenizer_dir, out, TOKENIZER_FILES)
+    copied += write_tokenizer(tok, out)
     return {"out": out, "source": ckpt.weights_dir, "tensors": len(names),
             "shards": len(set(new_map.values())), "bytes": sum(t.nbytes for t in tensors),
             "dtype": str(target).removeprefix("torch."), "copied": copied}

@@ -27,5 +27,10 @@ def preset_shape(preset: str, layers: int | None = None) -> dict:
     return {**PRESETS[preset], **({"num_hidden_layers": layers} if layers else {})}
 
 
+def preset_model(preset: str, layers: int | None = None) -> ModelConfig:
+    """The model a preset benchmarks (positions up to 32768, so any --seq-len fits)."""
+    return ModelConfig(**preset_shape(preset, layers), max_position_embeddings=32768)
+
+
 def model_params(preset: str, layers: int | None = None) -> int:
-    return StoreLayout.build(ModelConfig(**preset_shape(preset, layers), max_position_embeddings=32768)).num_params
+    return StoreLayout.build(preset_model(preset, layers)).num_params

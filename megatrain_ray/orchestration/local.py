@@ -20,7 +20,7 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec, grad_slots_for
 from ..model.precision import resolve_device, resolve_precision
-from .pipeline import connect_ray
+from .cluster import connect_ray
 
 
 def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
@@ -32,7 +32,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
                      grad_slots_for(precision, cfg.optim.max_grad_norm))
     source = source_from_config(cfg, connect=connect_ray)
     eval_batch = source_from_config(cfg, "val", connect=connect_ray).batch(0) if cfg.train.eval_every else None
-    fetch_q, release_q = queue.Queue(rt.buffer_depth), queue.Queue(rt.buffer_depth)
+    depth = rt.buffer_depth_on(device)
+    fetch_q, release_q = queue.Queue(depth), queue.Queue(depth)
     grad_q, stats_q, grad_slot_q = queue.Queue(), queue.Queue(), queue.Queue()
     compute = sink = None
     errors: list[BaseException] = []
@@ -45,8 +46,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
 
     try:
         ParameterStore(spec, cfg.train.seed, rt.init_from)  # creates and fills the segments
-        prefetcher = Prefetcher(spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
-        compute = ComputeWorker(spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
+        prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
+        compute = ComputeWorker(spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
                                 rt.actor_timeout_s, compile_layers=rt.compile_on(device),
                                 offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q,
                                 compile_threads=rt.compile_threads)

@@ -15,6 +15,7 @@ with each step, so the first actor failure ends the run with an error naming the
 happens (success, exception, Ctrl-C, SIGTERM), the placement group, the actors and the store's
 shared-memory segments are removed before :func:`train` returns or raises.
 
+The Ray it runs on (a running cluster, or a private one) is chosen by :mod:`megatrain_ray.orchestration.cluster`.
 Before anything is allocated, :mod:`megatrain_ray.orchestration.preflight` checks that the run fits host RAM
 and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.io.checkpoint`) are saved by the sink every
 train.checkpoint_every steps and at the end; on Ctrl-C / SIGTERM (``ray job stop``) the driver stops
@@ -33,7 +34,6 @@ import json
 import math
 import os
 import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +45,7 @@ from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import TrainConfig, usable_cpus
+from ..data.datasets import run_tokenizer
 from ..data.loader import loader_spec, source_from_config
 from ..engine import shm
 from ..engine.compute import ComputeWorker
@@ -54,7 +55,8 @@ from ..engine.store import ParameterStore, StoreSpec, grad_slots_for
 from ..errors import MegatrainError, PipelineError
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
-from . import preflight
+from . import cluster, preflight
+from .cluster import connect_ray
 from .metrics import RunMetrics
 
 
@@ -92,24 +94,6 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(checkpoint or note)
         self.checkpoint = checkpoint
         self.note = note
-
-
-def connect_ray(cfg: TrainConfig) -> None:
-    """Join the cluster named by runtime.ray_address (or RAY_ADDRESS under ray job), else start one."""
-    if ray.is_initialized():
-        return
-    address = cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        _check_reachable(address)
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
-            ray.init(object_store_memory=cfg.runtime.object_store_memory, include_dashboard=False,
-                     log_to_driver=True)
-    except ConnectionError as e:
-        raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e}); start it with "
-                            "`ray start --head` or fix runtime.ray_address.") from None
 
 
 class _Roles:
@@ -157,46 +141,33 @@ def _actor_error(e: BaseException, role: str) -> MegatrainError:
     return PipelineError(f"the {role} actor failed: {cause or e}")
 
 
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail in seconds, with one sentence, when a host:port Ray address does not answer."""
-    if address in ("auto", "local") or address.startswith("ray://"):
-        return
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as e:
-        raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
-                            "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
-
-
 def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     """Run optimizer steps [start, cfg.train.steps) through the actor pipeline; returns losses and paths.
 
     ``resume``: a checkpoint directory (see :func:`megatrain_ray.io.checkpoint.resume_config`); the
-    run continues from its step, bit for bit. Ctrl-C and SIGTERM save a checkpoint, then raise
-    :class:`Interrupted`.
+    run continues from its step, bit for bit, unless cfg changes the lr schedule (a larger
+    train.steps extends a run: see :func:`megatrain_ray.io.checkpoint.check_resume`, whose sentence is
+    logged). Ctrl-C and SIGTERM save a checkpoint, then raise :class:`Interrupted`.
     """
+    start_step, schedule_note = 0, None
+    if resume is not None:  # nothing to resume is refused before the data is read
+        meta = checkpoint.read_meta(resume)
+        schedule_note = checkpoint.check_resume(meta, cfg, resume)
     source = source_from_config(cfg, connect=connect_ray)  # fail on bad data or weights before any actor starts
-    start_step = 0
     if resume is None:
         preflight.check_init_from(cfg)
     else:
-        meta = checkpoint.read_meta(resume)
         checkpoint.check_model(meta, cfg.model, resume)
         checkpoint.check_files(resume)
         start_step = meta["step"]
         if hasattr(source, "resume_step") and "fingerprint" in meta.get("data", {}):
             source.resume_step(meta["data"])  # the same data, seed and batch shape
-    starts_ray = not ray.is_initialized() and not (cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
-    preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=starts_ray)
+    preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=cluster.starts_ray(cfg.runtime))
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     roles, spec, plan = _Roles(), None, None
     try:
-        connect_ray(cfg)
+        cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
         precision = resolve_precision(cfg.runtime, device)
@@ -208,13 +179,17 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
         os.makedirs(run_dir, exist_ok=True)
+        log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
         with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), **({"resumed_from": resume} if resume else {})}, f, indent=2)
+            json.dump({**cfg.to_dict(), "device": device, **({"resumed_from": resume} if resume else {})}, f,
+                      indent=2)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
                                          _data_state(source), wait_s=cfg.runtime.actor_timeout_s)
         if resume is not None:
             log(f"resuming from {resume} at step {start_step}")
+            if schedule_note:
+                log(schedule_note)
         return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan)
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
@@ -285,8 +260,9 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
 
     queue_opts = {"actor_options": {"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         roles.pg, placement_group_bundle_index=0)}}
-    fetch_q = Queue(maxsize=rt.buffer_depth, **queue_opts)
-    release_q = Queue(maxsize=rt.buffer_depth, **queue_opts)
+    depth = rt.buffer_depth_on(device)
+    fetch_q = Queue(maxsize=depth, **queue_opts)
+    release_q = Queue(maxsize=depth, **queue_opts)
     grad_q = Queue(maxsize=0, **queue_opts)
     stats_q = Queue(maxsize=0, **queue_opts)
     grad_slot_q = Queue(maxsize=0, **queue_opts) if spec.grad_slots else None
@@ -298,10 +274,10 @@ def _spawn(cfg: TrainConfig, spec: StoreSpec, device: str, roles: _Roles, resume
     roles.actors["store"] = store
     _get(store.ready.remote(), "store", rt.actor_timeout_s)
     roles.actors["prefetch"] = remote(Prefetcher, "prefetch", 1, num_cpus=0.25).remote(
-        spec, rt.buffer_depth, fetch_q, release_q, rt.actor_timeout_s)
+        spec, depth, fetch_q, release_q, rt.actor_timeout_s)
     roles.actors["compute"] = remote(ComputeWorker, "compute", 2, num_cpus=0.5,
                                      num_gpus=1 if device == "cuda" else 0).remote(
-        spec, device, rt.buffer_depth, rt.loss_chunk_size, fetch_q, grad_q, release_q,
+        spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
         rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
         offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads)
     roles.actors["grad-sink"] = remote(GradientSink, "grad-sink", 3, num_cpus=0.5).remote(
@@ -384,6 +360,9 @@ class _Driver:
         self.stats: dict[int, dict] = {}
         self.tokens = 0
         self.clock = time.perf_counter()
+        self.steady: tuple[float, int] | None = None
+        """(time, steps done) at the end of the first step this driver logged: the ETA is timed from
+        there, leaving out the first step's compile and warm-up."""
 
     def run(self, batch_ref, start: int) -> RunResult:
         try:
@@ -401,8 +380,9 @@ class _Driver:
             raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
         r = self.result
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
-        if self.cfg.train.save_final:
-            _get(self.a["store"].save_hf.remote(r.final_dir), "store", self.timeout)
+        if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
+            tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
+            _get(self.a["store"].save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
@@ -469,9 +449,18 @@ class _Driver:
             r.val_losses[step] = out["val_loss"]
         spans = out["spans"] + stats["spans"]
         r.timeline, r.last_spans = r.last_spans + spans, spans
-        elapsed = time.perf_counter() - self.clock
-        done = step + 1 - r.start_step
-        eta = elapsed / done * (self.steps - step - 1)
+        now = time.perf_counter()
+        elapsed, done = now - self.clock, step + 1 - r.start_step
+        if self.steady is None:
+            self.steady = (now, done)
+        since, steady_done = self.steady
+        left = self.steps - step - 1
+        if not left:
+            eta = 0.0
+        elif done > steady_done:
+            eta = (now - since) / (done - steady_done) * left  # at the pace of the steps since the first
+        else:
+            eta = None  # the first step's compile and warm-up say nothing of the pace to come
         row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
@@ -537,7 +526,10 @@ def _size(q: Queue) -> int | None:
         return None
 
 
-def _duration(seconds: float) -> str:
+def _duration(seconds: float | None) -> str:
+    """1h02m, 3m05s, 42s; ``...`` while unknown (None)."""
+    if seconds is None:
+        return "..."
     seconds = int(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

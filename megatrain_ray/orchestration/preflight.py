@@ -16,7 +16,8 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
   per step x hidden; in host RAM with runtime.offload_activations, leaving ~3 layers' worth on
   the device); the input gradients of every micro-batch; one layer's working set while it
   is recomputed and differentiated for one micro-batch (its activations and their gradients, its
-  fp32 gradient accumulator); the fp32 embedding and head gradients; one loss chunk of fp32 logits.
+  fp32 gradient accumulator); the fp32 embedding and head gradients; one loss chunk of fp32 logits
+  (``buffer_depth`` and ``loss_chunk_size`` as resolved for the device, see RuntimeSection).
 
 The device figures are estimates of the dominant terms, the rest are exact sizes. Checked on an
 H200 (a 0.5B Llama shape, 2 x 2048-token micro-batches, bf16): the device total without the CUDA
@@ -37,6 +38,7 @@ from ..engine.store import StoreSpec, grad_slots_for
 from ..errors import ConfigError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
+from .cluster import cluster_to_join
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -257,10 +259,9 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Ro
         m.num_key_value_heads * m.head_size
     layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
     head_numel = layout.templates[-1].numel
-    chunk = min(rt.loss_chunk_size, tokens)
+    chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
     rows = [
-        Row(f"weight slots ({rt.buffer_depth} x largest unit)", "device",
-            rt.buffer_depth * layout.max_unit_numel * c),
+        Row(f"weight slots ({depth} x largest unit)", "device", depth * layout.max_unit_numel * c),
         Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {t.num_micro_batches} x {tokens} tokens x {h})"
             + (", offloaded (pinned buffers round up to powers of 2)" if rt.offload_activations else ""),
             "host" if rt.offload_activations else "device",
@@ -306,13 +307,14 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
 
     ``device``: cpu or cuda (default: :func:`guess_device`); ``device_bytes``: GPU memory to plan
     for (default: this process's GPU 0); ``starts_ray``: whether this process will start Ray
-    (and so its object store), by default when neither runtime.ray_address nor RAY_ADDRESS is set.
+    (and so its object store), by default when it would not join a cluster
+    (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`).
     """
     device = device or guess_device(cfg)
     if device == "cuda" and device_bytes is None:
         device_bytes = gpu_memory()
     if starts_ray is None:
-        starts_ray = not (cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
+        starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
     precision = resolve_precision(rt, device)
     spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan", grad_slots_for(precision, cfg.optim.max_grad_norm))

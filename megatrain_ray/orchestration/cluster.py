@@ -1,0 +1,180 @@
+"""Which Ray a run uses, how it connects (quietly), and where a Ray job writes its outputs.
+
+``runtime.ray_address`` chooses the cluster (:func:`cluster_to_join`):
+
+- ``null`` (default): under ``ray job submit``, the job's cluster (``RAY_ADDRESS``); else the cluster
+  that ``ray start --head`` left running on this machine, found the way ``ray.init()`` finds it (the
+  address in ``<Ray temp dir>/ray_current_cluster``, if a raylet of that cluster is alive), with one
+  line saying so; else a private Ray started for this run, with ``runtime.object_store_memory``.
+- ``local``: always a private Ray for this run.
+- ``auto``: Ray's own ``auto``: the running cluster of this machine, an error if there is none.
+- ``host:port`` or ``ray://host:port``: that cluster.
+
+Token authentication (on by default in Ray 2.60) is left as Ray sets it: a private Ray enables it
+and keeps its token in ``~/.ray/auth_token``; joining a cluster found on this machine uses that
+token when it exists, as ``ray.init()`` does; an explicit address needs ``RAY_AUTH_MODE=token`` in
+the environment (a failure to authenticate says so in one sentence).
+
+Ray's own lines that the user cannot act on are dropped (:func:`quiet_ray_logs`); its other
+warnings and errors still show.
+
+A Ray job runs its entry point in a temporary copy of the uploaded working directory, deleted with
+the session. So in a job, relative output paths (``runtime.run_dir``, the bench's ``--out``) are
+taken from ``~/megatrain-ray`` on the node that runs the job's driver (:func:`job_path`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+
+from .errors import PipelineError
+
+JOB_OUTPUT_ROOT = "~/megatrain-ray"
+"""Where a Ray job's relative output paths are taken from (see :func:`job_path`)."""
+
+_QUIET = (
+    # Ray turns token authentication on by default and says so on every start; it stays on.
+    ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this Ray cluster"),
+    # ray.init's progress lines; connect() prints its own line when it joins a running cluster.
+    ("ray._private.worker", "Started a local Ray instance"),
+    ("ray._private.worker", "Connecting to existing Ray cluster at address"),
+    ("ray._private.worker", "Connected to Ray cluster"),
+    # It guesses a crashed cluster; connect() raises one error saying what failed instead.
+    ("ray._private.worker", "Failed to connect to the default Ray cluster address"),
+    # megatrain_ray.datasets turns Ray Data's progress bars off (the data step logs its own line).
+    ("ray.data._internal.progress", "Progress bars disabled"),
+)
+"""(logger, message prefix) of the Ray log lines that are dropped."""
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_ray_logs() -> None:
+    """Drop the Ray log lines listed in ``_QUIET`` (idempotent); every other line still shows."""
+    by_logger: dict[str, tuple[str, ...]] = {}
+    for name, prefix in _QUIET:
+        by_logger[name] = by_logger.get(name, ()) + (prefix,)
+    for name, prefixes in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines(prefixes))
+
+
+def running_local_cluster() -> str | None:
+    """The GCS address of the cluster ``ray start --head`` runs on this machine, or None.
+
+    Found as ``ray.init()`` finds it: the address Ray recorded in its temp dir
+    (``$RAY_TMPDIR/ray``, default ``/tmp/ray``), if a live raylet still serves it; a file left by a
+    cluster that crashed does not count.
+    """
+    from ray._private import services
+
+    address = services.find_bootstrap_address(None)
+    if not address:
+        return None
+    services.find_gcs_addresses.cache_clear()
+    return address if address in services.find_gcs_addresses() else None
+
+
+def cluster_to_join(rt) -> tuple[str | None, bool]:
+    """(address, found): the cluster the run joins (None: it starts a private Ray) and whether that
+    address was found running on this machine rather than given (see the module docstring)."""
+    if rt.ray_address == "local":
+        return None, False
+    if rt.ray_address:
+        return rt.ray_address, False
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], False
+    found = running_local_cluster()
+    return found, found is not None
+
+
+def starts_ray(rt) -> bool:
+    """Whether connecting will start a private Ray (and so its object store) in this process."""
+    import ray
+
+    return not ray.is_initialized() and cluster_to_join(rt)[0] is None
+
+
+def connect(rt, log=print) -> None:
+    """Connect this process to the Ray chosen by ``rt.ray_address`` (a RuntimeSection), once."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet_ray_logs()
+    address, found = cluster_to_join(rt)
+    if address is not None and not found:
+        _check_reachable(address)
+    try:
+        if address is None:
+            ray.init(address="local", object_store_memory=rt.object_store_memory, include_dashboard=False,
+                     log_to_driver=True)
+        elif found:
+            log(f"joining the Ray cluster already running at {address}; set runtime.ray_address=local to "
+                "start a private one")
+            ray.init(log_to_driver=True)  # as plain ray.init() does: that cluster, with its token if any
+        else:
+            ray.init(address=address, log_to_driver=True)
+    except (ray.exceptions.AuthenticationError, ConnectionError) as e:
+        if isinstance(e, ConnectionError) and "InvalidAuthToken" not in str(e.__cause__):
+            raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e}); start it with "
+                                "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
+        raise PipelineError(f"the Ray cluster at {address} requires token authentication and this process has no "
+                            "valid token; export RAY_AUTH_MODE=token and make the cluster's token available "
+                            "(~/.ray/auth_token or RAY_AUTH_TOKEN), or set runtime.ray_address=local to start a "
+                            "private Ray.") from None
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with one sentence, when a host:port Ray address does not answer."""
+    if address == "auto" or address.startswith("ray://"):
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
+                            "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
+
+
+def in_job_copy() -> bool:
+    """Whether this process is a Ray job's driver running in Ray's temporary copy of a working_dir."""
+    job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not job:
+        return False
+    try:
+        runtime_env = json.loads(job).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return False
+    return bool(runtime_env.get("working_dir"))
+
+
+def job_path(path: str, what: str, log=print) -> str:
+    """``path``, or in a Ray job's temporary working directory a relative ``path`` taken from
+    :data:`JOB_OUTPUT_ROOT` instead (said in one line naming ``what`` sets it)."""
+    if os.path.isabs(path) or not in_job_copy():
+        return path
+    resolved = os.path.join(os.path.expanduser(JOB_OUTPUT_ROOT), path)
+    log(f"ray job: {what} {path!r} is taken from {JOB_OUTPUT_ROOT}, not from Ray's temporary copy of the working "
+        f"directory: {resolved} (give an absolute path to choose)")
+    return resolved
+
+
+def connect_ray(cfg) -> None:
+    """:func:`connect` for a whole TrainConfig: what the data layer is handed to reach Ray before
+    tokenizing (see :data:`megatrain_ray.data.loader.Connect`)."""
+    connect(cfg.runtime)

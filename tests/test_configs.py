@@ -1,0 +1,215 @@
+"""The example configs in configs/ and the README's sample: they plan, and the small ones train.
+
+Every example is read as the user would read it: ``megatrain-ray plan --config configs/X.yaml``,
+with the paths the file marks ``REPLACE`` replaced (by --set) by real files made here: a text
+corpus, alpaca rows, a tokenizer trained here, a tiny Hugging Face model. The two 7B examples are
+planned for an H200 (``--device cuda --gpu-memory 141``); this machine's RAM and /dev/shm are far
+smaller, so their verdict on those is not asserted, their numbers are: the store's bytes from the
+shape, the tokens per step, the GPU total within the H200, host RAM within a 128 GiB machine.
+The small examples then train a few steps through the real pipeline (the session's Ray).
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import yaml
+
+transformers = pytest.importorskip("transformers")
+
+from artifacts import CORPUS, save_model, save_tokenizer  # noqa: E402
+
+from megatrain_ray import cli, preflight  # noqa: E402
+from megatrain_ray.config import load_config  # noqa: E402
+from megatrain_ray.layout import StoreLayout  # noqa: E402
+from megatrain_ray.pipeline import train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+NAMES = ["tiny", "text-pretrain", "alpaca-sft", "qwen2.5-7b", "long-context"]
+BIG = {"qwen2.5-7b", "long-context"}
+H200 = ["--device", "cuda", "--gpu-memory", "141"]
+GiB = 2**30
+
+
+def _path(name: str) -> str:
+    return os.path.join(CONFIGS, f"{name}.yaml")
+
+
+def _replaced_keys(name: str) -> set[str]:
+    """section.key of every value the file marks REPLACE (and it must mark every placeholder path)."""
+    keys, section = set(), None
+    for line in open(_path(name)):
+        if re.match(r"^\w+:", line):
+            section = line.split(":")[0]
+        m = re.match(r"^\s+(\w+):\s*(\S+)", line)
+        if m and (m.group(2).startswith("/path/to") or "REPLACE" in line):
+            assert "REPLACE" in line.split("#", 1)[-1], f"{name}.yaml: {line.strip()} is a placeholder without REPLACE"
+            keys.add(f"{section}.{m.group(1)}")
+    return keys
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory):
+    """What a user would put in place of the REPLACE paths: files made here, small and real."""
+    base = tmp_path_factory.mktemp("user")
+    tok = save_tokenizer(base / "tokenizer", kind="bpe")
+    os.makedirs(base / "corpus")
+    paragraphs = [f"{CORPUS[i % len(CORPUS)]}. {CORPUS[(3 * i + 1) % len(CORPUS)]}." for i in range(300)]
+    (base / "corpus" / "part-0.txt").write_text("\n\n".join(paragraphs[:150]))
+    (base / "corpus" / "part-1.txt").write_text("\n\n".join(paragraphs[150:]))
+    rows = [{"instruction": CORPUS[i % len(CORPUS)], "input": "" if i % 3 else "in order",
+             "output": CORPUS[(i + 2) % len(CORPUS)]} for i in range(120)]
+    (base / "alpaca.json").write_text(json.dumps(rows))
+    # The model to fine-tune, without a tokenizer of its own (transformers 5 would load one that sits
+    # next to a qwen2 config.json as Qwen2's tokenizer class): data.tokenizer names this one.
+    save_model("qwen2", base / "hf", vocab_size=len(tok), max_position_embeddings=2048)
+    return {"tokenizer": str(base / "tokenizer"), "corpus": str(base / "corpus"), "alpaca": str(base / "alpaca.json"),
+            "hf": str(base / "hf"), "vocab": len(tok)}
+
+
+def _replacements(name: str, files: dict) -> list[str]:
+    """--set overrides for the REPLACE paths of one example (exactly those keys)."""
+    values = {"data.tokenizer": files["tokenizer"], "model.vocab_size": files["vocab"]}
+    values["data.path"] = files["alpaca"] if name == "alpaca-sft" else files["corpus"]
+    if name == "alpaca-sft":
+        values["runtime.init_from"] = files["hf"]
+        values["data.tokenizer"] = files["tokenizer"]
+    keys = _replaced_keys(name)
+    if name == "alpaca-sft":
+        keys.add("data.tokenizer")  # not in the file: init_from's tokenizer; see user_files
+    return [f"{k}={values[k]}" for k in sorted(keys)]
+
+
+def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
+    assert _replaced_keys("tiny") == set()
+    assert _replaced_keys("text-pretrain") == {"data.path", "data.tokenizer", "model.vocab_size"}
+    assert _replaced_keys("alpaca-sft") == {"data.path", "runtime.init_from"}
+    assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == {"data.path", "data.tokenizer"}
+    assert sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".yaml")) == sorted(NAMES)
+
+
+def test_tiny_is_the_built_in_preset_spelled_out():
+    with open(_path("tiny")) as f:
+        spelled = yaml.safe_load(f)
+    ours, default = load_config(_path("tiny")).to_dict(), load_config(None).to_dict()
+    for section, values in spelled.items():
+        for key, value in values.items():
+            assert ours[section][key] == default[section][key] == value, f"{section}.{key}"
+    assert ours == default
+
+
+def _plan_output(name: str, files: dict, capsys, *extra) -> tuple[int, str, str]:
+    args = ["plan", "--config", _path(name), *sum((["--set", s] for s in _replacements(name, files)), []), *extra]
+    capsys.readouterr()
+    status = cli.main(args)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in BIG])
+def test_small_examples_plan_and_fit_here(name, user_files, capsys):
+    status, out, err = _plan_output(name, user_files, capsys, "--device", "cpu")
+    assert status == 0, err
+    assert err == "" and re.search(r"^total host RAM .*: ok\)$", out, re.M), out
+
+
+@pytest.mark.parametrize("name,params,layers,shape,tokens", [
+    ("qwen2.5-7b", 7_615_616_512, 28, "4 x 16 sequences of 1024 tokens", 65_536),
+    ("long-context", 4_352_807_424, 14, "1 x 1 sequences of 65536 tokens", 65_536),
+])
+def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_files, capsys):
+    status, out, err = _plan_output(name, user_files, capsys, *H200)
+    cfg = load_config(_path(name), _replacements(name, user_files))
+    n = StoreLayout.build(cfg.model).num_params
+    assert n == params and cfg.model.num_hidden_layers == layers and cfg.model.hidden_size == 3584
+    assert cfg.train.seq_len * cfg.train.micro_batch_size * cfg.train.num_micro_batches == tokens
+    assert cfg.runtime.buffer_depth == 3 and cfg.runtime.loss_chunk_size == 8192
+    assert cfg.runtime.offload_activations == (name == "long-context")
+    title = out.splitlines()[0]
+    assert f"{params / 1e9:.1f}B parameters ({layers} layers, hidden 3584), device cuda, master float32, " \
+           f"compute bfloat16, {shape} per step" in title
+    # The table is the plan's: the fp32 master weights are 4 bytes per parameter (plus page padding).
+    store = StoreLayout.build(cfg.model).total
+    assert re.search(rf"^master weights \(float32\)\s+/dev/shm\s+{re.escape(preflight.fmt(4 * store))}$", out, re.M)
+    gpu = re.search(r"^total GPU\s+([0-9.]+) GiB  \(usable 126.9 GiB: ok\)$", out, re.M)
+    assert gpu, out
+    assert 20 < float(gpu.group(1)) < 45  # the GPU side fits an H200 with room to spare
+    largest = int(re.search(r"^largest micro-batch that fits: (\d+)", out, re.M).group(1))
+    assert largest >= cfg.train.micro_batch_size
+    # Host RAM: this machine's verdict depends on its size; what a 128 GiB machine (the H200 box)
+    # would see is asserted instead: the need without Ray's margin for this machine, plus 5% of 128 GiB.
+    plan = preflight.plan(cfg, "cuda", 141 * GiB)
+    margin = sum(r.nbytes for r in plan.rows if r.component.startswith("Ray memory monitor"))
+    assert plan.total("host") - margin + 0.05 * 128 * GiB < 0.95 * 128 * GiB
+    if name == "long-context":
+        assert re.search(r"activation checkpoints \(15 x 1 x 65536 tokens x 3584\), offloaded .* host RAM\s+7.5 GiB",
+                         out)
+    if status != 0:  # only host RAM or /dev/shm can be short here, never the GPU
+        assert re.fullmatch(r"error: the run needs [0-9.]+ GiB (in runtime.shm_dir|of host RAM) but only .*\n", err), err
+
+
+def _train_small(cfg, tmp_path):
+    lines = []
+    result = train(cfg, log=lines.append)
+    assert len(result.losses) == cfg.train.steps and all(np.isfinite(result.losses))
+    assert os.path.isfile(os.path.join(result.final_dir, "config.json"))
+    return result, lines
+
+
+COMMON = ["runtime.device=cpu", "train.checkpoint_every=0", "runtime.actor_timeout_s=120", "optim.warmup_steps=1"]
+
+
+def test_tiny_trains(tmp_path, ray_cluster, shm_dir):
+    cfg = load_config(_path("tiny"), [*COMMON, "train.steps=4", f"runtime.run_dir={tmp_path / 'runs'}",
+                                       f"runtime.shm_dir={shm_dir}"])
+    result, lines = _train_small(cfg, tmp_path)
+    assert result.losses[-1] < result.losses[0]
+    assert os.listdir(shm_dir) == []
+
+
+def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_cluster, shm_dir, user_files, capsys):
+    cfg = load_config(_path("text-pretrain"), [
+        *_replacements("text-pretrain", user_files), *COMMON, "train.steps=3", "train.eval_every=2",
+        "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
+        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    result, lines = _train_small(cfg, tmp_path)
+    assert sorted(result.val_losses) == [0, 2]
+    assert re.search(r"^data: tokenized data.path .* train tokens, [1-9][\d,]* val tokens\)$", capsys.readouterr().out,
+                     re.M)
+    final = json.load(open(os.path.join(result.final_dir, "config.json")))
+    tok = transformers.AutoTokenizer.from_pretrained(user_files["tokenizer"])
+    assert final["eos_token_id"] == tok.eos_token_id
+    assert os.path.isfile(os.path.join(result.final_dir, "tokenizer.json"))
+
+
+def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user_files):
+    cfg = load_config(_path("alpaca-sft"), [
+        *_replacements("alpaca-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
+        "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
+        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    assert cfg.model.model_type == "qwen2" and cfg.model.vocab_size == user_files["vocab"]  # from init_from
+    result, _ = _train_small(cfg, tmp_path)
+    assert sorted(result.val_losses) == [0]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(result.final_dir)
+    assert type(loaded).__name__ == "Qwen2ForCausalLM"
+
+
+def _readme_sample() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    assert len(blocks) == 1, "the README has one YAML sample"
+    return blocks[0]
+
+
+def test_the_readme_sample_works_as_written(tmp_path, ray_cluster, shm_dir, capsys, monkeypatch):
+    (tmp_path / "run.yaml").write_text(_readme_sample())
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "--config", "run.yaml"]) == 0, capsys.readouterr()
+    cfg = load_config("run.yaml", [*COMMON, "train.steps=3", "train.eval_every=2", f"runtime.shm_dir={shm_dir}"])
+    assert cfg.data.path is None and cfg.model.num_hidden_layers == 4
+    result, lines = _train_small(cfg, tmp_path)
+    assert sorted(result.val_losses) == [0, 2]  # the built-in corpus's own held-out documents
+    assert any(ln.startswith("data: tokenized the built-in corpus's validation documents") for ln in lines), lines
