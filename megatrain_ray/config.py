@@ -363,6 +363,15 @@ class RuntimeSection:
     """Parallel compile jobs for the layer's kernels: 1 (default) compiles inside the compute process;
     more start a pool of Inductor worker processes (~0.4 GiB of host RAM each, which the store then
     cannot use) that shortens the first step's compile and is shut down after it."""
+    compute_workers: int = 1
+    """Compute workers per node, data parallel: one per GPU on cuda (each holds one GPU), CPU
+    processes on cpu. Each takes an equal share of the step's micro-batches (train.num_micro_batches
+    must divide among all workers of all nodes); every unit's gradient is summed over them by an
+    all-reduce before its one update (see megatrain_ray.engine.grad_reduce)."""
+    nodes: int = 1
+    """Nodes of the Ray cluster to train on, data parallel: each runs its own store, prefetchers,
+    compute workers and gradient sink; gradients are all-reduced across all of them, so every
+    node's AdamW applies the same update to its own replica."""
     offload_activations: bool = False
     """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
     on the device, copied out and back on the copy streams: device memory no longer grows with the
@@ -435,6 +444,8 @@ class RuntimeSection:
         _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",
                  f"must be positive, got {self.actor_timeout_s}")
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
+        _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
         if self.init_from is not None:
             _require(os.path.isfile(os.path.join(self.init_from, "config.json")), "runtime.init_from",
                      f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")
@@ -469,6 +480,10 @@ class TrainConfig:
         _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path
                  or self.data.path is None, "train.eval_every",
                  "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
+        workers = self.runtime.compute_workers * self.runtime.nodes
+        _require(self.train.num_micro_batches % workers == 0, "train.num_micro_batches",
+                 f"({self.train.num_micro_batches}) must be a multiple of the compute workers of all nodes "
+                 f"({self.runtime.compute_workers} x {self.runtime.nodes}), so each takes an equal share")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self

@@ -19,3 +19,19 @@ class PipelineError(MegatrainError):
 
 class DataError(MegatrainError):
     """The dataset cannot be read or is too small for the requested batches."""
+
+
+class ActorDied(PipelineError):
+    """An actor of the pipeline died (killed, OOM, node failure): the run can restart from a checkpoint."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM ended the run; ``checkpoint`` is where its state was saved, if anywhere.
+
+    Not a :class:`MegatrainError`: an interrupt is the user's choice, reported by the CLI with its
+    own exit status (130) and where the state went."""
+
+    def __init__(self, checkpoint: str | None = None, note: str = ""):
+        super().__init__(checkpoint or note)
+        self.checkpoint = checkpoint
+        self.note = note

@@ -13,6 +13,10 @@ and the slot is released as soon as the unit is done. One step, as one loop:
    accumulating the weight gradient in fp32; each layer's gradient goes out as soon as it is done;
 5. embedding gradient (scatter of the input gradients, plus the head's when tied) goes out.
 
+With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
+runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
+step's token count, and each gradient is summed over all workers before its shard goes out.
+
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
 fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
 back to the prefetcher, and the *grad sender* waits for each gradient's copy to the host store to
@@ -34,6 +38,7 @@ from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm,
                                  token_loss_sum)
 from .activations import ActivationStore
 from .device import make_backend
+from .grad_reduce import GradReducer
 from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, GradTicket
 
@@ -117,6 +122,9 @@ class ComputeWorker:
         self.timeout_s = timeout_s
         self.fetch_q, self.grad_q, self.release_q = fetch_q, grad_q, release_q
         self.grad_slot_q = grad_slot_q  # free slots of the store's gradient ring, from the sink
+        self.device_name = device
+        self.reducer: GradReducer | None = None
+        """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
         self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
         self.activations = ActivationStore(self.backend, offload_activations)  # host buffers kept across steps
         for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
@@ -132,6 +140,20 @@ class ComputeWorker:
             (self._load_loop, "loader"), (self._release_loop, "releaser"), (self._grad_loop, "grad-sender"))]
         for t in self._threads:
             t.start()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's IP, a free port on it): where the data-parallel group meets (rank 0's)."""
+        import ray
+
+        from .grad_reduce import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join_group(self, rank: int, world: int, local_rank: int, local_world: int, address: str, port: int,
+                   timeout_s: float) -> int:
+        """Form the data-parallel group with the other workers (all call this at once); returns rank."""
+        self.reducer = GradReducer(rank, world, local_rank, local_world, address, port, self.device_name, timeout_s)
+        return rank
 
     # -- helper threads ----------------------------------------------------------------------
 
@@ -201,10 +223,16 @@ class ComputeWorker:
         self._releases.put(ticket.slot)
 
     def _send_grad(self, unit: int, step: int, grad: torch.Tensor) -> None:
-        """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink."""
-        sq_norm = torch.dot(grad, grad)
+        """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink.
+
+        With a data-parallel group, the gradient is first summed over all workers, and this worker
+        sends only its shard of the sum (see :mod:`megatrain_ray.engine.grad_reduce`)."""
         slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
         host = self.store.grad_block(unit, slot)
+        if self.reducer is not None:
+            lo, hi = self.reducer.reduce(grad)
+            grad, host = grad[lo:hi], host[lo:hi]
+        sq_norm = torch.dot(grad, grad)
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
         self._grads.put((unit, step, slot, handle))
 
@@ -232,10 +260,14 @@ class ComputeWorker:
         start = time.time()
         self.fetches.clear()
         dev = self.backend.device
-        ids = torch.tensor(batch["input_ids"], dtype=torch.long).to(dev)
-        labels = torch.tensor(batch["labels"], dtype=torch.long).to(dev)
+        ids = torch.tensor(batch["input_ids"], dtype=torch.long)
+        labels = torch.tensor(batch["labels"], dtype=torch.long)
+        n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))  # of the whole step: every worker's share
+        if self.reducer is not None:  # this worker's equal share of the step's micro-batches
+            share = ids.shape[0] // self.reducer.world
+            ids, labels = (t[self.reducer.rank * share:(self.reducer.rank + 1) * share] for t in (ids, labels))
+        ids, labels = ids.to(dev), labels.to(dev)
         num_mb, seq = ids.shape[0], ids.shape[2]
-        n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))
         rope = rope_cache(self.cfg, seq, dev, self.dtype)
         n_layers = self.cfg.num_hidden_layers
         templates = self.layout.templates
@@ -377,3 +409,5 @@ class ComputeWorker:
         for t in self._threads:
             t.join(timeout=5)
         self.backend.close()
+        if self.reducer is not None:
+            self.reducer.close()

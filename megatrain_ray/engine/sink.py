@@ -33,7 +33,7 @@ class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None):
+                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1):
         self.runner = AdamWRunner(num_threads)
         self.store = HostStore(spec)
         self.layout = self.store.layout
@@ -45,6 +45,9 @@ class GradientSink:
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
         self.grad_slot_q = grad_slot_q
+        self.shards = shards
+        """Tickets per unit and step: one per compute worker of the node, each for its shard of the
+        summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`)."""
         for slot in range(spec.grad_slots):  # the gradient ring starts empty: every slot is free
             grad_slot_q.put(slot, timeout=timeout_s)
 
@@ -59,15 +62,18 @@ class GradientSink:
             self.spans = []
             lr = lr_at(self.optim, step, self.total_steps)
             clip = self.optim.max_grad_norm > 0
-            pending = set(range(len(self.layout.units)))
+            pending = dict.fromkeys(range(len(self.layout.units)), self.shards)
             sq_norm = 0.0
             while pending:
                 ticket = self._get()
                 if ticket.step != step or ticket.unit not in pending:
                     raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
                                         f"{ticket.step} while collecting step {step}.")
-                pending.discard(ticket.unit)
                 sq_norm += ticket.sq_norm
+                pending[ticket.unit] -= 1
+                if pending[ticket.unit]:
+                    continue  # other workers' shards of this unit are still on their way
+                del pending[ticket.unit]
                 if not clip:
                     self._update(ticket.unit, step, lr, 1.0, ticket.slot)
                     if ticket.slot >= 0:

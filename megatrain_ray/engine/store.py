@@ -38,10 +38,12 @@ GRAD_RING_SLOTS = 3
 """Slots of the gradient ring (see the module docstring): one being written, one being updated, one spare."""
 
 
-def grad_slots_for(precision: Precision, max_grad_norm: float) -> int:
+def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1) -> int:
     """``StoreSpec.grad_slots`` of a run: a ring when the gradient has no stream block to live in
-    and no clipping factor holds the updates back until the whole model's gradient is in; else 0."""
-    return GRAD_RING_SLOTS if not precision.grad_in_stream_block and max_grad_norm <= 0 else 0
+    and no clipping factor holds the updates back until the whole model's gradient is in, with one
+    compute worker per store (several would have to agree on each slot); else 0."""
+    ring = not precision.grad_in_stream_block and max_grad_norm <= 0 and workers == 1
+    return GRAD_RING_SLOTS if ring else 0
 
 
 @dataclass(frozen=True)

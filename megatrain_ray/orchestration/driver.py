@@ -1,0 +1,274 @@
+"""The driver's loop over one run's steps: submit, wait, log; on an interrupt, drain and save.
+
+Steps go to every compute worker (each takes its share of the step's micro-batches); two steps
+are kept queued at each, so no worker waits on the driver. A step's outputs (the workers' losses
+summed, timings of the first worker) and the first node's sink stats (grad norm, lr) are joined
+into one metrics row when both are in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.queue import Queue
+
+from ..config import TrainConfig
+from ..data.datasets import run_tokenizer
+from ..errors import Interrupted, MegatrainError, PipelineError
+from ..io import checkpoint
+from .calls import get as _get
+from .metrics import RunMetrics
+from .roles import Roles
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports."""
+
+    run_id: str
+    run_dir: str
+    final_dir: str
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """step -> validation loss of the weights that step started from (train.eval_every)."""
+    fetches: list[dict[str, int]] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    timeline: list[tuple] = field(default_factory=list)
+    """(lane, label, start, end, bytes) spans of the last two steps: h2d, compute, d2h, wait
+    (the compute thread blocked on weights) and adamw."""
+    last_spans: list[tuple] = field(default_factory=list, repr=False)
+    start_step: int = 0
+    """First step this run trained (the checkpoint's step when resumed)."""
+    checkpoints: list[str] = field(default_factory=list)
+    """Checkpoint directories saved by this run, oldest first."""
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM until the block ends, so a submitted step is always recorded as such."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class Driver:
+    """See the module docstring."""
+
+    WINDOW = 2
+
+    def __init__(self, cfg: TrainConfig, roles: Roles, loops: dict, plan: checkpoint.CheckpointPlan | None,
+                 result: RunResult, metrics_file, gauges: RunMetrics, log, eval_ref=None):
+        self.cfg, self.roles, self.loops, self.plan = cfg, roles, loops, plan
+        self.head = roles.head
+        self.eval_ref = eval_ref
+        """The validation batch (an object ref) that rides along every train.eval_every-th step, or None."""
+        self.result, self.metrics_file, self.gauges, self.log = result, metrics_file, gauges, log
+        self.steps = cfg.train.steps
+        self.timeout = cfg.runtime.actor_timeout_s
+        self.submitted: dict[int, Any] = {}
+        """step -> refs of its run_step calls (one per compute worker), until their results are in."""
+        self.outputs: dict[int, dict] = {}
+        self.stats: dict[int, dict] = {}
+        self.tokens = 0
+        self.clock = time.perf_counter()
+        self.steady: tuple[float, int] | None = None
+        """(time, steps done) at the end of the first step this driver logged: the ETA is timed from
+        there, leaving out the first step's compile and warm-up."""
+
+    def run(self, batch_ref, start: int) -> RunResult:
+        try:
+            for step in range(start, min(start + self.WINDOW, self.steps)):
+                self._submit(step, batch_ref)
+            for step in range(start, self.steps):
+                self._collect(step)
+                if step + self.WINDOW < self.steps:
+                    self._submit(step + self.WINDOW, batch_ref)
+                self._handle(_drain(self.head.stats_q))
+            for ref, role in list(self.loops.items()):  # the sink's ends with the final checkpoint
+                _get(ref, role, self.timeout)
+            self._handle(_drain(self.head.stats_q))
+        except KeyboardInterrupt:
+            raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
+        r = self.result
+        r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
+        if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
+            tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
+            _get(self.head.store.save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
+        with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
+            json.dump(r.timeline, f)
+        loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
+        saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
+        self.log(f"done: {self.steps - start} steps, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
+        return r
+
+    def _submit(self, step: int, batch_ref) -> None:
+        with _signals_deferred():
+            due = self.cfg.train.eval_due(step)
+            batch = batch_ref(step)  # the whole step's batch: each worker takes its share
+            self.submitted[step] = [c.run_step.remote(step, batch, self.eval_ref if due and rank == 0 else None)
+                                    for rank, c in enumerate(self.roles.computes)]
+
+    def _collect(self, step: int) -> None:
+        """Wait for run_step(step) of every worker, watching the prefetcher and sink loops for failures."""
+        refs = self.submitted[step]
+        pending = list(refs)
+        while pending:
+            done, _ = ray.wait([*pending, *self.loops], num_returns=1, timeout=1.0)
+            for r in done:
+                if r in pending:
+                    pending.remove(r)
+                else:  # a loop ended early: fine if it finished its work, else its error is raised
+                    _get(r, self.loops.pop(r), self.timeout)
+        out = _combine([_get(r, "compute", self.timeout) for r in refs])
+        del self.submitted[step]
+        if not math.isfinite(out["loss"]):
+            self._diverged(step, out["loss"])
+        self.tokens += out["tokens"]
+        self.result.losses.append(out["loss"])
+        self.result.fetches.append(out["fetches"])
+        self.outputs[step] = out
+
+    def _diverged(self, step: int, loss: float) -> None:
+        """Let the sink reach its verdict on this step (and finish any save it is writing), then stop."""
+        sink = [r for r, role in self.loops.items() if role == "grad-sink"]
+        deadline = time.monotonic() + self.timeout
+        while sink and step not in self.stats and time.monotonic() < deadline:
+            done, _ = ray.wait(sink, timeout=0.5)
+            if done:
+                try:
+                    _get(done[0], "grad-sink", self.timeout)
+                except MegatrainError:
+                    pass  # its non-finite gradient norm: the same divergence, said below
+                break
+            self._handle(_drain(self.head.stats_q))
+        raise PipelineError(f"the loss of step {step + 1} is {loss}, so training diverged; lower optim.lr "
+                            "(or raise optim.warmup_steps) or check the data.")
+
+    def _handle(self, items: list[dict]) -> None:
+        """Record sink messages: checkpoint notices, and step stats (logged once the step's output is in)."""
+        for st in items:
+            if "checkpoint" in st:
+                self.result.checkpoints.append(st["checkpoint"])
+                self.gauges.checkpoint(st["step"])
+                self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s")
+            else:
+                self.stats[st["step"]] = st
+        for step in sorted(s for s in self.stats if s in self.outputs):
+            self._log_step(self.outputs.pop(step), self.stats.pop(step))
+
+    def _log_step(self, out: dict, stats: dict) -> None:
+        step, r = out["step"], self.result
+        r.grad_norms.append(stats["grad_norm"])
+        if "val_loss" in out:
+            r.val_losses[step] = out["val_loss"]
+        spans = out["spans"] + stats["spans"]
+        r.timeline, r.last_spans = r.last_spans + spans, spans
+        now = time.perf_counter()
+        elapsed, done = now - self.clock, step + 1 - r.start_step
+        if self.steady is None:
+            self.steady = (now, done)
+        since, steady_done = self.steady
+        left = self.steps - step - 1
+        if not left:
+            eta = 0.0
+        elif done > steady_done:
+            eta = (now - since) / (done - steady_done) * left  # at the pace of the steps since the first
+        else:
+            eta = None  # the first step's compile and warm-up say nothing of the pace to come
+        row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+               "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
+               "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
+               "tokens_per_s": out["tokens"] / max(out["step_s"], 1e-9),
+               "model_tflops": out["tokens"] * self.gauges.flops_per_token / max(out["step_s"], 1e-9) / 1e12,
+               **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
+               **({"val_loss": out["val_loss"]} if "val_loss" in out else {})}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        self.gauges.step(row, _size(self.head.grad_q))
+        if step % self.cfg.train.log_every == 0 or step == self.steps - 1 or "val_loss" in out:
+            val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
+            self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
+                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}")
+
+    def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
+        """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
+        if self.plan is None:
+            return None, "checkpoints are off"
+        done = start + len(self.result.losses)
+        boundary = max(self.submitted, default=done - 1) + 1
+        if boundary <= start:
+            return None, "no step had finished"
+        self.log(f"interrupted: finishing the steps up to {boundary} and saving a checkpoint "
+                 "(interrupt again to stop without one)")
+        try:
+            for step in sorted(self.submitted):
+                out = _combine([_get(r, "compute", self.timeout) for r in self.submitted.pop(step)])
+                if not math.isfinite(out["loss"]):
+                    return None, f"the loss of step {step + 1} is {out['loss']}"
+                self.tokens += out["tokens"]
+                self.result.losses.append(out["loss"])
+                self.outputs[step] = out
+            # The store actor waits until the sink has applied every submitted step's update.
+            save = self.head.store.save_checkpoint.remote(self.plan, boundary)
+            while True:
+                ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)
+                if save in ready:
+                    break
+                for r in ready:
+                    _get(r, self.loops.pop(r), self.timeout)
+                self._handle(_drain(self.head.stats_q))
+            path = _get(save, "store", self.timeout)
+            self._handle(_drain(self.head.stats_q))
+        except MegatrainError as e:
+            return None, f"no checkpoint could be saved ({e})"
+        self.result.checkpoints.append(path)
+        self.log(f"checkpoint: step {boundary} saved to {path}")
+        return path, ""
+
+
+def _combine(outs: list[dict]) -> dict:
+    """One step's result from every worker's: the loss summed (each worker's is its share of the mean
+    over the whole step's tokens), the slowest worker's time, the rest (timeline, fetch counts,
+    validation loss) the first worker's."""
+    if len(outs) == 1:
+        return outs[0]
+    return {**outs[0], "loss": sum(o["loss"] for o in outs), "step_s": max(o["step_s"] for o in outs),
+            "worker_fetches": [o["fetches"] for o in outs]}
+
+
+def _drain(q: Queue) -> list[dict]:
+    items = []
+    while not q.empty():
+        items.append(q.get())
+    return items
+
+
+def _size(q: Queue) -> int | None:
+    try:
+        return q.size()
+    except Exception:
+        return None
+
+
+def _duration(seconds: float | None) -> str:
+    """1h02m, 3m05s, 42s; ``...`` while unknown (None)."""
+    if seconds is None:
+        return "..."
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"

@@ -1,0 +1,261 @@
+"""Who runs where: the pipeline's roles of every node, spawned and joined by queues in one place.
+
+Per node: one :class:`~megatrain_ray.engine.store.ParameterStore` (owns that node's shared memory),
+and per compute worker (one per GPU) a :class:`~megatrain_ray.engine.prefetch.Prefetcher` with its
+own fetch and release queues (the worker's device slots) and a
+:class:`~megatrain_ray.engine.compute.ComputeWorker`; one
+:class:`~megatrain_ray.engine.sink.GradientSink` takes the node's gradient tickets (one per worker
+and unit: each worker sends its shard of the summed gradient). The data loaders run on the first
+node. Checkpoints are written by the first node's sink only (every replica holds the same state).
+
+Both drivers wire through :func:`spawn_roles`: the Ray driver with :class:`RaySpawner` (actors in
+one STRICT_PACK placement group per node) and the single-process driver with
+:class:`LocalSpawner` (the same plain classes as objects, Python queues), so N workers and K nodes
+are one loop here, not an edit per driver.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import TrainConfig, usable_cpus
+from ..engine.compute import ComputeWorker
+from ..engine.prefetch import Prefetcher
+from ..engine.sink import GradientSink
+from ..engine.store import ParameterStore, StoreSpec
+from ..errors import PipelineError
+
+STORE, PREFETCH, COMPUTE, SINK, LOADER = (
+    {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25})
+"""Ray resources of each role (logical CPUs: the heavy threads are set by the roles themselves)."""
+
+
+@dataclass
+class NodeRoles:
+    """The roles of one node, in worker order."""
+
+    store: Any
+    sink: Any
+    grad_q: Any
+    stats_q: Any
+    prefetchers: list = field(default_factory=list)
+    computes: list = field(default_factory=list)
+
+
+@dataclass
+class Roles:
+    """Every role of a run; handles are Ray actors or plain objects, as the spawner made them."""
+
+    nodes: list[NodeRoles]
+    loaders: list = field(default_factory=list)
+
+    @property
+    def computes(self) -> list:
+        """All compute workers, in data-parallel rank order (node by node)."""
+        return [c for n in self.nodes for c in n.computes]
+
+    @property
+    def head(self) -> NodeRoles:
+        """The first node: its store saves the final weights, its sink the checkpoints and stats."""
+        return self.nodes[0]
+
+    def named(self) -> dict[str, Any]:
+        """role name (as in errors and the dashboard) -> handle."""
+        out = {}
+        for k, n in enumerate(self.nodes):
+            at = f"@{k}" if len(self.nodes) > 1 else ""
+            out[f"store{at}"], out[f"grad-sink{at}"] = n.store, n.sink
+            for w, (p, c) in enumerate(zip(n.prefetchers, n.computes)):
+                suffix = f"-{w}" if len(n.computes) > 1 else ""
+                out[f"prefetch{suffix}{at}"], out[f"compute{suffix}{at}"] = p, c
+        out.update({f"data-{k}": h for k, h in enumerate(self.loaders)})
+        return out
+
+
+def node_resources(cfg: TrainConfig, device: str, node: int) -> list[dict[str, float]]:
+    """The resources of a node's roles, in the order :func:`spawn_roles` spawns them."""
+    gpu = {"GPU": 1} if device == "cuda" else {}
+    per_worker = [PREFETCH, {**COMPUTE, **gpu}]
+    loaders = [LOADER] * cfg.data.num_workers if node == 0 else []
+    return [STORE, *per_worker * cfg.runtime.compute_workers, SINK, *loaders]
+
+
+def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, resume: str | None = None,
+                plan=None, loader: tuple[type, tuple] | None = None) -> Roles:
+    """Spawn the roles of every node (``specs``: one store per node) through ``spawner``, wired by queues.
+
+    ``plan``: the checkpoint plan (the first node's sink writes it); ``loader``: (class, arguments)
+    of the data-loader actors, or None where the driver reads batches itself.
+    """
+    rt = cfg.runtime
+    cpu = usable_cpus()
+    depth = rt.buffer_depth_on(device)
+    workers = rt.compute_workers
+    nodes = []
+    for k, spec in enumerate(specs):
+        spawner.node(k)
+        grad_q, stats_q = spawner.queue(0), spawner.queue(0)
+        grad_slot_q = spawner.queue(0) if spec.grad_slots else None
+        store = spawner.actor(ParameterStore, "store")(spec, cfg.train.seed, rt.init_from, cpu, resume_from=resume)
+        spawner.ready(store, "store")
+        roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q)
+        for _ in range(workers):
+            fetch_q, release_q = spawner.queue(depth), spawner.queue(depth)
+            roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
+                spec, depth, fetch_q, release_q, rt.actor_timeout_s))
+            roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
+                spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
+                rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
+                offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q,
+                compile_threads=rt.compile_threads))
+        roles.sink = spawner.actor(GradientSink, "grad-sink")(
+            spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
+            checkpoint=plan if k == 0 else None, grad_slot_q=grad_slot_q, shards=workers)
+        nodes.append(roles)
+    loaders = []
+    if loader is not None:
+        spawner.node(0)
+        loaders = [spawner.actor(loader[0], f"data-{k}")(*loader[1]) for k in range(cfg.data.num_workers)]
+    return Roles(nodes, loaders)
+
+
+class LocalSpawner:
+    """The roles as plain objects in this process (one node, one compute worker), Python queues."""
+
+    def node(self, k: int) -> None:
+        if k:
+            raise PipelineError("the single-process driver runs one node; set runtime.nodes=1.")
+
+    def queue(self, maxsize: int) -> queue.Queue:
+        return queue.Queue(maxsize)
+
+    def actor(self, cls: type, role: str, gpu: bool = False) -> Callable:
+        return cls
+
+    def ready(self, handle, role: str) -> None:
+        pass  # constructed: ready
+
+
+class RaySpawner:
+    """The roles as Ray actors: one STRICT_PACK placement group per node (on distinct nodes when
+    there are several), bundles in :func:`node_resources` order; Ray queues inside the groups."""
+
+    def __init__(self, cfg: TrainConfig, device: str, run_id: str, get: Callable):
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        self.cfg, self.run_id, self.get = cfg, run_id, get
+        """``get(ref, role)``: the driver's ray.get that turns actor failures into one-sentence errors."""
+        self.handles: dict[str, Any] = {}
+        self.queues: list = []
+        self.pgs: list = []
+        self.resources = [node_resources(cfg, device, k) for k in range(cfg.runtime.nodes)]
+        targets = self._target_nodes(ray, device) if cfg.runtime.nodes > 1 else [None]
+        for k, bundles in enumerate(self.resources):
+            self.pgs.append(placement_group(bundles, strategy="STRICT_PACK", name=f"megatrain-{run_id}-n{k}",
+                                            _soft_target_node_id=targets[k]))
+        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=60)
+        if len(ready) < len(self.pgs):
+            need = self.resources[0]
+            raise PipelineError(
+                f"the Ray cluster cannot place the pipeline's actors ({sum(b.get('CPU', 0) for b in need):g} CPUs"
+                f"{f' and {cfg.runtime.compute_workers} GPUs' if device == 'cuda' else ''} on each of "
+                f"{cfg.runtime.nodes} node(s)); free resources, start Ray with more, or lower "
+                "runtime.compute_workers / runtime.nodes / data.num_workers.")
+        placed = [set(placement_group_table(pg)["bundles_to_node_id"].values()) for pg in self.pgs]
+        if len({n for p in placed for n in p}) < len(self.pgs):
+            raise PipelineError(f"runtime.nodes is {cfg.runtime.nodes} but Ray placed two nodes' roles on one node; "
+                                "give each node of the cluster the resources of one node's roles.")
+        self.k, self.bundle, self.counts = 0, 0, {}
+
+    def _target_nodes(self, ray, device: str) -> list[str]:
+        """Node ids for runtime.nodes nodes: the driver's first, then other alive ones with the resources."""
+        need = self.resources[0]
+        cpus, gpus = sum(b.get("CPU", 0) for b in need), sum(b.get("GPU", 0) for b in need)
+        own = ray.get_runtime_context().get_node_id()
+        alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= cpus
+                 and n["Resources"].get("GPU", 0) >= gpus]
+        alive.sort(key=lambda n: n["NodeID"] != own)
+        if len(alive) < self.cfg.runtime.nodes:
+            raise PipelineError(f"runtime.nodes is {self.cfg.runtime.nodes} but the Ray cluster has {len(alive)} node(s) "
+                                f"with {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''} each; add nodes or "
+                                "lower runtime.nodes.")
+        return [n["NodeID"] for n in alive[:self.cfg.runtime.nodes]]
+
+    def _strategy(self, bundle: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.pgs[self.k], placement_group_bundle_index=bundle)
+
+    def node(self, k: int) -> None:
+        self.k, self.bundle = k, 0
+
+    def queue(self, maxsize: int):
+        from ray.util.queue import Queue
+
+        q = Queue(maxsize=maxsize, actor_options={"num_cpus": 0, "scheduling_strategy": self._strategy(0)})
+        self.queues.append(q)
+        return q
+
+    def actor(self, cls: type, role: str, gpu: bool = False) -> Callable:
+        import ray
+
+        resources = self.resources[self.k][self.bundle]
+        strategy = self._strategy(self.bundle)
+        self.bundle += 1
+        i = self.counts[self.k, role] = self.counts.get((self.k, role), -1) + 1
+        many = role in ("prefetch", "compute") and self.cfg.runtime.compute_workers > 1
+        name = f"{role}{f'-{i}' if many else ''}{f'@{self.k}' if len(self.pgs) > 1 else ''}"
+
+        def spawn(*args, **kwargs):
+            handle = ray.remote(cls).options(
+                name=f"{name}-{self.run_id}", max_concurrency=1, max_restarts=0, num_cpus=resources["CPU"],
+                num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy).remote(*args, **kwargs)
+            self.handles[name] = handle
+            return handle
+
+        return spawn
+
+    def ready(self, handle, role: str) -> None:
+        self.get(handle.ready.remote(), role)
+
+    def form_group(self, computes: list) -> None:
+        """Make the compute workers one data-parallel group (nothing to do for one worker)."""
+        if len(computes) < 2:
+            return
+        rt = self.cfg.runtime
+        address, port = self.get(computes[0].rendezvous.remote(), "compute")
+        self.get([c.join_group.remote(rank, len(computes), rank % rt.compute_workers, rt.compute_workers, address,
+                                      port, rt.actor_timeout_s) for rank, c in enumerate(computes)], "compute")
+
+    def kill(self) -> None:
+        """Remove every actor, queue and placement group (stores on other nodes free their shared
+        memory first, where they still answer)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        stores = [h for name, h in self.handles.items() if name.startswith("store@") and name != "store@0"]
+        if stores:
+            try:
+                ray.wait([s.close.remote() for s in stores], num_returns=len(stores), timeout=10)
+            except Exception:
+                pass
+        for handle in self.handles.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
+        for q in self.queues:
+            try:
+                q.shutdown(force=True)
+            except Exception:
+                pass
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.handles, self.queues, self.pgs = {}, [], []
