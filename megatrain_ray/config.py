@@ -226,6 +226,15 @@ class OptimConfig:
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
 
 
+def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
 @dataclass
 class TrainSection:
     """How many steps, and the shape of each step's batch."""

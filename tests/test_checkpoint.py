@@ -281,7 +281,7 @@ def test_a_finished_run_is_extended_only_explicitly_with_its_schedule_recomputed
     """Resuming a run that reached train.steps is refused with how to extend it; a larger train.steps
     extends it, recomputing the cosine schedule over the new total, and the run says what that does
     to the learning rate (here: from the old schedule's last, tiny rate back up)."""
-    from megatrain_ray.optim import lr_at
+    from megatrain_ray.config import lr_at
 
     a = straight_run
     end = os.path.join(a.run_dir, "checkpoints", f"step-{STEPS:06d}")

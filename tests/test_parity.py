@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
-from megatrain_ray.engine.optim import lr_at  # noqa: E402
+from megatrain_ray.config import lr_at  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402

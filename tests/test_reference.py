@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.data.loader import BatchSource
-from megatrain_ray.engine.optim import lr_at
+from megatrain_ray.config import lr_at
 from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer
 from megatrain_ray.io.evaluate import checkpoint_reader
 from megatrain_ray.io.hf_io import load_train_config

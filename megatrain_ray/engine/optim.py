@@ -10,22 +10,12 @@ a pool of threads (:class:`AdamWRunner`). The math is ``torch.optim.AdamW``'s.
 from __future__ import annotations
 
 import itertools
-import math
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..config import OptimConfig
 from . import adamw_native
-
-
-def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -5,7 +5,7 @@ only in *how* it runs, never in the math: every weight is one fp32 leaf tensor o
 step runs micro-batch by micro-batch with plain autograd (optionally under autocast in bf16, and
 with per-layer recompute through ``torch.utils.checkpoint``), gradients accumulate in fp32 in
 ``.grad``, and the update is ``torch.optim.AdamW`` after ``torch.nn.utils.clip_grad_norm_`` with the
-schedule of :func:`megatrain_ray.engine.optim.lr_at`. The GPU tests, the convergence benchmark and the
+schedule of :func:`megatrain_ray.config.lr_at`. The GPU tests, the convergence benchmark and the
 benchmark's GPU-resident baseline all train through it.
 """
 
@@ -16,11 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ModelConfig, OptimConfig
+from ..config import ModelConfig, OptimConfig, lr_at
 from ..model.layout import StoreLayout
 from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, embed, final_norm, lm_head_weight,
                                  rope_cache, token_loss_sum)
-from .optim import lr_at
 
 
 class ResidentModel:

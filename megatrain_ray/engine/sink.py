@@ -22,9 +22,9 @@ import math
 import queue
 import time
 
-from ..config import OptimConfig
+from ..config import OptimConfig, lr_at
 from ..errors import PipelineError
-from .optim import AdamWRunner, clip_coefficient, lr_at
+from .optim import AdamWRunner, clip_coefficient
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
 

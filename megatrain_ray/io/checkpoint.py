@@ -444,8 +444,7 @@ def check_resume(meta: dict, cfg, directory: str) -> str | None:
     step, not the old one's. Extending a finished run is done that way, explicitly, and the returned
     sentence (None when the schedule is unchanged) says what it does to the learning rate.
     """
-    from .config import OptimConfig
-    from .optim import lr_at
+    from ..config import OptimConfig, lr_at
 
     step, steps = meta["step"], cfg.train.steps
     saved = meta.get("config") or {}

@@ -328,9 +328,9 @@ class Checkpoint:
     @property
     def tokenizer(self) -> str | None:
         """The tokenizer of these weights: the one the run's config names (its directory or BYTE_LEVEL,
-        see :func:`megatrain_ray.datasets.run_tokenizer`) while that is still there, else the tokenizer
+        see :func:`megatrain_ray.data.datasets.run_tokenizer`) while that is still there, else the tokenizer
         files next to the weights, else None (unknown)."""
-        from .datasets import run_tokenizer
+        from ..data.datasets import run_tokenizer
 
         run = self.run_config
         named = run and run_tokenizer(run.get("data") or {}, (run.get("runtime") or {}).get("init_from"))

@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 JOB_OUTPUT_ROOT = "~/megatrain-ray"
 """Where a Ray job's relative output paths are taken from (see :func:`job_path`)."""
