@@ -142,7 +142,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
     assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
     ring = [r["loss"] for r in train_local(load_config(None, overrides), 0)]
-    monkeypatch.setattr("megatrain_ray.orchestration.local.grad_slots_for", lambda precision, max_grad_norm: 0)
+    monkeypatch.setattr("megatrain_ray.orchestration.local.grad_slots_for", lambda precision, max_grad_norm, workers=1: 0)
     whole = [r["loss"] for r in train_local(load_config(None, overrides), 0)]  # the whole-model array
     assert ring == whole and len(set(ring)) == 3
     cfg = load_config(None, overrides)
@@ -189,7 +189,8 @@ def test_ray_memory_monitor_kill_becomes_one_sentence_naming_the_fix():
     with one sentence that says so and names what to change, not Ray's multi-line report."""
     import ray.exceptions
 
-    from megatrain_ray.orchestration.pipeline import ActorDied, _actor_error
+    from megatrain_ray.errors import ActorDied
+    from megatrain_ray.orchestration.calls import actor_error as _actor_error
 
     ray_text = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.1) "
                 "was 119.60GB used / 125.87GB limit (0.950233)")

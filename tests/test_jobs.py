@@ -213,7 +213,7 @@ def test_train_joins_the_running_head(head, tmp_path, shm_dir):
 def test_ray_address_chooses_the_cluster(head, monkeypatch):
     """What connect() would do, without connecting: the head found through the Ray temp dir; a
     private Ray with runtime.ray_address=local; RAY_ADDRESS (a job's) or a given address as is."""
-    from megatrain_ray import cluster
+    from megatrain_ray.orchestration import cluster
     from megatrain_ray.config import RuntimeSection
 
     monkeypatch.setenv("RAY_TMPDIR", HEAD_ENV["RAY_TMPDIR"])

@@ -123,15 +123,15 @@ class Driver:
     def _collect(self, step: int) -> None:
         """Wait for run_step(step) of every worker, watching the prefetcher and sink loops for failures."""
         refs = self.submitted[step]
-        pending = list(refs)
-        while pending:
-            done, _ = ray.wait([*pending, *self.loops], num_returns=1, timeout=1.0)
+        outs: dict[Any, dict] = {}
+        while len(outs) < len(refs):
+            done, _ = ray.wait([*(r for r in refs if r not in outs), *self.loops], num_returns=1, timeout=1.0)
             for r in done:
-                if r in pending:
-                    pending.remove(r)
-                else:  # a loop ended early: fine if it finished its work, else its error is raised
+                if r in self.loops:  # a loop ended early: fine if it finished its work, else its error is raised
                     _get(r, self.loops.pop(r), self.timeout)
-        out = _combine([_get(r, "compute", self.timeout) for r in refs])
+                else:  # read at once: a worker that failed must not wait for the others, stuck in a collective
+                    outs[r] = _get(r, "compute", self.timeout)
+        out = _combine([outs[r] for r in refs])
         del self.submitted[step]
         if not math.isfinite(out["loss"]):
             self._diverged(step, out["loss"])

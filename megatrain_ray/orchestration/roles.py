@@ -169,7 +169,7 @@ class RaySpawner:
         if len({n for p in placed for n in p}) < len(self.pgs):
             raise PipelineError(f"runtime.nodes is {cfg.runtime.nodes} but Ray placed two nodes' roles on one node; "
                                 "give each node of the cluster the resources of one node's roles.")
-        self.k, self.bundle, self.counts = 0, 0, {}
+        self.k, self.next_bundle, self.counts = 0, [0] * len(self.pgs), {}
 
     def _target_nodes(self, ray, device: str) -> list[str]:
         """Node ids for runtime.nodes nodes: the driver's first, then other alive ones with the resources."""
@@ -191,7 +191,7 @@ class RaySpawner:
         return PlacementGroupSchedulingStrategy(self.pgs[self.k], placement_group_bundle_index=bundle)
 
     def node(self, k: int) -> None:
-        self.k, self.bundle = k, 0
+        self.k = k
 
     def queue(self, maxsize: int):
         from ray.util.queue import Queue
@@ -203,9 +203,10 @@ class RaySpawner:
     def actor(self, cls: type, role: str, gpu: bool = False) -> Callable:
         import ray
 
-        resources = self.resources[self.k][self.bundle]
-        strategy = self._strategy(self.bundle)
-        self.bundle += 1
+        bundle = self.next_bundle[self.k]  # the node's roles take its bundles in node_resources order
+        self.next_bundle[self.k] += 1
+        resources = self.resources[self.k][bundle]
+        strategy = self._strategy(bundle)
         i = self.counts[self.k, role] = self.counts.get((self.k, role), -1) + 1
         many = role in ("prefetch", "compute") and self.cfg.runtime.compute_workers > 1
         name = f"{role}{f'-{i}' if many else ''}{f'@{self.k}' if len(self.pgs) > 1 else ''}"
