@@ -80,6 +80,13 @@ def random_tokens(path: str, vocab_size: int, n: int = 4_000_000) -> str:
     return path
 
 
+def _with_workers(base: dict, shape: tuple, data: str, extra: list[str], tmp: str, n: int) -> TrainConfig:
+    """The benchmark's run on ``n`` compute workers, each with the step shape of one (weak scaling)."""
+    tokens, seq_len, micro_batches, steps = shape
+    return bench_config(base, tokens * n, seq_len, micro_batches * n, steps, data,
+                        [*extra, f"runtime.run_dir={tmp}/runs", f"runtime.compute_workers={n}"])
+
+
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -323,6 +330,10 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--gpus", default="1", metavar="N[,N...]",
+                    help="compute workers (GPUs) per run, comma-separated to compare counts in one run (e.g. 1,2): "
+                         "each GPU takes --tokens and --micro-batches of its own (weak scaling); the first count "
+                         "is the 'megatrain_ray' row")
     ap.add_argument("--buffer-depth", type=int, default=None, help="runtime.buffer_depth (default: the library's)")
     ap.add_argument("--master-dtype", default=None, help="runtime.master_dtype (default: the library's)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="optim.max_grad_norm (default: the library's)")
@@ -382,7 +393,6 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
         device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
         report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
                       loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype)
-        flops = 6 * report["params"] * args.tokens
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
             layer_numel = StoreLayout.build(cfg.model).templates[1].numel
@@ -390,7 +400,15 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
             print("probe:", json.dumps({k: {a: round(b, 2) for a, b in v.items()}
                                         for k, v in report.items() if k.endswith("_probe")}), flush=True)
         systems = {}
+        counts = [int(n) for n in args.gpus.split(",")]
+        tokens_of = {"megatrain_ray": args.tokens * counts[0]}
+        if counts[0] > 1:
+            cfg = _with_workers(base, shape, data, extra, tmp, counts[0])
         systems["megatrain_ray"], timeline = run_pipeline(cfg)
+        for n in counts[1:]:
+            systems[f"megatrain_ray_{n}gpu"] = run_pipeline(_with_workers(base, shape, data, extra, tmp, n))[0]
+            systems[f"megatrain_ray_{n}gpu"].pop("rows")
+            tokens_of[f"megatrain_ray_{n}gpu"] = args.tokens * n
         rows = systems["megatrain_ray"].pop("rows")
         report["rows"] = rows
         print("step  start(s)  run_step(s)  waiting(s)  compute(s)  adamw(s)")
@@ -412,12 +430,14 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
             systems[system] = run_peer(system, preset, tokens=args.tokens, seq_len=args.seq_len,
                                        micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
                                        timeout_s=args.peer_timeout_s)
-        with_attention = flops + attention_flops_per_token(cfg.model, args.seq_len) * args.tokens  # PaLM's model FLOPs
-        for r in systems.values():
+        per_token = attention_flops_per_token(cfg.model, args.seq_len)  # PaLM's model FLOPs add this to 6·N
+        for key, r in systems.items():
+            tokens = tokens_of.get(key, args.tokens)
             r.setdefault("step_s", float("nan"))
-            r["tokens_per_s"] = args.tokens / r["step_s"]
-            r["model_tflops"] = flops / r["step_s"] / 1e12
-            r["model_tflops_with_attention"] = with_attention / r["step_s"] / 1e12
+            r["tokens_per_step"] = tokens
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["model_tflops"] = 6 * report["params"] * tokens / r["step_s"] / 1e12
+            r["model_tflops_with_attention"] = (6 * report["params"] + per_token) * tokens / r["step_s"] / 1e12
             if "gemm_tflops" in report:
                 r["mfu"] = r["model_tflops_with_attention"] / report["gemm_tflops"]
         report["systems"] = systems
@@ -427,6 +447,10 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
     print(f"\n{name}: {report['params'] / 1e9:.2f} B params ({report['layers']} layers, vocabulary "
           f"{model.vocab_size}), {args.tokens} tokens/step, {report['device']}")
     print(format_systems(systems))
+    for n in counts[1:]:
+        many = systems[f"megatrain_ray_{n}gpu"]
+        print(f"{n} GPUs: {many['tokens_per_s']:,.0f} tokens/s = {many['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
+              f"{counts[0]} GPU(s) in this run ({n * args.tokens} tokens/step, {many['step_s']:.2f} s/step)")
     print("ours, share of the step: " + ", ".join(
         f"{lane} {ours[f'{lane}_busy_frac']:.0%}" for lane in ("compute", "h2d", "d2h", "update", "wait"))
         + f"; {ours['outside_run_step_s']:.3f} s/step outside run_step"

@@ -157,7 +157,7 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
             "train.micro_batch_size=3", "train.num_micro_batches=2", "runtime.offload_activations=true"]
     rows = {r.component: r for r in preflight.plan(load_config(None, base), "cuda", device_bytes=80 * 2**30,
                                                    starts_ray=False).rows}
-    assert rows["CUDA context, host side (compute worker)"].where == "host"
+    assert rows["CUDA context, host side (1 compute worker(s))"].where == "host"
     assert not any("compile worker" in name for name in rows)
     offload = next(r for name, r in rows.items() if name.startswith("activation checkpoints (7 x 2"))
     per_buffer = 3 * 500 * 1008 * 2  # bf16 [3, 500, 1008] = 3,024,000 bytes -> 4 MiB pinned
@@ -200,3 +200,22 @@ def test_the_object_store_is_counted_only_when_the_run_starts_ray():
         cfg = load_config(None, [f"runtime.ray_address={address}"])
         names = [r.component for r in preflight.plan(cfg, "cpu").rows]
         assert ("Ray object store" in names) == counted
+
+
+def test_plan_for_several_gpus_counts_each_gpus_share_and_each_worker():
+    """With N compute workers per node each GPU holds the checkpoints of 1/N of the micro-batches,
+    while the node's host side holds N prefetch + compute processes and N CUDA contexts."""
+    base = ["model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8",
+            "train.seq_len=256", "train.micro_batch_size=2", "train.num_micro_batches=4"]
+    one, two = (preflight.plan(load_config(None, base + [f"runtime.compute_workers={n}"]), "cuda",
+                               device_bytes=80 * 2**30, starts_ray=False) for n in (1, 2))
+    rows1, rows2 = ({r.component: r for r in p.rows} for p in (one, two))
+    assert rows1["activation checkpoints (5 x 4 x 512 tokens x 512)"].nbytes == \
+        2 * rows2["activation checkpoints (5 x 2 x 512 tokens x 512)"].nbytes
+    assert rows2["CUDA context, host side (2 compute worker(s))"].nbytes == \
+        2 * rows1["CUDA context, host side (1 compute worker(s))"].nbytes
+    procs = [r for name, r in rows2.items() if name.endswith("processes (driver, store, 2 x prefetch + compute, sink, "
+                                                             "loaders)")]
+    assert len(procs) == 1 and procs[0].nbytes == 8 * preflight.PROCESS_BYTES
+    assert "1/2 of the micro-batches" in two.title
+

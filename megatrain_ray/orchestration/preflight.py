@@ -260,16 +260,17 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Ro
     layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
     head_numel = layout.templates[-1].numel
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
+    mbs = t.num_micro_batches // (rt.compute_workers * rt.nodes)  # one GPU's share of the step
     rows = [
         Row(f"weight slots ({depth} x largest unit)", "device", depth * layout.max_unit_numel * c),
-        Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {t.num_micro_batches} x {tokens} tokens x {h})"
+        Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {mbs} x {tokens} tokens x {h})"
             + (", offloaded (pinned buffers round up to powers of 2)" if rt.offload_activations else ""),
             "host" if rt.offload_activations else "device",
-            (m.num_hidden_layers + 1) * t.num_micro_batches
+            (m.num_hidden_layers + 1) * mbs
             * (_pinned_size(tokens * h * c) if rt.offload_activations else tokens * h * c)),
-        *([Row(f"activation checkpoints in flight (3 x {t.num_micro_batches} x {tokens} tokens x {h})", "device",
-               3 * t.num_micro_batches * tokens * h * c)] if rt.offload_activations else []),
-        Row("input gradients of every micro-batch", "device", t.num_micro_batches * tokens * h * c),
+        *([Row(f"activation checkpoints in flight (3 x {mbs} x {tokens} tokens x {h})", "device",
+               3 * mbs * tokens * h * c)] if rt.offload_activations else []),
+        Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         Row("one layer's working set (one micro-batch)", "device",
             tokens * (4 * h + 2 * q + 2 * kv + 4 * inter) * c + layer_numel * (4 + c)),
         Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
@@ -326,11 +327,12 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if starts_ray:
         same_fs = _same_filesystem(rt.shm_dir, "/dev/shm")
         rows.append(Row("Ray object store", "shm" if same_fs else "host", rt.object_store_memory))
-    n_proc = 4 + cfg.data.num_workers + 1
-    rows.append(Row(f"{n_proc} processes (driver, store, prefetch, compute, sink, loaders)", "host",
+    workers = rt.compute_workers
+    n_proc = 3 + 2 * workers + cfg.data.num_workers
+    rows.append(Row(f"{n_proc} processes (driver, store, {workers} x prefetch + compute, sink, loaders)", "host",
                     n_proc * PROCESS_BYTES))
     if device == "cuda":
-        rows.append(Row("CUDA context, host side (compute worker)", "host", CUDA_HOST_BYTES))
+        rows.append(Row(f"CUDA context, host side ({workers} compute worker(s))", "host", workers * CUDA_HOST_BYTES))
     if rt.compile_on(device) and rt.compile_threads > 1:
         rows.append(Row(f"{rt.compile_threads} compile worker processes (runtime.compile_threads, first step)",
                         "host", rt.compile_threads * COMPILE_WORKER_BYTES))
@@ -350,7 +352,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     title = (f"preflight: {m.model_type}, {_count(n_params)} parameters ({m.num_hidden_layers} layers, "
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
-             f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step")
+             f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
+             + (f"; per node of {rt.nodes}, {rt.compute_workers} GPU(s) each taking 1/{rt.compute_workers * rt.nodes} "
+                "of the micro-batches (device rows: per GPU)" if rt.compute_workers * rt.nodes > 1 else ""))
     result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.notes.append(_checkpoint_note(cfg, n_params * (precision.master.itemsize + 8)))
