@@ -10,7 +10,7 @@ What users would run instead of megatrain_ray, set up as their documentation say
 way :mod:`megatrain_ray.bench` measures us: the same shapes (``megatrain_ray.model.presets``, optionally with
 another layer count), random init, the same tokens per step (micro_batches x micro_batch_size x
 seq_len, accumulated over micro-batches), per-layer recompute, AdamW (lr 1e-4, betas (0.9, 0.95),
-eps 1e-8, weight decay on matrices only) and global-norm clipping at 1.0.
+eps 1e-8, weight decay on matrices only, megatrain_ray's default) and global-norm clipping at 1.0.
 
 - ``deepspeed``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` to pinned CPU memory,
   DeepSpeedCPUAdam (``torch.optim.AdamW`` on the CPU with ``--ds-torch-adam``), bf16 on. The model
@@ -89,7 +89,8 @@ class PeerSpec:
     """Override of the preset's num_hidden_layers (size sweep); None keeps it."""
     lr: float = 1e-4
     weight_decay: float = 0.1
-    """Decoupled weight decay on matrices only (norms and biases get none), as megatrain_ray does."""
+    """Decoupled weight decay on matrices only (norms and biases get none), as megatrain_ray does by
+    default (``optim.decay_norms_and_biases: false``)."""
     max_grad_norm: float = 1.0
     ds_torch_adam: bool = False
     """DeepSpeed only: torch.optim.AdamW on the CPU instead of DeepSpeedCPUAdam (no op compile)."""
@@ -187,7 +188,10 @@ def build_model(cfg, dtype: torch.dtype):
     """The HF causal LM for ``cfg`` (sdpa attention), every decoder layer recomputed in backward."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    # transformers 4.56 renamed torch_dtype to dtype (5 still takes the old name, with a warning)
+    new = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (4, 56)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
+                                                          **{"dtype" if new else "torch_dtype": dtype})
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})
     model.config.use_cache = False
@@ -211,7 +215,7 @@ def _shape(p: torch.nn.Parameter) -> tuple[int, ...]:
 
 
 def param_groups(model, spec: PeerSpec) -> list[dict]:
-    """AdamW groups: weight decay on matrices, none on norms and biases (megatrain_ray's rule)."""
+    """AdamW groups: weight decay on matrices, none on norms and biases (megatrain_ray's default)."""
     decay = [p for p in model.parameters() if len(_shape(p)) >= 2]
     rest = [p for p in model.parameters() if len(_shape(p)) < 2]
     return [{"params": decay, "weight_decay": spec.weight_decay}, {"params": rest, "weight_decay": 0.0}]

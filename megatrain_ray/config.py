@@ -209,7 +209,11 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW denominator epsilon."""
     weight_decay: float = 0.0
-    """Decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    """Decoupled weight decay, applied to matrices (embeddings, projections, LM head) and, with
+    decay_norms_and_biases, to every parameter."""
+    decay_norms_and_biases: bool = False
+    """Also decay the 1-D parameters (RMSNorm weights, attention biases), as ``torch.optim.AdamW``
+    does to every parameter it is given in one group; false keeps them undecayed, the usual LLM recipe."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 

@@ -114,6 +114,13 @@ def test_negative_weight_decay_is_rejected():
     assert "-0.1" in msg
 
 
+def test_decay_of_norms_and_biases_is_off_unless_asked():
+    assert load_config(None).optim.decay_norms_and_biases is False
+    assert load_config(None, ["optim.decay_norms_and_biases=true"]).optim.decay_norms_and_biases is True
+    msg = _error(overrides=["optim.decay_norms_and_biases=1"])
+    assert msg == "optim.decay_norms_and_biases must be true or false, got 1."
+
+
 def test_zero_steps_is_rejected():
     msg = _error(overrides=["train.steps=0"])
     assert "train.steps" in msg

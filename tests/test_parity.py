@@ -1,10 +1,16 @@
-"""Parity with the trusted reference: HF transformers + torch.optim.AdamW, same batches, fp32 on CPU.
+"""Parity with the trusted reference: HF transformers + torch.optim.AdamW, same batches, on the CPU.
 
 Tiny random Llama (untied) and Qwen2 (q/k/v biases, tied embeddings) models are built locally with
 transformers and saved with save_pretrained; both our pipeline (real Ray actors, real shared
-memory) and the reference train from that checkpoint for several steps with gradient accumulation,
-clipping, weight decay and warmup + cosine. Per-step losses and the final weights must agree.
+memory, fp32) and the reference train from that checkpoint for several steps with gradient
+accumulation, clipping, weight decay (of the matrices, or with optim.decay_norms_and_biases of
+every parameter) and warmup + cosine. The reference runs in float64, standing in for exact
+arithmetic, and twice in fp32, the second time with eager attention and the micro-batches in
+reverse order, so rounding differently: ours' per-step losses and final weights must be about as
+close to the float64 run as the farther fp32 run is (see float64_truth for how close).
 """
+
+import glob
 
 import numpy as np
 import pytest
@@ -14,20 +20,21 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.data.loader import BatchSource  # noqa: E402
 from megatrain_ray.config import lr_at  # noqa: E402
+from megatrain_ray.data.loader import BatchSource  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
+from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # noqa: E402
 
 STEPS = 5
 
 
-def _hf_model(kind: str):
+def _hf_model(kind: str, attention: str = "sdpa"):
     torch.manual_seed(0)
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6)
+                  rms_norm_eps=1e-6, attn_implementation=attention)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = transformers.LlamaForCausalLM(cfg)
@@ -41,21 +48,25 @@ def _hf_model(kind: str):
     return model.float()
 
 
-def _reference(model, cfg, source: BatchSource) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(model, cfg, source: BatchSource, reverse: bool = False
+               ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The training loop as users write it, in the model's dtype, the micro-batches of each step in
+    reverse order if asked; returns per-step losses and final weights."""
     params = [p for p in model.parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
     o = cfg.optim
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if o.decay_norms_and_biases:  # one group: torch.optim.AdamW decays every parameter it is given
+        groups = [{"params": params, "weight_decay": o.weight_decay}]
+    else:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     losses = []
     for step in range(cfg.train.steps):
         batch = source.batch(step)
         ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
         n_tokens = int((labels != IGNORE_INDEX).sum())
         total = 0.0
-        for m in range(ids.shape[0]):
+        for m in reversed(range(ids.shape[0])) if reverse else range(ids.shape[0]):
             logits = model(input_ids=ids[m]).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[m].reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
@@ -70,8 +81,12 @@ def _reference(model, cfg, source: BatchSource) -> tuple[list[float], dict[str, 
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("kind,micro_batches", [("llama", 2), ("qwen2", 3)])
-def test_pipeline_matches_transformers_and_adamw(kind, micro_batches, ray_cluster, shm_dir, tmp_path):
+@pytest.mark.parametrize("kind,micro_batches,decay_all", [
+    ("llama", 2, False),
+    ("qwen2", 3, False),
+    ("qwen2", 3, True),  # decay_norms_and_biases: Qwen2 has both kinds of 1-D parameter, norms and biases
+])
+def test_pipeline_matches_transformers_and_adamw(kind, micro_batches, decay_all, ray_cluster, shm_dir, tmp_path):
     model = _hf_model(kind)
     model.save_pretrained(tmp_path / "init", safe_serialization=True)
     rng = np.random.default_rng(1)  # a learnable stream: a fixed cycle with 10% noise
@@ -84,7 +99,7 @@ def test_pipeline_matches_transformers_and_adamw(kind, micro_batches, ray_cluste
         f"train.steps={STEPS}", "train.seq_len=16", "train.micro_batch_size=2",
         f"train.num_micro_batches={micro_batches}",
         "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_steps=2", "optim.weight_decay=0.1",
-        "optim.max_grad_norm=0.5", "optim.beta2=0.99",
+        "optim.max_grad_norm=0.5", "optim.beta2=0.99", f"optim.decay_norms_and_biases={str(decay_all).lower()}",
     ])
     assert cfg.model.model_type == kind
 
@@ -93,28 +108,30 @@ def test_pipeline_matches_transformers_and_adamw(kind, micro_batches, ray_cluste
     source = BatchSource(cfg.data.path, cfg.train.seq_len, cfg.train.micro_batch_size,
                          cfg.train.num_micro_batches, cfg.train.seed, cfg.model.vocab_size)
     ref_losses, ref_weights = _reference(model, cfg, source)
+    alt_losses, alt_weights = _reference(_hf_model(kind, "eager"), cfg, source, reverse=True)
+    exact = to_float64(_hf_model(kind))
+    with float64_only():
+        true_losses, true_weights = _reference(exact, cfg, source)
 
     # Clipping was active (else the test would not exercise it) and the loss moved.
     assert max(result.grad_norms) > cfg.optim.max_grad_norm
     assert ref_losses[-1] < ref_losses[0]
-    np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-5)
+    steps = [f"loss of step {i}" for i in range(STEPS)]
+    assert_as_close_to_truth(dict(zip(steps, result.losses)), [dict(zip(steps, ref_losses)),
+                             dict(zip(steps, alt_losses))], dict(zip(steps, true_losses)))
 
     ours = {}
-    import glob
     for path in glob.glob(str(tmp_path / "runs" / result.run_id / "final" / "*.safetensors")):
         ours.update(load_file(path))
-    expected = {k: v for k, v in ref_weights.items()
-                if not (k == "lm_head.weight" and cfg.model.tie_word_embeddings)}
+    tied = cfg.model.tie_word_embeddings
+    expected, alt, truth = ({k: v for k, v in w.items() if not (k == "lm_head.weight" and tied)}
+                            for w in (ref_weights, alt_weights, true_weights))
     assert set(ours) == set(expected)
-    diff_sq = sum(float((ours[k] - v).norm() ** 2) for k, v in expected.items())
-    ref_sq = sum(float(v.norm() ** 2) for v in expected.values())
-    assert (diff_sq / ref_sq) ** 0.5 < 1e-5
-    for name, ref in expected.items():
-        rel = (ours[name] - ref).norm() / ref.norm()
-        # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by
-        # all keys of a query), so in both implementations AdamW normalises rounding noise there.
-        tol = 1e-4 if name.endswith("k_proj.bias") else 1e-5
-        assert rel < tol, f"{name}: relative difference {rel:.2e}"
+    # Per tensor and overall. The key bias's gradient is mostly cancellation (without RoPE it would be
+    # zero, softmax ignoring a shift shared by all keys; RoPE rotates the bias differently at each
+    # position, which leaves a small real gradient), so every fp32 run is ~10x farther from the truth
+    # there than on other tensors, the references as much as ours: no special case is needed.
+    assert_as_close_to_truth(ours, [expected, alt], truth)
     # The weights really changed from the initial checkpoint.
     init = _hf_model(kind).state_dict()
     assert (ours["model.layers.0.mlp.up_proj.weight"] - init["model.layers.0.mlp.up_proj.weight"]).norm() > 1e-3

@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import peers
 from megatrain_ray.model.presets import model_params
+from float64_truth import assert_as_close_to_truth, float64_only, to_float64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -36,7 +37,9 @@ def test_hf_model_is_the_bench_model(preset, arch):
     assert type(model).__name__ == arch
     assert sum(p.numel() for p in model.parameters()) == model_params(preset) == peers.num_params(spec)
     assert model.config._attn_implementation == "sdpa" and model.config.use_cache is False
-    assert all(layer.gradient_checkpointing for layer in model.base_model.layers)
+    # newer transformers mark each layer for recompute, older ones (4.45) the base model
+    assert all(getattr(layer, "gradient_checkpointing", model.base_model.gradient_checkpointing)
+               for layer in model.base_model.layers)
     groups = peers.param_groups(model, spec)
     assert all(p.dim() >= 2 for p in groups[0]["params"]) and all(p.dim() < 2 for p in groups[1]["params"])
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
@@ -117,9 +120,44 @@ def test_table_shows_failed_runs_without_numbers():
     assert table[2].split() == ["deepspeed", "28", "7.60B", "oom", "-", "-", "-", "-", "-"]
 
 
+def _plain_loop(spec: peers.PeerSpec, model, steps: int) -> tuple[list[float], list[float]]:
+    """The FSDP2 step written out plainly, in the model's dtype: HF loss, torch.optim.AdamW (matrices
+    decayed), clipping; returns per-step losses and gradient norms."""
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    batches = peers.step_tokens(spec, 4096)
+    losses, norms = [], []
+    for _ in range(steps):
+        mb_losses = []
+        for mb in next(batches):  # [4, 33]
+            logits = model(input_ids=mb[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 4096), mb[:, 1:].reshape(-1))
+            (loss / spec.micro_batches).backward()
+            mb_losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(sum(mb_losses) / spec.micro_batches)
+    return losses, norms
+
+
+def _initial_model(spec: peers.PeerSpec):
+    model = peers.build_model(peers.hf_config(spec), torch.float32)
+    peers.init_weights_(model, torch.device("cpu"), spec.seed)
+    return model
+
+
 def test_fsdp2_loop_matches_plain_torch_adamw(monkeypatch):
     """The FSDP2 path (fully_shard on every layer and the root, gloo, world size 1, fp32 on the CPU)
-    trains exactly like the same HF model with torch.optim.AdamW and clipping, written out plainly."""
+    trains like the same HF model with torch.optim.AdamW and clipping, written out plainly: its
+    losses and weights are about as close to the plain loop run in float64 as the plain loop in fp32
+    is (see float64_truth). Adam turns last-bit differences in an embedding row of a rare token, whose
+    gradient is ~eps, into ~lr-sized ones, so no fixed elementwise tolerance holds everywhere. One
+    fp32 reference is enough here: both run the same HF modules, rounding apart only in the clipping
+    norm and the AdamW kernel, and land equally far from the truth (distance ratios ~1.0 per tensor)."""
     import torch.distributed as dist
 
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -137,36 +175,20 @@ def test_fsdp2_loop_matches_plain_torch_adamw(monkeypatch):
     finally:
         dist.destroy_process_group()
 
-    ref = peers.build_model(peers.hf_config(spec), torch.float32)
-    peers.init_weights_(ref, torch.device("cpu"), spec.seed)
-    ref.train()
-    decay = [p for p in ref.parameters() if p.dim() >= 2]
-    rest = [p for p in ref.parameters() if p.dim() < 2]
-    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-    batches = peers.step_tokens(spec, 4096)
-    ref_losses, norms = [], []
-    for _ in range(3):
-        losses = []
-        for mb in next(batches):  # [4, 33]
-            logits = ref(input_ids=mb[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 4096), mb[:, 1:].reshape(-1))
-            (loss / 2).backward()
-            losses.append(loss.item())
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(sum(losses) / 2)
+    ref = _initial_model(spec)
+    ref_losses, norms = _plain_loop(spec, ref, 3)
+    exact = to_float64(_initial_model(spec))
+    with float64_only():
+        true_losses, _ = _plain_loop(spec, exact, 3)
     assert min(norms) > 0.05  # clipping was active
-    assert fsdp_losses == pytest.approx(ref_losses, abs=1e-5)
-    init = peers.build_model(peers.hf_config(spec), torch.float32)
-    peers.init_weights_(init, torch.device("cpu"), spec.seed)
-    init = dict(init.named_parameters())
-    for name, p in ref.named_parameters():
-        # Adam moves each element by about lr = 1e-2 a step whatever its gradient's size, so where a
-        # gradient is ~eps (embedding rows of rare tokens) last-bit differences show up as ~1e-4
-        torch.testing.assert_close(fsdp_weights[name], p.detach(), atol=1e-4, rtol=1e-5)
-        assert not torch.equal(p, init[name]), name  # every tensor was updated
+    steps = [f"loss of step {i}" for i in range(3)]
+    assert_as_close_to_truth(dict(zip(steps, fsdp_losses)), [dict(zip(steps, ref_losses))],
+                             dict(zip(steps, true_losses)))
+    ref_weights = dict(ref.named_parameters())
+    assert_as_close_to_truth(fsdp_weights, [ref_weights], dict(exact.named_parameters()))
+    init = dict(_initial_model(spec).named_parameters())
+    for name in ref_weights:
+        assert not torch.equal(fsdp_weights[name], init[name]), name  # every tensor was updated
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,9 +2,10 @@
 
 The update is torch's own fused AdamW kernel (``torch._fused_adamw_``, the kernel behind
 ``torch.optim.AdamW(fused=True)``), applied to two contiguous views per unit: the weight-decayed
-matrices and the undecayed norms/biases (see :mod:`megatrain_ray.model.layout`), or, where a C compiler
-is found, a one-pass kernel with the same arithmetic (:mod:`megatrain_ray.engine.adamw_native`) run on
-a pool of threads (:class:`AdamWRunner`). The math is ``torch.optim.AdamW``'s.
+matrices and the norms/biases after them (see :mod:`megatrain_ray.model.layout`), decayed too only with
+``optim.decay_norms_and_biases``; or, where a C compiler is found, a one-pass kernel with the same
+arithmetic (:mod:`megatrain_ray.engine.adamw_native`) run on a pool of threads (:class:`AdamWRunner`).
+The math is ``torch.optim.AdamW``'s.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def decay_spans(numel: int, decay_numel: int, cfg: OptimConfig) -> tuple[tuple[int, int, float], ...]:
+    """(start, end, weight decay) of a unit's two spans: its matrices [0, decay_numel) get
+    cfg.weight_decay, the norms and biases after them too with cfg.decay_norms_and_biases, else none."""
+    rest = cfg.weight_decay if cfg.decay_norms_and_biases else 0.0
+    return (0, decay_numel, cfg.weight_decay), (decay_numel, numel, rest)
 
 
 CHUNK = 1 << 20
@@ -54,8 +62,7 @@ class AdamWRunner:
             torch.set_num_threads(self.threads)
             adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale)
             return
-        pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in
-                  ((0, decay_numel, cfg.weight_decay), (decay_numel, master.numel(), 0.0))
+        pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(master.numel(), decay_numel, cfg)
                   for a in range(lo, hi, CHUNK)]
         counter = itertools.count()
 
@@ -84,12 +91,13 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     grad: [n] in any float dtype, scaled by ``grad_scale`` (the clipping factor) as it is upcast;
     it may alias ``stream``, since each piece's gradient is read before its stream copy is
     rewritten; exp_avg, exp_avg_sq: [n] fp32; stream: [n] compute-dtype copy to refresh, or None.
-    The first ``decay_numel`` elements get weight decay. ``step`` is the 1-based AdamW step.
+    The first ``decay_numel`` elements (the matrices) get weight decay, the rest only with
+    ``cfg.decay_norms_and_biases`` (:func:`decay_spans`). ``step`` is the 1-based AdamW step.
     """
     step_t = torch.tensor(float(step))
     g_buf = torch.empty(min(CHUNK, master.numel()), dtype=torch.float32)
     p_buf = g_buf.new_empty(g_buf.shape) if master.dtype != torch.float32 else None
-    for lo, hi, weight_decay in ((0, decay_numel, cfg.weight_decay), (decay_numel, master.numel(), 0.0)):
+    for lo, hi, weight_decay in decay_spans(master.numel(), decay_numel, cfg):
         for a in range(lo, hi, CHUNK):
             b = min(hi, a + CHUNK)
             # An fp32 gradient is scaled in place: its block is scratch once read (even when it

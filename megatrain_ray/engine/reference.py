@@ -108,14 +108,14 @@ class ResidentModel:
 class ResidentTrainer:
     """``torch.optim.AdamW`` over a :class:`ResidentModel`, with our param groups and schedule.
 
-    Matrices get weight decay; norms and biases only with ``optim.decay_norms_and_biases`` (when the
-    config has that option), as the engine does (:mod:`megatrain_ray.model.layout`).
+    Matrices get weight decay; norms and biases only with ``optim.decay_norms_and_biases``, as the
+    engine does (:mod:`megatrain_ray.model.layout`).
     """
 
     def __init__(self, model: ResidentModel, optim: OptimConfig, total_steps: int, fused: bool | None = None):
         self.model, self.optim, self.total_steps = model, optim, total_steps
         params = model.parameters()
-        decay_all = bool(getattr(optim, "decay_norms_and_biases", False))
+        decay_all = optim.decay_norms_and_biases
         decay = [p for p in params if p.dim() >= 2 or decay_all]
         rest = [p for p in params if not (p.dim() >= 2 or decay_all)]
         groups = [{"params": decay, "weight_decay": optim.weight_decay}]

@@ -1,10 +1,11 @@
 """Flat-buffer layout of the model's units, shared by the host store and the compute templates.
 
 Every unit (``embed``, ``layers.i``, ``head``) is one contiguous run of elements. Inside it the
-weight-decayed parameters (matrices) come first and the others (norms, biases) after them, so the
-optimizer sees two contiguous views per unit. Each unit starts at a multiple of
-:data:`UNIT_ALIGN` elements, so its block is page-aligned in every dtype of the store (fp32, bf16),
-which is what ``cudaHostRegister``-backed copies and per-layer mappings want.
+matrices, always weight-decayed, come first and the 1-D parameters (norms, biases), decayed only
+with ``optim.decay_norms_and_biases``, after them, so the optimizer sees two contiguous views per
+unit. Each unit starts at a multiple of :data:`UNIT_ALIGN` elements, so its block is page-aligned
+in every dtype of the store (fp32, bf16), which is what ``cudaHostRegister``-backed copies and
+per-layer mappings want.
 
 A :class:`LayerTemplate` is the stateless view of one unit: given any flat tensor holding that
 unit (a host block, a device slot), ``bind`` returns the parameter dict of views into it, with no
@@ -49,7 +50,8 @@ class LayerTemplate:
     numel: int
     """Elements used by the unit (the last parameter's end)."""
     decay_numel: int
-    """The first ``decay_numel`` elements are weight-decayed (matrices); the rest are not."""
+    """The first ``decay_numel`` elements are the matrices (always weight-decayed); the rest are the
+    norms and biases (decayed only with ``optim.decay_norms_and_biases``)."""
     fused: tuple[tuple[str, tuple[int, ...], int], ...] = ()
     """(name, shape, offset) of fused views over adjacent parameters (see the module docstring)."""
 
