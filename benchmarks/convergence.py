@@ -182,7 +182,7 @@ def main(argv=None) -> int:
           report["vocab"], flush=True)
     base = [f"runtime.init_from={work}/init", f"data.path={corpus}", "data.format=text",
             f"data.tokenizer={work}/tokenizer", "data.val_fraction=0.01", f"data.cache_dir={work}/cache",
-            "data.num_workers=8", f"runtime.run_dir={work}/runs", f"train.steps={args.steps}",
+            "data.num_workers=8", f"runtime.run_dir={work}/runs", "runtime.ray_address=local", f"train.steps={args.steps}",
             f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch_size}",
             f"train.num_micro_batches={args.micro_batches}", f"train.eval_every={max(1, args.steps // 10)}",
             "train.log_every=25", "train.checkpoint_every=0", "optim.lr=1e-3", "optim.min_lr=1e-4",
