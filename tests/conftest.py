@@ -15,7 +15,7 @@ def ray_cluster():
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+        ray.init(address="local", num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False,
                  object_store_memory=200 * 2**20, log_to_driver=False)
     yield
     ray.shutdown()
