@@ -438,14 +438,15 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
             r["tokens_per_s"] = tokens / r["step_s"]
             r["model_tflops"] = 6 * report["params"] * tokens / r["step_s"] / 1e12
             r["model_tflops_with_attention"] = (6 * report["params"] + per_token) * tokens / r["step_s"] / 1e12
-            if "gemm_tflops" in report:
-                r["mfu"] = r["model_tflops_with_attention"] / report["gemm_tflops"]
+            if "gemm_tflops" in report:  # per GPU: against one GPU's GEMM times the GPUs the run used
+                gpus = tokens // args.tokens if key.startswith("megatrain_ray") else 1
+                r["mfu"] = r["model_tflops_with_attention"] / (report["gemm_tflops"] * gpus)
         report["systems"] = systems
     with open(os.path.join(args.out, f"bench-{name}.json"), "w") as f:
         json.dump(report, f, indent=2)
     ours = systems["megatrain_ray"]
     print(f"\n{name}: {report['params'] / 1e9:.2f} B params ({report['layers']} layers, vocabulary "
-          f"{model.vocab_size}), {args.tokens} tokens/step, {report['device']}")
+          f"{model.vocab_size}), {args.tokens} tokens/step{' per GPU' if max(counts) > 1 else ''}, {report['device']}")
     print(format_systems(systems))
     for n in counts[1:]:
         many = systems[f"megatrain_ray_{n}gpu"]
