@@ -15,7 +15,7 @@ megatrain_ray, and in the same run: the same model trained plainly on the GPU (f
 bf16 autocast, per-layer recompute, fused AdamW on the GPU; ``--baseline``, eager, or
 ``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
 peers of benchmarks/peers.py (``--peers``, presets only, run through that script), and a bf16 GEMM. ``--check``
-first compares the CUDA bf16 path's losses with the CPU fp32 path on a small model; ``--probe``
+first trains a small model 24 steps against GPU-resident PyTorch and stops if it does not track it; ``--probe``
 times one layer (eager and compiled) and the CPU AdamW variants.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .config import TrainConfig, load_config, usable_cpus
-from .errors import ConfigError
+from .errors import ConfigError, PipelineError
 from .io.hf_io import load_train_config, read_config
 from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
@@ -345,7 +345,9 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
                     help="also train with these peers (comma-separated: deepspeed, fsdp2; presets only, "
                          "through python benchmarks/peers.py bench ...)")
     ap.add_argument("--peer-timeout-s", type=float, default=300.0, help="time limit of each peer run")
-    ap.add_argument("--check", action="store_true", help="first compare CUDA bf16 with CPU fp32 losses")
+    ap.add_argument("--check", action="store_true",
+                    help="first train 24 steps of a small model against GPU-resident PyTorch and stop if it does not "
+                         "track it (see megatrain_ray.gpu_check)")
     ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for our runs (repeatable), e.g. runtime.compile=false or model.vocab_size=32000")
@@ -376,17 +378,18 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         data = random_tokens(os.path.join(tmp, "tokens.npy"), model.vocab_size)
-        if args.check:
-            small = random_tokens(os.path.join(tmp, "small.npy"), PRESETS["tiny"]["vocab_size"], 200_000)
-            losses = {}
-            for dev, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
-                cfg = bench_config(base_sections("tiny", None, None, None), 4096, 256, 2, 4, small, [
-                    f"runtime.device={dev}", f"runtime.compute_dtype={dtype}", f"runtime.run_dir={tmp}/runs"])
-                losses[dev] = run_pipeline(cfg)[0]["losses"]
-            rel = max(abs(a - b) / abs(b) for a, b in zip(losses["cuda"], losses["cpu"]))
-            report["check"] = {"cpu_fp32_losses": losses["cpu"], "cuda_bf16_losses": losses["cuda"],
-                               "max_rel_diff": rel, "ok": rel < 2e-2}
-            print(f"check: CUDA bf16 vs CPU fp32 losses, max relative difference {rel:.2e}", flush=True)
+        if args.check:  # the GPU path against GPU-resident PyTorch (megatrain_ray.gpu_check): can fail
+            from .gpu_check import run_check
+
+            check = run_check(os.path.join(tmp, "check"))
+            check.pop("refs")
+            report["check"] = check
+            print(f"check: 24 steps against GPU-resident PyTorch: {'ok' if check['ok'] else 'FAILED'}; ours vs the bf16 "
+                  f"resident run {check['seen']}, bound {check['bound']}; failed: "
+                  f"{[k for k, ok in check['checks'].items() if not ok] or 'none'}", flush=True)
+            if not check["ok"]:
+                raise PipelineError("bench --check: the GPU path does not track GPU-resident PyTorch "
+                                    f"({[k for k, ok in check['checks'].items() if not ok]}); see bench-*.json's check.")
         if torch.cuda.is_available():
             report["gemm_tflops"] = gemm_tflops()
         cfg = bench_config(base, *shape, data, [*extra, f"runtime.run_dir={tmp}/runs"])
