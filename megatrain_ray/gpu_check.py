@@ -2,13 +2,14 @@
 
 Our pipeline (real Ray actors, the compiled layer, AdamW with clipping, several micro-batches)
 trains a small model from an HF checkpoint; :class:`~megatrain_ray.engine.reference.ResidentTrainer`
-trains the same weights on the same batches GPU-resident three times: R (fp32 weights, bf16
+trains the same weights on the same batches GPU-resident four times: R (fp32 weights, bf16
 autocast, fp32 gradients, torch AdamW: the reference), R2 (R with every micro-batch cut in two: only
-the summation order of the bf16 GEMMs changes) and F (R in fp32).
+the summation order of the bf16 GEMMs changes), RC (R with the decoder layer compiled, as ours runs
+it: only the fused kernels' roundings change) and F (R in fp32).
 
 The tolerance: ours differs from R only by bf16 roundings (the gradient crossing to the host in
 bf16, the compiled layer's fused kernels, the chunked loss, summation orders). Over a run the
-training dynamics amplify any such difference to one common scale, which R2 and F sample; ours must
+training dynamics amplify any such difference to one common scale, which R2, RC and F sample; ours must
 stay within twice the larger of their distances to R (twice: two samples of that noise differ by as
 much), for the final weights (relative L2 over all of them), the per-step losses and the per-step
 gradient norms (largest difference over the run). A real error (clipping skipped, a stale or wrong
@@ -35,10 +36,14 @@ from .orchestration.cluster import connect_ray
 METRICS = ("weights", "loss", "norm")
 
 
-def resident_run(cfg: TrainConfig, autocast: torch.dtype | None, split: int = 1) -> tuple[list, list, dict]:
+def resident_run(cfg: TrainConfig, autocast: torch.dtype | None, split: int = 1,
+                 compiled: bool = False) -> tuple[list, list, dict]:
     """(losses, grad norms, final weights by HF name) of cfg trained GPU-resident from runtime.init_from."""
+    from .model.transformer import decoder_layer
+
+    layer_fn = torch.compile(decoder_layer, dynamic=False) if compiled else decoder_layer
     model = ResidentModel.from_reader(cfg.model, checkpoint_reader(cfg.runtime.init_from)[1], "cuda",
-                                      autocast=autocast)
+                                      autocast=autocast, layer_fn=layer_fn)
     trainer = ResidentTrainer(model, cfg.optim, cfg.train.steps)
     source = source_from_config(cfg, log=lambda line: None, connect=connect_ray)
     losses, norms = zip(*(trainer.step(step, source.batch(step), split) for step in range(cfg.train.steps)))
@@ -48,9 +53,9 @@ def resident_run(cfg: TrainConfig, autocast: torch.dtype | None, split: int = 1)
 
 
 def references(cfg: TrainConfig) -> dict[str, tuple]:
-    """R, R2 and F (see the module docstring) of cfg."""
+    """R, R2, RC and F (see the module docstring) of cfg."""
     return {"bf16": resident_run(cfg, torch.bfloat16), "bf16-split": resident_run(cfg, torch.bfloat16, split=2),
-            "fp32": resident_run(cfg, None)}
+            "bf16-compiled": resident_run(cfg, torch.bfloat16, compiled=True), "fp32": resident_run(cfg, None)}
 
 
 def final_weights(directory: str) -> dict[str, torch.Tensor]:
@@ -77,7 +82,7 @@ def compare(cfg: TrainConfig, losses: list[float], norms: list[float], weights: 
     def distances(loss, norm, w) -> dict:
         return {"weights": distance(w, r_w), "loss": largest(loss, r_loss), "norm": largest(norm, r_norm)}
 
-    yardsticks = {name: distances(*refs[name]) for name in ("bf16-split", "fp32")}
+    yardsticks = {name: distances(*refs[name]) for name in ("bf16-split", "bf16-compiled", "fp32")}
     bound = {k: 2 * max(y[k] for y in yardsticks.values()) for k in METRICS}
     seen = distances(losses, norms, weights)
     init = {hf_name(u, k): v for u in StoreLayout.build(cfg.model).units
