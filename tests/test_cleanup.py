@@ -41,7 +41,7 @@ def _named_actors_of(run_id: str) -> list[str]:
 
 def _live_placement_groups_of(run_id: str) -> list[str]:
     return [pg["name"] for pg in ray.util.placement_group_table().values()
-            if pg.get("name") == f"megatrain-{run_id}" and pg.get("state") != "REMOVED"]
+            if pg.get("name", "").startswith(f"megatrain-{run_id}") and pg.get("state") != "REMOVED"]
 
 
 def test_segments_exist_during_a_run_and_are_removed_after(ray_cluster, shm_dir, tmp_path):
@@ -82,7 +82,7 @@ def test_segments_are_removed_when_the_run_raises(ray_cluster, shm_dir, tmp_path
     assert os.listdir(shm_dir) == []
     assert {a.rsplit("-" + run_id, 1)[0] for a in during["actors"]} == {
         "store", "prefetch", "compute", "grad-sink", "data-0"}
-    assert during["pgs"] == [f"megatrain-{run_id}"]
+    assert during["pgs"] == [f"megatrain-{run_id}-n0"]  # one placement group per node
     # The run's actors and placement group were torn down too (asynchronous in Ray: poll briefly).
     deadline = time.monotonic() + 30
     while (_named_actors_of(run_id) or _live_placement_groups_of(run_id)) and time.monotonic() < deadline:

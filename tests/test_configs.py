@@ -23,7 +23,7 @@ from artifacts import CORPUS, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.orchestration import preflight  # noqa: E402
-from megatrain_ray.config import load_config  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config as load_config  # noqa: E402  (configs may name runtime.init_from)
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 

@@ -27,17 +27,19 @@ def used_bytes() -> int:
     return vm.total - vm.available
 
 
-def settled_used_bytes(limit_s: float, step_s: float = 0.5, tolerance: int = 128 * 2**20) -> int:
-    """:func:`used_bytes` once it has stopped falling by more than ``tolerance`` per ``step_s``
-    (waiting at most ``limit_s``)."""
+def settled_used_bytes(limit_s: float, step_s: float = 0.5, tolerance: int = 128 * 2**20, calm: int = 2) -> int:
+    """:func:`used_bytes` once it has stopped falling by more than ``tolerance`` per ``step_s`` for
+    ``calm`` steps in a row (one quiet step can be a release delayed on a busy machine), waiting at
+    most ``limit_s``."""
     deadline = time.monotonic() + limit_s
-    used = used_bytes()
+    used, quiet = used_bytes(), 0
     while time.monotonic() < deadline:
         time.sleep(step_s)
         now = used_bytes()
-        if now > used - tolerance:
-            return now
+        quiet = quiet + 1 if now > used - tolerance else 0
         used = now
+        if quiet >= calm:
+            return now
     return used
 
 
