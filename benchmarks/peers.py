@@ -58,7 +58,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import MegatrainError  # noqa: E402
 from megatrain_ray.io.hf_io import write_json  # noqa: E402
-from megatrain_ray.model.presets import PRESETS, model_params, preset_shape  # noqa: E402
+from megatrain_ray.model import flops as model_flops  # noqa: E402
+from megatrain_ray.model.presets import PRESETS, model_params, preset_model, preset_shape  # noqa: E402
 from megatrain_ray.orchestration.hostmem import HostMemoryPeak  # noqa: E402
 
 SYSTEMS = ("deepspeed", "fsdp2")
@@ -430,12 +431,14 @@ def train_peer(spec: PeerSpec, report: dict, on_step=lambda report: None) -> dic
 
 
 def summarize(report: dict) -> dict:
-    """step_s = median of the steps after the first; tokens/s and model TFLOPS (6·N·T) from it."""
+    """step_s = median of the steps after the first; tokens/s and model TFLOPS from it, in both
+    conventions of megatrain_ray.model.flops (tflops_6nt: 6·N·T; tflops_palm: PaLM's, with attention)."""
     times = report.get("step_times") or []
     if times:
         report["step_s"] = statistics.median(times[1:] or times)
         report["tokens_per_s"] = report["tokens_per_step"] / report["step_s"]
-        report["model_tflops"] = 6 * report["params"] * report["tokens_per_step"] / report["step_s"] / 1e12
+        report.update(model_flops.tflops(preset_model(report["preset"], report["layers"]), report["seq_len"],
+                                         report["tokens_per_step"], report["step_s"]))
     return report
 
 
@@ -597,7 +600,7 @@ def _size(n: int) -> str:
 
 
 def format_table(rows: list[dict], ours_step_s: float | None = None) -> str:
-    head = f"{'system':<11}{'layers':>7}{'params':>8}{'status':>10}{'s/step':>9}{'tok/s':>9}{'TFLOPS':>8}" \
+    head = f"{'system':<11}{'layers':>7}{'params':>8}{'status':>10}{'s/step':>9}{'tok/s':>9}{'TF 6NT':>8}" \
            f"{'GPU GiB':>9}{'host GiB':>10}" + (f"{'ours x':>8}" if ours_step_s else "")
     lines = [head]
     for r in rows:
@@ -605,7 +608,7 @@ def format_table(rows: list[dict], ours_step_s: float | None = None) -> str:
         num = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
         status = r["status"] if len(r["status"]) <= 9 else r["status"][:9]
         lines.append(f"{r['system']:<11}{r['layers']:>7}{_size(r['params']):>8}{status:>10}"
-                     f"{num('step_s', '9.2f'):>9}{num('tokens_per_s', '9,.0f'):>9}{num('model_tflops', '8.1f'):>8}"
+                     f"{num('step_s', '9.2f'):>9}{num('tokens_per_s', '9,.0f'):>9}{num('tflops_6nt', '8.1f'):>8}"
                      f"{num('gpu_peak_gib', '9.1f'):>9}{num('host_peak_added_gib', '10.1f'):>10}"
                      + (f"{r['step_s'] / ours_step_s:>8.2f}" if ours_step_s and ok else ""))
     return "\n".join(lines)

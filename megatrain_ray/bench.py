@@ -10,8 +10,9 @@ a Hugging Face config.json's, then ``--layers`` and ``--set`` overrides; the par
 the random tokens' vocabulary are those of the final config. Runtime settings not given keep the
 library's defaults, so ``train`` with the same config runs what the benchmark measured.
 
-Reports steady-state seconds per step, tokens/s and model TFLOPS (6·N·T per step) for
-megatrain_ray, and in the same run: the same model trained plainly on the GPU (fp32 parameters,
+Reports steady-state seconds per step, tokens/s and model TFLOPS in both conventions of
+:mod:`megatrain_ray.model.flops` (``tflops_6nt``: 6·N·T; ``tflops_palm``: PaLM's, with attention;
+MFU is the latter over the bf16 GEMM rate) for megatrain_ray, and in the same run: the same model trained plainly on the GPU (fp32 parameters,
 bf16 autocast, per-layer recompute, fused AdamW on the GPU; ``--baseline``, eager, or
 ``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
 peers of benchmarks/peers.py (``--peers``, presets only, run through that script), and a bf16 GEMM. ``--check``
@@ -37,10 +38,10 @@ import torch
 from .config import TrainConfig, load_config, usable_cpus
 from .errors import ConfigError, PipelineError
 from .io.hf_io import load_train_config, read_config
+from .model import flops as model_flops
 from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
 from .orchestration.hostmem import HostMemoryPeak
-from .orchestration.metrics import attention_flops_per_token
 from .orchestration.preflight import guess_device
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
@@ -302,16 +303,17 @@ def adamw_probe(numel: int, threads: int) -> dict:
 
 
 def format_systems(systems: dict[str, dict]) -> str:
-    """One row per system: s/step, tok/s, TFLOPS, megatrain_ray's speed over it, GPU and host memory,
-    and the status of runs that did not finish (oom, timeout, error)."""
+    """One row per system: s/step, tok/s, TFLOPS (6·N·T and PaLM's), megatrain_ray's speed over it, GPU
+    and host memory, and the status of runs that did not finish (oom, timeout, error)."""
     ours = systems["megatrain_ray"]["step_s"]
-    lines = [f"{'system':<22}{'s/step':>8}{'tok/s':>9}{'TFLOPS':>8}{'ours x':>8}{'GPU GiB':>9}{'host GiB':>9}  status"]
+    lines = [f"{'system':<22}{'s/step':>8}{'tok/s':>9}{'TF 6NT':>8}{'TF PaLM':>8}{'ours x':>8}{'GPU GiB':>9}"
+             f"{'host GiB':>9}  status"]
     for name, r in systems.items():
         gpu = r.get("device_peak_gib", r.get("peak_gpu_gib", r.get("gpu_peak_gib")))
         host = r.get("host_peak_added_gib")
-        cells = [f"{r['step_s']:>8.3f}", f"{r['tokens_per_s']:>9,.0f}", f"{r['model_tflops']:>8.1f}",
-                 f"{r['step_s'] / ours:>8.2f}"] if math.isfinite(r["step_s"]) else [f"{'-':>8}", f"{'-':>9}",
-                                                                                      f"{'-':>8}", f"{'-':>8}"]
+        cells = [f"{r['step_s']:>8.3f}", f"{r['tokens_per_s']:>9,.0f}", f"{r['tflops_6nt']:>8.1f}",
+                 f"{r['tflops_palm']:>8.1f}", f"{r['step_s'] / ours:>8.2f}"] if math.isfinite(r["step_s"]) else [
+                     f"{'-':>8}", f"{'-':>9}", f"{'-':>8}", f"{'-':>8}", f"{'-':>8}"]
         cells += [f"{gpu:>9.1f}" if gpu is not None else f"{'-':>9}", f"{host:>9.1f}" if host is not None else f"{'-':>9}"]
         lines.append(f"{name:<22}{''.join(cells)}  {r.get('status', 'ok')}")
     return "\n".join(lines)
@@ -433,17 +435,15 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
             systems[system] = run_peer(system, preset, tokens=args.tokens, seq_len=args.seq_len,
                                        micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
                                        timeout_s=args.peer_timeout_s)
-        per_token = attention_flops_per_token(cfg.model, args.seq_len)  # PaLM's model FLOPs add this to 6·N
         for key, r in systems.items():
             tokens = tokens_of.get(key, args.tokens)
             r.setdefault("step_s", float("nan"))
             r["tokens_per_step"] = tokens
             r["tokens_per_s"] = tokens / r["step_s"]
-            r["model_tflops"] = 6 * report["params"] * tokens / r["step_s"] / 1e12
-            r["model_tflops_with_attention"] = (6 * report["params"] + per_token) * tokens / r["step_s"] / 1e12
+            r.update(model_flops.tflops(cfg.model, args.seq_len, tokens, r["step_s"]))  # tflops_6nt, _palm
             if "gemm_tflops" in report:  # per GPU: against one GPU's GEMM times the GPUs the run used
                 gpus = tokens // args.tokens if key.startswith("megatrain_ray") else 1
-                r["mfu"] = r["model_tflops_with_attention"] / (report["gemm_tflops"] * gpus)
+                r["mfu"] = r["tflops_palm"] / (report["gemm_tflops"] * gpus)
         report["systems"] = systems
     with open(os.path.join(args.out, f"bench-{name}.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -466,7 +466,8 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
     if ours["steady_periods"] < 3:
         print(f"note: s/step is the median of only {ours['steady_periods']} step(s) after the warm-up; the first "
               "steps after it still run slower: use --steps 5 or more for numbers to quote")
-    print(f"ours counting attention (PaLM's model FLOPs): {ours['model_tflops_with_attention']:.1f} TFLOPS"
+    print(f"ours: {ours['tflops_6nt']:.1f} TFLOPS as 6·N·T (every parameter), {ours['tflops_palm']:.1f} as PaLM's "
+          "model FLOPs (matmul parameters + attention)"
           + (f", MFU {ours['mfu']:.1%} of the bf16 GEMM measured in this run ({report['gemm_tflops']:.0f} TFLOP/s)"
              if "mfu" in ours else ""))
     return 0

@@ -2,8 +2,10 @@
 
 - ``loss.png``: training loss per step (and the validation loss, with train.eval_every), learning
   rate on a second axis;
-- ``throughput.png``: tokens/s per step; the right axis reads the same line in model TFLOP/s (one
-  is the other times the model FLOPs per token, so they are one curve);
+- ``throughput.png``: tokens/s per step; the right axes read the same line in model TFLOP/s, one
+  per FLOPs convention of :mod:`megatrain_ray.model.flops` (6·N·T and PaLM's; each is tokens/s
+  times a fixed number of FLOPs per token, so they are one curve). metrics.jsonl files written
+  before both were recorded carry one ``model_tflops``, which was PaLM's: read as such;
 - ``stages.png``: busy share of each step per pipeline stage (copy in, compute, copy out, wait,
   adamw); stages overlap in time, so the shares do not add up to one;
 - ``timeline.png``: the spans of the run's last two steps, one row per stage (when the run
@@ -27,6 +29,19 @@ STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
 CPU_LABELS = {"h2d": "copy in", "d2h": "copy out"}
 """What the copy stages are on a CPU run: no host and device, the weights copied into a compute slot
 and the gradients out of it."""
+
+
+TFLOPS_CONVENTIONS = {"tflops_6nt": ("6·N·T", "right"), "tflops_palm": ("PaLM: matmuls + attention", 1.22)}
+"""metrics.jsonl key -> (name of the FLOPs convention, where its axis sits: the right edge, or further
+out in axes widths); the conventions are those of :mod:`megatrain_ray.model.flops`."""
+
+
+def tflops(row: dict, name: str) -> float | None:
+    """A metrics row's TFLOP/s in convention ``name`` (tflops_6nt, tflops_palm), or None. Rows from
+    before both were recorded have ``model_tflops``, PaLM's convention."""
+    if name in row:
+        return row[name]
+    return row.get("model_tflops") if name == "tflops_palm" else None
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -95,15 +110,17 @@ def figures(run_dir: str) -> dict:
     ax.set_title(f"loss - {os.path.basename(os.path.abspath(run_dir))}")
     out["loss.png"] = fig
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     tokens_per_s = [r["tokens"] / max(r["step_s"], 1e-9) for r in rows]
-    ratios = [r["model_tflops"] / t for r, t in zip(rows, tokens_per_s) if "model_tflops" in r and t > 0]
-    label = "tokens/s (left axis)"
-    if ratios:  # model TFLOP/s = tokens/s x FLOPs per token: the same line, read on a second scale
-        per_token = ratios[-1]
-        tf = ax.secondary_yaxis("right", functions=(lambda t: t * per_token, lambda f: f / per_token))
-        tf.set_ylabel("model TFLOP/s")
-        label += f" = model TFLOP/s (right axis: {per_token * 1e12:.3g} FLOPs per token)"
+    scales = []
+    for key, (name, where) in TFLOPS_CONVENTIONS.items():  # tokens/s x FLOPs per token: one line, more scales
+        ratios = [tflops(r, key) / t for r, t in zip(rows, tokens_per_s) if tflops(r, key) is not None and t > 0]
+        if ratios:
+            per_token = ratios[-1]
+            tf = ax.secondary_yaxis(where, functions=(lambda t, k=per_token: t * k, lambda f, k=per_token: f / k))
+            tf.set_ylabel(f"TFLOP/s ({name})")
+            scales.append(f"{name.split(':')[0]} {per_token * 1e12:.3g} FLOPs/token")
+    label = "tokens/s (left axis)" + (f" = TFLOP/s (right axes; {', '.join(scales)})" if scales else "")
     ax.plot(steps, tokens_per_s, color="tab:blue", label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("tokens/s")

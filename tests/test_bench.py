@@ -32,12 +32,14 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert abs(ours["losses"][0] - math.log(presets.PRESETS["tiny"]["vocab_size"])) < 0.2  # random init, random tokens
     assert report["params"] == presets.model_params("tiny", 2)
     assert (report["buffer_depth"], report["loss_chunk_size"]) == (2, 1024)  # the library's CPU defaults, as train's
-    # model FLOPs: 6·N·T, and with the attention matrix 12·L·heads·head_dim·S per token on top
+    # model FLOPs in both conventions: 6·N·T, and PaLM's (6 x matmul weights + 12·L·heads·head_dim·S per token)
     shape = presets.PRESETS["tiny"]
+    h, v, inter, kv = shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"], \
+        shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"])
+    matmuls = 2 * (2 * h * h + 2 * h * kv + 3 * h * inter) + v * h
     attention = 12 * 2 * shape["num_attention_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 128
-    assert ours["model_tflops"] * ours["step_s"] * 1e12 == pytest.approx(6 * report["params"] * 1024)
-    assert ours["model_tflops_with_attention"] / ours["model_tflops"] == pytest.approx(
-        (6 * report["params"] + attention) / (6 * report["params"]))
+    assert ours["tflops_6nt"] * ours["step_s"] * 1e12 == pytest.approx(6 * report["params"] * 1024)
+    assert ours["tflops_palm"] * ours["step_s"] * 1e12 == pytest.approx((6 * matmuls + attention) * 1024)
     assert "mfu" not in ours  # no GEMM to measure against on the CPU
     # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in presets.preset_shape("tiny", 2).items()])
@@ -48,7 +50,7 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert ours["wall_s"] > sum(r["step_s"] for r in report["rows"])
     assert os.listdir(shm_dir) == []
     printed = capsys.readouterr().out
-    assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "counting attention" in printed
+    assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "as PaLM's model FLOPs" in printed
 
 
 def test_bench_peers_only_through_the_benchmarks_harness(capsys):

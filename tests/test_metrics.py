@@ -18,11 +18,12 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.model import flops
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration.pipeline import train
 
 STEPS = 4
-GAUGES = ("tokens_per_s", "model_tflops", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
+GAUGES = ("tokens_per_s", "tflops_6nt", "tflops_palm", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
           "checkpoint_step", "host_store_bytes", "host_memory_used_bytes", "device_peak_bytes", "stage_busy_s",
           "stage_busy_fraction", "link_gbps", "queue_depth", "val_loss")
 
@@ -75,7 +76,12 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     assert found[("learning_rate", ())] == pytest.approx(last["lr"], rel=1e-6)
     assert found[("grad_norm", ())] == pytest.approx(last["grad_norm"], rel=1e-6)
     assert found[("tokens_per_s", ())] == pytest.approx(last["tokens"] / last["step_s"], rel=1e-6)
-    assert found[("model_tflops", ())] == pytest.approx(last["model_tflops"], rel=1e-6) and last["model_tflops"] > 0
+    # both FLOPs conventions, in the row and on the gauges (megatrain_ray.model.flops)
+    assert last["tflops_6nt"] == pytest.approx(flops.flops_6nt(cfg.model, last["tokens"]) / last["step_s"] / 1e12)
+    assert last["tflops_palm"] == pytest.approx(
+        flops.palm_model_flops(cfg.model, cfg.train.seq_len, last["tokens"]) / last["step_s"] / 1e12)
+    for key in ("tflops_6nt", "tflops_palm"):
+        assert found[(key, ())] == pytest.approx(last[key], rel=1e-6) and last[key] > 0
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), "/dev/shm", 0, "x")  # cpu: fp32
     assert found[("host_store_bytes", ())] == spec.nbytes()
     assert found[("host_memory_used_bytes", ())] > 0
@@ -131,7 +137,8 @@ def test_plot_writes_pngs(finished_run, capsys):
 
 def test_plots_name_the_cpu_copy_lanes_and_keep_legends_off_the_data(finished_run):
     """The figures behind the PNGs: on a CPU run the copy stages are "copy in"/"copy out" (there is no
-    device to go to); throughput has one line read on two labelled axes; legends sit below the axes."""
+    device to go to); throughput has one line read on three labelled axes (tokens/s and the two FLOPs
+    conventions); legends sit below the axes."""
     import matplotlib.pyplot as plt
 
     from megatrain_ray.plot import figures, run_device
@@ -149,9 +156,10 @@ def test_plots_name_the_cpu_copy_lanes_and_keep_legends_off_the_data(finished_ru
         throughput = figs["throughput.png"].axes[0]
         (line,) = throughput.get_lines()
         assert throughput.get_ylabel() == "tokens/s"
-        (right,) = [c for c in throughput.child_axes if c.get_ylabel() == "model TFLOP/s"]
+        assert sorted(c.get_ylabel() for c in throughput.child_axes) == [
+            "TFLOP/s (6·N·T)", "TFLOP/s (PaLM: matmuls + attention)"]  # one scale per FLOPs convention
         assert [t.get_text() for t in throughput.get_legend().get_texts()] == [line.get_label()]
-        assert line.get_label().startswith("tokens/s (left axis) = model TFLOP/s (right axis")
+        assert line.get_label().startswith("tokens/s (left axis) = TFLOP/s (right axes; 6·N·T ")
 
         loss = figs["loss.png"].axes[0]
         assert [t.get_text() for t in loss.get_legend().get_texts()] == [

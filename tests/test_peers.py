@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from benchmarks import peers
-from megatrain_ray.model.presets import model_params
+from megatrain_ray.model import flops
+from megatrain_ray.model.presets import model_params, preset_model
 from float64_truth import assert_as_close_to_truth, float64_only, to_float64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +92,9 @@ def test_run_peer_trains_in_a_subprocess_and_reports(tmp_path):
     assert r["returncode"] == 0 and len(r["step_times"]) == 3 and len(r["losses"]) == 3
     assert r["step_s"] == statistics.median(r["step_times"][1:])  # the warm-up step left out
     assert r["tokens_per_s"] == pytest.approx(256 / r["step_s"])
-    assert r["model_tflops"] == pytest.approx(6 * r["params"] * 256 / r["step_s"] / 1e12)
+    assert r["tflops_6nt"] == pytest.approx(6 * r["params"] * 256 / r["step_s"] / 1e12)
+    assert r["tflops_palm"] == pytest.approx(flops.palm_model_flops(
+        preset_model("tiny", TINY["layers"]), TINY["seq_len"], 256) / r["step_s"] / 1e12)
     assert r["params"] == peers.num_params(peers.PeerSpec("fsdp2", **TINY))
     assert 8.0 < r["losses"][0] < 8.7  # ln(4096) = 8.32: random tokens, N(0, 0.02) weights
     assert r["host_peak_added_gib"] >= 0 and r["optimizer"].startswith("torch.optim.AdamW")
@@ -111,10 +114,10 @@ def test_run_peer_stops_a_run_when_host_memory_runs_out():
 
 def test_table_shows_failed_runs_without_numbers():
     rows = [{"system": "fsdp2", "layers": 28, "params": 7.6e9, "status": "ok", "step_s": 20.0,
-             "tokens_per_s": 3276.8, "model_tflops": 149.7, "gpu_peak_gib": 30.0, "host_peak_added_gib": 120.0},
+             "tokens_per_s": 3276.8, "tflops_6nt": 149.7, "gpu_peak_gib": 30.0, "host_peak_added_gib": 120.0},
             {"system": "deepspeed", "layers": 28, "params": 7.6e9, "status": "oom"}]
     table = peers.format_table(rows, ours_step_s=10.0).splitlines()
-    assert table[0].split() == ["system", "layers", "params", "status", "s/step", "tok/s", "TFLOPS", "GPU",
+    assert table[0].split() == ["system", "layers", "params", "status", "s/step", "tok/s", "TF", "6NT", "GPU",
                                 "GiB", "host", "GiB", "ours", "x"]
     assert table[1].split() == ["fsdp2", "28", "7.60B", "ok", "20.00", "3,277", "149.7", "30.0", "120.0", "2.00"]
     assert table[2].split() == ["deepspeed", "28", "7.60B", "oom", "-", "-", "-", "-", "-"]
@@ -204,13 +207,15 @@ def test_bench_table_puts_peers_beside_ours_with_the_speedup_and_status():
 
     nan = float("nan")
     table = format_systems({
-        "megatrain_ray": {"step_s": 3.2, "tokens_per_s": 20480.0, "model_tflops": 417.2, "device_peak_gib": 28.9,
+        "megatrain_ray": {"step_s": 3.2, "tokens_per_s": 20480.0, "tflops_6nt": 417.2, "tflops_palm": 430.5,
+                          "device_peak_gib": 28.9,
                           "host_peak_added_gib": 48.6},
-        "deepspeed": {"step_s": 7.2, "tokens_per_s": 9102.2, "model_tflops": 185.4, "gpu_peak_gib": 32.3,
+        "deepspeed": {"step_s": 7.2, "tokens_per_s": 9102.2, "tflops_6nt": 185.4, "tflops_palm": 191.3,
+                      "gpu_peak_gib": 32.3,
                       "host_peak_added_gib": 79.5, "status": "ok"},
-        "fsdp2": {"step_s": nan, "tokens_per_s": nan, "model_tflops": nan, "status": "oom"}}).splitlines()
-    assert table[0].split() == ["system", "s/step", "tok/s", "TFLOPS", "ours", "x", "GPU", "GiB", "host", "GiB",
-                                "status"]
-    assert table[1].split() == ["megatrain_ray", "3.200", "20,480", "417.2", "1.00", "28.9", "48.6", "ok"]
-    assert table[2].split() == ["deepspeed", "7.200", "9,102", "185.4", "2.25", "32.3", "79.5", "ok"]
-    assert table[3].split() == ["fsdp2", "-", "-", "-", "-", "-", "-", "oom"]
+        "fsdp2": {"step_s": nan, "tokens_per_s": nan, "tflops_6nt": nan, "tflops_palm": nan, "status": "oom"}}).splitlines()
+    assert table[0].split() == ["system", "s/step", "tok/s", "TF", "6NT", "TF", "PaLM", "ours", "x", "GPU", "GiB",
+                                "host", "GiB", "status"]
+    assert table[1].split() == ["megatrain_ray", "3.200", "20,480", "417.2", "430.5", "1.00", "28.9", "48.6", "ok"]
+    assert table[2].split() == ["deepspeed", "7.200", "9,102", "185.4", "191.3", "2.25", "32.3", "79.5", "ok"]
+    assert table[3].split() == ["fsdp2", "-", "-", "-", "-", "-", "-", "-", "oom"]

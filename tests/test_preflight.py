@@ -16,7 +16,7 @@ from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import Precision
-from megatrain_ray.orchestration import preflight
+from megatrain_ray.orchestration import machine, preflight
 
 HUGE = ["--set", "model.hidden_size=16384", "--set", "model.num_hidden_layers=200", "--set",
         "model.intermediate_size=53248", "--set", "model.num_attention_heads=128", "--set", "model.vocab_size=128256"]
@@ -106,7 +106,7 @@ def test_train_refuses_an_absurd_model_before_starting_anything(shm_dir, tmp_pat
 
 def test_host_available_is_below_physical_memory():
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert 0 < preflight.host_available() <= total
+    assert 0 < machine.host_available() <= total
 
 
 def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypatch):
@@ -136,16 +136,16 @@ def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypa
 def test_host_available_is_capped_by_this_process_cgroup(tmp_path):
     """The limit of the cgroup the process is in (found through /proc/self/cgroup) caps it, as do
     the limits of the cgroups above; unlimited ("max") ones do not."""
-    own = preflight._cgroup_memory_files(str(tmp_path))[0]
+    own = machine._cgroup_memory_files(str(tmp_path))[0]
     os.makedirs(os.path.dirname(own[0]), exist_ok=True)
     with open(own[0], "w") as f:
         f.write(str(2**30))
     with open(own[1], "w") as f:
         f.write(str(2**28))
-    assert preflight.host_available(str(tmp_path)) == 2**30 - 2**28
+    assert machine.host_available(str(tmp_path)) == 2**30 - 2**28
     with open(own[0], "w") as f:
         f.write("max")
-    assert preflight.host_available(str(tmp_path)) > 2**30 - 2**28
+    assert machine.host_available(str(tmp_path)) > 2**30 - 2**28
 
 
 def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):

@@ -120,7 +120,8 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     the built-in corpus, its own held-out documents (:func:`~megatrain_ray.data.builtin.builtin_documents`). Data that trains as
     random windows is evaluated as a packed corpus of the same tokens.
     """
-    from .datasets import prepare, plan
+    from .datasets import plan
+    from .prepare import prepare
 
     d = cfg.data
     separate = split == "val" and bool(d.val_path)

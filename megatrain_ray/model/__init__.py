@@ -5,7 +5,8 @@
 - :mod:`.layout`: where each unit's tensors sit in one flat buffer (shared by the store and the
   compute templates);
 - :mod:`.precision`: the precision policy (master, compute, gradient and stream dtypes), stated once;
-- :mod:`.presets`: named model shapes (tiny, 1b, 3b, 7b).
+- :mod:`.presets`: named model shapes (tiny, 1b, 3b, 7b);
+- :mod:`.flops`: the model's training FLOPs in the two conventions we report (6·N·T and PaLM's).
 
 Uses only :mod:`megatrain_ray.config` and :mod:`megatrain_ray.errors`.
 """

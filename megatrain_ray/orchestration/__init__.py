@@ -4,6 +4,7 @@
   clean up (``train``);
 - :mod:`.local`: the same roles as threads in one process, without Ray;
 - :mod:`.preflight`: the memory a run needs, checked before anything is allocated;
+- :mod:`.machine`: what this machine has (available RAM under its cgroup limits, GPU memory);
 - :mod:`.metrics`: the per-step numbers a user reads (metrics.jsonl, Ray gauges);
 - :mod:`.hostmem`: peak host memory of a run, for the benchmark.
 """

@@ -191,7 +191,7 @@ class Driver:
                "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
                "tokens_per_s": out["tokens"] / max(out["step_s"], 1e-9),
-               "model_tflops": out["tokens"] * self.gauges.flops_per_token / max(out["step_s"], 1e-9) / 1e12,
+               **self.gauges.tflops(out["tokens"], out["step_s"]),
                **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
                **({"val_loss": out["val_loss"]} if "val_loss" in out else {})}
         self.metrics_file.write(json.dumps(row) + "\n")

@@ -2,11 +2,13 @@
 
 The driver records every step through :class:`RunMetrics`, which sets gauges made with
 ``ray.util.metrics``; Ray's metrics agent exports them on each node's Prometheus endpoint (and so
-to the dashboard's Grafana panels) as ``ray_megatrain_<name>``, tagged with the run id:
+to the dashboard's Grafana panels) as ``ray_megatrain_<name>``, tagged with the run id (the two
+FLOPs conventions are defined in :mod:`megatrain_ray.model.flops`):
 
 ==========================  ========================================================================
 tokens_per_s                tokens trained per second over the last step
-model_tflops                model FLOPs per second (6 x matmul parameters + attention, per token), TFLOP/s
+tflops_6nt                  model TFLOP/s counted as 6 x every parameter x tokens (6NT)
+tflops_palm                 model TFLOP/s counted as PaLM does: 6 x matmul parameters + attention, per token
 step_time_s                 wall time of the last step on the compute worker
 stage_busy_s{stage}         busy seconds of the last step per stage: h2d, compute, d2h, wait, adamw
 stage_busy_fraction{stage}  the same, divided by the step time
@@ -26,26 +28,9 @@ from __future__ import annotations
 import psutil
 
 from ..config import ModelConfig
+from ..model import flops
 
 STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
-
-
-def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs of the attention scores and values per token, 12 L S d (d = heads x head_dim):
-    the full S x S matrix, as PaLM's model FLOPs count it (causal kernels skip about half)."""
-    return 12 * model.num_hidden_layers * seq_len * model.num_attention_heads * model.head_size
-
-
-def flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one trained token: 6 per matmul parameter, plus :func:`attention_flops_per_token`.
-
-    Recomputation in the backward pass is not counted (the usual MFU convention).
-    """
-    h, inter = model.hidden_size, model.intermediate_size
-    q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
-    matmul = model.num_hidden_layers * per_layer + model.vocab_size * h
-    return 6.0 * matmul + attention_flops_per_token(model, seq_len)
 
 
 class RunMetrics:
@@ -55,7 +40,7 @@ class RunMetrics:
         from ray.util.metrics import Gauge
 
         self.tags = {"run_id": run_id}
-        self.flops_per_token = flops_per_token(model, seq_len)
+        self.model, self.seq_len = model, seq_len
         self.store_bytes = store_bytes
 
         def gauge(name: str, description: str, extra: tuple[str, ...] = ()) -> Gauge:
@@ -63,7 +48,9 @@ class RunMetrics:
 
         self.g = {
             "tokens_per_s": gauge("tokens_per_s", "Tokens trained per second over the last step."),
-            "model_tflops": gauge("model_tflops", "Model TFLOP/s of the last step (6N + attention per token)."),
+            "tflops_6nt": gauge("tflops_6nt", "Model TFLOP/s of the last step, 6 x all parameters x tokens."),
+            "tflops_palm": gauge("tflops_palm", "Model TFLOP/s of the last step as PaLM counts them "
+                                 "(6 x matmul parameters + 12 L S heads head_dim, per token)."),
             "step_time_s": gauge("step_time_s", "Wall time of the last step on the compute worker, seconds."),
             "loss": gauge("loss", "Training loss of the last step."),
             "val_loss": gauge("val_loss", "Validation loss at the last train.eval_every step."),
@@ -80,12 +67,16 @@ class RunMetrics:
         self.link = gauge("link_gbps", "Host-device copy bandwidth while busy, GB/s.", ("direction",))
         self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
 
+    def tflops(self, tokens: int, step_s: float) -> dict[str, float]:
+        """The metrics.jsonl entries of a step's model TFLOP/s, one per convention (tflops_6nt, tflops_palm)."""
+        return flops.tflops(self.model, self.seq_len, tokens, step_s)
+
     def step(self, row: dict, grad_queue_depth: int | None = None) -> None:
         """Record one metrics.jsonl row (see :func:`megatrain_ray.orchestration.pipeline._log_step`)."""
         step_s = max(row.get("step_s", 0.0), 1e-9)
         values = {
             "tokens_per_s": row["tokens"] / step_s,
-            "model_tflops": row["tokens"] * self.flops_per_token / step_s / 1e12,
+            **self.tflops(row["tokens"], step_s),
             "step_time_s": row["step_s"],
             "loss": row["loss"],
             "learning_rate": row["lr"],

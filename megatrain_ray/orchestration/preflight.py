@@ -39,6 +39,8 @@ from ..errors import ConfigError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
+from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
+from .machine import gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold, same_filesystem
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -49,9 +51,6 @@ CUDA_HOST_BYTES = 600 * 2**20
 0.30 for the other actors, on the H200 machine)."""
 COMPILE_WORKER_BYTES = 400 * 2**20
 """Host memory of one Inductor compile worker process (16 took 6.3 GiB on the H200 machine)."""
-RAY_MEMORY_THRESHOLD = 0.95
-"""Ray's memory monitor kills workers once the node's used memory passes this share of its RAM
-(``RAY_memory_usage_threshold``; ``RAY_memory_monitor_refresh_ms=0`` turns the monitor off)."""
 GPU_USABLE = 0.9
 """Share of the GPU's memory the plan lets a run use (the rest: allocator slack)."""
 EXPORT_SHARD_BYTES = 2 * 2**30
@@ -154,81 +153,6 @@ def fmt(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the machine has.
-
-def host_available(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """Bytes of RAM a new run can use: MemAvailable, capped by the memory limits of this process's
-    cgroup and those above it."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    for limit_file, usage_file in _cgroup_memory_files(cgroup_root):
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:
-            avail = min(avail, int(limit) - usage)
-    return max(0, avail)
-
-
-def _cgroup_memory_files(root: str = "/sys/fs/cgroup") -> list[tuple[str, str]]:
-    """(limit, usage) files of this process's memory cgroup and each one above it, v2 and v1
-    (paths that do not exist, e.g. in a container without a cgroup namespace, are skipped)."""
-    def chain(base: str, path: str, limit: str, usage: str) -> list[tuple[str, str]]:
-        out = []
-        while True:
-            d = os.path.join(base, path.strip("/"))
-            out.append((os.path.join(d, limit), os.path.join(d, usage)))
-            if path.strip("/") == "":
-                return out
-            path = os.path.dirname(path.rstrip("/"))
-
-    v2, v1 = "/", "/"
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if controllers == "":
-                    v2 = path
-                elif "memory" in controllers.split(","):
-                    v1 = path
-    except (OSError, ValueError):
-        pass
-    return (chain(root, v2, "memory.max", "memory.current")
-            + chain(os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
-
-
-def gpu_memory() -> int | None:
-    """Total memory of GPU 0 as this process sees it, or None without CUDA."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except Exception:
-        pass
-    return None
-
-
-def guess_device(cfg: TrainConfig) -> str:
-    """runtime.device before Ray is up: auto means cuda when this process sees a GPU."""
-    if cfg.runtime.device != "auto":
-        return cfg.runtime.device
-    return "cuda" if gpu_memory() is not None else "cpu"
-
-
-# ---------------------------------------------------------------------------------------------
 # What the run needs.
 
 def _tokens_in_data(path: str | None) -> int:
@@ -287,21 +211,6 @@ def _pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
-def _ray_threshold() -> float:
-    try:
-        return float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
-    except ValueError:
-        return RAY_MEMORY_THRESHOLD
-
-
-def _ray_monitor_margin() -> int:
-    """Bytes of RAM the run must leave free for Ray's memory monitor not to kill its workers."""
-    if os.environ.get("RAY_memory_monitor_refresh_ms", "") == "0":
-        return 0
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(max(0.0, 1.0 - _ray_threshold()) * total)
-
-
 def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
          starts_ray: bool | None = None) -> Plan:
     """The memory plan of ``cfg`` on this machine (nothing is allocated).
@@ -325,7 +234,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
             for k in spec.kinds()]
     rows.append(Row("unit versions", "shm", 8 * len(layout.units)))
     if starts_ray:
-        same_fs = _same_filesystem(rt.shm_dir, "/dev/shm")
+        same_fs = same_filesystem(rt.shm_dir, "/dev/shm")
         rows.append(Row("Ray object store", "shm" if same_fs else "host", rt.object_store_memory))
     workers = rt.compute_workers
     n_proc = 3 + 2 * workers + cfg.data.num_workers
@@ -336,10 +245,10 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if rt.compile_on(device) and rt.compile_threads > 1:
         rows.append(Row(f"{rt.compile_threads} compile worker processes (runtime.compile_threads, first step)",
                         "host", rt.compile_threads * COMPILE_WORKER_BYTES))
-    margin = _ray_monitor_margin()
+    margin = ray_monitor_margin()
     if margin:
         rows.append(Row("Ray memory monitor's margin (it kills workers past "
-                        f"{_ray_threshold():.0%} of RAM)", "host", margin))
+                        f"{ray_threshold():.0%} of RAM)", "host", margin))
     rows.append(Row(f"token stream x {cfg.data.num_workers} loader(s)", "host",
                     _tokens_in_data(cfg.data.path) * 8 * cfg.data.num_workers))
     if cfg.train.save_final:
@@ -403,13 +312,6 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(n)
-
-
-def _same_filesystem(a: str, b: str) -> bool:
-    try:
-        return os.stat(a).st_dev == os.stat(b).st_dev
-    except OSError:
-        return False
 
 
 def check_init_from(cfg: TrainConfig) -> None:

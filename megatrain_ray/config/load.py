@@ -1,0 +1,94 @@
+"""Building a :class:`TrainConfig` from a nested dict, a YAML file and ``--set section.key=value``
+overrides. Reads no model files: a config whose ``runtime.init_from`` names a Hugging Face
+directory goes through :func:`megatrain_ray.io.hf_io.load_train_config`, which reads its config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from .fields import section_from_dict
+from .model import ModelConfig
+from .sections import DataSection, OptimConfig, RuntimeSection, TrainConfig, TrainSection
+
+_SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainSection,
+             "data": DataSection, "runtime": RuntimeSection}
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build (without validating) a TrainConfig from a nested dict; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the configuration must be a mapping of sections, got {type(data).__name__}.")
+    kwargs = {}
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{name} is not a known section; use one of {', '.join(_SECTIONS)}.")
+        kwargs[name] = section_from_dict(_SECTIONS[name], {} if value is None else value, name)
+    return TrainConfig(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r} must look like section.key=value.")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {key!r} must name section.key, e.g. optim.lr.")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
+                model_from: Callable[[str], ModelConfig] | None = None) -> TrainConfig:
+    """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
+
+    When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape:
+    ``model_from(init_from)`` reads it. This module reads no model files, so a config with
+    runtime.init_from is loaded through :func:`megatrain_ray.io.hf_io.load_train_config`, which
+    passes it; without ``model_from`` such a config is an error.
+    """
+    data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist.")
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise ConfigError(f"config file {path!r} is not valid YAML{where}.") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, "
+                              f"got {type(loaded).__name__}.")
+        for name, section in (loaded or {}).items():
+            if isinstance(section, dict) and isinstance(data.get(name), dict):
+                data[name] = {**data[name], **section}
+            else:
+                data[name] = section
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        current = data.get(section)
+        if current is None:
+            current = data[section] = {}
+        if not isinstance(current, dict):
+            raise ConfigError(f"{section} must be a mapping of keys to values.")
+        current[key] = value
+    cfg = config_from_dict(data)
+    if cfg.runtime.init_from is not None:
+        cfg.runtime.validate()
+        if model_from is None:
+            raise ConfigError("runtime.init_from needs its config.json read for the model shape; load this "
+                              "configuration with megatrain_ray.io.hf_io.load_train_config.")
+        cfg.model = model_from(cfg.runtime.init_from)
+    return cfg.validate()

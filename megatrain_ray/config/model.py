@@ -1,0 +1,173 @@
+"""The model section: a decoder-only transformer's shape (Llama / Qwen2 / Qwen3 / Mistral), named as
+in Hugging Face config.json, and its mapping to and from such a config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .fields import require as _require
+from .fields import section_from_dict
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral), named as in HF config.json."""
+
+    model_type: str = "llama"
+    """Architecture family: one of llama, qwen2, qwen3, mistral (qwen2 adds q/k/v biases, qwen3 q/k norms)."""
+    vocab_size: int = 260
+    """Number of token embeddings (rows of the embedding and LM-head matrices)."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    intermediate_size: int = 176
+    """Width of the SwiGLU MLP's gate/up projections."""
+    num_hidden_layers: int = 2
+    """Number of decoder layers."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_key_value_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); None means equal to num_attention_heads."""
+    head_dim: int | None = None
+    """Per-head width; None means hidden_size // num_attention_heads."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    rope_scaling: dict[str, float | int | str] | None = None
+    """RoPE frequency scaling, as HF config.json's rope_scaling: None for plain RoPE, or Llama 3.1's
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    (see model.rope_cache); other rope types are refused."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model is configured for; train.seq_len may not exceed it."""
+    tie_word_embeddings: bool = False
+    """If true the LM head reuses the embedding matrix."""
+    attention_bias: bool | None = None
+    """q/k/v projections carry a bias; None means the family default (true for qwen2, else false)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation of matrices when not loading weights."""
+    sliding_window: int | None = None
+    """Sliding-window attention span (Mistral v0.1); attention here is full causal, so train.seq_len
+    may not exceed it. None: no sliding window."""
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.attention_bias is None:
+            self.attention_bias = self.model_type == "qwen2"
+
+    @property
+    def head_size(self) -> int:
+        """Per-head width actually used (head_dim, or hidden_size / heads)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias (HF Llama/Qwen3 with attention_bias)."""
+        return bool(self.attention_bias) and self.model_type in ("llama", "qwen3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
+
+    def validate(self) -> None:
+        _require(self.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
+                 f"must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, got {self.model_type!r}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            _require(getattr(self, key) > 0, f"model.{key}", f"must be positive, got {getattr(self, key)}")
+        _require(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+                 "model.num_attention_heads",
+                 f"must divide model.hidden_size ({self.hidden_size}), got {self.num_attention_heads}")
+        _require(self.head_dim is None or self.head_dim > 0, "model.head_dim",
+                 f"must be positive, got {self.head_dim}")
+        _require(self.head_size % 2 == 0, "model.head_dim", f"must be even for RoPE, got {self.head_size}")
+        _require(self.sliding_window is None or self.sliding_window > 0, "model.sliding_window",
+                 f"must be positive, got {self.sliding_window}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
+                 f"must divide model.num_attention_heads ({self.num_attention_heads}), "
+                 f"got {self.num_key_value_heads}")
+        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            self._validate_rope_scaling()
+        _require(self.initializer_range > 0, "model.initializer_range",
+                 f"must be positive, got {self.initializer_range}")
+
+    def _validate_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        _require(isinstance(rs, dict), "model.rope_scaling", f"must be a mapping (or null), got {rs!r}")
+        rope_type = rs.get("rope_type")
+        _require(rope_type == "llama3", "model.rope_scaling",
+                 f"has rope_type {rope_type!r}, which is not supported; supported are 'llama3' "
+                 "(Llama 3.1 to 3.3) and null (plain RoPE)")
+        unknown = sorted(set(rs) - set(LLAMA3_ROPE_KEYS))
+        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
+                 f"is not a key of a llama3 rope_scaling; its keys are {', '.join(LLAMA3_ROPE_KEYS)}")
+        for key in LLAMA3_ROPE_KEYS[1:]:
+            value = rs.get(key)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"model.rope_scaling.{key}",
+                     f"must be a number, got {value!r}")
+        _require(rs["factor"] >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs['factor']}")
+        _require(rs["low_freq_factor"] > 0, "model.rope_scaling.low_freq_factor",
+                 f"must be positive, got {rs['low_freq_factor']}")
+        _require(rs["high_freq_factor"] > rs["low_freq_factor"], "model.rope_scaling.high_freq_factor",
+                 f"must exceed low_freq_factor ({rs['low_freq_factor']}), got {rs['high_freq_factor']}")
+        original = rs["original_max_position_embeddings"]
+        _require(original > 0 and float(original).is_integer(), "model.rope_scaling.original_max_position_embeddings",
+                 f"must be a positive integer, got {original!r}")
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Map a Hugging Face config.json dict onto a ModelConfig; unsupported features are errors."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} in config.json is not supported; "
+                              f"use one of {', '.join(SUPPORTED_MODEL_TYPES)}.")
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias: true in config.json is not supported; only bias-free MLPs are.")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} in config.json is not supported; only silu (SwiGLU) is.")
+        # transformers 4 writes rope_scaling (rope_theta beside it), 5 writes rope_parameters (rope_theta
+        # inside); 5 reads rope_scaling first and prefers the rope_theta inside, and so do we.
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_scaling in config.json must be a JSON object, got {rope!r}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in hf.items() if k in names}
+        data["model_type"] = model_type
+        data["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        data["rope_scaling"] = None
+        if rope_type not in ("default", None):  # validate() refuses the types model.rope_cache lacks
+            data["rope_scaling"] = {"rope_type": rope_type,
+                                    **{k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta")}}
+            if rope_type == "llama3":  # transformers' precedence for the pretraining length
+                fallback = rope.get("original_max_position_embeddings",
+                                    hf.get("max_position_embeddings", cls.max_position_embeddings))
+                data["rope_scaling"]["original_max_position_embeddings"] = hf.get(
+                    "original_max_position_embeddings", fallback)
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            data["sliding_window"] = None
+        cfg = section_from_dict(cls, data, "model")
+        cfg.validate()
+        return cfg
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF config.json fields of this shape (architectures included)."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[self.model_type]
+        out = dataclasses.asdict(self)
+        out["head_dim"] = self.head_size
+        out["architectures"] = [arch]
+        out["hidden_act"] = "silu"
+        return out

@@ -1,0 +1,258 @@
+"""Preparing a planned dataset (:mod:`megatrain_ray.data.datasets`) into a corpus on disk: read
+local files with Ray Data, tokenize in a pool of CPU actors, write the cache.
+
+Tokenization runs as ``map_batches`` over an actor pool of ``data.num_workers`` actors (each
+loads the tokenizer once) with Ray Data's streaming executor, whose bounded queues give
+backpressure from the cache writer back to the file readers; the built-in corpus (~110 KB) is
+tokenized in the calling process, pre-tokenized ``.arrow`` files are copied without a pool, and a
+``.npy`` array is used in place. Order is preserved, so the corpus depends only on the files and the
+tokenizer, never on the pool size. The corpus lives in ``<cache root>/<fingerprint>/``, keyed by
+the files' paths, sizes and mtimes, the format, the tokenizer's files and the split
+(:func:`~megatrain_ray.data.datasets.fingerprint`), and is written to a temporary directory and
+renamed when complete; a later run (or a resumed one) reuses it without tokenizing again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+
+import numpy as np
+
+from ..errors import DataError, MegatrainError
+from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_reader, fingerprint, is_val
+from .tokenizer import load_tokenizer, messages_from_row
+
+
+
+class TokenizeBatch:
+    """The pool actors' work: rows of a pyarrow batch -> documents (ids, mask) as list columns."""
+
+    def __init__(self, fmt: str, tokenizer: str | None, text_key: str, kind: str):
+        self.fmt, self.text_key, self.kind = fmt, text_key, kind
+        self.tok = None if fmt == "tokens" else load_tokenizer(tokenizer)
+
+    def __call__(self, table):
+        import pyarrow as pa
+
+        ids, masks, error = [], [], None
+        try:
+            for row in table.to_pylist():
+                for doc_ids, doc_mask in self.encode(row):
+                    ids.append(doc_ids)
+                    masks.append(doc_mask if doc_mask is not None else np.ones(len(doc_ids), np.uint8))
+        except DataError as e:  # reported by the driver (Ray would keep only its text, in a traceback)
+            ids, masks, error = [], [], str(e)
+        offsets = pa.array(np.cumsum([0] + [len(x) for x in ids]).astype(np.int32))
+        flat = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
+        flat_mask = np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8)
+        out = {"ids": pa.ListArray.from_arrays(offsets, pa.array(flat)),
+               "mask": pa.ListArray.from_arrays(offsets, pa.array(flat_mask))}
+        if error is not None:
+            out = {"ids": pa.array([[]], pa.list_(pa.int32())), "mask": pa.array([[]], pa.list_(pa.uint8()))}
+        out["error"] = pa.array([error] * len(out["ids"]), pa.string())
+        return pa.table(out)
+
+    def encode(self, row: dict):
+        """The (ids [n] int32, mask [n] uint8 or None) documents of one input row."""
+        if self.kind == "txt":
+            try:
+                text = row["bytes"].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{row.get('path', 'a .txt file')} is not UTF-8 text ({e}).") from None
+            return [(self.tok.encode_document(d), None) for d in text.split("\n\n") if d.strip()]
+        if self.fmt == "text":
+            text = row.get(self.text_key)
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"column {self.text_key!r} must hold text, got {type(text).__name__}.")
+            return [(self.tok.encode_document(text), None)] if text and text.strip() else []
+        if self.fmt in ("alpaca", "sharegpt"):
+            return [self.tok.encode_chat(messages_from_row(row, self.fmt))]
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        mask = None
+        if row.get("labels") is not None:
+            mask = (np.asarray(row["labels"]) != -100).astype(np.uint8)
+        elif row.get("loss_mask") is not None:
+            mask = (np.asarray(row["loss_mask"]) != 0).astype(np.uint8)
+        if mask is not None and len(mask) != len(ids):
+            raise DataError(f"a row's labels/loss_mask has {len(mask)} entries for {len(ids)} input_ids.")
+        if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
+            raise DataError(f"input_ids must be non-negative 32-bit token ids, got {int(ids.min())}..{int(ids.max())}.")
+        return [(ids.astype(np.int32), mask)] if ids.size else []
+
+
+class CacheWriter:
+    """Appends documents to the train/val files of a cache directory, in document order."""
+
+    def __init__(self, directory: str, val_fraction: float, with_mask: bool):
+        self.dir, self.val_fraction, self.with_mask = directory, val_fraction, with_mask
+        self.files = {}
+        self.offsets = {"train": [0], "val": [0]}
+        self.max_id = {"train": -1, "val": -1}
+        self.docs = 0
+        for split in ("train", "val"):
+            self.files[split] = [open(os.path.join(directory, f"{split}.tokens.bin"), "wb")]
+            if with_mask:
+                self.files[split].append(open(os.path.join(directory, f"{split}.mask.bin"), "wb"))
+
+    def add(self, values: np.ndarray, offsets: np.ndarray, mask: np.ndarray) -> None:
+        """values: [T] int32, offsets: [n + 1], mask: [T] uint8 -- n documents."""
+        n = len(offsets) - 1
+        held = is_val(np.arange(self.docs, self.docs + n), self.val_fraction)
+        self.docs += n
+        for split, chosen in (("train", ~held), ("val", held)):
+            idx = np.flatnonzero(chosen)
+            if idx.size == 0:
+                continue
+            parts = [values[offsets[i]:offsets[i + 1]] for i in idx]
+            flat = np.concatenate(parts).astype(np.int32)
+            flat.tofile(self.files[split][0])
+            if self.with_mask:
+                np.concatenate([mask[offsets[i]:offsets[i + 1]] for i in idx]).astype(np.uint8).tofile(
+                    self.files[split][1])
+            ends = self.offsets[split][-1] + np.cumsum([len(p) for p in parts])
+            self.offsets[split].extend(int(e) for e in ends)
+            if flat.size:
+                self.max_id[split] = max(self.max_id[split], int(flat.max()))
+
+    def close(self) -> dict:
+        for handles in self.files.values():
+            for f in handles:
+                f.close()
+        out = {}
+        for split in ("train", "val"):
+            np.save(os.path.join(self.dir, f"{split}.offsets.npy"), np.asarray(self.offsets[split], np.int64))
+            out[split] = {"documents": len(self.offsets[split]) - 1, "tokens": self.offsets[split][-1],
+                          "max_id": self.max_id[split]}
+        return out
+
+
+def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[], None] | None = None,
+            log=print) -> CorpusRef:
+    """The corpus of a plan: a .npy array in place, else the cache, tokenizing first if it is missing."""
+    if p.format == "windows":
+        raise ValueError("windows data is read directly by data.BatchSource, not prepared")
+    if p.kind == "npy":
+        return CorpusRef(p.files[0], p.layout, fingerprint(p), 0, p.val_fraction, p.where)
+    fp = fingerprint(p)
+    final = os.path.join(os.path.abspath(cache_root), fp)
+    if not os.path.isfile(os.path.join(final, "meta.json")):
+        os.makedirs(cache_root, exist_ok=True)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            writer = CacheWriter(tmp, p.val_fraction, p.has_labels)
+            if p.kind == "arrow":
+                _write_arrow(p, writer)
+            elif p.kind in ("builtin", "builtin-val"):
+                _write_builtin(p, writer)
+            else:
+                if connect is not None:
+                    connect()
+                _write_ray_data(p, writer, num_workers)
+            splits = writer.close()
+            pad = 0 if p.format == "tokens" else load_tokenizer(p.tokenizer).pad_id
+            meta = {"version": CACHE_VERSION, "plan": asdict(p), "fingerprint": fp, "layout": p.layout,
+                    "pad_id": pad, "splits": splits}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=2)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process finished the same corpus first
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log(f"data: tokenized {p.where} into {final} ({splits['train']['tokens']:,} train tokens, "
+            f"{splits['val']['tokens']:,} val tokens)")
+    with open(os.path.join(final, "meta.json")) as f:
+        meta = json.load(f)
+    return CorpusRef(final, meta["layout"], fp, int(meta["pad_id"]), p.val_fraction, p.where)
+
+
+def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
+    """Pre-tokenized .arrow files: record batches straight into the cache (nothing to tokenize)."""
+    work = TokenizeBatch("tokens", None, p.text_key, "arrow")
+    for path in p.files:
+        import pyarrow as pa
+
+        reader = arrow_reader(path)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if hasattr(
+            reader, "num_record_batches") else reader
+        for batch in batches:
+            _write_table(writer, work(pa.Table.from_batches([batch])))
+
+
+def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:
+    """The built-in corpus's documents of one split, tokenized here (too small for an actor pool)."""
+    import pyarrow as pa
+
+    from .builtin import builtin_documents
+
+    docs = builtin_documents("val" if p.kind == "builtin-val" else "train")
+    work = TokenizeBatch(p.format, p.tokenizer, p.text_key, p.kind)
+    _write_table(writer, work(pa.table({p.text_key: docs})))
+
+
+def _write_table(writer: CacheWriter, table) -> None:
+    errors = [e for e in table.column("error").to_pylist() if e] if "error" in table.column_names else []
+    if errors:
+        raise DataError(errors[0])
+    ids = table.column("ids").combine_chunks()
+    offsets = ids.offsets.to_numpy()  # of a possibly sliced array: flatten() honours the slice, .values not
+    writer.add(ids.flatten().to_numpy(), offsets - offsets[0], table.column("mask").combine_chunks().flatten().to_numpy())
+
+
+def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
+    """Read with Ray Data, tokenize on an actor pool of ``num_workers``, write in document order."""
+    import ray
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    logger = logging.getLogger("ray.data")
+    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, logger.level,
+             getattr(ctx, "use_datasource_v2", False))
+    logger.setLevel(logging.WARNING)  # no per-dataset INFO lines in the run's output
+    ctx.use_datasource_v2 = False  # its parquet listing step costs seconds per dataset; v1 reads the same rows
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    cpus = max(0.1, min(1.0, ray.available_resources().get("CPU", 1.0) / (num_workers + 1)))
+    try:
+        files = list(p.files)
+        if p.kind == "txt":
+            ds = ray.data.read_binary_files(files, include_paths=True, num_cpus=cpus)
+        elif p.kind in ("json", "jsonl"):
+            ds = ray.data.read_json(files, lines=p.kind == "jsonl", num_cpus=cpus)
+        else:
+            ds = ray.data.read_parquet(files, num_cpus=cpus)
+        # max_restarts=0: Ray Data hands its actors their constructor arguments as object refs, which
+        # a restart could not count on (Ray logs an error saying so for every actor of a restartable
+        # pool); a tokenizer actor that dies fails the data step with one error instead. Passing it
+        # is deprecated from Ray 2.60 (ray is pinned below 2.61), and that warning is not the user's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ds.map_batches(TokenizeBatch, fn_constructor_args=(p.format, p.tokenizer, p.text_key, p.kind),
+                                batch_format="pyarrow", batch_size=64, num_cpus=cpus, max_restarts=0,
+                                compute=ray.data.ActorPoolStrategy(size=num_workers))
+        for table in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2):
+            _write_table(writer, table)
+    except Exception as e:
+        raise _unwrap(e, p.where) from None
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars, _, ctx.use_datasource_v2 = saved
+        logger.setLevel(saved[2])
+
+
+def _unwrap(e: BaseException, where: str) -> MegatrainError:
+    """A Ray Data failure as one sentence (user errors of the pool actors arrive as rows, not here)."""
+    if isinstance(e, MegatrainError) and getattr(e, "cause", None) is None:
+        return e
+    lines = [ln for ln in str(getattr(e, "cause", None) or e).splitlines() if ln.strip()]
+    return DataError(f"reading and tokenizing {where} failed ({type(e).__name__}: "
+                     f"{lines[0] if lines else 'no message'}); see the Ray Data log for the traceback.")

@@ -1,0 +1,67 @@
+"""Training FLOPs of the model, in two named conventions; every TFLOPS figure we report comes from here.
+
+- **6NT** (:func:`flops_6nt`): 6 x N x T, with N *every* parameter (embedding, LM head, norms,
+  biases) and T the tokens trained: the usual "6 FLOPs per parameter per token" (2 forward, 4
+  backward). Simple and comparable across systems (the peers' tables use it), but it counts the
+  embedding lookup as if it were a matmul and ignores attention's S x S work.
+- **PaLM** (:func:`palm_model_flops`): per token, 6 x the *matmul* parameters (every decoder
+  projection and the LM head, which is the embedding matrix when tied; not the embedding lookup,
+  norms or biases) plus 12 x L x heads x head_dim x S for the attention scores and values, the full
+  S x S matrix, not halved for causal masking (PaLM, appendix B). The basis of MFU.
+
+Neither counts the recomputation of the forward in the backward pass (the usual MFU convention),
+so both are *model* FLOPs, not the hardware FLOPs executed. Reported side by side under the keys
+of :data:`TFLOPS_KEYS` (metrics.jsonl, the Ray gauges, the benchmark's JSON).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .transformer import unit_names, unit_params
+
+TFLOPS_KEYS = {"6nt": "tflops_6nt", "palm": "tflops_palm"}
+"""The name each convention's TFLOP/s goes by in metrics.jsonl, the gauges and the benchmark."""
+
+
+def num_params(model: ModelConfig) -> int:
+    """N of 6NT: every parameter of the model (the tied embedding counted once)."""
+    total = 0
+    for unit in unit_names(model):
+        for _, shape in unit_params(model, unit):
+            n = 1
+            for dim in shape:
+                n *= dim
+            total += n
+    return total
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """Weights that multiply activations: q/k/v/o and gate/up/down of every layer, and the LM head."""
+    h, inter = model.hidden_size, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    return model.num_hidden_layers * per_layer + model.vocab_size * h
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs of the attention scores and values per token, 12 L S d (d = heads x head_dim):
+    the full S x S matrix, as PaLM's model FLOPs count it (causal kernels skip about half)."""
+    return 12 * model.num_hidden_layers * seq_len * model.num_attention_heads * model.head_size
+
+
+def flops_6nt(model: ModelConfig, tokens: int) -> float:
+    """6 x N x T: N = :func:`num_params` (every parameter), T = ``tokens`` trained."""
+    return 6.0 * num_params(model) * tokens
+
+
+def palm_model_flops(model: ModelConfig, seq_len: int, tokens: int) -> float:
+    """PaLM's model FLOPs of ``tokens`` trained tokens in sequences of ``seq_len``: per token
+    6 x :func:`matmul_params` + :func:`attention_flops_per_token`."""
+    return (6.0 * matmul_params(model) + attention_flops_per_token(model, seq_len)) * tokens
+
+
+def tflops(model: ModelConfig, seq_len: int, tokens: int, seconds: float) -> dict[str, float]:
+    """Both conventions' TFLOP/s for ``tokens`` trained in ``seconds``, under :data:`TFLOPS_KEYS`."""
+    seconds = max(seconds, 1e-9)
+    return {TFLOPS_KEYS["6nt"]: flops_6nt(model, tokens) / seconds / 1e12,
+            TFLOPS_KEYS["palm"]: palm_model_flops(model, seq_len, tokens) / seconds / 1e12}
