@@ -69,7 +69,10 @@ def test_two_workers_train_what_one_does(one_worker, shm_dir):
     assert _rel(_weights(two.final_dir), _weights(one.final_dir)) < 1e-5
     rows = [json.loads(line) for line in open(os.path.join(two.run_dir, "metrics.jsonl"))]
     for row in rows:  # every worker streamed each layer in twice, the embedding and head once
-        assert row["fetches"] == {"embed": 1, "layers": 6, "head": 1}
+        assert len(row["workers"]) == 2
+        for worker in row["workers"]:
+            assert worker["fetches"] == {"embed": 1, "layers": 6, "head": 1}
+            assert worker["compute_busy_s"] > 0 and worker["h2d_bytes"] > 0
     assert os.listdir(shm_dir) == []
 
 

@@ -193,7 +193,8 @@ class Driver:
                "tokens_per_s": out["tokens"] / max(out["step_s"], 1e-9),
                **self.gauges.tflops(out["tokens"], out["step_s"]),
                **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
-               **({"val_loss": out["val_loss"]} if "val_loss" in out else {})}
+               **({"val_loss": out["val_loss"]} if "val_loss" in out else {}),
+               **({"workers": out["workers"]} if "workers" in out else {})}
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         self.gauges.step(row, _size(self.head.grad_q))
@@ -244,8 +245,10 @@ def _combine(outs: list[dict]) -> dict:
     validation loss) the first worker's."""
     if len(outs) == 1:
         return outs[0]
+    per_worker = [{"fetches": o["fetches"], **{k: v for k, v in o.items() if k.endswith(("_busy_s", "_bytes"))},
+                   "step_s": o["step_s"], "device_peak_bytes": o.get("device_peak_bytes")} for o in outs]
     return {**outs[0], "loss": sum(o["loss"] for o in outs), "step_s": max(o["step_s"] for o in outs),
-            "worker_fetches": [o["fetches"] for o in outs]}
+            "workers": per_worker}
 
 
 def _drain(q: Queue) -> list[dict]:

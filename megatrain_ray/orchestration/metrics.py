@@ -66,6 +66,10 @@ class RunMetrics:
         self.stage_fraction = gauge("stage_busy_fraction", "Busy share of the last step per stage.", ("stage",))
         self.link = gauge("link_gbps", "Host-device copy bandwidth while busy, GB/s.", ("direction",))
         self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
+        self.worker_fraction = gauge("worker_busy_fraction", "Busy share of the last step per compute worker "
+                                     "(GPU) and stage, with several workers.", ("worker", "stage"))
+        self.worker_link = gauge("worker_link_gbps", "Host-device copy bandwidth of each compute worker (GPU) "
+                                 "while busy, GB/s, with several workers.", ("worker", "direction"))
 
     def tflops(self, tokens: int, step_s: float) -> dict[str, float]:
         """The metrics.jsonl entries of a step's model TFLOP/s, one per convention (tflops_6nt, tflops_palm)."""
@@ -100,6 +104,15 @@ class RunMetrics:
                 self.link.set(row.get(f"{direction}_bytes", 0) / busy / 1e9, tags={**self.tags, "direction": direction})
         if grad_queue_depth is not None:
             self.queue.set(grad_queue_depth, tags={**self.tags, "queue": "grad"})
+        for w, worker in enumerate(row.get("workers", ())):  # each GPU's own lanes (rank order)
+            tags = {**self.tags, "worker": str(w)}
+            for lane in ("compute", "h2d", "d2h", "wait"):
+                self.worker_fraction.set(worker.get(f"{lane}_busy_s", 0.0) / step_s, tags={**tags, "stage": lane})
+            for direction in ("h2d", "d2h"):
+                busy = worker.get(f"{direction}_busy_s", 0.0)
+                if busy > 0:
+                    self.worker_link.set(worker.get(f"{direction}_bytes", 0) / busy / 1e9,
+                                         tags={**tags, "direction": direction})
 
     def checkpoint(self, step: int) -> None:
         self.g["checkpoint_step"].set(step, tags=self.tags)
