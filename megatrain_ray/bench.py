@@ -43,6 +43,7 @@ from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
 from .orchestration.hostmem import HostMemoryPeak
 from .orchestration.preflight import guess_device
+from .probes import adamw_probe, gemm_tflops, layer_probe
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
@@ -86,20 +87,6 @@ def _with_workers(base: dict, shape: tuple, data: str, extra: list[str], tmp: st
     tokens, seq_len, micro_batches, steps = shape
     return bench_config(base, tokens * n, seq_len, micro_batches * n, steps, data,
                         [*extra, f"runtime.run_dir={tmp}/runs", f"runtime.compute_workers={n}"])
-
-
-def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -212,94 +199,6 @@ def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
     del model, trainer
     torch.cuda.empty_cache()
     return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": peak}
-
-
-def layer_probe(cfg, micro_batches: int) -> dict:
-    """One decoder layer at the run's shape, on the GPU: ms for the forward and the recompute +
-    backward of all micro-batches, as the compute worker runs them (views of a flat slot, gradients
-    into a flat fp32 buffer), eager and compiled."""
-    from .engine.compute import layer_backward
-    from .model import transformer as M
-    from .model.layout import LayerTemplate
-
-    mc = cfg.model
-    t = LayerTemplate.build(mc, "layers.0")
-    flat = (torch.randn(t.numel, device="cuda") * 0.02).to(torch.bfloat16)
-    grad = torch.zeros(t.numel, device="cuda")
-    mb = cfg.train.micro_batch_size
-    xs = [torch.randn(mb, cfg.train.seq_len, mc.hidden_size, device="cuda", dtype=torch.bfloat16)
-          for _ in range(micro_batches)]
-    rope = M.rope_cache(mc, cfg.train.seq_len, torch.device("cuda"), torch.bfloat16)
-
-    def timed(fn, reps=3):
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / reps
-
-    def fwd(fn):
-        with torch.no_grad():
-            for x in xs:
-                fn(t.bind(flat, fused=True), x, rope, mc)
-
-    def bwd(fn):
-        layer_backward(fn, t.bind(flat, fused=True), t.bind(grad, fused=True), xs, [torch.ones_like(x) for x in xs],
-                       rope, mc)
-
-    compiled = torch.compile(M.decoder_layer, dynamic=False)
-    start = time.perf_counter()
-    fwd(compiled)
-    bwd(compiled)
-    out = {"compile_s": time.perf_counter() - start}
-    for name, fn in (("eager", M.decoder_layer), ("compiled", compiled)):
-        out[f"fwd_{name}_ms"] = timed(lambda: fwd(fn))
-        out[f"bwd_{name}_ms"] = timed(lambda: bwd(fn))
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        bwd(compiled)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    flops = 2 * t.param_count * cfg.train.seq_len * mb * micro_batches
-    out["fwd_gemm_floor_ms"] = flops / 790e12 * 1e3
-    out["bwd_gemm_floor_ms"] = 3 * flops / 790e12 * 1e3
-    return out
-
-
-def adamw_probe(numel: int, threads: int) -> dict:
-    """CPU rates (G params/s) of torch's fused AdamW alone (fp32 gradient, all threads on one op) and
-    of our per-unit update (bf16 gradient in, clip factor, stream copy out) with torch's kernels and
-    with the native one-pass kernel on an :class:`~megatrain_ray.optim.AdamWRunner` pool of n threads."""
-    from .config import OptimConfig
-    from .engine import optim
-
-    torch.set_num_threads(threads)
-    p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
-    g16 = torch.randn(numel).to(torch.bfloat16)
-    g32, stream = g16.float(), torch.empty(numel, dtype=torch.bfloat16)
-    step, cfg = torch.tensor(1.0), OptimConfig()
-
-    def rate(fn):
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return numel / (time.perf_counter() - t0) / 1e9
-
-    out = {"fused_fp32_gps": rate(lambda: torch._fused_adamw_(
-        [p], [g32], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
-        amsgrad=False, maximize=False))}
-    out["unit_torch_gps"] = rate(lambda: optim.adamw_unit(p, g16, m, v, stream, numel, 1, 1e-4, cfg, 0.5))
-    for n in sorted({threads // 2, threads - 4, threads - 2, threads}):
-        runner = optim.AdamWRunner(n)
-        if runner.kernel is not None:
-            out[f"unit_native_t{n}_gps"] = rate(lambda: runner.update(p, g16, m, v, stream, numel, 1, 1e-4, cfg, 0.5))
-        runner.close()
-    return out
 
 
 def format_systems(systems: dict[str, dict]) -> str:

@@ -45,14 +45,7 @@ def run_segments(shm_dir: str, owner_pid: int, run_id: str) -> list[str]:
 
 def remove_run(shm_dir: str, owner_pid: int, run_id: str) -> list[str]:
     """Unlink every segment of one run (mappings stay valid until unmapped); returns what was removed."""
-    removed = []
-    for path in run_segments(shm_dir, owner_pid, run_id):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
+    return _unlink(run_segments(shm_dir, owner_pid, run_id))
 
 
 def _alive(pid: int) -> bool:
@@ -67,13 +60,20 @@ def _alive(pid: int) -> bool:
 
 def remove_stale(shm_dir: str) -> list[str]:
     """Unlink segments whose owner process is gone; returns what was removed."""
-    removed = []
-    for path in glob.glob(os.path.join(shm_dir, f"{PREFIX}*")):
+    def dead(path: str) -> bool:
         owner = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
+        return owner.isdigit() and not _alive(int(owner))
+
+    return _unlink(p for p in glob.glob(os.path.join(shm_dir, f"{PREFIX}*")) if dead(p))
+
+
+def _unlink(paths) -> list[str]:
+    """Unlink each path that still exists; returns those removed."""
+    removed = []
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
     return removed
