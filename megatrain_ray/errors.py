@@ -1,7 +1,9 @@
-"""User-facing error types: each carries one sentence that names what to fix.
+"""User-facing error types, all of them: each carries one sentence that names what to fix.
 
 The CLI prints ``error: <message>`` for any :class:`MegatrainError` and exits non-zero without a
-traceback; anything else is a bug and keeps its traceback.
+traceback; anything else is a bug and keeps its traceback. :class:`Interrupted` is the one outside
+that family: the user stopped the run (it is a ``KeyboardInterrupt``), which is neither a mistake
+nor a bug.
 """
 
 
@@ -19,3 +21,25 @@ class PipelineError(MegatrainError):
 
 class DataError(MegatrainError):
     """The dataset cannot be read or is too small for the requested batches."""
+
+
+class PreflightError(ConfigError):
+    """The run would not fit this machine (host RAM, /dev/shm); raised by
+    :mod:`megatrain_ray.orchestration.preflight` before anything is allocated."""
+
+
+class ActorDied(PipelineError):
+    """An actor of the pipeline died (killed, OOM, node failure): the run can restart from a checkpoint."""
+
+
+class CheckpointError(MegatrainError):
+    """A checkpoint cannot be written or read; the message names the directory and what to do."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM ended the run; ``checkpoint`` is where its state was saved, if anywhere."""
+
+    def __init__(self, checkpoint: str | None = None, note: str = ""):
+        super().__init__(checkpoint or note)
+        self.checkpoint = checkpoint
+        self.note = note

@@ -52,7 +52,7 @@ from ..engine.compute import ComputeWorker
 from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec, grad_slots_for
-from ..errors import MegatrainError, PipelineError
+from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
 from . import cluster, preflight
@@ -81,19 +81,6 @@ class RunResult:
     """First step this run trained (the checkpoint's step when resumed)."""
     checkpoints: list[str] = field(default_factory=list)
     """Checkpoint directories saved by this run, oldest first."""
-
-
-class ActorDied(PipelineError):
-    """An actor of the pipeline died (killed, OOM, node failure): the run can restart from a checkpoint."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM ended the run; ``checkpoint`` is where its state was saved, if anywhere."""
-
-    def __init__(self, checkpoint: str | None = None, note: str = ""):
-        super().__init__(checkpoint or note)
-        self.checkpoint = checkpoint
-        self.note = note
 
 
 class _Roles:
