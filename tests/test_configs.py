@@ -21,10 +21,11 @@ transformers = pytest.importorskip("transformers")
 
 from artifacts import CORPUS, save_model, save_tokenizer  # noqa: E402
 
-from megatrain_ray import cli, preflight  # noqa: E402
+from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.layout import StoreLayout  # noqa: E402
-from megatrain_ray.pipeline import train  # noqa: E402
+from megatrain_ray.model.layout import StoreLayout  # noqa: E402
+from megatrain_ray.orchestration import preflight  # noqa: E402
+from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
