@@ -1,7 +1,9 @@
-"""User-facing error types: each carries one sentence that names what to fix.
+"""User-facing error types, all of them: each carries one sentence that names what to fix.
 
 The CLI prints ``error: <message>`` for any :class:`MegatrainError` and exits non-zero without a
-traceback; anything else is a bug and keeps its traceback.
+traceback; anything else is a bug and keeps its traceback. :class:`Interrupted` is the one outside
+that family: the user stopped the run (it is a ``KeyboardInterrupt``), which is neither a mistake
+nor a bug.
 """
 
 
@@ -21,8 +23,17 @@ class DataError(MegatrainError):
     """The dataset cannot be read or is too small for the requested batches."""
 
 
+class PreflightError(ConfigError):
+    """The run would not fit this machine (host RAM, /dev/shm); raised by
+    :mod:`megatrain_ray.orchestration.preflight` before anything is allocated."""
+
+
 class ActorDied(PipelineError):
     """An actor of the pipeline died (killed, OOM, node failure): the run can restart from a checkpoint."""
+
+
+class CheckpointError(MegatrainError):
+    """A checkpoint cannot be written or read; the message names the directory and what to do."""
 
 
 class Interrupted(KeyboardInterrupt):

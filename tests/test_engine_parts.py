@@ -32,6 +32,36 @@ def test_fused_views_are_the_concatenated_parameters_and_change_nothing(model_ty
     torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_grouped_projections_accept_any_concatenation_and_need_none(model_type):
+    """The model's contract, without the layout: params with the members only, or with a concatenation
+    built by torch.cat (no flat buffer anywhere), give the same layer output and the same gradients of
+    the members (through the concatenation when it is there)."""
+    cfg = ModelConfig(model_type=model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=96)
+    gen = torch.Generator().manual_seed(0)
+    members = {name: torch.randn(shape, generator=gen, dtype=torch.float64) * 0.1
+               for name, shape in M.unit_params(cfg, "layers.0")}
+    x = torch.randn(2, 8, 64, generator=gen, dtype=torch.float64)
+    rope = M.rope_cache(cfg, 8, torch.device("cpu"), torch.float64)
+
+    def grads(concatenate: bool):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in members.items()}
+        p = dict(leaves)
+        if concatenate:
+            for group, parts in M.PROJECTION_GROUPS.items():
+                for suffix in ("weight", "bias"):
+                    if f"{parts[0]}.{suffix}" in p:
+                        p[f"{group}.{suffix}"] = torch.cat([leaves[f"{m}.{suffix}"] for m in parts])
+        y = M.decoder_layer(p, x, rope, cfg)
+        return y, torch.autograd.grad(y.square().sum(), list(leaves.values()))
+
+    (y0, g0), (y1, g1) = grads(False), grads(True)
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_store_layout_is_page_aligned_and_counts_parameters():
     cfg = ModelConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3)
     layout = StoreLayout.build(cfg)

@@ -373,8 +373,8 @@ def _umask() -> int:
 
 
 def test_byte_level_tokenizer_exports_as_hf_with_the_training_ids(tmp_path):
-    from megatrain_ray.data.tokenizer import (BYTE_TOKENIZER_VOCAB, EOS_ID, ByteTokenizer, HFTokenizer, messages_from_row,
-                                         save_byte_tokenizer)
+    from megatrain_ray.data.tokenizer import (BYTE_TOKENIZER_VOCAB, EOS_ID, ByteTokenizer, HFTokenizer,
+                                              messages_from_row, save_byte_tokenizer)
 
     written = save_byte_tokenizer(str(tmp_path / "tok"))
     assert "tokenizer.json" in written

@@ -145,3 +145,21 @@ def test_subpackages_say_what_lives_there_and_import_nothing(package):
     assert ast.get_docstring(tree), f"megatrain_ray/{package}/__init__.py needs a docstring"
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], \
         f"megatrain_ray/{package}/__init__.py imports something; import the submodules directly instead"
+
+
+def test_error_types_live_in_errors_py():
+    """Every exception class of the package is defined in megatrain_ray/errors.py (one place to read
+    what a user can be told); other modules import them from there."""
+    errors = ast.parse(open(MODULES["megatrain_ray.errors"]).read())
+    known = {n.name for n in errors.body if isinstance(n, ast.ClassDef)}
+    roots = known | {"Exception", "BaseException", "KeyboardInterrupt", "RuntimeError", "ValueError"}
+    bad = []
+    for m, path in MODULES.items():
+        if m == "megatrain_ray.errors":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+                if bases & roots:
+                    bad.append(f"{m}:{node.lineno}: class {node.name}({', '.join(sorted(bases))})")
+    assert not bad, "exception classes outside megatrain_ray/errors.py:\n" + "\n".join(bad)

@@ -12,7 +12,11 @@ from ..errors import ConfigError
 from .fields import require as _require
 from .fields import section_from_dict
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+"""model_type -> the HF ``architectures`` entry of its causal LM: the one map of supported families
+(config.json is read and written through it, by :class:`ModelConfig` and megatrain_ray.io.hf_io)."""
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 """The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
 
@@ -164,10 +168,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json fields of this shape (architectures included)."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[self.model_type]
         out = dataclasses.asdict(self)
         out["head_dim"] = self.head_size
-        out["architectures"] = [arch]
+        out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["hidden_act"] = "silu"
         return out

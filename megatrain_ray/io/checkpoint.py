@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..errors import ConfigError, MegatrainError
+from ..errors import CheckpointError, ConfigError
 from ..model.transformer import hf_name
 
 FORMAT = "megatrain-ray-checkpoint"
@@ -61,10 +61,6 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 
 _UPGRADES: dict[int, Callable[[dict], dict]] = {}
 """format_version n -> function turning a version-n meta dict into version n+1 (none yet)."""
-
-
-class CheckpointError(MegatrainError):
-    """A checkpoint cannot be written or read; the message names the directory and what to do."""
 
 
 def step_dir_name(step: int) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config
+from ..config import ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config
 from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
@@ -35,8 +35,6 @@ SINGLE_FILE = "model.safetensors"
 EXTRA_FILES = ("generation_config.json",)
 """Other small files of a model directory that an export carries over."""
 DEFAULT_SHARD_BYTES = 2 * 2**30
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

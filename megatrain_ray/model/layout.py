@@ -9,9 +9,11 @@ per-layer mappings want.
 
 A :class:`LayerTemplate` is the stateless view of one unit: given any flat tensor holding that
 unit (a host block, a device slot), ``bind`` returns the parameter dict of views into it, with no
-copy and nothing retained. Projections that read the same input and lie back to back in the
-buffer (q/k/v, gate/up) are also offered as one fused view (``self_attn.qkv_proj.weight``,
-``mlp.gate_up_proj.weight``), so the model can run one large GEMM instead of several.
+copy and nothing retained. The members of each of the model's projection groups
+(:data:`~megatrain_ray.model.transformer.PROJECTION_GROUPS`: q/k/v, gate/up) are placed back to
+back, so ``bind(fused=True)`` can also offer the group's concatenation, which the model then runs
+as one GEMM, as one more view under the group's name (``self_attn.qkv_proj.weight``, ...); where
+alignment padding separates them (odd shapes), none is offered and the model runs one GEMM each.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .transformer import unit_names, unit_params
+from .transformer import PROJECTION_GROUPS, unit_names, unit_params
 
 UNIT_ALIGN = 4096
 """Elements; 4096 elements are a whole number of 4 KiB pages in any dtype of >= 1 byte."""
@@ -53,7 +55,7 @@ class LayerTemplate:
     """The first ``decay_numel`` elements are the matrices (always weight-decayed); the rest are the
     norms and biases (decayed only with ``optim.decay_norms_and_biases``)."""
     fused: tuple[tuple[str, tuple[int, ...], int], ...] = ()
-    """(name, shape, offset) of fused views over adjacent parameters (see the module docstring)."""
+    """(name, shape, offset) of the projection groups' concatenated views (see the module docstring)."""
 
     @classmethod
     def build(cls, cfg: ModelConfig, unit: str) -> "LayerTemplate":
@@ -75,22 +77,19 @@ class LayerTemplate:
         return sum(_prod(shape) for _, shape, _ in self.params)
 
     def bind(self, flat: torch.Tensor, fused: bool = False) -> dict[str, torch.Tensor]:
-        """flat: [>= numel] -> {name: view of its shape} (plus the fused views if asked); no copy."""
+        """flat: [>= numel] -> {name: view of its shape}; no copy. ``fused``: also the concatenated
+        view of each projection group whose members lie back to back (see the module docstring)."""
         out = {}
         for name, shape, offset in self.params + (self.fused if fused else ()):
             out[name] = flat[offset:offset + _prod(shape)].view(shape)
         return out
 
 
-_FUSIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
-
-
 def _fusable(params: list[tuple[str, tuple[int, ...], int]]) -> tuple:
-    """Fused views for each group whose weights (and biases, if any) lie back to back."""
+    """The concatenated view of each projection group whose weights (and biases, if any) lie back to back."""
     where = {name: (shape, offset) for name, shape, offset in params}
     out = []
-    for fused, members in _FUSIONS:
+    for fused, members in PROJECTION_GROUPS.items():
         views = []
         for suffix in ("weight", "bias"):
             names = [f"{m}.{suffix}" for m in members]

@@ -1,11 +1,21 @@
 """The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral), architecture only.
 
 Everything here is a pure function of (weights, inputs). Weights arrive as a dict of tensors keyed
-by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...), optionally
-with fused ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` tensors equal to the concatenation of
-their parts (then used instead, as one GEMM), so the same
-functions run on views into a streamed flat buffer (see :mod:`megatrain_ray.model.layout`) or on any
-other tensors. Nothing here knows about streaming, offload, devices or Ray.
+by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...): any tensors,
+views into a streamed flat buffer or not. Nothing here knows about storage, streaming, offload,
+devices or Ray.
+
+Grouped projections, the one place where how weights are passed can change how the math is run:
+q/k/v read the same input, and so do gate/up (:data:`PROJECTION_GROUPS`). :func:`project` computes a
+group's outputs with one GEMM when the params also carry the group's *concatenated* weight under the
+group's name (``self_attn.qkv_proj.weight`` = the q, k and v weights stacked along dim 0; biases
+likewise), else with one GEMM per member. The two give the same values; the concatenation is an
+optimisation offered by the caller, never required, and the model neither builds nor stores it. The
+engine offers it for free, as a zero-copy view, because the flat layout puts each group's members
+back to back (:meth:`megatrain_ray.model.layout.LayerTemplate.bind` with ``fused=True``); a gradient
+taken through that view lands in the members' places. Chosen over a fused-weight storage format (the
+checkpoint and the optimizer keep HF's separate tensors) and over a strategy object threaded through
+every call (the params are already the one thing the caller hands in).
 
 The model is split into *units*, the granularity at which weights are stored and streamed:
 ``embed`` (token embeddings), ``layers.{i}`` (one decoder layer each) and ``head`` (final norm and,
@@ -118,19 +128,32 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+PROJECTION_GROUPS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+"""Projections that read the same input, keyed by the name their concatenation may be passed under
+(see the module docstring and :func:`project`)."""
+
+
+def project(p: Params, x: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:
+    """The outputs of a group of :data:`PROJECTION_GROUPS`, in member order. x: [..., H] -> each [..., out_i].
+
+    ``p`` holds every member's ``weight`` [out_i, H] (and ``bias`` [out_i] if the member has one).
+    If it also holds ``{group}.weight`` [sum out_i, H], the members' weights stacked along dim 0 (and
+    ``{group}.bias`` when they have biases), that is used instead: one GEMM, split. Same values.
+    """
+    members = PROJECTION_GROUPS[group]
+    if f"{group}.weight" in p:
+        out = F.linear(x, p[f"{group}.weight"], p.get(f"{group}.bias"))
+        return out.split([p[f"{m}.weight"].shape[0] for m in members], dim=-1)
+    return tuple(F.linear(x, p[f"{m}.weight"], p.get(f"{m}.bias")) for m in members)
+
+
 def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig
               ) -> torch.Tensor:
     """Causal grouped-query self-attention. x: [B, S, H] -> [B, S, H]."""
     b, s, _ = x.shape
     d = cfg.head_size
-    if "self_attn.qkv_proj.weight" in p:  # one GEMM over the q/k/v weights lying back to back
-        qkv = F.linear(x, p["self_attn.qkv_proj.weight"], p.get("self_attn.qkv_proj.bias"))
-        kv = cfg.num_key_value_heads * d
-        q, k, v = qkv.split([cfg.num_attention_heads * d, kv, kv], dim=-1)
-    else:
-        q = F.linear(x, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
-        k = F.linear(x, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
-        v = F.linear(x, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q, k, v = project(p, x, "self_attn.qkv_proj")
     q = q.reshape(b, s, -1, d)
     k = k.reshape(b, s, -1, d)
     if cfg.qk_norm:
@@ -147,10 +170,7 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
 
 def mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP. x: [B, S, H] -> [B, S, H]."""
-    if "mlp.gate_up_proj.weight" in p:  # one GEMM over the gate/up weights lying back to back
-        gate, up = F.linear(x, p["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-    else:
-        gate, up = F.linear(x, p["mlp.gate_proj.weight"]), F.linear(x, p["mlp.up_proj.weight"])
+    gate, up = project(p, x, "mlp.gate_up_proj")
     return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..engine.store import StoreSpec, grad_slots_for
-from ..errors import ConfigError
+from ..errors import ConfigError, PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
@@ -58,10 +58,6 @@ EXPORT_SHARD_BYTES = 2 * 2**30
 _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to the device)",
                 "exp_avg": "AdamW exp_avg", "exp_avg_sq": "AdamW exp_avg_sq",
                 "grad": "gradients (host side)"}
-
-
-class PreflightError(ConfigError):
-    """The run would not fit this machine; raised before anything is allocated."""
 
 
 @dataclass
