@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
             resume = None
             if args.resume is not None:
-                from .io.checkpoint import resume_config
+                from .io.resume import resume_config
 
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
             else:

@@ -373,8 +373,8 @@ def _umask() -> int:
 
 
 def test_byte_level_tokenizer_exports_as_hf_with_the_training_ids(tmp_path):
-    from megatrain_ray.tokenizer import (BYTE_TOKENIZER_VOCAB, EOS_ID, ByteTokenizer, HFTokenizer, messages_from_row,
-                                         save_byte_tokenizer)
+    from megatrain_ray.data.tokenizer import (BYTE_TOKENIZER_VOCAB, EOS_ID, ByteTokenizer, HFTokenizer,
+                                              messages_from_row, save_byte_tokenizer)
 
     written = save_byte_tokenizer(str(tmp_path / "tok"))
     assert "tokenizer.json" in written
@@ -399,7 +399,7 @@ def test_a_byte_level_run_exports_its_tokenizer_and_eos_and_generate_stops_there
     """A default run's final/ (as the driver writes it) and `export` of the run: config.json names
     EOS 256, the tokenizer comes along, transformers' generate ends sequences at EOS, and every file
     is readable by others as a plain open() would make it."""
-    from megatrain_ray.tokenizer import BYTE_LEVEL, EOS_ID
+    from megatrain_ray.data.tokenizer import BYTE_LEVEL, EOS_ID
 
     cfg = load_config(None, [f"runtime.shm_dir={shm_dir}"])
     run = tmp_path / "runs" / "r1"
