@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import MegatrainError  # noqa: E402
-from megatrain_ray.io.hf_io import write_json  # noqa: E402
+from megatrain_ray.io.files import write_json  # noqa: E402
 from megatrain_ray.model import flops as model_flops  # noqa: E402
 from megatrain_ray.model.presets import PRESETS, model_params, preset_model, preset_shape  # noqa: E402
 from megatrain_ray.orchestration.hostmem import HostMemoryPeak  # noqa: E402

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
             resume = None
             if args.resume is not None:
-                from .io.checkpoint import resume_config
+                from .io.resume import resume_config
 
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
             else:
@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         saved = getattr(e, "checkpoint", None)
         if saved:
-            print(f"interrupted: the run was stopped after saving a checkpoint to {saved} (continue with "
-                  f"`megatrain-ray train --resume {saved}`) and its shared memory removed.", file=sys.stderr)
+            from .io.checkpoint import advice
+
+            print(f"interrupted: the run was stopped after saving a checkpoint to {saved} ({advice(saved)}) "
+                  "and its shared memory removed.", file=sys.stderr)
         else:
             why = getattr(e, "note", "")
             print(f"interrupted: the run was stopped{f' without a checkpoint ({why})' if why else ''} "

@@ -46,3 +46,14 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(checkpoint or note)
         self.checkpoint = checkpoint
         self.note = note
+
+
+class WriteError(MegatrainError):
+    """A file or directory could not be written (full disk, read-only path); the message names the
+    path, and where space ran out, how much is needed."""
+
+
+class CorruptFile(ValueError):
+    """A file is not what was written: the message is the reason (callers name the file and what to
+    do). Internal to io's checks, which turn it into a CheckpointError or DataError sentence."""
+

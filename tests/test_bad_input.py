@@ -343,3 +343,26 @@ def test_disk_full_while_checkpointing_keeps_the_last_good_checkpoint(ray_cluste
     checkpoint.check_files(str(good))
     assert checkpoint.read_meta(str(good))["step"] == 1
     assert os.listdir(shm_dir) == []
+
+
+def test_disk_full_during_the_final_export_keeps_the_weights_in_a_checkpoint(ray_cluster, shm_dir, small_disk,
+                                                                               tmp_path, capsys, monkeypatch):
+    """train.checkpoint_every=0 on a 2 MiB disk: the final checkpoint (1.6 MB) fits, the export after
+    it does not. The error names final/ and the space; no partial final/ is left; the checkpoint is
+    whole and the advice (export it, not --resume it: it is the end of the run) works as written."""
+    line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={small_disk}",
+                 "--set", "runtime.device=cpu", "--set", "train.steps=3", "--set", "train.checkpoint_every=0",
+                 "--set", "runtime.actor_timeout_s=120"], tmp_path, capsys, monkeypatch)
+    (run,) = os.listdir(small_disk)
+    final, end = small_disk / run / "final", small_disk / run / "checkpoints" / "step-000003"
+    assert line.startswith(f"error: could not write the final weights to {final} (No space left on device); "
+                           "they need "), line
+    assert "nothing was left behind" in line and f"the last good checkpoint is {end}" in line
+    assert f"export its weights with `megatrain-ray export {end} --out DIR`" in line
+    assert "--resume" not in line.split("export its weights")[0]  # no advice to resume a finished run
+    assert sorted(os.listdir(small_disk / run)) == ["checkpoints", "config.json", "metrics.jsonl"]
+    checkpoint.check_files(str(end))
+    assert os.listdir(shm_dir) == []
+    capsys.readouterr()
+    assert cli.main(["export", str(end), "--out", str(tmp_path / "exported")]) == 0
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported") is not None

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
-from megatrain_ray.io import checkpoint
+from megatrain_ray.io import checkpoint, files, hf_io, resume
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import Interrupted, train
@@ -131,9 +132,117 @@ def test_keep_last_k_prunes_only_after_a_new_checkpoint_is_complete(shm_dir, tmp
             kept = sorted(os.listdir(root))
             assert kept == [f"step-{s:06d}" for s in range(max(1, step - 1), step + 1)], kept
         assert checkpoint.latest(root).endswith("step-000005")
-        assert checkpoint.find(str(tmp_path / "ckpts")).endswith("step-000005")
+        assert resume.find(str(tmp_path / "ckpts")).endswith("step-000005")
     finally:
         ps.close()
+
+
+def _flip_exponent_bit(directory, name: str = "model.embed_tokens.weight") -> str:
+    """Flip the top exponent bit of the first float of tensor ``name`` in its shard, in place; returns the shard."""
+    (shard,) = [f for f in os.listdir(directory) if f.startswith("model-") and f.endswith(".safetensors")]
+    path = os.path.join(directory, shard)
+    raw = bytearray(open(path, "rb").read())
+    n = int.from_bytes(raw[:8], "little")
+    start = json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+    raw[8 + n + start + 3] ^= 0x40  # byte 3 of a little-endian float32 holds the sign and top exponent bits
+    with open(path, "r+b") as f:
+        f.write(raw)
+    return shard
+
+
+def test_every_file_has_its_size_and_crc32_and_a_flipped_bit_is_refused(shm_dir, tmp_path):
+    ps = _store(shm_dir, "crc")
+    try:
+        _fill_optimizer(ps, step=3)
+        path = checkpoint.save(ps.store, str(tmp_path / "ckpts"), 3, {"train": {"steps": 10}}, "r")
+    finally:
+        ps.close()
+    meta = checkpoint.read_meta(path)
+    assert sorted(meta["files"]) == sorted(n for n in os.listdir(path) if n != "meta.json")
+    for name, rec in meta["files"].items():
+        data = open(os.path.join(path, name), "rb").read()
+        assert rec == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+    checkpoint.check_files(path)
+    shard = _flip_exponent_bit(path)
+    assert os.path.getsize(os.path.join(path, shard)) == meta["files"][shard]["bytes"]
+    checkpoint.check_files(path, checksums=False)  # the size and the header cannot see it ...
+    with pytest.raises(checkpoint.CheckpointError) as info:  # ... the checksum does
+        checkpoint.check_files(path)
+    assert str(info.value) == (f"checkpoint {path} is corrupt: {shard} does not match the checksum written with it "
+                               f"(crc32 {files.checksum(os.path.join(path, shard)).crc32}, written "
+                               f"{meta['files'][shard]['crc32']}) although its size does: its bytes changed on "
+                               "disk; use an earlier checkpoint of the run.")
+    assert checkpoint.latest(str(tmp_path / "ckpts")) == path  # latest() does not recompute checksums
+    with pytest.raises(checkpoint.CheckpointError, match=f"^checkpoint {path} is corrupt: {shard} does not match"):
+        hf_io.export(path, str(tmp_path / "out"))  # export (and eval) check it too
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_resume_of_a_run_skips_corrupt_checkpoints_and_names_them(shm_dir, tmp_path):
+    """Newest first: step 4 has a garbled meta.json, step 3 an empty one, step 2 a shard cut short, so
+    step 1 is the newest valid one; each skipped one gets a line with its reason."""
+    ps = _store(shm_dir, "fallback")
+    root = tmp_path / "run" / "checkpoints"
+    try:
+        for step in (1, 2, 3, 4):
+            _fill_optimizer(ps, step=step)
+            checkpoint.save(ps.store, str(root), step, load_config(None, []).to_dict(), "run")
+    finally:
+        ps.close()
+    (root / "step-000004" / "meta.json").write_text('{"format": "megatrain-ray-checkpoint", "step"')
+    (root / "step-000003" / "meta.json").write_text("")
+    shard = root / "step-000002" / "optimizer-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:4096])
+    lines = []
+    cfg, directory, meta = resume.resume_config(str(tmp_path / "run"), None, [], log=lines.append)
+    assert directory == str(root / "step-000001") and meta["step"] == 1
+    assert [ln.split(" (")[0] for ln in lines] == [f"resume: skipped the corrupt checkpoint {root}/step-00000{s}"
+                                                   for s in (4, 3, 2)]
+    assert "its meta.json is not readable JSON" in lines[0] and "its meta.json is not readable JSON" in lines[1]
+    assert "optimizer-00001-of-00001.safetensors is 4096 bytes but was written with " in lines[2]
+    assert all(ln.endswith(f"using {root}/step-000001, the newest valid one") for ln in lines)
+    assert checkpoint.latest(str(root)) == str(root / "step-000001")  # the driver's restart and its advice agree
+
+    _flip_exponent_bit(root / "step-000001")
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        resume.find(str(tmp_path / "run"), log=lines.append)
+    message = str(info.value)
+    assert message.startswith(f"--resume '{tmp_path / 'run'}' holds no valid checkpoint: {root}/step-000004 is "
+                              "corrupt (its meta.json is not readable JSON")
+    assert all(f"{root}/step-00000{s} is corrupt (" in message for s in (1, 2, 3, 4))
+    assert "does not match the checksum written with it" in message
+
+
+def test_a_format_1_checkpoint_without_checksums_still_loads(shm_dir, tmp_path):
+    src, dst = _store(shm_dir, "v1-src"), _store(shm_dir, "v1-dst", seed=1)
+    try:
+        _fill_optimizer(src, step=2)
+        path = checkpoint.save(src.store, str(tmp_path), 2, {}, "r")
+        meta = json.load(open(os.path.join(path, "meta.json")))
+        del meta["files"]
+        meta["format_version"] = 1
+        json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+        assert checkpoint.read_meta(path)["files"] is None
+        checkpoint.check_files(path)  # structure only: there are no checksums to compare
+        assert checkpoint.load_into(dst.store, path) == 2
+        assert torch.equal(src.store.arrays["master"], dst.store.arrays["master"])
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_the_advice_for_the_last_checkpoint_of_a_run_is_export_not_resume(shm_dir, tmp_path):
+    ps = _store(shm_dir, "advice")
+    try:
+        _fill_optimizer(ps, step=4)
+        end = checkpoint.save(ps.store, str(tmp_path), 4, {"train": {"steps": 4}}, "r")
+        middle = checkpoint.save(ps.store, str(tmp_path / "other"), 4, {"train": {"steps": 9}}, "r")
+    finally:
+        ps.close()
+    assert checkpoint.advice(end) == (
+        f"it is the end of the run: export its weights with `megatrain-ray export {end} --out DIR`, or train on "
+        f"with `megatrain-ray train --resume {end} --set train.steps=N` (N > 4)")
+    assert checkpoint.advice(middle) == f"resume with `megatrain-ray train --resume {middle}`"
 
 
 _CRASH_SCRIPT = textwrap.dedent("""
@@ -182,7 +291,7 @@ def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
     assert temps, names
     assert not os.path.isfile(root / temps[0] / "meta.json")  # the partial save is not a checkpoint
     # Readers see step 1, bit for bit as it was saved, and it loads.
-    assert checkpoint.find(str(root)) == str(root / "step-000001")
+    assert resume.find(str(root)) == str(root / "step-000001")
     after = _tensors(root / "step-000001")
     assert after.keys() == good.keys() and all(torch.equal(after[k], good[k]) for k in good)
     checkpoint.check_files(str(root / "step-000001"))
@@ -295,9 +404,9 @@ def test_a_finished_run_is_extended_only_explicitly_with_its_schedule_recomputed
     assert not os.path.exists(tmp_path / "runs")
 
     longer = STEPS + 4
-    cfg, resume, _ = checkpoint.resume_config(a.run_dir, None, [*here, f"train.steps={longer}"])
+    cfg, directory, _ = resume.resume_config(a.run_dir, None, [*here, f"train.steps={longer}"])
     lines = []
-    result = train(cfg, log=lines.append, resume=resume)
+    result = train(cfg, log=lines.append, resume=directory)
     old_last, new_next = lr_at(cfg.optim, STEPS - 1, STEPS), lr_at(cfg.optim, STEPS, longer)
     assert new_next > 5 * old_last  # the recomputed schedule jumps back up: that is why it is said
     assert f"extending the run from {STEPS} to {longer} steps: the cosine schedule is recomputed over {longer} " \

@@ -90,7 +90,7 @@ class TrainSection:
     checkpoint_every: int = 100
     """Save a checkpoint (weights, AdamW states, step, data position, config) to <run dir>/checkpoints
     every this many steps and at the end of the run; 0 saves only when the run is interrupted
-    (Ctrl-C, SIGTERM, ``ray job stop``)."""
+    (Ctrl-C, SIGTERM, ``ray job stop``) and, with save_final, at the end before the export."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
     save_final: bool = True

@@ -1,7 +1,11 @@
 """Weights on disk: Hugging Face model directories in and out, training checkpoints, evaluation.
 
+- :mod:`.files`: the one atomic, fsynced, checksummed file writer (safetensors, JSON, whole
+  directories) and the one safetensors header check;
 - :mod:`.hf_io`: HF config.json / safetensors import and export, and loading a run's config with
   ``runtime.init_from``'s model shape;
-- :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically;
+- :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,
+  with the size and CRC-32 of every file;
+- :mod:`.resume`: which checkpoint ``--resume`` means (a run's newest valid one) and its run config;
 - :mod:`.evaluate`: loss and perplexity of saved weights, one unit in memory at a time.
 """

@@ -8,7 +8,8 @@ A checkpoint holds everything a run needs to continue bit for bit::
         model-00001-of-00002.safetensors   master weights, full HF names, master dtype
         optimizer.safetensors.index.json   {"weight_map": {"exp_avg.<HF name>" / "exp_avg_sq.<HF name>": shard}}
         optimizer-00001-of-00003.safetensors   AdamW moments, fp32
-        meta.json                          step, unit versions, data position, RNG, run config, format version
+        meta.json                          step, unit versions, data position, RNG, run config, format version,
+                                           and the size and CRC-32 of every other file
 
 Nothing in it depends on how the store lays units out (padding, alignment, unit order): tensors
 are found by name, so a checkpoint loads into any later layout of the same model, and the weights
@@ -22,11 +23,17 @@ not stopped: it stalls only if the save outlasts one step of compute. On an inte
 stops submitting steps, lets the pipeline finish those in flight, and has the store actor save.
 :func:`save` checks that every unit's version equals ``step`` before writing anything.
 
-**Atomicity.** Files are written into a hidden ``.step-000300.tmp-<pid>-<random>`` directory next
-to the final one, fsynced, ``meta.json`` last; then the directory is renamed into place (atomic on
-one filesystem) and the parent fsynced. A crash or a full disk at any point leaves at most a
-temporary directory, which readers ignore and the next save removes; older checkpoints are pruned
-(keep-last-K) only after a new one is complete.
+**Atomicity.** Files are written (by :func:`megatrain_ray.io.files.write_file`, each fsynced) into a
+hidden ``.step-000300.tmp-<pid>-<random>`` directory next to the final one, ``meta.json`` last;
+then the directory is renamed into place (atomic on one filesystem) and the parent fsynced. A crash
+or a full disk at any point leaves at most a temporary directory, which readers ignore and the next
+save removes; older checkpoints are pruned (keep-last-K) only after a new one is complete.
+
+**Integrity.** Every file's size and CRC-32 (computed while it is written) are in ``meta.json``.
+:func:`check_files` compares sizes, reads every shard's safetensors header and recomputes the
+checksums, before a resume (in the driver, before any actor starts) and an export; a checkpoint
+whose bytes changed, even without a change of size, is refused naming the file. ``--resume`` of a
+run directory falls back to its newest checkpoint that passes (:mod:`megatrain_ray.io.resume`).
 
 **Upgrades.** ``meta.json`` carries ``format_version``; :data:`_UPGRADES` turns an older meta dict
 into the next version's, so old checkpoints keep loading after the format changes.
@@ -42,25 +49,26 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
-
-import torch
+from typing import Callable
 
 from ..errors import CheckpointError, ConfigError
 from ..model.transformer import hf_name
+from .files import (CorruptFile, TensorSource, check_sizes, fmt_bytes, free_bytes, fsync_dir, read_header, verify,
+                    write_json, write_shards)
 
 FORMAT = "megatrain-ray-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 SHARD_BYTES = 2 * 2**30
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
-_UPGRADES: dict[int, Callable[[dict], dict]] = {}
-"""format_version n -> function turning a version-n meta dict into version n+1 (none yet)."""
+_UPGRADES: dict[int, Callable[[dict], dict]] = {
+    1: lambda meta: {**meta, "format_version": 2, "files": None},  # 2 added "files": {name: {bytes, crc32}}
+}
+"""format_version n -> function turning a version-n meta dict into version n+1."""
 
 
 def step_dir_name(step: int) -> str:
@@ -77,7 +85,8 @@ class CheckpointPlan:
     directory: str
     """The run's checkpoint directory (``<run dir>/checkpoints``); step-NNNNNN subdirectories go here."""
     every: int
-    """Save after every this many steps and at the end of the run; 0: only when interrupted."""
+    """Save after every this many steps and at the end of the run; 0: only when interrupted, and by the
+    driver at the end before the final export (so the trained weights are on disk before it is tried)."""
     keep: int
     """How many of the newest checkpoints to keep; older ones are removed after each save."""
     run_config: dict
@@ -129,21 +138,21 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
     try:
         os.makedirs(tmp)
         spec, layout = store.spec, store.layout
-        model_tensors = [(hf_name(u, name), (lambda i=i, n=name: store.params("master", i)[n]))
+        model_tensors = [TensorSource.of(hf_name(u, name), store.params("master", i)[name])
                          for i, u in enumerate(units) for name, _, _ in layout.templates[i].params]
-        optim_tensors = [(f"{kind}.{hf_name(u, name)}", (lambda i=i, n=name, k=kind: store.params(k, i)[n]))
+        optim_tensors = [TensorSource.of(f"{kind}.{hf_name(u, name)}", store.params(kind, i)[name])
                          for i, u in enumerate(units) for kind in OPTIM_KINDS
                          for name, _, _ in layout.templates[i].params]
-        _write_shards(tmp, "model", MODEL_INDEX, model_tensors, shard_bytes)
-        _write_shards(tmp, "optimizer", OPTIM_INDEX, optim_tensors, shard_bytes)
+        records = {**write_shards(tmp, "model", MODEL_INDEX, model_tensors, shard_bytes)[1],
+                   **write_shards(tmp, "optimizer", OPTIM_INDEX, optim_tensors, shard_bytes)[1]}
         hf = spec.model.to_hf_dict()
         hf["torch_dtype"] = str(spec.precision.master).removeprefix("torch.")
-        _write_json(os.path.join(tmp, "config.json"), hf)
+        records["config.json"] = write_json(os.path.join(tmp, "config.json"), hf)
         data = run_config.get("data", {})
         train = run_config.get("train", {})
         tokens_per_step = train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0) * train.get(
             "seq_len", 0)
-        _write_json(os.path.join(tmp, META_FILE), {
+        write_json(os.path.join(tmp, META_FILE), {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -160,8 +169,8 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
             "config": run_config,
             "run_id": run_id,
             "saved_at": time.time(),
+            "files": {name: rec.to_dict() for name, rec in sorted(records.items())},
         })
-        _fsync_dir(tmp)
         try:
             os.rename(tmp, final)
         except OSError as e:
@@ -169,82 +178,21 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
                 shutil.rmtree(tmp, ignore_errors=True)  # saved concurrently at the same boundary
                 return final
             raise
-        _fsync_dir(root)
+        fsync_dir(root)
         return final
-    except CheckpointError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest(root, missing_ok=True)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
         raise CheckpointError(f"could not write the checkpoint of step {step} to {root} "
-                              f"({e.strerror or e}); free space there or set runtime.run_dir to a larger disk; "
-                              f"{kept}.") from None
+                              f"({e.strerror or e}); it needs {fmt_bytes(checkpoint_bytes(store))} and "
+                              f"{fmt_bytes(free_bytes(root))} is free there: free space or set runtime.run_dir to a "
+                              f"larger disk; {kept}.") from None
 
 
-def _write_shards(directory: str, prefix: str, index_name: str,
-                  tensors: list[tuple[str, Callable[[], torch.Tensor]]], shard_bytes: int) -> None:
-    """tensors: (name, view getter) in order -> ``prefix``-0000k-of-0000n.safetensors + index."""
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, get in tensors:
-        t = get()
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, t))
-        size += nbytes
-    weight_map, total = {}, 0
-    for g, group in enumerate(groups):
-        filename = f"{prefix}-{g + 1:05d}-of-{len(groups):05d}.safetensors"
-        total += write_safetensors(os.path.join(directory, filename), group)
-        weight_map.update({name: filename for name, _ in group})
-    _write_json(os.path.join(directory, index_name), {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def write_safetensors(path: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Write tensors to one safetensors file straight from their memory (no copy); fsynced; returns bytes.
-
-    The format: an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
-    offsets), padded to 8 bytes, then the raw bytes in order.
-    """
-    tensors = list(tensors)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors:
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"cannot checkpoint tensor {name} of dtype {t.dtype}.")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, t in tensors:
-            f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-    return offset
-
-
-def _write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def checkpoint_bytes(store) -> int:
+    """Bytes of the tensors of a checkpoint of this store (headers and JSON files are noise)."""
+    return store.layout.num_params * (store.spec.precision.master.itemsize + 4 * len(OPTIM_KINDS))
 
 
 def prune(root: str, keep: int) -> list[str]:
@@ -267,59 +215,73 @@ def prune(root: str, keep: int) -> list[str]:
 # Finding and reading.
 
 def _complete(root: str) -> list[tuple[int, str]]:
-    """(step, path) of the complete checkpoints in ``root``, oldest first."""
+    """(step, path) of the checkpoints in ``root`` that have a meta.json (renamed into place), oldest first."""
+    return [(step, path) for step, path in step_dirs(root) if os.path.isfile(os.path.join(path, META_FILE))]
+
+
+def step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step-NNNNNN directory in ``root``, oldest first."""
     out = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, META_FILE)):
+        if m and os.path.isdir(os.path.join(root, name)):
             out.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(out)
 
 
 def latest(root: str, missing_ok: bool = False) -> str | None:
-    """The newest complete checkpoint in a checkpoint directory (None if there is none and missing_ok)."""
-    found = _complete(root)
-    if found:
-        return found[-1][1]
+    """The newest valid checkpoint in a checkpoint directory (readable meta.json, every file of the size
+    it was written with and a sound safetensors header; checksums are not recomputed), or None if there
+    is none and ``missing_ok``."""
+    for _, path in reversed(_complete(root)):
+        if problem(path, checksums=False) is None:
+            return path
     if missing_ok:
         return None
-    raise CheckpointError(f"{root} holds no complete checkpoint (no step-NNNNNN directory with a {META_FILE}).")
+    raise CheckpointError(f"{root} holds no valid checkpoint (a step-NNNNNN directory with a readable {META_FILE}).")
 
 
-def find(path: str) -> str:
-    """A checkpoint directory from what the user passed to --resume: a checkpoint or a run directory."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"--resume {path!r} is not a directory; pass a run directory (runs/<run id>) "
-                              "or one of its checkpoints/step-NNNNNN directories.")
-    if os.path.isfile(os.path.join(path, META_FILE)):
-        return path
-    for root in (os.path.join(path, "checkpoints"), path):
-        found = latest(root, missing_ok=True)
-        if found:
-            return found
-    raise CheckpointError(f"--resume {path!r} holds no checkpoint: neither a {META_FILE} nor a "
-                          "checkpoints/step-NNNNNN directory with one; was the run stopped before its first save?")
+def advice(directory: str) -> str:
+    """What to run to go on from a checkpoint: resume it, or at the end of its run, export it or extend the run."""
+    try:
+        meta = read_meta(directory)
+    except CheckpointError:
+        return f"resume with `megatrain-ray train --resume {directory}`"
+    step, steps = meta.get("step"), ((meta.get("config") or {}).get("train") or {}).get("steps")
+    if isinstance(step, int) and isinstance(steps, int) and step >= steps:
+        return (f"it is the end of the run: export its weights with `megatrain-ray export {directory} --out DIR`, "
+                f"or train on with `megatrain-ray train --resume {directory} --set train.steps=N` (N > {step})")
+    return f"resume with `megatrain-ray train --resume {directory}`"
 
 
-def read_meta(directory: str) -> dict:
-    """The meta.json of a checkpoint, upgraded to the current format version."""
+def _read_meta(directory: str) -> dict:
+    """The meta.json of a checkpoint, upgraded; a CorruptFile gives the reason it cannot be read."""
     path = os.path.join(directory, META_FILE)
     try:
         with open(path) as f:
             meta = json.load(f)
+    except FileNotFoundError:
+        raise CorruptFile(f"it has no {META_FILE}") from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {directory} has no readable {META_FILE} ({e}).") from None
+        raise CorruptFile(f"its {META_FILE} is not readable JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory} is not a megatrain-ray checkpoint ({META_FILE} lacks "
-                              f"format: {FORMAT}).")
+        raise CorruptFile(f"it is not a megatrain-ray checkpoint ({META_FILE} lacks format: {FORMAT})")
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {directory} has format version {version!r}, newer than this "
-                              f"megatrain-ray reads ({FORMAT_VERSION}); upgrade megatrain-ray.")
+        raise CorruptFile(f"it has format version {version!r}, newer than this megatrain-ray reads "
+                          f"({FORMAT_VERSION}); upgrade megatrain-ray")
     while version < FORMAT_VERSION:
         meta = _UPGRADES[version](meta)
         version = meta["format_version"]
     return meta
+
+
+def read_meta(directory: str) -> dict:
+    """The meta.json of a checkpoint, upgraded to the current format version."""
+    try:
+        return _read_meta(directory)
+    except CorruptFile as e:
+        raise CheckpointError(f"checkpoint {directory} cannot be read: {e}.") from None
 
 
 def _index(directory: str, name: str) -> dict[str, str]:
@@ -327,33 +289,62 @@ def _index(directory: str, name: str) -> dict[str, str]:
     try:
         with open(path) as f:
             mapping = json.load(f)["weight_map"]
+        if not isinstance(mapping, dict):
+            raise TypeError("weight_map is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {directory} has no readable {name} ({e}).") from None
+        raise CorruptFile(f"its {name} is not readable ({e})") from None
     return mapping
 
 
-def check_files(directory: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (file, shape)} of a checkpoint, after opening every shard (catches truncation)."""
-    from safetensors import safe_open
+_VERIFIED: set[tuple] = set()
+"""(directory, ((file, mtime) ...)) of checkpoints whose checksums this process has verified."""
 
+
+def _check(directory: str, checksums: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (file, shape)} after the checks of :func:`check_files`; a CorruptFile says what failed."""
+    meta = _read_meta(directory)
+    records = meta.get("files")  # None: written before format 2, which has no sizes and checksums
+    if records:
+        check_sizes(directory, records)
     out = {}
     for index in (MODEL_INDEX, OPTIM_INDEX):
         mapping = _index(directory, index)
         for filename in sorted(set(mapping.values())):
-            path = os.path.join(directory, filename)
             try:
-                with safe_open(path, framework="pt") as f:
-                    present = set(f.keys())
-                    for key in (k for k, v in mapping.items() if v == filename):
-                        if key not in present:
-                            raise CheckpointError(f"checkpoint file {path} lacks tensor {key} that its index names.")
-                        out[key] = (filename, tuple(f.get_slice(key).get_shape()))
-            except CheckpointError:
-                raise
-            except Exception as e:  # safetensors raises its own error type for a bad file
-                raise CheckpointError(f"checkpoint file {path} is missing or corrupt ({e}); resume from an "
-                                      "earlier checkpoint of the run.") from None
+                header = read_header(os.path.join(directory, filename))
+            except CorruptFile as e:
+                raise CorruptFile(f"{filename} is not a sound safetensors file ({e})") from None
+            for key in (k for k, v in mapping.items() if v == filename):
+                if key not in header:
+                    raise CorruptFile(f"{filename} lacks the tensor {key} that its index names")
+                out[key] = (filename, header[key][1])
+    if checksums and records:
+        stats = tuple((n, os.stat(os.path.join(directory, n)).st_mtime_ns) for n in sorted(records))
+        if (os.path.abspath(directory), stats) not in _VERIFIED:
+            verify(directory, records)
+            _VERIFIED.add((os.path.abspath(directory), stats))
     return out
+
+
+def problem(directory: str, checksums: bool = True) -> str | None:
+    """Why a checkpoint cannot be used (a phrase), or None if it passes :func:`check_files`."""
+    try:
+        _check(directory, checksums)
+    except CorruptFile as e:
+        return str(e)
+    return None
+
+
+def check_files(directory: str, checksums: bool = True) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (file, shape)} of a checkpoint, after checking its files: meta.json readable, every
+    file of the size it was written with, every shard's safetensors header sound and naming the tensors
+    the index puts there, and (``checksums``) every file's CRC-32 the one written with it (recomputed
+    once per process and file version: see :mod:`megatrain_ray.io.files` for the cost). One sentence
+    naming the file is raised otherwise."""
+    try:
+        return _check(directory, checksums)
+    except CorruptFile as e:
+        raise CheckpointError(f"checkpoint {directory} is corrupt: {e}; use an earlier checkpoint of the run.") from None
 
 
 def load_into(store, directory: str) -> int:
@@ -366,7 +357,7 @@ def load_into(store, directory: str) -> int:
 
     meta = read_meta(directory)
     check_model(meta, store.spec.model, directory)
-    files = check_files(directory)
+    files = check_files(directory, checksums=False)  # the driver verified them (pipeline.train)
     layout = store.layout
     wanted = []
     for i, unit in enumerate(layout.units):
@@ -408,28 +399,7 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# --resume: the run config of a checkpoint, with the user's overrides.
-
-def resume_config(path: str, config_file: str | None, overrides: list[str]):
-    """(TrainConfig, checkpoint dir, meta) for ``train --resume PATH [--config F] [--set k=v ...]``.
-
-    The checkpoint's own run config is the base; a config file and ``--set`` overrides apply on
-    top (e.g. more ``train.steps``, see :func:`check_resume`; another ``runtime.run_dir``). The
-    weights come from the checkpoint; ``runtime.init_from`` is kept for what else it provides (the
-    model's config, the tokenizer), and ``--set runtime.init_from=null`` drops it. A different
-    model shape is an error.
-    """
-    from .hf_io import load_train_config
-
-    directory = os.path.abspath(find(path))
-    meta = read_meta(directory)
-    base = json.loads(json.dumps(meta.get("config") or {}))
-    if not isinstance(base.get("runtime"), dict) or not isinstance(base.get("model"), dict):
-        raise CheckpointError(f"checkpoint {directory} has no run config in its {META_FILE}.")
-    cfg = load_train_config(config_file, overrides, base=base)
-    check_model(meta, cfg.model, directory)
-    return cfg, directory, meta
-
+# --resume: what is left to train.
 
 def check_resume(meta: dict, cfg, directory: str) -> str | None:
     """Refuse (ConfigError) a resume with nothing left to train; describe a changed lr schedule.

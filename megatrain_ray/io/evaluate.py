@@ -29,8 +29,7 @@ from ..data.tokenizer import BYTE_LEVEL
 def checkpoint_reader(directory: str) -> tuple[ModelConfig, UnitReader]:
     """The model config and a unit reader of an HF-format checkpoint directory (fp32 tensors)."""
     cfg, _ = hf_io.read_config(directory)
-    mapping = hf_io.weight_map(directory)
-    hf_io.check_tensors(cfg, mapping, directory, "the checkpoint")
+    mapping = hf_io.check_weights(cfg, directory, "the checkpoint")
     return cfg, lambda unit: hf_io.read_unit(directory, mapping, cfg, unit)
 
 

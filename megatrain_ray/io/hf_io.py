@@ -29,6 +29,8 @@ from ..config import ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelConfig, TrainCon
 from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
+from . import checkpoint
+from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -66,8 +68,6 @@ def load_train_config(path: str | None = None, overrides: list[str] = (), base: 
 
 def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
     """{tensor name: shard file name} of an HF model directory (sharded with an index, or single-file)."""
-    from safetensors import safe_open
-
     index = os.path.join(directory, INDEX_FILE)
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.isfile(index):
@@ -82,8 +82,7 @@ def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
                               f"{' ...' if len(absent) > 3 else ''}.")
         return mapping
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return {k: SINGLE_FILE for k in f.keys()}
+        return {k: SINGLE_FILE for k in _header(directory, SINGLE_FILE, what)}
     raise ConfigError(f"{what} ({directory}) holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
                       "PyTorch .bin checkpoints are not supported, re-save it with safe_serialization.")
 
@@ -91,6 +90,13 @@ def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
     """Tensors an HF checkpoint may carry that the model does not use."""
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{full HF name: shape} of every parameter the model has, in unit order."""
+    from ..model.transformer import unit_names, unit_params
+
+    return {hf_name(unit, name): tuple(shape) for unit in unit_names(cfg) for name, shape in unit_params(cfg, unit)}
 
 
 def expected_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
@@ -118,6 +124,34 @@ def _names(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _header(directory: str, filename: str, what: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """:func:`megatrain_ray.io.files.read_header` of one file of a model directory, as a ConfigError."""
+    try:
+        return read_header(os.path.join(directory, filename))
+    except CorruptFile as e:
+        raise ConfigError(f"{what}'s {filename} in {directory!r} is missing or corrupt ({e}); re-save the "
+                          "model (save_pretrained) or export it again.") from None
+
+
+def check_weights(cfg: ModelConfig, directory: str, what: str) -> dict[str, str]:
+    """The weight map of an HF directory holding ``cfg``'s weights, after checking (headers only) that
+    every tensor is there, with the shape ``cfg`` gives it, in a sound safetensors file; a ConfigError
+    names the file or tensor otherwise. Returns the weight map."""
+    mapping = weight_map(directory, what)
+    check_tensors(cfg, mapping, directory, what)
+    want = expected_shapes(cfg)
+    for filename in sorted({mapping[k] for k in want}):
+        found = _header(directory, filename, what)
+        for key in (k for k in want if mapping[k] == filename):
+            if key not in found:
+                raise ConfigError(f"{what}'s {filename} in {directory!r} lacks the tensor {key} that its index "
+                                  "names.")
+            if found[key][1] != want[key]:
+                raise ConfigError(f"tensor {key} in {what} ({directory}) has shape {found[key][1]}, but its "
+                                  f"config.json implies {want[key]}.")
+    return mapping
+
+
 def load_into(store, directory: str, what: str = "runtime.init_from") -> None:
     """Copy an HF checkpoint into ``store``'s master blocks (a HostStore), then refresh stream copies.
 
@@ -130,16 +164,9 @@ def load_into(store, directory: str, what: str = "runtime.init_from") -> None:
     from safetensors import safe_open
 
     cfg = store.spec.model
-    mapping = weight_map(directory, what)
-    check_tensors(cfg, mapping, directory, what)
+    mapping = check_weights(cfg, directory, what)
     names = expected_names(cfg)
-    shapes = _shapes(directory, {k: mapping[k] for k in names})
     units = store.layout.units
-    for key, (unit, name) in names.items():
-        want = tuple(store.params("master", units.index(unit))[name].shape)
-        if shapes[key] != want:
-            raise ConfigError(f"tensor {key} in {what} ({directory}) has shape {shapes[key]}, but its "
-                              f"config.json implies {want}.")
     for key, (unit, name) in sorted(names.items(), key=lambda kv: (mapping[kv[0]], kv[0])):
         with safe_open(os.path.join(directory, mapping[key]), framework="pt") as f:
             store.params("master", units.index(unit))[name].copy_(f.get_tensor(key))
@@ -167,61 +194,6 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
 
 # ---------------------------------------------------------------------------------------------
 # Writing a model directory.
-
-@dataclass(frozen=True)
-class TensorSource:
-    """One tensor to write: its HF name, its size, and how to produce it (called once, when written)."""
-
-    name: str
-    nbytes: int
-    load: Callable[[], torch.Tensor]
-
-
-def write_shards(directory: str, tensors: Iterable[TensorSource], shard_bytes: int) -> dict[str, str]:
-    """Write tensors as model-0000k-of-0000n.safetensors + index; returns the weight map.
-
-    Each shard is written under a temporary name and renamed, the index last, so a reader never
-    sees a half-written checkpoint; at most one shard's tensors are in memory at once.
-    """
-    from safetensors.torch import save_file
-
-    groups: list[list[TensorSource]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    os.makedirs(directory, exist_ok=True)
-    mapping, total = {}, 0
-    for g, group in enumerate(groups):
-        filename = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {t.name: t.load().contiguous() for t in group}
-        tmp = os.path.join(directory, filename + ".tmp")
-        save_file(shard, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, _new_file_mode())  # safetensors creates it 0o600
-        os.replace(tmp, os.path.join(directory, filename))
-        mapping.update({name: filename for name in shard})
-        total += sum(t.nbytes for t in group)
-        del shard
-    write_json(os.path.join(directory, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": mapping})
-    return mapping
-
-
-def _new_file_mode() -> int:
-    """The mode ``open`` gives a new file: 0o666 less this process's umask (read without changing it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
 
 def token_ids(tokenizer: str | None) -> dict:
     """eos_token_id and bos_token_id (None: it has none) of a tokenizer directory or BYTE_LEVEL, for
@@ -278,38 +250,22 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
 
     ``source`` is the HF directory the run started from (runtime.init_from) or None: its config.json's
     other fields and its generation_config.json are kept. ``tokenizer`` is the run's (a directory,
-    BYTE_LEVEL, or None: none written).
+    BYTE_LEVEL, or None: none written). The directory appears whole or not at all (see
+    :func:`megatrain_ray.io.files.atomic_dir`): a full disk removes what was written and raises one
+    WriteError naming it and the space needed. Tensors are written straight from the store's memory.
     """
     cfg, dtype = store.spec.model, store.spec.precision.master
-
-    def view(i: int, name: str) -> Callable[[], torch.Tensor]:
-        return lambda: store.params("master", i)[name].clone()
-
-    tensors = [TensorSource(hf_name(unit, name), _numel(shape) * dtype.itemsize, view(i, name))
-               for i, unit in enumerate(store.layout.units)
-               for name, shape, _ in store.layout.templates[i].params]
-    mapping = write_shards(directory, tensors, shard_bytes)
+    tensors = [TensorSource.of(hf_name(unit, name), store.params("master", i)[name])
+               for i, unit in enumerate(store.layout.units) for name, _, _ in store.layout.templates[i].params]
     base = None
     if source is not None and os.path.isfile(os.path.join(source, "config.json")):
         base = read_config(source, "runtime.init_from")[1]
-    write_json(os.path.join(directory, "config.json"), hf_config(cfg, dtype, base, tokenizer))
-    copy_side_files(source, directory, EXTRA_FILES)
-    write_tokenizer(tokenizer, directory)
+    with atomic_dir(directory, "the final weights", sum(t.nbytes for t in tensors)) as tmp:
+        mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
+        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base, tokenizer))
+        copy_side_files(source, tmp, EXTRA_FILES)
+        write_tokenizer(tokenizer, tmp)
     return sorted(set(mapping.values()))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,21 +295,22 @@ class Checkpoint:
 
 def resolve_checkpoint(path: str) -> Checkpoint:
     """A run directory (runs/<id>: its final/, else its newest checkpoints/step-*) or a directory of
-    HF-format weights (a final/, a training checkpoint, any HF model directory)."""
+    HF-format weights (a final/, a training checkpoint, any HF model directory). A training
+    checkpoint is checked first, checksums included (:func:`megatrain_ray.io.checkpoint.check_files`):
+    weights whose bytes changed on disk are refused, not exported or evaluated."""
     if not os.path.isdir(path):
         raise ConfigError(f"{path!r} is not a directory; pass a run directory (runs/<run id>) or a "
                           "checkpoint directory holding config.json and *.safetensors.")
     if not _is_weights_dir(path):
-        steps = os.path.join(path, "checkpoints")
-        candidates = [os.path.join(path, "final")] + sorted(
-            (os.path.join(steps, n) for n in (os.listdir(steps) if os.path.isdir(steps) else [])
-             if n.startswith("step-") and _is_weights_dir(os.path.join(steps, n))), reverse=True)
-        found = next((c for c in candidates if _is_weights_dir(c)), None)
+        steps = [d for _, d in reversed(checkpoint.step_dirs(os.path.join(path, "checkpoints")))]
+        found = next((c for c in [os.path.join(path, "final"), *steps] if _is_weights_dir(c)), None)
         if found is None:
             raise ConfigError(f"{path!r} is neither a run directory (with final/ or checkpoints/step-*) nor a "
                               "checkpoint directory (config.json and model*.safetensors); did the run save any?")
         path = found
     weights = os.path.abspath(path)
+    if os.path.isfile(os.path.join(weights, checkpoint.META_FILE)):
+        checkpoint.check_files(weights)
     up = os.path.dirname(weights)
     run = (_run_config(os.path.join(weights, "meta.json"), key="config")
            or _run_config(os.path.join(up, "config.json"))
@@ -384,7 +341,9 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
 
     Tensors are re-sharded to ``shard_bytes`` and optionally cast to ``dtype`` (float32, bfloat16,
     float16); the tokenizer is ``tokenizer`` (a directory), else :attr:`Checkpoint.tokenizer`.
-    Returns a summary (paths, tensor count, bytes, tokenizer and config files written).
+    ``out`` appears whole or not at all (see :func:`megatrain_ray.io.files.atomic_dir`); one tensor
+    is in memory at a time. Returns a summary (paths, tensor count, bytes, tokenizer and config files
+    written).
     """
     from safetensors import safe_open
 
@@ -394,17 +353,20 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
         raise ConfigError(f"--shard-size must be positive, got {shard_bytes}.")
     if tokenizer is not None and not is_tokenizer_dir(tokenizer):
         raise ConfigError(f"--tokenizer {tokenizer!r} holds no tokenizer.json, tokenizer.model or vocab.json.")
-    ckpt = resolve_checkpoint(src)
-    if os.path.abspath(out) == os.path.abspath(ckpt.weights_dir):
+    if os.path.abspath(out) == os.path.abspath(src):
         raise ConfigError(f"--out {out!r} is the checkpoint being exported; choose another directory.")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} is a file; choose a new directory.")
     if os.path.isdir(out) and os.listdir(out):
         raise ConfigError(f"--out {out!r} exists and is not empty; choose a new directory.")
+    ckpt = resolve_checkpoint(src)
     cfg, raw = read_config(ckpt.weights_dir)
-    mapping = weight_map(ckpt.weights_dir)
-    check_tensors(cfg, mapping, ckpt.weights_dir, "the checkpoint")
-    with safe_open(os.path.join(ckpt.weights_dir, mapping[hf_name("embed", "weight")]), framework="pt") as f:
-        stored = f.get_slice(hf_name("embed", "weight")).get_dtype()
-    target = DTYPES[dtype] if dtype else _safetensors_dtype(stored)
+    mapping = check_weights(cfg, ckpt.weights_dir, "the checkpoint")
+    embed = hf_name("embed", "weight")
+    stored = _header(ckpt.weights_dir, mapping[embed], "the checkpoint")[embed][0]
+    if dtype is None and stored not in TORCH_DTYPES:
+        raise ConfigError(f"the checkpoint stores weights as {stored}; only F32, BF16 and F16 are supported.")
+    target = DTYPES[dtype] if dtype else TORCH_DTYPES[stored]
 
     def reader(key: str) -> Callable[[], torch.Tensor]:
         def load() -> torch.Tensor:
@@ -412,34 +374,14 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
                 return f.get_tensor(key).to(target)
         return load
 
-    names = list(expected_names(cfg))
-    shapes = _shapes(ckpt.weights_dir, {k: mapping[k] for k in names})
-    tensors = [TensorSource(key, _numel(shapes[key]) * target.itemsize, reader(key)) for key in names]
-    os.makedirs(out, exist_ok=True)
-    new_map = write_shards(out, tensors, shard_bytes)
+    tensors = [TensorSource(key, shape, target, reader(key)) for key, shape in expected_shapes(cfg).items()]
+    nbytes = sum(t.nbytes for t in tensors)
     tok = tokenizer or ckpt.tokenizer
-    write_json(os.path.join(out, "config.json"), hf_config(cfg, target, raw, tok))
-    copied = copy_side_files(ckpt.weights_dir, out, EXTRA_FILES)
-    copied += write_tokenizer(tok, out)
-    return {"out": out, "source": ckpt.weights_dir, "tensors": len(names),
-            "shards": len(set(new_map.values())), "bytes": sum(t.nbytes for t in tensors),
+    with atomic_dir(out, "--out", nbytes) as tmp:
+        new_map, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
+        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, target, raw, tok))
+        copied = copy_side_files(ckpt.weights_dir, tmp, EXTRA_FILES)
+        copied += write_tokenizer(tok, tmp)
+    return {"out": out, "source": ckpt.weights_dir, "tensors": len(tensors),
+            "shards": len(set(new_map.values())), "bytes": nbytes,
             "dtype": str(target).removeprefix("torch."), "copied": copied}
-
-
-def _shapes(directory: str, mapping: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the named tensors, from the shard headers (no tensor is read)."""
-    from safetensors import safe_open
-
-    out = {}
-    for filename in sorted(set(mapping.values())):
-        with safe_open(os.path.join(directory, filename), framework="pt") as f:
-            for key in (k for k, v in mapping.items() if v == filename):
-                out[key] = tuple(f.get_slice(key).get_shape())
-    return out
-
-
-def _safetensors_dtype(name: str) -> torch.dtype:
-    table = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    if name not in table:
-        raise ConfigError(f"the checkpoint stores weights as {name}; only F32, BF16 and F16 are supported.")
-    return table[name]

@@ -105,6 +105,13 @@ class Driver:
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
         if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
             tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
+            if self.plan is not None and not self.plan.every:  # the weights on disk before the export
+                try:
+                    r.checkpoints.append(_get(self.head.store.save_checkpoint.remote(self.plan, self.steps), "store",
+                                              self.timeout))
+                    self.log(f"checkpoint: step {self.steps} saved to {r.checkpoints[-1]}")
+                except MegatrainError as e:  # it needs 3x the export's space: the export may still fit
+                    self.log(f"warning: {str(e).rstrip('.')}; exporting the final weights without it")
             _get(self.head.store.save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)

@@ -121,7 +121,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         if last is None or plan is None or last in str(e):
             raise
         raise type(e)(f"{str(e).rstrip('.')}; the last good checkpoint is {last} "
-                      f"(resume with --resume {last}).") from None
+                      f"({checkpoint.advice(last)}).") from None
     finally:
         roles.kill()
         if spec is not None:

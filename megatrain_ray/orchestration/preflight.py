@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..engine.store import StoreSpec, grad_slots_for
-from ..errors import ConfigError, PreflightError
+from ..errors import PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
@@ -316,36 +316,10 @@ def check_init_from(cfg: TrainConfig) -> None:
     Reads only the safetensors headers, so a missing, truncated or foreign checkpoint fails in
     milliseconds, before Ray starts, instead of in the store actor.
     """
-    directory = cfg.runtime.init_from
-    if directory is None:
-        return
-    from safetensors import safe_open
+    if cfg.runtime.init_from is not None:
+        from ..io import hf_io
 
-    from ..io import hf_io
-    from ..model.transformer import hf_name, unit_names, unit_params
-
-    what = "runtime.init_from"
-    try:
-        mapping = hf_io.weight_map(directory, what)
-    except ConfigError:
-        raise
-    except Exception as e:  # a corrupt single-file checkpoint fails inside safetensors
-        raise ConfigError(f"{what}'s model.safetensors in {directory!r} is corrupt ({e}); re-save the model "
-                          "with save_pretrained.") from None
-    hf_io.check_tensors(cfg.model, mapping, directory, what)
-    shapes = {hf_name(u, n): tuple(shape) for u in unit_names(cfg.model) for n, shape in unit_params(cfg.model, u)}
-    for filename in sorted({mapping[k] for k in shapes}):
-        path = os.path.join(directory, filename)
-        try:
-            with safe_open(path, framework="pt") as f:
-                found = {k: tuple(f.get_slice(k).get_shape()) for k in shapes if mapping[k] == filename}
-        except Exception as e:
-            raise ConfigError(f"{what}'s shard {filename} in {directory!r} is missing or corrupt ({e}); re-save "
-                              "the model with save_pretrained.") from None
-        for key, shape in found.items():
-            if shape != shapes[key]:
-                raise ConfigError(f"tensor {key} in {what} ({directory}) has shape {shape}, but its config.json "
-                                  f"implies {shapes[key]}.")
+        hf_io.check_weights(cfg.model, cfg.runtime.init_from, "runtime.init_from")
 
 
 def _fits_an_idle_machine(result: Plan, cfg: TrainConfig) -> bool:

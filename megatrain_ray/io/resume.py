@@ -1,0 +1,58 @@
+"""``train --resume PATH``: which checkpoint PATH means, and the run config to continue it with.
+
+PATH is a checkpoint (``runs/<id>/checkpoints/step-NNNNNN``), used as it is: if it fails its checks
+the run is refused, naming the file. Or it is a run directory (or its ``checkpoints/``): its newest
+checkpoint that passes every check, checksums included, is used, and each newer one that fails (a
+shard cut short, a meta.json empty or garbled, a changed byte) is named in a line with the reason
+it was skipped; if none passes, the error names them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .checkpoint import META_FILE, CheckpointError, step_dirs, check_model, problem, read_meta
+from .hf_io import load_train_config
+
+
+def find(path: str, log=print) -> str:
+    """The checkpoint directory ``--resume PATH`` means (see the module docstring)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path!r} is not a directory; pass a run directory (runs/<run id>) "
+                              "or one of its checkpoints/step-NNNNNN directories.")
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return path
+    found = step_dirs(os.path.join(path, "checkpoints")) or step_dirs(path)
+    skipped = []
+    for _, directory in reversed(found):
+        why = problem(directory)
+        if why is None:
+            for bad, reason in skipped:
+                log(f"resume: skipped the corrupt checkpoint {bad} ({reason}); using {directory}, the newest valid one")
+            return directory
+        skipped.append((directory, why))
+    if skipped:
+        raise CheckpointError(f"--resume {path!r} holds no valid checkpoint: "
+                              + "; ".join(f"{d} is corrupt ({why})" for d, why in skipped) + ".")
+    raise CheckpointError(f"--resume {path!r} holds no checkpoint: neither a {META_FILE} nor a "
+                          "checkpoints/step-NNNNNN directory with one; was the run stopped before its first save?")
+
+
+def resume_config(path: str, config_file: str | None, overrides: list[str], log=print):
+    """(TrainConfig, checkpoint dir, meta) for ``train --resume PATH [--config F] [--set k=v ...]``.
+
+    The checkpoint's own run config is the base; a config file and ``--set`` overrides apply on
+    top (e.g. more ``train.steps``, see :func:`megatrain_ray.io.checkpoint.check_resume`; another
+    ``runtime.run_dir``). The weights come from the checkpoint; ``runtime.init_from`` is kept for what
+    else it provides (the model's config, the tokenizer), and ``--set runtime.init_from=null`` drops it.
+    A different model shape is an error.
+    """
+    directory = os.path.abspath(find(path, log))
+    meta = read_meta(directory)
+    base = json.loads(json.dumps(meta.get("config") or {}))
+    if not isinstance(base.get("runtime"), dict) or not isinstance(base.get("model"), dict):
+        raise CheckpointError(f"checkpoint {directory} has no run config in its {META_FILE}.")
+    cfg = load_train_config(config_file, overrides, base=base)
+    check_model(meta, cfg.model, directory)
+    return cfg, directory, meta
