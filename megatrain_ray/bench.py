@@ -12,9 +12,9 @@ library's defaults, so ``train`` with the same config runs what the benchmark me
 
 Reports steady-state seconds per step, tokens/s and model TFLOPS in both conventions of
 :mod:`megatrain_ray.model.flops` (``tflops_6nt``: 6·N·T; ``tflops_palm``: PaLM's, with attention;
-MFU is the latter over the bf16 GEMM rate) for megatrain_ray, and in the same run: the same model trained plainly on the GPU (fp32 parameters,
-bf16 autocast, per-layer recompute, fused AdamW on the GPU; ``--baseline``, eager, or
-``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
+MFU is the latter over the bf16 GEMM rate) for megatrain_ray, and in the same run: the same
+model trained plainly on the GPU (fp32 parameters, bf16 autocast, per-layer recompute, fused AdamW
+on the GPU; ``--baseline``, eager, or ``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
 peers of benchmarks/peers.py (``--peers``, presets only, run through that script), and a bf16 GEMM. ``--check``
 first trains a small model 24 steps against GPU-resident PyTorch and stops if it does not track it; ``--probe``
 times one layer (eager and compiled) and the CPU AdamW variants.

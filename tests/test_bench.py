@@ -65,35 +65,28 @@ def test_bench_peers_only_through_the_benchmarks_harness(capsys):
 SMALL_STEP = ["--tokens", "512", "--seq-len", "64", "--micro-batches", "2", "--steps", "2"]
 
 
-def test_bench_counts_and_feeds_the_model_after_set_overrides(ray_cluster, tmp_path, shm_dir):
-    """--set model.* changes the parameter count reported (not the preset's) and the vocabulary the
-    random tokens are drawn from (ids past it would fail the run)."""
-    out = tmp_path / "out"
-    rc = cli.main(["bench", "--preset", "tiny", *SMALL_STEP, "--out", str(out), "--set", f"runtime.shm_dir={shm_dir}",
-                   "--set", "model.vocab_size=300", "--set", "model.num_hidden_layers=3"])
-    assert rc == 0
-    report = json.loads((out / "bench-tiny.json").read_text())
-    model = presets.preset_model("tiny", 3)
-    model.vocab_size = 300
-    assert report["params"] == StoreLayout.build(model).num_params != presets.model_params("tiny")
-    assert report["layers"] == 3 and report["model"]["vocab_size"] == 300
-    losses = report["systems"]["megatrain_ray"]["losses"]
-    assert len(losses) == 2 and abs(losses[0] - math.log(300)) < 0.2  # uniform tokens of the final vocabulary
-    assert os.listdir(shm_dir) == []
-
-
-def test_bench_a_run_config(ray_cluster, tmp_path, shm_dir):
+def test_bench_a_run_config_with_set_overrides(ray_cluster, tmp_path, shm_dir):
+    """--config takes a run config's model (its train section is the bench's own: 2 steps, not 1000;
+    the output is named after the file); --set model.* then changes the parameter count reported
+    and the vocabulary the random tokens are drawn from (ids past it would fail the run). One bench
+    run for both, since each run spawns the whole pipeline."""
     config = tmp_path / "my-run.yaml"
     config.write_text("model: {model_type: qwen2, hidden_size: 96, intermediate_size: 256, num_hidden_layers: 2,\n"
                       "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 500}\n"
                       f"runtime: {{device: cpu, shm_dir: {shm_dir}, master_dtype: bfloat16}}\n"
                       "train: {steps: 1000}\n")
     out = tmp_path / "out"
-    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out)]) == 0
+    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out),
+                     "--set", "model.vocab_size=300", "--set", "model.num_hidden_layers=3"]) == 0
     report = json.loads((out / "bench-my-run.json").read_text())  # named after the config
     assert report["preset"] is None and report["model"]["hidden_size"] == 96
-    assert report["params"] == StoreLayout.build(load_config(str(config)).model).num_params
-    assert len(report["systems"]["megatrain_ray"]["losses"]) == 2  # the bench's steps, not the config's
+    model = load_config(str(config)).model
+    assert report["params"] == StoreLayout.build(dataclasses.replace(model, vocab_size=300, num_hidden_layers=3)
+                                                 ).num_params != StoreLayout.build(model).num_params
+    assert report["layers"] == 3 and report["model"]["vocab_size"] == 300
+    losses = report["systems"]["megatrain_ray"]["losses"]
+    assert len(losses) == 2  # the bench's steps, not the config's
+    assert abs(losses[0] - math.log(300)) < 0.2  # uniform tokens of the final vocabulary
     assert os.listdir(shm_dir) == []
 
 

@@ -1,5 +1,5 @@
 """The engine's parts without Ray: layout and fused views, the per-unit AdamW, fetch order,
-and the bf16 precision modes through the real pipeline."""
+and the bf16 precision modes through the single-process driver (the same roles as a Ray run)."""
 
 import numpy as np
 import pytest
@@ -120,18 +120,38 @@ def test_unit_update_matches_torch_adamw(master_dtype, native, decay_all, monkey
         assert torch.equal(stream, master.to(torch.bfloat16))
 
 
+@pytest.fixture(scope="module")
+def fp32_losses(shm_dirs, tmp_path_factory):
+    """optim overrides -> the per-step losses of the fp32 run they are compared with (computed once)."""
+    runs: dict[tuple[str, ...], list[float]] = {}
+
+    def losses(overrides: list[str]) -> list[float]:
+        key = tuple(overrides)
+        if key not in runs:
+            with shm_dirs() as shm_dir:
+                runs[key] = _local_losses(overrides, shm_dir, tmp_path_factory.mktemp("fp32"))
+        return runs[key]
+
+    return losses
+
+
+def _local_losses(overrides: list[str], shm_dir: str, run_dir) -> list[float]:
+    """The default model for 4 steps on the CPU, through the single-process driver (the same roles as a
+    Ray run, without Ray: the precision modes are the engine's, not the orchestration's)."""
+    from megatrain_ray.orchestration.local import train_local
+
+    base = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "train.steps=4", "runtime.device=cpu"]
+    return [row["loss"] for row in train_local(load_config(None, base + overrides), 0)]
+
+
 @pytest.mark.parametrize("overrides", [
     ["runtime.compute_dtype=bfloat16"],
     ["runtime.master_dtype=bfloat16"],
     ["runtime.compute_dtype=bfloat16", "runtime.master_dtype=bfloat16", "optim.max_grad_norm=0"],
 ])
-def test_bf16_modes_track_the_fp32_run(overrides, ray_cluster, shm_dir, tmp_path):
-    from megatrain_ray.orchestration.pipeline import train
-
-    base = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}", "train.steps=4", "runtime.device=cpu"]
-    extra = [o for o in overrides if o.startswith("optim.")]
-    ref = train(load_config(None, base + extra), log=lambda line: None).losses
-    got = train(load_config(None, base + overrides), log=lambda line: None).losses
+def test_bf16_modes_track_the_fp32_run(overrides, fp32_losses, shm_dir, tmp_path):
+    ref = fp32_losses([o for o in overrides if o.startswith("optim.")])
+    got = _local_losses(overrides, shm_dir, tmp_path)
     assert got[-1] < got[0]
     np.testing.assert_allclose(got, ref, rtol=1e-2)
     assert got != ref  # it really ran in another precision
