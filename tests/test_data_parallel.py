@@ -12,7 +12,6 @@ train what one node does; killing one compute worker mid-run restarts the pipeli
 newest checkpoint and ends with identical weights.
 """
 
-import glob
 import json
 import os
 import re
@@ -21,25 +20,16 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from megatrain_ray.config import load_config
 from megatrain_ray.errors import ConfigError
+from megatrain_ray.gpu_check import distance, final_weights
 from megatrain_ray.orchestration.pipeline import train
 
 STEPS = 4
 
 
-def _weights(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        out.update(load_file(path))
-    return out
-
-
-def _rel(a: dict, b: dict) -> float:
-    return (sum(float((a[k] - v).norm() ** 2) for k, v in b.items()) / sum(float(v.norm() ** 2) for v in b.values())) ** 0.5
+_weights, _rel = final_weights, distance
 
 
 def _overrides(tmp, shm_dir, *extra) -> list[str]:
