@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .yaml_strict import StrictLoader
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -34,6 +35,19 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 2
+
+
+def unwritable(path: str) -> str | None:
+    """Why a file cannot be created in directory ``path`` (or, where it does not exist yet, in the
+    nearest parent it would be created under), or None if one can."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "a read-only file system" if os.statvfs(probe).f_flag & os.ST_RDONLY else f"{probe} is not writable"
+    return None
 
 
 @dataclass
@@ -439,6 +453,9 @@ class RuntimeSection:
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")
         _require(not os.path.exists(self.run_dir) or os.path.isdir(self.run_dir), "runtime.run_dir",
                  f"names a file, not a directory: {self.run_dir!r}")
+        for key in ("run_dir", "shm_dir"):  # before anything is started or created, not at the first write
+            why = unwritable(getattr(self, key))
+            _require(why is None, f"runtime.{key}", f"{getattr(self, key)!r} cannot be written to ({why})")
         _require(self.object_store_memory >= 75 * 2**20, "runtime.object_store_memory",
                  f"must be at least 78643200 bytes (Ray's minimum), got {self.object_store_memory}")
         _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",
@@ -574,13 +591,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
-                model_from: Callable[[str], ModelConfig] | None = None) -> TrainConfig:
+                model_from: Callable[[str, dict], ModelConfig] | None = None) -> TrainConfig:
     """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
 
     When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape:
-    ``model_from(init_from)`` reads it. This module reads no model files, so a config with
-    runtime.init_from is loaded through :func:`megatrain_ray.io.hf_io.load_train_config`, which
-    passes it; without ``model_from`` such a config is an error.
+    ``model_from(init_from, given)`` reads it and checks ``given`` (the model.* values the configuration
+    sets) against it. This module reads no model files, so a config with runtime.init_from is loaded
+    through :func:`megatrain_ray.io.hf_io.load_train_config`, which passes it; without ``model_from``
+    such a config is an error.
     """
     data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     if path is not None:
@@ -588,7 +606,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
             raise ConfigError(f"config file {path!r} does not exist.")
         try:
             with open(path) as f:
-                loaded = yaml.safe_load(f)
+                loaded = yaml.load(f, Loader=StrictLoader)  # safe_load, refusing duplicate keys
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" at line {line + 1}" if line is not None else ""
@@ -615,5 +633,6 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
         if model_from is None:
             raise ConfigError("runtime.init_from needs its config.json read for the model shape; load this "
                               "configuration with megatrain_ray.io.hf_io.load_train_config.")
-        cfg.model = model_from(cfg.runtime.init_from)
+        given = {k: getattr(cfg.model, k) for k, v in (data.get("model") or {}).items() if v is not None}
+        cfg.model = model_from(cfg.runtime.init_from, given)  # given: the model.* values set, to check
     return cfg.validate()

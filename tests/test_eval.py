@@ -136,7 +136,7 @@ def test_eval_of_the_default_run_reads_the_built_in_held_out_documents(tmp_path,
     loading the run's final/ with the byte-level tokenizer written there."""
     from megatrain_ray import cli
     from megatrain_ray.data.builtin import builtin_documents
-    from megatrain_ray.tokenizer import BYTE_LEVEL
+    from megatrain_ray.data.tokenizer import BYTE_LEVEL
 
     cfg = load_config(None, [f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
     run = tmp_path / "runs" / "r1"

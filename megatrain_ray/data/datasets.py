@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import DataError, MegatrainError
-from .tokenizer import BYTE_LEVEL, is_tokenizer_dir, load_tokenizer, messages_from_row, tokenizer_fingerprint
+from .tokenizer import (BYTE_LEVEL, as_token_ids, is_tokenizer_dir, load_tokenizer, messages_from_row,
+                        tokenizer_fingerprint)
 
 CACHE_VERSION = 1
 EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
@@ -116,6 +117,17 @@ def list_files(path: str | None, key: str) -> tuple[tuple[str, ...], str]:
     return (path,), EXTENSIONS[ext]
 
 
+def open_npy(path: str, where: str) -> np.ndarray:
+    """A .npy file memory-mapped, or one DataError naming ``where`` if it is not a .npy array."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise ValueError("it does not start with the .npy header; write token ids with numpy.save")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{where} is not a readable .npy array ({e}).") from None
+
+
 def columns(path: str, kind: str) -> list[str]:
     """Column (field) names of a table-like data file, from its schema or first record."""
     import pyarrow.parquet as pq
@@ -163,7 +175,7 @@ def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str, 
     if kind == "txt":
         return "windows" if len(files) == 1 and windows else "text"
     if kind == "npy":
-        return "windows" if np.load(files[0], mmap_mode="r").ndim == 1 and windows else "tokens"
+        return "windows" if open_npy(files[0], where).ndim == 1 and windows else "tokens"
     names = columns(files[0], kind)
     if "conversations" in names:
         return "sharegpt"
@@ -203,7 +215,7 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
         raise DataError(f"{where} lacks the column(s) {', '.join(missing)} that data.format {fmt} reads "
                         f"(it has {', '.join(names) or 'none'}).")
     has_labels = fmt in ("alpaca", "sharegpt") or any(c in names for c in LABEL_COLUMNS) or (
-        kind == "npy" and np.load(files[0], mmap_mode="r").ndim == 2)
+        kind == "npy" and open_npy(files[0], where).ndim == 2)
     tokenizer = data.tokenizer or (init_from if is_tokenizer_dir(init_from) else None)
     if fmt == "tokens":
         tokenizer = None
@@ -294,7 +306,7 @@ class TokenizeBatch:
             return [(self.tok.encode_document(text), None)] if text and text.strip() else []
         if self.fmt in ("alpaca", "sharegpt"):
             return [self.tok.encode_chat(messages_from_row(row, self.fmt))]
-        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        ids = as_token_ids(row["input_ids"], "a row's input_ids")
         mask = None
         if row.get("labels") is not None:
             mask = (np.asarray(row["labels"]) != -100).astype(np.uint8)
@@ -363,6 +375,7 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
     fp = fingerprint(p)
     final = os.path.join(os.path.abspath(cache_root), fp)
     if not os.path.isfile(os.path.join(final, "meta.json")):
+        tok = None if p.format == "tokens" else load_tokenizer(p.tokenizer)  # a broken one fails here, not in the pool
         os.makedirs(cache_root, exist_ok=True)
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -378,7 +391,7 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
                     connect()
                 _write_ray_data(p, writer, num_workers)
             splits = writer.close()
-            pad = 0 if p.format == "tokens" else load_tokenizer(p.tokenizer).pad_id
+            pad = 0 if tok is None else tok.pad_id
             meta = {"version": CACHE_VERSION, "plan": asdict(p), "fingerprint": fp, "layout": p.layout,
                     "pad_id": pad, "splits": splits}
             with open(os.path.join(tmp, "meta.json"), "w") as f:

@@ -38,7 +38,7 @@ from ..engine.store import StoreSpec, grad_slots_for
 from ..errors import ConfigError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
-from .cluster import cluster_to_join
+from .cluster import check_num_workers, cluster_to_join
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -434,6 +434,7 @@ RELEASE_POLL_S = 2.0
 
 def check(cfg: TrainConfig, device: str, log=print, starts_ray: bool | None = None) -> Plan:
     """The plan of a run about to start; prints the table and raises PreflightError if it does not fit."""
+    check_num_workers(cfg)
     result = plan(cfg, device, starts_ray=starts_ray)
     problems = result.problems()
     waited = 0.0
