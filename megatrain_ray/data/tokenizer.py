@@ -168,7 +168,10 @@ class HFTokenizer:
 def as_token_ids(value: Any, where: str) -> np.ndarray:
     """A row's pre-tokenized ids (a list of integers) as [n] int64; anything else (text, floats,
     nested lists) is one DataError naming ``where`` and showing the value."""
-    ids = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    try:
+        ids = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    except ValueError:  # ragged nested lists
+        ids = None
     if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         shown = repr(value if not isinstance(value, np.ndarray) else value.tolist())
         raise DataError(f"{where} must be a list of integer token ids, got {shown[:60]}"
