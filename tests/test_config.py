@@ -243,9 +243,13 @@ def test_init_from_config_json_defines_the_model(tmp_path):
                                   num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=256).to_dict()
     (model_dir / "config.json").write_text(json.dumps(hf))
-    # model.* set by the user is replaced by the checkpoint's shape.
-    cfg = load_train_config(None, [f"runtime.init_from={model_dir}", "model.hidden_size=128", "train.seq_len=32"])
+    # model.* values that agree with the checkpoint are accepted; one that does not is refused, not dropped.
+    cfg = load_train_config(None, [f"runtime.init_from={model_dir}", "model.hidden_size=32", "train.seq_len=32"])
     assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size) == (32, 3, 300)
+    msg = _error(overrides=[f"runtime.init_from={model_dir}", "model.hidden_size=128"], load=load_train_config)
+    assert msg == (f"model.hidden_size (128) disagrees with runtime.init_from's config.json ({model_dir}: 32), which "
+                   "defines the model; remove model.hidden_size from the configuration, or point runtime.init_from at "
+                   "the model meant.")
     assert cfg.model.num_key_value_heads == 2
     assert cfg.model.attention_bias is False
 

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from ..yaml_strict import StrictLoader
 from .fields import section_from_dict
 from .model import ModelConfig
 from .sections import DataSection, OptimConfig, RuntimeSection, TrainConfig, TrainSection
@@ -49,11 +50,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
-                model_from: Callable[[str], ModelConfig] | None = None) -> TrainConfig:
+                model_from: Callable[[str, dict], ModelConfig] | None = None) -> TrainConfig:
     """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
 
     When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape:
-    ``model_from(init_from)`` reads it. This module reads no model files, so a config with
+    ``model_from(init_from, given)`` reads it and checks ``given`` (the model.* values the configuration
+    sets) against it. This module reads no model files, so a config with
     runtime.init_from is loaded through :func:`megatrain_ray.io.hf_io.load_train_config`, which
     passes it; without ``model_from`` such a config is an error.
     """
@@ -63,7 +65,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
             raise ConfigError(f"config file {path!r} does not exist.")
         try:
             with open(path) as f:
-                loaded = yaml.safe_load(f)
+                loaded = yaml.load(f, Loader=StrictLoader)  # safe_load, refusing duplicate keys
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" at line {line + 1}" if line is not None else ""
@@ -90,5 +92,6 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
         if model_from is None:
             raise ConfigError("runtime.init_from needs its config.json read for the model shape; load this "
                               "configuration with megatrain_ray.io.hf_io.load_train_config.")
-        cfg.model = model_from(cfg.runtime.init_from)
+        given = {k: getattr(cfg.model, k) for k, v in (data.get("model") or {}).items() if v is not None}
+        cfg.model = model_from(cfg.runtime.init_from, given)  # given: the model.* values set, to check
     return cfg.validate()

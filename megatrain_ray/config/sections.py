@@ -24,6 +24,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 2
 
 
+def unwritable(path: str) -> str | None:
+    """Why a file cannot be created in directory ``path`` (or, where it does not exist yet, in the
+    nearest parent it would be created under), or None if one can."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "a read-only file system" if os.statvfs(probe).f_flag & os.ST_RDONLY else f"{probe} is not writable"
+    return None
+
+
 @dataclass
 class OptimConfig:
     """AdamW with decoupled weight decay, global-norm clipping and a warmup + cosine schedule."""
@@ -284,6 +297,9 @@ class RuntimeSection:
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")
         _require(not os.path.exists(self.run_dir) or os.path.isdir(self.run_dir), "runtime.run_dir",
                  f"names a file, not a directory: {self.run_dir!r}")
+        for key in ("run_dir", "shm_dir"):  # before anything is started or created, not at the first write
+            why = unwritable(getattr(self, key))
+            _require(why is None, f"runtime.{key}", f"{getattr(self, key)!r} cannot be written to ({why})")
         _require(self.object_store_memory >= 75 * 2**20, "runtime.object_store_memory",
                  f"must be at least 78643200 bytes (Ray's minimum), got {self.object_store_memory}")
         _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..errors import DataError
-from .datasets import CorpusRef, is_val
+from .datasets import CorpusRef, is_val, open_npy
 
 IGNORE_INDEX = -100
 """model.IGNORE_INDEX, repeated so that loader actors do not import torch (tests check they agree)."""
@@ -54,7 +54,10 @@ def open_split(ref: CorpusRef, split: str) -> dict:
 
 
 def _npy_split(ref: CorpusRef, split: str) -> dict:
-    arr = np.load(ref.path, mmap_mode="r")
+    arr = open_npy(ref.path, ref.where)
+    if arr.ndim not in (1, 2):
+        raise DataError(f"{ref.where} must hold a 1-D stream or a 2-D array of rows of token ids, got a "
+                        f"{arr.ndim}-D array of shape {arr.shape}.")
     if arr.ndim == 1:  # one stream: the tail val_fraction is held out
         cut = int(round(arr.size * (1.0 - ref.val_fraction)))
         tokens = arr[:cut] if split == "train" else arr[cut:]
@@ -64,8 +67,13 @@ def _npy_split(ref: CorpusRef, split: str) -> dict:
         tokens, width = arr.reshape(-1), arr.shape[1]
     if tokens.size == 0 or (rows is not None and rows.size == 0):
         raise DataError(f"{ref.where} has no {split} data; adjust data.val_fraction.")
-    if not np.issubdtype(arr.dtype, np.integer) or int(arr.min()) < 0:
-        raise DataError(f"{ref.where} must hold non-negative integer token ids, got {arr.dtype}.")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"{ref.where} must hold integer token ids, got {arr.dtype}.")
+    if int(arr.min()) < 0:
+        flat = arr.reshape(-1)
+        at = int(np.argmax(flat < 0))
+        raise DataError(f"{ref.where} holds the negative token id {int(flat[at])} (at flat index {at}); token ids "
+                        "must be non-negative.")
     return {"tokens": tokens, "starts": None if rows is None else rows * width,
             "lengths": None if rows is None else np.full(rows.size, width), "mask": None,
             "max_id": int(tokens.max())}

@@ -106,6 +106,17 @@ def list_files(path: str | None, key: str) -> tuple[tuple[str, ...], str]:
     return (path,), EXTENSIONS[ext]
 
 
+def open_npy(path: str, where: str) -> np.ndarray:
+    """A .npy file memory-mapped, or one DataError naming ``where`` if it is not a .npy array."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise ValueError("it does not start with the .npy header; write token ids with numpy.save")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{where} is not a readable .npy array ({e}).") from None
+
+
 def columns(path: str, kind: str) -> list[str]:
     """Column (field) names of a table-like data file, from its schema or first record."""
     import pyarrow.parquet as pq
@@ -153,7 +164,7 @@ def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str, 
     if kind == "txt":
         return "windows" if len(files) == 1 and windows else "text"
     if kind == "npy":
-        return "windows" if np.load(files[0], mmap_mode="r").ndim == 1 and windows else "tokens"
+        return "windows" if open_npy(files[0], where).ndim == 1 and windows else "tokens"
     names = columns(files[0], kind)
     if "conversations" in names:
         return "sharegpt"
@@ -193,7 +204,7 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
         raise DataError(f"{where} lacks the column(s) {', '.join(missing)} that data.format {fmt} reads "
                         f"(it has {', '.join(names) or 'none'}).")
     has_labels = fmt in ("alpaca", "sharegpt") or any(c in names for c in LABEL_COLUMNS) or (
-        kind == "npy" and np.load(files[0], mmap_mode="r").ndim == 2)
+        kind == "npy" and open_npy(files[0], where).ndim == 2)
     tokenizer = data.tokenizer or (init_from if is_tokenizer_dir(init_from) else None)
     if fmt == "tokens":
         tokenizer = None

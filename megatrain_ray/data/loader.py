@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import DataError
 from .builtin import EOS_ID, builtin_documents, encode_bytes
+from .tokenizer import as_token_ids
 
 Connect = Callable[[object], None]
 """Joins or starts Ray for a config before Ray Data tokenizes (the orchestration's ``connect_ray``);
@@ -37,10 +38,9 @@ def load_tokens(path: str | None) -> np.ndarray:
     if path is None:
         docs = builtin_documents("train")
     elif path.endswith(".npy"):
-        try:
-            tokens = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise DataError(f"data.path {path!r} is not a readable .npy array ({e}).") from None
+        from .datasets import open_npy
+
+        tokens = open_npy(path, f"data.path {path!r}")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise DataError(f"data.path {path!r} must hold a 1-D integer array of token ids, "
                             f"got {tokens.ndim}-D {tokens.dtype}.")
@@ -73,10 +73,11 @@ class BatchSource:
         if self.tokens.size < seq_len + 2:
             raise DataError(f"{where} has {self.tokens.size} tokens, fewer than train.seq_len + 2 "
                             f"({seq_len + 2}); use more data or a shorter train.seq_len.")
-        top = int(self.tokens.max())
-        if top >= vocab_size or int(self.tokens.min()) < 0:
-            raise DataError(f"{where} holds token id {top}, outside model.vocab_size ({vocab_size}); "
-                            "the data and the model's vocabulary do not match.")
+        low, top = int(self.tokens.min()), int(self.tokens.max())
+        if low < 0 or top >= vocab_size:
+            bad = low if low < 0 else top
+            raise DataError(f"{where} holds token id {bad} (at index {int(np.argmax(self.tokens == bad))}), outside "
+                            f"[0, model.vocab_size ({vocab_size})); the data and the model's vocabulary do not match.")
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """input_ids, labels: [M, B, S] int64 for optimizer step ``step``."""
@@ -126,6 +127,7 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     d = cfg.data
     separate = split == "val" and bool(d.val_path)
     p = plan(d, cfg.runtime.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
+    check_first_row(p)
     builtin_val = split == "val" and not separate and not d.val_fraction and p.kind == "builtin"
     if split == "val" and not separate and not d.val_fraction and not builtin_val:
         raise DataError(f"{p.where} has no validation split; set data.val_fraction or data.val_path.")
@@ -140,6 +142,35 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
         connect(cfg)
 
     return prepare(p, cache, d.num_workers, join if connect is not None else None, log)
+
+
+def check_first_row(p) -> None:
+    """Pre-tokenized rows (format tokens, in .jsonl/.json/.parquet/.arrow): the first row's (or the
+    schema's) input_ids must be a list of integers, checked here before Ray starts; the tokenizer
+    pool checks every row as it reads it (:func:`~megatrain_ray.data.tokenizer.as_token_ids`)."""
+    if p.format != "tokens" or p.kind not in ("jsonl", "json", "parquet", "arrow"):
+        return
+    where = f"{p.where}: the first row{'' if len(p.files) == 1 else ' of ' + os.path.basename(p.files[0])}'s input_ids"
+    if p.kind in ("parquet", "arrow"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from .datasets import _arrow_reader
+
+        schema = pq.read_schema(p.files[0]) if p.kind == "parquet" else _arrow_reader(p.files[0]).schema
+        kind = schema.field("input_ids").type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+            raise DataError(f"{where} must be a list of integer token ids, but the column is {kind}.")
+        return
+    import json
+
+    with open(p.files[0], encoding="utf-8") as f:
+        if p.kind == "jsonl":
+            first = json.loads(next((ln for ln in f if ln.strip()), "{}"))
+        else:
+            data = json.load(f)
+            first = data[0] if isinstance(data, list) and data else data
+    as_token_ids(first.get("input_ids"), where)
 
 
 def loader_spec(cfg, split: str = "train", log=print, connect: Connect | None = None) -> tuple[type, tuple]:

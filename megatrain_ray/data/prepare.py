@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import DataError, MegatrainError
 from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_reader, fingerprint, is_val
-from .tokenizer import load_tokenizer, messages_from_row
+from .tokenizer import as_token_ids, load_tokenizer, messages_from_row
 
 
 
@@ -73,7 +73,7 @@ class TokenizeBatch:
             return [(self.tok.encode_document(text), None)] if text and text.strip() else []
         if self.fmt in ("alpaca", "sharegpt"):
             return [self.tok.encode_chat(messages_from_row(row, self.fmt))]
-        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        ids = as_token_ids(row["input_ids"], "a row's input_ids")
         mask = None
         if row.get("labels") is not None:
             mask = (np.asarray(row["labels"]) != -100).astype(np.uint8)
@@ -142,6 +142,7 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
     fp = fingerprint(p)
     final = os.path.join(os.path.abspath(cache_root), fp)
     if not os.path.isfile(os.path.join(final, "meta.json")):
+        tok = None if p.format == "tokens" else load_tokenizer(p.tokenizer)  # a broken one fails here, not in the pool
         os.makedirs(cache_root, exist_ok=True)
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,7 +158,7 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
                     connect()
                 _write_ray_data(p, writer, num_workers)
             splits = writer.close()
-            pad = 0 if p.format == "tokens" else load_tokenizer(p.tokenizer).pad_id
+            pad = 0 if tok is None else tok.pad_id
             meta = {"version": CACHE_VERSION, "plan": asdict(p), "fingerprint": fp, "layout": p.layout,
                     "pad_id": pad, "splits": splits}
             with open(os.path.join(tmp, "meta.json"), "w") as f:

@@ -165,6 +165,20 @@ class HFTokenizer:
         return np.asarray(enc["input_ids"], dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
+def as_token_ids(value: Any, where: str) -> np.ndarray:
+    """A row's pre-tokenized ids (a list of integers) as [n] int64; anything else (text, floats,
+    nested lists) is one DataError naming ``where`` and showing the value."""
+    try:
+        ids = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    except ValueError:  # ragged nested lists
+        ids = None
+    if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        shown = repr(value if not isinstance(value, np.ndarray) else value.tolist())
+        raise DataError(f"{where} must be a list of integer token ids, got {shown[:60]}"
+                        f"{'...' if len(shown) > 60 else ''}.")
+    return ids.astype(np.int64)
+
+
 def load_tokenizer(directory: str | None):
     """A tokenizer for ``directory`` (an HF tokenizer directory), or byte-level for None or BYTE_LEVEL."""
     return ByteTokenizer() if directory in (None, BYTE_LEVEL) else HFTokenizer(directory)

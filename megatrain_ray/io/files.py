@@ -276,6 +276,8 @@ def read_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
             if len(head) < 8 or n > min(size - 8, MAX_HEADER_BYTES):
                 raise CorruptFile(f"it is {size} bytes, too short for the header it starts with")
             header = json.loads(f.read(n))
+    except CorruptFile:
+        raise
     except OSError as e:
         raise CorruptFile(e.strerror or str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:

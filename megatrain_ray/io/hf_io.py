@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config
+from ..config import ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config, unwritable
 from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
@@ -62,8 +62,19 @@ def read_config(directory: str, what: str = "the checkpoint") -> tuple[ModelConf
 
 def load_train_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
     """:func:`megatrain_ray.config.load_config`, with ``runtime.init_from``'s config.json as the model
-    shape (model.* settings are replaced by it)."""
-    return load_config(path, overrides, base, model_from=lambda d: read_config(d, "runtime.init_from")[0])
+    shape; a model.* value the configuration sets that disagrees with it is a ConfigError naming the key."""
+    return load_config(path, overrides, base, model_from=_init_from_model)
+
+
+def _init_from_model(directory: str, given: dict) -> ModelConfig:
+    model = read_config(directory, "runtime.init_from")[0]
+    for key, value in given.items():
+        theirs = getattr(model, key)
+        if value != theirs:
+            raise ConfigError(f"model.{key} ({value!r}) disagrees with runtime.init_from's config.json "
+                              f"({directory}: {theirs!r}), which defines the model; remove model.{key} from the "
+                              "configuration, or point runtime.init_from at the model meant.")
+    return model
 
 
 def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
@@ -359,6 +370,9 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
         raise ConfigError(f"--out {out!r} is a file; choose a new directory.")
     if os.path.isdir(out) and os.listdir(out):
         raise ConfigError(f"--out {out!r} exists and is not empty; choose a new directory.")
+    why = unwritable(os.path.dirname(os.path.abspath(out)))
+    if why:  # said before the checkpoint is read and checked, which takes a while for a large one
+        raise ConfigError(f"--out {out!r} cannot be written to ({why}); choose a writable directory.")
     ckpt = resolve_checkpoint(src)
     cfg, raw = read_config(ckpt.weights_dir)
     mapping = check_weights(cfg, ckpt.weights_dir, "the checkpoint")

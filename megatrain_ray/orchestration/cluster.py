@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 
-from ..errors import PipelineError
+from ..errors import ConfigError, PipelineError
 
 JOB_OUTPUT_ROOT = "~/megatrain-ray"
 """Where a Ray job's relative output paths are taken from (see :func:`job_path`)."""
@@ -106,6 +106,29 @@ def starts_ray(rt) -> bool:
     return not ray.is_initialized() and cluster_to_join(rt)[0] is None
 
 
+def node_cpus(rt) -> float | None:
+    """CPUs of the largest node of the Ray a run uses: the cluster this process is connected to, or
+    the private Ray it will start (as many as Ray detects here); None for a cluster not joined yet."""
+    import ray
+
+    if ray.is_initialized():
+        return max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    if cluster_to_join(rt)[0] is None:
+        from ray._private.utils import get_num_cpus
+
+        return float(get_num_cpus())
+    return None
+
+
+def check_num_workers(cfg) -> None:
+    """One ConfigError if data.num_workers exceeds the CPUs of a node of the Ray the run uses: its
+    actors all go on one node (one placement group), which could then never be placed."""
+    cpus = node_cpus(cfg.runtime)
+    if cpus is not None and cfg.data.num_workers > cpus:
+        raise ConfigError(f"data.num_workers ({cfg.data.num_workers}) exceeds the {cpus:g} CPUs of the Ray the run "
+                          f"uses (its actors share one node); set it to at most {max(1, int(cpus))}.")
+
+
 def connect(rt, log=print) -> None:
     """Connect this process to the Ray chosen by ``rt.ray_address`` (a RuntimeSection), once."""
     import ray
@@ -176,5 +199,8 @@ def job_path(path: str, what: str, log=print) -> str:
 
 def connect_ray(cfg) -> None:
     """:func:`connect` for a whole TrainConfig: what the data layer is handed to reach Ray before
-    tokenizing (see :data:`megatrain_ray.data.loader.Connect`)."""
+    tokenizing (see :data:`megatrain_ray.data.loader.Connect`); data.num_workers (the tokenizer pool's
+    size) is checked against the CPUs before Ray starts and, for a cluster joined, once connected."""
+    check_num_workers(cfg)
     connect(cfg.runtime)
+    check_num_workers(cfg)

@@ -38,7 +38,7 @@ from ..engine.store import StoreSpec, grad_slots_for
 from ..errors import PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
-from .cluster import cluster_to_join
+from .cluster import check_num_workers, cluster_to_join
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
 from .machine import gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold, same_filesystem
 
@@ -336,6 +336,7 @@ RELEASE_POLL_S = 2.0
 
 def check(cfg: TrainConfig, device: str, log=print, starts_ray: bool | None = None) -> Plan:
     """The plan of a run about to start; prints the table and raises PreflightError if it does not fit."""
+    check_num_workers(cfg)
     result = plan(cfg, device, starts_ray=starts_ray)
     problems = result.problems()
     waited = 0.0
