@@ -155,9 +155,9 @@ def check_first_row(p) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from .datasets import _arrow_reader
+        from .datasets import arrow_reader
 
-        schema = pq.read_schema(p.files[0]) if p.kind == "parquet" else _arrow_reader(p.files[0]).schema
+        schema = pq.read_schema(p.files[0]) if p.kind == "parquet" else arrow_reader(p.files[0]).schema
         kind = schema.field("input_ids").type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
             raise DataError(f"{where} must be a list of integer token ids, but the column is {kind}.")
