@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import subprocess
 
 import pytest
 import ray
@@ -47,3 +48,18 @@ def shm_dir(shm_dirs):
     """A private shm directory for one test (see :func:`_private_shm_dir`)."""
     with shm_dirs() as path:
         yield path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MiB tmpfs (needs root); skipped where mounting is not permitted."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

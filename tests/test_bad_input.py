@@ -314,21 +314,6 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(ray_cluster, sh
     assert os.listdir(shm_dir) == []
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 2 MiB tmpfs (needs root); skipped where mounting is not permitted."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_disk_full_while_checkpointing_keeps_the_last_good_checkpoint(ray_cluster, shm_dir, small_disk, tmp_path,
                                                                       capsys, monkeypatch):
     line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={small_disk}",

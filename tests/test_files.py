@@ -141,21 +141,6 @@ def test_a_writer_killed_mid_file_leaves_the_previous_file_whole(tmp_path):
     assert [n for n in os.listdir(tmp_path) if n != "x.safetensors"][0].startswith(".x.safetensors.tmp-")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 2 MiB tmpfs (needs root); skipped where mounting is not permitted."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_a_full_disk_keeps_the_previous_file_and_leaves_no_temporary(small_disk):
     path = small_disk / "x.safetensors"
     old = _tensors()
