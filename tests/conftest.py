@@ -50,16 +50,26 @@ def shm_dir(shm_dirs):
         yield path
 
 
+def _mounted(args: list[str], path, what: str):
+    """Mount ``args`` onto ``path`` (needs root), yield it, unmount; skip where mounting is not permitted."""
+    proc = subprocess.run(["mount", *args, str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot {what} here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 2 MiB tmpfs (needs root); skipped where mounting is not permitted."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    (tmp_path / "disk").mkdir()
+    yield from _mounted(["-t", "tmpfs", "-o", "size=2m", "tmpfs"], tmp_path / "disk", "mount a small tmpfs")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only directory: a read-only bind mount of tmp_path/ro (root can write anywhere else)."""
+    (tmp_path / "ro").mkdir()
+    yield from _mounted(["--bind", "-o", "ro", str(tmp_path / "ro")], tmp_path / "ro", "bind-mount read-only")

@@ -6,14 +6,13 @@ existing checkpoint changed. The helpers and fixtures are test_bad_input.py's.
 
 import json
 import os
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
 from megatrain_ray.io import checkpoint
-from test_bad_input import _copy_run, _run, _snapshot, hf_dir, run_with_checkpoint, small_disk  # noqa: F401
+from test_bad_input import _copy_run, _run, _snapshot, hf_dir, run_with_checkpoint  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,20 +23,6 @@ def _train(tmp_path, capsys, monkeypatch, shm_dir, *sets: str) -> str:
     for s in sets:
         argv += ["--set", s]
     return _run(argv, tmp_path, capsys, monkeypatch)
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A real read-only directory: a read-only bind mount of tmp_path/ro (root can write anywhere else)."""
-    path = tmp_path / "ro"
-    path.mkdir()
-    proc = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot bind-mount read-only here: {proc.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # ---------------------------------------------------------------------------------------------
