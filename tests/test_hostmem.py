@@ -51,5 +51,11 @@ def test_baseline_waits_until_memory_stops_falling(shm_dir):
     with HostMemoryPeak(period_s=0.05, shm_dir=shm_dir) as mem:
         waited = time.monotonic() - start
     t.join()
+    used_after = used_bytes()
     assert waited >= 0.8  # it waited for the release...
-    assert mem.baseline <= used_before - 400 * 2**20  # ...so the 512 MiB given back are not in the baseline
+    # ...so none of the 512 MiB is in the baseline. Compared with memory just after the release, not
+    # before it: other processes of a busy machine move by ~100 MiB over the test's seconds, but hardly
+    # over the instant between the baseline and this line. A baseline taken before the last piece
+    # went (170 MiB) fails this.
+    assert mem.baseline <= used_after + 128 * 2**20
+    assert used_before - used_after >= 256 * 2**20  # the release did happen, during the test
