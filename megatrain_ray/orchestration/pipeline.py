@@ -79,6 +79,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
     source = source_from_config(cfg, connect=connect_ray)  # fail on bad data or weights before any actor starts
+    val_batch = None
+    if cfg.train.eval_every:  # the validation data too, read once for every attempt
+        val_batch = source_from_config(cfg, "val", log, connect_ray).batch(0)
     if resume is None:
         preflight.check_init_from(cfg)
     else:
@@ -115,7 +118,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
                 log(schedule_note)
-        return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan)
+        return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan, val_batch)
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
         if last is None or plan is None or last in str(e):
@@ -130,7 +133,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
 
 
 def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _Active, log, start: int,
-              resume: str | None, plan: checkpoint.CheckpointPlan) -> RunResult:
+              resume: str | None, plan: checkpoint.CheckpointPlan, val_batch: dict | None = None) -> RunResult:
     """Run the pipeline; when an actor dies, restart it (up to runtime.max_restarts times) from the
     newest checkpoint of the run, or from where the run began if there is none yet.
 
@@ -140,7 +143,7 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
     base_id = spec.run_id
     for attempt in range(cfg.runtime.max_restarts + 1):
         try:
-            return _run(cfg, spec, device, run_dir, roles, log, start, resume, plan)
+            return _run(cfg, spec, device, run_dir, roles, log, start, resume, plan, val_batch)
         except ActorDied as e:
             if attempt == cfg.runtime.max_restarts:
                 raise
@@ -165,7 +168,8 @@ def _raise_interrupt(signum, frame):
 
 
 def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _Active, log, start: int = 0,
-         resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None) -> RunResult:
+         resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None,
+         val_batch: dict | None = None) -> RunResult:
     nodes = cfg.runtime.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
     timeout = cfg.runtime.actor_timeout_s
@@ -184,9 +188,8 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
                 batches[s] = roles.loaders[s % n_data].batch.remote(s)
         return batches.pop(step)
 
-    eval_ref = None
-    if cfg.train.eval_every:  # one fixed validation batch, in the object store once for the whole run
-        eval_ref = ray.put(source_from_config(cfg, "val", log, connect_ray).batch(0))
+    # One fixed validation batch (read before Ray started), in the object store once for the attempt.
+    eval_ref = None if val_batch is None else ray.put(val_batch)
 
     run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
     result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
