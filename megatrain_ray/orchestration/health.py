@@ -39,14 +39,15 @@ class Health:
 
     INTERVAL_S = 1.0
 
-    def __init__(self, idle: dict, busy: dict, queues: list, timeout_s: float):
+    def __init__(self, idle: dict, busy: dict, queues: list, timeout_s: float, start_timeout_s: float):
+        """``start_timeout_s``: how long a role may take to come up and say where it runs (runtime.actor_timeout_s)."""
         self.timeout_s = timeout_s
         self.idle = dict(idle)
         for k, q in enumerate(queues):
             self.idle[f"queue-{k}"] = q.actor
         handles = {**self.idle, **busy}
-        where = dict(zip(handles, ray.get([h.__ray_call__.remote(_whereami) for h in handles.values()],
-                                          timeout=timeout_s)))
+        refs = {name: h.__ray_call__.remote(_whereami) for name, h in handles.items()}
+        where = {name: _get(ref, name, start_timeout_s) for name, ref in refs.items()}
         here = ray.get_runtime_context().get_node_id()
         self.pids = {name: pid for name, (pid, node) in where.items() if node == here}
         """role -> process id, for the roles on this node (their processes can be inspected here)."""

@@ -209,7 +209,7 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
     health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy}, spawner.queues,
-                    cfg.runtime.health_timeout_s)  # before the loops start: it asks every role where it runs
+                    cfg.runtime.health_timeout_s, timeout)  # before the loops start: it asks every role where it runs
     loops = {h.run.remote(start, steps): names[h] for n in roles.nodes for h in (*n.prefetchers, n.sink)}
     batches: dict[int, Any] = {}
 
