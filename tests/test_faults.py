@@ -71,7 +71,8 @@ def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray
     assert restart[1].startswith("restart 1 of 1: the store actor died (its process was killed by a signal or "
                                  "crashed, not for lack of memory (the kernel's OOM-kill count did not change)); ")
     assert "OOM killer due to" not in restart[1] and "Some common causes" not in restart[1]
-    assert restart[0] - events["sent"] < 10, "the store's death was not noticed within seconds"
+    # Seconds, teardown of the old pipeline included (a queue timeout would be runtime.actor_timeout_s, 300 s).
+    assert restart[0] - events["sent"] < 30, "the store's death was not noticed within seconds"
     # Within one step: at most the steps already in flight (the driver keeps two queued) finished meanwhile.
     between = [line for t, line in lines if events["sent"] < t < restart[0] and re.match(r"step\s+\d+/", line)]
     assert len(between) <= 2, between
@@ -102,16 +103,16 @@ def test_a_frozen_role_is_noticed_within_the_health_timeout(cls, role, timeout, 
                 os.kill(events["pid"], signal.SIGCONT)  # if anything is left of it, let it die
             except ProcessLookupError:
                 pass
-    noticed = time.monotonic() - events["sent"]
+    noticed = time.monotonic() - events["sent"]  # teardown included; a queue timeout would be 300 s
     message = str(info.value)
     if role == "store":  # idle: its ping goes unanswered
         assert message.startswith(f"the store actor has not answered a health check for {timeout} s, so it hangs "
                                   f"(process {events['pid']}); "), message
-        assert timeout <= noticed < timeout + 10, noticed
+        assert timeout <= noticed < timeout + 30, noticed
     else:  # busy: its process is seen stopped at the next check
         assert message.startswith(f"the compute actor's process {events['pid']} is stopped, so the run cannot go "
                                   "on; "), message
-        assert noticed < 10, noticed
+        assert noticed < 30, noticed
     assert "\n" not in message and time.monotonic() - started < 300
     assert os.listdir(shm_dir) == []
 
