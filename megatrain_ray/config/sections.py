@@ -260,7 +260,7 @@ class RuntimeSection:
     max_restarts: int = 0
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
-    health_timeout_s: float = 20.0
+    health_timeout_s: float = 30.0
     """Seconds an idle role (a parameter store, a data loader, a queue) may leave a health check
     unanswered before the run counts it as hung and fails or restarts (it answers in milliseconds);
     deaths are noticed within a second regardless (see :mod:`megatrain_ray.orchestration.health`)."""
