@@ -260,6 +260,10 @@ class RuntimeSection:
     max_restarts: int = 0
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
+    health_timeout_s: float = 30.0
+    """Seconds an idle role (a parameter store, a data loader, a queue) may leave a health check
+    unanswered before the run counts it as hung and fails or restarts (it answers in milliseconds);
+    deaths are noticed within a second regardless (see :mod:`megatrain_ray.orchestration.health`)."""
 
     def adamw_threads(self) -> int:
         """Threads of the AdamW update (see ``optimizer_threads``)."""
@@ -305,6 +309,8 @@ class RuntimeSection:
         _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",
                  f"must be positive, got {self.actor_timeout_s}")
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _require(self.health_timeout_s > 0, "runtime.health_timeout_s",
+                 f"must be positive, got {self.health_timeout_s}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
         if self.init_from is not None:

@@ -147,7 +147,21 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
 def check_first_row(p) -> None:
     """Pre-tokenized rows (format tokens, in .jsonl/.json/.parquet/.arrow): the first row's (or the
     schema's) input_ids must be a list of integers, checked here before Ray starts; the tokenizer
-    pool checks every row as it reads it (:func:`~megatrain_ray.data.tokenizer.as_token_ids`)."""
+    pool checks every row as it reads it (:func:`~megatrain_ray.data.tokenizer.as_token_ids`). A ``.txt``
+    file's first 64 KiB must be UTF-8 (a binary file named .txt is refused here, not in the pool)."""
+    if p.kind == "txt":
+        import codecs
+
+        for path in p.files:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+            except UnicodeDecodeError as e:
+                which = p.where if len(p.files) == 1 else f"{p.where}: {os.path.basename(path)!r}"
+                raise DataError(f"{which} is not UTF-8 text ({e.reason} at byte {e.start}); give a text file, or "
+                                "token ids as .npy.") from None
+        return
     if p.format != "tokens" or p.kind not in ("jsonl", "json", "parquet", "arrow"):
         return
     where = f"{p.where}: the first row{'' if len(p.files) == 1 else ' of ' + os.path.basename(p.files[0])}'s input_ids"

@@ -11,7 +11,8 @@ and the slot is released as soon as the unit is done. One step, as one loop:
    backward at once; its gradient goes out;
 4. backward of layer L-1..0, recomputing each layer from its checkpoint, for every micro-batch,
    accumulating the weight gradient in fp32; each layer's gradient goes out as soon as it is done;
-5. embedding gradient (scatter of the input gradients, plus the head's when tied) goes out.
+5. embedding gradient (the input gradients added into their ids' rows in a fixed order, see
+   :mod:`megatrain_ray.engine.embed_grad`; plus the head's when tied) goes out.
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
@@ -38,6 +39,7 @@ from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm,
                                  token_loss_sum)
 from .activations import ActivationStore
 from .device import make_backend
+from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
 from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, GradTicket
@@ -314,8 +316,8 @@ class ComputeWorker:
 
         with self.backend.compute("embed bwd"):
             table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
-            for m in range(num_mb):
-                table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
+            for m in range(num_mb):  # in a fixed order, unlike index_add_'s atomics on CUDA
+                add_embedding_grad(table, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size))
         self._send_grad(0, step, embed_grad)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back

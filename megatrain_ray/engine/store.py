@@ -22,6 +22,7 @@ them as a Hugging Face safetensors checkpoint, and removes them.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from ..config import ModelConfig
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
 from ..model.transformer import hf_name
-from . import shm
+from . import reaper, shm
 
 WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad")
 GRAD_RING_SLOTS = 3
@@ -141,16 +142,22 @@ class HostStore:
 
 
 class ParameterStore:
-    """Owner of the shared-memory store (plain class; made a Ray actor at spawn)."""
+    """Owner of the shared-memory store (plain class; made a Ray actor at spawn).
+
+    ``reap``: start a :mod:`~megatrain_ray.engine.reaper` that removes the segments if this process
+    dies without closing them (a pipeline's stores do; a store made for a test or a tool need not).
+    """
 
     def __init__(self, spec: StoreSpec, seed: int, init_from: str | None = None,
-                 num_threads: int | None = None, resume_from: str | None = None):
+                 num_threads: int | None = None, resume_from: str | None = None, reap: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.spec = spec
         self.init_from = init_from
         self.store = HostStore(spec, create=True)
         try:
+            if reap:  # the segments go within a second of this process's death, however it dies
+                reaper.start(shm.run_segments(spec.shm_dir, spec.owner_pid, spec.run_id), [os.getpid()])
             for array in self.store.arrays.values():  # fault every page in now, not during step 1
                 array.zero_()
             if resume_from is not None:

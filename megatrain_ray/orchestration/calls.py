@@ -25,10 +25,48 @@ def actor_error(e: BaseException, role: str) -> MegatrainError:
             "`megatrain-ray plan` and stop other memory users, or lower it (runtime.master_dtype=bfloat16, "
             "runtime.offload_activations=false, a smaller model or micro-batch).")
     if isinstance(e, ray.exceptions.RayActorError):
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        return ActorDied(f"the {role} actor died ({lines[-1] if lines else 'no reason given'}); "
-                             "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
+        return ActorDied(f"the {role} actor died ({_death_cause(e)}); "
+                         "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
     return PipelineError(f"the {role} actor failed: {cause or e}")
+
+
+def _death_cause(e: BaseException) -> str:
+    """Why an actor died, in a few words: Ray's own line where it knows (``ray.kill``, an error in its
+    constructor), else — its process vanished — whether the kernel's OOM killer acted since the
+    attempt began (:func:`mark_oom_kills`), instead of Ray's paragraph that guesses at an OOM kill."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    last = lines[-1] if lines else "no reason given"
+    if "worker process has died" not in last and "Worker unexpectedly exits" not in last:
+        return last
+    now = oom_kills()
+    if now is None or _OOM_KILLS[0] is None:
+        return "its process was killed (by a signal or the kernel's OOM killer) or crashed"
+    if now > _OOM_KILLS[0]:
+        return (f"its process was killed, and the kernel's OOM killer ended {now - _OOM_KILLS[0]} process(es) on "
+                "this machine meanwhile: host memory ran out; see what the run needs with `megatrain-ray plan`")
+    return "its process was killed by a signal or crashed, not for lack of memory (the kernel's OOM-kill count " \
+           "did not change)"
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended since boot (/proc/vmstat), or None if unknown."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+_OOM_KILLS: list[int | None] = [oom_kills()]
+"""The kernel's OOM-kill count when the pipeline's attempt began."""
+
+
+def mark_oom_kills() -> None:
+    """Note the kernel's OOM-kill count now (at the start of each attempt), for :func:`_death_cause`."""
+    _OOM_KILLS[0] = oom_kills()
 
 
 def get(ref, role: str, timeout: float):

@@ -51,6 +51,11 @@ class RunResult:
     """First step this run trained (the checkpoint's step when resumed)."""
     checkpoints: list[str] = field(default_factory=list)
     """Checkpoint directories saved by this run, oldest first."""
+    restarts: int = 0
+    """How many times the pipeline was restarted after an actor died (runtime.max_restarts)."""
+    repeated_steps: int = 0
+    """Steps finished before a restart and trained again after it (from the checkpoint restarted from);
+    the per-step lists and metrics.jsonl hold each step once, as its last attempt trained it."""
 
 
 @contextlib.contextmanager
@@ -69,10 +74,12 @@ class Driver:
     WINDOW = 2
 
     def __init__(self, cfg: TrainConfig, roles: Roles, loops: dict, plan: checkpoint.CheckpointPlan | None,
-                 result: RunResult, metrics_file, gauges: RunMetrics, log, eval_ref=None):
+                 result: RunResult, metrics_file, gauges: RunMetrics, log, eval_ref=None, health=None):
         self.cfg, self.roles, self.loops, self.plan = cfg, roles, loops, plan
         self.head = roles.head
         self.eval_ref = eval_ref
+        self.health = health
+        """A :class:`~megatrain_ray.orchestration.health.Health` checked while a step is awaited, or None."""
         """The validation batch (an object ref) that rides along every train.eval_every-th step, or None."""
         self.result, self.metrics_file, self.gauges, self.log = result, metrics_file, gauges, log
         self.steps = cfg.train.steps
@@ -117,7 +124,9 @@ class Driver:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
         saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
-        self.log(f"done: {self.steps - start} steps, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
+        again = (f" (after {r.restarts} restart{'s' if r.restarts > 1 else ''}, which trained {r.repeated_steps} "
+                 f"step{'' if r.repeated_steps == 1 else 's'} twice)") if r.restarts else ""
+        self.log(f"done: {self.steps - r.start_step} steps{again}, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
         return r
 
     def _submit(self, step: int, batch_ref) -> None:
@@ -128,11 +137,14 @@ class Driver:
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:
-        """Wait for run_step(step) of every worker, watching the prefetcher and sink loops for failures."""
+        """Wait for run_step(step) of every worker, watching the prefetcher and sink loops and the
+        health of the other roles for failures."""
         refs = self.submitted[step]
         outs: dict[Any, dict] = {}
         while len(outs) < len(refs):
             done, _ = ray.wait([*(r for r in refs if r not in outs), *self.loops], num_returns=1, timeout=1.0)
+            if self.health is not None:
+                self.health.check()  # the idle roles (store, loaders, queues): dead or hung?
             for r in done:
                 if r in self.loops:  # a loop ended early: fine if it finished its work, else its error is raised
                     _get(r, self.loops.pop(r), self.timeout)
@@ -214,7 +226,7 @@ class Driver:
         """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
         if self.plan is None:
             return None, "checkpoints are off"
-        done = start + len(self.result.losses)
+        done = self.result.start_step + len(self.result.losses)  # the losses of earlier attempts too
         boundary = max(self.submitted, default=done - 1) + 1
         if boundary <= start:
             return None, "no step had finished"

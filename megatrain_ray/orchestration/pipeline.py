@@ -41,15 +41,16 @@ import ray
 
 from ..config import TrainConfig
 from ..data.loader import loader_spec, source_from_config
-from ..engine import shm
+from ..engine import reaper, shm
 from ..engine.store import StoreSpec, grad_slots_for
 from ..errors import ActorDied, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
-from . import cluster, preflight
+from . import calls, cluster, preflight
 from .calls import get as _get
 from .cluster import connect_ray
 from .driver import Driver, RunResult
+from .health import Health
 from .metrics import RunMetrics
 from .roles import RaySpawner, spawn_roles
 
@@ -79,6 +80,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
     source = source_from_config(cfg, connect=connect_ray)  # fail on bad data or weights before any actor starts
+    val_batch = None
+    if cfg.train.eval_every:  # the validation data too, read once for every attempt
+        val_batch = source_from_config(cfg, "val", log, connect_ray).batch(0)
     if resume is None:
         preflight.check_init_from(cfg)
     else:
@@ -90,7 +94,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=cluster.starts_ray(cfg.runtime))
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    roles, spec, plan = _Active(), None, None
+    roles, spec, plan, lease = _Active(), None, None, None
     try:
         cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -102,6 +106,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
                          grad_slots_for(precision, cfg.optim.max_grad_norm, cfg.runtime.compute_workers))
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
+        # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
+        lease = reaper.start([shm.segment_path(spec.shm_dir, spec.owner_pid, run_id, "*")], [os.getpid()],
+                             until_gone=False, lease=True)
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
         os.makedirs(run_dir, exist_ok=True)
         log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
@@ -115,7 +122,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
                 log(schedule_note)
-        return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan)
+        return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan, val_batch)
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
         if last is None or plan is None or last in str(e):
@@ -126,11 +133,13 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         roles.kill()
         if spec is not None:
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
+        if lease is not None:
+            reaper.release(lease)
         signal.signal(signal.SIGTERM, previous)
 
 
 def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _Active, log, start: int,
-              resume: str | None, plan: checkpoint.CheckpointPlan) -> RunResult:
+              resume: str | None, plan: checkpoint.CheckpointPlan, val_batch: dict | None = None) -> RunResult:
     """Run the pipeline; when an actor dies, restart it (up to runtime.max_restarts times) from the
     newest checkpoint of the run, or from where the run began if there is none yet.
 
@@ -138,9 +147,11 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
     boundary and resuming from one is bit-exact, so the run ends with the weights of an unfaulted one.
     """
     base_id = spec.run_id
+    result = RunResult(run_id=os.path.basename(run_dir), run_dir=run_dir, final_dir=os.path.join(run_dir, "final"),
+                       start_step=start)
     for attempt in range(cfg.runtime.max_restarts + 1):
         try:
-            return _run(cfg, spec, device, run_dir, roles, log, start, resume, plan)
+            return _run(cfg, spec, device, run_dir, roles, log, start, resume, plan, val_batch, result)
         except ActorDied as e:
             if attempt == cfg.runtime.max_restarts:
                 raise
@@ -148,10 +159,28 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
             resume = checkpoint.latest(plan.directory, missing_ok=True) or resume
             start = checkpoint.read_meta(resume)["step"] if resume else 0
+            _rewind(result, start)
             spec = dataclasses.replace(spec, run_id=f"{base_id}-r{attempt + 1}")
             log(f"restart {attempt + 1} of {cfg.runtime.max_restarts}: {str(e).rstrip('.')}; restarting the pipeline "
                 f"from {resume or 'the initial weights'} (step {start}).")
     raise AssertionError("unreachable")
+
+
+def _rewind(result: RunResult, step: int) -> None:
+    """Forget what the run recorded from ``step`` on (the restart trains those steps again): the
+    result's per-step lists and the rows of metrics.jsonl, so each step is reported once."""
+    keep = step - result.start_step
+    result.restarts += 1
+    result.repeated_steps += max(0, len(result.losses) - keep)
+    del result.losses[keep:], result.fetches[keep:], result.grad_norms[keep:]
+    result.val_losses = {s: v for s, v in result.val_losses.items() if s < step}
+    path = os.path.join(result.run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] < step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(path + ".tmp", path)
 
 
 def _data_state(source) -> dict:
@@ -165,7 +194,11 @@ def _raise_interrupt(signum, frame):
 
 
 def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _Active, log, start: int = 0,
-         resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None) -> RunResult:
+         resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None,
+         val_batch: dict | None = None, result: RunResult | None = None) -> RunResult:
+    """One attempt: spawn the roles and drive steps [start, train.steps); ``result``: what earlier
+    attempts recorded (see :func:`_rewind`), added to."""
+    calls.mark_oom_kills()
     nodes = cfg.runtime.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
     timeout = cfg.runtime.actor_timeout_s
@@ -174,6 +207,9 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     spawner.form_group(roles.computes)
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
+    busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
+    health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy}, spawner.queues,
+                    cfg.runtime.health_timeout_s, timeout)  # before the loops start: it asks every role where it runs
     loops = {h.run.remote(start, steps): names[h] for n in roles.nodes for h in (*n.prefetchers, n.sink)}
     batches: dict[int, Any] = {}
 
@@ -184,12 +220,12 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
                 batches[s] = roles.loaders[s % n_data].batch.remote(s)
         return batches.pop(step)
 
-    eval_ref = None
-    if cfg.train.eval_every:  # one fixed validation batch, in the object store once for the whole run
-        eval_ref = ray.put(source_from_config(cfg, "val", log, connect_ray).batch(0))
+    # One fixed validation batch (read before Ray started), in the object store once for the attempt.
+    eval_ref = None if val_batch is None else ray.put(val_batch)
 
     run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
-    result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
+    if result is None:
+        result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
     gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes())
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends
-        return Driver(cfg, roles, loops, plan, result, metrics, gauges, log, eval_ref).run(batch_ref, start)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends (after _rewind)
+        return Driver(cfg, roles, loops, plan, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)

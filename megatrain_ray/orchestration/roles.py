@@ -99,7 +99,8 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
         spawner.node(k)
         grad_q, stats_q = spawner.queue(0), spawner.queue(0)
         grad_slot_q = spawner.queue(0) if spec.grad_slots else None
-        store = spawner.actor(ParameterStore, "store")(spec, cfg.train.seed, rt.init_from, cpu, resume_from=resume)
+        store = spawner.actor(ParameterStore, "store")(spec, cfg.train.seed, rt.init_from, cpu, resume_from=resume,
+                                                       reap=True)
         spawner.ready(store, "store")
         roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q)
         for _ in range(workers):

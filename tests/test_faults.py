@@ -1,0 +1,246 @@
+"""Faults noticed in seconds and reported right (issue 14), with real signals to real processes.
+
+- A role that dies mid-step — here the parameter store, which has no call in flight and went
+  unnoticed until the final export — is noticed within a second or two by the health checks, and
+  the run restarts from its newest checkpoint; the restart counts right afterwards: "done: N steps"
+  counts the run's steps once, metrics.jsonl holds each step once, and the reason given for a
+  ``kill -9`` is a kill, not Ray's paragraph guessing at the OOM killer.
+- A role whose process is frozen (SIGSTOP) is noticed within runtime.health_timeout_s (idle roles)
+  or the next health check (busy ones on this node), not after a queue timeout of minutes.
+- ``kill -9`` of a real driver: the run's shared-memory segments are gone within seconds and so are
+  the role processes (the reapers of :mod:`megatrain_ray.engine.reaper`).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from megatrain_ray.config import load_config
+from megatrain_ray.engine import reaper
+from megatrain_ray.errors import ActorDied
+from megatrain_ray.orchestration.pipeline import train
+
+
+def _cfg(shm_dir, run_dir, *extra):
+    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+                              "train.steps=8", "train.seq_len=32", "train.micro_batch_size=2",
+                              "runtime.actor_timeout_s=300", *extra])
+
+
+def _role_pid(cls: str) -> int:
+    """The process of this test session's (only) live actor of class ``cls``: a descendant of this process."""
+    found = [p.pid for p in psutil.Process().children(recursive=True)
+             if _cmdline(p).startswith(f"ray::{cls}")]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _signal_at_step(step: int, cls: str, sig: int, lines: list, events: dict):
+    """A log callback that records lines (with their time) and sends ``sig`` to the ``cls`` actor at ``step``."""
+    def log(line):
+        lines.append((time.monotonic(), line))
+        if re.match(rf"step\s+{step}/", line) and "pid" not in events:
+            events["pid"] = _role_pid(cls)
+            os.kill(events["pid"], sig)
+            events["sent"] = time.monotonic()
+    return log
+
+
+def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray_cluster, shm_dir, tmp_path):
+    lines, events = [], {}
+    steps = 30
+    result = train(_cfg(shm_dir, tmp_path, "train.checkpoint_every=2", "runtime.max_restarts=1", f"train.steps={steps}"),
+                   log=_signal_at_step(3, "ParameterStore", signal.SIGKILL, lines, events))
+    text = [line for _, line in lines]
+    (restart,) = [(t, line) for t, line in lines if line.startswith("restart ")]
+    assert restart[1].startswith("restart 1 of 1: the store actor died (its process was killed by a signal or "
+                                 "crashed, not for lack of memory (the kernel's OOM-kill count did not change)); ")
+    assert "OOM killer due to" not in restart[1] and "Some common causes" not in restart[1]
+    # Seconds, teardown of the old pipeline included (a queue timeout would be runtime.actor_timeout_s, 300 s).
+    assert restart[0] - events["sent"] < 30, "the store's death was not noticed within seconds"
+    # Noticed within seconds: the driver stopped logging steps within 5 s of the kill (this tiny model's
+    # steps take ~0.2 s, so a few still finished meanwhile: a ping a second, and Ray's notice of the death).
+    between = [t for t, line in lines if events["sent"] < t < restart[0] and re.match(r"step\s+\d+/", line)]
+    assert not between or between[-1] - events["sent"] < 5, [t - events["sent"] for t in between]
+    assert "restarting the pipeline from " in restart[1] and re.search(r"/checkpoints/step-0000\d\d ", restart[1])
+    # Reported once: the run's steps, each step's row once, the losses of steps 0..29.
+    (done,) = [line for line in text if line.startswith("done: ")]
+    repeated = result.repeated_steps
+    assert repeated >= 1 and result.restarts == 1
+    assert done.startswith(f"done: {steps} steps (after 1 restart, which trained {repeated} "
+                           f"step{'s' * (repeated > 1)} twice), final loss "), done
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["loss"] for r in rows] == result.losses and len(result.grad_norms) == steps
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize("cls,role,timeout", [("ParameterStore", "store", 4), ("ComputeWorker", "compute", 60)])
+def test_a_frozen_role_is_noticed_within_the_health_timeout(cls, role, timeout, ray_cluster, shm_dir, tmp_path):
+    lines, events = [], {}
+    started = time.monotonic()
+    try:
+        with pytest.raises(ActorDied) as info:
+            train(_cfg(shm_dir, tmp_path, f"runtime.health_timeout_s={timeout}", "train.steps=100000"),
+                  log=_signal_at_step(2, cls, signal.SIGSTOP, lines, events))
+    finally:
+        if "pid" in events:
+            try:
+                os.kill(events["pid"], signal.SIGCONT)  # if anything is left of it, let it die
+            except ProcessLookupError:
+                pass
+    noticed = time.monotonic() - events["sent"]  # teardown included; a queue timeout would be 300 s
+    message = str(info.value)
+    if role == "store":  # idle: its ping goes unanswered
+        assert message.startswith(f"the store actor has not answered a health check for {timeout} s, so it hangs "
+                                  f"(process {events['pid']}); "), message
+        assert timeout <= noticed < timeout + 30, noticed
+    else:  # busy: its process is seen stopped at the next check
+        assert message.startswith(f"the compute actor's process {events['pid']} is stopped, so the run cannot go "
+                                  "on; "), message
+        assert noticed < 30, noticed
+    assert "\n" not in message and time.monotonic() - started < 300
+    assert os.listdir(shm_dir) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The reaper, then a real driver killed with -9.
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _wait_for(condition, seconds: float) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds, f"not within {seconds} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_path):
+    owner = _sleeper()
+    paths = [tmp_path / f"megatrain-1-run-{k}" for k in ("master", "versions")]
+    other = tmp_path / "megatrain-1-other-master"
+    for p in (*paths, other):
+        p.write_bytes(b"\0" * 64)
+    reaper.start([str(p) for p in paths], [owner.pid])
+    time.sleep(0.5)
+    assert all(p.exists() for p in paths)  # the owner lives: nothing happens
+    owner.kill()  # a zombie until reaped: counts as dead
+    assert _wait_for(lambda: not any(p.exists() for p in paths), 5) < 2
+    assert other.exists()
+    owner.wait()
+
+    # A lease released: the reaper goes without reaping, even when its process dies afterwards.
+    owner = _sleeper()
+    pattern = str(tmp_path / "megatrain-1-run2-*")
+    lease = reaper.start([pattern], [owner.pid], until_gone=False, lease=True)
+    reaper.release(lease)
+    time.sleep(0.5)
+    (tmp_path / "megatrain-1-run2-master").write_bytes(b"\0")
+    owner.kill()
+    owner.wait()
+    time.sleep(1.0)
+    assert (tmp_path / "megatrain-1-run2-master").exists()
+
+    # The lease's end of file (its holder died without releasing it) reaps at once.
+    lease = reaper.start([pattern], [os.getpid()], until_gone=False, lease=True)
+    lease.close()
+    assert _wait_for(lambda: not (tmp_path / "megatrain-1-run2-master").exists(), 5) < 2
+
+
+def test_the_reaper_goes_away_once_the_segments_are_gone(tmp_path):
+    path = tmp_path / "megatrain-1-run-master"
+    path.write_bytes(b"\0")
+    done = []
+    thread = threading.Thread(target=lambda: done.append(reaper.watch([str(path)], [os.getpid()])), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert not done
+    path.unlink()
+    thread.join(timeout=5)
+    assert done == ["gone"]
+
+
+def test_a_driver_killed_with_minus_9_leaves_no_segment_and_no_role(shm_dir, tmp_path):
+    """The CLI with a private Ray, killed with SIGKILL once every role is stepping."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"runtime.shm_dir={shm_dir}",
+                             "--set", "train.steps=100000", "--set", f"runtime.run_dir={tmp_path / 'runs'}",
+                             "--set", "runtime.ray_address=local"], cwd=tmp_path, env=env, stdout=out,
+                            stderr=subprocess.STDOUT)
+    roles = []
+    try:
+        _wait_for(lambda: proc.poll() is not None or "step     2/" in (tmp_path / "out.txt").read_text(), 400)
+        assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
+        roles = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if _cmdline(p).startswith(("ray::ParameterStore", "ray::Prefetcher", "ray::ComputeWorker",
+                                            "ray::GradientSink", "ray::BatchSource", "ray::_QueueActor"))]
+        assert {_cmdline(p).split()[0].split(".")[0] for p in roles} >= {
+            "ray::ParameterStore", "ray::Prefetcher", "ray::ComputeWorker", "ray::GradientSink"}, roles
+        assert len(os.listdir(shm_dir)) == 5
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait()
+        shm_s = _wait_for(lambda: os.listdir(shm_dir) == [], 10)
+        roles_s = _wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in roles), 60)
+        print(f"segments gone {shm_s:.1f} s, roles gone {time.monotonic() - killed:.1f} s after the kill")
+        assert shm_s < 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in roles:  # only this test's own processes, by id
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def test_a_kill_is_reported_as_a_kill_and_a_kernel_oom_kill_as_one():
+    """Ray's text for a worker that vanished (as Ray 2.60 words it) guesses at the OOM killer; the
+    error says what happened instead, from the kernel's OOM-kill count since the attempt began."""
+    import ray.exceptions
+
+    from megatrain_ray.orchestration import calls
+
+    ray_text = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ParameterStore\n\tpid: 123\n"
+                "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+                "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+                "include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray stop --force "
+                "was called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error.")
+    err = ray.exceptions.RayActorError(error_msg=ray_text)
+    if calls.oom_kills() is None:
+        pytest.skip("no /proc/vmstat oom_kill counter here")
+    calls.mark_oom_kills()
+    message = str(calls.actor_error(err, "store"))
+    assert message == ("the store actor died (its process was killed by a signal or crashed, not for lack of memory "
+                       "(the kernel's OOM-kill count did not change)); see its log in the Ray dashboard or "
+                       "/tmp/ray/session_latest/logs.")
+    calls._OOM_KILLS[0] = calls.oom_kills() - 2  # as if the kernel had killed two processes meanwhile
+    message = str(calls.actor_error(err, "store"))
+    assert message.startswith("the store actor died (its process was killed, and the kernel's OOM killer ended 2 "
+                              "process(es) on this machine meanwhile: host memory ran out; see what the run needs "
+                              "with `megatrain-ray plan`)"), message
+    calls.mark_oom_kills()
+    killed = ray.exceptions.RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n"
+                                                    "The actor is dead because it was killed by `ray.kill`.")
+    assert str(calls.actor_error(killed, "compute")).startswith(
+        "the compute actor died (The actor is dead because it was killed by `ray.kill`.); ")
