@@ -157,7 +157,7 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
 def _data_state(source) -> dict:
     """The loader's position record without its step (each checkpoint adds its own next_step)."""
     state = source.state(0) if hasattr(source, "state") else {}
-    return {k: v for k, v in state.items() if k != "next_step"}
+    return {**{k: v for k, v in state.items() if k != "next_step"}, "order": getattr(source, "ORDER", None)}
 
 
 def _raise_interrupt(signum, frame):
