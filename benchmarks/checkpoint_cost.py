@@ -102,6 +102,7 @@ def main() -> None:
         report["paused_s"] = time.perf_counter() - began
         report["paused_gbs"] = rate(nbytes, report["paused_s"])
 
+        shutil.rmtree(where, ignore_errors=True)  # the same boundary again, written afresh
         writer = CheckpointWriter(store, plan)
         began = time.perf_counter()
         writer.start(1, list(range(units))[::-1])

@@ -26,6 +26,8 @@ from safetensors.torch import load_file
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
+from megatrain_ray.data.corpus import CorpusSource
+from megatrain_ray.data.loader import BatchSource, uses_windows
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint, files, hf_io, resume, writer
@@ -412,8 +414,12 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
         train(_cfg(shm_dir, tmp_path / "b", "train.checkpoint_every=3", f"train.keep_checkpoints={STEPS}"),
               log=interrupt_after_checkpoint_3)
     saved = info.value.checkpoint  # where the interrupt drained the steps in flight to
-    boundary = checkpoint.read_meta(saved)["step"]
+    meta = checkpoint.read_meta(saved)
+    boundary = meta["step"]
     assert 3 <= boundary < STEPS, lines
+    # The RNG record names what draws this run's batches (nothing else draws after initialisation).
+    source = BatchSource if uses_windows(_cfg(shm_dir, tmp_path / "b")) else CorpusSource
+    assert meta["rng"]["data_order"] == source.ORDER and meta["rng"]["draws_after_init"] == 0
     assert os.listdir(shm_dir) == []
     b_run = os.path.dirname(os.path.dirname(saved))
     b_ckpts = sorted(os.listdir(os.path.join(b_run, "checkpoints")))
