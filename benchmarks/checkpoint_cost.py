@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--adamw-gbs", type=float, default=PARAMS_7B * 12 / ADAMW_7B_S / 1e9,
                     help="GB/s of optimizer state the sink's AdamW goes through (7B: 91 GB in 1.5 s)")
     ap.add_argument("--every", type=int, default=50, help="train.checkpoint_every of the extrapolation")
+    ap.add_argument("--staging-gib", type=float, default=0.0, help="train.checkpoint_staging_gib of the background save")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     where = args.dir or os.path.join(args.out, "ckpt")
@@ -97,7 +98,8 @@ def main() -> None:
         units = len(store.layout.units)
         for i in range(units):
             store.set_version(i, 1)
-        plan = CheckpointPlan(where, every=1, keep=1, run_config={}, run_id="cost")
+        plan = CheckpointPlan(where, every=1, keep=1, run_config={}, run_id="cost",
+                              staging_bytes=int(args.staging_gib * 2**30))
         shutil.rmtree(where, ignore_errors=True)
         began = time.perf_counter()
         CheckpointWriter(store, plan).save(1)
@@ -121,6 +123,7 @@ def main() -> None:
         report["background_save_s"] = notice["save_s"]
         report["background_stall_s"] = notice["stall_s"]
         report["background_wall_s"] = time.perf_counter() - began
+        report["background_staged_bytes"] = notice["staged_bytes"]
     finally:
         ps.close()
         shutil.rmtree(where, ignore_errors=True)
@@ -143,7 +146,8 @@ def main() -> None:
         ("copy (torch copy_)", f"{report['copy_gbs']:.2f} GB/s on {report['threads']} threads"),
         ("paused save (write+CRC+fsync)", f"{report['paused_s']:.2f} s = {report['paused_gbs']:.2f} GB/s to {where}"),
         ("background save", f"{report['background_save_s']:.2f} s; sink stalled {report['background_stall_s']:.2f} s "
-                            f"(updates began {args.step_s:g} s after the boundary)"),
+                            f"(updates began {args.step_s:g} s after the boundary; "
+                            f"{report['background_staged_bytes'] / 1e9:.2f} GB staged)"),
         ("7B checkpoint", f"{b7 / 1e9:.1f} GB: {r7['write_s_at_measured_rate']:.1f} s at the measured rate"),
         ("7B CRC cost", f"{r7['crc_core_s']:.1f} s of one core, overlapping the writes"),
         ("7B stall per checkpoint", f"~{r7['stall_s_estimate']:.1f} s = {100 * r7['stall_share_of_interval']:.1f}% of "

@@ -145,13 +145,14 @@ SNAPSHOT_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=
 outlast the in-place updates the test makes as soon as each unit is released."""
 
 
-@pytest.mark.parametrize("clip", [True, False])
-def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm_dir, tmp_path, clip):
+@pytest.mark.parametrize("clip,staging", [(True, 0), (False, 0), (False, 2**30), (True, 5 * 2**20)])
+def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm_dir, tmp_path, clip, staging):
     """The sink's background save: every unit is changed (all three kinds) the moment before_update
     lets it, in the order the sink updates (forward order with clipping, backward without), while
     the rest is still being written. The result must be the paused save of the same boundary, bit
-    for bit and byte for byte, and pass its checksums; and the updates really overlapped the write."""
-    ps = _store(shm_dir, f"snap{int(clip)}", **SNAPSHOT_MODEL)
+    for bit and byte for byte, and pass its checksums; and the updates really overlapped the write.
+    With a staging budget, units the writer has not begun are copied and written from the copy."""
+    ps = _store(shm_dir, f"snap{int(clip)}{int(bool(staging))}", **SNAPSHOT_MODEL)
     try:
         _fill_optimizer(ps, step=3)
         n = len(ps.store.layout.units)
@@ -160,7 +161,8 @@ def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm
             str(tmp_path / "paused"), every=1, keep=1, run_config={}, run_id="r"), shard_bytes=4 * 2**20)
         path_paused = paused.save(3)
         live = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
-            str(tmp_path / "live"), every=1, keep=1, run_config={}, run_id="r"), shard_bytes=4 * 2**20)
+            str(tmp_path / "live"), every=1, keep=1, run_config={}, run_id="r", staging_bytes=staging),
+            shard_bytes=4 * 2**20)
         live.start(3, order)
         overlapped = 0
         for i in order:
@@ -171,6 +173,11 @@ def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm
             ps.store.set_version(i, 4)
         notice = live.finish()
         assert notice["step"] == 3 and notice["stall_s"] >= 0
+        unit_bytes = [sum(ps.store.block(k, i).nbytes for k in ("master", "exp_avg", "exp_avg_sq")) for i in order]
+        if staging:  # units the writer had not begun were copied, within the budget
+            assert 0 < notice["staged_bytes"] <= min(staging, sum(unit_bytes))
+        else:
+            assert notice["staged_bytes"] == 0
         assert overlapped >= n // 2, overlapped
         ours, theirs = _tensors(notice["checkpoint"]), _tensors(path_paused)
         assert ours.keys() == theirs.keys()
@@ -186,6 +193,16 @@ def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm
         assert live.poll() is None  # reported once
     finally:
         ps.close()
+
+
+def test_the_staging_budget_is_a_checked_setting_counted_by_plan():
+    with pytest.raises(ConfigError, match=r"^train\.checkpoint_staging_gib must be >= 0"):
+        load_config(None, ["train.checkpoint_staging_gib=-1"])
+    from megatrain_ray.orchestration.preflight import plan
+
+    rows = plan(load_config(None, ["train.checkpoint_staging_gib=1.5"]), "cpu", starts_ray=False).rows
+    assert [(r.where, r.nbytes) for r in rows if "train.checkpoint_staging_gib" in r.component] == \
+        [("host", int(1.5 * 2**30))]
 
 
 def test_a_failed_background_save_frees_the_sink_and_is_raised_once(shm_dir, tmp_path):

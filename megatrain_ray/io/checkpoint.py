@@ -96,6 +96,8 @@ class CheckpointPlan:
     wait_s: float = 0.0
     """How long a save waits for every unit to reach the boundary (the driver's save on an interrupt
     waits for the sink to apply the steps still in flight)."""
+    staging_bytes: int = 0
+    """Host memory the sink may fill with copies of units not yet written (train.checkpoint_staging_gib)."""
 
     def due(self, step: int, start: int, end: int) -> bool:
         """Whether the sink saves the boundary after ``step`` updates (``start`` is already on disk)."""

@@ -18,7 +18,10 @@ unit, in the order the sink will update the units in step ``t + 1``. The sink ca
 tensors (master weights and both AdamW moments) are already written and checksummed, else it waits
 until they are. So every unit is written exactly as it was at the boundary, the bytes a paused save
 would write, without a copy of the store (no extra host memory); the sink waits only where the
-disk falls behind it, and meanwhile the compute worker runs on (its gradients queue up).
+disk falls behind it, and meanwhile the compute worker runs on (its gradients queue up). With a
+staging budget (``train.checkpoint_staging_gib``), a unit that no writer thread has begun yet is
+instead copied (master and moments, one memcpy of its blocks) and the writer later writes it from
+the copy: the sink then waits only for the copy, until the budget is spent.
 
 **What that costs at 7B.** A checkpoint is 7.62e9 parameters x 12 bytes = 91.4 GB (fp32 master and
 moments). The sink must change every unit once a step, so without a copy of the store the writer
@@ -28,8 +31,10 @@ and backward) before the sink catches up with it, and the stall per checkpoint i
 copied them to the page cache (each file is fsynced before the rename), but on the 7B box the run
 holds ~103 of 128 GiB, so the page cache soon runs at the disk's rate. Within 5% of the time between
 checkpoints at ``checkpoint_every=50`` (16 s of 325 s) takes ~4 GB/s (a fast NVMe); at 2 GB/s it
-is ~39 s (12%), the paused save it replaces was ~46 s. Past that, only memory helps (a staging copy
-of the units the disk has not reached). The CRC-32 costs 2.5-3.0 GB/s of one core (measured on a
+is ~39 s (12%), the paused save it replaces was ~46 s. Past that, only memory helps: with a staging
+budget of S bytes the stall is about ``S / copy rate + max(0, (91.4 GB - S) / write rate - 6.5 s)``;
+the whole checkpoint staged at ~10 GB/s of multi-threaded copy is ~9 s (3%), but needs 91 GB of RAM
+beyond the run's ~103 GiB (the 2-GPU 256 GiB box has it, the 128 GiB one does not). The CRC-32 costs 2.5-3.0 GB/s of one core (measured on a
 2.8 GHz Xeon, per second of the thread's CPU time): ~34 core-seconds per 7B checkpoint, on the two
 files' checksum threads beside the writes, 5-6 GB/s together, so it does not hold units back at
 those disk rates. ``benchmarks/checkpoint_cost.py`` measures a machine's rates and prints this
@@ -48,11 +53,18 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ..errors import CheckpointError
 from ..model.transformer import hf_name
 from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, OPTIM_KINDS, SHARD_BYTES,
                          CheckpointPlan, latest, prune, step_dir_name)
 from .files import TensorSource, fmt_bytes, free_bytes, fsync_dir, write_json, write_shards
+
+
+GROUPS = {"model": ("master",), "optim": OPTIM_KINDS}
+"""The kinds each writer thread writes: the model files' and the optimizer files'. A unit's group is
+released (or staged) as a whole, by the thread that writes it."""
 
 
 class CheckpointWriter:
@@ -61,9 +73,17 @@ class CheckpointWriter:
     def __init__(self, store, plan: CheckpointPlan, shard_bytes: int = SHARD_BYTES):
         self.store, self.plan, self.shard_bytes = store, plan, shard_bytes
         self._thread: threading.Thread | None = None
-        self._written: list[threading.Event] = []
+        self._written: dict[tuple[int, str], threading.Event] = {}
+        """(unit, group of kinds, see GROUPS) -> set once those tensors of the unit are written."""
         self._outcome: dict = {}
         self._stall_s = 0.0
+        self._lock = threading.Lock()
+        self._started: set[tuple[int, str]] = set()
+        """(unit, group) a writer thread has begun to read from the store (too late to stage them)."""
+        self._staged: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        """(unit, group) -> {kind: copy of the unit's flat block}, taken by before_update while the budget lasts."""
+        self._staged_bytes = 0
+        self._order: list[int] = []
 
     # -- the sink's side: in the background --------------------------------------------------
 
@@ -74,9 +94,10 @@ class CheckpointWriter:
         self.finish()
         units = range(len(self.store.layout.units))
         self._check_boundary(step)
-        self._written = [threading.Event() for _ in units]
+        self._written = {(i, group): threading.Event() for i in units for group in GROUPS}
         self._outcome, self._stall_s = {"step": step, "began": time.time()}, 0.0
-        order = list(order) if order is not None else list(units)
+        self._started, self._staged, self._staged_bytes = set(), {}, 0
+        order = self._order = list(order) if order is not None else list(units)
         self._thread = threading.Thread(target=self._write_in_background, args=(step, order),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
@@ -85,11 +106,48 @@ class CheckpointWriter:
         """Return once ``unit``'s bytes of the checkpoint being written (if any) are on their way to
         disk, so the caller may change the unit. A write that failed releases every unit (its error
         is raised by :meth:`poll` or :meth:`finish`)."""
-        if self._thread is None or self._written[unit].is_set():
+        if self._thread is None:
             return
         began = time.perf_counter()
-        self._written[unit].wait()
+        for group in GROUPS:
+            written = self._written[unit, group]
+            if not written.is_set() and not self._stage(unit, group):
+                self._stage_ahead(unit, group)  # the writer is on this unit: copy the ones it has not reached
+                written.wait()
         self._stall_s += time.perf_counter() - began
+
+    def _stage_ahead(self, unit: int, group: str) -> None:
+        """Stage the units after ``unit`` in the write order that the writer has not begun, while the
+        budget lasts (the caller will need them next, and the writer is behind)."""
+        for later in self._order[self._order.index(unit) + 1:]:
+            if (later, group) in self._staged or self._written[later, group].is_set():
+                continue
+            if not self._stage(later, group) and (later, group) not in self._started:
+                return  # the budget is spent
+
+    def _stage(self, unit: int, group: str) -> bool:
+        """Copy a unit's group of kinds that its writer thread has not begun into the staging budget;
+        False if it cannot be."""
+        nbytes = sum(self.store.block(kind, unit).nbytes for kind in GROUPS[group])
+        with self._lock:  # a writer thread reads a unit's group either from the store or from its copy, never both
+            if (unit, group) in self._staged:
+                return True
+            if (unit, group) in self._started or self._staged_bytes + nbytes > self.plan.staging_bytes:
+                return False
+            self._staged[unit, group] = {kind: self.store.block(kind, unit).clone() for kind in GROUPS[group]}
+            self._staged_bytes += nbytes
+        return True
+
+    def _tensor(self, kind: str, unit: int, name: str) -> torch.Tensor:
+        """A writer thread's read of one tensor of the boundary: the unit's staged copy if it has one,
+        else the store (and the unit can no longer be staged)."""
+        key = (unit, "model" if kind == "master" else "optim")
+        with self._lock:
+            staged = self._staged.get(key)
+            if staged is None:
+                self._started.add(key)
+                return self.store.params(kind, unit)[name]
+        return self.store.layout.templates[unit].bind(staged[kind])[name]
 
     @property
     def busy(self) -> bool:
@@ -98,7 +156,7 @@ class CheckpointWriter:
 
     def poll(self) -> dict | None:
         """The notice of a background write that has completed since the last call ({checkpoint: path,
-        step, save_s, stall_s}), None while one is running or none was started; its CheckpointError
+        step, save_s, stall_s, staged_bytes}), None while one is running or none was started; its CheckpointError
         if it failed."""
         if self._thread is None or self._thread.is_alive():
             return None
@@ -108,7 +166,7 @@ class CheckpointWriter:
         if "error" in outcome:
             raise outcome["error"]
         return {"checkpoint": outcome["path"], "step": outcome["step"], "save_s": outcome["done"] - outcome["began"],
-                "stall_s": self._stall_s}
+                "stall_s": self._stall_s, "staged_bytes": outcome.get("staged_bytes", 0)}
 
     def finish(self) -> dict | None:
         """Wait for the background write (if one is running); its notice as :meth:`poll` gives it."""
@@ -123,12 +181,12 @@ class CheckpointWriter:
             self._outcome["error"] = e if isinstance(e, CheckpointError) else CheckpointError(
                 f"could not write the checkpoint of step {step} to {self.plan.directory} ({e}).")
         finally:
-            for event in self._written:  # a failed write holds no unit back
+            for event in self._written.values():  # a failed write holds no unit back
                 event.set()
             self._outcome["done"] = time.time()
 
-    def _release(self, unit: int) -> None:
-        self._written[unit].set()
+    def _release(self, unit: int, group: str) -> None:
+        self._written[unit, group].set()
 
     # -- the store actor's side: in the foreground -------------------------------------------
 
@@ -142,7 +200,7 @@ class CheckpointWriter:
                and not any(store.version(i) > step for i in units)):
             time.sleep(0.01)
         self._check_boundary(step)
-        return self._write(step, list(units), lambda unit: None)
+        return self._write(step, list(units), lambda unit, group: None)
 
     # -- both -----------------------------------------------------------------------------------
 
@@ -155,34 +213,41 @@ class CheckpointWriter:
             raise CheckpointError(f"refusing to checkpoint step {step}: units {shown} are at versions "
                                   f"{sorted(set(stale.values()))}, so the store is not at a step boundary.")
 
-    def _write(self, step: int, order: list[int], release: Callable[[int], None]) -> str:
-        """Write the checkpoint (units' tensors in ``order``; ``release(unit)`` once a unit's last byte
-        is written and checksummed), rename it into place and prune; returns its path."""
+    def _write(self, step: int, order: list[int], release: Callable[[int, str], None]) -> str:
+        """Write the checkpoint (units' tensors in ``order``; ``release(unit, group)`` once the last byte
+        of a unit's group of kinds is written and checksummed), rename it into place and prune; returns
+        its path."""
         root, plan, store = self.plan.directory, self.plan, self.store
         final = os.path.join(root, step_dir_name(step))
         if os.path.isdir(final):  # this run saved the boundary already
             for unit in order:
-                release(unit)
+                for group in GROUPS:
+                    release(unit, group)
             return final
         meta = self._meta(step)  # before any unit may change
         tmp = os.path.join(root, f".{step_dir_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         layout = store.layout
-        left = {i: len(layout.templates[i].params) * (1 + len(OPTIM_KINDS)) for i in order}
+        left = {(i, group): len(layout.templates[i].params) * len(kinds) for i in order
+                for group, kinds in GROUPS.items()}
         lock = threading.Lock()
 
-        def written(unit: int) -> Callable[[], None]:
+        def written(unit: int, group: str) -> Callable[[], None]:
             def done() -> None:
                 with lock:
-                    left[unit] -= 1
-                    last = left[unit] == 0
+                    left[unit, group] -= 1
+                    last = left[unit, group] == 0
                 if last:
-                    release(unit)
+                    release(unit, group)
             return done
 
-        model = [TensorSource.of(hf_name(layout.units[i], name), store.params("master", i)[name], written(i))
-                 for i in order for name, _, _ in layout.templates[i].params]
-        optim = [TensorSource.of(f"{kind}.{hf_name(layout.units[i], name)}", store.params(kind, i)[name], written(i))
-                 for i in order for name, _, _ in layout.templates[i].params for kind in OPTIM_KINDS]
+        def source(key: str, kind: str, i: int, name: str, shape) -> TensorSource:
+            return TensorSource(key, tuple(shape), store.spec.dtype(kind), lambda: self._tensor(kind, i, name),
+                                written(i, "model" if kind == "master" else "optim"))
+
+        model = [source(hf_name(layout.units[i], name), "master", i, name, shape)
+                 for i in order for name, shape, _ in layout.templates[i].params]
+        optim = [source(f"{kind}.{hf_name(layout.units[i], name)}", kind, i, name, shape)
+                 for i in order for name, shape, _ in layout.templates[i].params for kind in OPTIM_KINDS]
         try:
             os.makedirs(tmp)
             with ThreadPoolExecutor(2) as pool:  # model and optimizer files side by side, unit by unit
@@ -212,7 +277,11 @@ class CheckpointWriter:
                                   f"to a larger disk; {kept}.") from None
         finally:
             for unit in order:  # whatever happened, the units are free to change now
-                release(unit)
+                for group in GROUPS:
+                    release(unit, group)
+            with self._lock:
+                self._outcome["staged_bytes"] = self._staged_bytes
+                self._staged, self._staged_bytes = {}, 0
         prune(root, plan.keep)
         return final
 

@@ -110,7 +110,8 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
                       indent=2)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
-                                         _data_state(source), wait_s=cfg.runtime.actor_timeout_s)
+                                         _data_state(source), wait_s=cfg.runtime.actor_timeout_s,
+                                         staging_bytes=int(cfg.train.checkpoint_staging_gib * 2**30))
         if resume is not None:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
