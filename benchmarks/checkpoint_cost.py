@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--adamw-gbs", type=float, default=PARAMS_7B * 12 / ADAMW_7B_S / 1e9,
                     help="GB/s of optimizer state the sink's AdamW goes through (7B: 91 GB in 1.5 s)")
     ap.add_argument("--every", type=int, default=50, help="train.checkpoint_every of the extrapolation")
-    ap.add_argument("--staging-gib", type=float, default=0.0, help="train.checkpoint_staging_gib of the background save")
+    ap.add_argument("--staging-gib", type=float, default=0.0,
+                    help="train.checkpoint_staging_gib of the background save")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     where = args.dir or os.path.join(args.out, "ckpt")
@@ -142,7 +143,8 @@ def main() -> None:
     r7 = report["7b"]
     rows = [
         ("checkpoint measured", f"{nbytes / 1e9:.2f} GB ({args.layers} layers of the 7B shape, vocab {args.vocab})"),
-        ("CRC-32, one thread", f"{report['crc32_gbs']:.2f} GB/s of CPU time ({report['crc32_wall_gbs']:.2f} GB/s wall)"),
+        ("CRC-32, one thread",
+         f"{report['crc32_gbs']:.2f} GB/s of CPU time ({report['crc32_wall_gbs']:.2f} GB/s wall)"),
         ("copy (torch copy_)", f"{report['copy_gbs']:.2f} GB/s on {report['threads']} threads"),
         ("paused save (write+CRC+fsync)", f"{report['paused_s']:.2f} s = {report['paused_gbs']:.2f} GB/s to {where}"),
         ("background save", f"{report['background_save_s']:.2f} s; sink stalled {report['background_stall_s']:.2f} s "

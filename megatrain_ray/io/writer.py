@@ -34,7 +34,9 @@ checkpoints at ``checkpoint_every=50`` (16 s of 325 s) takes ~4 GB/s (a fast NVM
 is ~39 s (12%), the paused save it replaces was ~46 s. Past that, only memory helps: with a staging
 budget of S bytes the stall is about ``S / copy rate + max(0, (91.4 GB - S) / write rate - 6.5 s)``;
 the whole checkpoint staged at ~10 GB/s of multi-threaded copy is ~9 s (3%), but needs 91 GB of RAM
-beyond the run's ~103 GiB (the 2-GPU 256 GiB box has it, the 128 GiB one does not). The CRC-32 costs 2.5-3.0 GB/s of one core (measured on a
+beyond the run's ~103 GiB (the 2-GPU 256 GiB box has it, the 128 GiB one does not).
+
+**Checksums.** The CRC-32 costs 2.5-3.0 GB/s of one core (measured on a
 2.8 GHz Xeon, per second of the thread's CPU time): ~34 core-seconds per 7B checkpoint, on the two
 files' checksum threads beside the writes, 5-6 GB/s together, so it does not hold units back at
 those disk rates. ``benchmarks/checkpoint_cost.py`` measures a machine's rates and prints this
@@ -301,7 +303,8 @@ class CheckpointWriter:
             "versions": {u: store.version(i) for i, u in enumerate(units)},
             "adamw_step": step,
             "data": {**data_state, "next_step": step, "path": run_config.get("data", {}).get("path"),
-                     "sequences_consumed": step * sequences, "tokens_consumed": step * sequences * train.get("seq_len", 0)},
+                     "sequences_consumed": step * sequences,
+                     "tokens_consumed": step * sequences * train.get("seq_len", 0)},
             "rng": {"seed": train.get("seed"),
                     "data_order": order or "unknown (the data loader recorded none)",
                     "torch": "not used after initialisation: the model has no dropout and the initial weights "
