@@ -24,7 +24,7 @@ from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
-from megatrain_ray.io import checkpoint
+from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.model.precision import Precision
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,7 @@ def run_with_checkpoint(tmp_path_factory):
             ps.store.set_version(i, 2)
         run = base / "runs" / "run-1"
         data_state = {k: v for k, v in source_from_config(cfg).state(0).items() if k != "next_step"}
-        checkpoint.save(ps.store, str(run / "checkpoints"), 2, cfg.to_dict(), "run-1", data_state)
+        writer.save(ps.store, str(run / "checkpoints"), 2, cfg.to_dict(), "run-1", data_state)
     finally:
         ps.close()
     return run

@@ -26,9 +26,11 @@ from safetensors.torch import load_file
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
+from megatrain_ray.data.corpus import CorpusSource
+from megatrain_ray.data.loader import BatchSource, uses_windows
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
-from megatrain_ray.io import checkpoint, files, hf_io, resume
+from megatrain_ray.io import checkpoint, files, hf_io, resume, writer
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import Interrupted, train
@@ -74,7 +76,7 @@ def test_save_load_round_trip_is_exact_and_layout_independent(master, shm_dir, t
     dst = _store(shm_dir, "dst", seed=1, master=master, num_hidden_layers=3, tie_word_embeddings="false")
     try:
         _fill_optimizer(src, step=7)
-        path = checkpoint.save(src.store, str(tmp_path / "ckpts"), 7, {"train": {"seed": 0}}, "run-x")
+        path = writer.save(src.store, str(tmp_path / "ckpts"), 7, {"train": {"seed": 0}}, "run-x")
         assert os.path.basename(path) == "step-000007"
         assert sorted(os.listdir(tmp_path / "ckpts")) == ["step-000007"]  # no temporary left
 
@@ -115,7 +117,7 @@ def test_save_refuses_a_store_that_is_not_at_a_step_boundary(shm_dir, tmp_path):
         _fill_optimizer(ps, step=3)
         ps.store.set_version(1, 4)  # layers.0 already has its next update
         with pytest.raises(checkpoint.CheckpointError, match="not at a step boundary"):
-            checkpoint.save(ps.store, str(tmp_path), 3, {}, "r")
+            writer.save(ps.store, str(tmp_path), 3, {}, "r")
         assert os.listdir(tmp_path) == []
     finally:
         ps.close()
@@ -128,11 +130,96 @@ def test_keep_last_k_prunes_only_after_a_new_checkpoint_is_complete(shm_dir, tmp
     try:
         for step in range(1, 6):
             _fill_optimizer(ps, step=step)
-            plan.save(ps.store, step)
+            writer.CheckpointWriter(ps.store, plan).save(step)
             kept = sorted(os.listdir(root))
             assert kept == [f"step-{s:06d}" for s in range(max(1, step - 1), step + 1)], kept
         assert checkpoint.latest(root).endswith("step-000005")
         assert resume.find(str(tmp_path / "ckpts")).endswith("step-000005")
+    finally:
+        ps.close()
+
+
+SNAPSHOT_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
+                      vocab_size=4000)
+"""2.8M parameters, 10 units: a checkpoint of 33 MB in several shards, whose files, fsyncs and rename
+outlast the in-place updates the test makes as soon as each unit is released."""
+
+
+@pytest.mark.parametrize("clip,staging", [(True, 0), (False, 0), (False, 2**30), (True, 5 * 2**20)])
+def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm_dir, tmp_path, clip, staging):
+    """The sink's background save: every unit is changed (all three kinds) the moment before_update
+    lets it, in the order the sink updates (forward order with clipping, backward without), while
+    the rest is still being written. The result must be the paused save of the same boundary, bit
+    for bit and byte for byte, and pass its checksums; and the updates really overlapped the write.
+    With a staging budget, units the writer has not begun are copied and written from the copy."""
+    ps = _store(shm_dir, f"snap{int(clip)}{int(bool(staging))}", **SNAPSHOT_MODEL)
+    try:
+        _fill_optimizer(ps, step=3)
+        n = len(ps.store.layout.units)
+        order = list(range(n)) if clip else list(range(n))[::-1]
+        paused = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
+            str(tmp_path / "paused"), every=1, keep=1, run_config={}, run_id="r"), shard_bytes=4 * 2**20)
+        path_paused = paused.save(3)
+        live = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
+            str(tmp_path / "live"), every=1, keep=1, run_config={}, run_id="r", staging_bytes=staging),
+            shard_bytes=4 * 2**20)
+        live.start(3, order)
+        overlapped = 0
+        for i in order:
+            live.before_update(i)
+            overlapped += live.busy  # the write is still going on while this unit changes
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                ps.store.block(kind, i).add_(1.0)
+            ps.store.set_version(i, 4)
+        notice = live.finish()
+        assert notice["step"] == 3 and notice["stall_s"] >= 0
+        unit_bytes = [sum(ps.store.block(k, i).nbytes for k in ("master", "exp_avg", "exp_avg_sq")) for i in order]
+        if staging:  # units the writer had not begun were copied, within the budget
+            assert 0 < notice["staged_bytes"] <= min(staging, sum(unit_bytes))
+        else:
+            assert notice["staged_bytes"] == 0
+        assert overlapped >= n // 2, overlapped
+        ours, theirs = _tensors(notice["checkpoint"]), _tensors(path_paused)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        moved = hf_name("layers.0", "mlp.up_proj.weight")
+        assert torch.equal(ps.store.params("master", 1)["mlp.up_proj.weight"], ours[moved] + 1.0)  # it did change
+        checkpoint.check_files(notice["checkpoint"])  # sizes, headers and CRC-32s as written
+        if clip:  # the same order as the paused save: the same bytes in every shard
+            for name in os.listdir(path_paused):
+                if name.endswith(".safetensors"):
+                    assert files.checksum(os.path.join(path_paused, name)) == \
+                        files.checksum(os.path.join(notice["checkpoint"], name)), name
+        assert live.poll() is None  # reported once
+    finally:
+        ps.close()
+
+
+def test_the_staging_budget_is_a_checked_setting_counted_by_plan():
+    with pytest.raises(ConfigError, match=r"^train\.checkpoint_staging_gib must be >= 0"):
+        load_config(None, ["train.checkpoint_staging_gib=-1"])
+    from megatrain_ray.orchestration.preflight import plan
+
+    rows = plan(load_config(None, ["train.checkpoint_staging_gib=1.5"]), "cpu", starts_ray=False).rows
+    assert [(r.where, r.nbytes) for r in rows if "train.checkpoint_staging_gib" in r.component] == \
+        [("host", int(1.5 * 2**30))]
+
+
+def test_a_failed_background_save_frees_the_sink_and_is_raised_once(shm_dir, tmp_path):
+    """A write that fails (here: the checkpoint directory is a file) releases every unit, so the
+    sink never hangs, and its one-sentence error comes out of finish()."""
+    ps = _store(shm_dir, "snapfail")
+    try:
+        _fill_optimizer(ps, step=2)
+        (tmp_path / "ckpts").write_text("not a directory")
+        w = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
+            str(tmp_path / "ckpts"), every=1, keep=1, run_config={}, run_id="r"))
+        w.start(2)
+        for i in range(len(ps.store.layout.units)):
+            w.before_update(i)
+        with pytest.raises(checkpoint.CheckpointError, match=r"^could not write the checkpoint of step 2 to .*ckpts "):
+            w.finish()
+        assert w.finish() is None
     finally:
         ps.close()
 
@@ -154,7 +241,7 @@ def test_every_file_has_its_size_and_crc32_and_a_flipped_bit_is_refused(shm_dir,
     ps = _store(shm_dir, "crc")
     try:
         _fill_optimizer(ps, step=3)
-        path = checkpoint.save(ps.store, str(tmp_path / "ckpts"), 3, {"train": {"steps": 10}}, "r")
+        path = writer.save(ps.store, str(tmp_path / "ckpts"), 3, {"train": {"steps": 10}}, "r")
     finally:
         ps.close()
     meta = checkpoint.read_meta(path)
@@ -186,7 +273,7 @@ def test_resume_of_a_run_skips_corrupt_checkpoints_and_names_them(shm_dir, tmp_p
     try:
         for step in (1, 2, 3, 4):
             _fill_optimizer(ps, step=step)
-            checkpoint.save(ps.store, str(root), step, load_config(None, []).to_dict(), "run")
+            writer.save(ps.store, str(root), step, load_config(None, []).to_dict(), "run")
     finally:
         ps.close()
     (root / "step-000004" / "meta.json").write_text('{"format": "megatrain-ray-checkpoint", "step"')
@@ -217,7 +304,7 @@ def test_a_format_1_checkpoint_without_checksums_still_loads(shm_dir, tmp_path):
     src, dst = _store(shm_dir, "v1-src"), _store(shm_dir, "v1-dst", seed=1)
     try:
         _fill_optimizer(src, step=2)
-        path = checkpoint.save(src.store, str(tmp_path), 2, {}, "r")
+        path = writer.save(src.store, str(tmp_path), 2, {}, "r")
         meta = json.load(open(os.path.join(path, "meta.json")))
         del meta["files"]
         meta["format_version"] = 1
@@ -235,8 +322,8 @@ def test_the_advice_for_the_last_checkpoint_of_a_run_is_export_not_resume(shm_di
     ps = _store(shm_dir, "advice")
     try:
         _fill_optimizer(ps, step=4)
-        end = checkpoint.save(ps.store, str(tmp_path), 4, {"train": {"steps": 4}}, "r")
-        middle = checkpoint.save(ps.store, str(tmp_path / "other"), 4, {"train": {"steps": 9}}, "r")
+        end = writer.save(ps.store, str(tmp_path), 4, {"train": {"steps": 4}}, "r")
+        middle = writer.save(ps.store, str(tmp_path / "other"), 4, {"train": {"steps": 9}}, "r")
     finally:
         ps.close()
     assert checkpoint.advice(end) == (
@@ -249,7 +336,7 @@ _CRASH_SCRIPT = textwrap.dedent("""
     import os, sys, torch
     from megatrain_ray.config import load_config
     from megatrain_ray.engine.store import ParameterStore, StoreSpec
-    from megatrain_ray.io import checkpoint
+    from megatrain_ray.io import writer
     from megatrain_ray.model.precision import Precision
     shm_dir, root = sys.argv[1], sys.argv[2]
     cfg = load_config(None, ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=8",
@@ -257,12 +344,12 @@ _CRASH_SCRIPT = textwrap.dedent("""
     ps = ParameterStore(StoreSpec(cfg, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "crash"), 0)
     for i in range(len(ps.store.layout.units)):
         ps.store.set_version(i, 1)
-    checkpoint.save(ps.store, root, 1, {}, "crash")
+    writer.save(ps.store, root, 1, {}, "crash")
     print("saved", flush=True)
     for i in range(len(ps.store.layout.units)):
         ps.store.block("master", i).add_(1.0)
         ps.store.set_version(i, 2)
-    checkpoint.save(ps.store, root, 2, {}, "crash")  # the parent kills this process while it writes
+    writer.save(ps.store, root, 2, {}, "crash")  # the parent kills this process while it writes
     print("the save of step 2 finished before the kill", flush=True)
 """)
 
@@ -345,8 +432,12 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
         train(_cfg(shm_dir, tmp_path / "b", "train.checkpoint_every=3", f"train.keep_checkpoints={STEPS}"),
               log=interrupt_after_checkpoint_3)
     saved = info.value.checkpoint  # where the interrupt drained the steps in flight to
-    boundary = checkpoint.read_meta(saved)["step"]
+    meta = checkpoint.read_meta(saved)
+    boundary = meta["step"]
     assert 3 <= boundary < STEPS, lines
+    # The RNG record names what draws this run's batches (nothing else draws after initialisation).
+    source = BatchSource if uses_windows(_cfg(shm_dir, tmp_path / "b")) else CorpusSource
+    assert meta["rng"]["data_order"] == source.ORDER and meta["rng"]["draws_after_init"] == 0
     assert os.listdir(shm_dir) == []
     b_run = os.path.dirname(os.path.dirname(saved))
     b_ckpts = sorted(os.listdir(os.path.join(b_run, "checkpoints")))

@@ -106,6 +106,10 @@ class TrainSection:
     (Ctrl-C, SIGTERM, ``ray job stop``) and, with save_final, at the end before the export."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
+    checkpoint_staging_gib: float = 0.0
+    """Host memory (GiB) the gradient sink may fill with copies of units that the checkpoint being
+    written has not reached yet, so that their next update need not wait for the disk (see
+    megatrain_ray/io/writer.py); 0: none, an update waits until its unit is written."""
     save_final: bool = True
     """Export the final weights to <run dir>/final (Hugging Face safetensors) at the end of the run."""
     eval_every: int = 0
@@ -125,6 +129,8 @@ class TrainSection:
         _require(self.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every",
                  f"must be >= 0 (0 = only on interrupt), got {self.checkpoint_every}")
+        _require(self.checkpoint_staging_gib >= 0, "train.checkpoint_staging_gib",
+                 f"must be >= 0 (0 = no staging copies), got {self.checkpoint_staging_gib}")
 
 
 @dataclass

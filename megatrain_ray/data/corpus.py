@@ -82,6 +82,10 @@ def _npy_split(ref: CorpusRef, split: str) -> dict:
 class CorpusSource:
     """Deterministic batches of one split of a corpus (plain class; made a loader actor at spawn)."""
 
+    ORDER = ("epoch e is numpy.random.default_rng([train.seed, e, 0x5EED]).permutation of the samples; sample g "
+             "of the run (g = step * M * B + position) is perm(g // samples)[g % samples]; no state carries over")
+    """How the batches are drawn, recorded in each checkpoint's meta.json (rng.data_order)."""
+
     def __init__(self, ref: CorpusRef, split: str, seq_len: int, micro_batch_size: int, num_micro_batches: int,
                  seed: int, vocab_size: int):
         self.ref, self.split = ref, split

@@ -63,6 +63,10 @@ def load_tokens(path: str | None) -> np.ndarray:
 class BatchSource:
     """Deterministic batches from a token stream (plain class; the data-loader actor's logic)."""
 
+    ORDER = ("each step's window starts drawn by numpy.random.default_rng([train.seed, step]).integers; "
+             "no state carries over from step to step")
+    """How the batches are drawn, recorded in each checkpoint's meta.json (rng.data_order)."""
+
     def __init__(self, path: str | None, seq_len: int, micro_batch_size: int, num_micro_batches: int,
                  seed: int, vocab_size: int):
         self.tokens = load_tokens(path)

@@ -18,8 +18,8 @@ import torch
 
 from ..config import ModelConfig, OptimConfig, lr_at
 from ..model.layout import StoreLayout
-from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, embed, final_norm, lm_head_weight,
-                                 rope_cache, token_loss_sum)
+from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, forward_hidden, token_loss_sum,
+                                 unit_names)
 
 
 class ResidentModel:
@@ -89,20 +89,16 @@ class ResidentModel:
         return float(self._loss(ids, labels, max(1, int((labels != IGNORE_INDEX).sum()))))
 
     def _loss(self, ids: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        cfg, units = self.cfg, self.units
-        rope_dtype = self.autocast or torch.float32
-        rope = rope_cache(cfg, ids.shape[-1], self.device, rope_dtype)
+        cfg, units, names = self.cfg, self.units, unit_names(self.cfg)
+
+        def layer(u, x, rope, cfg):
+            if self.recompute and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(self.layer_fn, u, x, rope, cfg, use_reentrant=False)
+            return self.layer_fn(u, x, rope, cfg)
+
         with self._autocast():
-            x = embed(units[0], ids)
-            if self.autocast is not None:
-                x = x.to(self.autocast)
-            for u in units[1:-1]:
-                if self.recompute and torch.is_grad_enabled():
-                    x = torch.utils.checkpoint.checkpoint(self.layer_fn, u, x, rope, cfg, use_reentrant=False)
-                else:
-                    x = self.layer_fn(u, x, rope, cfg)
-            h = final_norm(units[-1], x, cfg).reshape(-1, cfg.hidden_size)
-            return token_loss_sum(h, lm_head_weight(units[-1], units[0]), labels.reshape(-1)) / n_tokens
+            h, w = forward_hidden(cfg, lambda unit: units[names.index(unit)], ids, layer, self.autocast)
+            return token_loss_sum(h.reshape(-1, cfg.hidden_size), w, labels.reshape(-1)) / n_tokens
 
 
 class ResidentTrainer:

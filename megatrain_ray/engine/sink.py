@@ -10,10 +10,12 @@ layer 0, 1, ... — so the next forward can start on layer 0 while later layers 
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
 
-Checkpoints (when given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) are written here, at
-the top of the step loop: every update of the previous step is done and none of this step's has
-begun, so the store is at a step boundary; this step's gradients queue up in the grad queue
-meanwhile and the compute worker runs on. The last boundary is saved after the loop.
+Checkpoints (when given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) are started here, at
+the top of the step loop, where every update of the previous step is done and none of this step's
+has begun (a step boundary), and written in the background by a
+:class:`~megatrain_ray.io.writer.CheckpointWriter` while the loop goes on: before each update the
+sink waits only until that unit's bytes are written (usually long since). The last boundary is
+saved after the loop, and waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 
 from ..config import OptimConfig, lr_at
 from ..errors import PipelineError
+from ..io.writer import CheckpointWriter
 from .optim import AdamWRunner, clip_coefficient
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
@@ -44,6 +47,7 @@ class GradientSink:
         self.order = update_order(spec.model.num_hidden_layers)
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
+        self.writer = CheckpointWriter(self.store, checkpoint) if checkpoint is not None else None
         self.grad_slot_q = grad_slot_q
         self.shards = shards
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
@@ -58,6 +62,7 @@ class GradientSink:
         each checkpoint, {checkpoint: path, step, save_s}.
         """
         for step in range(start_step, end_step):
+            self._report_checkpoint()
             self._maybe_checkpoint(step, start_step, end_step)
             self.spans = []
             lr = lr_at(self.optim, step, self.total_steps)
@@ -90,6 +95,7 @@ class GradientSink:
                               "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
                               "spans": self.spans}, timeout=self.timeout_s)
         self._maybe_checkpoint(end_step, start_step, end_step)
+        self._report_checkpoint(wait=True)
         return end_step - start_step
 
     def close(self) -> None:
@@ -97,12 +103,20 @@ class GradientSink:
         self.runner.close()
 
     def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
-        """Save the boundary after ``step`` updates if the plan asks for it (see the module docstring)."""
+        """Start saving the boundary after ``step`` updates if the plan asks for it (see the module
+        docstring); a save still being written is finished first."""
         if self.checkpoint is not None and self.checkpoint.due(step, start_step, end_step):
-            start = time.time()
-            path = self.checkpoint.save(self.store, step)
-            self.stats_q.put({"checkpoint": path, "step": step, "save_s": time.time() - start},
-                             timeout=self.timeout_s)
+            self._report_checkpoint(wait=True)
+            clip = self.optim.max_grad_norm > 0  # the order of this step's updates: see run()
+            self.writer.start(step, self.order if clip else self.order[::-1])
+
+    def _report_checkpoint(self, wait: bool = False) -> None:
+        """Put the notice of a completed save on the stats queue ({checkpoint: path, step, save_s,
+        stall_s}); raise its error if it failed. ``wait``: for the save being written."""
+        if self.writer is not None:
+            notice = self.writer.finish() if wait else self.writer.poll()
+            if notice is not None:
+                self.stats_q.put(notice, timeout=self.timeout_s)
 
     def _get(self) -> GradTicket:
         try:
@@ -113,6 +127,8 @@ class GradientSink:
 
     def _update(self, unit: int, step: int, lr: float, coef: float, slot: int = -1) -> None:
         s = self.store
+        if self.writer is not None:
+            self.writer.before_update(unit)  # the checkpoint being written has this unit's bytes
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
         self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),

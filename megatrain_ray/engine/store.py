@@ -232,8 +232,11 @@ class ParameterStore:
 
     def save_checkpoint(self, plan, step: int) -> str:
         """Write the store, which must be at the boundary after ``step`` updates, as a training
-        checkpoint of ``plan`` (a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`); returns its path."""
-        return plan.save(self.store, step)
+        checkpoint of ``plan`` (a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) through the run's
+        one writer, :class:`~megatrain_ray.io.writer.CheckpointWriter`; returns its path."""
+        from ..io.writer import CheckpointWriter
+
+        return CheckpointWriter(self.store, plan).save(step)
 
     def close(self) -> list[str]:
         """Remove this run's segments (idempotent)."""

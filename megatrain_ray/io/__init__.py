@@ -6,6 +6,8 @@
   ``runtime.init_from``'s model shape;
 - :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,
   with the size and CRC-32 of every file;
+- :mod:`.writer`: the one writer of checkpoints (the sink's in the background, the store's on an
+  interrupt);
 - :mod:`.resume`: which checkpoint ``--resume`` means (a run's newest valid one) and its run config;
 - :mod:`.evaluate`: loss and perplexity of saved weights, one unit in memory at a time.
 """

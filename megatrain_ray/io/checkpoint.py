@@ -16,12 +16,13 @@ are found by name, so a checkpoint loads into any later layout of the same model
 part is itself a Hugging Face checkpoint (usable as ``runtime.init_from`` or by ``transformers``).
 
 **Consistency.** A checkpoint is taken at a *step boundary*: every unit has received exactly
-``step`` updates and none has started its next one. The gradient sink takes the periodic ones at
+``step`` updates and none has started its next one. One writer writes them all
+(:class:`megatrain_ray.io.writer.CheckpointWriter`): the gradient sink starts the periodic ones at
 the top of its step loop (all updates of the previous step are done, none of this step's has
-begun); gradients of the step keep arriving in the grad queue meanwhile, so the compute worker is
-not stopped: it stalls only if the save outlasts one step of compute. On an interrupt the driver
-stops submitting steps, lets the pipeline finish those in flight, and has the store actor save.
-:func:`save` checks that every unit's version equals ``step`` before writing anything.
+begun) and goes on updating while they are written, each unit only once its bytes are written; on
+an interrupt the driver stops submitting steps, lets the pipeline finish those in flight, and has
+the store actor save. The writer checks that every unit's version equals ``step`` before writing
+anything.
 
 **Atomicity.** Files are written (by :func:`megatrain_ray.io.files.write_file`, each fsynced) into a
 hidden ``.step-000300.tmp-<pid>-<random>`` directory next to the final one, ``meta.json`` last;
@@ -41,20 +42,16 @@ into the next version's, so old checkpoints keep loading after the format change
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
 import shutil
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import CheckpointError, ConfigError
 from ..model.transformer import hf_name
-from .files import (CorruptFile, TensorSource, check_sizes, fmt_bytes, free_bytes, fsync_dir, read_header, verify,
-                    write_json, write_shards)
+from .files import CorruptFile, check_sizes, read_header, verify
 
 FORMAT = "megatrain-ray-checkpoint"
 FORMAT_VERSION = 2
@@ -99,101 +96,16 @@ class CheckpointPlan:
     wait_s: float = 0.0
     """How long a save waits for every unit to reach the boundary (the driver's save on an interrupt
     waits for the sink to apply the steps still in flight)."""
+    staging_bytes: int = 0
+    """Host memory the sink may fill with copies of units not yet written (train.checkpoint_staging_gib)."""
 
     def due(self, step: int, start: int, end: int) -> bool:
         """Whether the sink saves the boundary after ``step`` updates (``start`` is already on disk)."""
         return self.every > 0 and step != start and (step % self.every == 0 or step == end)
 
-    def save(self, store, step: int) -> str:
-        """Write the boundary ``step`` of a HostStore, then prune to the newest ``keep``; returns the path."""
-        path = save(store, self.directory, step, self.run_config, self.run_id, self.data_state,
-                    wait_s=self.wait_s)
-        prune(self.directory, self.keep)
-        return path
-
 
 # ---------------------------------------------------------------------------------------------
-# Writing.
-
-def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_state: dict | None = None,
-         shard_bytes: int = SHARD_BYTES, wait_s: float = 0.0) -> str:
-    """Write the store (a HostStore at boundary ``step``) to ``root``/step-NNNNNN atomically; returns it.
-
-    Waits up to ``wait_s`` for every unit to reach version ``step``. If the directory already
-    exists (the same run saved this boundary already), nothing is written.
-    """
-    units = store.layout.units
-    deadline = time.monotonic() + wait_s
-    while (any(store.version(i) < step for i in range(len(units))) and time.monotonic() < deadline
-           and not any(store.version(i) > step for i in range(len(units)))):
-        time.sleep(0.01)
-    stale = {u: store.version(i) for i, u in enumerate(units) if store.version(i) != step}
-    if stale:
-        raise CheckpointError(f"refusing to checkpoint step {step}: units {_names(list(stale))} are at versions "
-                              f"{sorted(set(stale.values()))}, so the store is not at a step boundary.")
-    final = os.path.join(root, step_dir_name(step))
-    if os.path.isdir(final):
-        return final
-    tmp = os.path.join(root, f".{step_dir_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.makedirs(tmp)
-        spec, layout = store.spec, store.layout
-        model_tensors = [TensorSource.of(hf_name(u, name), store.params("master", i)[name])
-                         for i, u in enumerate(units) for name, _, _ in layout.templates[i].params]
-        optim_tensors = [TensorSource.of(f"{kind}.{hf_name(u, name)}", store.params(kind, i)[name])
-                         for i, u in enumerate(units) for kind in OPTIM_KINDS
-                         for name, _, _ in layout.templates[i].params]
-        records = {**write_shards(tmp, "model", MODEL_INDEX, model_tensors, shard_bytes)[1],
-                   **write_shards(tmp, "optimizer", OPTIM_INDEX, optim_tensors, shard_bytes)[1]}
-        hf = spec.model.to_hf_dict()
-        hf["torch_dtype"] = str(spec.precision.master).removeprefix("torch.")
-        records["config.json"] = write_json(os.path.join(tmp, "config.json"), hf)
-        data = run_config.get("data", {})
-        train = run_config.get("train", {})
-        tokens_per_step = train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0) * train.get(
-            "seq_len", 0)
-        write_json(os.path.join(tmp, META_FILE), {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "versions": {u: store.version(i) for i, u in enumerate(units)},
-            "adamw_step": step,
-            "data": {**(data_state or {}), "next_step": step, "path": data.get("path"),
-                     "sequences_consumed": step * train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0),
-                     "tokens_consumed": step * tokens_per_step},
-            "rng": {"seed": train.get("seed"),
-                    "data_sampler": "numpy.random.default_rng([train.seed, step]) draws the batch of each step",
-                    "draws_after_init": 0},
-            "precision": {"master": str(spec.precision.master).removeprefix("torch."), "optim_state": "float32"},
-            "model": spec.model.to_hf_dict(),
-            "config": run_config,
-            "run_id": run_id,
-            "saved_at": time.time(),
-            "files": {name: rec.to_dict() for name, rec in sorted(records.items())},
-        })
-        try:
-            os.rename(tmp, final)
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and os.path.isdir(final):
-                shutil.rmtree(tmp, ignore_errors=True)  # saved concurrently at the same boundary
-                return final
-            raise
-        fsync_dir(root)
-        return final
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        last = latest(root, missing_ok=True)
-        kept = f"the last good checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write the checkpoint of step {step} to {root} "
-                              f"({e.strerror or e}); it needs {fmt_bytes(checkpoint_bytes(store))} and "
-                              f"{fmt_bytes(free_bytes(root))} is free there: free space or set runtime.run_dir to a "
-                              f"larger disk; {kept}.") from None
-
-
-def checkpoint_bytes(store) -> int:
-    """Bytes of the tensors of a checkpoint of this store (headers and JSON files are noise)."""
-    return store.layout.num_params * (store.spec.precision.master.itemsize + 4 * len(OPTIM_KINDS))
-
+# Pruning (after each save of :mod:`megatrain_ray.io.writer`).
 
 def prune(root: str, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` checkpoints, and temporary directories of dead savers."""
@@ -392,10 +304,6 @@ def check_model(meta: dict, model, directory: str) -> None:
                           f"({'; '.join(diffs[:4])}{' ...' if len(diffs) > 4 else ''}); resume without "
                           "changing model.* or runtime.init_from, or start a new run from its weights "
                           f"with runtime.init_from={directory}.")
-
-
-def _names(names: list[str], limit: int = 4) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Evaluation in this process on the CPU: logits, and loss / perplexity on held-out data.
 
 The model runs layer-major over a group of sequences, like one training step without the
-pipeline: embed the group, then each decoder layer in turn, then the head, loss in token chunks.
+pipeline: :func:`megatrain_ray.model.transformer.forward_hidden` (the model's one whole-model forward)
+embeds the group, runs each decoder layer in turn and the final norm; the loss is taken in token chunks.
 Weights come one unit at a time from a :data:`UnitReader` (an HF-format directory read through
 safetensors, or views of a host store), so evaluating a checkpoint needs one unit of weights and
 the group's activations in memory, never the whole model.
@@ -20,8 +21,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import DataError
-from ..model.transformer import (IGNORE_INDEX, Params, UnitReader, decoder_layer, embed, final_norm,
-                                 lm_head_weight, rope_cache, token_loss_sum, unit_names)
+from ..model.transformer import IGNORE_INDEX, UnitReader, forward_hidden, token_loss_sum
 from . import hf_io
 from ..data.tokenizer import BYTE_LEVEL
 
@@ -39,31 +39,20 @@ def store_reader(store) -> UnitReader:
     return lambda unit: {k: v.float() for k, v in store.params("master", units.index(unit)).items()}
 
 
-def _hidden(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor) -> tuple[torch.Tensor, Params]:
-    """ids: [B, S] -> (final-normed hidden [B, S, H], the LM-head weight's unit params)."""
-    embed_params = read("embed")
-    x = embed(embed_params, ids)
-    rope = rope_cache(cfg, ids.shape[1], ids.device, torch.float32)
-    for unit in unit_names(cfg)[1:-1]:
-        x = decoder_layer(read(unit), x, rope, cfg)
-    head = read("head")
-    return final_norm(head, x, cfg), {"weight": lm_head_weight(head, embed_params)}
-
-
 @torch.inference_mode()
 def forward_logits(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor) -> torch.Tensor:
     """ids: [B, S] int64 -> logits [B, S, V] float32."""
-    h, w = _hidden(cfg, read, ids)
-    return torch.nn.functional.linear(h, w["weight"]).float()
+    h, w = forward_hidden(cfg, read, ids)
+    return torch.nn.functional.linear(h, w).float()
 
 
 @torch.inference_mode()
 def loss_sum(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor, labels: torch.Tensor,
              chunk: int = 1024) -> tuple[float, int]:
     """ids, labels: [B, S] int64 -> (summed cross-entropy over counted labels, number counted)."""
-    h, w = _hidden(cfg, read, ids)
+    h, w = forward_hidden(cfg, read, ids)
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    total = sum(float(token_loss_sum(h[s:s + chunk], w["weight"], labels[s:s + chunk]))
+    total = sum(float(token_loss_sum(h[s:s + chunk], w, labels[s:s + chunk]))
                 for s in range(0, h.shape[0], chunk))
     return total, int((labels != IGNORE_INDEX).sum())
 

@@ -79,10 +79,12 @@ class TensorSource:
     dtype: torch.dtype
     load: Callable[[], torch.Tensor]
     """Called once, when the tensor's bytes are written; a view of memory that exists is not copied."""
+    done: Callable[[], None] | None = None
+    """Called once every byte of the tensor is written and checksummed (its memory may change then)."""
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSource":
-        return cls(name, tuple(tensor.shape), tensor.dtype, lambda: tensor)
+    def of(cls, name: str, tensor: torch.Tensor, done: Callable[[], None] | None = None) -> "TensorSource":
+        return cls(name, tuple(tensor.shape), tensor.dtype, lambda: tensor, done)
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +96,9 @@ class TensorSource:
 
 def write_file(path: str, chunks: Iterable) -> FileRecord:
     """Write ``chunks`` (bytes-like objects, in order) to ``path`` atomically; returns size and CRC-32.
+
+    A callable among the chunks is called once every byte before it has been written (handed to the
+    kernel) and checksummed: the memory those bytes came from may change from then on.
 
     See the module docstring; an OSError (full disk, read-only filesystem) propagates after the
     temporary file is removed.
@@ -108,6 +113,11 @@ def write_file(path: str, chunks: Iterable) -> FileRecord:
     try:
         with ThreadPoolExecutor(1) as hasher, open(tmp, "wb") as f:
             for chunk in chunks:
+                if callable(chunk):
+                    while pending:
+                        pending.popleft().result()
+                    chunk()
+                    continue
                 view = memoryview(chunk).cast("B")
                 for start in range(0, len(view), CHUNK_BYTES):
                     part = view[start:start + CHUNK_BYTES]
@@ -158,6 +168,8 @@ def write_safetensors(path: str, tensors: list[TensorSource], metadata: dict | N
                 raise ValueError(f"tensor {t.name} is {tuple(value.shape)} {value.dtype}, not the "
                                  f"{t.shape} {t.dtype} its header says")
             yield value.contiguous().view(-1).view(torch.uint8).numpy().data
+            if t.done is not None:
+                yield t.done
 
     return write_file(path, chunks())
 

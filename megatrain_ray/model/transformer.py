@@ -203,3 +203,25 @@ def token_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> to
     """
     logits = F.linear(h, w).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def forward_hidden(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor, layer: Callable = decoder_layer,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole model up to the LM head, unit after unit: ids [B, S] int64 -> (final-normed hidden
+    [B, S, H], the LM-head weight [V, H]).
+
+    The one whole-model forward of the codebase (evaluation and the resident reference run it; the
+    engine runs the same functions layer-major over micro-batches). ``read`` gives each unit's params;
+    ``layer`` is :func:`decoder_layer` or a form of it that computes the same (compiled, recomputed in
+    the backward); ``dtype``: the activations' dtype after the embedding and the rope tables' (None:
+    the embedding's, and fp32 tables).
+    """
+    embed_params = read("embed")
+    x = embed(embed_params, ids)
+    if dtype is not None:
+        x = x.to(dtype)
+    rope = rope_cache(cfg, ids.shape[-1], ids.device, dtype or torch.float32)
+    for unit in unit_names(cfg)[1:-1]:
+        x = layer(read(unit), x, rope, cfg)
+    head = read("head")
+    return final_norm(head, x, cfg), lm_head_weight(head, embed_params)

@@ -181,7 +181,8 @@ class Driver:
             if "checkpoint" in st:
                 self.result.checkpoints.append(st["checkpoint"])
                 self.gauges.checkpoint(st["step"])
-                self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s")
+                self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s "
+                         f"(the sink waited {st.get('stall_s', 0.0):.2f} s for it)")
             else:
                 self.stats[st["step"]] = st
         for step in sorted(s for s in self.stats if s in self.outputs):

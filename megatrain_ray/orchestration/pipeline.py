@@ -117,7 +117,8 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
                       indent=2)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
-                                         _data_state(source), wait_s=cfg.runtime.actor_timeout_s)
+                                         _data_state(source), wait_s=cfg.runtime.actor_timeout_s,
+                                         staging_bytes=int(cfg.train.checkpoint_staging_gib * 2**30))
         if resume is not None:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
@@ -186,7 +187,7 @@ def _rewind(result: RunResult, step: int) -> None:
 def _data_state(source) -> dict:
     """The loader's position record without its step (each checkpoint adds its own next_step)."""
     state = source.state(0) if hasattr(source, "state") else {}
-    return {k: v for k, v in state.items() if k != "next_step"}
+    return {**{k: v for k, v in state.items() if k != "next_step"}, "order": getattr(source, "ORDER", None)}
 
 
 def _raise_interrupt(signum, frame):

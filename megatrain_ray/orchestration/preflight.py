@@ -247,6 +247,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
                         f"{ray_threshold():.0%} of RAM)", "host", margin))
     rows.append(Row(f"token stream x {cfg.data.num_workers} loader(s)", "host",
                     _tokens_in_data(cfg.data.path) * 8 * cfg.data.num_workers))
+    if cfg.train.checkpoint_staging_gib:
+        rows.append(Row("checkpoint staging copies (train.checkpoint_staging_gib, in the sink)", "host",
+                        int(cfg.train.checkpoint_staging_gib * 2**30)))
     if cfg.train.save_final:
         rows.append(Row("one shard of the final export", "host",
                         min(EXPORT_SHARD_BYTES, layout.num_params * precision.master.itemsize)))
@@ -277,8 +280,8 @@ def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
     when = f"every {t.checkpoint_every} steps" if t.checkpoint_every else "only when interrupted"
     return (f"checkpoints: {fmt(nbytes)} each ({when}, up to {t.keep_checkpoints} kept + 1 being written = "
             f"{fmt(keep)}; {fmt(free)} free in runtime.run_dir{'' if keep <= free else ': NOT ENOUGH'}); "
-            f"updates pause while one is written, so runtime.actor_timeout_s ({rt.actor_timeout_s:.0f} s) must "
-            "exceed its write time")
+            f"it is written while training goes on, but a unit's next update waits until its bytes are written, so "
+            f"runtime.actor_timeout_s ({rt.actor_timeout_s:.0f} s) must exceed its write time")
 
 
 def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | None:

@@ -1,0 +1,335 @@
+"""Writing training checkpoints: the one writer, for the gradient sink's and the store actor's saves.
+
+Every checkpoint of a run is written by a :class:`CheckpointWriter` over the run's host store, in
+the format of :mod:`megatrain_ray.io.checkpoint` (its atomic temporary directory, checksummed files
+and ``meta.json`` last). Its two triggers go through it:
+
+- the gradient sink, every ``train.checkpoint_every`` steps and at the end: :meth:`CheckpointWriter.start`
+  writes in the background while the sink goes on updating (below);
+- the store actor, on an interrupt and before the final export with ``checkpoint_every=0``:
+  :meth:`CheckpointWriter.save` waits for the boundary and writes in the foreground (nothing else
+  runs then).
+
+**A snapshot without pausing the sink.** A checkpoint is the store at a step boundary ``t``: every
+unit has had exactly ``t`` updates. :meth:`~CheckpointWriter.start` checks that, then two threads
+write the model shards and the optimizer shards straight from the store's shared memory, unit by
+unit, in the order the sink will update the units in step ``t + 1``. The sink calls
+:meth:`~CheckpointWriter.before_update` before it changes a unit: it returns at once if the unit's
+tensors (master weights and both AdamW moments) are already written and checksummed, else it waits
+until they are. So every unit is written exactly as it was at the boundary, the bytes a paused save
+would write, without a copy of the store (no extra host memory); the sink waits only where the
+disk falls behind it, and meanwhile the compute worker runs on (its gradients queue up). With a
+staging budget (``train.checkpoint_staging_gib``), a unit that no writer thread has begun yet is
+instead copied (master and moments, one memcpy of its blocks) and the writer later writes it from
+the copy: the sink then waits only for the copy, until the budget is spent.
+
+**What that costs at 7B.** A checkpoint is 7.62e9 parameters x 12 bytes = 91.4 GB (fp32 master and
+moments). The sink must change every unit once a step, so without a copy of the store the writer
+has about one step (6.5 s on one H200; the first update of step ``t + 1`` comes after its forward
+and backward) before the sink catches up with it, and the stall per checkpoint is about
+``max(0, 91.4 GB / write rate - 6.5 s)``. A unit's bytes count as written once ``write()`` has
+copied them to the page cache (each file is fsynced before the rename), but on the 7B box the run
+holds ~103 of 128 GiB, so the page cache soon runs at the disk's rate. Within 5% of the time between
+checkpoints at ``checkpoint_every=50`` (16 s of 325 s) takes ~4 GB/s (a fast NVMe); at 2 GB/s it
+is ~39 s (12%), the paused save it replaces was ~46 s. Past that, only memory helps: with a staging
+budget of S bytes the stall is about ``S / copy rate + max(0, (91.4 GB - S) / write rate - 6.5 s)``;
+the whole checkpoint staged at ~10 GB/s of multi-threaded copy is ~9 s (3%), but needs 91 GB of RAM
+beyond the run's ~103 GiB (the 2-GPU 256 GiB box has it, the 128 GiB one does not).
+
+**Checksums.** The CRC-32 costs 2.5-3.0 GB/s of one core (measured on a
+2.8 GHz Xeon, per second of the thread's CPU time): ~34 core-seconds per 7B checkpoint, on the two
+files' checksum threads beside the writes, 5-6 GB/s together, so it does not hold units back at
+those disk rates. ``benchmarks/checkpoint_cost.py`` measures a machine's rates and prints this
+estimate; each save's stall is reported (``stall_s``) in its notice on the stats queue and logged
+by the driver.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import CheckpointError
+from ..model.transformer import hf_name
+from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, OPTIM_KINDS, SHARD_BYTES,
+                         CheckpointPlan, latest, prune, step_dir_name)
+from .files import TensorSource, fmt_bytes, free_bytes, fsync_dir, write_json, write_shards
+
+
+GROUPS = {"model": ("master",), "optim": OPTIM_KINDS}
+"""The kinds each writer thread writes: the model files' and the optimizer files'. A unit's group is
+released (or staged) as a whole, by the thread that writes it."""
+
+
+class CheckpointWriter:
+    """Writes the checkpoints of one HostStore as ``plan`` says (see the module docstring)."""
+
+    def __init__(self, store, plan: CheckpointPlan, shard_bytes: int = SHARD_BYTES):
+        self.store, self.plan, self.shard_bytes = store, plan, shard_bytes
+        self._thread: threading.Thread | None = None
+        self._written: dict[tuple[int, str], threading.Event] = {}
+        """(unit, group of kinds, see GROUPS) -> set once those tensors of the unit are written."""
+        self._outcome: dict = {}
+        self._stall_s = 0.0
+        self._lock = threading.Lock()
+        self._started: set[tuple[int, str]] = set()
+        """(unit, group) a writer thread has begun to read from the store (too late to stage them)."""
+        self._staged: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        """(unit, group) -> {kind: copy of the unit's flat block}, taken by before_update while the budget lasts."""
+        self._staged_bytes = 0
+        self._order: list[int] = []
+
+    # -- the sink's side: in the background --------------------------------------------------
+
+    def start(self, step: int, order: list[int] | None = None) -> None:
+        """Begin writing the boundary after ``step`` updates in the background, the units in ``order``
+        (the order of the sink's next updates; default: the layout's). A write still running is
+        finished first (:meth:`finish`)."""
+        self.finish()
+        units = range(len(self.store.layout.units))
+        self._check_boundary(step)
+        self._written = {(i, group): threading.Event() for i in units for group in GROUPS}
+        self._outcome, self._stall_s = {"step": step, "began": time.time()}, 0.0
+        self._started, self._staged, self._staged_bytes = set(), {}, 0
+        order = self._order = list(order) if order is not None else list(units)
+        self._thread = threading.Thread(target=self._write_in_background, args=(step, order),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def before_update(self, unit: int) -> None:
+        """Return once ``unit``'s bytes of the checkpoint being written (if any) are on their way to
+        disk, so the caller may change the unit. A write that failed releases every unit (its error
+        is raised by :meth:`poll` or :meth:`finish`)."""
+        if self._thread is None:
+            return
+        began = time.perf_counter()
+        for group in GROUPS:
+            written = self._written[unit, group]
+            if not written.is_set() and not self._stage(unit, group):
+                self._stage_ahead(unit, group)  # the writer is on this unit: copy the ones it has not reached
+                written.wait()
+        self._stall_s += time.perf_counter() - began
+
+    def _stage_ahead(self, unit: int, group: str) -> None:
+        """Stage the units after ``unit`` in the write order that the writer has not begun, while the
+        budget lasts (the caller will need them next, and the writer is behind)."""
+        for later in self._order[self._order.index(unit) + 1:]:
+            if (later, group) in self._staged or self._written[later, group].is_set():
+                continue
+            if not self._stage(later, group) and (later, group) not in self._started:
+                return  # the budget is spent
+
+    def _stage(self, unit: int, group: str) -> bool:
+        """Copy a unit's group of kinds that its writer thread has not begun into the staging budget;
+        False if it cannot be."""
+        nbytes = sum(self.store.block(kind, unit).nbytes for kind in GROUPS[group])
+        with self._lock:  # a writer thread reads a unit's group either from the store or from its copy, never both
+            if (unit, group) in self._staged:
+                return True
+            if (unit, group) in self._started or self._staged_bytes + nbytes > self.plan.staging_bytes:
+                return False
+            self._staged[unit, group] = {kind: self.store.block(kind, unit).clone() for kind in GROUPS[group]}
+            self._staged_bytes += nbytes
+        return True
+
+    def _tensor(self, kind: str, unit: int, name: str) -> torch.Tensor:
+        """A writer thread's read of one tensor of the boundary: the unit's staged copy if it has one,
+        else the store (and the unit can no longer be staged)."""
+        key = (unit, "model" if kind == "master" else "optim")
+        with self._lock:
+            staged = self._staged.get(key)
+            if staged is None:
+                self._started.add(key)
+                return self.store.params(kind, unit)[name]
+        return self.store.layout.templates[unit].bind(staged[kind])[name]
+
+    @property
+    def busy(self) -> bool:
+        """Whether a background write is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def poll(self) -> dict | None:
+        """The notice of a background write that has completed since the last call ({checkpoint: path,
+        step, save_s, stall_s, staged_bytes}), None while one is running or none was started; its CheckpointError
+        if it failed."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        self._thread.join()
+        self._thread = None
+        outcome = self._outcome
+        if "error" in outcome:
+            raise outcome["error"]
+        return {"checkpoint": outcome["path"], "step": outcome["step"], "save_s": outcome["done"] - outcome["began"],
+                "stall_s": self._stall_s, "staged_bytes": outcome.get("staged_bytes", 0)}
+
+    def finish(self) -> dict | None:
+        """Wait for the background write (if one is running); its notice as :meth:`poll` gives it."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.poll()
+
+    def _write_in_background(self, step: int, order: list[int]) -> None:
+        try:
+            self._outcome["path"] = self._write(step, order, self._release)
+        except BaseException as e:  # noqa: BLE001 (the sink raises it from poll/finish)
+            self._outcome["error"] = e if isinstance(e, CheckpointError) else CheckpointError(
+                f"could not write the checkpoint of step {step} to {self.plan.directory} ({e}).")
+        finally:
+            for event in self._written.values():  # a failed write holds no unit back
+                event.set()
+            self._outcome["done"] = time.time()
+
+    def _release(self, unit: int, group: str) -> None:
+        self._written[unit, group].set()
+
+    # -- the store actor's side: in the foreground -------------------------------------------
+
+    def save(self, step: int) -> str:
+        """Write the boundary after ``step`` updates now and return its path, after waiting up to the
+        plan's ``wait_s`` for every unit to reach it (on an interrupt, the sink is still applying the
+        steps in flight)."""
+        store, units = self.store, range(len(self.store.layout.units))
+        deadline = time.monotonic() + self.plan.wait_s
+        while (any(store.version(i) < step for i in units) and time.monotonic() < deadline
+               and not any(store.version(i) > step for i in units)):
+            time.sleep(0.01)
+        self._check_boundary(step)
+        return self._write(step, list(units), lambda unit, group: None)
+
+    # -- both -----------------------------------------------------------------------------------
+
+    def _check_boundary(self, step: int) -> None:
+        store = self.store
+        stale = {u: store.version(i) for i, u in enumerate(store.layout.units) if store.version(i) != step}
+        if stale:
+            names = list(stale)
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise CheckpointError(f"refusing to checkpoint step {step}: units {shown} are at versions "
+                                  f"{sorted(set(stale.values()))}, so the store is not at a step boundary.")
+
+    def _write(self, step: int, order: list[int], release: Callable[[int, str], None]) -> str:
+        """Write the checkpoint (units' tensors in ``order``; ``release(unit, group)`` once the last byte
+        of a unit's group of kinds is written and checksummed), rename it into place and prune; returns
+        its path."""
+        root, plan, store = self.plan.directory, self.plan, self.store
+        final = os.path.join(root, step_dir_name(step))
+        if os.path.isdir(final):  # this run saved the boundary already
+            for unit in order:
+                for group in GROUPS:
+                    release(unit, group)
+            return final
+        meta = self._meta(step)  # before any unit may change
+        tmp = os.path.join(root, f".{step_dir_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        layout = store.layout
+        left = {(i, group): len(layout.templates[i].params) * len(kinds) for i in order
+                for group, kinds in GROUPS.items()}
+        lock = threading.Lock()
+
+        def written(unit: int, group: str) -> Callable[[], None]:
+            def done() -> None:
+                with lock:
+                    left[unit, group] -= 1
+                    last = left[unit, group] == 0
+                if last:
+                    release(unit, group)
+            return done
+
+        def source(key: str, kind: str, i: int, name: str, shape) -> TensorSource:
+            return TensorSource(key, tuple(shape), store.spec.dtype(kind), lambda: self._tensor(kind, i, name),
+                                written(i, "model" if kind == "master" else "optim"))
+
+        model = [source(hf_name(layout.units[i], name), "master", i, name, shape)
+                 for i in order for name, shape, _ in layout.templates[i].params]
+        optim = [source(f"{kind}.{hf_name(layout.units[i], name)}", kind, i, name, shape)
+                 for i in order for name, shape, _ in layout.templates[i].params for kind in OPTIM_KINDS]
+        try:
+            os.makedirs(tmp)
+            with ThreadPoolExecutor(2) as pool:  # model and optimizer files side by side, unit by unit
+                parts = [pool.submit(write_shards, tmp, "model", MODEL_INDEX, model, self.shard_bytes),
+                         pool.submit(write_shards, tmp, "optimizer", OPTIM_INDEX, optim, self.shard_bytes)]
+                records = {name: rec for part in parts for name, rec in part.result()[1].items()}
+            hf = store.spec.model.to_hf_dict()
+            hf["torch_dtype"] = str(store.spec.precision.master).removeprefix("torch.")
+            records["config.json"] = write_json(os.path.join(tmp, "config.json"), hf)
+            meta["files"] = {name: rec.to_dict() for name, rec in sorted(records.items())}
+            write_json(os.path.join(tmp, META_FILE), meta)
+            try:
+                os.rename(tmp, final)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and os.path.isdir(final):
+                    shutil.rmtree(tmp, ignore_errors=True)  # saved concurrently at the same boundary
+                    return final
+                raise
+            fsync_dir(root)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            last = latest(root, missing_ok=True)
+            kept = f"the last good checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
+            raise CheckpointError(f"could not write the checkpoint of step {step} to {root} "
+                                  f"({e.strerror or e}); it needs {fmt_bytes(checkpoint_bytes(store))} and "
+                                  f"{fmt_bytes(free_bytes(root))} is free there: free space or set runtime.run_dir "
+                                  f"to a larger disk; {kept}.") from None
+        finally:
+            for unit in order:  # whatever happened, the units are free to change now
+                for group in GROUPS:
+                    release(unit, group)
+            with self._lock:
+                self._outcome["staged_bytes"] = self._staged_bytes
+                self._staged, self._staged_bytes = {}, 0
+        prune(root, plan.keep)
+        return final
+
+    def _meta(self, step: int) -> dict:
+        """meta.json of the boundary ``step`` (its ``files`` added once they are written)."""
+        store, plan = self.store, self.plan
+        spec, units = store.spec, store.layout.units
+        run_config = plan.run_config
+        train = run_config.get("train", {})
+        sequences = train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0)
+        data_state = dict(plan.data_state or {})
+        order = data_state.pop("order", None)
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "versions": {u: store.version(i) for i, u in enumerate(units)},
+            "adamw_step": step,
+            "data": {**data_state, "next_step": step, "path": run_config.get("data", {}).get("path"),
+                     "sequences_consumed": step * sequences,
+                     "tokens_consumed": step * sequences * train.get("seq_len", 0)},
+            "rng": {"seed": train.get("seed"),
+                    "data_order": order or "unknown (the data loader recorded none)",
+                    "torch": "not used after initialisation: the model has no dropout and the initial weights "
+                             "are drawn per unit from torch.Generator(seed * 1000003 + unit index)",
+                    "draws_after_init": 0},
+            "precision": {"master": str(spec.precision.master).removeprefix("torch."), "optim_state": "float32"},
+            "model": spec.model.to_hf_dict(),
+            "config": run_config,
+            "run_id": plan.run_id,
+            "saved_at": time.time(),
+        }
+
+
+def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_state: dict | None = None,
+         shard_bytes: int = SHARD_BYTES, wait_s: float = 0.0) -> str:
+    """Write the store (a HostStore at boundary ``step``) to ``root``/step-NNNNNN now; returns its path.
+
+    A checkpoint outside any run's plan (tests, tools); nothing is pruned. If the directory exists
+    already (this boundary was saved), nothing is written.
+    """
+    plan = CheckpointPlan(root, every=0, keep=0, run_config=run_config, run_id=run_id, data_state=data_state or {},
+                          wait_s=wait_s)
+    return CheckpointWriter(store, plan, shard_bytes).save(step)
+
+
+def checkpoint_bytes(store) -> int:
+    """Bytes of the tensors of a checkpoint of this store (headers and JSON files are noise)."""
+    return store.layout.num_params * (store.spec.precision.master.itemsize + 4 * len(OPTIM_KINDS))
