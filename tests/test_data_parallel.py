@@ -6,7 +6,8 @@ must train what one worker does with N x M: the per-step losses and final weight
 rounding of those sums. Tolerance: 1e-5 relative — fp32 reordering errors are ~1e-7 per sum and a
 few steps of AdamW keep them within two orders of magnitude for a model without a degenerate
 parameter (Llama, no q/k/v biases; see the parity test for the k-bias), while a lost or doubled
-micro-batch or shard moves the loss by percent. Also: each worker fetches every layer exactly twice
+micro-batch or shard moves the loss by percent. The same holds with the gradients summed on the
+host (runtime.grad_reduce=host) instead of by the all-reduce. Also: each worker fetches every layer exactly twice
 per step; two simulated nodes of one Ray cluster (ray.cluster_utils, each node its own store)
 train what one node does; killing one compute worker mid-run restarts the pipeline from the
 newest checkpoint and ends with identical weights.
@@ -63,6 +64,19 @@ def test_two_workers_train_what_one_does(one_worker, shm_dir):
         for worker in row["workers"]:
             assert worker["fetches"] == {"embed": 1, "layers": 6, "head": 1}
             assert worker["compute_busy_s"] > 0 and worker["h2d_bytes"] > 0
+    assert os.listdir(shm_dir) == []
+
+
+def test_two_workers_summed_on_the_host_train_what_one_does(one_worker, shm_dir):
+    """runtime.grad_reduce=host: no collective; each worker's whole gradient goes to its own host
+    copy and the sink sums them. Same math, another summation order: the same 1e-5 bound."""
+    tmp, one = one_worker
+    two = train(load_config(None, _overrides(tmp, shm_dir, "runtime.compute_workers=2", "runtime.grad_reduce=host")),
+                log=lambda line: None)
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
+    np.testing.assert_allclose(two.grad_norms, one.grad_norms, rtol=1e-5)
+    assert _rel(_weights(two.final_dir), _weights(one.final_dir)) < 1e-5
+    assert any(label.startswith("sum ") for lane, label, *_ in two.timeline if lane == "adamw")
     assert os.listdir(shm_dir) == []
 
 

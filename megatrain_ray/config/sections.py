@@ -186,6 +186,9 @@ _DATA_EXTENSIONS = (".txt", ".npy", ".jsonl", ".json", ".parquet", ".arrow")
 _DATA_FORMATS = ("auto", "windows", "text", "alpaca", "sharegpt", "tokens")
 
 
+GRAD_REDUCE = ("allreduce", "host")
+"""Values of runtime.grad_reduce."""
+
 AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
 """runtime.buffer_depth when null, per resolved device: on cuda the depth every measurement of the
 benchmark (README, Performance) ran with; on cpu, where slots are host memory, double buffering."""
@@ -230,6 +233,12 @@ class RuntimeSection:
     """Nodes of the Ray cluster to train on, data parallel: each runs its own store, prefetchers,
     compute workers and gradient sink; gradients are all-reduced across all of them, so every
     node's AdamW applies the same update to its own replica."""
+    grad_reduce: str = "allreduce"
+    """How the compute workers of a node sum a unit's gradient before its update: allreduce (an
+    NCCL/gloo all-reduce among the workers' devices, then each copies its shard of the sum to the
+    host) or host (each worker copies its whole gradient to a host block of its own and the
+    gradient sink sums them on the CPU: N times the device-to-host bytes and one more model-sized
+    gradient array in host memory per extra worker; one node only). See megatrain_ray.engine.grad_reduce."""
     offload_activations: bool = False
     """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
     on the device, copied out and back on the copy streams: device memory no longer grows with the
@@ -307,6 +316,11 @@ class RuntimeSection:
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
+        _require(self.grad_reduce in GRAD_REDUCE, "runtime.grad_reduce",
+                 f"must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
+        _require(self.grad_reduce != "host" or self.nodes == 1, "runtime.grad_reduce",
+                 f"host needs runtime.nodes=1 (got {self.nodes}): it sums the gradients of one node's workers in "
+                 "that node's host memory; use allreduce across nodes")
         if self.init_from is not None:
             _require(os.path.isfile(os.path.join(self.init_from, "config.json")), "runtime.init_from",
                      f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")

@@ -150,9 +150,15 @@ class ComputeWorker:
         return ray.util.get_node_ip_address(), free_port()
 
     def join_group(self, rank: int, world: int, local_rank: int, local_world: int, address: str, port: int,
-                   timeout_s: float) -> int:
-        """Form the data-parallel group with the other workers (all call this at once); returns rank."""
-        self.reducer = GradReducer(rank, world, local_rank, local_world, address, port, self.device_name, timeout_s)
+                   timeout_s: float, mode: str = "allreduce") -> int:
+        """Form the data-parallel group with the other workers (all call this at once); returns rank.
+        ``mode``: runtime.grad_reduce (with host, this worker's own host gradient copy is pinned)."""
+        self.reducer = GradReducer(rank, world, local_rank, local_world, address, port, self.device_name, timeout_s,
+                                   mode)
+        if self.reducer.copy:
+            total = self.layout.total
+            self.backend.register_host(self.store.arrays["peer_grad"][(self.reducer.copy - 1) * total:
+                                                                      self.reducer.copy * total])
         return rank
 
     # -- helper threads ----------------------------------------------------------------------
@@ -226,9 +232,10 @@ class ComputeWorker:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink.
 
         With a data-parallel group, the gradient is first summed over all workers, and this worker
-        sends only its shard of the sum (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
+        gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
         slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
-        host = self.store.grad_block(unit, slot)
+        host = self.store.grad_block(unit, slot, self.reducer.copy if self.reducer is not None else 0)
         if self.reducer is not None:
             lo, hi = self.reducer.reduce(grad)
             grad, host = grad[lo:hi], host[lo:hi]

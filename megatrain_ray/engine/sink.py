@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ..config import OptimConfig, lr_at
 from ..errors import PipelineError
+from .grad_reduce import sum_copies
 from .optim import AdamWRunner, clip_coefficient
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
@@ -33,7 +35,8 @@ class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1):
+                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1,
+                 host_sum: bool = False):
         self.runner = AdamWRunner(num_threads)
         self.store = HostStore(spec)
         self.layout = self.store.layout
@@ -47,7 +50,11 @@ class GradientSink:
         self.grad_slot_q = grad_slot_q
         self.shards = shards
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
-        summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
+        whole gradient in a host copy of its own, which this sink sums (runtime.grad_reduce=host)."""
+        self.host_sum = host_sum and shards > 1
+        self.threads = max(1, num_threads)
+        self._sum_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grad-sum") if self.host_sum else None
         for slot in range(spec.grad_slots):  # the gradient ring starts empty: every slot is free
             grad_slot_q.put(slot, timeout=timeout_s)
 
@@ -69,11 +76,14 @@ class GradientSink:
                 if ticket.step != step or ticket.unit not in pending:
                     raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
                                         f"{ticket.step} while collecting step {step}.")
-                sq_norm += ticket.sq_norm
+                if not self.host_sum:
+                    sq_norm += ticket.sq_norm
                 pending[ticket.unit] -= 1
                 if pending[ticket.unit]:
                     continue  # other workers' shards of this unit are still on their way
                 del pending[ticket.unit]
+                if self.host_sum:
+                    sq_norm += self._sum_copies(ticket.unit)
                 if not clip:
                     self._update(ticket.unit, step, lr, 1.0, ticket.slot)
                     if ticket.slot >= 0:
@@ -95,6 +105,16 @@ class GradientSink:
     def close(self) -> None:
         """Stop the AdamW thread pool (an actor's process ends with it anyway)."""
         self.runner.close()
+        if self._sum_pool is not None:
+            self._sum_pool.shutdown()
+
+    def _sum_copies(self, unit: int) -> float:
+        """Sum the workers' host copies of ``unit``'s gradient into its grad block; its squared norm."""
+        start = time.time()
+        copies = [self.store.grad_block(unit, -1, k) for k in range(self.shards)]
+        sq_norm = sum_copies(copies, self._sum_pool, self.threads)
+        self.spans.append(("adamw", f"sum {self.layout.units[unit]}", start, time.time(), 0))
+        return sq_norm
 
     def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
         """Save the boundary after ``step`` updates if the plan asks for it (see the module docstring)."""

@@ -113,7 +113,8 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
                 compile_threads=rt.compile_threads))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
-            checkpoint=plan if k == 0 else None, grad_slot_q=grad_slot_q, shards=workers)
+            checkpoint=plan if k == 0 else None, grad_slot_q=grad_slot_q, shards=workers,
+            host_sum=rt.grad_reduce == "host")
         nodes.append(roles)
     loaders = []
     if loader is not None:
@@ -230,7 +231,8 @@ class RaySpawner:
         rt = self.cfg.runtime
         address, port = self.get(computes[0].rendezvous.remote(), "compute")
         self.get([c.join_group.remote(rank, len(computes), rank % rt.compute_workers, rt.compute_workers, address,
-                                      port, rt.actor_timeout_s) for rank, c in enumerate(computes)], "compute")
+                                      port, rt.actor_timeout_s, rt.grad_reduce) for rank, c in enumerate(computes)],
+                 "compute")
 
     def kill(self) -> None:
         """Remove every actor, queue and placement group (stores on other nodes free their shared
