@@ -2,9 +2,10 @@
 
 ``sum_copies`` adds N workers' host copies of a unit's gradient in fp32 and rounds once into the
 first copy. Bounds: the two fp32 additions are off by at most 2 x 2^-24 of the addends'
-magnitudes, and the one rounding to bf16 by half a bf16 ulp (2^-8 relative) of the result; the squared norm is an fp32 dot product per piece (1M positive terms, blocked
-summation: ~sqrt(n) x 2^-24 ~ 6e-5 relative at worst in practice), so 1e-4 relative, where a lost
-or doubled copy moves it by tens of percent.
+magnitudes, and the one rounding to bf16 by half a bf16 ulp (2^-8 relative) of the result; the
+squared norm is an fp32 dot product per piece (1M positive terms, blocked summation: ~sqrt(n) x
+2^-24 ~ 6e-5 relative at worst in practice), so 1e-4 relative, where a lost or doubled copy moves
+it by tens of percent.
 """
 
 from concurrent.futures import ThreadPoolExecutor

@@ -239,10 +239,21 @@ class RuntimeSection:
     host) or host (each worker copies its whole gradient to a host block of its own and the
     gradient sink sums them on the CPU: N times the device-to-host bytes and one more model-sized
     gradient array in host memory per extra worker; one node only). See megatrain_ray.engine.grad_reduce."""
+    optimizer_sharding: str = "replicated"
+    """With runtime.nodes > 1, how the nodes share the AdamW work: replicated (every node's sink
+    updates every unit of its own replica, no traffic) or sharded (node k updates the units
+    u % nodes == k and broadcasts their new weights to the others: 1/nodes of the CPU work per
+    node; the AdamW states are gathered at checkpoint boundaries and at the end, so an interrupt
+    saves no checkpoint of its own). See megatrain_ray.engine.shards."""
     offload_activations: bool = False
     """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
     on the device, copied out and back on the copy streams: device memory no longer grows with the
     number of layers (for long contexts), at the cost of host memory and link time."""
+    cpu_affinity: bool = True
+    """Pin each compute worker's threads to CPUs local to its GPU (its NUMA node, as the machine's
+    sysfs reports it) and the gradient sink's AdamW threads to the node's other CPUs; where the
+    machine gives no topology (no GPU) nothing is pinned and one line says so. See
+    megatrain_ray.engine.affinity."""
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
     compute worker's kernel launches)."""
@@ -269,6 +280,11 @@ class RuntimeSection:
     max_restarts: int = 0
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """Whether the nodes split the AdamW work (``optimizer_sharding`` sharded, several nodes)."""
+        return self.optimizer_sharding == "sharded" and self.nodes > 1
 
     def adamw_threads(self) -> int:
         """Threads of the AdamW update (see ``optimizer_threads``)."""
@@ -316,6 +332,8 @@ class RuntimeSection:
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
+        _require(self.optimizer_sharding in ("replicated", "sharded"), "runtime.optimizer_sharding",
+                 f"must be replicated or sharded, got {self.optimizer_sharding!r}")
         _require(self.grad_reduce in GRAD_REDUCE, "runtime.grad_reduce",
                  f"must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
         _require(self.grad_reduce != "host" or self.nodes == 1, "runtime.grad_reduce",

@@ -26,6 +26,7 @@ complete before sending its ticket to the sink.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ import torch
 from ..errors import PipelineError
 from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
                                  token_loss_sum)
+from . import affinity
 from .activations import ActivationStore
 from .device import make_backend
 from .grad_reduce import GradReducer
@@ -148,6 +150,17 @@ class ComputeWorker:
         from .grad_reduce import free_port
 
         return ray.util.get_node_ip_address(), free_port()
+
+    def cpu_topology(self) -> dict[str, Any]:
+        """Where this worker's GPU sits: its PCI address, NUMA node and local CPUs (None where the
+        machine does not say), and the CPUs this process may run on (see :mod:`.affinity`)."""
+        pci = affinity.gpu_pci_address(self.backend.device.index or 0) if self.device_name == "cuda" else None
+        node, cpus = affinity.local_cpus(pci)
+        return {"pci": pci, "numa_node": node, "local_cpus": cpus, "usable": sorted(os.sched_getaffinity(0))}
+
+    def pin_cpus(self, cpus: list[int]) -> int:
+        """Run every thread of this worker on ``cpus`` from now on; returns the threads pinned."""
+        return affinity.pin_process(cpus)
 
     def join_group(self, rank: int, world: int, local_rank: int, local_world: int, address: str, port: int,
                    timeout_s: float, mode: str = "allreduce") -> int:

@@ -25,8 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..config import OptimConfig, lr_at
 from ..errors import PipelineError
+from . import affinity
 from .grad_reduce import sum_copies
 from .optim import AdamWRunner, clip_coefficient
+from .shards import OptimizerShards
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
 
@@ -36,7 +38,7 @@ class GradientSink:
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
                  timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1,
-                 host_sum: bool = False):
+                 host_sum: bool = False, writes_checkpoints: bool = True):
         self.runner = AdamWRunner(num_threads)
         self.store = HostStore(spec)
         self.layout = self.store.layout
@@ -47,6 +49,11 @@ class GradientSink:
         self.order = update_order(spec.model.num_hidden_layers)
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
+        self.writes_checkpoints = writes_checkpoints
+        """False on the other nodes of a sharded optimizer: they only know the plan's boundaries,
+        where they hand their AdamW states over (see :mod:`megatrain_ray.engine.shards`)."""
+        self.sharding: OptimizerShards | None = None
+        """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
         self.grad_slot_q = grad_slot_q
         self.shards = shards
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
@@ -69,6 +76,7 @@ class GradientSink:
             self.spans = []
             lr = lr_at(self.optim, step, self.total_steps)
             clip = self.optim.max_grad_norm > 0
+            deferred = clip or self.sharding is not None  # updates after the last gradient, in update order
             pending = dict.fromkeys(range(len(self.layout.units)), self.shards)
             sq_norm = 0.0
             while pending:
@@ -84,7 +92,7 @@ class GradientSink:
                 del pending[ticket.unit]
                 if self.host_sum:
                     sq_norm += self._sum_copies(ticket.unit)
-                if not clip:
+                if not deferred:
                     self._update(ticket.unit, step, lr, 1.0, ticket.slot)
                     if ticket.slot >= 0:
                         self.grad_slot_q.put(ticket.slot, timeout=self.timeout_s)
@@ -92,21 +100,51 @@ class GradientSink:
             if not math.isfinite(norm):
                 raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
                                     "lower optim.lr or check the data.")
-            if clip:
+            if deferred:
                 coef = clip_coefficient(norm, self.optim.max_grad_norm)
                 for unit in self.order:
-                    self._update(unit, step, lr, coef)
+                    if self.sharding is None or self.sharding.owns(unit):
+                        self._update(unit, step, lr, coef)
+                    if self.sharding is not None:
+                        self.sharding.share(unit, step + 1)
+                if self.sharding is not None:
+                    self.sharding.end_step()
             self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,
                               "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
                               "spans": self.spans}, timeout=self.timeout_s)
+        if self.sharding is not None:  # the export and any checkpoint after the run need every state
+            self.sharding.gather_states(end_step, len(self.layout.units))
         self._maybe_checkpoint(end_step, start_step, end_step)
         return end_step - start_step
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's IP, a free port on it): where the sinks' group meets (the first node's)."""
+        import ray
+
+        from .grad_reduce import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join_shards(self, node: int, nodes: int, address: str, port: int) -> int:
+        """Join the other nodes' sinks as a sharded optimizer (all call this at once); returns node."""
+        self.sharding = OptimizerShards(self.store, node, nodes, address, port, self.timeout_s)
+        return node
 
     def close(self) -> None:
         """Stop the AdamW thread pool (an actor's process ends with it anyway)."""
         self.runner.close()
         if self._sum_pool is not None:
             self._sum_pool.shutdown()
+        if self.sharding is not None:
+            self.sharding.close()
+
+    def pin_cpus(self, cpus: list[int], threads: int) -> int:
+        """Run every thread of the sink on ``cpus`` from now on, AdamW on ``threads`` of them (see
+        :mod:`megatrain_ray.engine.affinity`); returns the threads pinned."""
+        if threads != self.runner.threads:
+            self.runner.close()
+            self.runner = AdamWRunner(threads)
+        return affinity.pin_process(cpus)
 
     def _sum_copies(self, unit: int) -> float:
         """Sum the workers' host copies of ``unit``'s gradient into its grad block; its squared norm."""
@@ -119,6 +157,10 @@ class GradientSink:
     def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
         """Save the boundary after ``step`` updates if the plan asks for it (see the module docstring)."""
         if self.checkpoint is not None and self.checkpoint.due(step, start_step, end_step):
+            if self.sharding is not None:
+                self.sharding.gather_states(step, len(self.layout.units))
+            if not self.writes_checkpoints:
+                return
             start = time.time()
             path = self.checkpoint.save(self.store, step)
             self.stats_q.put({"checkpoint": path, "step": step, "save_s": time.time() - start},
