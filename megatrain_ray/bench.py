@@ -118,8 +118,9 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     from .orchestration.pipeline import train
 
     t0 = time.perf_counter()
+    placement: list[str] = []  # the run's one line per node on where its threads run (runtime.cpu_affinity)
     with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
-        result = train(cfg, log=lambda line: None)
+        result = train(cfg, log=lambda line: placement.append(line) if line.startswith("cpu placement") else None)
     wall_s = time.perf_counter() - t0
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -129,6 +130,7 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     summary["rows"] = rows
     summary.update(mem.summary(StoreLayout.build(cfg.model).num_params))
     summary["wall_s"] = wall_s
+    summary["cpu_placement"] = placement
     summary["outside_steps_s"] = wall_s - sum(r["step_s"] for r in rows)  # start-up and shut-down
     return summary, result.timeline
 

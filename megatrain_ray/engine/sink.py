@@ -10,6 +10,12 @@ layer 0, 1, ... — so the next forward can start on layer 0 while later layers 
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
 
+With several compute workers on the node, a unit is complete once every worker's ticket for it is
+in: each for its shard of the all-reduced gradient, or (runtime.grad_reduce=host) for its own
+whole gradient, which the sink then sums (:func:`~megatrain_ray.engine.grad_reduce.sum_copies`).
+With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.shards`) the updates also wait
+for the last gradient, and the sink updates only its own units, receiving the others'.
+
 Checkpoints (when given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) are written here, at
 the top of the step loop: every update of the previous step is done and none of this step's has
 begun, so the store is at a step boundary; this step's gradients queue up in the grad queue
