@@ -140,6 +140,7 @@ def _optimizer_states(directory) -> dict:
             for k, v in load_file(os.path.join(directory, f)).items()}
 
 
+@pytest.mark.slow  # a cluster of two raylets and two runs of ~10 actor processes each: ~3 min on 2 busy cores
 def test_two_simulated_nodes_train_what_one_does(one_worker, shm_dir):
     """Two raylets on this machine (ray.cluster_utils), each node with its own store, prefetcher,
     compute worker and sink, gradients all-reduced between the nodes: replicated (each node's AdamW
