@@ -250,7 +250,7 @@ class RuntimeSection:
     on the device, copied out and back on the copy streams: device memory no longer grows with the
     number of layers (for long contexts), at the cost of host memory and link time."""
     cpu_affinity: bool = True
-    """Pin each compute worker's threads to CPUs local to its GPU (its NUMA node, as the machine's
+    """Pin each compute worker's threads to 4 CPUs local to its GPU (its NUMA node, as the machine's
     sysfs reports it) and the gradient sink's AdamW threads to the node's other CPUs; where the
     machine gives no topology (no GPU) nothing is pinned and one line says so. See
     megatrain_ray.engine.affinity."""

@@ -18,9 +18,10 @@ import os
 import subprocess
 
 SYSFS = "/sys"
-COMPUTE_CPUS = 2
-"""CPUs each compute worker is pinned to: one for its kernel-launching thread, one shared by its
-helper threads (they mostly wait on the copy streams)."""
+COMPUTE_CPUS = 4
+"""CPUs each compute worker is pinned to: one for its kernel-launching thread, the others shared by
+its helper threads (they mostly wait on the copy streams), NCCL's proxy thread and Ray's own
+threads; a 16-core socket with two GPUs still leaves 8 of its cores to AdamW."""
 
 
 def parse_cpulist(text: str) -> list[int]:
