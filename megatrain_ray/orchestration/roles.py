@@ -8,6 +8,10 @@ own fetch and release queues (the worker's device slots) and a
 and unit: each worker sends its shard of the summed gradient). The data loaders run on the first
 node. Checkpoints are written by the first node's sink only (every replica holds the same state).
 
+Once spawned, :meth:`RaySpawner.form_group` joins the compute workers (the gradient sum),
+:meth:`RaySpawner.form_shards` the nodes' sinks (runtime.optimizer_sharding=sharded), and
+:func:`place_cpus` pins each node's compute workers near their GPUs and its AdamW on the other CPUs.
+
 Both drivers wire through :func:`spawn_roles`: the Ray driver with :class:`RaySpawner` (actors in
 one STRICT_PACK placement group per node) and the single-process driver with
 :class:`LocalSpawner` (the same plain classes as objects, Python queues), so N workers and K nodes
