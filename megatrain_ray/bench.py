@@ -90,11 +90,16 @@ def _with_workers(base: dict, shape: tuple, data: str, extra: list[str], tmp: st
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Steady-state numbers from per-step rows (the first step, which warms up, is left out)."""
+    """Steady-state numbers from per-step rows (the warm-up steps are left out).
+
+    A step's period is the time between the end of its run_step and the previous step's (the
+    driver keeps steps queued, so this is the pipeline's throughput, overlap included); s/step is
+    the median period of the steps after the warm-up: with 5 steps, of the last 3.
+    """
     warm = 2 if len(rows) > 3 else 1  # the first steps fault pages in and warm caches up
     steady = rows[warm:] if len(rows) > warm else rows
-    starts = [r["start"] for r in rows]
-    periods = [b - a for a, b in zip(starts, starts[1:])][warm:] or [rows[-1]["step_s"]]
+    ends = [r["start"] + r["step_s"] for r in rows]
+    periods = [b - a for a, b in zip(ends, ends[1:])][warm - 1:] or [rows[-1]["step_s"]]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     step_s = statistics.median(periods)
     out = {"step_s": step_s, "steady_periods": len(periods), "losses": [r["loss"] for r in rows],
@@ -113,8 +118,9 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     from .orchestration.pipeline import train
 
     t0 = time.perf_counter()
+    placement: list[str] = []  # the run's one line per node on where its threads run (runtime.cpu_affinity)
     with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
-        result = train(cfg, log=lambda line: None)
+        result = train(cfg, log=lambda line: placement.append(line) if line.startswith("cpu placement") else None)
     wall_s = time.perf_counter() - t0
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -124,6 +130,7 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     summary["rows"] = rows
     summary.update(mem.summary(StoreLayout.build(cfg.model).num_params))
     summary["wall_s"] = wall_s
+    summary["cpu_placement"] = placement
     summary["outside_steps_s"] = wall_s - sum(r["step_s"] for r in rows)  # start-up and shut-down
     return summary, result.timeline
 
@@ -362,9 +369,10 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
         + f" (peak RSS + shm {ours['host_accounted_gib']:.1f} GiB = {ours['host_accounted_bytes_per_param']:.1f} B/param:"
         + f" shm {ours['host_accounted_shm_gib']:.1f}, processes {ours['host_accounted_processes_gib']:.1f})"
         + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
-    if ours["steady_periods"] < 3:
-        print(f"note: s/step is the median of only {ours['steady_periods']} step(s) after the warm-up; the first "
-              "steps after it still run slower: use --steps 5 or more for numbers to quote")
+    for key, r in systems.items():
+        if key.startswith("megatrain_ray") and r["steady_periods"] < 3:
+            print(f"note: {key}'s s/step is the median of only {r['steady_periods']} step(s) after the warm-up; "
+                  "use --steps 5 or more for numbers to quote")
     print(f"ours: {ours['tflops_6nt']:.1f} TFLOPS as 6·N·T (every parameter), {ours['tflops_palm']:.1f} as PaLM's "
           "model FLOPs (matmul parameters + attention)"
           + (f", MFU {ours['mfu']:.1%} of the bf16 GEMM measured in this run ({report['gemm_tflops']:.0f} TFLOP/s)"

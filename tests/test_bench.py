@@ -110,3 +110,16 @@ def test_bench_model_from_an_hf_directory_and_what_is_refused(tmp_path, capsys):
     assert cli.main(["bench", "--preset", "tiny", "--model", str(directory), "--out", str(out)]) == 2
     assert "one of --preset, --config and --model" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_summarize_takes_the_median_period_of_the_steps_after_the_warm_up():
+    """5 steps: the first two warm up; s/step is the median of the last three periods (time between
+    consecutive step ends), so one slow steady step does not move it and the warm-up never counts."""
+    ends = [10.0, 13.0, 15.0, 17.5, 19.5]  # periods of steps 1..4: 3.0, 2.0, 2.5, 2.0
+    rows = [{"step": i, "start": e - 1.5, "step_s": 1.5, "loss": 1.0, "fetches": {}, "tokens": 8,
+             "device_peak_bytes": 0, "compute_busy_s": 1.0} for i, e in enumerate(ends)]
+    out = bench.summarize(rows)
+    assert out["steady_periods"] == 3
+    assert out["step_s"] == 2.0  # median of 2.0, 2.5, 2.0 (step 1's 3.0 is warm-up)
+    assert out["compute_busy_frac"] == 0.5
+    assert bench.summarize(rows[:2])["steady_periods"] == 1

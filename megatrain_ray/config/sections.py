@@ -192,6 +192,9 @@ _DATA_EXTENSIONS = (".txt", ".npy", ".jsonl", ".json", ".parquet", ".arrow")
 _DATA_FORMATS = ("auto", "windows", "text", "alpaca", "sharegpt", "tokens")
 
 
+GRAD_REDUCE = ("allreduce", "host")
+"""Values of runtime.grad_reduce."""
+
 AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
 """runtime.buffer_depth when null, per resolved device: on cuda the depth every measurement of the
 benchmark (README, Performance) ran with; on cpu, where slots are host memory, double buffering."""
@@ -236,10 +239,27 @@ class RuntimeSection:
     """Nodes of the Ray cluster to train on, data parallel: each runs its own store, prefetchers,
     compute workers and gradient sink; gradients are all-reduced across all of them, so every
     node's AdamW applies the same update to its own replica."""
+    grad_reduce: str = "allreduce"
+    """How the compute workers of a node sum a unit's gradient before its update: allreduce (an
+    NCCL/gloo all-reduce among the workers' devices, then each copies its shard of the sum to the
+    host) or host (each worker copies its whole gradient to a host block of its own and the
+    gradient sink sums them on the CPU: N times the device-to-host bytes and one more model-sized
+    gradient array in host memory per extra worker; one node only). See megatrain_ray.engine.grad_reduce."""
+    optimizer_sharding: str = "replicated"
+    """With runtime.nodes > 1, how the nodes share the AdamW work: replicated (every node's sink
+    updates every unit of its own replica, no traffic) or sharded (node k updates the units
+    u % nodes == k and broadcasts their new weights to the others: 1/nodes of the CPU work per
+    node; the AdamW states are gathered at checkpoint boundaries and at the end, so an interrupt
+    saves no checkpoint of its own). See megatrain_ray.engine.shards."""
     offload_activations: bool = False
     """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
     on the device, copied out and back on the copy streams: device memory no longer grows with the
     number of layers (for long contexts), at the cost of host memory and link time."""
+    cpu_affinity: bool = True
+    """Pin each compute worker's threads to 4 CPUs local to its GPU (its NUMA node, as the machine's
+    sysfs reports it) and the gradient sink's AdamW threads to the node's other CPUs; where the
+    machine gives no topology (no GPU) nothing is pinned and one line says so. See
+    megatrain_ray.engine.affinity."""
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
     compute worker's kernel launches)."""
@@ -270,6 +290,11 @@ class RuntimeSection:
     """Seconds an idle role (a parameter store, a data loader, a queue) may leave a health check
     unanswered before the run counts it as hung and fails or restarts (it answers in milliseconds);
     deaths are noticed within a second regardless (see :mod:`megatrain_ray.orchestration.health`)."""
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """Whether the nodes split the AdamW work (``optimizer_sharding`` sharded, several nodes)."""
+        return self.optimizer_sharding == "sharded" and self.nodes > 1
 
     def adamw_threads(self) -> int:
         """Threads of the AdamW update (see ``optimizer_threads``)."""
@@ -319,6 +344,13 @@ class RuntimeSection:
                  f"must be positive, got {self.health_timeout_s}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
+        _require(self.optimizer_sharding in ("replicated", "sharded"), "runtime.optimizer_sharding",
+                 f"must be replicated or sharded, got {self.optimizer_sharding!r}")
+        _require(self.grad_reduce in GRAD_REDUCE, "runtime.grad_reduce",
+                 f"must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
+        _require(self.grad_reduce != "host" or self.nodes == 1, "runtime.grad_reduce",
+                 f"host needs runtime.nodes=1 (got {self.nodes}): it sums the gradients of one node's workers in "
+                 "that node's host memory; use allreduce across nodes")
         if self.init_from is not None:
             _require(os.path.isfile(os.path.join(self.init_from, "config.json")), "runtime.init_from",
                      f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")

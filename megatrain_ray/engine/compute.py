@@ -27,6 +27,7 @@ complete before sending its ticket to the sink.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ import torch
 from ..errors import PipelineError
 from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
                                  token_loss_sum)
+from . import affinity
 from .activations import ActivationStore
 from .device import make_backend
 from .embed_grad import add_embedding_grad
@@ -151,10 +153,27 @@ class ComputeWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
+    def cpu_topology(self) -> dict[str, Any]:
+        """Where this worker's GPU sits: its PCI address, NUMA node and local CPUs (None where the
+        machine does not say), and the CPUs this process may run on (see :mod:`.affinity`)."""
+        pci = affinity.gpu_pci_address(self.backend.device.index or 0) if self.device_name == "cuda" else None
+        node, cpus = affinity.local_cpus(pci)
+        return {"pci": pci, "numa_node": node, "local_cpus": cpus, "usable": sorted(os.sched_getaffinity(0))}
+
+    def pin_cpus(self, cpus: list[int]) -> int:
+        """Run every thread of this worker on ``cpus`` from now on; returns the threads pinned."""
+        return affinity.pin_process(cpus)
+
     def join_group(self, rank: int, world: int, local_rank: int, local_world: int, address: str, port: int,
-                   timeout_s: float) -> int:
-        """Form the data-parallel group with the other workers (all call this at once); returns rank."""
-        self.reducer = GradReducer(rank, world, local_rank, local_world, address, port, self.device_name, timeout_s)
+                   timeout_s: float, mode: str = "allreduce") -> int:
+        """Form the data-parallel group with the other workers (all call this at once); returns rank.
+        ``mode``: runtime.grad_reduce (with host, this worker's own host gradient copy is pinned)."""
+        self.reducer = GradReducer(rank, world, local_rank, local_world, address, port, self.device_name, timeout_s,
+                                   mode)
+        if self.reducer.copy:
+            total = self.layout.total
+            self.backend.register_host(self.store.arrays["peer_grad"][(self.reducer.copy - 1) * total:
+                                                                      self.reducer.copy * total])
         return rank
 
     # -- helper threads ----------------------------------------------------------------------
@@ -228,9 +247,10 @@ class ComputeWorker:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink.
 
         With a data-parallel group, the gradient is first summed over all workers, and this worker
-        sends only its shard of the sum (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
+        gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
         slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
-        host = self.store.grad_block(unit, slot)
+        host = self.store.grad_block(unit, slot, self.reducer.copy if self.reducer is not None else 0)
         if self.reducer is not None:
             lo, hi = self.reducer.reduce(grad)
             grad, host = grad[lo:hi], host[lo:hi]

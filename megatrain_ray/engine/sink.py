@@ -10,6 +10,12 @@ layer 0, 1, ... — so the next forward can start on layer 0 while later layers 
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
 
+With several compute workers on the node, a unit is complete once every worker's ticket for it is
+in: each for its shard of the all-reduced gradient, or (runtime.grad_reduce=host) for its own
+whole gradient, which the sink then sums (:func:`~megatrain_ray.engine.grad_reduce.sum_copies`).
+With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.shards`) the updates also wait
+for the last gradient, and the sink updates only its own units, receiving the others'.
+
 Checkpoints (when given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) are started here, at
 the top of the step loop, where every update of the previous step is done and none of this step's
 has begun (a step boundary), and written in the background by a
@@ -23,11 +29,15 @@ from __future__ import annotations
 import math
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ..config import OptimConfig, lr_at
 from ..errors import PipelineError
 from ..io.writer import CheckpointWriter
+from . import affinity
+from .grad_reduce import sum_copies
 from .optim import AdamWRunner, clip_coefficient
+from .shards import OptimizerShards
 from .store import HostStore, StoreSpec
 from .tickets import GradTicket, update_order
 
@@ -36,7 +46,8 @@ class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1):
+                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1,
+                 host_sum: bool = False, writes_checkpoints: bool = True):
         self.runner = AdamWRunner(num_threads)
         self.store = HostStore(spec)
         self.layout = self.store.layout
@@ -47,11 +58,21 @@ class GradientSink:
         self.order = update_order(spec.model.num_hidden_layers)
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
-        self.writer = CheckpointWriter(self.store, checkpoint) if checkpoint is not None else None
+        self.writes_checkpoints = writes_checkpoints
+        """False on the other nodes of a sharded optimizer: they only know the plan's boundaries,
+        where they hand their AdamW states over (see :mod:`megatrain_ray.engine.shards`)."""
+        self.writer = (CheckpointWriter(self.store, checkpoint)
+                       if checkpoint is not None and writes_checkpoints else None)
+        self.sharding: OptimizerShards | None = None
+        """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
         self.grad_slot_q = grad_slot_q
         self.shards = shards
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
-        summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
+        whole gradient in a host copy of its own, which this sink sums (runtime.grad_reduce=host)."""
+        self.host_sum = host_sum and shards > 1
+        self.threads = max(1, num_threads)
+        self._sum_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grad-sum") if self.host_sum else None
         for slot in range(spec.grad_slots):  # the gradient ring starts empty: every slot is free
             grad_slot_q.put(slot, timeout=timeout_s)
 
@@ -67,6 +88,7 @@ class GradientSink:
             self.spans = []
             lr = lr_at(self.optim, step, self.total_steps)
             clip = self.optim.max_grad_norm > 0
+            deferred = clip or self.sharding is not None  # updates after the last gradient, in update order
             pending = dict.fromkeys(range(len(self.layout.units)), self.shards)
             sq_norm = 0.0
             while pending:
@@ -74,12 +96,15 @@ class GradientSink:
                 if ticket.step != step or ticket.unit not in pending:
                     raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
                                         f"{ticket.step} while collecting step {step}.")
-                sq_norm += ticket.sq_norm
+                if not self.host_sum:
+                    sq_norm += ticket.sq_norm
                 pending[ticket.unit] -= 1
                 if pending[ticket.unit]:
                     continue  # other workers' shards of this unit are still on their way
                 del pending[ticket.unit]
-                if not clip:
+                if self.host_sum:
+                    sq_norm += self._sum_copies(ticket.unit)
+                if not deferred:
                     self._update(ticket.unit, step, lr, 1.0, ticket.slot)
                     if ticket.slot >= 0:
                         self.grad_slot_q.put(ticket.slot, timeout=self.timeout_s)
@@ -87,28 +112,74 @@ class GradientSink:
             if not math.isfinite(norm):
                 raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
                                     "lower optim.lr or check the data.")
-            if clip:
+            if deferred:
                 coef = clip_coefficient(norm, self.optim.max_grad_norm)
                 for unit in self.order:
-                    self._update(unit, step, lr, coef)
+                    if self.sharding is None or self.sharding.owns(unit):
+                        self._update(unit, step, lr, coef)
+                    if self.sharding is not None:
+                        if self.writer is not None and not self.sharding.owns(unit):
+                            self.writer.before_update(unit)  # the owner's weights land in this unit
+                        self.sharding.share(unit, step + 1)
+                if self.sharding is not None:
+                    self.sharding.end_step()
             self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,
                               "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
                               "spans": self.spans}, timeout=self.timeout_s)
+        if self.sharding is not None:  # the export and any checkpoint after the run need every state
+            self.sharding.gather_states(end_step, len(self.layout.units))
         self._maybe_checkpoint(end_step, start_step, end_step)
         self._report_checkpoint(wait=True)
         return end_step - start_step
 
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's IP, a free port on it): where the sinks' group meets (the first node's)."""
+        import ray
+
+        from .grad_reduce import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join_shards(self, node: int, nodes: int, address: str, port: int) -> int:
+        """Join the other nodes' sinks as a sharded optimizer (all call this at once); returns node."""
+        self.sharding = OptimizerShards(self.store, node, nodes, address, port, self.timeout_s)
+        return node
+
     def close(self) -> None:
         """Stop the AdamW thread pool (an actor's process ends with it anyway)."""
         self.runner.close()
+        if self._sum_pool is not None:
+            self._sum_pool.shutdown()
+        if self.sharding is not None:
+            self.sharding.close()
+
+    def pin_cpus(self, cpus: list[int], threads: int) -> int:
+        """Run every thread of the sink on ``cpus`` from now on, AdamW on ``threads`` of them (see
+        :mod:`megatrain_ray.engine.affinity`); returns the threads pinned."""
+        if threads != self.runner.threads:
+            self.runner.close()
+            self.runner = AdamWRunner(threads)
+        return affinity.pin_process(cpus)
+
+    def _sum_copies(self, unit: int) -> float:
+        """Sum the workers' host copies of ``unit``'s gradient into its grad block; its squared norm."""
+        start = time.time()
+        copies = [self.store.grad_block(unit, -1, k) for k in range(self.shards)]
+        sq_norm = sum_copies(copies, self._sum_pool, self.threads)
+        self.spans.append(("adamw", f"sum {self.layout.units[unit]}", start, time.time(), 0))
+        return sq_norm
 
     def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
         """Start saving the boundary after ``step`` updates if the plan asks for it (see the module
         docstring); a save still being written is finished first."""
         if self.checkpoint is not None and self.checkpoint.due(step, start_step, end_step):
             self._report_checkpoint(wait=True)
+            if self.sharding is not None:
+                self.sharding.gather_states(step, len(self.layout.units))
+            if self.writer is None:
+                return
             clip = self.optim.max_grad_norm > 0  # the order of this step's updates: see run()
-            self.writer.start(step, self.order if clip else self.order[::-1])
+            self.writer.start(step, self.order if clip or self.sharding is not None else self.order[::-1])
 
     def _report_checkpoint(self, wait: bool = False) -> None:
         """Put the notice of a completed save on the stats queue ({checkpoint: path, step, save_s,

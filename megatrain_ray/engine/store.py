@@ -13,6 +13,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   soon as its gradient arrives, so ``grad`` is only a ring of ``grad_slots``
                   unit-sized slots (handed back by the sink after each update) instead of a
                   whole-model array: 10 instead of 12 bytes per parameter with bf16 master.
+- ``peer_grad``   with runtime.grad_reduce=host and N compute workers: N-1 more whole-model gradient
+                  arrays (gradient dtype), one per worker but the first, which writes to ``grad``
+                  as above; the gradient sink sums them into it (see :mod:`megatrain_ray.engine.grad_reduce`)
 - ``versions``    int64 per unit: how many optimizer updates the unit has received
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
@@ -34,7 +37,7 @@ from ..model.precision import Precision
 from ..model.transformer import hf_name
 from . import reaper, shm
 
-WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad")
+WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad", "peer_grad")
 GRAD_RING_SLOTS = 3
 """Slots of the gradient ring (see the module docstring): one being written, one being updated, one spare."""
 
@@ -45,6 +48,12 @@ def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1)
     compute worker per store (several would have to agree on each slot); else 0."""
     ring = not precision.grad_in_stream_block and max_grad_norm <= 0 and workers == 1
     return GRAD_RING_SLOTS if ring else 0
+
+
+def peer_grads_for(grad_reduce: str, workers: int) -> int:
+    """``StoreSpec.peer_grads`` of a run: with runtime.grad_reduce=host, one gradient array per
+    compute worker of the node but the first; with allreduce none."""
+    return workers - 1 if grad_reduce == "host" else 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class StoreSpec:
     run_id: str
     grad_slots: int = 0
     """0: a gradient block per unit; n > 0: a ring of n slots of the largest unit (see the module docstring)."""
+    peer_grads: int = 0
+    """Whole-model gradient arrays of the workers 1.. of the node (runtime.grad_reduce=host), or 0."""
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
@@ -67,20 +78,23 @@ class StoreSpec:
             return self.precision.master
         if kind == "stream":
             return self.precision.compute
-        if kind == "grad":
+        if kind in ("grad", "peer_grad"):
             return self.precision.grad
         return torch.float32
 
     def kinds(self) -> tuple[str, ...]:
         p = self.precision
         return tuple(k for k in WEIGHT_KINDS if not (k == "stream" and not p.separate_stream_copy
-                                                      or k == "grad" and p.grad_in_stream_block))
+                                                      or k == "grad" and p.grad_in_stream_block
+                                                      or k == "peer_grad" and not self.peer_grads))
 
     def numel(self, kind: str) -> int:
         """Elements of one kind's array."""
         layout = StoreLayout.build(self.model)
         if kind == "grad" and self.grad_slots:
             return self.grad_slots * layout.slot_numel
+        if kind == "peer_grad":
+            return self.peer_grads * layout.total
         return layout.total
 
     def nbytes(self) -> int:
@@ -113,8 +127,14 @@ class HostStore:
             raise ValueError("the gradients are in a ring of slots: use grad_block(unit, slot)")
         return self.layout.block(self.arrays[kind], i)
 
-    def grad_block(self, i: int, slot: int = -1) -> torch.Tensor:
-        """Where unit i's gradient is written: its grad (or stream) block, or ring slot ``slot``."""
+    def grad_block(self, i: int, slot: int = -1, copy: int = 0) -> torch.Tensor:
+        """Where unit i's gradient is written: its grad (or stream) block, or ring slot ``slot``;
+        ``copy`` k > 0: worker k's own block in ``peer_grad`` (runtime.grad_reduce=host)."""
+        if copy:
+            if not 0 < copy <= self.spec.peer_grads:
+                raise ValueError(f"gradient copy {copy} is not one of the store's {self.spec.peer_grads} peer copies")
+            total = self.layout.total
+            return self.layout.block(self.arrays["peer_grad"][(copy - 1) * total:copy * total], i)
         if not self.spec.grad_slots:
             return self.block("grad", i)
         if not 0 <= slot < self.spec.grad_slots:

@@ -227,6 +227,9 @@ class Driver:
         """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
         if self.plan is None:
             return None, "checkpoints are off"
+        if self.cfg.runtime.sharded_optimizer:
+            return None, ("with runtime.optimizer_sharding=sharded each node holds its own units' AdamW states, "
+                          "gathered only at train.checkpoint_every boundaries; resume from the last of those")
         done = self.result.start_step + len(self.result.losses)  # the losses of earlier attempts too
         boundary = max(self.submitted, default=done - 1) + 1
         if boundary <= start:

@@ -42,7 +42,7 @@ import ray
 from ..config import TrainConfig
 from ..data.loader import loader_spec, source_from_config
 from ..engine import reaper, shm
-from ..engine.store import StoreSpec, grad_slots_for
+from ..engine.store import StoreSpec, grad_slots_for, peer_grads_for
 from ..errors import ActorDied, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
@@ -52,7 +52,7 @@ from .cluster import connect_ray
 from .driver import Driver, RunResult
 from .health import Health
 from .metrics import RunMetrics
-from .roles import RaySpawner, spawn_roles
+from .roles import RaySpawner, place_cpus, spawn_roles
 
 
 class _Active:
@@ -103,7 +103,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id,
-                         grad_slots_for(precision, cfg.optim.max_grad_norm, cfg.runtime.compute_workers))
+                         0 if cfg.runtime.sharded_optimizer else
+                         grad_slots_for(precision, cfg.optim.max_grad_norm, cfg.runtime.compute_workers),
+                         peer_grads_for(cfg.runtime.grad_reduce, cfg.runtime.compute_workers))
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
@@ -206,6 +208,8 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
     roles = spawn_roles(cfg, specs, device, spawner, resume, plan, loader_spec(cfg, connect=connect_ray))
     spawner.form_group(roles.computes)
+    spawner.form_shards([n.sink for n in roles.nodes])
+    place_cpus(cfg, roles, device, spawner.get, log)
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight

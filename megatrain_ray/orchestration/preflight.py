@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
-from ..engine.store import StoreSpec, grad_slots_for
+from ..engine.store import StoreSpec, grad_slots_for, peer_grads_for
 from ..errors import PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
@@ -57,7 +57,8 @@ EXPORT_SHARD_BYTES = 2 * 2**30
 """Shard size of the final Hugging Face export (one shard is in memory at a time)."""
 _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to the device)",
                 "exp_avg": "AdamW exp_avg", "exp_avg_sq": "AdamW exp_avg_sq",
-                "grad": "gradients (host side)"}
+                "grad": "gradients (host side)",
+                "peer_grad": "the other workers' gradient copies (runtime.grad_reduce=host)"}
 
 
 @dataclass
@@ -223,7 +224,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
     precision = resolve_precision(rt, device)
-    spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan", grad_slots_for(precision, cfg.optim.max_grad_norm))
+    spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan", grad_slots_for(precision, cfg.optim.max_grad_norm),
+                     peer_grads_for(rt.grad_reduce, rt.compute_workers))
     layout = StoreLayout.build(m)
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)

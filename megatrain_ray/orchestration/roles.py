@@ -8,6 +8,10 @@ own fetch and release queues (the worker's device slots) and a
 and unit: each worker sends its shard of the summed gradient). The data loaders run on the first
 node. Checkpoints are written by the first node's sink only (every replica holds the same state).
 
+Once spawned, :meth:`RaySpawner.form_group` joins the compute workers (the gradient sum),
+:meth:`RaySpawner.form_shards` the nodes' sinks (runtime.optimizer_sharding=sharded), and
+:func:`place_cpus` pins each node's compute workers near their GPUs and its AdamW on the other CPUs.
+
 Both drivers wire through :func:`spawn_roles`: the Ray driver with :class:`RaySpawner` (actors in
 one STRICT_PACK placement group per node) and the single-process driver with
 :class:`LocalSpawner` (the same plain classes as objects, Python queues), so N workers and K nodes
@@ -94,6 +98,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
     cpu = usable_cpus()
     depth = rt.buffer_depth_on(device)
     workers = rt.compute_workers
+    sharded = rt.sharded_optimizer
     nodes = []
     for k, spec in enumerate(specs):
         spawner.node(k)
@@ -114,13 +119,48 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
                 compile_threads=rt.compile_threads))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
-            checkpoint=plan if k == 0 else None, grad_slot_q=grad_slot_q, shards=workers)
+            checkpoint=plan if k == 0 or sharded else None, grad_slot_q=grad_slot_q, shards=workers,
+            host_sum=rt.grad_reduce == "host", writes_checkpoints=k == 0)
         nodes.append(roles)
     loaders = []
     if loader is not None:
         spawner.node(0)
         loaders = [spawner.actor(loader[0], f"data-{k}")(*loader[1]) for k in range(cfg.data.num_workers)]
     return Roles(nodes, loaders)
+
+
+def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) -> list[str]:
+    """Pin each node's compute workers to CPUs near their GPUs and its sink's AdamW to the rest
+    (runtime.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start;
+    returns the lines logged, one per node (or one saying why nothing was pinned)."""
+    from ..engine.affinity import format_cpulist, plan_cpus
+
+    rt = cfg.runtime
+    if not rt.cpu_affinity or device != "cuda":
+        why = "runtime.cpu_affinity is false" if not rt.cpu_affinity else "no GPU to be near on the cpu device"
+        lines = [f"cpu placement: none ({why}); threads run where the OS puts them"]
+    else:
+        lines = []
+        for k, node in enumerate(roles.nodes):
+            at = f" on node {k}" if len(roles.nodes) > 1 else ""
+            tops = get([c.cpu_topology.remote() for c in node.computes], "compute")
+            picks, rest = plan_cpus([t["local_cpus"] for t in tops], tops[0]["usable"])
+            if not any(picks):
+                lines.append(f"cpu placement{at}: none (the machine does not say which CPUs are near its GPUs"
+                             f"{'' if tops[0]['pci'] else ': no PCI address'}); threads run where the OS puts them")
+                continue
+            get([c.pin_cpus.remote(cpus) for c, cpus in zip(node.computes, picks) if cpus], "compute")
+            if rest:
+                get(node.sink.pin_cpus.remote(rest, rt.optimizer_threads or len(rest)), "grad-sink")
+            workers = ", ".join(
+                f"compute-{w} (GPU {t['pci']}, NUMA node {t['numa_node'] if t['numa_node'] is not None else '?'}) "
+                f"on CPUs {format_cpulist(cpus) if cpus else 'any (unknown topology)'}"
+                for w, (t, cpus) in enumerate(zip(tops, picks)))
+            adamw = f"AdamW on CPUs {format_cpulist(rest)}" if rest else "AdamW unpinned (no CPU left)"
+            lines.append(f"cpu placement{at}: {workers}; {adamw}")
+    for line in lines:
+        log(line)
+    return lines
 
 
 class LocalSpawner:
@@ -231,7 +271,15 @@ class RaySpawner:
         rt = self.cfg.runtime
         address, port = self.get(computes[0].rendezvous.remote(), "compute")
         self.get([c.join_group.remote(rank, len(computes), rank % rt.compute_workers, rt.compute_workers, address,
-                                      port, rt.actor_timeout_s) for rank, c in enumerate(computes)], "compute")
+                                      port, rt.actor_timeout_s, rt.grad_reduce) for rank, c in enumerate(computes)],
+                 "compute")
+
+    def form_shards(self, sinks: list) -> None:
+        """Make the nodes' sinks one sharded optimizer (runtime.optimizer_sharding=sharded, several nodes)."""
+        if not self.cfg.runtime.sharded_optimizer:
+            return
+        address, port = self.get(sinks[0].rendezvous.remote(), "grad-sink")
+        self.get([s.join_shards.remote(k, len(sinks), address, port) for k, s in enumerate(sinks)], "grad-sink")
 
     def kill(self) -> None:
         """Remove every actor, queue and placement group (stores on other nodes free their shared
