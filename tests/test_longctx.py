@@ -237,3 +237,33 @@ def test_pack_documents_refuses_a_stream_without_boundaries(tmp_path):
     np.save(path, np.arange(1000) % 50)
     with pytest.raises(DataError, match="data.pack_documents needs document boundaries"):
         BatchSource(str(path), 16, 1, 1, 0, 64, pack_documents=True)
+
+
+def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthens_it():
+    """The 7B shape at 4 layers on a 139.8 GiB GPU with unlimited host: the longest context is the
+    last multiple of 1024 tokens whose device peak fits 90% of the GPU; without MLP tiling it is
+    shorter (the [S, intermediate] tensors), and the table says it."""
+    import dataclasses
+
+    from megatrain_ray.orchestration import preflight as P
+
+    shape = ["model.hidden_size=3584", "model.intermediate_size=18944", "model.num_attention_heads=28",
+             "model.num_key_value_heads=4", "model.vocab_size=152064", "model.model_type=qwen2",
+             "model.num_hidden_layers=4", "train.seq_len=131072", "model.max_position_embeddings=131072",
+             "train.micro_batch_size=1", "train.num_micro_batches=1", "runtime.offload_activations=true"]
+    gpu = int(139.8 * 2**30)
+    found = {}
+    for tiling in ("null", "0"):
+        cfg = load_config(None, shape + [f"runtime.mlp_chunk_size={tiling}"])
+        plan = P.plan(cfg, "cuda", device_bytes=gpu, starts_ray=False)
+        plan.host_available = 2**50
+        longest = found[tiling] = P.longest_context(cfg, "cuda", plan)
+
+        def peak(s):
+            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=s))
+            return P.device_total(P.device_rows(c, "cuda", 1))
+
+        assert longest % 1024 == 0 and peak(longest) <= gpu * P.GPU_USABLE < peak(longest + 1024)
+    assert found["null"] > 2 * found["0"] > 0 and found["null"] > 524288
+    plan.longest_context = 1234
+    assert "longest context that fits: 1,234 tokens per sequence" in plan.table()
