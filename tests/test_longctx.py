@@ -264,6 +264,10 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
             return P.device_total(P.device_rows(c, "cuda", 1))
 
         assert longest % 1024 == 0 and peak(longest) <= gpu * P.GPU_USABLE < peak(longest + 1024)
+        assert plan.context_limit == "GPU memory"
     assert found["null"] > 2 * found["0"] > 0 and found["null"] > 524288
     plan.longest_context = 1234
-    assert "longest context that fits: 1,234 tokens per sequence" in plan.table()
+    assert "longest context that fits: 1,234 tokens per sequence at micro-batch 1 (longer ones exceed the GPU " \
+           "memory)" in plan.table()
+    plan.host_available = 2**30  # not even the store: no context fits, and the host is why
+    assert P.longest_context(cfg, "cuda", plan) == 0 and plan.context_limit == "host RAM"

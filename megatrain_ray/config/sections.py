@@ -229,9 +229,9 @@ class RuntimeSection:
     """Tokens per chunk of the LM head and loss, so full logits are never materialised; None
     (default) = what the benchmark uses: 8192 on cuda, 1024 on cpu (see ``loss_chunk_size_on``)."""
     mlp_chunk_size: int | None = None
-    """Tokens per chunk of the sequence-tiled MLP block (post-attention norm, SwiGLU, down
-    projection, residual; forward and recompute-backward), so its [S, intermediate] tensors exist
-    for one chunk at a time; same math. 0 = off; None (default) = off up to 65536 tokens per
+    """Positions per chunk of the sequence-tiled MLP block (post-attention norm, SwiGLU, down
+    projection, residual; forward and recompute-backward; each chunk spans all sequences of the
+    micro-batch), so its [S, intermediate] tensors exist for one chunk at a time; same math. 0 = off; None (default) = off up to 65536 tokens per
     sequence, 16384 beyond (see ``mlp_chunk_size_for``)."""
     compile: bool | None = None
     """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from ..config import ModelConfig
 
@@ -204,8 +205,6 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     elif isinstance(mask, torch.Tensor):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     else:
-        from torch.nn.attention.flex_attention import flex_attention
-
         out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     out = out.transpose(1, 2).reshape(b, s, -1)
     return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))

@@ -109,6 +109,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     longest_context: int | None = None
     """The longest train.seq_len that fits (device and host), at train.micro_batch_size; None: unknown."""
+    context_limit: str = ""
+    """What a longer context would not fit: GPU memory or host RAM."""
 
     def total(self, where: str) -> int:
         """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
@@ -166,6 +168,8 @@ class Plan:
             lines.append(f"longest context that fits: {self.longest_context:,} tokens per sequence at "
                          f"micro-batch {self.micro_batch_size}" if self.longest_context else
                          "longest context that fits: none")
+            if self.context_limit:
+                lines[-1] += f" (longer ones exceed the {self.context_limit})"
         lines += self.notes
         return "\n".join(lines)
 
@@ -271,7 +275,9 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
         rows = device_rows(c, device, cfg.train.micro_batch_size)
         dev = device_total(rows)
         host = fixed_host + sum(r.nbytes for r in rows if r.where == "host") + (dev if device == "cpu" else 0)
-        return host <= base.host_available and (device == "cpu" or dev <= base.device_bytes * GPU_USABLE)
+        base.context_limit = "host RAM" if host > base.host_available else (
+            "GPU memory" if device != "cpu" and dev > base.device_bytes * GPU_USABLE else "")
+        return not base.context_limit
 
     if not fits(step):
         return 0
@@ -281,6 +287,7 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    fits(hi * step)  # records what the next length would exceed
     return lo * step
 
 
