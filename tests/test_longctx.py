@@ -271,3 +271,35 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
            "memory)" in plan.table()
     plan.host_available = 2**30  # not even the store: no context fits, and the host is why
     assert P.longest_context(cfg, "cuda", plan) == 0 and plan.context_limit == "host RAM"
+
+
+def test_sft_rows_are_packed_whole_by_the_loader(tmp_path):
+    """Pre-tokenized examples with labels (rows layout) and data.pack_documents: each sequence holds
+    whole examples in corpus order, positions restart per example, only targets are labels, and
+    with packing off the same data stays one padded example per sequence."""
+    import pyarrow as pa
+
+    from megatrain_ray.data.loader import source_from_config
+
+    examples = [list(range(1, 1 + n)) for n in (5, 4, 7, 3)]
+    labels = [[-100, -100] + e[2:] for e in examples]  # the first two tokens are the prompt
+    path = tmp_path / "sft.arrow"
+    table = pa.table({"input_ids": examples, "labels": labels})
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table)
+    common = [f"data.path={path}", "data.format=tokens", "train.seq_len=10", "train.micro_batch_size=1",
+              "train.num_micro_batches=1", "model.vocab_size=64", f"runtime.run_dir={tmp_path / 'runs'}"]
+    packed = source_from_config(load_config(None, common + ["data.pack_documents=true"]))
+    assert packed.num_samples == 2  # [5 + 4] and [7 + 3]
+    rows = packed.samples(np.arange(2))
+    I = DATA_IGNORE
+    assert rows["input_ids"][0].tolist() == [1, 2, 3, 4, 5, 1, 2, 3, 4, 0]
+    assert rows["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0]
+    assert rows["labels"][0].tolist() == [I, 3, 4, 5, I, I, 3, 4, I, I]
+    assert rows["input_ids"][1].tolist() == [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    assert rows["labels"][1].tolist() == [I, 3, 4, 5, 6, 7, I, I, 3, I]
+    plain = source_from_config(load_config(None, common))
+    assert plain.num_samples == 4 and "position_ids" not in plain.samples(np.arange(1))
+    state = packed.state(1)
+    with pytest.raises(Exception, match="pack_documents"):
+        plain.resume_step(state)
