@@ -28,6 +28,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     backward of all micro-batches, as the compute worker runs them (views of a flat slot, gradients
     into a flat fp32 buffer), eager and compiled."""
     from .engine.compute import layer_backward
+    from .engine.sequence import LayerRunner
     from .model import transformer as M
     from .model.layout import LayerTemplate
 
@@ -57,8 +58,8 @@ def layer_probe(cfg, micro_batches: int) -> dict:
                 fn(t.bind(flat, fused=True), x, rope, mc)
 
     def bwd(fn):
-        layer_backward(fn, t.bind(flat, fused=True), t.bind(grad, fused=True), xs, [torch.ones_like(x) for x in xs],
-                       rope, mc)
+        layer_backward(LayerRunner(wrap=lambda _: fn), t.bind(flat, fused=True), t.bind(grad, fused=True), xs,
+                       [torch.ones_like(x) for x in xs], [(rope, None)] * len(xs), mc)
 
     compiled = torch.compile(M.decoder_layer, dynamic=False)
     start = time.perf_counter()

@@ -59,7 +59,7 @@ def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
     assert best and best > 0
 
     def device_total(b):
-        return sum(r.nbytes for r in preflight.device_rows(cfg, "cuda", b))
+        return preflight.device_total(preflight.device_rows(cfg, "cuda", b))
 
     assert device_total(best) <= 8 * 2**30 * preflight.GPU_USABLE < device_total(best + 1)
     # Beyond one loss chunk, the device total grows linearly with the micro-batch (activations).

@@ -162,6 +162,14 @@ class DataSection:
     <runtime.run_dir>/data-cache."""
     num_workers: int = 1
     """Size of the tokenizer actor pool (Ray Data) and number of data-loader actors serving batches."""
+    pack_documents: bool = False
+    """Treat each sequence as a pack of separate documents: attention is masked at document
+    boundaries (a token sees only earlier tokens of its own document), RoPE positions restart at 0
+    for each document, and the token that ends one document is not trained to predict the next
+    document's first token. Packed text (documents cut into sequences from the stream) keeps its
+    layout and gains the boundaries; SFT examples (alpaca, sharegpt, tokens with labels) are packed
+    several to a sequence, in corpus order, instead of one padded example each. Needs document
+    boundaries: not available for a 1-D .npy token stream."""
 
     def validate(self) -> None:
         _require(self.num_workers > 0, "data.num_workers", f"must be positive, got {self.num_workers}")
@@ -198,6 +206,11 @@ GRAD_REDUCE = ("allreduce", "host")
 AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
 """runtime.buffer_depth when null, per resolved device: on cuda the depth every measurement of the
 benchmark (README, Performance) ran with; on cpu, where slots are host memory, double buffering."""
+AUTO_MLP_CHUNK = (65536, 16384)
+"""runtime.mlp_chunk_size when null: (longest sequence run untiled, tokens per chunk beyond it).
+Up to 64k tokens (the benchmark's shape) the MLP runs whole (its [S, intermediate] tensors fit and
+one GEMM per projection is fastest); longer sequences run in 16k-token chunks: GEMMs of 16k rows
+still run at full speed, and a chunk's [16k, intermediate] tensor is 0.6 GB at 7B width in bf16."""
 AUTO_LOSS_CHUNK_SIZE = {"cuda": 8192, "cpu": 1024}
 """runtime.loss_chunk_size when null, per resolved device: on cuda the benchmark's (larger LM-head
 GEMMs, for 10 bytes of device memory per token and vocabulary entry, which ``plan`` counts); on cpu
@@ -224,6 +237,11 @@ class RuntimeSection:
     loss_chunk_size: int | None = None
     """Tokens per chunk of the LM head and loss, so full logits are never materialised; None
     (default) = what the benchmark uses: 8192 on cuda, 1024 on cpu (see ``loss_chunk_size_on``)."""
+    mlp_chunk_size: int | None = None
+    """Positions per chunk of the sequence-tiled MLP block (post-attention norm, SwiGLU, down
+    projection, residual; forward and recompute-backward; each chunk spans all sequences of the
+    micro-batch), so its [S, intermediate] tensors exist for one chunk at a time; same math. 0 = off; None (default) = off up to 65536 tokens per
+    sequence, 16384 beyond (see ``mlp_chunk_size_for``)."""
     compile: bool | None = None
     """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
     compile_threads: int = 1
@@ -308,6 +326,12 @@ class RuntimeSection:
         """Device weight slots on the resolved ``device`` (see ``buffer_depth``)."""
         return self.buffer_depth or AUTO_BUFFER_DEPTH[device]
 
+    def mlp_chunk_size_for(self, seq_len: int) -> int:
+        """Tokens per MLP chunk for sequences of ``seq_len`` tokens (0 = untiled; see ``mlp_chunk_size``)."""
+        if self.mlp_chunk_size is not None:
+            return self.mlp_chunk_size
+        return 0 if seq_len <= AUTO_MLP_CHUNK[0] else AUTO_MLP_CHUNK[1]
+
     def loss_chunk_size_on(self, device: str) -> int:
         """Tokens per loss chunk on the resolved ``device`` (see ``loss_chunk_size``)."""
         return self.loss_chunk_size or AUTO_LOSS_CHUNK_SIZE[device]
@@ -329,6 +353,8 @@ class RuntimeSection:
                  f"must be >= 0 (0 = one per CPU but one), got {self.optimizer_threads}")
         _require(self.loss_chunk_size is None or self.loss_chunk_size > 0, "runtime.loss_chunk_size",
                  f"must be positive (or null: 8192 on cuda, 1024 on cpu), got {self.loss_chunk_size}")
+        _require(self.mlp_chunk_size is None or self.mlp_chunk_size >= 0, "runtime.mlp_chunk_size",
+                 f"must be >= 0 (0 = off, null = off up to 65536 tokens, 16384 beyond), got {self.mlp_chunk_size}")
         _require(os.path.isdir(self.shm_dir), "runtime.shm_dir", f"is not a directory: {self.shm_dir!r}")
         _require(not os.path.exists(self.run_dir) or os.path.isdir(self.run_dir), "runtime.run_dir",
                  f"names a file, not a directory: {self.run_dir!r}")

@@ -18,6 +18,10 @@ exactly the batch it would have had (:meth:`CorpusSource.state` / :meth:`CorpusS
 
 Inputs are a sample's first S tokens, labels its last S (next-token prediction), with
 ``IGNORE_INDEX`` where the predicted token is not a target or is padding.
+
+With ``data.pack_documents`` (:mod:`megatrain_ray.data.packing`) batches also carry
+``position_ids``: a packed sample keeps its window and gains its documents' positions (no label
+across a boundary); for rows, sample k is instead the k-th *pack* of whole examples, in corpus order.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 
 from ..errors import DataError
 from .datasets import CorpusRef, is_val, open_npy
+from .packing import document_positions, no_boundaries, pack_rows, packed_row
 
 IGNORE_INDEX = -100
 """model.IGNORE_INDEX, repeated so that loader actors do not import torch (tests check they agree)."""
@@ -87,8 +92,9 @@ class CorpusSource:
     """How the batches are drawn, recorded in each checkpoint's meta.json (rng.data_order)."""
 
     def __init__(self, ref: CorpusRef, split: str, seq_len: int, micro_batch_size: int, num_micro_batches: int,
-                 seed: int, vocab_size: int):
+                 seed: int, vocab_size: int, pack_documents: bool = False):
         self.ref, self.split = ref, split
+        self.pack = pack_documents
         self.seq_len, self.seed = seq_len, seed
         self.shape = (num_micro_batches, micro_batch_size)
         data = open_split(ref, split)
@@ -98,8 +104,11 @@ class CorpusSource:
             if self.num_samples < 1:
                 raise DataError(f"{ref.where} has {len(self.tokens)} {split} tokens, fewer than train.seq_len + 1 "
                                 f"({seq_len + 1}); use more data or a shorter train.seq_len.")
+            if self.pack and self.starts is None:
+                raise no_boundaries(ref.where)
         else:
-            self.num_samples = len(self.starts)
+            self.packs = pack_rows(self.lengths, seq_len) if self.pack else None
+            self.num_samples = len(self.packs) if self.pack else len(self.starts)
         top = data["max_id"]
         if top >= vocab_size:
             raise DataError(f"{ref.where} holds token id {top}, outside model.vocab_size ({vocab_size}); the "
@@ -134,7 +143,16 @@ class CorpusSource:
         s = self.seq_len
         if self.ref.layout == "packed":
             windows = np.stack([np.asarray(self.tokens[k * s:k * s + s + 1]) for k in ids]).astype(np.int64)
-            return {"input_ids": windows[:, :-1].copy(), "labels": windows[:, 1:].copy()}
+            out = {"input_ids": windows[:, :-1].copy(), "labels": windows[:, 1:].copy()}
+            if self.pack:
+                pos, ends = zip(*(document_positions(self.starts, int(k) * s, s) for k in ids))
+                out["position_ids"] = np.stack(pos)
+                out["labels"][np.stack(ends)] = IGNORE_INDEX
+            return out
+        if self.pack:
+            rows = [packed_row(self.tokens, self.mask, self.starts, self.lengths, self.packs[k], s, self.ref.pad_id)
+                    for k in ids]
+            return {name: np.stack(col) for name, col in zip(("input_ids", "labels", "position_ids"), zip(*rows))}
         seqs = np.full((len(ids), s + 1), self.ref.pad_id, dtype=np.int64)
         target = np.zeros((len(ids), s + 1), dtype=bool)
         for r, k in enumerate(ids):
@@ -145,7 +163,7 @@ class CorpusSource:
         return {"input_ids": seqs[:, :-1].copy(), "labels": labels}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """input_ids, labels: [M, B, S] int64 for optimizer step ``step``."""
+        """input_ids, labels (and position_ids when packing): [M, B, S] int64 for optimizer step ``step``."""
         out = self.samples(self.sample_ids(step))
         return {k: v.reshape(*self.shape, self.seq_len) for k, v in out.items()}
 
@@ -161,12 +179,15 @@ class CorpusSource:
         g = next_step * self.shape[0] * self.shape[1]
         return {"fingerprint": self.ref.fingerprint, "split": self.split, "seed": self.seed,
                 "seq_len": self.seq_len, "batch_shape": list(self.shape), "next_step": next_step,
+                "pack_documents": self.pack,
                 "epoch": g // self.num_samples, "sample_in_epoch": g % self.num_samples}
 
     def resume_step(self, state: dict) -> int:
         """The step to continue from, after checking that ``state`` came from this same data and order."""
         mine = self.state(int(state["next_step"]))
         changed = [k for k in ("fingerprint", "split", "seed", "seq_len", "batch_shape") if state.get(k) != mine[k]]
+        if state.get("pack_documents", False) != self.pack:  # absent from checkpoints before packing
+            changed.append("data.pack_documents")
         if changed:
             raise DataError(f"cannot resume: the checkpoint's data position was taken with a different "
                             f"{', '.join(changed)}; resume with the data and train settings it was saved with.")

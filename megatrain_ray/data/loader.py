@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import DataError
 from .builtin import EOS_ID, builtin_documents, encode_bytes
+from .packing import IGNORE_INDEX, document_positions, eos_starts, no_boundaries
 from .tokenizer import as_token_ids
 
 Connect = Callable[[object], None]
@@ -68,8 +69,14 @@ class BatchSource:
     """How the batches are drawn, recorded in each checkpoint's meta.json (rng.data_order)."""
 
     def __init__(self, path: str | None, seq_len: int, micro_batch_size: int, num_micro_batches: int,
-                 seed: int, vocab_size: int):
+                 seed: int, vocab_size: int, pack_documents: bool = False):
         self.tokens = load_tokens(path)
+        self.starts = None
+        """Document starts when packing (data.pack_documents): after each EOS of the text read."""
+        if pack_documents:
+            if path is not None and path.endswith(".npy"):
+                raise no_boundaries(f"data.path {path!r}")
+            self.starts = eos_starts(self.tokens, EOS_ID)
         self.shape = (num_micro_batches, micro_batch_size)
         self.seq_len = seq_len
         self.seed = seed
@@ -84,22 +91,30 @@ class BatchSource:
                             f"[0, model.vocab_size ({vocab_size})); the data and the model's vocabulary do not match.")
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """input_ids, labels: [M, B, S] int64 for optimizer step ``step``."""
+        """input_ids, labels (and position_ids when packing): [M, B, S] int64 for optimizer step ``step``."""
         rng = np.random.default_rng([self.seed, step])
         count = self.shape[0] * self.shape[1]
         starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=count)
         windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
         windows = windows.reshape(*self.shape, self.seq_len + 1)
-        return {"input_ids": windows[..., :-1].copy(), "labels": windows[..., 1:].copy()}
+        out = {"input_ids": windows[..., :-1].copy(), "labels": windows[..., 1:].copy()}
+        if self.starts is not None:
+            pos, ends = zip(*(document_positions(self.starts, int(s), self.seq_len) for s in starts))
+            out["position_ids"] = np.stack(pos).reshape(*self.shape, self.seq_len)
+            out["labels"][np.stack(ends).reshape(*self.shape, self.seq_len)] = IGNORE_INDEX
+        return out
 
     def state(self, next_step: int) -> dict:
         """The read position before step ``next_step``, for a checkpoint (JSON-serialisable)."""
         return {"fingerprint": self.fingerprint, "seed": self.seed, "seq_len": self.seq_len,
-                "batch_shape": list(self.shape), "next_step": next_step}
+                "batch_shape": list(self.shape), "next_step": next_step,
+                **({"pack_documents": True} if self.starts is not None else {})}
 
     def resume_step(self, state: dict) -> int:
         """The step to continue from, after checking that ``state`` came from this same data and order."""
         changed = [k for k, v in self.state(0).items() if k != "next_step" and state.get(k) != v]
+        if state.get("pack_documents", False) != (self.starts is not None) and "pack_documents" not in changed:
+            changed.append("pack_documents")
         if changed:
             raise DataError(f"cannot resume: the checkpoint's data position was taken with a different "
                             f"{', '.join(changed)}; resume with the data and train settings it was saved with.")
@@ -194,7 +209,8 @@ def check_first_row(p) -> None:
 def loader_spec(cfg, split: str = "train", log=print, connect: Connect | None = None) -> tuple[type, tuple]:
     """(class, constructor arguments) of the data-loader actors of a config."""
     t = cfg.train
-    shape = (t.seq_len, t.micro_batch_size, t.num_micro_batches, t.seed, cfg.model.vocab_size)
+    shape = (t.seq_len, t.micro_batch_size, t.num_micro_batches, t.seed, cfg.model.vocab_size,
+             cfg.data.pack_documents)
     if split == "train" and uses_windows(cfg):
         return BatchSource, (cfg.data.path and os.path.abspath(cfg.data.path), *shape)
     from .corpus import CorpusSource

@@ -36,37 +36,31 @@ from typing import Any
 import torch
 
 from ..errors import PipelineError
-from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
-                                 token_loss_sum)
+from ..model.transformer import IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, token_loss_sum
 from . import affinity
 from .activations import ActivationStore
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
+from .sequence import LayerRunner, step_contexts
 from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, GradTicket
 
 
-def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-                   inputs: list[torch.Tensor], dx: list[torch.Tensor], rope, cfg) -> None:
+def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                   inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg) -> None:
     """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
 
-    layer_fn: :func:`~megatrain_ray.model.transformer.decoder_layer` or its compiled form; params: the layer's
-    views into its device slot; grads: the same views into its fp32 gradient buffer, accumulated
-    into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter replaced by the
-    input gradients. Each parameter is its own autograd leaf (a view of the slot, no copy), so its
-    gradient is added straight into its place in the flat buffer rather than assembled into a
-    whole-layer gradient first.
+    runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.sequence`);
+    params: the layer's views into its device slot; grads: the same views into its fp32 gradient
+    buffer, accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
+    replaced by the input gradients; contexts: M x (rope, mask). Each parameter is its own autograd
+    leaf (a view of the slot, no copy), so its gradient is added straight into its place in the flat
+    buffer rather than assembled into a whole-layer gradient first.
     """
     leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
     for m, x in enumerate(inputs):
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            y = layer_fn(leaves, x, rope, cfg)
-        *gws, dx[m] = torch.autograd.grad(y, [*leaves.values(), x], dx[m], allow_unused=True)
-        for name, gw in zip(leaves, gws):
-            if gw is not None:  # the parts of a fused projection get theirs through the fused view
-                grads[name].add_(gw)
+        dx[m] = runner.backward(leaves, grads, x, dx[m], contexts[m], cfg)
 
 
 class CompiledLayer:
@@ -76,11 +70,12 @@ class CompiledLayer:
     GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
     """
 
-    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1):
+    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1, fn=decoder_layer):
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
-        self.compiled = torch.compile(decoder_layer, dynamic=False, backend=backend)
+        self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.sequence)
+        self.compiled = torch.compile(fn, dynamic=False, backend=backend)
         self.failure: BaseException | None = None
         self.warn = warn
 
@@ -93,17 +88,17 @@ class CompiledLayer:
             return
         shutdown_compile_workers()
 
-    def __call__(self, p, x, rope, cfg):
+    def __call__(self, *args):
         if self.failure is None:
             try:
-                return self.compiled(p, x, rope, cfg)
+                return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
                 self.failure = e
                 cause = getattr(e, "inner_exception", None) or e
                 self.warn(f"warning: torch.compile of the decoder layer failed ({type(cause).__name__}: "
                           f"{str(cause).splitlines()[0] if str(cause) else ''}); "
                           "running it eagerly (set runtime.compile=false to skip the attempt).")
-        return decoder_layer(p, x, rope, cfg)
+        return self.fn(*args)
 
 
 class ComputeWorker:
@@ -112,12 +107,13 @@ class ComputeWorker:
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
                  compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None,
-                 compile_threads: int = 1):
+                 compile_threads: int = 1, mlp_chunk_size: int = 0):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
-        self.layer_fn = CompiledLayer(threads=compile_threads) if compile_layers else decoder_layer
-        self._compile_pool = self.layer_fn if compile_layers and compile_threads > 1 else None
+        wrap = (lambda fn: CompiledLayer(threads=compile_threads, fn=fn)) if compile_layers else None
+        self.runner = LayerRunner(mlp_chunk_size, wrap)
+        self._compile_pool = self.runner.compiled()[0] if compile_layers and compile_threads > 1 else None
         """The compiled layer whose worker pool is still to be shut down after the first step."""
         self.store = HostStore(spec)
         self.layout = self.store.layout
@@ -284,13 +280,16 @@ class ComputeWorker:
         dev = self.backend.device
         ids = torch.tensor(batch["input_ids"], dtype=torch.long)
         labels = torch.tensor(batch["labels"], dtype=torch.long)
+        pos = batch.get("position_ids")  # packed documents (data.pack_documents), else absent
+        pos = None if pos is None else torch.tensor(pos, dtype=torch.long)
         n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))  # of the whole step: every worker's share
         if self.reducer is not None:  # this worker's equal share of the step's micro-batches
             share = ids.shape[0] // self.reducer.world
-            ids, labels = (t[self.reducer.rank * share:(self.reducer.rank + 1) * share] for t in (ids, labels))
+            ids, labels, pos = (t if t is None else t[self.reducer.rank * share:(self.reducer.rank + 1) * share]
+                                for t in (ids, labels, pos))
         ids, labels = ids.to(dev), labels.to(dev)
         num_mb, seq = ids.shape[0], ids.shape[2]
-        rope = rope_cache(self.cfg, seq, dev, self.dtype)
+        ctx = step_contexts(self.cfg, None if pos is None else pos.to(dev), num_mb, seq, dev, self.dtype)
         n_layers = self.cfg.num_hidden_layers
         templates = self.layout.templates
 
@@ -301,6 +300,9 @@ class ComputeWorker:
             eval_labels = torch.tensor(eval_batch["labels"], dtype=torch.long).to(dev)
             if eval_ids.shape[2] != seq:
                 raise PipelineError(f"validation sequences have {eval_ids.shape[2]} tokens but training ones {seq}.")
+            eval_pos = eval_batch.get("position_ids")
+            eval_ctx = step_contexts(self.cfg, None if eval_pos is None else torch.tensor(
+                eval_pos, dtype=torch.long).to(dev), eval_ids.shape[0], seq, dev, self.dtype)
         with torch.no_grad():
             ticket, flat = self._take(0, step)
             with self.backend.compute("embed"):
@@ -311,8 +313,8 @@ class ComputeWorker:
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
                     p = templates[i].bind(flat, fused=True)
-                    ys = [self.layer_fn(p, x, rope, self.cfg) for x in xs]
-                    es = [self.layer_fn(p, e, rope, self.cfg) for e in es]
+                    ys = [self.runner.forward(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)]
+                    es = [self.runner.forward(p, e, eval_ctx[m], self.cfg) for m, e in enumerate(es)]
                 acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
                 xs = ys
                 self._release(ticket)
@@ -328,16 +330,18 @@ class ComputeWorker:
             acts.prefetch(i - 1)  # the next backward's inputs come in while this one computes
             with self.backend.compute(self.layout.units[i] + " bwd"):
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
-                layer_backward(self.layer_fn, templates[i].bind(flat, fused=True),
-                               templates[i].bind(grad, fused=True), inputs, dx, rope, self.cfg)
+                layer_backward(self.runner, templates[i].bind(flat, fused=True),
+                               templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg)
             del inputs
             self._release(ticket)
             self._send_grad(i, step, grad)
 
-        with self.backend.compute("embed bwd"):
+        with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
             table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
             for m in range(num_mb):  # in a fixed order, unlike index_add_'s atomics on CUDA
-                add_embedding_grad(table, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size))
+                rows, grads = ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
+                for s in range(0, rows.shape[0], self.chunk):
+                    add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
         self._send_grad(0, step, embed_grad)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
@@ -390,40 +394,42 @@ class ComputeWorker:
         w = lm_head_weight(head, templates[0].bind(we.detach()) if we is not None else None)
         total = torch.zeros((), dtype=torch.float32, device=wh.device)
         for e, lab in zip(hidden, labels):
-            h = final_norm(head, e, self.cfg).reshape(-1, e.shape[-1])
+            h = e.reshape(-1, e.shape[-1])
             lab = lab.reshape(-1)
             for s in range(0, h.shape[0], self.chunk):
-                total += token_loss_sum(h[s:s + self.chunk], w, lab[s:s + self.chunk])
+                total += token_loss_sum(final_norm(head, h[s:s + self.chunk], self.cfg), w, lab[s:s + self.chunk])
         return total / (labels != IGNORE_INDEX).sum().clamp_min(1)
 
     def _head_compute(self, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
                       labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor):
-        """wh: head unit [numel], we: embedding unit [numel] when tied; see :meth:`_head`."""
+        """wh: head unit [numel], we: embedding unit [numel] when tied; see :meth:`_head`.
+
+        Final norm, LM head and loss run per chunk of tokens, forward and backward at once, so what
+        grows with the sequence is only the input gradient being filled ([S, H] in the compute
+        dtype): the norm's fp32 temporaries and the fp32 logits exist for one chunk at a time.
+        """
         unit = self.cfg.num_hidden_layers + 1
         tied = we is not None
         templates = self.layout.templates
         head_grad = torch.zeros(templates[unit].numel, dtype=torch.float32, device=wh.device)
-        w_leaf, w_grad = (we, embed_grad) if tied else (wh, head_grad)
         loss = torch.zeros((), dtype=torch.float32, device=wh.device)
         dxs = []
         for m, x in enumerate(hidden):
-            x = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                hn = final_norm(templates[unit].bind(wh), x, self.cfg)
-            flat_h = hn.detach().reshape(-1, hn.shape[-1])
+            flat_x = x.detach().reshape(-1, x.shape[-1])
             flat_labels = labels[m].reshape(-1)
-            dh = torch.empty_like(flat_h)
-            for s in range(0, flat_h.shape[0], self.chunk):
-                hc = flat_h[s:s + self.chunk].requires_grad_(True)
+            dx = torch.empty_like(flat_x)
+            for s in range(0, flat_x.shape[0], self.chunk):
+                xc = flat_x[s:s + self.chunk].requires_grad_(True)
                 with torch.enable_grad():
-                    w = lm_head_weight(templates[unit].bind(wh), templates[0].bind(we) if tied else None)
-                    part = token_loss_sum(hc, w, flat_labels[s:s + self.chunk]) / n_tokens
-                dh[s:s + self.chunk], gw = torch.autograd.grad(part, (hc, w_leaf))
-                w_grad += gw
+                    head = templates[unit].bind(wh)
+                    w = lm_head_weight(head, templates[0].bind(we) if tied else None)
+                    part = token_loss_sum(final_norm(head, xc, self.cfg), w, flat_labels[s:s + self.chunk]) / n_tokens
+                dx[s:s + self.chunk], gwh, *gwe = torch.autograd.grad(part, (xc, wh, *([we] if tied else [])))
+                head_grad += gwh
+                if tied:
+                    embed_grad += gwe[0]
                 loss += part.detach()
-            dx, gwh = torch.autograd.grad(hn, (x, wh), dh.view_as(hn))
-            head_grad += gwh
-            dxs.append(dx)
+            dxs.append(dx.view_as(x))
         return loss, dxs, head_grad
 
     def close(self) -> None:

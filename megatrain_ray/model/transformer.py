@@ -17,6 +17,16 @@ taken through that view lands in the members' places. Chosen over a fused-weight
 checkpoint and the optimizer keep HF's separate tensors) and over a strategy object threaded through
 every call (the params are already the one thing the caller hands in).
 
+Packed documents: a sequence may hold several documents, each starting at position 0. The caller
+then passes RoPE tables gathered at each token's position within its document (:func:`rope_at`,
+[B, S, d] instead of [S, d]) and an attention mask that lets a token see only the earlier tokens of
+its own document: a dense boolean [B, 1, S, S] (:func:`document_mask`, SDPA with an explicit mask)
+or a FlexAttention ``BlockMask`` built from the same rule (the fast path on a GPU, built by the
+engine); ``mask=None`` is plain causal attention over the whole sequence.
+
+:func:`decoder_layer` is :func:`attention_block` then :func:`mlp_block`; the second is
+position-wise, so a caller may run it over pieces of the sequence (same values).
+
 The model is split into *units*, the granularity at which weights are stored and streamed:
 ``embed`` (token embeddings), ``layers.{i}`` (one decoder layer each) and ``head`` (final norm and,
 unless tied, the LM head). :func:`unit_params` lists each unit's parameters and shapes.
@@ -28,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from ..config import ModelConfig
 
@@ -118,13 +129,35 @@ def rope_cache(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torc
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_at(rope: tuple[torch.Tensor, torch.Tensor], position_ids: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [P, d] tables of :func:`rope_cache`; position_ids: [B, S] int64 (< P) -> cos, sin: [B, S, d]."""
+    cos, sin = rope
+    return cos[position_ids], sin[position_ids]
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids: [B, S], 0 where a document starts -> [B, S] int64, the document index of each token."""
+    return (position_ids == 0).long().cumsum(-1)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids: [B, S] -> [B, 1, S, S] bool: query i may attend key j iff j <= i in the same document."""
+    doc = document_ids(position_ids)
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, S, d]; cos/sin: [S, d]."""
+    """x: [B, heads, S, d]; cos/sin: [S, d], or [B, S, d] (per-sequence positions)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     return x * cos + _rotate_half(x) * sin
 
 
@@ -148,9 +181,13 @@ def project(p: Params, x: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:
     return tuple(F.linear(x, p[f"{m}.weight"], p.get(f"{m}.bias")) for m in members)
 
 
-def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig
-              ) -> torch.Tensor:
-    """Causal grouped-query self-attention. x: [B, S, H] -> [B, S, H]."""
+def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
+              mask=None) -> torch.Tensor:
+    """Causal grouped-query self-attention. x: [B, S, H] -> [B, S, H].
+
+    mask: None (causal over the whole sequence), a [B, 1, S, S] bool tensor (True = may attend) or
+    a FlexAttention ``BlockMask`` (see the module docstring on packed documents).
+    """
     b, s, _ = x.shape
     d = cfg.head_size
     q, k, v = project(p, x, "self_attn.qkv_proj")
@@ -162,8 +199,13 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.reshape(b, s, -1, d).transpose(1, 2)
     cos, sin = rope
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads)
+    gqa = cfg.num_key_value_heads != cfg.num_attention_heads
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif isinstance(mask, torch.Tensor):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     out = out.transpose(1, 2).reshape(b, s, -1)
     return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
@@ -174,11 +216,21 @@ def mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
 
 
-def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig
-                  ) -> torch.Tensor:
-    """One pre-norm decoder layer. x: [B, S, H] -> [B, S, H]."""
-    x = x + attention(p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope, cfg)
-    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+def attention_block(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
+                    mask=None) -> torch.Tensor:
+    """The first half of a decoder layer: x + attention(norm(x)). x: [B, S, H] -> [B, S, H]."""
+    return x + attention(p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope, cfg, mask)
+
+
+def mlp_block(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The second half: h + mlp(norm(h)), position-wise. h: [B, S', H] -> [B, S', H] for any S'."""
+    return h + mlp(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+
+
+def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
+                  mask=None) -> torch.Tensor:
+    """One pre-norm decoder layer. x: [B, S, H] -> [B, S, H]; rope, mask: see :func:`attention`."""
+    return mlp_block(p, attention_block(p, x, rope, cfg, mask), cfg)
 
 
 def embed(p: Params, ids: torch.Tensor) -> torch.Tensor:

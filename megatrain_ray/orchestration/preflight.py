@@ -14,20 +14,30 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
 - **device** (the GPU; on a CPU run, host RAM): ``buffer_depth`` weight slots of the largest unit;
   the activation checkpoints (each layer's input, for every micro-batch: (layers + 1) x tokens
   per step x hidden; in host RAM with runtime.offload_activations, leaving ~3 layers' worth on
-  the device); the input gradients of every micro-batch; one layer's working set while it
-  is recomputed and differentiated for one micro-batch (its activations and their gradients, its
-  fp32 gradient accumulator); the fp32 embedding and head gradients; one loss chunk of fp32 logits
-  (``buffer_depth`` and ``loss_chunk_size`` as resolved for the device, see RuntimeSection).
+  the device); the input gradients of every micro-batch; the fp32 embedding and head gradients;
+  and, never at the same time (so the device total counts the larger, see :func:`device_total`),
+  one layer's working set while it is recomputed and differentiated for one micro-batch (its
+  activations and their gradients, its fp32 gradient accumulator; with runtime.mlp_chunk_size,
+  the [tokens, intermediate] terms for one chunk) or the head's: one loss chunk of fp32 logits
+  (``buffer_depth``, ``loss_chunk_size`` and ``mlp_chunk_size`` as resolved for the run, see
+  RuntimeSection).
 
 The device figures are estimates of the dominant terms, the rest are exact sizes. Checked on an
 H200 (a 0.5B Llama shape, 2 x 2048-token micro-batches, bf16): the device total without the CUDA
 context came out 5-10% above torch's measured peak allocation (3.96 GiB at micro-batch 8,
-1.91 GiB at 2), i.e. on the safe side. The largest micro-batch is the largest ``train.micro_batch_size`` whose device
+1.91 GiB at 2), i.e. on the safe side. At long context the layer's working set dominates; its
+[tokens, intermediate] coefficient (5 such tensors: gate, up, their product and the gradients of
+the first two, in the compute dtype) matches the slope measured on the H200 for the Qwen2.5-7B
+shape with offloaded checkpoints (issue 15: 38.5 GiB at 131,072 tokens, 70.9 GiB at 262,144, i.e.
+265 KB per token; this model: 263). The longest context (:func:`longest_context`) is the longest
+train.seq_len whose device and host totals both fit, at the configured micro-batch size. The
+largest micro-batch is the largest ``train.micro_batch_size`` whose device
 total fits the device memory (90% of it on a GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -69,6 +79,19 @@ class Row:
     where: str
     """"shm" (a tmpfs; also host RAM), "host" or "device"."""
     nbytes: int
+    phase: str = ""
+    """Device rows held only during one phase of the step ("layer": a layer's backward; "head":
+    the loss), which never overlap; "" = held throughout."""
+
+
+def device_total(rows: list[Row]) -> int:
+    """Peak device bytes of ``rows``: those held throughout plus the largest phase."""
+    phases: dict[str, int] = {}
+    for r in rows:
+        if r.where == "device":
+            phases[r.phase] = phases.get(r.phase, 0) + r.nbytes
+    always = phases.pop("", 0)
+    return always + max(phases.values(), default=0)
 
 
 @dataclass
@@ -85,12 +108,18 @@ class Plan:
     micro_batch_size: int
     largest_micro_batch: int | None
     notes: list[str] = field(default_factory=list)
+    longest_context: int | None = None
+    """The longest train.seq_len that fits (device and host), at train.micro_batch_size; None: unknown."""
+    context_limit: str = ""
+    """What a longer context would not fit: GPU memory or host RAM."""
 
     def total(self, where: str) -> int:
         """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
         if where == "host":
             host = sum(r.nbytes for r in self.rows if r.where in ("shm", "host"))
             return host + (self.total("device") if self.device == "cpu" else 0)
+        if where == "device":
+            return device_total(self.rows)
         return sum(r.nbytes for r in self.rows if r.where == where)
 
     def problems(self) -> list[str]:
@@ -136,6 +165,12 @@ class Plan:
         else:
             lines.append(f"largest micro-batch that fits: {self.largest_micro_batch} "
                          f"(train.micro_batch_size is {self.micro_batch_size})")
+        if self.longest_context is not None:
+            lines.append(f"longest context that fits: {self.longest_context:,} tokens per sequence at "
+                         f"micro-batch {self.micro_batch_size}" if self.longest_context else
+                         "longest context that fits: none")
+            if self.context_limit:
+                lines[-1] += f" (longer ones exceed the {self.context_limit})"
         lines += self.notes
         return "\n".join(lines)
 
@@ -192,15 +227,69 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Ro
         *([Row(f"activation checkpoints in flight (3 x {mbs} x {tokens} tokens x {h})", "device",
                3 * mbs * tokens * h * c)] if rt.offload_activations else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
-        Row("one layer's working set (one micro-batch)", "device",
-            tokens * (4 * h + 2 * q + 2 * kv + 4 * inter) * c + layer_numel * (4 + c)),
+        _layer_working_set(cfg, tokens, c, layer_numel),
         Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
-            chunk * m.vocab_size * (2 * 4 + c) + 3 * tokens * h * 4),
+            chunk * m.vocab_size * (2 * 4 + c) + 3 * chunk * h * 4, "head"),
     ]
     if device == "cuda":
         rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
     return rows
+
+
+def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) -> Row:
+    """One layer's recompute + backward for one micro-batch of ``tokens`` (compute dtype: ``c`` bytes).
+
+    Attention half and residual stream: ~4 [tokens, hidden] tensors (normed input, output, their
+    gradients) and q, k, v with the attention output and their gradients; the MLP: 5
+    [tokens, intermediate] tensors (see the module docstring), for one chunk when tiled, where the
+    attention half's output and its gradient are one more [tokens, hidden] held across the chunks;
+    and the layer's fp32 gradient with a compute-dtype weight gradient.
+    """
+    m = cfg.model
+    h, inter = m.hidden_size, m.intermediate_size
+    q, kv = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
+    mlp_chunk = cfg.runtime.mlp_chunk_size_for(cfg.train.seq_len)
+    if 0 < mlp_chunk < cfg.train.seq_len:
+        rows = tokens // cfg.train.seq_len * mlp_chunk  # the micro-batch's sequences, one chunk each
+        return Row(f"one layer's working set (one micro-batch, MLP in chunks of {mlp_chunk} tokens)", "device",
+                   tokens * (5 * h + 2 * q + 2 * kv) * c + rows * 5 * inter * c + layer_numel * (4 + c), "layer")
+    return Row("one layer's working set (one micro-batch)", "device",
+               tokens * (4 * h + 2 * q + 2 * kv + 5 * inter) * c + layer_numel * (4 + c), "layer")
+
+
+def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
+    """The longest train.seq_len (a multiple of 1024) whose device total fits the device (90% of a
+    GPU) and whose host total (the store, processes, and offloaded checkpoints at that length) fits
+    the host's available memory, at ``cfg``'s micro-batch shape; 0 if none; None if the GPU's memory
+    is unknown. Model positions (max_position_embeddings) are not a limit here: RoPE extends to any
+    length, and the config may raise it."""
+    if device != "cpu" and base.device_bytes is None:
+        return None
+    step = 1024
+    here = device_rows(cfg, device, cfg.train.micro_batch_size)  # in base: what changes with the length
+    fixed_host = base.total("host") - sum(r.nbytes for r in here if r.where == "host") - (
+        device_total(here) if device == "cpu" else 0)
+
+    def fits(seq_len: int) -> bool:
+        c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
+        rows = device_rows(c, device, cfg.train.micro_batch_size)
+        dev = device_total(rows)
+        host = fixed_host + sum(r.nbytes for r in rows if r.where == "host") + (dev if device == "cpu" else 0)
+        base.context_limit = "host RAM" if host > base.host_available else (
+            "GPU memory" if device != "cpu" and dev > base.device_bytes * GPU_USABLE else "")
+        return not base.context_limit
+
+    if not fits(step):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi * step) and hi < 2**24:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    fits(hi * step)  # records what the next length would exceed
+    return lo * step
 
 
 def _pinned_size(nbytes: int) -> int:
@@ -267,6 +356,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
                 "of the micro-batches (device rows: per GPU)" if rt.compute_workers * rt.nodes > 1 else ""))
     result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
+    result.longest_context = longest_context(cfg, device, result)
     result.notes.append(_checkpoint_note(cfg, n_params * (precision.master.itemsize + 8)))
     return result
 
@@ -295,7 +385,7 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
         budget = int(base.device_bytes * GPU_USABLE)
 
     def fits(b: int) -> bool:
-        return sum(r.nbytes for r in device_rows(cfg, device, b)) <= budget
+        return device_total(device_rows(cfg, device, b)) <= budget
 
     if not fits(1):
         return 0

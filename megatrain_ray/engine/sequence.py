@@ -1,0 +1,132 @@
+"""How the compute worker runs one decoder layer over a long sequence, forward and recompute-backward.
+
+Two things are applied here, around the model's pure functions, never inside them:
+
+- **Sequence tiling** (``runtime.mlp_chunk_size`` > 0): the MLP half of the layer
+  (:func:`~megatrain_ray.model.transformer.mlp_block`: post-attention norm, SwiGLU, down
+  projection, residual) is position-wise, so it runs over chunks of the sequence one at a time and
+  its [S, intermediate] tensors (gate, up, their product, and in the backward their gradients)
+  exist for one chunk at a time: [chunk, intermediate] instead of [S, intermediate], the largest
+  buffers of a layer at long context (intermediate ~ 5 x hidden). The backward recomputes the
+  attention half with its graph, then each MLP chunk, backpropagates the chunk at once
+  (weight gradients added into the fp32 accumulators, the input gradient into its rows), and last
+  backpropagates the attention half. Same math, same FLOPs as the untiled layer: the MLP forward
+  is recomputed once per chunk, as the untiled backward recomputes it once; only the summation
+  order of the weight gradients over tokens changes (per chunk into fp32).
+- **Packed documents**: the RoPE tables at each token's position in its document and the
+  attention mask that keeps tokens within their document (:func:`step_contexts`): a dense
+  [B, 1, S, S] boolean mask on the CPU (SDPA), a FlexAttention ``BlockMask`` on CUDA (O(S^2 / 128^2)
+  memory; FlexAttention runs fast only compiled, i.e. with runtime.compile on, the default there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..model.transformer import (attention_block, decoder_layer, document_ids, document_mask, mlp_block,
+                                 rope_at, rope_cache)
+
+
+class LayerRunner:
+    """Forward (no gradients) and recompute-backward of one decoder layer, tiled or not.
+
+    chunk: tokens per MLP chunk, 0 = untiled; wrap: turns a model function into the callable to run
+    (``torch.compile`` through :class:`~megatrain_ray.engine.compute.CompiledLayer`), or None = eager.
+    """
+
+    def __init__(self, chunk: int = 0, wrap: Callable | None = None):
+        wrap = wrap or (lambda fn: fn)
+        self.chunk = chunk
+        self.layer = wrap(decoder_layer)
+        self.attn, self.mlp = (wrap(attention_block), wrap(mlp_block)) if chunk else (None, None)
+
+    def compiled(self) -> list:
+        """The wrapped callables (for releasing the compiler's worker pool)."""
+        return [f for f in (self.layer, self.attn, self.mlp) if f is not None]
+
+    def tiles(self, x: torch.Tensor) -> bool:
+        """Whether a [B, S, H] input runs tiled (chunking on and S longer than one chunk)."""
+        return 0 < self.chunk < x.shape[1]
+
+    def _spans(self, s: int):
+        return ((a, min(a + self.chunk, s)) for a in range(0, s, self.chunk))
+
+    def forward(self, p, x: torch.Tensor, context: tuple, cfg) -> torch.Tensor:
+        """x: [B, S, H] -> the layer's output [B, S, H]; context: (rope, mask) from :func:`step_contexts`. Under no_grad (the compute worker's forward)
+        the MLP chunks overwrite the attention half's output in place: no second [B, S, H] buffer."""
+        rope, mask = context
+        if not self.tiles(x):
+            return self.layer(p, x, rope, cfg, mask)
+        h = self.attn(p, x, rope, cfg, mask)
+        out = torch.empty_like(h) if torch.is_grad_enabled() else h
+        for a, b in self._spans(x.shape[1]):
+            out[:, a:b] = self.mlp(p, h[:, a:b], cfg)
+        return out
+
+    def backward(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
+                 dy: torch.Tensor, context: tuple, cfg) -> torch.Tensor:
+        """Recompute the layer from its input x: [B, S, H] and backpropagate dy: [B, S, H].
+
+        leaves: the layer's parameters, each an autograd leaf; grads: fp32 buffers of the same names,
+        accumulated into (a fused projection's members get theirs through the fused view, so they
+        get None here and are skipped); context: (rope, mask). Returns dx: [B, S, H].
+        """
+        rope, mask = context
+        x = x.detach().requires_grad_(True)
+        names, weights = list(leaves), list(leaves.values())
+        if not self.tiles(x):
+            with torch.enable_grad():
+                y = self.layer(leaves, x, rope, cfg, mask)
+            *gws, dx = torch.autograd.grad(y, [*weights, x], dy, allow_unused=True)
+            _accumulate(grads, names, gws)
+            return dx
+        with torch.enable_grad():
+            h = self.attn(leaves, x, rope, cfg, mask)
+        dh = torch.empty_like(dy)
+        for a, b in self._spans(x.shape[1]):
+            hc = h.detach()[:, a:b].requires_grad_(True)
+            with torch.enable_grad():
+                yc = self.mlp(leaves, hc, cfg)
+            *gws, dh[:, a:b] = torch.autograd.grad(yc, [*weights, hc], dy[:, a:b], allow_unused=True)
+            del yc
+            _accumulate(grads, names, gws)
+        *gws, dx = torch.autograd.grad(h, [*weights, x], dh, allow_unused=True)
+        _accumulate(grads, names, gws)
+        return dx
+
+
+def _accumulate(grads: dict[str, torch.Tensor], names: list[str], gws) -> None:
+    for name, gw in zip(names, gws):
+        if gw is not None:
+            grads[name].add_(gw)
+
+
+def attention_mask(position_ids: torch.Tensor):
+    """position_ids: [B, S] on the device -> the mask :func:`~megatrain_ray.model.transformer.attention`
+    takes for packed documents: a FlexAttention ``BlockMask`` on CUDA, else a dense [B, 1, S, S] bool."""
+    if position_ids.device.type != "cuda":
+        return document_mask(position_ids)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids(position_ids)
+    b, s = position_ids.shape
+
+    def same_document_causal(bi, hi, qi, ki):
+        return (qi >= ki) & (doc[bi, qi] == doc[bi, ki])
+
+    return create_block_mask(same_document_causal, b, None, s, s, device=position_ids.device, _compile=True)
+
+
+def step_contexts(cfg, position_ids: torch.Tensor | None, num_mb: int, seq: int, device, dtype) -> list[tuple]:
+    """(rope, mask) of each of the step's ``num_mb`` micro-batches, made once per step, shared by all layers.
+
+    position_ids: [M, B, S] (positions within each token's document) or None (one document per
+    sequence: one [S, d] RoPE table for all, causal attention).
+    """
+    if position_ids is None:
+        rope = rope_cache(cfg, seq, device, dtype)
+        return [(rope, None)] * num_mb
+    table = rope_cache(cfg, int(position_ids.max()) + 1, device, dtype)
+    return [(rope_at(table, pos), attention_mask(pos)) for pos in position_ids]
