@@ -5,17 +5,22 @@ a :class:`~megatrain_ray.engine.tickets.FetchTicket`), are bound to the stateles
 and the slot is released as soon as the unit is done. One step, as one loop:
 
 1. embedding of every micro-batch;
-2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint
-   (on the device, or offloaded to host memory: see :mod:`megatrain_ray.engine.activations`);
+2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint (on
+   the device or offloaded to host memory) or, for the layers placed so, its whole autograd graph
+   (see :mod:`megatrain_ray.engine.activations`);
 3. head: final norm, LM head and loss in chunks of tokens (never the full logits), forward and
    backward at once; its gradient goes out;
-4. backward of layer L-1..0, recomputing each layer from its checkpoint, for every micro-batch,
-   accumulating the weight gradient in fp32; each layer's gradient goes out as soon as it is done;
+4. backward of layer L-1..0, recomputing each layer from its checkpoint (or differentiating its
+   kept graph), for every micro-batch, accumulating the weight gradient in fp32; each layer's
+   gradient goes out as soon as it is done;
 5. embedding gradient (scatter of the input gradients, plus the head's when tied) goes out.
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
 step's token count, and each gradient is summed over all workers before its shard goes out.
+
+Every model call of the step runs under the SDPA backend of ``runtime.attention_backend``
+(:func:`sdpa_backend`), applied around the model, which stays a pure function.
 
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
 fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
@@ -33,10 +38,12 @@ from typing import Any
 
 import torch
 
-from ..errors import PipelineError
+from ..errors import ConfigError, PipelineError
 from ..model.transformer import (IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, rope_cache,
                                  token_loss_sum)
-from .activations import ActivationStore
+from .activations import (GPU, HOST, KEEP, ActivationStore, KeptGraph, graph_backward, kept_backward,
+                          layer_forward_kept)
+from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .grad_reduce import GradReducer
 from .store import HostStore, StoreSpec
@@ -50,19 +57,14 @@ def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, t
     layer_fn: :func:`~megatrain_ray.model.transformer.decoder_layer` or its compiled form; params: the layer's
     views into its device slot; grads: the same views into its fp32 gradient buffer, accumulated
     into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter replaced by the
-    input gradients. Each parameter is its own autograd leaf (a view of the slot, no copy), so its
-    gradient is added straight into its place in the flat buffer rather than assembled into a
-    whole-layer gradient first.
+    input gradients.
     """
     leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
     for m, x in enumerate(inputs):
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
             y = layer_fn(leaves, x, rope, cfg)
-        *gws, dx[m] = torch.autograd.grad(y, [*leaves.values(), x], dx[m], allow_unused=True)
-        for name, gw in zip(leaves, gws):
-            if gw is not None:  # the parts of a fused projection get theirs through the fused view
-                grads[name].add_(gw)
+        dx[m] = graph_backward(leaves, x, y, dx[m], grads)
 
 
 class CompiledLayer:
@@ -108,7 +110,9 @@ class ComputeWorker:
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
                  compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None,
-                 compile_threads: int = 1):
+                 compile_threads: int = 1, placement: tuple[str, ...] | None = None, attention_backend: str = "auto"):
+        """placement: each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`);
+        None: every checkpoint offloaded with ``offload_activations``, else every one on the device."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
@@ -126,7 +130,17 @@ class ComputeWorker:
         self.reducer: GradReducer | None = None
         """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
         self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
-        self.activations = ActivationStore(self.backend, offload_activations)  # host buffers kept across steps
+        if placement is None:
+            placement = (HOST if offload_activations else GPU,) * self.cfg.num_hidden_layers
+        if len(placement) != self.cfg.num_hidden_layers:
+            raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
+                              f"{self.cfg.num_hidden_layers}; check runtime.activations.")
+        self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
+        offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
+        if attention_backend not in offered:
+            raise ConfigError(f"runtime.attention_backend {attention_backend!r} is not available on {device}; "
+                              f"use one of {', '.join(offered)}.")
+        self.attention_backend = attention_backend
         for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind])
@@ -254,6 +268,10 @@ class ComputeWorker:
         ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
         ``step`` updates), computed alongside the forward and the head, without gradients.
         """
+        with sdpa_backend(self.attention_backend):
+            return self._step(step, batch, eval_batch)
+
+    def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None) -> dict[str, Any]:
         if self._error is not None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
         self.backend.begin_step()
@@ -289,9 +307,17 @@ class ComputeWorker:
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
                     p = templates[i].bind(flat, fused=True)
-                    ys = [self.layer_fn(p, x, rope, self.cfg) for x in xs]
+                    if acts.mode(i) == KEEP:  # the graph stays for the backward: nothing to recompute
+                        graph = layer_forward_kept(self.layer_fn, templates[i], flat, xs, rope, self.cfg)
+                        ys = [y.detach() for y in graph.outputs]
+                    else:
+                        ys = [self.layer_fn(p, x, rope, self.cfg) for x in xs]
                     es = [self.layer_fn(p, e, rope, self.cfg) for e in es]
-                acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
+                if acts.mode(i) == KEEP:
+                    acts.keep(i, graph)
+                    graph = None
+                else:
+                    acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
                 xs = ys
                 self._release(ticket)
 
@@ -306,8 +332,11 @@ class ComputeWorker:
             acts.prefetch(i - 1)  # the next backward's inputs come in while this one computes
             with self.backend.compute(self.layout.units[i] + " bwd"):
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
-                layer_backward(self.layer_fn, templates[i].bind(flat, fused=True),
-                               templates[i].bind(grad, fused=True), inputs, dx, rope, self.cfg)
+                if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
+                    kept_backward(inputs, templates[i].bind(grad, fused=True), dx)
+                else:
+                    layer_backward(self.layer_fn, templates[i].bind(flat, fused=True),
+                                   templates[i].bind(grad, fused=True), inputs, dx, rope, self.cfg)
             del inputs
             self._release(ticket)
             self._send_grad(i, step, grad)
