@@ -237,3 +237,21 @@ def test_plan_prints_the_placement(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert ("activations (as runtime.activations='keep=1,host=2' sets): 1 layers kept whole on the GPU" in out
             and "1 checkpointed on the GPU" in out and "2 offloaded to host RAM" in out)
+
+
+def test_two_workers_with_kept_and_offloaded_layers_train_what_one_recomputing_worker_does(
+        ray_cluster, tmp_path, shm_dir):
+    """Data parallel with a mixed placement: each worker keeps one layer whole and offloads another;
+    the gradients are all-reduced per unit as before. The only difference from one worker is the
+    order of the micro-batch sums (see tests/test_data_parallel.py for the 1e-5 bound)."""
+    from megatrain_ray.orchestration.pipeline import train
+
+    base = SMALL + ["train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=4", "train.steps=3",
+                    "runtime.device=cpu", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
+                    "train.checkpoint_every=0", "train.save_final=false", "runtime.actor_timeout_s=120"]
+    one = train(load_config(None, base + ["runtime.activations=recompute"]), log=lambda line: None)
+    two = train(load_config(None, base + ["runtime.compute_workers=2", "runtime.activations=keep=1,host=1"]),
+                log=lambda line: None)
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
+    np.testing.assert_allclose(two.grad_norms, one.grad_norms, rtol=1e-5)
+    assert two.losses[-1] < two.losses[0]
