@@ -43,7 +43,8 @@ from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import check_num_workers, cluster_to_join
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
-from .machine import gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold, same_filesystem
+from .machine import (gpu_free_memory, gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold,
+                      same_filesystem)
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -260,9 +261,10 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> tuple[str, ...]:
     """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
-    for the run's micro-batch on a device of ``device_bytes`` (default: this process's GPU 0)."""
+    for the run's micro-batch on a device of ``device_bytes`` (default: what is free on this
+    process's GPU 0 now, so memory that other processes, or this one, hold is left to them)."""
     if device == "cuda" and device_bytes is None:
-        device_bytes = gpu_memory()
+        device_bytes = gpu_free_memory()
     mbs = cfg.train.micro_batch_size
     fixed = sum(r.nbytes for r in _fixed_device_rows(cfg, device, mbs))
     keep, host = activation_counts(cfg, device, mbs, device_bytes, fixed)
