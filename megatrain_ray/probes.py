@@ -81,7 +81,8 @@ def layer_probe(cfg, micro_batches: int) -> dict:
         graph = layer_forward_kept(fn, t, flat, xs, rope, mc)
         kept_backward(graph, t.bind(grad, fused=True), [torch.ones_like(x) for x in xs])
 
-    out["kept_bytes_per_token_formula"] = kept_bytes_per_token(mc, 2)
+    out["kept_bytes_per_token_formula_eager"] = kept_bytes_per_token(mc, 2)
+    out["kept_bytes_per_token_formula_compiled"] = kept_bytes_per_token(mc, 2, compiled=True)
     for name, fn in (("eager", M.decoder_layer), ("compiled", compiled)):
         out[f"kept_fwd_bwd_{name}_ms"] = timed(lambda: kept(fn))
         torch.cuda.synchronize()

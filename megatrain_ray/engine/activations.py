@@ -45,36 +45,38 @@ def layer_modes(n_layers: int, keep: int, host: int) -> tuple[str, ...]:
     return (HOST,) * host + (GPU,) * (n_layers - keep - host) + (KEEP,) * keep
 
 
-def kept_bytes_per_token(cfg, itemsize: int) -> int:
+def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False) -> int:
     """Device bytes one token's kept graph of one decoder layer holds (weights and the step's RoPE
-    cache not counted, the layer's input counted), for a compute dtype of ``itemsize`` bytes.
+    cache not counted, the layer's input counted), for a compute dtype of ``itemsize`` bytes, run
+    eagerly or (``compiled``) through torch.compile, whose partitioner recomputes cheap elementwise
+    work in the backward instead of saving it.
 
-    What :func:`~megatrain_ray.model.transformer.decoder_layer`'s autograd saves, run eagerly with a
-    flash-style SDPA (tests/test_actplace.py checks it against saved-tensor hooks):
+    What :func:`~megatrain_ray.model.transformer.decoder_layer`'s autograd saves (tests/test_actplace.py
+    checks it against saved-tensor hooks on a Llama-shaped layer):
 
-    - each RMSNorm: its fp32 upcast (4H; for fp32 inputs the input itself), the normalised value in
-      the compute dtype and its product with the weight (2cH), the fp32 reciprocal RMS (4);
-    - attention: the fused q/k/v output (c(q + 2kv), held whole by v, a view of it), the rotated q
-      and k (c(q + kv)), the attention output (cq, the o_proj input is a view of it) and the fp32
+    - the norms, eager: each its fp32 upcast (4H; for fp32 inputs the input itself), the normalised
+      value in the compute dtype and its product with the weight (2cH), the fp32 reciprocal RMS (4);
+      plus the layer's input (cH), which a 16-bit run does not save (it saves its upcast) but the
+      backward needs as the leaf it differentiates to. Compiled: the input, both norms' outputs,
+      the residual between them (4cH) and the two reciprocal RMS (8);
+    - attention, both: the fused q/k/v output (c(q + 2kv), held whole by v, a view of it; where
+      SDPA copies v instead, as with q/k/v biases on the CPU, less), the rotated q and k
+      (c(q + kv)), the attention output (cq, the o_proj input is a view of it) and the fp32
       log-sum-exp per head (4 heads); with qk_norm, the norms over q and k, each its fp32 upcast
-      (for fp32, a view of the fused output), its normalised value and the reciprocal RMS per head (the product with the weight feeds RoPE,
-      which saves only its cos/sin);
-    - the MLP: the fused gate/up output (2cI), silu(gate) and silu(gate) * up (2cI);
-    - the layer's input (cH), which a 16-bit run does not save (it saves its fp32 upcast) but the
-      backward needs as the leaf it differentiates to.
-
-    torch.compile's partitioner may save less (it recomputes cheap elementwise work): this is the
-    eager figure, the planner's upper bound; ``bench --probe`` measures the compiled one.
+      (for fp32, a view of the fused output), its normalised value and the reciprocal RMS per head
+      (the eager figure, for both);
+    - the MLP, eager: the fused gate/up output (2cI), silu(gate) and silu(gate) * up (2cI);
+      compiled: the fused gate/up output and silu(gate) * up (3cI).
     """
     c, h, i = itemsize, cfg.hidden_size, cfg.intermediate_size
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
     q, kv = heads * d, kv_heads * d
-    norm = 2 * (4 * h + 2 * c * h + 4)
     attn = c * (q + 2 * kv) + c * (q + kv) + c * q + 4 * heads
     if cfg.qk_norm:
         attn += (4 * (c < 4) + c) * (q + kv) + 4 * (heads + kv_heads)
-    mlp = 4 * c * i
-    return norm + attn + mlp + (c * h if c < 4 else 0)
+    if compiled:
+        return 4 * c * h + 8 + attn + 3 * c * i
+    return 2 * (4 * h + 2 * c * h + 4) + (c * h if c < 4 else 0) + attn + 4 * c * i
 
 
 @dataclass

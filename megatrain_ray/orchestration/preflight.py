@@ -216,7 +216,8 @@ def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> t
     weight copy, pinned host buffers of offloaded checkpoints)."""
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
     layer_numel = max((tp.numel for tp in StoreLayout.build(cfg.model).templates[1:-1]), default=0)
-    return (mbs * tokens * h * c, mbs * tokens * kept_bytes_per_token(cfg.model, c) + layer_numel * c,
+    per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+    return (mbs * tokens * h * c, mbs * tokens * per_token + layer_numel * c,
             mbs * _pinned_size(tokens * h * c))
 
 
@@ -250,8 +251,9 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
     on_device = cfg.model.num_hidden_layers - keep - host + 1  # + the last layer's output
     rows = [Row(f"activation checkpoints ({on_device} x {mbs} x {tokens} tokens x {h})", "device", on_device * ck)]
     if keep:
-        rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x "
-                        f"{kept_bytes_per_token(cfg.model, c)} B, + weights): no recompute", "device", keep * kept))
+        per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+        rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x {per_token} B, "
+                        "+ weights): no recompute", "device", keep * kept))
     if host:
         rows += [Row(f"activation checkpoints ({host} x {mbs} x {tokens} tokens x {h}), offloaded "
                      "(pinned buffers round up to powers of 2)", "host", host * pinned),
