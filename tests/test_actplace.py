@@ -94,7 +94,7 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves():
     torch._dynamo.reset()
 
 
-def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None):
+def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None):
     """One step through store + prefetcher + compute worker on the CPU; returns (loss, {unit: grads}, result)."""
     rt = cfg.runtime
     spec = StoreSpec(cfg.model, resolve_precision(rt, "cpu"), shm_dir, os.getpid(), "ap-" + uuid.uuid4().hex[:6])
@@ -111,6 +111,8 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None):
 
         def counted(*args):
             calls.append(1)
+            if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
             return inner(*args)
         worker.layer_fn = counted
     try:
@@ -158,6 +160,17 @@ def test_every_placement_gives_the_recompute_path_s_loss_and_gradients_bit_for_b
         offloaded = sum(mode == HOST for mode in placements[name])
         assert moved == offloaded * 3 * 2 * 32 * 64 * 4  # micro-batches x [2, 32, 64] fp32 per offloaded layer
     assert any(float(g.abs().sum()) > 0 for g in ref_grads[1].values())
+
+
+def test_running_out_of_device_memory_with_kept_graphs_says_what_to_set(tmp_path, shm_dir):
+    from megatrain_ray.errors import PipelineError
+
+    cfg = _config(tmp_path, shm_dir)
+    with pytest.raises(PipelineError, match=r'with 2 layers\' activations kept whole; set runtime.activations to '
+                                            r'keep fewer \(e.g. "keep=1"\) or to recompute'):
+        _cpu_step(cfg, shm_dir, layer_modes(3, 2, 0), calls=[], fail_at=7)
+    with pytest.raises(torch.OutOfMemoryError):  # nothing kept: torch's own error stands
+        _cpu_step(cfg, shm_dir, (GPU,) * 3, calls=[], fail_at=7)
 
 
 class _Ops(TorchDispatchMode):

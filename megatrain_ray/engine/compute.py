@@ -268,8 +268,16 @@ class ComputeWorker:
         ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
         ``step`` updates), computed alongside the forward and the head, without gradients.
         """
-        with sdpa_backend(self.attention_backend):
-            return self._step(step, batch, eval_batch)
+        try:
+            with sdpa_backend(self.attention_backend):
+                return self._step(step, batch, eval_batch)
+        except torch.OutOfMemoryError as e:
+            kept = self.activations.modes.count(KEEP)
+            if not kept:
+                raise
+            raise PipelineError(f"the device ran out of memory in step {step} with {kept} layers' activations kept "
+                                f"whole; set runtime.activations to keep fewer (e.g. \"keep={kept // 2}\") or to "
+                                "recompute.") from e
 
     def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None) -> dict[str, Any]:
         if self._error is not None:
