@@ -66,9 +66,6 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves():
     """The compiled figure against what torch.compile's forward saves: AOTAutograd with Inductor's
     partitioner (min-cut rematerialisation) and no code generation, so the saved set is Inductor's
     (checked once against the inductor backend on this CPU: the same 2168 B/token) in seconds."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     cfg = load_config(None, SMALL).model
     t = LayerTemplate.build(cfg, "layers.0")
     leaves = {k: v.detach().requires_grad_(True)
@@ -76,9 +73,7 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves():
     b, s = 2, 96
     x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16).requires_grad_(True)
     rope = M.rope_cache(cfg, s, torch.device("cpu"), torch.bfloat16)
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
-                           partition_fn=min_cut_rematerialization_partition)
-    layer = torch.compile(M.decoder_layer, backend=backend, dynamic=False)
+    layer = torch.compile(M.decoder_layer, backend=_min_cut_backend(), dynamic=False)
     skip = {v.untyped_storage().data_ptr() for v in (*leaves.values(), *rope)}
     saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
 
@@ -94,7 +89,16 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves():
     torch._dynamo.reset()
 
 
-def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None):
+def _min_cut_backend():
+    """torch.compile through AOTAutograd with Inductor's partitioner and no code generation."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None, layer_fn=None):
     """One step through store + prefetcher + compute worker on the CPU; returns (loss, {unit: grads}, result)."""
     rt = cfg.runtime
     spec = StoreSpec(cfg.model, resolve_precision(rt, "cpu"), shm_dir, os.getpid(), "ap-" + uuid.uuid4().hex[:6])
@@ -106,6 +110,8 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     thread.start()
     worker = ComputeWorker(spec, "cpu", depth, rt.loss_chunk_size_on("cpu"), fetch_q, grad_q, release_q,
                            rt.actor_timeout_s, placement=placement, attention_backend=attention_backend)
+    if layer_fn is not None:
+        worker.layer_fn = layer_fn
     if calls is not None:  # count the layer's forward runs (forward and recompute)
         inner = worker.layer_fn
 
@@ -171,6 +177,28 @@ def test_running_out_of_device_memory_with_kept_graphs_says_what_to_set(tmp_path
         _cpu_step(cfg, shm_dir, layer_modes(3, 2, 0), calls=[], fail_at=7)
     with pytest.raises(torch.OutOfMemoryError):  # nothing kept: torch's own error stands
         _cpu_step(cfg, shm_dir, (GPU,) * 3, calls=[], fail_at=7)
+
+
+def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_dir):
+    """The compiled layer (CompiledLayer, here without code generation: the partitioned forward and
+    backward graphs run op by op) kept whole gives the recompute's loss and gradients bit for bit
+    and compiles nothing new: the kept forward is the graph the recompute already runs. (With the
+    inductor backend on this CPU, checked once by hand: also bit for bit.)"""
+    from megatrain_ray.engine.compute import CompiledLayer
+
+    cfg = _config(tmp_path, shm_dir)
+    layer = CompiledLayer(backend=_min_cut_backend())
+    from torch._dynamo.utils import counters
+
+    ref, ref_grads = _cpu_step(cfg, shm_dir, (GPU,) * 3, layer_fn=layer)
+    graphs = counters["stats"]["unique_graphs"]
+    got, grads = _cpu_step(cfg, shm_dir, layer_modes(3, 2, 1), layer_fn=layer)
+    assert counters["stats"]["unique_graphs"] == graphs >= 2  # no-grad forward + training graph, no third
+    assert layer.failure is None and got["loss"] == ref["loss"]
+    for unit, named in grads.items():
+        for key, g in named.items():
+            assert torch.equal(g, ref_grads[unit][key]), f"unit {unit} {key}"
+    torch._dynamo.reset()
 
 
 class _Ops(TorchDispatchMode):
