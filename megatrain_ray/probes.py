@@ -26,7 +26,12 @@ def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
 def layer_probe(cfg, micro_batches: int) -> dict:
     """One decoder layer at the run's shape, on the GPU: ms for the forward and the recompute +
     backward of all micro-batches, as the compute worker runs them (views of a flat slot, gradients
-    into a flat fp32 buffer), eager and compiled."""
+    into a flat fp32 buffer), eager and compiled; the same for a layer kept whole (forward with its
+    graph, backward without recompute) with the bytes per token its graph holds (against
+    :func:`~megatrain_ray.engine.activations.kept_bytes_per_token`); eager forward + backward under
+    each SDPA backend."""
+    from .engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
+    from .engine.attention import sdpa_backend
     from .engine.compute import layer_backward
     from .engine.sequence import LayerRunner
     from .model import transformer as M
@@ -71,10 +76,34 @@ def layer_probe(cfg, micro_batches: int) -> dict:
         out[f"bwd_{name}_ms"] = timed(lambda: bwd(fn))
     from torch.profiler import ProfilerActivity, profile
 
+    tokens = mb * cfg.train.seq_len * micro_batches
+
+    def kept(fn):  # a kept layer: the forward with its graph, then the backward without a recompute
+        graph = layer_forward_kept(fn, t, flat, xs, [(rope, None)] * len(xs), mc)
+        kept_backward(graph, t.bind(grad, fused=True), [torch.ones_like(x) for x in xs])
+
+    out["kept_bytes_per_token_formula_eager"] = kept_bytes_per_token(mc, 2)
+    out["kept_bytes_per_token_formula_compiled"] = kept_bytes_per_token(mc, 2, compiled=True)
+    for name, fn in (("eager", M.decoder_layer), ("compiled", compiled)):
+        out[f"kept_fwd_bwd_{name}_ms"] = timed(lambda: kept(fn))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        graph = layer_forward_kept(fn, t, flat, xs, [(rope, None)] * len(xs), mc)
+        torch.cuda.synchronize()
+        # what the graph holds beyond its weight copy: saved tensors + outputs (= inputs, in the formula)
+        out[f"kept_bytes_per_token_{name}"] = (torch.cuda.memory_allocated() - before - t.numel * 2) / tokens
+        del graph
+    for backend in ("flash", "cudnn", "efficient", "math"):  # eager: a compiled graph keeps its first kernel
+        try:
+            with sdpa_backend(backend):
+                out[f"fwd_bwd_eager_{backend}_ms"] = timed(lambda: (fwd(M.decoder_layer), bwd(M.decoder_layer)))
+        except RuntimeError:  # no such kernel for this shape / GPU / build
+            out[f"fwd_bwd_eager_{backend}_ms"] = float("nan")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         bwd(compiled)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    torch.cuda.empty_cache()  # this process's cached blocks would be GPU memory the run's planner cannot use
     flops = 2 * t.param_count * cfg.train.seq_len * mb * micro_batches
     out["fwd_gemm_floor_ms"] = flops / 790e12 * 1e3
     out["bwd_gemm_floor_ms"] = 3 * flops / 790e12 * 1e3

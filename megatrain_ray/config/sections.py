@@ -217,6 +217,20 @@ GEMMs, for 10 bytes of device memory per token and vocabulary entry, which ``pla
 smaller chunks of logits."""
 
 
+_ACTIVATION_MODES = ("auto", "recompute", "offload", "keep")
+
+
+def _activation_counts(text: str) -> tuple[int, int] | None:
+    """``"keep=K,host=H"`` (either part may be left out) -> (K, H); None if it is not of that form."""
+    counts = {"keep": 0, "host": 0}
+    for part in str(text).replace(" ", "").split(","):
+        key, _, value = part.partition("=")
+        if key not in counts or not value.isdigit():
+            return None
+        counts[key] = int(value)
+    return counts["keep"], counts["host"]
+
+
 @dataclass
 class RuntimeSection:
     """Where and how the pipeline runs: device, precision, buffering, Ray and output locations."""
@@ -270,14 +284,28 @@ class RuntimeSection:
     node; the AdamW states are gathered at checkpoint boundaries and at the end, so an interrupt
     saves no checkpoint of its own). See megatrain_ray.engine.shards."""
     offload_activations: bool = False
-    """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
-    on the device, copied out and back on the copy streams: device memory no longer grows with the
-    number of layers (for long contexts), at the cost of host memory and link time."""
+    """The same as activations: offload (kept for existing configs): every layer's forward input in
+    pinned host memory, copied out and back on the copy streams, so device memory no longer grows
+    with the number of layers, at the cost of host memory and link time."""
+    activations: str = "auto"
+    """Where each decoder layer's activations wait for its backward (see
+    megatrain_ray.engine.activations): auto (default) = on cuda, chosen by the planner from the GPU's
+    memory: as many layers as fit keep their whole forward graph on the GPU (no recompute in the
+    backward: ~25% less GEMM work for those layers), the rest keep their input checkpoint on the GPU,
+    and where even those do not fit, the first layers' checkpoints go to pinned host memory; on cpu,
+    recompute. recompute = every layer's checkpoint on the device, recomputed in the backward;
+    offload = every checkpoint in host memory; keep = every layer's graph kept; or counts
+    "keep=K,host=H": the last K layers kept whole, the first H offloaded, the rest checkpointed on
+    the device. ``megatrain-ray plan`` shows the choice and the memory of each."""
     cpu_affinity: bool = True
     """Pin each compute worker's threads to 4 CPUs local to its GPU (its NUMA node, as the machine's
     sysfs reports it) and the gradient sink's AdamW threads to the node's other CPUs; where the
     machine gives no topology (no GPU) nothing is pinned and one line says so. See
     megatrain_ray.engine.affinity."""
+    attention_backend: str = "auto"
+    """The kernel of scaled_dot_product_attention, applied around every model call: auto (default,
+    torch's own choice), flash, cudnn, efficient (memory-efficient) or math; on cpu only auto, flash
+    and math exist."""
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
     compute worker's kernel launches)."""
@@ -336,7 +364,24 @@ class RuntimeSection:
         """Tokens per loss chunk on the resolved ``device`` (see ``loss_chunk_size``)."""
         return self.loss_chunk_size or AUTO_LOSS_CHUNK_SIZE[device]
 
+    def activation_counts(self, device: str, n_layers: int) -> tuple[int, int] | None:
+        """(layers kept whole, layers offloaded) as set by ``activations`` (and ``offload_activations``)
+        on the resolved ``device``, or None where the planner chooses (auto on cuda)."""
+        setting = "offload" if self.offload_activations else self.activations
+        if setting == "auto":
+            return None if device == "cuda" else (0, 0)
+        return {"recompute": (0, 0), "offload": (0, n_layers), "keep": (n_layers, 0)}.get(setting) \
+            or _activation_counts(setting)
+
     def validate(self) -> None:
+        _require(self.activations in _ACTIVATION_MODES or _activation_counts(self.activations) is not None,
+                 "runtime.activations", "must be auto, recompute, offload, keep or counts like \"keep=4,host=2\" "
+                 f"(layers kept whole, layers offloaded), got {self.activations!r}")
+        _require(not self.offload_activations or self.activations in ("auto", "offload"), "runtime.offload_activations",
+                 f"(true) contradicts runtime.activations={self.activations!r}; drop runtime.offload_activations "
+                 "(runtime.activations: offload says the same)")
+        _require(self.attention_backend in ("auto", "flash", "cudnn", "efficient", "math"), "runtime.attention_backend",
+                 f"must be auto, flash, cudnn, efficient or math, got {self.attention_backend!r}")
         _require(self.device in ("auto", "cpu", "cuda"), "runtime.device",
                  f"must be auto, cpu or cuda, got {self.device!r}")
         _require(self.compute_dtype in ("auto", "float32", "bfloat16"), "runtime.compute_dtype",
@@ -411,6 +456,10 @@ class TrainConfig:
         _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path
                  or self.data.path is None, "train.eval_every",
                  "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
+        counts = _activation_counts(self.runtime.activations)
+        _require(counts is None or sum(counts) <= self.model.num_hidden_layers, "runtime.activations",
+                 f"({self.runtime.activations!r}) keeps and offloads more layers than the model has "
+                 f"({self.model.num_hidden_layers})")
         workers = self.runtime.compute_workers * self.runtime.nodes
         _require(self.train.num_micro_batches % workers == 0, "train.num_micro_batches",
                  f"({self.train.num_micro_batches}) must be a multiple of the compute workers of all nodes "

@@ -1,13 +1,23 @@
-"""Where each layer's input, kept from the forward for the recompute in the backward, lives.
+"""Where each decoder layer's activations wait for its backward, one of three placements per layer.
 
-By default the inputs stay on the device: (layers + 1) x micro-batches x [B, S, H] in the compute
-dtype, the one part of device memory that grows with the number of layers. With
-``runtime.offload_activations`` each layer's inputs are copied to pinned host buffers (on the
-copy-out stream, overlapping the next layer's forward) as soon as the forward has used them, and
-copied back (on the copy-in stream) one layer ahead of the backward that recomputes from them, so
-device memory holds the inputs of about two layers whatever the depth: what long contexts need.
-The compute thread enqueues work far ahead of the device; memory that waits for a copy is only
-reused once the copy has run, so with offloading the thread is held to at most :data:`LEAD` layers
+- :data:`KEEP`: the layer's whole autograd graph from the forward stays on the device (its forward
+  runs with gradients on, against a device copy of its weights, since the weight slot is reused),
+  and its backward differentiates that graph: no recompute, about a quarter of the layer's GEMM
+  work saved, for :func:`kept_bytes_per_token` bytes per token instead of one hidden vector.
+- :data:`GPU`: only the layer's input (the checkpoint) stays on the device and the backward
+  recomputes the layer's forward from it (the default before placements existed).
+- :data:`HOST`: the checkpoint is copied to a pinned host buffer (on the copy-out stream,
+  overlapping the next layer's forward) as soon as the forward has used it, and copied back (on
+  the copy-in stream) one layer ahead of the backward that recomputes from it.
+
+Per layer, :func:`layer_modes` lays a placement out as the first ``host`` layers offloaded (their
+backwards come last, so their copies back have the most time), the last ``keep`` layers kept whole,
+the rest checkpointed on the device; the planner (:mod:`megatrain_ray.orchestration.preflight`) picks
+the counts from free device memory. The three give the same values: the kept graph is the one the
+recompute would rebuild, from the same input with the same weights, run by the same function.
+
+With offloading, the compute thread enqueues work far ahead of the device; memory that waits for a
+copy is only reused once the copy has run, so the thread is held to at most :data:`LEAD` layers
 ahead of the device, or device memory would fill with activations whose copies have not run yet.
 The host buffers are allocated once, at the first step, and reused (torch's pinned allocator
 rounds each up to a power of two bytes, so they may take up to twice the checkpoints' size).
@@ -16,35 +26,146 @@ rounds each up to a power of two bytes, so they may take up to twice the checkpo
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 LEAD = 2
 """Layers the compute thread may run ahead of the device while activations are offloaded."""
+KEEP, GPU, HOST = "keep", "gpu", "host"
+"""A layer's placement: whole graph kept on the device, input checkpoint on the device, input
+checkpoint in pinned host memory."""
+
+
+def layer_modes(n_layers: int, keep: int, host: int) -> tuple[str, ...]:
+    """The placement of layers 0..n_layers-1: the first ``host`` offloaded, the last ``keep`` kept whole."""
+    if keep < 0 or host < 0 or keep + host > n_layers:
+        raise ValueError(f"cannot keep {keep} and offload {host} of {n_layers} layers")
+    return (HOST,) * host + (GPU,) * (n_layers - keep - host) + (KEEP,) * keep
+
+
+def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False) -> int:
+    """Device bytes one token's kept graph of one decoder layer holds (weights and the step's RoPE
+    cache not counted, the layer's input counted), for a compute dtype of ``itemsize`` bytes, run
+    eagerly or (``compiled``) through torch.compile, whose partitioner recomputes cheap elementwise
+    work in the backward instead of saving it.
+
+    What :func:`~megatrain_ray.model.transformer.decoder_layer`'s autograd saves (tests/test_actplace.py
+    checks it against saved-tensor hooks on a Llama-shaped layer):
+
+    - the norms, eager: each its fp32 upcast (4H; for fp32 inputs the input itself), the normalised
+      value in the compute dtype and its product with the weight (2cH), the fp32 reciprocal RMS (4);
+      plus the layer's input (cH), which a 16-bit run does not save (it saves its upcast) but the
+      backward needs as the leaf it differentiates to. Compiled: the input, both norms' outputs,
+      the residual between them (4cH) and the two reciprocal RMS (8);
+    - attention, both: the fused q/k/v output (c(q + 2kv), held whole by v, a view of it; where
+      SDPA copies v instead, as with q/k/v biases on the CPU, less), the rotated q and k
+      (c(q + kv)), the attention output (cq, the o_proj input is a view of it) and the fp32
+      log-sum-exp per head (4 heads); with qk_norm, the norms over q and k, each its fp32 upcast
+      (for fp32, a view of the fused output), its normalised value and the reciprocal RMS per head
+      (the eager figure, for both);
+    - the MLP, eager: the fused gate/up output (2cI), silu(gate) and silu(gate) * up (2cI);
+      compiled: the fused gate/up output and silu(gate) * up (3cI).
+    """
+    c, h, i = itemsize, cfg.hidden_size, cfg.intermediate_size
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
+    q, kv = heads * d, kv_heads * d
+    attn = c * (q + 2 * kv) + c * (q + kv) + c * q + 4 * heads
+    if cfg.qk_norm:
+        attn += (4 * (c < 4) + c) * (q + kv) + 4 * (heads + kv_heads)
+    if compiled:
+        return 4 * c * h + 8 + attn + 3 * c * i
+    return 2 * (4 * h + 2 * c * h + 4) + (c * h if c < 4 else 0) + attn + 4 * c * i
+
+
+@dataclass
+class KeptGraph:
+    """A layer's forward for every micro-batch with its autograd graph, waiting for the backward.
+
+    weights: the layer's flat weights, copied out of their slot (the graph saves views of them);
+    leaves: the per-parameter leaves the forward used (views of ``weights``); inputs, outputs:
+    M x [B, S, H], the leaves the graph starts from and the tensors it ends in.
+    """
+
+    weights: torch.Tensor
+    leaves: dict[str, torch.Tensor]
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
+def graph_backward(leaves: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor,
+                   grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Backpropagate dy through one micro-batch's layer graph (leaves, x -> y; x, y, dy: [B, S, H]).
+
+    Adds each weight's gradient into ``grads`` (views into the layer's fp32 gradient buffer) and
+    returns the input gradient. Each parameter is its own autograd leaf (a view, no copy), so its
+    gradient lands straight in its place in the flat buffer rather than being assembled into a
+    whole-layer gradient first.
+    """
+    *gws, dx = torch.autograd.grad(y, [*leaves.values(), x], dy, allow_unused=True)
+    for name, gw in zip(leaves, gws):
+        if gw is not None:  # the parts of a fused projection get theirs through the fused view
+            grads[name].add_(gw)
+    return dx
+
+
+def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Tensor], contexts: list[tuple],
+                       cfg) -> KeptGraph:
+    """One layer's forward for every micro-batch (xs: M x [B, S, H]) with its graph kept for the backward.
+
+    flat: the layer's weights in their slot, copied first, since the slot is reused before the
+    backward and the graph saves the weights it multiplied by. The same function on the same values
+    as the recompute of :func:`~megatrain_ray.engine.compute.layer_backward`, so the backward of the kept graph is that of the
+    recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
+    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`.
+    """
+    weights = flat.clone()
+    leaves = {name: w.detach().requires_grad_(True) for name, w in template.bind(weights, fused=True).items()}
+    inputs = [x.detach().requires_grad_(True) for x in xs]
+    with torch.enable_grad():
+        outputs = [layer_fn(leaves, x, rope, cfg, mask) for x, (rope, mask) in zip(inputs, contexts)]
+    return KeptGraph(weights, leaves, inputs, outputs)
+
+
+def kept_backward(graph: KeptGraph, grads: dict[str, torch.Tensor], dx: list[torch.Tensor]) -> None:
+    """:func:`~megatrain_ray.engine.compute.layer_backward` for a layer whose forward graph was kept: dx (M x [B, S, H]) replaced
+    by the input gradients, the graph freed micro-batch by micro-batch."""
+    for m in range(len(dx)):
+        dx[m] = graph_backward(graph.leaves, graph.inputs[m], graph.outputs[m], dx[m], grads)
+        graph.inputs[m] = graph.outputs[m] = None
 
 
 class ActivationStore:
-    """Layer inputs by unit index, on the device or offloaded through a compute backend."""
+    """Each layer's activations by unit index (layer i is unit i + 1), placed per :func:`layer_modes`."""
 
-    def __init__(self, backend, offload: bool):
+    def __init__(self, backend, modes: Sequence[str]):
         self.backend = backend
-        self.offload = offload
-        self._kept: dict[int, list[torch.Tensor]] = {}
+        self.modes = tuple(modes)
+        self._kept: dict[int, list[torch.Tensor] | KeptGraph] = {}
         self._stashed: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._fetched: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._host: dict[tuple[int, int], torch.Tensor] = {}
         self._marks: collections.deque = collections.deque()
 
+    def mode(self, unit: int) -> str:
+        """The placement of decoder unit ``unit`` (1-based: unit 0 is the embedding)."""
+        return self.modes[unit - 1]
+
     def clear(self) -> None:
-        """Forget every layer's inputs (the host buffers stay for the next step)."""
+        """Forget every layer's activations (the host buffers stay for the next step)."""
         self._marks.clear()
         self._kept.clear()
         self._stashed.clear()
         self._fetched.clear()
 
+    def keep(self, unit: int, graph: KeptGraph) -> None:
+        """Hold ``unit``'s forward graph (a :data:`KEEP` layer) for its backward."""
+        self._kept[unit] = graph
+
     def put(self, unit: int, xs: list[torch.Tensor]) -> None:
         """xs: M x [B, S, H], the input of ``unit`` for every micro-batch, no longer needed by the forward."""
-        if not self.offload:
+        if self.mode(unit) != HOST:
             self._kept[unit] = xs
             return
         self._hold_back()
@@ -58,13 +179,13 @@ class ActivationStore:
 
     def prefetch(self, unit: int) -> None:
         """Start bringing ``unit``'s inputs back to the device (no-op when kept there or absent)."""
-        if self.offload and unit in self._stashed and unit not in self._fetched:
+        if unit in self._stashed and unit not in self._fetched:
             self._fetched[unit] = [self.backend.unstash(host, done, f"inputs of unit {unit}")
                                    for host, done in self._stashed.pop(unit)]
 
-    def take(self, unit: int) -> list[torch.Tensor]:
-        """``unit``'s inputs on the device, ready for the compute stream; forgets them here."""
-        if not self.offload:
+    def take(self, unit: int) -> list[torch.Tensor] | KeptGraph:
+        """``unit``'s kept graph, or its inputs on the device ready for the compute stream; forgets them here."""
+        if self.mode(unit) != HOST:
             return self._kept.pop(unit)
         self._hold_back()
         self.prefetch(unit)

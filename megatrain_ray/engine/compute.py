@@ -5,18 +5,23 @@ a :class:`~megatrain_ray.engine.tickets.FetchTicket`), are bound to the stateles
 and the slot is released as soon as the unit is done. One step, as one loop:
 
 1. embedding of every micro-batch;
-2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint
-   (on the device, or offloaded to host memory: see :mod:`megatrain_ray.engine.activations`);
+2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint (on
+   the device or offloaded to host memory) or, for the layers placed so, its whole autograd graph
+   (see :mod:`megatrain_ray.engine.activations`);
 3. head: final norm, LM head and loss in chunks of tokens (never the full logits), forward and
    backward at once; its gradient goes out;
-4. backward of layer L-1..0, recomputing each layer from its checkpoint, for every micro-batch,
-   accumulating the weight gradient in fp32; each layer's gradient goes out as soon as it is done;
+4. backward of layer L-1..0, recomputing each layer from its checkpoint (or differentiating its
+   kept graph), for every micro-batch, accumulating the weight gradient in fp32; each layer's
+   gradient goes out as soon as it is done;
 5. embedding gradient (the input gradients added into their ids' rows in a fixed order, see
    :mod:`megatrain_ray.engine.embed_grad`; plus the head's when tied) goes out.
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
 step's token count, and each gradient is summed over all workers before its shard goes out.
+
+Every model call of the step runs under the SDPA backend of ``runtime.attention_backend``
+(:func:`sdpa_backend`), applied around the model, which stays a pure function.
 
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
 fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
@@ -35,10 +40,11 @@ from typing import Any
 
 import torch
 
-from ..errors import PipelineError
+from ..errors import ConfigError, PipelineError
 from ..model.transformer import IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, token_loss_sum
 from . import affinity
-from .activations import ActivationStore
+from .activations import GPU, HOST, KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
+from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
@@ -107,7 +113,10 @@ class ComputeWorker:
     def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
                  compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None,
-                 compile_threads: int = 1, mlp_chunk_size: int = 0):
+                 compile_threads: int = 1, placement: tuple[str, ...] | None = None, attention_backend: str = "auto",
+                 mlp_chunk_size: int = 0):
+        """placement: each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`);
+        None: every checkpoint offloaded with ``offload_activations``, else every one on the device."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
@@ -126,7 +135,17 @@ class ComputeWorker:
         self.reducer: GradReducer | None = None
         """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
         self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
-        self.activations = ActivationStore(self.backend, offload_activations)  # host buffers kept across steps
+        if placement is None:
+            placement = (HOST if offload_activations else GPU,) * self.cfg.num_hidden_layers
+        if len(placement) != self.cfg.num_hidden_layers:
+            raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
+                              f"{self.cfg.num_hidden_layers}; check runtime.activations.")
+        self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
+        offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
+        if attention_backend not in offered:
+            raise ConfigError(f"runtime.attention_backend {attention_backend!r} is not available on {device}; "
+                              f"use one of {', '.join(offered)}.")
+        self.attention_backend = attention_backend
         for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind])
@@ -272,6 +291,18 @@ class ComputeWorker:
         ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
         ``step`` updates), computed alongside the forward and the head, without gradients.
         """
+        try:
+            with sdpa_backend(self.attention_backend):
+                return self._step(step, batch, eval_batch)
+        except torch.OutOfMemoryError as e:
+            kept = self.activations.modes.count(KEEP)
+            if not kept:
+                raise
+            raise PipelineError(f"the device ran out of memory in step {step} with {kept} layers' activations kept "
+                                f"whole; set runtime.activations to keep fewer (e.g. \"keep={kept // 2}\") or to "
+                                "recompute.") from e
+
+    def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None) -> dict[str, Any]:
         if self._error is not None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
         self.backend.begin_step()
@@ -313,9 +344,17 @@ class ComputeWorker:
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(self.layout.units[i]):
                     p = templates[i].bind(flat, fused=True)
-                    ys = [self.runner.forward(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)]
+                    if acts.mode(i) == KEEP:  # the graph stays for the backward: nothing to recompute
+                        graph = layer_forward_kept(self.runner.layer, templates[i], flat, xs, ctx, self.cfg)
+                        ys = [y.detach() for y in graph.outputs]
+                    else:
+                        ys = [self.runner.forward(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)]
                     es = [self.runner.forward(p, e, eval_ctx[m], self.cfg) for m, e in enumerate(es)]
-                acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
+                if acts.mode(i) == KEEP:
+                    acts.keep(i, graph)
+                    graph = None
+                else:
+                    acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
                 xs = ys
                 self._release(ticket)
 
@@ -330,8 +369,11 @@ class ComputeWorker:
             acts.prefetch(i - 1)  # the next backward's inputs come in while this one computes
             with self.backend.compute(self.layout.units[i] + " bwd"):
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
-                layer_backward(self.runner, templates[i].bind(flat, fused=True),
-                               templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg)
+                if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
+                    kept_backward(inputs, templates[i].bind(grad, fused=True), dx)
+                else:
+                    layer_backward(self.runner, templates[i].bind(flat, fused=True),
+                                   templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg)
             del inputs
             self._release(ticket)
             self._send_grad(i, step, grad)

@@ -27,6 +27,7 @@ import torch
 
 from ..model.transformer import (attention_block, decoder_layer, document_ids, document_mask, mlp_block,
                                  rope_at, rope_cache)
+from .activations import graph_backward
 
 
 class LayerRunner:
@@ -79,9 +80,7 @@ class LayerRunner:
         if not self.tiles(x):
             with torch.enable_grad():
                 y = self.layer(leaves, x, rope, cfg, mask)
-            *gws, dx = torch.autograd.grad(y, [*weights, x], dy, allow_unused=True)
-            _accumulate(grads, names, gws)
-            return dx
+            return graph_backward(leaves, x, y, dy, grads)
         with torch.enable_grad():
             h = self.attn(leaves, x, rope, cfg, mask)
         dh = torch.empty_like(dy)

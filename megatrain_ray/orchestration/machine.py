@@ -106,3 +106,15 @@ def same_filesystem(a: str, b: str) -> bool:
         return os.stat(a).st_dev == os.stat(b).st_dev
     except OSError:
         return False
+
+
+def gpu_free_memory() -> int | None:
+    """Free memory of GPU 0 now (other processes' use subtracted), or None without CUDA."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info(0)[0])
+    except Exception:
+        pass
+    return None

@@ -12,15 +12,17 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
 - **host RAM**: the above, plus one Python process per actor (torch imported), the token stream
   held by every data loader, and one shard of the final Hugging Face export.
 - **device** (the GPU; on a CPU run, host RAM): ``buffer_depth`` weight slots of the largest unit;
-  the activation checkpoints (each layer's input, for every micro-batch: (layers + 1) x tokens
-  per step x hidden; in host RAM with runtime.offload_activations, leaving ~3 layers' worth on
-  the device); the input gradients of every micro-batch; the fp32 embedding and head gradients;
-  and, never at the same time (so the device total counts the larger, see :func:`device_total`),
-  one layer's working set while it is recomputed and differentiated for one micro-batch (its
-  activations and their gradients, its fp32 gradient accumulator; with runtime.mlp_chunk_size,
-  the [tokens, intermediate] terms for one chunk) or the head's: one loss chunk of fp32 logits
-  (``buffer_depth``, ``loss_chunk_size`` and ``mlp_chunk_size`` as resolved for the run, see
-  RuntimeSection).
+  the activations, placed per layer by :func:`activation_counts` (runtime.activations): a layer's
+  checkpoint (its input, for every micro-batch: tokens per step x hidden), or its whole forward
+  graph (:func:`megatrain_ray.engine.activations.kept_bytes_per_token` per token, plus a copy of
+  its weights), or its checkpoint in host RAM (leaving ~3 layers' worth in flight on the device),
+  and the last layer's output; the input gradients of every micro-batch; the fp32 embedding and
+  head gradients; and, never at the same time (so the device total counts the larger, see
+  :func:`device_total`), one layer's working set while it is recomputed and differentiated for
+  one micro-batch (its activations and their gradients, its fp32 gradient accumulator; with
+  runtime.mlp_chunk_size, the [tokens, intermediate] terms for one chunk) or the head's: one loss
+  chunk of fp32 logits (``buffer_depth``, ``loss_chunk_size`` and ``mlp_chunk_size`` as
+  resolved for the run, see RuntimeSection).
 
 The device figures are estimates of the dominant terms, the rest are exact sizes. Checked on an
 H200 (a 0.5B Llama shape, 2 x 2048-token micro-batches, bf16): the device total without the CUDA
@@ -44,13 +46,15 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
+from ..engine.activations import kept_bytes_per_token, layer_modes
 from ..engine.store import StoreSpec, grad_slots_for, peer_grads_for
 from ..errors import PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import check_num_workers, cluster_to_join
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
-from .machine import gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold, same_filesystem
+from .machine import (gpu_free_memory, gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold,
+                      same_filesystem)
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -204,28 +208,33 @@ def _tokens_in_data(path: str | None) -> int:
     return os.path.getsize(path)
 
 
-def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Row]:
-    """The device-memory components of one step at ``micro_batch_size`` (see the module docstring)."""
-    m, t, rt = cfg.model, cfg.train, cfg.runtime
-    precision = resolve_precision(rt, device)
-    c = precision.compute.itemsize
+def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None = None) -> list[Row]:
+    """The device-memory components of one step at ``micro_batch_size`` (see the module docstring),
+    with the activations placed as :func:`activation_counts` chooses for a device of ``device_bytes``."""
+    fixed = _fixed_device_rows(cfg, device, micro_batch_size)
+    keep, host = activation_counts(cfg, device, micro_batch_size, device_bytes, device_total(fixed))
+    return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, keep, host) + fixed[1:]
+
+
+def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int, int]:
+    """(compute dtype bytes, tokens per micro-batch, micro-batches per GPU, hidden size)."""
+    rt = cfg.runtime
+    c = resolve_precision(rt, device).compute.itemsize
+    return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // (rt.compute_workers * rt.nodes), \
+        cfg.model.hidden_size
+
+
+def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Row]:
+    """Every device row but the activations' (the weight slots first)."""
+    m, rt = cfg.model, cfg.runtime
+    c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
     layout = StoreLayout.build(m)
-    tokens = micro_batch_size * t.seq_len  # per micro-batch
-    h, inter, q, kv = m.hidden_size, m.intermediate_size, m.num_attention_heads * m.head_size, \
-        m.num_key_value_heads * m.head_size
+    inter, q, kv = m.intermediate_size, m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
     layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
     head_numel = layout.templates[-1].numel
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
-    mbs = t.num_micro_batches // (rt.compute_workers * rt.nodes)  # one GPU's share of the step
     rows = [
         Row(f"weight slots ({depth} x largest unit)", "device", depth * layout.max_unit_numel * c),
-        Row(f"activation checkpoints ({m.num_hidden_layers + 1} x {mbs} x {tokens} tokens x {h})"
-            + (", offloaded (pinned buffers round up to powers of 2)" if rt.offload_activations else ""),
-            "host" if rt.offload_activations else "device",
-            (m.num_hidden_layers + 1) * mbs
-            * (_pinned_size(tokens * h * c) if rt.offload_activations else tokens * h * c)),
-        *([Row(f"activation checkpoints in flight (3 x {mbs} x {tokens} tokens x {h})", "device",
-               3 * mbs * tokens * h * c)] if rt.offload_activations else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         _layer_working_set(cfg, tokens, c, layer_numel),
         Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
@@ -267,13 +276,13 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     if device != "cpu" and base.device_bytes is None:
         return None
     step = 1024
-    here = device_rows(cfg, device, cfg.train.micro_batch_size)  # in base: what changes with the length
+    here = device_rows(cfg, device, cfg.train.micro_batch_size, base.device_bytes)  # in base: what changes with the length
     fixed_host = base.total("host") - sum(r.nbytes for r in here if r.where == "host") - (
         device_total(here) if device == "cpu" else 0)
 
     def fits(seq_len: int) -> bool:
         c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
-        rows = device_rows(c, device, cfg.train.micro_batch_size)
+        rows = device_rows(c, device, cfg.train.micro_batch_size, base.device_bytes)  # placed as it would be
         dev = device_total(rows)
         host = fixed_host + sum(r.nbytes for r in rows if r.where == "host") + (dev if device == "cpu" else 0)
         base.context_limit = "host RAM" if host > base.host_available else (
@@ -290,6 +299,66 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     fits(hi * step)  # records what the next length would exceed
     return lo * step
+def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int]:
+    """Bytes of one layer's activations (all its micro-batches): (checkpoints, kept graph with its
+    weight copy, pinned host buffers of offloaded checkpoints)."""
+    c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
+    layer_numel = max((tp.numel for tp in StoreLayout.build(cfg.model).templates[1:-1]), default=0)
+    per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+    return (mbs * tokens * h * c, mbs * tokens * per_token + layer_numel * c,
+            mbs * _pinned_size(tokens * h * c))
+
+
+def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None,
+                      fixed_bytes: int) -> tuple[int, int]:
+    """(decoder layers kept whole, layers offloaded) as runtime.activations sets or, on auto, as fits.
+
+    auto (on cuda, with the GPU's size known): the device memory the plan allows (GPU_USABLE of it)
+    minus everything else (``fixed_bytes``) goes first to every layer's checkpoint and then, layer
+    by layer, to keeping whole graphs instead (each saves that layer's recompute); if not even the
+    checkpoints fit, the fewest layers are offloaded that make them fit (with the 3 layers' worth
+    that offloading keeps in flight on the device). With the size unknown, nothing is kept or offloaded.
+    """
+    n = cfg.model.num_hidden_layers
+    counts = cfg.runtime.activation_counts(device, n)
+    if counts is not None:
+        return counts
+    if device_bytes is None or n == 0:
+        return 0, 0
+    budget = int(device_bytes * GPU_USABLE) - fixed_bytes
+    ck, kept, _ = _activation_bytes(cfg, device, micro_batch_size)
+    budget -= ck  # the last layer's output, the head's input, is on the device whatever the placement
+    if n * ck <= budget:
+        return min(n, (budget - n * ck) // max(1, kept - ck)), 0
+    return 0, min(n, -(-(n * ck + 3 * ck - budget) // ck))
+
+
+def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep: int, host: int) -> list[Row]:
+    c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
+    ck, kept, pinned = _activation_bytes(cfg, device, micro_batch_size)
+    on_device = cfg.model.num_hidden_layers - keep - host + 1  # + the last layer's output
+    rows = [Row(f"activation checkpoints ({on_device} x {mbs} x {tokens} tokens x {h})", "device", on_device * ck)]
+    if keep:
+        per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+        rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x {per_token} B, "
+                        "+ weights): no recompute", "device", keep * kept))
+    if host:
+        rows += [Row(f"activation checkpoints ({host} x {mbs} x {tokens} tokens x {h}), offloaded "
+                     "(pinned buffers round up to powers of 2)", "host", host * pinned),
+                 Row(f"activation checkpoints in flight (3 x {mbs} x {tokens} tokens x {h})", "device", 3 * ck)]
+    return rows
+
+
+def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> tuple[str, ...]:
+    """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
+    for the run's micro-batch on a device of ``device_bytes`` (default: what is free on this
+    process's GPU 0 now, so memory that other processes, or this one, hold is left to them)."""
+    if device == "cuda" and device_bytes is None:
+        device_bytes = gpu_free_memory()
+    mbs = cfg.train.micro_batch_size
+    fixed = device_total(_fixed_device_rows(cfg, device, mbs))
+    keep, host = activation_counts(cfg, device, mbs, device_bytes, fixed)
+    return layer_modes(cfg.model.num_hidden_layers, keep, host)
 
 
 def _pinned_size(nbytes: int) -> int:
@@ -344,7 +413,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if cfg.train.save_final:
         rows.append(Row("one shard of the final export", "host",
                         min(EXPORT_SHARD_BYTES, layout.num_params * precision.master.itemsize)))
-    rows += device_rows(cfg, device, cfg.train.micro_batch_size)
+    rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes)
     shm_free = shutil.disk_usage(rt.shm_dir).free
     host = host_available()
     n_params = layout.num_params
@@ -357,8 +426,28 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
+    result.notes.append(_activation_note(cfg, device, result))
     result.notes.append(_checkpoint_note(cfg, n_params * (precision.master.itemsize + 8)))
     return result
+
+
+def _activation_note(cfg: TrainConfig, device: str, result: Plan) -> str:
+    """The activation placement the run gets, one line (layers kept whole / checkpointed on the
+    device / offloaded, and what each takes)."""
+    rows = [r for r in result.rows if r.component.startswith("activation")]
+    keep = sum(r.nbytes for r in rows if "kept whole" in r.component)
+    host = sum(r.nbytes for r in rows if r.where == "host")
+    modes = activation_placement(cfg, device, result.device_bytes)
+    n_keep, n_host = modes.count("keep"), modes.count("host")
+    n_gpu = len(modes) - n_keep - n_host
+    where = "GPU" if device == "cuda" else "device"
+    ckpt = sum(r.nbytes for r in rows if r.where == "device" and "kept whole" not in r.component)
+    how = ("chosen by the planner from the GPU's memory" if cfg.runtime.activation_counts(device, len(modes)) is None
+           else f"as runtime.activations={cfg.runtime.activations!r}"
+           + (" (runtime.offload_activations)" if cfg.runtime.offload_activations else "") + " sets")
+    return (f"activations ({how}): {n_keep} layers kept whole on the {where} ({fmt(keep)}, not recomputed), "
+            f"{n_gpu} checkpointed on the {where} ({fmt(ckpt)} with the last layer's output"
+            f"{' and those in flight' if n_host else ''}), {n_host} offloaded to host RAM ({fmt(host)})")
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
@@ -385,7 +474,7 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
         budget = int(base.device_bytes * GPU_USABLE)
 
     def fits(b: int) -> bool:
-        return device_total(device_rows(cfg, device, b)) <= budget
+        return device_total(device_rows(cfg, device, b, base.device_bytes)) <= budget
 
     if not fits(1):
         return 0

@@ -31,6 +31,7 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
+from .preflight import activation_placement
 
 STORE, PREFETCH, COMPUTE, SINK, LOADER = (
     {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25})
@@ -99,6 +100,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
     depth = rt.buffer_depth_on(device)
     workers = rt.compute_workers
     sharded = rt.sharded_optimizer
+    placement = activation_placement(cfg, device)  # every GPU alike: the same share of the micro-batches
     nodes = []
     for k, spec in enumerate(specs):
         spawner.node(k)
@@ -115,8 +117,8 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
                 spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
                 rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
-                offload_activations=rt.offload_activations, grad_slot_q=grad_slot_q,
-                compile_threads=rt.compile_threads, mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len)))
+                grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads, placement=placement,
+                attention_backend=rt.attention_backend, mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len)))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
             checkpoint=plan if k == 0 or sharded else None, grad_slot_q=grad_slot_q, shards=workers,

@@ -1,0 +1,330 @@
+"""Per-layer activation placement (kept whole / checkpoint on the device / checkpoint on the host),
+its planner, and the attention-backend setting, on the CPU.
+
+The three placements run the same function on the same values: a kept graph is the one the
+recompute would rebuild (same input, same weights, same ops, and eager CPU kernels are
+deterministic), an offloaded checkpoint comes back with the same bytes. So losses and gradients
+must agree bit for bit, not to a tolerance.
+"""
+
+import os
+import queue
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatrain_ray import cli
+from megatrain_ray.config import load_config
+from megatrain_ray.data.loader import source_from_config
+from megatrain_ray.engine.activations import GPU, HOST, KEEP, kept_bytes_per_token, layer_modes
+from megatrain_ray.engine.attention import sdpa_backend
+from megatrain_ray.engine.compute import ComputeWorker
+from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.errors import ConfigError
+from megatrain_ray.model import transformer as M
+from megatrain_ray.model.layout import LayerTemplate
+from megatrain_ray.model.precision import resolve_precision
+from megatrain_ray.orchestration import preflight
+
+SMALL = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=3",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_kept_graph_bytes_match_what_autograd_saves(dtype, qk_norm):
+    """kept_bytes_per_token is exactly what a layer's forward saves (counted with saved-tensor
+    hooks, one count per storage; weights and the step's RoPE cache left out) plus its input."""
+    cfg = load_config(None, SMALL + (["model.model_type=qwen3", "model.head_dim=32"] if qk_norm else [])).model
+    assert cfg.qk_norm == qk_norm
+    t = LayerTemplate.build(cfg, "layers.0")
+    flat = (torch.randn(t.numel) * 0.02).to(dtype)
+    leaves = {k: v.detach().requires_grad_(True) for k, v in t.bind(flat, fused=True).items()}
+    b, s = 2, 96
+    x = torch.randn(b, s, cfg.hidden_size, dtype=dtype).requires_grad_(True)
+    rope = M.rope_cache(cfg, s, torch.device("cpu"), dtype)
+    skip = {v.untyped_storage().data_ptr() for v in (*leaves.values(), *rope)}
+    saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}  # the leaf the backward needs
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        M.decoder_layer(leaves, x, rope, cfg)
+    assert sum(saved.values()) == b * s * kept_bytes_per_token(cfg, dtype.itemsize)
+
+
+def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves():
+    """The compiled figure against what torch.compile's forward saves: AOTAutograd with Inductor's
+    partitioner (min-cut rematerialisation) and no code generation, so the saved set is Inductor's
+    (checked once against the inductor backend on this CPU: the same 2168 B/token) in seconds."""
+    cfg = load_config(None, SMALL).model
+    t = LayerTemplate.build(cfg, "layers.0")
+    leaves = {k: v.detach().requires_grad_(True)
+              for k, v in t.bind((torch.randn(t.numel) * 0.02).to(torch.bfloat16), fused=True).items()}
+    b, s = 2, 96
+    x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16).requires_grad_(True)
+    rope = M.rope_cache(cfg, s, torch.device("cpu"), torch.bfloat16)
+    layer = torch.compile(M.decoder_layer, backend=_min_cut_backend(), dynamic=False)
+    skip = {v.untyped_storage().data_ptr() for v in (*leaves.values(), *rope)}
+    saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in skip:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(leaves, x, rope, cfg)
+    assert sum(saved.values()) == b * s * kept_bytes_per_token(cfg, 2, compiled=True)
+    assert kept_bytes_per_token(cfg, 2, compiled=True) < 0.7 * kept_bytes_per_token(cfg, 2)
+    torch._dynamo.reset()
+
+
+def _min_cut_backend():
+    """torch.compile through AOTAutograd with Inductor's partitioner and no code generation."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None, layer_fn=None):
+    """One step through store + prefetcher + compute worker on the CPU; returns (loss, {unit: grads}, result)."""
+    rt = cfg.runtime
+    spec = StoreSpec(cfg.model, resolve_precision(rt, "cpu"), shm_dir, os.getpid(), "ap-" + uuid.uuid4().hex[:6])
+    ParameterStore(spec, cfg.train.seed)
+    depth = rt.buffer_depth_on("cpu")
+    fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
+    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
+    thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
+    thread.start()
+    worker = ComputeWorker(spec, "cpu", depth, rt.loss_chunk_size_on("cpu"), fetch_q, grad_q, release_q,
+                           rt.actor_timeout_s, placement=placement, attention_backend=attention_backend)
+    if layer_fn is not None:
+        worker.runner.layer = layer_fn
+    if calls is not None:  # count the layer's forward runs (forward and recompute)
+        inner = worker.runner.layer
+
+        def counted(*args):
+            calls.append(1)
+            if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+            return inner(*args)
+        worker.runner.layer = counted
+    try:
+        result = worker.run_step(0, source_from_config(cfg).batch(0))
+    finally:
+        worker.close()
+    thread.join(timeout=30)
+    store = HostStore(spec)
+    grads = {}
+    for _ in store.layout.units:
+        ticket = grad_q.get(timeout=30)
+        grads[ticket.unit] = {k: v.clone() for k, v in store.params("grad", ticket.unit).items()}
+    return result, grads
+
+
+def _config(tmp_path, shm_dir, *extra):
+    data = tmp_path / "tokens.npy"
+    if not data.exists():
+        np.save(data, np.random.default_rng(0).integers(0, 512, size=20_000))
+    return load_config(None, SMALL + ["train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=3",
+                                      "train.steps=1", f"data.path={data}", "runtime.device=cpu",
+                                      f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}", *extra])
+
+
+def test_every_placement_gives_the_recompute_path_s_loss_and_gradients_bit_for_bit(tmp_path, shm_dir):
+    cfg = _config(tmp_path, shm_dir)
+    placements = {"recompute": (GPU,) * 3, "offload": (HOST,) * 3, "keep": (KEEP,) * 3,
+                  "mixed": layer_modes(3, 1, 1), "keep two": layer_modes(3, 2, 0)}
+    assert placements["mixed"] == (HOST, GPU, KEEP)
+    runs = {}
+    for name, placement in placements.items():
+        calls = []
+        runs[name] = _cpu_step(cfg, shm_dir, placement, calls=calls)
+        # every layer runs forward once per micro-batch, and again in the backward unless kept
+        assert len(calls) == 3 * (3 + sum(mode != KEEP for mode in placement)), name
+    ref_result, ref_grads = runs["recompute"]
+    for name, (result, grads) in runs.items():
+        assert result["loss"] == ref_result["loss"], name
+        assert result["fetches"] == ref_result["fetches"]  # every layer still crosses the link twice
+        assert grads.keys() == ref_grads.keys()
+        for unit, named in grads.items():
+            for key, g in named.items():
+                assert torch.equal(g, ref_grads[unit][key]), f"{name}: unit {unit} {key}"
+        moved = sum(n for lane, label, _, _, n in result["spans"] if lane == "d2h" and "inputs" in label)
+        offloaded = sum(mode == HOST for mode in placements[name])
+        assert moved == offloaded * 3 * 2 * 32 * 64 * 4  # micro-batches x [2, 32, 64] fp32 per offloaded layer
+    assert any(float(g.abs().sum()) > 0 for g in ref_grads[1].values())
+
+
+def test_running_out_of_device_memory_with_kept_graphs_says_what_to_set(tmp_path, shm_dir):
+    from megatrain_ray.errors import PipelineError
+
+    cfg = _config(tmp_path, shm_dir)
+    with pytest.raises(PipelineError, match=r'with 2 layers\' activations kept whole; set runtime.activations to '
+                                            r'keep fewer \(e.g. "keep=1"\) or to recompute'):
+        _cpu_step(cfg, shm_dir, layer_modes(3, 2, 0), calls=[], fail_at=7)
+    with pytest.raises(torch.OutOfMemoryError):  # nothing kept: torch's own error stands
+        _cpu_step(cfg, shm_dir, (GPU,) * 3, calls=[], fail_at=7)
+
+
+def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_dir):
+    """The compiled layer (CompiledLayer, here without code generation: the partitioned forward and
+    backward graphs run op by op) kept whole gives the recompute's loss and gradients bit for bit
+    and compiles nothing new: the kept forward is the graph the recompute already runs. (With the
+    inductor backend on this CPU, checked once by hand: also bit for bit.)"""
+    from megatrain_ray.engine.compute import CompiledLayer
+
+    cfg = _config(tmp_path, shm_dir)
+    layer = CompiledLayer(backend=_min_cut_backend())
+    from torch._dynamo.utils import counters
+
+    ref, ref_grads = _cpu_step(cfg, shm_dir, (GPU,) * 3, layer_fn=layer)
+    graphs = counters["stats"]["unique_graphs"]
+    got, grads = _cpu_step(cfg, shm_dir, layer_modes(3, 2, 1), layer_fn=layer)
+    assert counters["stats"]["unique_graphs"] == graphs >= 2  # no-grad forward + training graph, no third
+    assert layer.failure is None and got["loss"] == ref["loss"]
+    for unit, named in grads.items():
+        for key, g in named.items():
+            assert torch.equal(g, ref_grads[unit][key]), f"unit {unit} {key}"
+    torch._dynamo.reset()
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run under it (this thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_attention_backend_is_honoured_and_keeps_the_math(tmp_path, shm_dir):
+    """math and flash (CPU) run different kernels for the same attention; the worker runs its setting."""
+    cfg = load_config(None, SMALL).model
+    t = LayerTemplate.build(cfg, "layers.0")
+    params = t.bind(torch.randn(t.numel) * 0.05, fused=True)
+    x = torch.randn(2, 64, cfg.hidden_size)
+    rope = M.rope_cache(cfg, 64, torch.device("cpu"), torch.float32)
+    outs = {}
+    for name in ("auto", "flash", "math"):
+        with _Ops() as rec, sdpa_backend(name):
+            outs[name] = M.decoder_layer(params, x, rope, cfg)
+        assert ("aten._scaled_dot_product_flash_attention_for_cpu" in rec.ops) == (name != "math"), name
+    assert torch.equal(outs["auto"], outs["flash"])  # torch's CPU choice is the flash kernel
+    # fp32, another summation order of a softmax over 64 keys and its weighted sum: ~1e-7 relative
+    # per element, far below the 1e-5 bound; a wrong mask or scale would be off by O(1)
+    torch.testing.assert_close(outs["math"], outs["flash"], rtol=1e-5, atol=1e-6)
+
+    run = _config(tmp_path, shm_dir)
+    losses = {}
+    for name in ("auto", "math"):
+        with _Ops() as rec:
+            losses[name] = _cpu_step(run, shm_dir, (GPU,) * 3, attention_backend=name)[0]["loss"]
+        assert ("aten._scaled_dot_product_flash_attention_for_cpu" in rec.ops) == (name == "auto"), name
+    assert losses["math"] == pytest.approx(losses["auto"], rel=1e-5)
+    with pytest.raises(ConfigError, match="runtime.attention_backend 'cudnn' is not available on cpu"):
+        _cpu_step(run, shm_dir, (GPU,) * 3, attention_backend="cudnn")
+
+
+def test_runtime_activations_settings_and_their_errors():
+    def counts(*extra, device="cuda"):
+        return load_config(None, SMALL + list(extra)).runtime.activation_counts(device, 3)
+
+    assert counts() is None and counts(device="cpu") == (0, 0)  # auto: the planner's on cuda, recompute on cpu
+    assert counts("runtime.activations=recompute") == (0, 0)
+    assert counts("runtime.activations=offload") == (0, 3) == counts("runtime.offload_activations=true")
+    assert counts("runtime.activations=keep") == (3, 0)
+    assert counts("runtime.activations=keep=2,host=1") == (2, 1) and counts("runtime.activations=host=2") == (0, 2)
+    for bad, key in (("runtime.activations=some", "runtime.activations"),
+                     ("runtime.activations=keep=x", "runtime.activations"),
+                     ("runtime.activations=keep=3,host=1", "runtime.activations"),
+                     ("runtime.attention_backend=fast", "runtime.attention_backend")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, SMALL + [bad])
+    with pytest.raises(ConfigError, match=r"runtime\.offload_activations \(true\) contradicts runtime\.activations"):
+        load_config(None, SMALL + ["runtime.offload_activations=true", "runtime.activations=keep"])
+
+
+def _seven_b(tokens_per_mb: int, micro_batches: int, *extra):
+    from megatrain_ray.model.presets import preset_model
+
+    import dataclasses
+    return load_config(None, [f"train.seq_len={min(tokens_per_mb, 4096)}",
+                              f"train.micro_batch_size={max(1, tokens_per_mb // 4096)}",
+                              f"train.num_micro_batches={micro_batches}", *extra],
+                       base={"model": dataclasses.asdict(preset_model("7b"))})
+
+
+def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does_not_fit():
+    """auto fills the usable GPU memory: every checkpoint first, then whole graphs layer by layer
+    while one more fits; where the checkpoints do not fit, the fewest layers go to host memory."""
+    gib = 2**30
+    cfg = _seven_b(16384, 4)  # the benchmark's 7B step: 64k tokens
+    modes = preflight.activation_placement(cfg, "cuda", 140 * gib)
+    keep = modes.count(KEEP)
+    assert 0 < keep < 28 and HOST not in modes and modes[-keep:] == (KEEP,) * keep
+
+    def device_total(k, h):
+        rows = preflight._fixed_device_rows(cfg, "cuda", 4) + preflight._activation_rows(cfg, "cuda", 4, k, h)
+        return preflight.device_total(rows)  # the layer and the head phases never overlap
+
+    usable = 140 * gib * preflight.GPU_USABLE
+    assert device_total(keep, 0) <= usable < device_total(keep + 1, 0)
+    plan = preflight.plan(cfg, "cuda", device_bytes=140 * gib, starts_ray=False)
+    assert plan.total("device") == device_total(keep, 0)
+    assert f"{keep} layers kept whole on the GPU" in plan.table()
+
+    small = preflight.activation_placement(cfg, "cuda", 32 * gib)  # not even every checkpoint fits
+    host = small.count(HOST)
+    assert KEEP not in small and 0 < host < 28 and small[:host] == (HOST,) * host
+    assert device_total(0, host) <= 32 * gib * preflight.GPU_USABLE < device_total(0, host - 1)
+    assert preflight.activation_placement(cfg, "cuda", 10_000 * gib) == (KEEP,) * 28
+    assert preflight.activation_placement(cfg, "cpu") == (GPU,) * 28  # auto on the CPU: recompute
+    explicit = _seven_b(16384, 4, "runtime.activations=keep=3,host=5")
+    assert preflight.activation_placement(explicit, "cuda", 48 * gib) == layer_modes(28, 3, 5)
+
+
+def test_plan_prints_the_placement(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "--device", "cuda", "--gpu-memory", "140", "--set", "model.num_hidden_layers=4",
+                     "--set", "train.seq_len=1024"]) in (0, 2)  # this box's host RAM is not the question
+    out = capsys.readouterr().out
+    assert "4 layers kept whole on the GPU" in out and "activations kept whole (4 layers" in out
+    assert cli.main(["plan", "--device", "cuda", "--gpu-memory", "140", "--set", "model.num_hidden_layers=4",
+                     "--set", "runtime.activations=keep=1,host=2"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert ("activations (as runtime.activations='keep=1,host=2' sets): 1 layers kept whole on the GPU" in out
+            and "1 checkpointed on the GPU" in out and "2 offloaded to host RAM" in out)
+
+
+def test_two_workers_with_kept_and_offloaded_layers_train_what_one_recomputing_worker_does(
+        ray_cluster, tmp_path, shm_dir):
+    """Data parallel with a mixed placement: each worker keeps one layer whole and offloads another;
+    the gradients are all-reduced per unit as before. The only difference from one worker is the
+    order of the micro-batch sums (see tests/test_data_parallel.py for the 1e-5 bound)."""
+    from megatrain_ray.orchestration.pipeline import train
+
+    base = SMALL + ["train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=4", "train.steps=3",
+                    "runtime.device=cpu", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
+                    "train.checkpoint_every=0", "train.save_final=false", "runtime.actor_timeout_s=120"]
+    one = train(load_config(None, base + ["runtime.activations=recompute"]), log=lambda line: None)
+    two = train(load_config(None, base + ["runtime.compute_workers=2", "runtime.activations=keep=1,host=1"]),
+                log=lambda line: None)
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
+    np.testing.assert_allclose(two.grad_norms, one.grad_norms, rtol=1e-5)
+    assert two.losses[-1] < two.losses[0]
