@@ -61,6 +61,11 @@ class OptimConfig:
     does to every parameter it is given in one group; false keeps them undecayed, the usual LLM recipe."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    state: str = "fp32"
+    """Optimizer state in host memory: fp32 (exact AdamW: fp32 moments, master in runtime.master_dtype)
+    or 8bit (compact, ~4 bytes per parameter plus the gradient: block-quantized 8-bit moments and bf16
+    master weights, all rounded stochastically, whatever runtime.master_dtype says; see
+    megatrain_ray.engine.compact)."""
 
     def validate(self) -> None:
         for key in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"):
@@ -73,6 +78,12 @@ class OptimConfig:
         _require(self.eps > 0, "optim.eps", f"must be positive, got {self.eps}")
         _require(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        _require(self.state in OPTIM_STATES, "optim.state",
+                 f"must be one of {', '.join(OPTIM_STATES)}, got {self.state!r}")
+
+
+OPTIM_STATES = ("fp32", "8bit")
+"""Values of optim.state."""
 
 
 def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:

@@ -5,7 +5,8 @@ The update is torch's own fused AdamW kernel (``torch._fused_adamw_``, the kerne
 matrices and the norms/biases after them (see :mod:`megatrain_ray.model.layout`), decayed too only with
 ``optim.decay_norms_and_biases``; or, where a C compiler is found, a one-pass kernel with the same
 arithmetic (:mod:`megatrain_ray.engine.adamw_native`) run on a pool of threads (:class:`AdamWRunner`).
-The math is ``torch.optim.AdamW``'s.
+The math is ``torch.optim.AdamW``'s. With optim.state 8bit the runner applies the compact step
+(:mod:`megatrain_ray.engine.compact`) instead, on the same pool.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import OptimConfig
-from . import adamw_native
+from . import adamw_native, compact
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -76,6 +77,40 @@ class AdamWRunner:
 
         for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
             f.result()
+
+    def update_compact(self, master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
+                       sm: torch.Tensor, sv: torch.Tensor, stream: torch.Tensor | None, decay_numel: int,
+                       unit: int, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0) -> None:
+        """One compact AdamW step on unit ``unit``, in place (see :mod:`megatrain_ray.engine.compact`).
+
+        master: [n] bf16; grad: [n] bf16/fp32 (may alias ``stream``); qm, qv: [n] uint8 codes; sm, sv:
+        [ceil(n / BLOCK)] fp32 block scales; stream: a compute-dtype copy to refresh, or None.
+        Pieces are whole blocks (a block's scale is one thread's), each on the native kernel where
+        it was built, else on :func:`~megatrain_ray.engine.compact.step_reference` for the whole unit.
+        """
+        rest = cfg.weight_decay if cfg.decay_norms_and_biases else 0.0
+        c = compact.StepConstants.of(step, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, rest, grad_scale)
+        key = compact.rng_key(step, unit)
+        fn = adamw_native.compact_kernel() if self.kernel is not None else None
+        if fn is None or grad.dtype not in (torch.float32, torch.bfloat16):
+            torch.set_num_threads(self.threads)
+            compact.step_reference(master, grad, qm, qv, sm, sv, decay_numel, c, key)
+        else:
+            n = master.numel()
+            pieces = [(a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]  # CHUNK is a multiple of BLOCK
+            counter = itertools.count()
+
+            def work() -> None:
+                for i in counter:
+                    if i >= len(pieces):
+                        return
+                    a, b = pieces[i]
+                    adamw_native.compact_piece(fn, master, grad, qm, qv, sm, sv, a, b, decay_numel, c, key)
+
+            for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
+                f.result()
+        if stream is not None:
+            stream.copy_(master)
 
     def close(self) -> None:
         if self._pool is not None:

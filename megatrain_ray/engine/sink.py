@@ -115,8 +115,14 @@ class GradientSink:
         s = self.store
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
-        self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
-                           s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
-                           step + 1, lr, self.optim, grad_scale=coef)
+        if s.spec.precision.compact:
+            self.runner.update_compact(
+                s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit), s.block("exp_avg_sq", unit),
+                s.scale_block("exp_avg_scale", unit), s.scale_block("exp_avg_sq_scale", unit), stream,
+                self.layout.templates[unit].decay_numel, unit, step + 1, lr, self.optim, grad_scale=coef)
+        else:
+            self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
+                               s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
+                               step + 1, lr, self.optim, grad_scale=coef)
         s.set_version(unit, step + 1)
         self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))

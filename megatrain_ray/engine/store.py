@@ -4,7 +4,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 
 - ``master``      master weights (precision policy: fp32, or bf16)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
-- ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32
+- ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32; with the compact state (optim.state 8bit) uint8
+                  codes, and ``exp_avg_scale``, ``exp_avg_sq_scale`` their fp32 block scales, one per
+                  :data:`~megatrain_ray.engine.compact.BLOCK` elements (see :mod:`megatrain_ray.engine.compact`)
 - ``grad``        the step's gradient in the gradient dtype (precision policy), written by the
                   compute worker; only when there is no stream copy or the gradient dtype differs
                   from it. Otherwise the gradient is written into the unit's stream block, which is dead from the unit's last fetch of step t until the sink
@@ -32,8 +34,11 @@ from ..model.layout import StoreLayout
 from ..model.precision import Precision
 from ..model.transformer import hf_name
 from . import shm
+from .compact import BLOCK, num_blocks
 
 WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad")
+SCALE_KINDS = ("exp_avg_scale", "exp_avg_sq_scale")
+"""The compact state's block scales (only with optim.state 8bit)."""
 GRAD_RING_SLOTS = 3
 """Slots of the gradient ring (see the module docstring): one being written, one being updated, one spare."""
 
@@ -68,18 +73,23 @@ class StoreSpec:
             return self.precision.compute
         if kind == "grad":
             return self.precision.grad
+        if kind in ("exp_avg", "exp_avg_sq"):
+            return self.precision.optim_state
         return torch.float32
 
     def kinds(self) -> tuple[str, ...]:
         p = self.precision
         return tuple(k for k in WEIGHT_KINDS if not (k == "stream" and not p.separate_stream_copy
-                                                      or k == "grad" and p.grad_in_stream_block))
+                                                      or k == "grad" and p.grad_in_stream_block)) + (
+            SCALE_KINDS if p.compact else ())
 
     def numel(self, kind: str) -> int:
         """Elements of one kind's array."""
         layout = StoreLayout.build(self.model)
         if kind == "grad" and self.grad_slots:
             return self.grad_slots * layout.slot_numel
+        if kind in SCALE_KINDS:
+            return layout.total // BLOCK
         return layout.total
 
     def nbytes(self) -> int:
@@ -111,6 +121,11 @@ class HostStore:
         elif kind == "grad" and self.spec.grad_slots:
             raise ValueError("the gradients are in a ring of slots: use grad_block(unit, slot)")
         return self.layout.block(self.arrays[kind], i)
+
+    def scale_block(self, kind: str, i: int) -> torch.Tensor:
+        """Unit i's block scales [ceil(numel / BLOCK)] of one of :data:`SCALE_KINDS` (a view)."""
+        start = self.layout.offsets[i] // BLOCK
+        return self.arrays[kind][start:start + num_blocks(self.layout.templates[i].numel)]
 
     def grad_block(self, i: int, slot: int = -1) -> torch.Tensor:
         """Where unit i's gradient is written: its grad (or stream) block, or ring slot ``slot``."""

@@ -7,7 +7,8 @@ A checkpoint holds everything a run needs to continue bit for bit::
         model.safetensors.index.json       {"weight_map": {HF tensor name: shard file}}
         model-00001-of-00002.safetensors   master weights, full HF names, master dtype
         optimizer.safetensors.index.json   {"weight_map": {"exp_avg.<HF name>" / "exp_avg_sq.<HF name>": shard}}
-        optimizer-00001-of-00003.safetensors   AdamW moments, fp32
+        optimizer-00001-of-00003.safetensors   AdamW moments, fp32 (optim.state 8bit: per-unit uint8 codes
+                                           and fp32 block scales, see optim_tensors_of)
         meta.json                          step, unit versions, data position, RNG, run config, format version,
                                            and the size and CRC-32 of every other file
 
@@ -62,6 +63,8 @@ META_FILE = "meta.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
+COMPACT_KINDS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+"""Per-unit tensors of the compact optimizer state (optim.state 8bit)."""
 SHARD_BYTES = 2 * 2**30
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -140,9 +143,7 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
         spec, layout = store.spec, store.layout
         model_tensors = [TensorSource.of(hf_name(u, name), store.params("master", i)[name])
                          for i, u in enumerate(units) for name, _, _ in layout.templates[i].params]
-        optim_tensors = [TensorSource.of(f"{kind}.{hf_name(u, name)}", store.params(kind, i)[name])
-                         for i, u in enumerate(units) for kind in OPTIM_KINDS
-                         for name, _, _ in layout.templates[i].params]
+        optim_tensors = [TensorSource.of(key, t) for key, t in optim_tensors_of(store)]
         records = {**write_shards(tmp, "model", MODEL_INDEX, model_tensors, shard_bytes)[1],
                    **write_shards(tmp, "optimizer", OPTIM_INDEX, optim_tensors, shard_bytes)[1]}
         hf = spec.model.to_hf_dict()
@@ -164,7 +165,8 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
             "rng": {"seed": train.get("seed"),
                     "data_sampler": "numpy.random.default_rng([train.seed, step]) draws the batch of each step",
                     "draws_after_init": 0},
-            "precision": {"master": str(spec.precision.master).removeprefix("torch."), "optim_state": "float32"},
+            "precision": {"master": str(spec.precision.master).removeprefix("torch."),
+                          "optim_state": _optim_state_name(store)},
             "model": spec.model.to_hf_dict(),
             "config": run_config,
             "run_id": run_id,
@@ -192,7 +194,29 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
 
 def checkpoint_bytes(store) -> int:
     """Bytes of the tensors of a checkpoint of this store (headers and JSON files are noise)."""
-    return store.layout.num_params * (store.spec.precision.master.itemsize + 4 * len(OPTIM_KINDS))
+    state = sum(t.numel() * t.element_size() for _, t in optim_tensors_of(store))
+    return store.layout.num_params * store.spec.precision.master.itemsize + state
+
+
+def _optim_state_name(store) -> str:
+    """meta.json's precision.optim_state: float32, or 8bit for the compact state."""
+    return "8bit" if store.spec.precision.compact else "float32"
+
+
+def optim_tensors_of(store) -> list:
+    """(checkpoint name, view into the store) of every optimizer-state tensor of a HostStore.
+
+    fp32 moments are saved per parameter under ``exp_avg.<HF name>``; the compact state
+    (:mod:`megatrain_ray.engine.compact`) per unit, as the flat codes ``exp_avg.<unit>`` (uint8)
+    and block scales ``exp_avg_scale.<unit>`` (fp32), since its quantization blocks span the
+    parameters of a unit: it reloads bit for bit into the same model's layout.
+    """
+    layout = store.layout
+    if store.spec.precision.compact:
+        return [(f"{kind}.{unit}", store.scale_block(kind, i) if kind.endswith("_scale") else store.block(kind, i))
+                for i, unit in enumerate(layout.units) for kind in COMPACT_KINDS]
+    return [(f"{kind}.{hf_name(unit, name)}", store.params(kind, i)[name])
+            for i, unit in enumerate(layout.units) for kind in OPTIM_KINDS for name, _, _ in layout.templates[i].params]
 
 
 def prune(root: str, keep: int) -> list[str]:
@@ -359,24 +383,29 @@ def load_into(store, directory: str) -> int:
     check_model(meta, store.spec.model, directory)
     files = check_files(directory, checksums=False)  # the driver verified them (pipeline.train)
     layout = store.layout
+    saved_state = meta.get("precision", {}).get("optim_state", "float32")
+    if saved_state != _optim_state_name(store):
+        raise ConfigError(f"checkpoint {directory} holds the {saved_state} optimizer state but the run has optim.state="
+                          f"{'8bit' if store.spec.precision.compact else 'fp32'}; resume with optim.state="
+                          f"{'8bit' if saved_state == '8bit' else 'fp32'}, or start a new run from its weights "
+                          f"with runtime.init_from={directory}.")
     wanted = []
-    for i, unit in enumerate(layout.units):
-        for name, shape, _ in layout.templates[i].params:
-            name_of = {"master": hf_name(unit, name), **{k: f"{k}.{hf_name(unit, name)}" for k in OPTIM_KINDS}}
-            for kind, key in name_of.items():
-                if key not in files:
-                    raise CheckpointError(f"checkpoint {directory} lacks tensor {key}.")
-                if files[key][1] != tuple(shape):
-                    raise CheckpointError(f"tensor {key} in checkpoint {directory} has shape {files[key][1]}, "
-                                          f"but the model needs {tuple(shape)}.")
-                wanted.append((kind, i, name, key))
+    targets = [(hf_name(unit, name), store.params("master", i)[name])
+               for i, unit in enumerate(layout.units) for name, _, _ in layout.templates[i].params]
+    for key, target in targets + optim_tensors_of(store):
+        if key not in files:
+            raise CheckpointError(f"checkpoint {directory} lacks tensor {key}.")
+        if files[key][1] != tuple(target.shape):
+            raise CheckpointError(f"tensor {key} in checkpoint {directory} has shape {files[key][1]}, "
+                                  f"but the model needs {tuple(target.shape)}.")
+        wanted.append((key, target))
     versions = meta.get("versions", {})
     if sorted(versions) != sorted(layout.units) or set(versions.values()) != {meta["step"]}:
         raise CheckpointError(f"checkpoint {directory} has unit versions {versions} that are not all its step "
                               f"{meta['step']}; it was not taken at a step boundary.")
-    for kind, i, name, key in sorted(wanted, key=lambda w: (files[w[3]][0], w[3])):
+    for key, target in sorted(wanted, key=lambda w: (files[w[0]][0], w[0])):
         with safe_open(os.path.join(directory, files[key][0]), framework="pt") as f:
-            store.params(kind, i)[name].copy_(f.get_tensor(key))
+            target.copy_(f.get_tensor(key))
     for i, unit in enumerate(layout.units):
         store.set_version(i, versions[unit])
         store.refresh_stream(i)

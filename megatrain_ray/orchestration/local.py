@@ -28,7 +28,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         raise ConfigError("the single-process driver runs one compute worker; set runtime.compute_workers=1 and "
                           "runtime.nodes=1 (several run through the Ray pipeline).")
     device = resolve_device(rt, gpus_available)
-    precision = resolve_precision(rt, device)
+    precision = resolve_precision(rt, device, cfg.optim.state)
     spec = StoreSpec(cfg.model, precision, rt.shm_dir, os.getpid(), "local-" + uuid.uuid4().hex[:6],
                      grad_slots_for(precision, cfg.optim.max_grad_norm))
     source = source_from_config(cfg, connect=connect_ray)

@@ -95,7 +95,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
-        precision = resolve_precision(cfg.runtime, device)
+        precision = resolve_precision(cfg.runtime, device, cfg.optim.state)
         preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id,

@@ -171,7 +171,7 @@ def _tokens_in_data(path: str | None) -> int:
 def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Row]:
     """The device-memory components of one step at ``micro_batch_size`` (see the module docstring)."""
     m, t, rt = cfg.model, cfg.train, cfg.runtime
-    precision = resolve_precision(rt, device)
+    precision = resolve_precision(rt, device, cfg.optim.state)
     c = precision.compute.itemsize
     layout = StoreLayout.build(m)
     tokens = micro_batch_size * t.seq_len  # per micro-batch
@@ -222,7 +222,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if starts_ray is None:
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
-    precision = resolve_precision(rt, device)
+    precision = resolve_precision(rt, device, cfg.optim.state)
     spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan", grad_slots_for(precision, cfg.optim.max_grad_norm))
     layout = StoreLayout.build(m)
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
