@@ -241,6 +241,12 @@ class RuntimeSection:
     """Nodes of the Ray cluster to train on, data parallel: each runs its own store, prefetchers,
     compute workers and gradient sink; gradients are all-reduced across all of them, so every
     node's AdamW applies the same update to its own replica."""
+    hold_grads: bool | None = None
+    """Keep each step's gradients on the device (in runtime.grad_dtype) until the step's global norm is
+    known, then send them to a ring of unit slots in the host store in the order they are updated,
+    instead of keeping a whole-model gradient array in host memory: with clipping and no stream copy
+    (runtime.master_dtype bfloat16, optim.state 8bit) 2 bytes per parameter less host memory for 2
+    more of device memory (``plan`` counts them). None (default) = on cuda, where it applies."""
     offload_activations: bool = False
     """Keep each layer's forward input (the recompute checkpoint) in pinned host memory instead of
     on the device, copied out and back on the copy streams: device memory no longer grows with the
@@ -279,6 +285,10 @@ class RuntimeSection:
     def compile_on(self, device: str) -> bool:
         """Whether the decoder layer is compiled on the resolved ``device``."""
         return device == "cuda" if self.compile is None else self.compile
+
+    def hold_grads_on(self, device: str) -> bool:
+        """Whether gradients wait on the resolved ``device`` for the norm (see ``hold_grads``)."""
+        return device == "cuda" if self.hold_grads is None else self.hold_grads
 
     def buffer_depth_on(self, device: str) -> int:
         """Device weight slots on the resolved ``device`` (see ``buffer_depth``)."""

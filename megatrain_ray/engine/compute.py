@@ -40,7 +40,7 @@ from .activations import ActivationStore
 from .device import make_backend
 from .grad_reduce import GradReducer
 from .store import HostStore, StoreSpec
-from .tickets import FetchTicket, GradTicket
+from .tickets import FetchTicket, GradTicket, update_order
 
 
 def layer_backward(layer_fn, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
@@ -134,6 +134,8 @@ class ComputeWorker:
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
         self._grads: queue.Queue = queue.Queue()
+        self._held: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        """(unit, gradient [numel] on the device, its squared norm) of this step, with ``hold_grads``."""
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in (
@@ -190,8 +192,8 @@ class ComputeWorker:
 
     def _grad_loop(self) -> None:
         """Send each gradient's ticket once its copy to the host store is complete."""
-        for unit, step, slot, handle in self._drain(self._grads):
-            self.grad_q.put(GradTicket(unit, step, handle.result(), slot), timeout=self.timeout_s)
+        for unit, step, slot, handle, step_sq_norm in self._drain(self._grads):
+            self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq_norm), timeout=self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
 
@@ -227,6 +229,9 @@ class ComputeWorker:
 
         With a data-parallel group, the gradient is first summed over all workers, and this worker
         sends only its shard of the sum (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
+            self._held.append((unit, grad.to(self.store.spec.precision.grad), torch.dot(grad, grad)))
+            return
         slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
         host = self.store.grad_block(unit, slot)
         if self.reducer is not None:
@@ -234,7 +239,22 @@ class ComputeWorker:
             grad, host = grad[lo:hi], host[lo:hi]
         sq_norm = torch.dot(grad, grad)
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
-        self._grads.put((unit, step, slot, handle))
+        self._grads.put((unit, step, slot, handle, -1.0))
+
+    def _send_held(self, step: int) -> None:
+        """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order
+        (embedding, layers, head: the next forward's first weights are updated first), every ticket with
+        the step's squared norm, summed in the order the sink would have (the order they were computed)."""
+        held, self._held = self._held, []
+        total = 0.0
+        for _, _, sq_norm in held:
+            total += float(sq_norm)
+        by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
+        for unit in update_order(self.cfg.num_hidden_layers):
+            grad, sq_norm = by_unit.pop(unit)
+            slot = self._free_grad_slot(unit)
+            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit])
+            self._grads.put((unit, step, slot, handle, total))
 
     def _free_grad_slot(self, unit: int) -> int:
         """A slot of the gradient ring that the sink has finished with (waits for one)."""
@@ -317,6 +337,9 @@ class ComputeWorker:
             for m in range(num_mb):
                 table.index_add_(0, ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size).float())
         self._send_grad(0, step, embed_grad)
+        embed_grad = None
+        if self.store.spec.hold_grads:
+            self._send_held(step)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()

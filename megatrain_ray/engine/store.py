@@ -14,7 +14,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   With its own array and without global-norm clipping, each unit is updated as
                   soon as its gradient arrives, so ``grad`` is only a ring of ``grad_slots``
                   unit-sized slots (handed back by the sink after each update) instead of a
-                  whole-model array: 10 instead of 12 bytes per parameter with bf16 master.
+                  whole-model array: 10 instead of 12 bytes per parameter with bf16 master. With
+                  clipping the same ring serves when the gradients wait on the device for the
+                  step's norm (``hold_grads``, runtime.hold_grads): 10 with clipping too.
 - ``versions``    int64 per unit: how many optimizer updates the unit has received
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
@@ -43,12 +45,19 @@ GRAD_RING_SLOTS = 3
 """Slots of the gradient ring (see the module docstring): one being written, one being updated, one spare."""
 
 
-def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1) -> int:
+def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> int:
     """``StoreSpec.grad_slots`` of a run: a ring when the gradient has no stream block to live in
-    and no clipping factor holds the updates back until the whole model's gradient is in, with one
-    compute worker per store (several would have to agree on each slot); else 0."""
-    ring = not precision.grad_in_stream_block and max_grad_norm <= 0 and workers == 1
+    and no clipping factor holds the updates back until the whole model's gradient is in (or the
+    gradients wait for it on the device: :func:`holds_grads`), with one compute worker per store
+    (several would have to agree on each slot); else 0."""
+    ring = not precision.grad_in_stream_block and workers == 1 and (max_grad_norm <= 0 or hold)
     return GRAD_RING_SLOTS if ring else 0
+
+
+def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> bool:
+    """``StoreSpec.hold_grads`` of a run: runtime.hold_grads (``hold``, resolved) where it saves the
+    whole-model host gradient array, i.e. with clipping, no stream block and one compute worker."""
+    return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,9 @@ class StoreSpec:
     run_id: str
     grad_slots: int = 0
     """0: a gradient block per unit; n > 0: a ring of n slots of the largest unit (see the module docstring)."""
+    hold_grads: bool = False
+    """The compute worker keeps the step's gradients on the device until the step's norm is known, then
+    sends them through the ring in update order, each ticket carrying that norm (runtime.hold_grads)."""
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)

@@ -14,7 +14,7 @@ import uuid
 from ..config import TrainConfig
 from ..data.loader import source_from_config
 from ..engine import shm
-from ..engine.store import StoreSpec, grad_slots_for
+from ..engine.store import GRAD_RING_SLOTS, StoreSpec, grad_slots_for, holds_grads
 from ..errors import ConfigError
 from ..model.precision import resolve_device, resolve_precision
 from .cluster import connect_ray
@@ -29,8 +29,9 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
                           "runtime.nodes=1 (several run through the Ray pipeline).")
     device = resolve_device(rt, gpus_available)
     precision = resolve_precision(rt, device, cfg.optim.state)
+    hold = holds_grads(precision, cfg.optim.max_grad_norm, 1, rt.hold_grads_on(device))
     spec = StoreSpec(cfg.model, precision, rt.shm_dir, os.getpid(), "local-" + uuid.uuid4().hex[:6],
-                     grad_slots_for(precision, cfg.optim.max_grad_norm))
+                     GRAD_RING_SLOTS if hold else grad_slots_for(precision, cfg.optim.max_grad_norm), hold)
     source = source_from_config(cfg, connect=connect_ray)
     eval_batch = source_from_config(cfg, "val", connect=connect_ray).batch(0) if cfg.train.eval_every else None
     roles = None

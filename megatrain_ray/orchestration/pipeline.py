@@ -42,7 +42,7 @@ import ray
 from ..config import TrainConfig
 from ..data.loader import loader_spec, source_from_config
 from ..engine import shm
-from ..engine.store import StoreSpec, grad_slots_for
+from ..engine.store import StoreSpec, grad_slots_for, holds_grads
 from ..errors import ActorDied, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
@@ -98,8 +98,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         precision = resolve_precision(cfg.runtime, device, cfg.optim.state)
         preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        hold = cfg.optim.max_grad_norm, cfg.runtime.compute_workers, cfg.runtime.hold_grads_on(device)
         spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id,
-                         grad_slots_for(precision, cfg.optim.max_grad_norm, cfg.runtime.compute_workers))
+                         grad_slots_for(precision, *hold), holds_grads(precision, *hold))
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))

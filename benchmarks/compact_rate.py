@@ -1,0 +1,67 @@
+"""The compact AdamW step's rate (optim.state 8bit) on this CPU: parameters per second of the native kernel
+on N threads, and per core; the torch reference's on one unit for comparison. Prints a table last.
+
+    python benchmarks/compact_rate.py --threads 16 [--numel 268435456] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_ray.config import OptimConfig  # noqa: E402
+from megatrain_ray.engine import adamw_native, compact, optim  # noqa: E402
+
+
+def rate(threads: int, numel: int, repeats: int = 3, native: bool = True) -> float:
+    """Parameters per second of AdamWRunner.update_compact on one flat unit of ``numel`` elements."""
+    gen = torch.Generator().manual_seed(0)
+    master = (torch.randn(numel, generator=gen) * 0.02).to(torch.bfloat16)
+    grad = torch.randn(numel, generator=gen).to(torch.bfloat16)
+    qm, qv = torch.zeros(numel, dtype=torch.uint8), torch.zeros(numel, dtype=torch.uint8)
+    sm, sv = torch.zeros(compact.num_blocks(numel)), torch.zeros(compact.num_blocks(numel))
+    runner = optim.AdamWRunner(threads, native=native)
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.1)
+    best = float("inf")
+    for step in range(1, repeats + 2):
+        start = time.perf_counter()
+        runner.update_compact(master, grad, qm, qv, sm, sv, None, numel, 1, step, cfg.lr, cfg, 0.5)
+        if step > 1:  # the first touches the pages
+            best = min(best, time.perf_counter() - start)
+    runner.close()
+    return numel / best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--numel", type=int, default=1 << 28)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if adamw_native.compact_kernel() is None:
+        print("no C compiler: the native kernel cannot be built")
+        return 1
+    rows = {"native_all": rate(args.threads, args.numel), "native_1": rate(1, min(args.numel, 1 << 26)),
+            "torch_reference_1": rate(1, 1 << 20, repeats=1, native=False)}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "compact_rate.json"), "w") as f:
+            json.dump({"threads": args.threads, "numel": args.numel, **rows}, f, indent=1)
+    print(f"{'what':<34}{'G params/s':>12}{'per thread':>12}")
+    print(f"{f'native, {args.threads} threads':<34}{rows['native_all'] / 1e9:>12.3f}"
+          f"{rows['native_all'] / args.threads / 1e9:>12.3f}")
+    print(f"{'native, 1 thread':<34}{rows['native_1'] / 1e9:>12.3f}{rows['native_1'] / 1e9:>12.3f}")
+    print(f"{'torch reference, 1 thread':<34}{rows['torch_reference_1'] / 1e9:>12.4f}"
+          f"{rows['torch_reference_1'] / 1e9:>12.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
