@@ -19,7 +19,7 @@ machine without a GPU, ``--device cpu`` with a small shape (``--hidden``, ``--la
 comparison in fp32 compute::
 
     python benchmarks/convergence.py --device cpu --hidden 128 --layers 4 --seq-len 128 --vocab 2048 \
-        --micro-batch-size 4 --micro-batches 2 --corpus-mb 4 \
+        --micro-batch-size 4 --micro-batches 2 --corpus-mb 4 --data-workers 1 \
         --variants megatrain_ray,megatrain_ray_8bit,megatrain_ray_bf16_master --ref megatrain_ray --out OUT
 
 Writes convergence.json (per-step losses, grad norms, s/step, final and validation losses) and
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--device", default="auto", help="runtime.device of our runs (auto, cuda, cpu)")
+    ap.add_argument("--data-workers", type=int, default=8, help="data.num_workers (at most the CPUs Ray has)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
           report["vocab"], flush=True)
     base = [f"runtime.init_from={work}/init", f"data.path={corpus}", "data.format=text",
             f"data.tokenizer={work}/tokenizer", "data.val_fraction=0.01", f"data.cache_dir={work}/cache",
-            "data.num_workers=8", f"runtime.run_dir={work}/runs", "runtime.ray_address=local", f"train.steps={args.steps}",
+            f"data.num_workers={args.data_workers}", f"runtime.run_dir={work}/runs", "runtime.ray_address=local", f"train.steps={args.steps}",
             f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch_size}",
             f"train.num_micro_batches={args.micro_batches}", f"train.eval_every={max(1, args.steps // 10)}",
             "train.log_every=25", "train.checkpoint_every=0", "optim.lr=1e-3", "optim.min_lr=1e-4",

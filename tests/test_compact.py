@@ -294,3 +294,31 @@ def test_plan_shows_bytes_per_parameter_and_the_largest_model_of_each_mode(capsy
     assert "compact (optim.state 8bit)" in lines[-1] and " 4.00 B/param  -> 32.2B parameters" in lines[-1]
     assert cli.main(["plan", "--device", "cuda", "--gpu-memory", "141", "--set", "optim.state=8bit"]) in (0, 2)
     assert "compact (optim.state 8bit)" in capsys.readouterr().out
+
+
+@native_only
+def test_bf16_master_is_rounded_stochastically_the_same_way_by_both_kernels():
+    """optim.state fp32 with runtime.master_dtype bfloat16: the fp32 update of AdamW, then the weight is
+    one of the two bf16 neighbours of the exact result (one ulp apart), chosen by the same random bits
+    in the C kernel and in the torch fallback: bit for bit the same."""
+    n, cfg = 5000, OptimConfig(lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen).to(torch.bfloat16)
+    outs = []
+    for use_native in (True, False):
+        master, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+        runner = optim.AdamWRunner(2, native=use_native)
+        runner.update(master, grad, m, v, None, 3000, 1, cfg.lr, cfg, 0.5, unit=3)
+        runner.close()
+        outs.append(master)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    exact = start.float().clone()
+    param = torch.nn.Parameter(exact)
+    opt = torch.optim.AdamW([{"params": [param]}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                            weight_decay=0.0)
+    param.data[:3000].mul_(1 - cfg.lr * cfg.weight_decay)  # decoupled decay of the matrices' span only
+    param.grad = grad.float() * 0.5
+    opt.step()
+    ref = param.detach()
+    assert ((outs[0].float() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all()
+    assert (outs[0] != ref.to(torch.bfloat16)).any()  # not round-to-nearest everywhere

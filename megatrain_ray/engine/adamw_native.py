@@ -42,9 +42,17 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, NaN sta
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+static inline uint32_t mix32(uint32_t x) {  /* Wellons' lowbias32, as megatrain_ray.engine.compact.mix32 */
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16; return x;
+}
+static inline uint16_t sr_bf16(float f, uint32_t h) {  /* round stochastically with 16 random bits */
+    uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + (h & 0xffffu)) >> 16);
+}
+#define SR(i) sr_bf16(param, mix32((uint32_t)(idx0 + (i)) ^ key))
 
-/* AdamW on elements [0, n) of one piece. p: master (fp32 when p_bf16 == 0, else bf16); g: gradient
-   (bf16 when g_bf16, else fp32); m, v: fp32 moments; s: bf16 stream copy to refresh, or NULL. */
+/* AdamW on elements [0, n) of one piece. p: master (fp32 when p_bf16 == 0, else bf16, rounded
+   stochastically with the random bits of element idx0 + i under key); g: gradient (bf16 when g_bf16,
+   else fp32); m, v: fp32 moments; s: bf16 stream copy to refresh, or NULL. */
 #define BODY(LOAD_P, STORE_P, LOAD_G, STORE_S)                                          \
     for (int64_t i = 0; i < n; i++) {                                                   \
         float grad = (LOAD_G) * scale;                                                  \
@@ -58,7 +66,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, NaN sta
 
 void adamw_piece(void *p_, int p_bf16, const void *g_, int g_bf16, float *restrict m, float *restrict v,
                  uint16_t *s, int64_t n, float lr, float b1, float b2, float eps, float wd,
-                 float bc1, float bc2_sqrt, float scale) {
+                 float bc1, float bc2_sqrt, float scale, uint32_t key, int64_t idx0) {
     const float decay = 1.0f - lr * wd, step_size = lr / bc1, w1 = 1.0f - b1;
     float *restrict pf = (float *)p_; uint16_t *restrict ph = (uint16_t *)p_;
     const float *restrict gf = (const float *)g_; const uint16_t *restrict gh = (const uint16_t *)g_;
@@ -66,19 +74,16 @@ void adamw_piece(void *p_, int p_bf16, const void *g_, int g_bf16, float *restri
     else if (!p_bf16 && g_bf16) { BODY(pf[i], pf[i] = param, bf16_to_f32(gh[i]), (void)0) }
     else if (!p_bf16 && s)      { BODY(pf[i], pf[i] = param, gf[i], s[i] = f32_to_bf16(param)) }
     else if (!p_bf16)           { BODY(pf[i], pf[i] = param, gf[i], (void)0) }
-    else if (g_bf16 && s)       { BODY(bf16_to_f32(ph[i]), ph[i] = s[i] = f32_to_bf16(param), bf16_to_f32(gh[i]), (void)0) }
-    else if (g_bf16)            { BODY(bf16_to_f32(ph[i]), ph[i] = f32_to_bf16(param), bf16_to_f32(gh[i]), (void)0) }
-    else if (s)                 { BODY(bf16_to_f32(ph[i]), ph[i] = s[i] = f32_to_bf16(param), gf[i], (void)0) }
-    else                        { BODY(bf16_to_f32(ph[i]), ph[i] = f32_to_bf16(param), gf[i], (void)0) }
+    else if (g_bf16 && s)       { BODY(bf16_to_f32(ph[i]), ph[i] = s[i] = SR(i), bf16_to_f32(gh[i]), (void)0) }
+    else if (g_bf16)            { BODY(bf16_to_f32(ph[i]), ph[i] = SR(i), bf16_to_f32(gh[i]), (void)0) }
+    else if (s)                 { BODY(bf16_to_f32(ph[i]), ph[i] = s[i] = SR(i), gf[i], (void)0) }
+    else                        { BODY(bf16_to_f32(ph[i]), ph[i] = SR(i), gf[i], (void)0) }
 }
 
 /* ---- The compact state (megatrain_ray.engine.compact): 8-bit moments, bf16 master, stochastic rounding. */
 #define QBLOCK 2048
 static inline float bits_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline uint32_t mix32(uint32_t x) {
-    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16; return x;
-}
 static inline float code_mag(uint32_t c, int mb) {  /* code (no sign) -> magnitude / block scale */
     uint32_t e = (c >> mb) & 15u, mant = c & ((1u << mb) - 1u);
     return e ? bits_f(((e + 112u) << 23) | (mant << (23 - mb))) : 0.0f;
@@ -201,7 +206,8 @@ def kernel(directory: str | None = None):
     fn = lib.adamw_piece
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_float] * 8
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_float] * 8 + [ctypes.c_uint32,
+                                                                                             ctypes.c_int64]
     return fn
 
 
@@ -241,11 +247,12 @@ def supports(master: torch.Tensor, grad: torch.Tensor, stream: torch.Tensor | No
 
 def piece(fn, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
           stream: torch.Tensor | None, a: int, b: int, lr: float, beta1: float, beta2: float, eps: float,
-          weight_decay: float, step: int, scale: float) -> None:
-    """Elements [a, b) of one unit's AdamW step through the kernel ``fn`` (all tensors [n], contiguous)."""
+          weight_decay: float, step: int, scale: float, key: int = 0) -> None:
+    """Elements [a, b) of one unit's AdamW step through the kernel ``fn`` (all tensors [n], contiguous);
+    a bf16 master is rounded stochastically with the bits of ``key`` (:func:`~megatrain_ray.engine.compact.rng_key`)."""
     def at(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr() + a * t.element_size()
 
     fn(at(master), int(master.dtype == torch.bfloat16), at(grad), int(grad.dtype == torch.bfloat16), at(exp_avg),
        at(exp_avg_sq), at(stream), b - a, lr, beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step,
-       (1.0 - beta2 ** step) ** 0.5, scale)
+       (1.0 - beta2 ** step) ** 0.5, scale, key, a)

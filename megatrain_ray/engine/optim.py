@@ -57,12 +57,13 @@ class AdamWRunner:
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
-               grad_scale: float = 1.0) -> None:
+               grad_scale: float = 1.0, unit: int = 0) -> None:
         """One AdamW step on one unit, in place (arguments as :func:`adamw_unit`)."""
         if self._pool is None or not adamw_native.supports(master, grad, stream):
             torch.set_num_threads(self.threads)
-            adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale)
+            adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale, unit)
             return
+        key = compact.rng_key(step, unit)
         pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(master.numel(), decay_numel, cfg)
                   for a in range(lo, hi, CHUNK)]
         counter = itertools.count()
@@ -73,7 +74,7 @@ class AdamWRunner:
                     return
                 a, b, wd = pieces[i]
                 adamw_native.piece(self.kernel, master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
-                                   cfg.beta2, cfg.eps, wd, step, grad_scale)
+                                   cfg.beta2, cfg.eps, wd, step, grad_scale, key)
 
         for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
             f.result()
@@ -119,10 +120,11 @@ class AdamWRunner:
 
 def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
-               grad_scale: float = 1.0) -> None:
+               grad_scale: float = 1.0, unit: int = 0) -> None:
     """One AdamW step on one unit, in place, piece by piece, with torch's kernels.
 
-    master: [n] fp32 or bf16 (bf16 is updated through an fp32 temporary and rounded back);
+    master: [n] fp32 or bf16 (bf16 is updated through an fp32 temporary and rounded back
+    stochastically, with the random bits of :mod:`megatrain_ray.engine.compact` for ``unit``);
     grad: [n] in any float dtype, scaled by ``grad_scale`` (the clipping factor) as it is upcast;
     it may alias ``stream``, since each piece's gradient is read before its stream copy is
     rewritten; exp_avg, exp_avg_sq: [n] fp32; stream: [n] compute-dtype copy to refresh, or None.
@@ -146,6 +148,8 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                 [p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step_t], lr=lr, beta1=cfg.beta1,
                 beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
             if p_buf is not None:
+                rnd = compact.random_bits(torch.arange(a, b), compact.rng_key(step, unit))[0]
+                p = compact.round_bf16(p, rnd)
                 master[a:b].copy_(p)
             if stream is not None:
                 stream[a:b].copy_(p)

@@ -131,6 +131,6 @@ class GradientSink:
         else:
             self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
                                s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
-                               step + 1, lr, self.optim, grad_scale=coef)
+                               step + 1, lr, self.optim, grad_scale=coef, unit=unit)
         s.set_version(unit, step + 1)
         self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))
