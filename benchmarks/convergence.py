@@ -19,7 +19,7 @@ machine without a GPU, ``--device cpu`` with a small shape (``--hidden``, ``--la
 comparison in fp32 compute::
 
     python benchmarks/convergence.py --device cpu --hidden 128 --layers 4 --seq-len 128 --vocab 2048 \
-        --micro-batch-size 4 --micro-batches 2 --corpus-mb 4 --data-workers 1 \
+        --micro-batch-size 4 --micro-batches 2 --corpus-mb 4 --local \
         --variants megatrain_ray,megatrain_ray_8bit,megatrain_ray_bf16_master --ref megatrain_ray --out OUT
 
 Writes convergence.json (per-step losses, grad norms, s/step, final and validation losses) and
@@ -120,6 +120,30 @@ def init_checkpoint(out: str, vocab: int, seq_len: int, hidden: int = 896, layer
     transformers.Qwen2ForCausalLM(cfg).float().save_pretrained(out, safe_serialization=True)
 
 
+def tokenize_corpus(corpus: str, tokenizer_dir: str, out: str) -> str:
+    """The corpus as one EOS-separated token stream (.npy), for --local runs (no Ray Data)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    eos, ids = tok.token_to_id("<|endoftext|>"), []
+    with open(corpus) as f:
+        for line in f:
+            ids += tok.encode(json.loads(line)["text"]).ids + [eos]
+    np.save(out, np.array(ids, dtype=np.int64))
+    return out
+
+
+def run_local(cfg) -> dict:
+    """Our engine's roles in one process (megatrain_ray.orchestration.local): the same math, no Ray."""
+    from megatrain_ray.orchestration.local import train_local
+
+    t0 = time.perf_counter()
+    rows = train_local(cfg, 0)
+    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows], "val_losses": {},
+            "step_s": statistics.median(r["step_s"] for r in rows[3:]), "wall_s": time.perf_counter() - t0}
+
+
 def run_ours(cfg) -> dict:
     t0 = time.perf_counter()
     result = train(cfg)
@@ -186,6 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--device", default="auto", help="runtime.device of our runs (auto, cuda, cpu)")
     ap.add_argument("--data-workers", type=int, default=8, help="data.num_workers (at most the CPUs Ray has)")
+    ap.add_argument("--local", action="store_true",
+                    help="run our variants in one process without Ray, on the corpus tokenized into one .npy stream "
+                         "(random windows; no validation loss): for a small CPU machine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -205,6 +232,10 @@ def main(argv=None) -> int:
             "train.log_every=25", "train.checkpoint_every=0", "optim.lr=1e-3", "optim.min_lr=1e-4",
             f"optim.warmup_steps={max(1, args.steps // 10)}", "optim.weight_decay=0.1", "optim.max_grad_norm=1.0",
             f"runtime.device={args.device}"]
+    if args.local:
+        tokens = tokenize_corpus(corpus, os.path.join(work, "tokenizer"), os.path.join(work, "tokens.npy"))
+        base = [o for o in base if not o.startswith(("data.", "train.eval_every"))] + [
+            f"data.path={tokens}", "data.format=windows", "train.eval_every=0"]
     variants = {"megatrain_ray": ("ours", []), "megatrain_ray_fp32_grads": ("ours", ["runtime.grad_dtype=float32"]),
                 "gpu_resident": ("resident", []), "megatrain_ray_8bit": ("ours", ["optim.state=8bit"]),
                 "megatrain_ray_bf16_master": ("ours", ["runtime.master_dtype=bfloat16"])}
@@ -213,7 +244,7 @@ def main(argv=None) -> int:
         kind, extra = variants[name]
         cfg = load_train_config(None, base + extra)
         print(f"== {name}", flush=True)
-        results[name] = run_ours(cfg) if kind == "ours" else run_resident(cfg)
+        results[name] = (run_local if args.local else run_ours)(cfg) if kind == "ours" else run_resident(cfg)
         r = results[name]
         r["final_loss"] = statistics.mean(r["losses"][-20:])
         print(f"{name}: final loss (mean of the last 20 steps) {r['final_loss']:.4f}, {r['step_s']:.3f} s/step",

@@ -243,7 +243,7 @@ def test_compact_run_through_ray_trains_exports_bf16_and_resumes_bit_for_bit(ray
     assert {v.dtype for v in final.values()} == {torch.bfloat16}  # the export is the bf16 master
     step3 = os.path.join(a.run_dir, "checkpoints", "step-000003")
     assert cli.main(["train", "--resume", step3]) == 0
-    c_run = [d for d in glob.glob(str(tmp_path / "a" / "*")) if d != a.run_dir][0]
+    c_run = next(d for d in glob.glob(str(tmp_path / "a" / "*")) if d != a.run_dir)
     final_c = _tensors(os.path.join(c_run, "final"))
     assert final.keys() == final_c.keys() and all(torch.equal(final[k], final_c[k]) for k in final)
     end_a, end_c = (_tensors(os.path.join(r, "checkpoints", "step-000006")) for r in (a.run_dir, c_run))

@@ -56,15 +56,14 @@ from ..errors import CheckpointError, ConfigError
 from ..model.transformer import hf_name
 from .files import (CorruptFile, TensorSource, check_sizes, fmt_bytes, free_bytes, fsync_dir, read_header, verify,
                     write_json, write_shards)
+from .state_tensors import COMPACT_KINDS, OPTIM_KINDS, optim_tensors_of  # noqa: F401  (re-exported)
+from .state_tensors import optim_state_name as _optim_state_name
 
 FORMAT = "megatrain-ray-checkpoint"
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
-OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
-COMPACT_KINDS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
-"""Per-unit tensors of the compact optimizer state (optim.state 8bit)."""
 SHARD_BYTES = 2 * 2**30
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -196,27 +195,6 @@ def checkpoint_bytes(store) -> int:
     """Bytes of the tensors of a checkpoint of this store (headers and JSON files are noise)."""
     state = sum(t.numel() * t.element_size() for _, t in optim_tensors_of(store))
     return store.layout.num_params * store.spec.precision.master.itemsize + state
-
-
-def _optim_state_name(store) -> str:
-    """meta.json's precision.optim_state: float32, or 8bit for the compact state."""
-    return "8bit" if store.spec.precision.compact else "float32"
-
-
-def optim_tensors_of(store) -> list:
-    """(checkpoint name, view into the store) of every optimizer-state tensor of a HostStore.
-
-    fp32 moments are saved per parameter under ``exp_avg.<HF name>``; the compact state
-    (:mod:`megatrain_ray.engine.compact`) per unit, as the flat codes ``exp_avg.<unit>`` (uint8)
-    and block scales ``exp_avg_scale.<unit>`` (fp32), since its quantization blocks span the
-    parameters of a unit: it reloads bit for bit into the same model's layout.
-    """
-    layout = store.layout
-    if store.spec.precision.compact:
-        return [(f"{kind}.{unit}", store.scale_block(kind, i) if kind.endswith("_scale") else store.block(kind, i))
-                for i, unit in enumerate(layout.units) for kind in COMPACT_KINDS]
-    return [(f"{kind}.{hf_name(unit, name)}", store.params(kind, i)[name])
-            for i, unit in enumerate(layout.units) for kind in OPTIM_KINDS for name, _, _ in layout.templates[i].params]
 
 
 def prune(root: str, keep: int) -> list[str]:

@@ -1,0 +1,33 @@
+"""Which optimizer-state tensors a training checkpoint holds for a store, under which names.
+
+fp32 moments are saved per parameter under ``exp_avg.<HF name>`` / ``exp_avg_sq.<HF name>``, so they
+load into any later layout of the model. The compact state (optim.state 8bit,
+:mod:`megatrain_ray.engine.compact`) is saved per unit, as the flat codes ``exp_avg.<unit>`` (uint8)
+and block scales ``exp_avg_scale.<unit>`` (fp32), since its quantization blocks span the parameters
+of a unit: it reloads bit for bit into the same model's layout (a changed layout fails the shape
+check with the tensor named).
+"""
+
+from __future__ import annotations
+
+from ..model.transformer import hf_name
+
+OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
+COMPACT_KINDS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+"""Per-unit tensors of the compact optimizer state (optim.state 8bit)."""
+
+
+def optim_state_name(store) -> str:
+    """meta.json's precision.optim_state: float32, or 8bit for the compact state."""
+    return "8bit" if store.spec.precision.compact else "float32"
+
+
+def optim_tensors_of(store) -> list:
+    """(checkpoint name, view into the store) of every optimizer-state tensor of a HostStore (see the
+    module docstring)."""
+    layout = store.layout
+    if store.spec.precision.compact:
+        return [(f"{kind}.{unit}", store.scale_block(kind, i) if kind.endswith("_scale") else store.block(kind, i))
+                for i, unit in enumerate(layout.units) for kind in COMPACT_KINDS]
+    return [(f"{kind}.{hf_name(unit, name)}", store.params(kind, i)[name])
+            for i, unit in enumerate(layout.units) for kind in OPTIM_KINDS for name, _, _ in layout.templates[i].params]
