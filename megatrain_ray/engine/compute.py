@@ -193,6 +193,8 @@ class ComputeWorker:
     def _grad_loop(self) -> None:
         """Send each gradient's ticket once its copy to the host store is complete."""
         for unit, step, slot, handle, step_sq_norm in self._drain(self._grads):
+            if callable(handle):  # a held gradient (_send_held): its slot and copy are taken here
+                slot, handle, step_sq_norm = handle()
             self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq_norm), timeout=self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
@@ -244,17 +246,29 @@ class ComputeWorker:
     def _send_held(self, step: int) -> None:
         """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order
         (embedding, layers, head: the next forward's first weights are updated first), every ticket with
-        the step's squared norm, summed in the order the sink would have (the order they were computed)."""
+        the step's squared norm, summed in the order the sink would have (the order they were computed).
+
+        The waits (for the norm, for free ring slots: the sink updating) are the grad-sender thread's,
+        so this step returns at once and the next step's forward runs while the updates do."""
         held, self._held = self._held, []
-        total = 0.0
-        for _, _, sq_norm in held:
-            total += float(sq_norm)
+        total: list[float] = []
+
+        def step_sq_norm() -> float:
+            if not total:
+                total.append(0.0)
+                for _, _, sq_norm in held:
+                    total[0] += float(sq_norm)
+            return total[0]
+
+        def send(unit: int, grad: torch.Tensor, sq_norm: torch.Tensor):
+            slot = self._free_grad_slot(unit)
+            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit])
+            return slot, handle, step_sq_norm()
+
         by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
         for unit in update_order(self.cfg.num_hidden_layers):
             grad, sq_norm = by_unit.pop(unit)
-            slot = self._free_grad_slot(unit)
-            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit])
-            self._grads.put((unit, step, slot, handle, total))
+            self._grads.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm: send(u, g, s), -1.0))
 
     def _free_grad_slot(self, unit: int) -> int:
         """A slot of the gradient ring that the sink has finished with (waits for one)."""
