@@ -4,9 +4,13 @@
 # On nvidia-h200 (1 GPU, 128 GiB host): the Qwen2.5-32B width with 38 layers (20.1B parameters),
 # compact state, clipping on; then the AdamW kernel's rate on all cores.
 # On nvidia-h200-x2 (256 GiB host, one GPU used): the Qwen2.5-32B shape (32.8B), compact, clipping on.
-# With $2 = x2-40b (on nvidia-h200-x2): the 32B width with 80 layers (40.6B), compact, clipping on.
+# With $2 = h200-25b: the 32B width with 48 layers (25.0B) on the 128 GiB box; with $2 = x2-40b (on
+# nvidia-h200-x2): 80 layers (40.6B). On the 128 GiB box the GPU holds the step's bf16 gradients until
+# the norm is known (runtime.hold_grads, default on cuda: 4 B/param of host memory, 2 of GPU memory);
+# on x2 the GPU cannot hold both those and the activation checkpoints of a 32B model, so the gradients
+# wait in host memory instead (runtime.hold_grads=false: 6 B/param; `plan` shows both totals).
 # Each bench run: 3 steps of 65,536 tokens, under ~4-5 minutes. Chosen by the host's memory, or by $2.
-#   bash benchmarks/h200_compact.sh $OUT [h200|x2|x2-40b]
+#   bash benchmarks/h200_compact.sh $OUT [h200|h200-25b|x2|x2-40b]
 set -uo pipefail
 out=${1:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -34,9 +38,11 @@ run() {  # tag, preset, layers, timeout, extra bench args...
 }
 
 if [ "$kind" = x2 ]; then
-  run 32b-8bit 32b 64 400
+  run 32b-8bit 32b 64 420 --set runtime.hold_grads=false
 elif [ "$kind" = x2-40b ]; then
-  run 40b-8bit 32b 80 450
+  run 40b-8bit 32b 80 480 --set runtime.hold_grads=false
+elif [ "$kind" = h200-25b ]; then
+  run 25b-8bit 32b 48 400
 else
   run 20b-8bit 32b 38 270
 fi
