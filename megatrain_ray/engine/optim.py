@@ -87,18 +87,21 @@ class AdamWRunner:
         master: [n] bf16; grad: [n] bf16/fp32 (may alias ``stream``); qm, qv: [n] uint8 codes; sm, sv:
         [ceil(n / BLOCK)] fp32 block scales; stream: a compute-dtype copy to refresh, or None.
         Pieces are whole blocks (a block's scale is one thread's), each on the native kernel where
-        it was built, else on :func:`~megatrain_ray.engine.compact.step_reference` for the whole unit.
+        it was built, else on :func:`~megatrain_ray.engine.compact.step_reference` one after another.
         """
         rest = cfg.weight_decay if cfg.decay_norms_and_biases else 0.0
         c = compact.StepConstants.of(step, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, rest, grad_scale)
         key = compact.rng_key(step, unit)
         fn = adamw_native.compact_kernel() if self.kernel is not None else None
+        n = master.numel()
+        pieces = [(a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]  # CHUNK is a multiple of BLOCK
         if fn is None or grad.dtype not in (torch.float32, torch.bfloat16):
             torch.set_num_threads(self.threads)
-            compact.step_reference(master, grad, qm, qv, sm, sv, decay_numel, c, key)
+            for a, b in pieces:
+                s = slice(a // compact.BLOCK, compact.num_blocks(b))
+                compact.step_reference(master[a:b], grad[a:b], qm[a:b], qv[a:b], sm[s], sv[s], decay_numel - a, c,
+                                       key, a)
         else:
-            n = master.numel()
-            pieces = [(a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]  # CHUNK is a multiple of BLOCK
             counter = itertools.count()
 
             def work() -> None:
