@@ -260,10 +260,11 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=1, default=str)
     plot(results, os.path.join(args.out, "convergence.png"))
     print(f"\n{report['gpu']}, {args.steps} steps x {report['tokens_per_step']} tokens, vocab {report['vocab']}")
-    print(f"{'variant':<26}{'first':>8}{'final':>8}{'vs ' + args.ref:>13}{'last val':>10}{'s/step':>8}")
+    vs = "vs " + args.ref
+    print(f"{'variant':<26}{'first':>8}{'final':>8}{vs:>{len(vs) + 2}}{'last val':>10}{'s/step':>8}")
     for name, r in results.items():
         last_val = r["val_losses"][max(r["val_losses"])] if r["val_losses"] else float("nan")
-        print(f"{name:<26}{r['losses'][0]:>8.3f}{r['final_loss']:>8.3f}{r.get('final_vs_resident', 0):>+12.2%} "
+        print(f"{name:<26}{r['losses'][0]:>8.3f}{r['final_loss']:>8.3f}{r.get('final_vs_resident', 0):>+{len(vs) + 1}.2%} "
               f"{last_val:>9.3f}{r['step_s']:>8.3f}")
     return 0
 
