@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
         cfg = bench_config(base, *shape, data, [*extra, f"runtime.run_dir={tmp}/runs"])
         device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
         report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
-                      loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype)
+                      loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype,
+                      optim_state=cfg.optim.state, hold_grads=cfg.runtime.hold_grads_on(device))
         if args.probe:
             report["layer_probe"] = layer_probe(cfg, args.micro_batches)
             layer_numel = StoreLayout.build(cfg.model).templates[1].numel

@@ -115,7 +115,7 @@ def check_config(directory: str, steps: int = 24, extra: list[str] = ()) -> Trai
     init, tokens = os.path.join(directory, "init"), os.path.join(directory, "tokens.npy")
     if not os.path.isdir(init):
         cfg = load_config(None, MODEL)
-        spec = StoreSpec(cfg.model, resolve_precision(cfg.runtime, "cpu"), cfg.runtime.shm_dir, os.getpid(),
+        spec = StoreSpec(cfg.model, resolve_precision(cfg.runtime, "cpu", cfg.optim.state), cfg.runtime.shm_dir, os.getpid(),
                          "check-init")
         store = ParameterStore(spec, seed=0)
         try:

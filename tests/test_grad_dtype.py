@@ -25,7 +25,7 @@ from megatrain_ray.orchestration.local import train_local
 def test_store_kinds_and_bytes(grad_dtype, clip, kinds, bytes_per_param):
     cfg = load_config(None, ["model.num_hidden_layers=4", f"runtime.grad_dtype={grad_dtype}"])
     precision = resolve_precision(cfg.runtime, "cuda")
-    spec = StoreSpec(cfg.model, precision, "/dev/shm", 0, "t", grad_slots_for(precision, clip))
+    spec = StoreSpec(cfg.model, precision, "/dev/shm", 0, "t", grad_slots=grad_slots_for(precision, clip))
     layout = StoreLayout.build(cfg.model)
     assert spec.kinds() == kinds
     assert spec.dtype("grad") == (torch.float32 if grad_dtype == "float32" else torch.bfloat16)

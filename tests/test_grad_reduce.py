@@ -51,8 +51,8 @@ def test_peer_grad_copies_in_the_store(shm_dir):
     cfg = load_config(None, ["model.num_hidden_layers=2", "runtime.device=cpu", f"runtime.shm_dir={shm_dir}"])
     precision = resolve_precision(cfg.runtime, "cpu")
     assert peer_grads_for("allreduce", 4) == 0 and peer_grads_for("host", 4) == 3
-    spec = StoreSpec(cfg.model, precision, shm_dir, 1, "peers", 0, peer_grads_for("host", 3))
-    plain = StoreSpec(cfg.model, precision, shm_dir, 1, "plain", 0, 0)
+    spec = StoreSpec(cfg.model, precision, shm_dir, 1, "peers", peer_grads=peer_grads_for("host", 3))
+    plain = StoreSpec(cfg.model, precision, shm_dir, 1, "plain")
     assert "peer_grad" in spec.kinds() and "peer_grad" not in plain.kinds()
     assert spec.nbytes() - plain.nbytes() == 2 * plain.numel("grad") * precision.grad.itemsize
     store = HostStore(spec, create=True)

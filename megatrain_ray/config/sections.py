@@ -61,6 +61,11 @@ class OptimConfig:
     does to every parameter it is given in one group; false keeps them undecayed, the usual LLM recipe."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    state: str = "fp32"
+    """Optimizer state in host memory: fp32 (exact AdamW: fp32 moments, master in runtime.master_dtype)
+    or 8bit (compact, ~4 bytes per parameter plus the gradient: block-quantized 8-bit moments and bf16
+    master weights, all rounded stochastically, whatever runtime.master_dtype says; see
+    megatrain_ray.engine.compact)."""
 
     def validate(self) -> None:
         for key in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"):
@@ -73,6 +78,12 @@ class OptimConfig:
         _require(self.eps > 0, "optim.eps", f"must be positive, got {self.eps}")
         _require(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        _require(self.state in OPTIM_STATES, "optim.state",
+                 f"must be one of {', '.join(OPTIM_STATES)}, got {self.state!r}")
+
+
+OPTIM_STATES = ("fp32", "8bit")
+"""Values of optim.state."""
 
 
 def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -283,6 +294,12 @@ class RuntimeSection:
     u % nodes == k and broadcasts their new weights to the others: 1/nodes of the CPU work per
     node; the AdamW states are gathered at checkpoint boundaries and at the end, so an interrupt
     saves no checkpoint of its own). See megatrain_ray.engine.shards."""
+    hold_grads: bool | None = None
+    """Keep each step's gradients on the device (in runtime.grad_dtype) until the step's global norm is
+    known, then send them to a ring of unit slots in the host store in the order they are updated,
+    instead of keeping a whole-model gradient array in host memory: with clipping and no stream copy
+    (runtime.master_dtype bfloat16, optim.state 8bit) 2 bytes per parameter less host memory for 2
+    more of device memory (``plan`` counts them). None (default) = on cuda, where it applies."""
     offload_activations: bool = False
     """The same as activations: offload (kept for existing configs): every layer's forward input in
     pinned host memory, copied out and back on the copy streams, so device memory no longer grows
@@ -349,6 +366,10 @@ class RuntimeSection:
     def compile_on(self, device: str) -> bool:
         """Whether the decoder layer is compiled on the resolved ``device``."""
         return device == "cuda" if self.compile is None else self.compile
+
+    def hold_grads_on(self, device: str) -> bool:
+        """Whether gradients wait on the resolved ``device`` for the norm (see ``hold_grads``)."""
+        return device == "cuda" if self.hold_grads is None else self.hold_grads
 
     def buffer_depth_on(self, device: str) -> int:
         """Device weight slots on the resolved ``device`` (see ``buffer_depth``)."""

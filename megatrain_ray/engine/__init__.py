@@ -6,7 +6,8 @@
 - :mod:`.compute`, :mod:`.device`, :mod:`.activations`: the compute worker, its CPU / CUDA backends,
   and where the layer inputs kept for the backward live;
 - :mod:`.sink`, :mod:`.optim`, :mod:`.adamw_native`: the gradient sink, AdamW on the host and its
-  one-pass C kernel, the learning-rate schedule and clipping;
+  one-pass C kernel, the learning-rate schedule and clipping; :mod:`.compact`: the compact optimizer
+  state (8-bit moments, bf16 master, stochastic rounding) and its torch reference;
 - :mod:`.reference`: the whole model resident on one device, the reference the engine is checked
   against.
 

@@ -50,7 +50,7 @@ from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
 from .sequence import LayerRunner, step_contexts
 from .store import HostStore, StoreSpec
-from .tickets import FetchTicket, GradTicket
+from .tickets import FetchTicket, GradTicket, update_order
 
 
 def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
@@ -153,6 +153,8 @@ class ComputeWorker:
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
         self._grads: queue.Queue = queue.Queue()
+        self._held: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        """(unit, gradient [numel] on the device, its squared norm) of this step, with ``hold_grads``."""
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in (
@@ -226,8 +228,10 @@ class ComputeWorker:
 
     def _grad_loop(self) -> None:
         """Send each gradient's ticket once its copy to the host store is complete."""
-        for unit, step, slot, handle in self._drain(self._grads):
-            self.grad_q.put(GradTicket(unit, step, handle.result(), slot), timeout=self.timeout_s)
+        for unit, step, slot, handle, step_sq_norm in self._drain(self._grads):
+            if callable(handle):  # a held gradient (_send_held): its slot and copy are taken here
+                slot, handle, step_sq_norm = handle()
+            self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq_norm), timeout=self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
 
@@ -264,6 +268,9 @@ class ComputeWorker:
         With a data-parallel group, the gradient is first summed over all workers, and this worker
         sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
         gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
+            self._held.append((unit, grad.to(self.store.spec.precision.grad), torch.dot(grad, grad)))
+            return
         slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
         host = self.store.grad_block(unit, slot, self.reducer.copy if self.reducer is not None else 0)
         if self.reducer is not None:
@@ -271,7 +278,34 @@ class ComputeWorker:
             grad, host = grad[lo:hi], host[lo:hi]
         sq_norm = torch.dot(grad, grad)
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
-        self._grads.put((unit, step, slot, handle))
+        self._grads.put((unit, step, slot, handle, -1.0))
+
+    def _send_held(self, step: int) -> None:
+        """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order
+        (embedding, layers, head: the next forward's first weights are updated first), every ticket with
+        the step's squared norm, summed in the order the sink would have (the order they were computed).
+
+        The waits (for the norm, for free ring slots: the sink updating) are the grad-sender thread's,
+        so this step returns at once and the next step's forward runs while the updates do."""
+        held, self._held = self._held, []
+        total: list[float] = []
+
+        def step_sq_norm() -> float:
+            if not total:
+                total.append(0.0)
+                for _, _, sq_norm in held:
+                    total[0] += float(sq_norm)
+            return total[0]
+
+        def send(unit: int, grad: torch.Tensor, sq_norm: torch.Tensor):
+            slot = self._free_grad_slot(unit)
+            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit])
+            return slot, handle, step_sq_norm()
+
+        by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
+        for unit in update_order(self.cfg.num_hidden_layers):
+            grad, sq_norm = by_unit.pop(unit)
+            self._grads.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm: send(u, g, s), -1.0))
 
     def _free_grad_slot(self, unit: int) -> int:
         """A slot of the gradient ring that the sink has finished with (waits for one)."""
@@ -385,6 +419,9 @@ class ComputeWorker:
                 for s in range(0, rows.shape[0], self.chunk):
                     add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
         self._send_grad(0, step, embed_grad)
+        embed_grad = None
+        if self.store.spec.hold_grads:
+            self._send_held(step)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()

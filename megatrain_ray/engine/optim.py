@@ -5,7 +5,8 @@ The update is torch's own fused AdamW kernel (``torch._fused_adamw_``, the kerne
 matrices and the norms/biases after them (see :mod:`megatrain_ray.model.layout`), decayed too only with
 ``optim.decay_norms_and_biases``; or, where a C compiler is found, a one-pass kernel with the same
 arithmetic (:mod:`megatrain_ray.engine.adamw_native`) run on a pool of threads (:class:`AdamWRunner`).
-The math is ``torch.optim.AdamW``'s.
+The math is ``torch.optim.AdamW``'s. With optim.state 8bit the runner applies the compact step
+(:mod:`megatrain_ray.engine.compact`) instead, on the same pool.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import OptimConfig
-from . import adamw_native
+from . import adamw_native, compact
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -56,12 +57,13 @@ class AdamWRunner:
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
-               grad_scale: float = 1.0) -> None:
+               grad_scale: float = 1.0, unit: int = 0) -> None:
         """One AdamW step on one unit, in place (arguments as :func:`adamw_unit`)."""
         if self._pool is None or not adamw_native.supports(master, grad, stream):
             torch.set_num_threads(self.threads)
-            adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale)
+            adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale, unit)
             return
+        key = compact.rng_key(step, unit)
         pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(master.numel(), decay_numel, cfg)
                   for a in range(lo, hi, CHUNK)]
         counter = itertools.count()
@@ -72,10 +74,47 @@ class AdamWRunner:
                     return
                 a, b, wd = pieces[i]
                 adamw_native.piece(self.kernel, master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
-                                   cfg.beta2, cfg.eps, wd, step, grad_scale)
+                                   cfg.beta2, cfg.eps, wd, step, grad_scale, key)
 
         for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
             f.result()
+
+    def update_compact(self, master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
+                       sm: torch.Tensor, sv: torch.Tensor, stream: torch.Tensor | None, decay_numel: int,
+                       unit: int, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0) -> None:
+        """One compact AdamW step on unit ``unit``, in place (see :mod:`megatrain_ray.engine.compact`).
+
+        master: [n] bf16; grad: [n] bf16/fp32 (may alias ``stream``); qm, qv: [n] uint8 codes; sm, sv:
+        [ceil(n / BLOCK)] fp32 block scales; stream: a compute-dtype copy to refresh, or None.
+        Pieces are whole blocks (a block's scale is one thread's), each on the native kernel where
+        it was built, else on :func:`~megatrain_ray.engine.compact.step_reference` one after another.
+        """
+        rest = cfg.weight_decay if cfg.decay_norms_and_biases else 0.0
+        c = compact.StepConstants.of(step, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, rest, grad_scale)
+        key = compact.rng_key(step, unit)
+        fn = adamw_native.compact_kernel() if self.kernel is not None else None
+        n = master.numel()
+        pieces = [(a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]  # CHUNK is a multiple of BLOCK
+        if fn is None or grad.dtype not in (torch.float32, torch.bfloat16):
+            torch.set_num_threads(self.threads)
+            for a, b in pieces:
+                s = slice(a // compact.BLOCK, compact.num_blocks(b))
+                compact.step_reference(master[a:b], grad[a:b], qm[a:b], qv[a:b], sm[s], sv[s], decay_numel - a, c,
+                                       key, a)
+        else:
+            counter = itertools.count()
+
+            def work() -> None:
+                for i in counter:
+                    if i >= len(pieces):
+                        return
+                    a, b = pieces[i]
+                    adamw_native.compact_piece(fn, master, grad, qm, qv, sm, sv, a, b, decay_numel, c, key)
+
+            for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
+                f.result()
+        if stream is not None:
+            stream.copy_(master)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -84,10 +123,11 @@ class AdamWRunner:
 
 def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
-               grad_scale: float = 1.0) -> None:
+               grad_scale: float = 1.0, unit: int = 0) -> None:
     """One AdamW step on one unit, in place, piece by piece, with torch's kernels.
 
-    master: [n] fp32 or bf16 (bf16 is updated through an fp32 temporary and rounded back);
+    master: [n] fp32 or bf16 (bf16 is updated through an fp32 temporary and rounded back
+    stochastically, with the random bits of :mod:`megatrain_ray.engine.compact` for ``unit``);
     grad: [n] in any float dtype, scaled by ``grad_scale`` (the clipping factor) as it is upcast;
     it may alias ``stream``, since each piece's gradient is read before its stream copy is
     rewritten; exp_avg, exp_avg_sq: [n] fp32; stream: [n] compute-dtype copy to refresh, or None.
@@ -111,6 +151,8 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                 [p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step_t], lr=lr, beta1=cfg.beta1,
                 beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
             if p_buf is not None:
+                rnd = compact.random_bits(torch.arange(a, b), compact.rng_key(step, unit))[0]
+                p = compact.round_bf16(p, rnd)
                 master[a:b].copy_(p)
             if stream is not None:
                 stream[a:b].copy_(p)

@@ -6,7 +6,10 @@ squared norm, taken on the device) and add them up. Without clipping each unit i
 gradient arrives (and, when the store keeps the gradients in a ring of slots, the slot is handed
 back to the compute worker right after). With clipping the factor needs the global norm, so the updates run once the last
 gradient (the embedding's) is in, in the order the next step's forward needs them — embedding,
-layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating.
+layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating;
+unless the compute worker held the gradients on its device until the norm was known
+(``StoreSpec.hold_grads``): then they arrive in that order through the ring, each ticket carrying
+the step's norm, and each unit is clipped and updated as it arrives.
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
 
@@ -102,17 +105,22 @@ class GradientSink:
                 if pending[ticket.unit]:
                     continue  # other workers' shards of this unit are still on their way
                 del pending[ticket.unit]
+                held = ticket.step_sq_norm != -1.0  # the step's norm is known already (gradients held on the device)
+                if held and not math.isfinite(ticket.step_sq_norm):
+                    raise PipelineError(f"the gradient norm of step {step + 1} is {math.sqrt(ticket.step_sq_norm)}; "
+                                        "training diverged, lower optim.lr or check the data.")
                 if self.host_sum:
                     sq_norm += self._sum_copies(ticket.unit)
-                if not deferred:
-                    self._update(ticket.unit, step, lr, 1.0, ticket.slot)
+                if not deferred or held:  # (held gradients come from one worker alone: no sum, no shards)
+                    coef = clip_coefficient(math.sqrt(ticket.step_sq_norm), self.optim.max_grad_norm) if held else 1.0
+                    self._update(ticket.unit, step, lr, coef, ticket.slot)
                     if ticket.slot >= 0:
                         self.grad_slot_q.put(ticket.slot, timeout=self.timeout_s)
-            norm = math.sqrt(sq_norm)
+            norm = math.sqrt(ticket.step_sq_norm if held else sq_norm)
             if not math.isfinite(norm):
                 raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
                                     "lower optim.lr or check the data.")
-            if deferred:
+            if deferred and not held:
                 coef = clip_coefficient(norm, self.optim.max_grad_norm)
                 for unit in self.order:
                     if self.sharding is None or self.sharding.owns(unit):
@@ -202,8 +210,14 @@ class GradientSink:
             self.writer.before_update(unit)  # the checkpoint being written has this unit's bytes
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None
-        self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
-                           s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
-                           step + 1, lr, self.optim, grad_scale=coef)
+        if s.spec.precision.compact:
+            self.runner.update_compact(
+                s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit), s.block("exp_avg_sq", unit),
+                s.scale_block("exp_avg_scale", unit), s.scale_block("exp_avg_sq_scale", unit), stream,
+                self.layout.templates[unit].decay_numel, unit, step + 1, lr, self.optim, grad_scale=coef)
+        else:
+            self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
+                               s.block("exp_avg_sq", unit), stream, self.layout.templates[unit].decay_numel,
+                               step + 1, lr, self.optim, grad_scale=coef, unit=unit)
         s.set_version(unit, step + 1)
         self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))

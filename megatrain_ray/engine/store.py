@@ -4,7 +4,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 
 - ``master``      master weights (precision policy: fp32, or bf16)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
-- ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32
+- ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32; with the compact state (optim.state 8bit) uint8
+                  codes, and ``exp_avg_scale``, ``exp_avg_sq_scale`` their fp32 block scales, one per
+                  :data:`~megatrain_ray.engine.compact.BLOCK` elements (see :mod:`megatrain_ray.engine.compact`)
 - ``grad``        the step's gradient in the gradient dtype (precision policy), written by the
                   compute worker; only when there is no stream copy or the gradient dtype differs
                   from it. Otherwise the gradient is written into the unit's stream block, which is dead from the unit's last fetch of step t until the sink
@@ -12,7 +14,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   With its own array and without global-norm clipping, each unit is updated as
                   soon as its gradient arrives, so ``grad`` is only a ring of ``grad_slots``
                   unit-sized slots (handed back by the sink after each update) instead of a
-                  whole-model array: 10 instead of 12 bytes per parameter with bf16 master.
+                  whole-model array: 10 instead of 12 bytes per parameter with bf16 master. With
+                  clipping the same ring serves when the gradients wait on the device for the
+                  step's norm (``hold_grads``, runtime.hold_grads): 10 with clipping too.
 - ``peer_grad``   with runtime.grad_reduce=host and N compute workers: N-1 more whole-model gradient
                   arrays (gradient dtype), one per worker but the first, which writes to ``grad``
                   as above; the gradient sink sums them into it (see :mod:`megatrain_ray.engine.grad_reduce`)
@@ -27,26 +31,30 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, TrainConfig
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
 from ..model.transformer import hf_name
 from . import reaper, shm
+from .compact import BLOCK, num_blocks
 
 WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad", "peer_grad")
+SCALE_KINDS = ("exp_avg_scale", "exp_avg_sq_scale")
+"""The compact state's block scales (only with optim.state 8bit)."""
 GRAD_RING_SLOTS = 3
 """Slots of the gradient ring (see the module docstring): one being written, one being updated, one spare."""
 
 
-def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1) -> int:
+def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> int:
     """``StoreSpec.grad_slots`` of a run: a ring when the gradient has no stream block to live in
-    and no clipping factor holds the updates back until the whole model's gradient is in, with one
-    compute worker per store (several would have to agree on each slot); else 0."""
-    ring = not precision.grad_in_stream_block and max_grad_norm <= 0 and workers == 1
+    and no clipping factor holds the updates back until the whole model's gradient is in (or the
+    gradients wait for it on the device: :func:`holds_grads`), with one compute worker per store
+    (several would have to agree on each slot); else 0."""
+    ring = not precision.grad_in_stream_block and workers == 1 and (max_grad_norm <= 0 or hold)
     return GRAD_RING_SLOTS if ring else 0
 
 
@@ -54,6 +62,10 @@ def peer_grads_for(grad_reduce: str, workers: int) -> int:
     """``StoreSpec.peer_grads`` of a run: with runtime.grad_reduce=host, one gradient array per
     compute worker of the node but the first; with allreduce none."""
     return workers - 1 if grad_reduce == "host" else 0
+def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> bool:
+    """``StoreSpec.hold_grads`` of a run: runtime.hold_grads (``hold``, resolved) where it saves the
+    whole-model host gradient array, i.e. with clipping, no stream block and one compute worker."""
+    return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
 
 
 @dataclass(frozen=True)
@@ -65,10 +77,27 @@ class StoreSpec:
     shm_dir: str
     owner_pid: int
     run_id: str
+    _: KW_ONLY
     grad_slots: int = 0
     """0: a gradient block per unit; n > 0: a ring of n slots of the largest unit (see the module docstring)."""
     peer_grads: int = 0
     """Whole-model gradient arrays of the workers 1.. of the node (runtime.grad_reduce=host), or 0."""
+    hold_grads: bool = False
+    """The compute worker keeps the step's gradients on the device until the step's norm is known, then
+    sends them through the ring in update order, each ticket carrying that norm (runtime.hold_grads)."""
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str) -> StoreSpec:
+        """The store of one node of a run of ``cfg`` on ``device``: its gradient ring, held gradients
+        and peer gradient copies as the run's settings resolve (a sharded optimizer across nodes
+        updates after the last gradient, from whole-model gradient blocks; held gradients need a
+        single compute worker in the whole run)."""
+        rt, clip = cfg.runtime, cfg.optim.max_grad_norm
+        sharded = rt.sharded_optimizer
+        hold = not sharded and holds_grads(precision, clip, rt.compute_workers * rt.nodes, rt.hold_grads_on(device))
+        slots = 0 if sharded else grad_slots_for(precision, clip, rt.compute_workers, hold)
+        return cls(cfg.model, precision, rt.shm_dir, owner_pid, run_id, grad_slots=slots,
+                   peer_grads=peer_grads_for(rt.grad_reduce, rt.compute_workers), hold_grads=hold)
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
@@ -80,13 +109,16 @@ class StoreSpec:
             return self.precision.compute
         if kind in ("grad", "peer_grad"):
             return self.precision.grad
+        if kind in ("exp_avg", "exp_avg_sq"):
+            return self.precision.optim_state
         return torch.float32
 
     def kinds(self) -> tuple[str, ...]:
         p = self.precision
         return tuple(k for k in WEIGHT_KINDS if not (k == "stream" and not p.separate_stream_copy
                                                       or k == "grad" and p.grad_in_stream_block
-                                                      or k == "peer_grad" and not self.peer_grads))
+                                                      or k == "peer_grad" and not self.peer_grads)) + (
+            SCALE_KINDS if p.compact else ())
 
     def numel(self, kind: str) -> int:
         """Elements of one kind's array."""
@@ -95,6 +127,8 @@ class StoreSpec:
             return self.grad_slots * layout.slot_numel
         if kind == "peer_grad":
             return self.peer_grads * layout.total
+        if kind in SCALE_KINDS:
+            return layout.total // BLOCK
         return layout.total
 
     def nbytes(self) -> int:
@@ -126,6 +160,11 @@ class HostStore:
         elif kind == "grad" and self.spec.grad_slots:
             raise ValueError("the gradients are in a ring of slots: use grad_block(unit, slot)")
         return self.layout.block(self.arrays[kind], i)
+
+    def scale_block(self, kind: str, i: int) -> torch.Tensor:
+        """Unit i's block scales [ceil(numel / BLOCK)] of one of :data:`SCALE_KINDS` (a view)."""
+        start = self.layout.offsets[i] // BLOCK
+        return self.arrays[kind][start:start + num_blocks(self.layout.templates[i].numel)]
 
     def grad_block(self, i: int, slot: int = -1, copy: int = 0) -> torch.Tensor:
         """Where unit i's gradient is written: its grad (or stream) block, or ring slot ``slot``;

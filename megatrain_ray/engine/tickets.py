@@ -28,6 +28,10 @@ class GradTicket:
     """Squared L2 norm of the gradient, taken on the device in fp32."""
     slot: int = -1
     """The gradient ring's slot holding it, when the store has a ring (else -1: the unit's block)."""
+    step_sq_norm: float = -1.0
+    """With gradients held on the device (``StoreSpec.hold_grads``): the squared norm of the whole step's
+    gradient, summed in the order the units' gradients were computed, so the sink can clip and update
+    at once; else -1."""
 
 
 def fetch_order(num_layers: int, tied: bool) -> list[int]:

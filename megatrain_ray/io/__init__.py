@@ -5,7 +5,8 @@
 - :mod:`.hf_io`: HF config.json / safetensors import and export, and loading a run's config with
   ``runtime.init_from``'s model shape;
 - :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,
-  with the size and CRC-32 of every file;
+  with the size and CRC-32 of every file; :mod:`.state_tensors`: which optimizer-state tensors it
+  holds (fp32 moments per parameter, the compact state per unit);
 - :mod:`.writer`: the one writer of checkpoints (the sink's in the background, the store's on an
   interrupt);
 - :mod:`.resume`: which checkpoint ``--resume`` means (a run's newest valid one) and its run config;

@@ -7,7 +7,8 @@ A checkpoint holds everything a run needs to continue bit for bit::
         model.safetensors.index.json       {"weight_map": {HF tensor name: shard file}}
         model-00001-of-00002.safetensors   master weights, full HF names, master dtype
         optimizer.safetensors.index.json   {"weight_map": {"exp_avg.<HF name>" / "exp_avg_sq.<HF name>": shard}}
-        optimizer-00001-of-00003.safetensors   AdamW moments, fp32
+        optimizer-00001-of-00003.safetensors   AdamW moments, fp32 (optim.state 8bit: per-unit uint8 codes
+                                           and fp32 block scales, see optim_tensors_of)
         meta.json                          step, unit versions, data position, RNG, run config, format version,
                                            and the size and CRC-32 of every other file
 
@@ -52,13 +53,14 @@ from typing import Callable
 from ..errors import CheckpointError, ConfigError
 from ..model.transformer import hf_name
 from .files import CorruptFile, check_sizes, read_header, verify
+from .state_tensors import COMPACT_KINDS, OPTIM_KINDS, optim_tensors_of  # noqa: F401  (re-exported)
+from .state_tensors import optim_state_name as _optim_state_name
 
 FORMAT = "megatrain-ray-checkpoint"
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
-OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 SHARD_BYTES = 2 * 2**30
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -271,24 +273,29 @@ def load_into(store, directory: str) -> int:
     check_model(meta, store.spec.model, directory)
     files = check_files(directory, checksums=False)  # the driver verified them (pipeline.train)
     layout = store.layout
+    saved_state = meta.get("precision", {}).get("optim_state", "float32")
+    if saved_state != _optim_state_name(store):
+        raise ConfigError(f"checkpoint {directory} holds the {saved_state} optimizer state but the run has optim.state="
+                          f"{'8bit' if store.spec.precision.compact else 'fp32'}; resume with optim.state="
+                          f"{'8bit' if saved_state == '8bit' else 'fp32'}, or start a new run from its weights "
+                          f"with runtime.init_from={directory}.")
     wanted = []
-    for i, unit in enumerate(layout.units):
-        for name, shape, _ in layout.templates[i].params:
-            name_of = {"master": hf_name(unit, name), **{k: f"{k}.{hf_name(unit, name)}" for k in OPTIM_KINDS}}
-            for kind, key in name_of.items():
-                if key not in files:
-                    raise CheckpointError(f"checkpoint {directory} lacks tensor {key}.")
-                if files[key][1] != tuple(shape):
-                    raise CheckpointError(f"tensor {key} in checkpoint {directory} has shape {files[key][1]}, "
-                                          f"but the model needs {tuple(shape)}.")
-                wanted.append((kind, i, name, key))
+    targets = [(hf_name(unit, name), store.params("master", i)[name])
+               for i, unit in enumerate(layout.units) for name, _, _ in layout.templates[i].params]
+    for key, target in targets + optim_tensors_of(store):
+        if key not in files:
+            raise CheckpointError(f"checkpoint {directory} lacks tensor {key}.")
+        if files[key][1] != tuple(target.shape):
+            raise CheckpointError(f"tensor {key} in checkpoint {directory} has shape {files[key][1]}, "
+                                  f"but the model needs {tuple(target.shape)}.")
+        wanted.append((key, target))
     versions = meta.get("versions", {})
     if sorted(versions) != sorted(layout.units) or set(versions.values()) != {meta["step"]}:
         raise CheckpointError(f"checkpoint {directory} has unit versions {versions} that are not all its step "
                               f"{meta['step']}; it was not taken at a step boundary.")
-    for kind, i, name, key in sorted(wanted, key=lambda w: (files[w[3]][0], w[3])):
+    for key, target in sorted(wanted, key=lambda w: (files[w[0]][0], w[0])):
         with safe_open(os.path.join(directory, files[key][0]), framework="pt") as f:
-            store.params(kind, i)[name].copy_(f.get_tensor(key))
+            target.copy_(f.get_tensor(key))
     for i, unit in enumerate(layout.units):
         store.set_version(i, versions[unit])
         store.refresh_stream(i)

@@ -46,7 +46,7 @@ from ..errors import CorruptFile, WriteError  # noqa: F401  (re-exported for io'
 CHUNK_BYTES = 64 * 2**20
 """Bytes per write (and per checksum update): large enough for full-speed I/O, small enough that
 the checksum thread keeps pace one chunk behind the writer."""
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 """The torch dtypes megatrain-ray writes, and their safetensors names."""
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,

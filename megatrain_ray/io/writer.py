@@ -59,14 +59,15 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.transformer import hf_name
-from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, OPTIM_KINDS, SHARD_BYTES,
-                         CheckpointPlan, latest, prune, step_dir_name)
+from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, SHARD_BYTES, CheckpointPlan,
+                         latest, prune, step_dir_name)
 from .files import TensorSource, fmt_bytes, free_bytes, fsync_dir, write_json, write_shards
+from .state_tensors import optim_entries, optim_state_name, optim_tensors_of, state_block, state_kinds
 
-
-GROUPS = {"model": ("master",), "optim": OPTIM_KINDS}
-"""The kinds each writer thread writes: the model files' and the optimizer files'. A unit's group is
-released (or staged) as a whole, by the thread that writes it."""
+GROUPS = ("model", "optim")
+"""The groups of kinds each writer thread writes: the model files' (master) and the optimizer files'
+(:func:`~megatrain_ray.io.state_tensors.state_kinds`). A unit's group is released (or staged) as a
+whole, by the thread that writes it."""
 
 
 class CheckpointWriter:
@@ -74,6 +75,8 @@ class CheckpointWriter:
 
     def __init__(self, store, plan: CheckpointPlan, shard_bytes: int = SHARD_BYTES):
         self.store, self.plan, self.shard_bytes = store, plan, shard_bytes
+        self.kinds = {"model": ("master",), "optim": state_kinds(store)}
+        """The store kinds of each group."""
         self._thread: threading.Thread | None = None
         self._written: dict[tuple[int, str], threading.Event] = {}
         """(unit, group of kinds, see GROUPS) -> set once those tensors of the unit are written."""
@@ -130,26 +133,30 @@ class CheckpointWriter:
     def _stage(self, unit: int, group: str) -> bool:
         """Copy a unit's group of kinds that its writer thread has not begun into the staging budget;
         False if it cannot be."""
-        nbytes = sum(self.store.block(kind, unit).nbytes for kind in GROUPS[group])
+        nbytes = sum(state_block(self.store, kind, unit).nbytes for kind in self.kinds[group])
         with self._lock:  # a writer thread reads a unit's group either from the store or from its copy, never both
             if (unit, group) in self._staged:
                 return True
             if (unit, group) in self._started or self._staged_bytes + nbytes > self.plan.staging_bytes:
                 return False
-            self._staged[unit, group] = {kind: self.store.block(kind, unit).clone() for kind in GROUPS[group]}
+            self._staged[unit, group] = {kind: state_block(self.store, kind, unit).clone()
+                                         for kind in self.kinds[group]}
             self._staged_bytes += nbytes
         return True
 
-    def _tensor(self, kind: str, unit: int, name: str) -> torch.Tensor:
-        """A writer thread's read of one tensor of the boundary: the unit's staged copy if it has one,
-        else the store (and the unit can no longer be staged)."""
+    def _tensor(self, kind: str, unit: int, name: str | None) -> torch.Tensor:
+        """A writer thread's read of one tensor of the boundary (parameter ``name``, or None: the unit's
+        whole block): the unit's staged copy if it has one, else the store (and the unit can no longer
+        be staged)."""
         key = (unit, "model" if kind == "master" else "optim")
         with self._lock:
             staged = self._staged.get(key)
             if staged is None:
                 self._started.add(key)
-                return self.store.params(kind, unit)[name]
-        return self.store.layout.templates[unit].bind(staged[kind])[name]
+                block = state_block(self.store, kind, unit)
+        if staged is not None:
+            block = staged[kind]
+        return block if name is None else self.store.layout.templates[unit].bind(block)[name]
 
     @property
     def busy(self) -> bool:
@@ -229,8 +236,10 @@ class CheckpointWriter:
         meta = self._meta(step)  # before any unit may change
         tmp = os.path.join(root, f".{step_dir_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         layout = store.layout
-        left = {(i, group): len(layout.templates[i].params) * len(kinds) for i in order
-                for group, kinds in GROUPS.items()}
+        optim_keys = optim_entries(store, order)
+        left = {(i, "model"): len(layout.templates[i].params) for i in order}
+        for _, _, i, _ in optim_keys:
+            left[i, "optim"] = left.get((i, "optim"), 0) + 1
         lock = threading.Lock()
 
         def written(unit: int, group: str) -> Callable[[], None]:
@@ -242,14 +251,14 @@ class CheckpointWriter:
                     release(unit, group)
             return done
 
-        def source(key: str, kind: str, i: int, name: str, shape) -> TensorSource:
-            return TensorSource(key, tuple(shape), store.spec.dtype(kind), lambda: self._tensor(kind, i, name),
+        def source(key: str, kind: str, i: int, name: str | None) -> TensorSource:
+            view = state_block(store, kind, i) if name is None else store.params(kind, i)[name]  # shape, dtype
+            return TensorSource(key, tuple(view.shape), view.dtype, lambda: self._tensor(kind, i, name),
                                 written(i, "model" if kind == "master" else "optim"))
 
-        model = [source(hf_name(layout.units[i], name), "master", i, name, shape)
-                 for i in order for name, shape, _ in layout.templates[i].params]
-        optim = [source(f"{kind}.{hf_name(layout.units[i], name)}", kind, i, name, shape)
-                 for i in order for name, shape, _ in layout.templates[i].params for kind in OPTIM_KINDS]
+        model = [source(hf_name(layout.units[i], name), "master", i, name)
+                 for i in order for name, _, _ in layout.templates[i].params]
+        optim = [source(key, kind, i, name) for key, kind, i, name in optim_keys]
         try:
             os.makedirs(tmp)
             with ThreadPoolExecutor(2) as pool:  # model and optimizer files side by side, unit by unit
@@ -310,7 +319,8 @@ class CheckpointWriter:
                     "torch": "not used after initialisation: the model has no dropout and the initial weights "
                              "are drawn per unit from torch.Generator(seed * 1000003 + unit index)",
                     "draws_after_init": 0},
-            "precision": {"master": str(spec.precision.master).removeprefix("torch."), "optim_state": "float32"},
+            "precision": {"master": str(spec.precision.master).removeprefix("torch."),
+                          "optim_state": optim_state_name(store)},
             "model": spec.model.to_hf_dict(),
             "config": run_config,
             "run_id": plan.run_id,
@@ -332,4 +342,5 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
 
 def checkpoint_bytes(store) -> int:
     """Bytes of the tensors of a checkpoint of this store (headers and JSON files are noise)."""
-    return store.layout.num_params * (store.spec.precision.master.itemsize + 4 * len(OPTIM_KINDS))
+    state = sum(t.numel() * t.element_size() for _, t in optim_tensors_of(store))
+    return store.layout.num_params * store.spec.precision.master.itemsize + state

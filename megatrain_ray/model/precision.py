@@ -2,8 +2,12 @@
 
 - **Master weights** live in host RAM in ``runtime.master_dtype``: float32 by default, or
   bfloat16 to save host memory (the update is then computed in fp32 on an O(one unit) temporary
-  and rounded back to nearest).
-- **AdamW states** (``exp_avg``, ``exp_avg_sq``) are always float32 in host RAM.
+  and rounded back stochastically: unbiased, so updates below half a bf16 ulp of a weight still
+  move it on average, the compensation that costs no bytes; see :mod:`megatrain_ray.engine.compact`).
+- **AdamW states** (``exp_avg``, ``exp_avg_sq``) are float32 in host RAM; with ``optim.state: 8bit``
+  they are block-quantized 8-bit codes and the master weights are bfloat16, both rounded
+  stochastically (:mod:`megatrain_ray.engine.compact`): 2 + 2 bytes per parameter, plus the gradient
+  (2 with clipping, a ring of unit slots without), i.e. 6 and 4 bytes per parameter in bf16 compute.
 - **Streamed weights and activations** use the compute dtype: bfloat16 on CUDA, float32 on the CPU
   (``runtime.compute_dtype`` overrides). When it differs from the master dtype the store keeps a
   second, compute-dtype copy of every unit (the *stream* copy) that the sink refreshes after each
@@ -21,9 +25,12 @@
 Host bytes per parameter: 4 (fp32 master) + 8 (AdamW) + 2 (bf16 stream copy, which also holds the
 gradient) = 14 with fp32 master and bf16 compute; 2 + 8 + 2 (bf16 gradient) = 12 with bf16 master;
 4 + 8 + 4 (fp32 gradient) = 16 on the CPU in fp32, and with ``grad_dtype: float32`` in bf16 compute.
-Without clipping (``optim.max_grad_norm=0``)
-the last two need no whole-model gradient array, only a ring of three unit-sized slots (see
-:mod:`megatrain_ray.engine.store`): 10 and 12 bytes per parameter plus O(one unit).
+Without clipping (``optim.max_grad_norm=0``), or with the gradients held on the device until the
+step's norm is known (``runtime.hold_grads``, the default on cuda: 2 bytes per parameter of device
+memory instead), the last two need no whole-model gradient array, only a ring of three unit-sized
+slots (see :mod:`megatrain_ray.engine.store`): 10 and 12 bytes per parameter plus O(one unit).
+With ``optim.state: 8bit``: 2 + 2 = 4 bytes per parameter, plus 2 for the gradient array where it
+is not held on the device (6).
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ class Precision:
             object.__setattr__(self, "grad", self.compute)
 
     @property
+    def compact(self) -> bool:
+        """Whether the moments are the compact 8-bit state (optim.state 8bit, :mod:`megatrain_ray.engine.compact`)."""
+        return self.optim_state == torch.uint8
+
+    @property
     def separate_stream_copy(self) -> bool:
         """Whether the store holds a compute-dtype copy besides the master weights."""
         return self.master != self.compute
@@ -76,9 +88,12 @@ def resolve_device(runtime: RuntimeSection, gpus_available: float) -> str:
     return runtime.device
 
 
-def resolve_precision(runtime: RuntimeSection, device: str) -> Precision:
+def resolve_precision(runtime: RuntimeSection, device: str, optim_state: str = "fp32") -> Precision:
+    """The dtypes of a run; ``optim_state`` is optim.state (8bit: bf16 master and uint8 moments)."""
     compute = runtime.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if device == "cuda" else "float32"
     grad = compute if runtime.grad_dtype == "auto" else runtime.grad_dtype
+    if optim_state == "8bit":
+        return Precision(master=torch.bfloat16, compute=_DTYPES[compute], optim_state=torch.uint8, grad=_DTYPES[grad])
     return Precision(master=_DTYPES[runtime.master_dtype], compute=_DTYPES[compute], grad=_DTYPES[grad])

@@ -2,7 +2,8 @@
 
 A preset is a dict of :class:`~megatrain_ray.config.ModelConfig` fields (HF config.json names):
 ``tiny`` (4 layers, hidden 256) for tests and smoke runs, ``1b`` the Llama 3.2 1B shape, ``3b`` and
-``7b`` the Qwen2.5 3B and 7B shapes.
+``7b``, ``14b``, ``32b`` the Qwen2.5 3B, 7B, 14B and 32B shapes (``--layers`` makes a shorter model of
+the same width, e.g. a ~20B model at the 32B width with 38 layers).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ PRESETS = {
                num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6),
     "7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6),
+    "14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, rope_theta=1e6),
+    "32b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, rope_theta=1e6),
 }
 
 

@@ -14,7 +14,7 @@ import uuid
 from ..config import TrainConfig
 from ..data.loader import source_from_config
 from ..engine import shm
-from ..engine.store import StoreSpec, grad_slots_for
+from ..engine.store import StoreSpec
 from ..errors import ConfigError
 from ..model.precision import resolve_device, resolve_precision
 from .cluster import connect_ray
@@ -28,9 +28,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         raise ConfigError("the single-process driver runs one compute worker; set runtime.compute_workers=1 and "
                           "runtime.nodes=1 (several run through the Ray pipeline).")
     device = resolve_device(rt, gpus_available)
-    precision = resolve_precision(rt, device)
-    spec = StoreSpec(cfg.model, precision, rt.shm_dir, os.getpid(), "local-" + uuid.uuid4().hex[:6],
-                     grad_slots_for(precision, cfg.optim.max_grad_norm))
+    precision = resolve_precision(rt, device, cfg.optim.state)
+    spec = StoreSpec.of_run(cfg, precision, device, os.getpid(), "local-" + uuid.uuid4().hex[:6])
     source = source_from_config(cfg, connect=connect_ray)
     eval_batch = source_from_config(cfg, "val", connect=connect_ray).batch(0) if cfg.train.eval_every else None
     roles = None

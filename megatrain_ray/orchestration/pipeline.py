@@ -42,7 +42,7 @@ import ray
 from ..config import TrainConfig
 from ..data.loader import loader_spec, source_from_config
 from ..engine import reaper, shm
-from ..engine.store import StoreSpec, grad_slots_for, peer_grads_for
+from ..engine.store import StoreSpec
 from ..errors import ActorDied, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
@@ -99,13 +99,10 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
-        precision = resolve_precision(cfg.runtime, device)
+        precision = resolve_precision(cfg.runtime, device, cfg.optim.state)
         preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        spec = StoreSpec(cfg.model, precision, cfg.runtime.shm_dir, os.getpid(), run_id,
-                         0 if cfg.runtime.sharded_optimizer else
-                         grad_slots_for(precision, cfg.optim.max_grad_norm, cfg.runtime.compute_workers),
-                         peer_grads_for(cfg.runtime.grad_reduce, cfg.runtime.compute_workers))
+        spec = StoreSpec.of_run(cfg, precision, device, os.getpid(), run_id)
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.

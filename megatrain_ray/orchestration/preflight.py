@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..engine.activations import kept_bytes_per_token, layer_modes
-from ..engine.store import StoreSpec, grad_slots_for, peer_grads_for
+from ..engine.store import StoreSpec
 from ..errors import PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
@@ -72,7 +72,12 @@ EXPORT_SHARD_BYTES = 2 * 2**30
 _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to the device)",
                 "exp_avg": "AdamW exp_avg", "exp_avg_sq": "AdamW exp_avg_sq",
                 "grad": "gradients (host side)",
-                "peer_grad": "the other workers' gradient copies (runtime.grad_reduce=host)"}
+                "peer_grad": "the other workers' gradient copies (runtime.grad_reduce=host)", "exp_avg_scale": "8-bit exp_avg block scales",
+                "exp_avg_sq_scale": "8-bit exp_avg_sq block scales"}
+MODES = (("fp32", "float32", "exact AdamW, fp32 master (optim.state fp32)"),
+         ("fp32", "bfloat16", "bf16 master (runtime.master_dtype bfloat16)"),
+         ("8bit", "bfloat16", "compact (optim.state 8bit)"))
+"""(optim.state, runtime.master_dtype, label) of the optimizer modes the plan compares."""
 
 
 @dataclass
@@ -130,7 +135,7 @@ class Plan:
         """One sentence per resource the run does not fit (host RAM, /dev/shm); empty if it fits."""
         out = []
         shm, host = self.total("shm"), self.total("host")
-        fix = ("use a smaller model, runtime.master_dtype=bfloat16, a smaller train.micro_batch_size, "
+        fix = ("use a smaller model, optim.state=8bit or runtime.master_dtype=bfloat16, a smaller train.micro_batch_size, "
                "or a machine with more memory")
         if shm > self.shm_free:
             out.append(f"the run needs {fmt(shm)} in runtime.shm_dir but only {fmt(self.shm_free)} is free there; "
@@ -219,7 +224,7 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_byt
 def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int, int]:
     """(compute dtype bytes, tokens per micro-batch, micro-batches per GPU, hidden size)."""
     rt = cfg.runtime
-    c = resolve_precision(rt, device).compute.itemsize
+    c = resolve_precision(rt, device, cfg.optim.state).compute.itemsize
     return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // (rt.compute_workers * rt.nodes), \
         cfg.model.hidden_size
 
@@ -228,6 +233,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
     """Every device row but the activations' (the weight slots first)."""
     m, rt = cfg.model, cfg.runtime
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
+    precision = resolve_precision(rt, device, cfg.optim.state)
     layout = StoreLayout.build(m)
     inter, q, kv = m.intermediate_size, m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
     layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
@@ -238,6 +244,9 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         _layer_working_set(cfg, tokens, c, layer_numel),
         Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
+        *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
+               "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
+          if StoreSpec.of_run(cfg, precision, device, 0, "plan").hold_grads else []),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * (2 * 4 + c) + 3 * chunk * h * 4, "head"),
     ]
@@ -381,9 +390,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if starts_ray is None:
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
-    precision = resolve_precision(rt, device)
-    spec = StoreSpec(m, precision, rt.shm_dir, 0, "plan", grad_slots_for(precision, cfg.optim.max_grad_norm),
-                     peer_grads_for(rt.grad_reduce, rt.compute_workers))
+    precision = resolve_precision(rt, device, cfg.optim.state)
+    spec = StoreSpec.of_run(cfg, precision, device, 0, "plan")
     layout = StoreLayout.build(m)
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
@@ -427,7 +435,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
     result.notes.append(_activation_note(cfg, device, result))
-    result.notes.append(_checkpoint_note(cfg, n_params * (precision.master.itemsize + 8)))
+    state_bytes = sum(spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
+    result.notes.append(_checkpoint_note(cfg, n_params * precision.master.itemsize + state_bytes))
+    result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()))
     return result
 
 
@@ -448,6 +458,34 @@ def _activation_note(cfg: TrainConfig, device: str, result: Plan) -> str:
     return (f"activations ({how}): {n_keep} layers kept whole on the {where} ({fmt(keep)}, not recomputed), "
             f"{n_gpu} checkpointed on the {where} ({fmt(ckpt)} with the last layer's output"
             f"{' and those in flight' if n_host else ''}), {n_host} offloaded to host RAM ({fmt(host)})")
+
+
+def _scale_kinds(spec: StoreSpec) -> tuple[str, ...]:
+    return tuple(k for k in spec.kinds() if k.endswith("_scale"))
+
+
+def bytes_per_param(cfg: TrainConfig, device: str, state: str, master_dtype: str) -> float:
+    """Host-store bytes per parameter of ``cfg``'s model in one optimizer mode, with the run's clipping
+    (a gradient ring of unit slots counts as O(one unit), not per parameter)."""
+    import dataclasses
+
+    rt = dataclasses.replace(cfg.runtime, master_dtype=master_dtype)
+    precision = resolve_precision(rt, device, state)
+    spec = StoreSpec.of_run(dataclasses.replace(cfg, runtime=rt), precision, device, 0, "plan")
+    ring = spec.numel("grad") * spec.dtype("grad").itemsize if spec.grad_slots else 0
+    return (spec.nbytes() - ring) / StoreLayout.build(cfg.model).num_params
+
+
+def mode_notes(cfg: TrainConfig, device: str, budget: int) -> list[str]:
+    """One line per optimizer mode: its bytes per parameter and about the largest model whose store fits
+    ``budget`` (the host RAM left once everything but the store is counted), at this model's shape."""
+    clip = "with clipping" if cfg.optim.max_grad_norm > 0 else "without clipping"
+    lines = [f"optimizer modes ({clip}, {device}): host-store bytes per parameter and the largest model "
+             f"whose store fits the {fmt(max(0, budget))} of host RAM left for it"]
+    for state, master, label in MODES:
+        per = bytes_per_param(cfg, device, state, master)
+        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {_count(int(max(0, budget) / per))} parameters")
+    return lines
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
