@@ -35,6 +35,7 @@ import os
 import socket
 
 from ..errors import ConfigError, PipelineError
+from . import grafana
 
 DASHBOARD_HOST = "127.0.0.1"
 """Where a private Ray's dashboard listens: this machine only (reach it from elsewhere through an SSH
@@ -170,6 +171,21 @@ def connect(rt, log=print) -> None:
                             "(~/.ray/auth_token or RAY_AUTH_TOKEN), or set runtime.ray_address=local to start a "
                             "private Ray.") from None
     log(endpoints_line(ctx.dashboard_url, address is None and not rt.dashboard))
+    installed = grafana.install(_session_dir()) if ctx.dashboard_url else None
+    if installed:
+        log(f"Grafana: the pipeline's dashboard is provisioned next to Ray's in {installed} (start Grafana with "
+            f"--config {os.path.dirname(os.path.dirname(installed))}/grafana.ini; see the README)")
+
+
+def _session_dir() -> str | None:
+    """This Ray session's directory on this machine (where Ray writes its Grafana setup), or None."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    try:
+        return node.get_session_dir_path() if node is not None else None
+    except Exception:
+        return None
 
 
 def metrics_endpoint() -> str | None:

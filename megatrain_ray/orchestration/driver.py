@@ -204,7 +204,8 @@ class Driver:
                **({"workers": out["workers"]} if "workers" in out else {})}
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
-        self.gauges.step(row, _size(self.head.grad_q))
+        fetch = {f"fetch{f'-{w}' if w else ''}": q for w, q in enumerate(self.head.fetch_qs)}
+        self.gauges.step(row, {name: _size(q) for name, q in {"grad": self.head.grad_q, **fetch}.items()})
         if step % self.cfg.train.log_every == 0 or step == self.steps - 1 or "val_loss" in out:
             val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "

@@ -43,6 +43,8 @@ class NodeRoles:
     stats_q: Any
     prefetchers: list = field(default_factory=list)
     computes: list = field(default_factory=list)
+    fetch_qs: list = field(default_factory=list)
+    """Each compute worker's fetch queue (tickets of the units ready in its slots), in worker order."""
 
 
 @dataclass
@@ -104,6 +106,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
         roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q)
         for _ in range(workers):
             fetch_q, release_q = spawner.queue(depth), spawner.queue(depth)
+            roles.fetch_qs.append(fetch_q)
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
                 spec, depth, fetch_q, release_q, rt.actor_timeout_s))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
