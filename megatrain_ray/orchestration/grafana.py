@@ -1,7 +1,7 @@
 """The Grafana dashboard of the pipeline's gauges, and where Ray's own Grafana setup picks it up.
 
 :func:`dashboard` builds it from :data:`PANELS` and the units of
-:data:`megatrain_ray.orchestration.metrics.UNITS`; the package ships the result as
+:data:`megatrain_ray.orchestration.gauges.UNITS`; the package ships the result as
 ``megatrain_ray/dashboards/megatrain.json`` (a test keeps the two equal; after changing a panel,
 rewrite it with ``python -m megatrain_ray.orchestration.grafana``). Every query reads the
 ``ray_megatrain_*`` gauges of :mod:`megatrain_ray.orchestration.metrics` through a Prometheus data
@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 
-from .metrics import UNITS
+from .gauges import UNITS
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dashboards", "megatrain.json")
 """The dashboard file in the installed package."""

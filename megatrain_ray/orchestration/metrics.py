@@ -25,8 +25,8 @@ step, checkpoint_step       last finished step, last saved checkpoint
 worker_busy_fraction, worker_link_gbps   per compute worker (tag worker), with several
 ==========================  ========================================================================
 
-:data:`UNITS` gives each gauge's unit, the one ``megatrain-ray plot`` labels its axes with and the
-Grafana dashboard shipped in ``megatrain_ray/dashboards/megatrain.json`` shows.
+:data:`megatrain_ray.orchestration.gauges.UNITS` gives each gauge's unit, the one ``megatrain-ray
+plot`` labels its axes with and the Grafana dashboard (``megatrain_ray/dashboards/megatrain.json``) shows.
 """
 
 from __future__ import annotations
@@ -35,20 +35,7 @@ import psutil
 
 from ..config import ModelConfig
 from ..model import flops
-
-STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
-STAGE_ROLE = {"h2d": "compute", "compute": "compute", "d2h": "compute", "wait": "compute", "adamw": "grad-sink"}
-"""The role whose busy time each stage is: the compute worker's four lanes, the sink's AdamW."""
-
-UNITS = {
-    "tokens_per_s": "tokens/s", "tflops_6nt": "TFLOP/s", "tflops_palm": "TFLOP/s", "step_time_s": "s",
-    "loss": "nats/token", "val_loss": "nats/token", "learning_rate": "", "grad_norm": "", "step": "steps",
-    "checkpoint_step": "steps", "host_store_bytes": "bytes", "host_memory_used_bytes": "bytes",
-    "device_peak_bytes": "bytes", "stage_busy_s": "s", "stage_busy_fraction": "share of the step",
-    "link_gbps": "GB/s", "queue_depth": "items", "worker_busy_fraction": "share of the step",
-    "worker_link_gbps": "GB/s",
-}
-"""Every gauge (name without the ``ray_megatrain_`` prefix) and its unit ("" for a plain number)."""
+from .gauges import STAGE_ROLE, STAGES, UNITS  # noqa: F401  (UNITS: the units of the gauges set here)
 
 
 class RunMetrics:
