@@ -26,6 +26,7 @@ from ..data.datasets import run_tokenizer
 from ..errors import Interrupted, MegatrainError, PipelineError
 from ..io import checkpoint
 from .calls import get as _get
+from .labels import step_task
 from .metrics import RunMetrics
 from .roles import Roles
 
@@ -124,7 +125,9 @@ class Driver:
         with _signals_deferred():
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
-            self.submitted[step] = [c.run_step.remote(step, batch, self.eval_ref if due and rank == 0 else None)
+            name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
+            self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
+                                                                         self.eval_ref if due and rank == 0 else None)
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:

@@ -22,7 +22,7 @@ host_store_bytes            bytes of the host store in shared memory
 host_memory_used_bytes      used RAM of the node
 device_peak_bytes           peak device memory of the compute worker during the step
 step, checkpoint_step       last finished step, last saved checkpoint
-worker_busy_fraction, worker_link_gbps   per compute worker (tag worker), with several
+worker_busy_fraction, worker_link_gbps   the same per compute worker (tag worker: 0, 1, ...)
 ==========================  ========================================================================
 
 :data:`megatrain_ray.orchestration.gauges.UNITS` gives each gauge's unit, the one ``megatrain-ray
@@ -73,9 +73,9 @@ class RunMetrics:
         self.link = gauge("link_gbps", "Host-device copy bandwidth while busy, GB/s.", ("direction",))
         self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
         self.worker_fraction = gauge("worker_busy_fraction", "Busy share of the last step per compute worker "
-                                     "(GPU) and stage, with several workers.", ("worker", "stage"))
+                                     "(GPU) and stage.", ("worker", "stage"))
         self.worker_link = gauge("worker_link_gbps", "Host-device copy bandwidth of each compute worker (GPU) "
-                                 "while busy, GB/s, with several workers.", ("worker", "direction"))
+                                 "while busy, GB/s.", ("worker", "direction"))
 
     def tflops(self, tokens: int, step_s: float) -> dict[str, float]:
         """The metrics.jsonl entries of a step's model TFLOP/s, one per convention (tflops_6nt, tflops_palm)."""
@@ -113,7 +113,7 @@ class RunMetrics:
         for name, depth in (queue_depths or {}).items():
             if depth is not None:
                 self.queue.set(depth, tags={**self.tags, "queue": name})
-        for w, worker in enumerate(row.get("workers", ())):  # each GPU's own lanes (rank order)
+        for w, worker in enumerate(row.get("workers") or (row,)):  # each GPU's own lanes (rank order)
             tags = {**self.tags, "worker": str(w)}
             for lane in ("compute", "h2d", "d2h", "wait"):
                 self.worker_fraction.set(worker.get(f"{lane}_busy_s", 0.0) / step_s, tags={**tags, "stage": lane})

@@ -50,6 +50,7 @@ from . import cluster, preflight
 from .calls import get as _get
 from .cluster import connect_ray
 from .driver import Driver, RunResult
+from .labels import loop_task
 from .metrics import RunMetrics
 from .roles import RaySpawner, spawn_roles
 
@@ -174,7 +175,8 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     spawner.form_group(roles.computes)
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
-    loops = {h.run.remote(start, steps): names[h] for n in roles.nodes for h in (*n.prefetchers, n.sink)}
+    loops = {h.run.options(name=loop_task(names[h], start, steps)).remote(start, steps): names[h]
+             for n in roles.nodes for h in (*n.prefetchers, n.sink)}
     batches: dict[int, Any] = {}
 
     def batch_ref(step: int):

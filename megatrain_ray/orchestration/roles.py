@@ -27,6 +27,7 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
+from .labels import labelled
 
 STORE, PREFETCH, COMPUTE, SINK, LOADER = (
     {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25})
@@ -215,7 +216,7 @@ class RaySpawner:
         name = f"{role}{f'-{i}' if many else ''}{f'@{self.k}' if len(self.pgs) > 1 else ''}"
 
         def spawn(*args, **kwargs):
-            handle = ray.remote(cls).options(
+            handle = ray.remote(labelled(cls, name, self.k, self.run_id)).options(
                 name=f"{name}-{self.run_id}", max_concurrency=1, max_restarts=0, num_cpus=resources["CPU"],
                 num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy).remote(*args, **kwargs)
             self.handles[name] = handle
