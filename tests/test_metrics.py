@@ -19,6 +19,7 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.engine.tickets import fetch_order
 from megatrain_ray.model import flops
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration import grafana
@@ -28,7 +29,7 @@ from megatrain_ray.orchestration.pipeline import train
 STEPS = 4
 GAUGES = ("tokens_per_s", "tflops_6nt", "tflops_palm", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
           "checkpoint_step", "host_store_bytes", "host_memory_used_bytes", "device_peak_bytes", "stage_busy_s",
-          "stage_busy_fraction", "link_gbps", "queue_depth", "val_loss", "worker_busy_fraction", "worker_link_gbps")
+          "stage_busy_fraction", "link_gbps", "queue_depth", "val_loss", "worker_busy_fraction", "worker_link_gbps", "role_step", "role_unit")
 
 
 def grafana_metrics() -> set[str]:
@@ -65,7 +66,8 @@ def _scrape(run_id: str, final_step: int, timeout: float = 90.0) -> dict[tuple[s
         for m in re.finditer(r'^ray_megatrain_(\w+)\{([^}]*)\} (\S+)$', text, re.M):
             tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             if tags.get("run_id") == run_id:
-                extra = tuple(sorted((k, v) for k, v in tags.items() if k in ("stage", "direction", "queue", "worker")))
+                keys = ("role",) if m.group(1).startswith("role_") else ("stage", "direction", "queue", "worker")
+                extra = tuple(sorted((k, v) for k, v in tags.items() if k in keys))
                 found[(m.group(1), extra)] = float(m.group(3))
         if {name for name, _ in found} >= set(GAUGES) | grafana_metrics() and found.get(("step", ())) == final_step \
                 and found.get(("checkpoint_step", ())) == final_step:
@@ -112,6 +114,12 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     assert found[("worker_link_gbps", (("direction", "h2d"), ("worker", "0")))] == found[
         ("link_gbps", (("direction", "h2d"),))]
     assert found[("queue_depth", (("queue", "grad"),))] >= 0
+    # What each role was doing last: the prefetcher issued the last step's last ticket, the sink
+    # applied the last step's updates (published by the roles' actors, orchestration.labels).
+    assert found[("role_step", (("role", "prefetch"),))] == found[("role_step", (("role", "grad-sink"),))] == STEPS
+    layers = cfg.model.num_hidden_layers
+    assert found[("role_unit", (("role", "prefetch"),))] == fetch_order(layers, cfg.model.tie_word_embeddings)[-1]
+    assert found[("role_unit", (("role", "grad-sink"),))] in range(layers + 2)
     assert 0 <= found[("queue_depth", (("queue", "fetch"),))] <= 2  # it holds at most buffer_depth (2 on cpu)
 
 

@@ -32,6 +32,9 @@ from .tickets import GradTicket, update_order
 class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
+    doing: tuple[int, int] | None = None
+    """(step, unit) of the update being applied: what the dashboard shows (orchestration.labels)."""
+
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
                  timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1):
         self.runner = AdamWRunner(num_threads)
@@ -112,6 +115,7 @@ class GradientSink:
                                 "the compute worker is stalled.") from None
 
     def _update(self, unit: int, step: int, lr: float, coef: float, slot: int = -1) -> None:
+        self.doing = (step, unit)
         s = self.store
         start = time.time()
         stream = s.block("stream", unit) if s.separate_stream_copy else None

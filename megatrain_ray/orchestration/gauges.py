@@ -18,6 +18,6 @@ UNITS = {
     "checkpoint_step": "steps", "host_store_bytes": "bytes", "host_memory_used_bytes": "bytes",
     "device_peak_bytes": "bytes", "stage_busy_s": "s", "stage_busy_fraction": "share of the step",
     "link_gbps": "GB/s", "queue_depth": "items", "worker_busy_fraction": "share of the step",
-    "worker_link_gbps": "GB/s",
+    "worker_link_gbps": "GB/s", "role_step": "steps", "role_unit": "",
 }
 """Every gauge (name without the ``ray_megatrain_`` prefix) and its unit ("" for a plain number)."""

@@ -60,6 +60,11 @@ PANELS = [
     ("Gradient norm", [("grad_norm", "grad norm")], "Global gradient norm of the last step, before clipping."),
     ("Progress", [("step", "steps done"), ("checkpoint_step", "last checkpoint")],
      "Steps finished, and the step of the newest checkpoint."),
+    ("What each role is doing: step", [("role_step", "{{role}}")],
+     "The step the prefetcher issues weights for and the sink applies updates of (set by the roles)."),
+    ("What each role is doing: unit", [("role_unit", "{{role}}")],
+     "The unit (0 the embedding, then the decoder layers, then the head) the prefetcher issues and the sink "
+     "updates: the prefetcher runs ahead by the device's weight slots."),
 ]
 """The panels, in page order (two per row): title, (gauge, legend) per series, description."""
 

@@ -7,9 +7,20 @@ where it runs (``compute-1@0: ComputeWorker, node 0, GPU 1, run <id>``); the eng
 as they are. What a role is doing goes in the names of the tasks the driver submits to it
 (:func:`step_task`, :func:`loop_task`), which the dashboard lists per actor with their state
 (running, finished, failed): ``step 12/100`` on a compute worker, ``grad-sink loop, steps 1-100``.
+Inside their loops, the roles that keep a ``doing`` attribute (the prefetcher: the ticket it issues;
+the sink: the update it applies, as (step, unit)) have it published by a thread of their actor,
+twice a second, as the gauges ``ray_megatrain_role_step`` and ``ray_megatrain_role_unit`` (tags
+run_id and role): the Grafana dashboard's "What each role is doing" panels.
 """
 
 from __future__ import annotations
+
+import re
+import threading
+import time
+
+PUBLISH_EVERY_S = 0.5
+"""How often an actor's publisher thread looks at its role's ``doing`` (a tuple read: no cost to the loop)."""
 
 
 def labelled(cls: type, name: str, node: int, run_id: str) -> type:
@@ -24,8 +35,36 @@ def labelled(cls: type, name: str, node: int, run_id: str) -> type:
         gpu = f", GPU {','.join(str(g) for g in gpus)}" if gpus else ""
         return f"{name}: {cls.__name__}, node {node}{gpu}, run {run_id}"
 
-    return type(cls.__name__, (cls,), {"__repr__": __repr__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    body = {"__repr__": __repr__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__}
+    if hasattr(cls, "doing"):
+        base_run = re.sub(r"-r\d+$", "", run_id)  # after a restart, the run's gauges keep its id
+
+        def __init__(self, *args, **kwargs):
+            cls.__init__(self, *args, **kwargs)
+            threading.Thread(target=_publish, args=(self, {"run_id": base_run, "role": name}), daemon=True,
+                             name="megatrain-activity").start()
+
+        body["__init__"] = __init__
+    return type(cls.__name__, (cls,), body)
+
+
+def _publish(role, tags: dict[str, str]) -> None:
+    """Set the role's activity gauges whenever its ``doing`` changes (runs for the actor's life)."""
+    from ray.util.metrics import Gauge
+
+    step = Gauge("megatrain_role_step", description="Step (1-based) a role of the pipeline is working on.",
+                 tag_keys=("run_id", "role"))
+    unit = Gauge("megatrain_role_unit", description="Unit (index in the model layout: 0 the embedding, then the "
+                 "decoder layers, then the head) a role of the pipeline is working on.", tag_keys=("run_id", "role"))
+    last = None
+    while True:
+        doing = role.doing
+        if doing is not None and doing != last:
+            step.set(doing[0] + 1, tags=tags)
+            unit.set(doing[1], tags=tags)
+            last = doing
+        time.sleep(PUBLISH_EVERY_S)
 
 
 def step_task(step: int, steps: int) -> str:
