@@ -4,7 +4,8 @@ One ``megatrain-ray train`` in a subprocess starts its private Ray with the dash
 127.0.0.1, token authentication on); while it trains, the tests read its roles through Ray's state
 API and (where a Chromium and selenium are installed) the dashboard's actors page in a headless
 browser; then SIGTERM stops it, as ``ray job stop`` would. The session's shared Ray cluster stays
-without a dashboard: starting one costs seconds and a few hundred MiB for every other test.
+without a dashboard: starting one costs seconds and a few hundred MiB for every other test. Also:
+the runtime.dashboard setting, and the Grafana file copied into Ray's provisioning folder.
 """
 
 import json
@@ -214,3 +215,37 @@ def test_the_dashboards_actors_page_lists_the_roles(live_run, tmp_path):
         assert "Authentication Token Required" not in text
     finally:
         browser.quit()
+
+
+def test_the_dashboard_setting_is_validated_and_said_when_off(ray_cluster):
+    """runtime.dashboard takes true/false (an error naming the key otherwise); the start line says
+    when it is off or when the cluster joined has none, and still names the metrics endpoint."""
+    from megatrain_ray.config import load_config
+    from megatrain_ray.errors import ConfigError
+    from megatrain_ray.orchestration.cluster import endpoints_line, metrics_endpoint
+
+    assert load_config(None, []).runtime.dashboard is True  # on by default
+    assert load_config(None, ["runtime.dashboard=false"]).runtime.dashboard is False
+    with pytest.raises(ConfigError, match=r"^runtime\.dashboard must be true or false, got 'maybe'"):
+        load_config(None, ["runtime.dashboard=maybe"])
+    endpoint = metrics_endpoint()
+    assert re.fullmatch(r"http://[\d.]+:\d+/metrics", endpoint)
+    assert endpoints_line("", True) == f"Ray dashboard: off (runtime.dashboard=false); metrics: {endpoint}"
+    assert endpoints_line("", False) == f"Ray dashboard: none on this cluster; metrics: {endpoint}"
+
+
+def test_the_grafana_file_goes_into_rays_provisioning_folder(tmp_path):
+    """Where Ray's dashboard wrote its Grafana setup (<session>/metrics/grafana/dashboards), the
+    shipped file is copied in, byte for byte; elsewhere nothing is written."""
+    from megatrain_ray.orchestration import grafana
+
+    assert grafana.install(str(tmp_path)) is None and list(tmp_path.iterdir()) == []
+    assert grafana.install(None) is None
+    folder = tmp_path / "metrics" / "grafana" / "dashboards"
+    folder.mkdir(parents=True)
+    path = grafana.install(str(tmp_path))
+    assert path == str(folder / "megatrain_ray_pipeline.json")
+    with open(path, "rb") as got, open(grafana.SHIPPED, "rb") as shipped:
+        assert got.read() == shipped.read()
+    board = json.loads(open(path).read())
+    assert board["uid"] == "megatrain-ray" and len(board["panels"]) == len(grafana.PANELS)
