@@ -170,8 +170,9 @@ def connect(rt, log=print) -> None:
                             "valid token; export RAY_AUTH_MODE=token and make the cluster's token available "
                             "(~/.ray/auth_token or RAY_AUTH_TOKEN), or set runtime.ray_address=local to start a "
                             "private Ray.") from None
-    log(endpoints_line(ctx.dashboard_url, address is None and not rt.dashboard))
-    installed = grafana.install(_session_dir()) if ctx.dashboard_url else None
+    dashboard_url = getattr(ctx, "dashboard_url", None)  # a ray:// client's context may lack one
+    log(endpoints_line(dashboard_url, address is None and not rt.dashboard))
+    installed = grafana.install(_session_dir()) if dashboard_url else None
     if installed:
         log(f"Grafana: the pipeline's dashboard is provisioned next to Ray's in {installed} (start Grafana with "
             f"--config {os.path.dirname(os.path.dirname(installed))}/grafana.ini; see the README)")
@@ -193,8 +194,12 @@ def metrics_endpoint() -> str | None:
     ``ray_megatrain_*`` gauges are exported; None if Ray reports no metrics port."""
     import ray
 
-    own = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
+    try:
+        own = ray.get_runtime_context().get_node_id()
+        nodes = ray.nodes()
+    except Exception:  # a ray:// client has no node of its own
+        return None
+    for node in nodes:
         if node["NodeID"] == own and node.get("MetricsExportPort"):
             return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     return None
