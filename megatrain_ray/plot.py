@@ -11,6 +11,10 @@
 - ``timeline.png``: the spans of the run's last two steps, one row per stage (when the run
   finished and wrote timeline.json).
 
+Each plotted series is a Ray gauge of :mod:`megatrain_ray.orchestration.metrics` (:data:`GAUGES`),
+so the plots and the Grafana dashboard (megatrain_ray/dashboards/megatrain.json) show the same numbers
+in the same units (:data:`megatrain_ray.orchestration.gauges.UNITS`).
+
 The copy stages are named for the run's device (runs/<id>/config.json): ``h2d`` / ``d2h`` on a
 GPU, ``copy in`` / ``copy out`` (weights into a compute slot, gradients out of it) on the CPU.
 
@@ -23,9 +27,12 @@ import json
 import os
 
 from .errors import ConfigError
+from .orchestration.gauges import STAGES, UNITS
 
-STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
-"""The stages as metrics.jsonl and timeline.json name them."""
+GAUGES = {"loss": "loss", "val_loss": "val_loss", "lr": "learning_rate", "tokens_per_s": "tokens_per_s",
+          "tflops_6nt": "tflops_6nt", "tflops_palm": "tflops_palm", "busy_fraction": "stage_busy_fraction"}
+"""Each series the plots draw (its metrics.jsonl key; busy_fraction: a stage's busy seconds over the
+step time, one line per stage as the gauge's ``stage`` tag) -> the gauge showing the same number."""
 CPU_LABELS = {"h2d": "copy in", "d2h": "copy out"}
 """What the copy stages are on a CPU run: no host and device, the weights copied into a compute slot
 and the gradients out of it."""
@@ -102,7 +109,7 @@ def figures(run_dir: str) -> dict:
     if val:
         ax.plot(*zip(*val), "o-", color="tab:green", label="validation loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(f"loss ({UNITS['loss']})")
     lr = ax.twinx()
     lr.plot(steps, [r["lr"] for r in rows], color="tab:orange", alpha=0.6, label="learning rate (right axis)")
     lr.set_ylabel("learning rate")
@@ -118,12 +125,12 @@ def figures(run_dir: str) -> dict:
         if ratios:
             per_token = ratios[-1]
             tf = ax.secondary_yaxis(where, functions=(lambda t, k=per_token: t * k, lambda f, k=per_token: f / k))
-            tf.set_ylabel(f"TFLOP/s ({name})")
+            tf.set_ylabel(f"{UNITS[GAUGES[key]]} ({name})")
             scales.append(f"{name.split(':')[0]} {per_token * 1e12:.3g} FLOPs/token")
     label = "tokens/s (left axis)" + (f" = TFLOP/s (right axes; {', '.join(scales)})" if scales else "")
     ax.plot(steps, tokens_per_s, color="tab:blue", label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel(UNITS["tokens_per_s"])
     _legend_below(ax, ax.get_lines())
     ax.set_title("throughput")
     out["throughput.png"] = fig
@@ -133,7 +140,7 @@ def figures(run_dir: str) -> dict:
         key = "update_busy_s" if stage == "adamw" else f"{stage}_busy_s"
         if any(key in r for r in rows):
             ax.plot(steps, [r.get(key, 0.0) / max(r["step_s"], 1e-9) for r in rows], label=labels[stage])
-    ax.set_ylabel("busy share of the step")
+    ax.set_ylabel(f"busy {UNITS['stage_busy_fraction']}")
     ax.set_title("stage busy time")
     ax.set_xlabel("step")
     _legend_below(ax, ax.get_lines())

@@ -1,8 +1,9 @@
 """Observability: Ray metrics scraped from the node's Prometheus endpoint, metrics.jsonl, plots.
 
 One real run through the pipeline (session Ray: ``include_dashboard=False`` still runs the
-metrics agent), then: every ``ray_megatrain_*`` gauge is on the endpoint with this run's id and
-the values of its last step; ``megatrain-ray plot`` turns its metrics.jsonl into PNGs.
+metrics agent), then: every ``ray_megatrain_*`` gauge, and every metric the shipped Grafana
+dashboard reads, is on the endpoint with this run's id and the values of its last step;
+``megatrain-ray plot`` turns its metrics.jsonl into PNGs whose series are those gauges, in their units.
 """
 
 import json
@@ -18,14 +19,25 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.engine.tickets import fetch_order
 from megatrain_ray.model import flops
 from megatrain_ray.model.precision import Precision
+from megatrain_ray.orchestration import grafana
+from megatrain_ray.orchestration.gauges import STAGE_ROLE, UNITS
 from megatrain_ray.orchestration.pipeline import train
 
 STEPS = 4
 GAUGES = ("tokens_per_s", "tflops_6nt", "tflops_palm", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
           "checkpoint_step", "host_store_bytes", "host_memory_used_bytes", "device_peak_bytes", "stage_busy_s",
-          "stage_busy_fraction", "link_gbps", "queue_depth", "val_loss")
+          "stage_busy_fraction", "link_gbps", "queue_depth", "val_loss", "worker_busy_fraction", "worker_link_gbps", "role_step", "role_unit")
+
+
+def grafana_metrics() -> set[str]:
+    """Every ``ray_megatrain_*`` metric that a query of the shipped Grafana file reads (prefix dropped)."""
+    with open(grafana.SHIPPED) as f:
+        board = json.load(f)
+    exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    return {m for e in exprs for m in re.findall(r"ray_megatrain_(\w+)", e)}
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +66,10 @@ def _scrape(run_id: str, final_step: int, timeout: float = 90.0) -> dict[tuple[s
         for m in re.finditer(r'^ray_megatrain_(\w+)\{([^}]*)\} (\S+)$', text, re.M):
             tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             if tags.get("run_id") == run_id:
-                extra = tuple(sorted((k, v) for k, v in tags.items() if k in ("stage", "direction", "queue")))
+                keys = ("role",) if m.group(1).startswith("role_") else ("stage", "direction", "queue", "worker")
+                extra = tuple(sorted((k, v) for k, v in tags.items() if k in keys))
                 found[(m.group(1), extra)] = float(m.group(3))
-        if {name for name, _ in found} >= set(GAUGES) and found.get(("step", ())) == final_step \
+        if {name for name, _ in found} >= set(GAUGES) | grafana_metrics() and found.get(("step", ())) == final_step \
                 and found.get(("checkpoint_step", ())) == final_step:
             return found
         time.sleep(2)
@@ -67,6 +80,9 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     cfg, result, _ = finished_run
     found = _scrape(result.run_id, STEPS)
     assert {name for name, _ in found} >= set(GAUGES), sorted(found)
+    assert set(GAUGES) == set(UNITS)  # every gauge has its unit, and this test checks every one
+    missing = grafana_metrics() - {name for name, _ in found}
+    assert not missing, f"the Grafana dashboard reads metrics no run exports: {sorted(missing)}"
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     last = rows[-1]
     assert found[("step", ())] == STEPS
@@ -90,9 +106,36 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
         key = "update_busy_s" if stage == "adamw" else f"{stage}_busy_s"
         assert busy == pytest.approx(last[key], rel=1e-6, abs=1e-12)
         assert found[("stage_busy_fraction", (("stage", stage),))] == pytest.approx(busy / last["step_s"], rel=1e-6)
+        if stage != "adamw":  # one worker: its own lanes are the step's
+            assert found[("worker_busy_fraction", (("stage", stage), ("worker", "0")))] == pytest.approx(
+                busy / last["step_s"], rel=1e-6)
     assert found[("stage_busy_s", (("stage", "compute"),))] > 0
     assert found[("link_gbps", (("direction", "h2d"),))] > 0
+    assert found[("worker_link_gbps", (("direction", "h2d"), ("worker", "0")))] == found[
+        ("link_gbps", (("direction", "h2d"),))]
     assert found[("queue_depth", (("queue", "grad"),))] >= 0
+    # What each role was doing last: the prefetcher issued the last step's last ticket, the sink
+    # applied the last step's updates (published by the roles' actors, orchestration.labels).
+    assert found[("role_step", (("role", "prefetch"),))] == found[("role_step", (("role", "grad-sink"),))] == STEPS
+    layers = cfg.model.num_hidden_layers
+    assert found[("role_unit", (("role", "prefetch"),))] == fetch_order(layers, cfg.model.tie_word_embeddings)[-1]
+    assert found[("role_unit", (("role", "grad-sink"),))] in range(layers + 2)
+    assert 0 <= found[("queue_depth", (("queue", "fetch"),))] <= 2  # it holds at most buffer_depth (2 on cpu)
+
+
+def test_stage_gauges_name_their_role(finished_run):
+    """stage_busy_* carry the role each stage belongs to, as the Grafana panel "per role" shows them."""
+    _, result, _ = finished_run
+    node = next(n for n in ray.nodes() if n["Alive"])
+    text = urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                  timeout=10).read().decode()
+    roles = {}
+    for m in re.finditer(r'^ray_megatrain_stage_busy_fraction\{([^}]*)\}', text, re.M):
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if tags.get("run_id") == result.run_id:
+            roles[tags["stage"]] = tags["role"]
+    assert roles == STAGE_ROLE == {"h2d": "compute", "compute": "compute", "d2h": "compute", "wait": "compute",
+                                   "adamw": "grad-sink"}
 
 
 def test_metrics_file_and_console_line(finished_run):
@@ -171,3 +214,54 @@ def test_plots_name_the_cpu_copy_lanes_and_keep_legends_off_the_data(finished_ru
     finally:
         for fig in figs.values():
             plt.close(fig)
+
+
+def test_plot_and_dashboard_agree_on_names_units_and_values(finished_run):
+    """Each series of ``megatrain-ray plot`` is a gauge that a panel of the Grafana dashboard reads, in
+    the same unit, and its last point is the value that gauge exported for the run's last step."""
+    import matplotlib.pyplot as plt
+
+    from megatrain_ray.plot import GAUGES as PLOTTED
+    from megatrain_ray.plot import figures, stage_labels
+
+    _, result, _ = finished_run
+    found = _scrape(result.run_id, STEPS)
+    with open(grafana.SHIPPED) as f:
+        board = json.load(f)
+    panel_unit = {m: panel["fieldConfig"]["defaults"]["unit"] for panel in board["panels"]
+                  for t in panel["targets"] for m in re.findall(r"ray_megatrain_(\w+)", t["expr"])}
+    for series, gauge in PLOTTED.items():
+        assert gauge in panel_unit, f"the plot's {series} is on no dashboard panel"
+        assert panel_unit[gauge] == grafana.GRAFANA_UNITS[UNITS[gauge]], gauge
+
+    figs = figures(result.run_dir)
+    try:
+        loss_ax, lr_ax = figs["loss.png"].axes[:2]
+        assert loss_ax.get_ylabel() == "loss (nats/token)" and UNITS["loss"] == UNITS["val_loss"] == "nats/token"
+        lines = {ln.get_label(): ln for ln in loss_ax.get_lines() + lr_ax.get_lines()}
+        assert lines["loss"].get_ydata()[-1] == pytest.approx(found[("loss", ())], rel=1e-6)
+        assert lines["validation loss"].get_ydata()[-1] == pytest.approx(found[("val_loss", ())], rel=1e-6)
+        assert lines["learning rate (right axis)"].get_ydata()[-1] == pytest.approx(found[("learning_rate", ())],
+                                                                                  rel=1e-6)
+        throughput = figs["throughput.png"].axes[0]
+        assert throughput.get_ylabel() == UNITS["tokens_per_s"] == "tokens/s"
+        assert throughput.get_lines()[0].get_ydata()[-1] == pytest.approx(found[("tokens_per_s", ())], rel=1e-6)
+        assert {c.get_ylabel().split(" (")[0] for c in throughput.child_axes} == {UNITS["tflops_6nt"]} == {
+            UNITS["tflops_palm"]}
+        stages = figs["stages.png"].axes[0]
+        assert stages.get_ylabel() == f"busy {UNITS['stage_busy_fraction']}"
+        by_label = {ln.get_label(): ln for ln in stages.get_lines()}
+        for stage, label in stage_labels("cpu").items():  # the gauge's stage tag under the plot's CPU name
+            assert by_label[label].get_ydata()[-1] == pytest.approx(
+                found[("stage_busy_fraction", (("stage", stage),))], rel=1e-6, abs=1e-12), stage
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+
+
+def test_the_shipped_grafana_file_is_what_the_builder_writes():
+    """megatrain_ray/dashboards/megatrain.json is rewritten by ``python -m megatrain_ray.orchestration.grafana``;
+    every gauge has a panel, every panel one unit."""
+    with open(grafana.SHIPPED) as f:
+        assert f.read() == grafana.render()
+    assert grafana.metric_names() == set(UNITS) == grafana_metrics()

@@ -343,6 +343,11 @@ class RuntimeSection:
     object_store_memory: int = 256 * 2**20
     """Bytes of Ray object store when the run starts a private Ray (only control messages go through
     it); a cluster it joins keeps its own."""
+    dashboard: bool = True
+    """Start Ray's dashboard when the run starts a private Ray: bound to 127.0.0.1 (port 8265, or the
+    next free one), token authentication on; its URL and the node's metrics endpoint are printed at
+    start. false starts none (the ``ray_megatrain_*`` gauges are still exported). A cluster the run
+    joins keeps its own (``ray start --head --dashboard-host=127.0.0.1``)."""
     actor_timeout_s: float = 300.0
     """Seconds a pipeline stage may wait on another before the run fails with a timeout (a periodic
     checkpoint pauses the updates, so it must also exceed the time one checkpoint takes to write)."""
@@ -429,6 +434,8 @@ class RuntimeSection:
             _require(why is None, f"runtime.{key}", f"{getattr(self, key)!r} cannot be written to ({why})")
         _require(self.object_store_memory >= 75 * 2**20, "runtime.object_store_memory",
                  f"must be at least 78643200 bytes (Ray's minimum), got {self.object_store_memory}")
+        _require(isinstance(self.dashboard, bool), "runtime.dashboard",
+                 f"must be true or false, got {self.dashboard!r}")
         _require(self.actor_timeout_s > 0, "runtime.actor_timeout_s",
                  f"must be positive, got {self.actor_timeout_s}")
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")

@@ -22,6 +22,9 @@ from .tickets import FetchTicket, fetch_order
 class Prefetcher:
     """Plain class; made a Ray actor at spawn."""
 
+    doing: tuple[int, int] | None = None
+    """(step, unit) of the fetch ticket being issued: what the dashboard shows (orchestration.labels)."""
+
     def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float):
         self.store = HostStore(spec)
         self.units = self.store.layout.units
@@ -37,6 +40,7 @@ class Prefetcher:
         issued = 0
         for step in range(start_step, end_step):
             for unit in self.order:
+                self.doing = (step, unit)
                 if not free:
                     free.append(self._get(self.release_q, "a free device slot"))
                 self._wait_version(unit, step)

@@ -48,6 +48,9 @@ from .tickets import GradTicket, update_order
 class GradientSink:
     """Plain class; made a Ray actor (with several CPUs for the AdamW kernel) at spawn."""
 
+    doing: tuple[int, int] | None = None
+    """(step, unit) of the update being applied: what the dashboard shows (orchestration.labels)."""
+
     def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
                  timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1,
                  host_sum: bool = False, writes_checkpoints: bool = True):
@@ -205,6 +208,7 @@ class GradientSink:
                                 "the compute worker is stalled.") from None
 
     def _update(self, unit: int, step: int, lr: float, coef: float, slot: int = -1) -> None:
+        self.doing = (step, unit)
         s = self.store
         if self.writer is not None:
             self.writer.before_update(unit)  # the checkpoint being written has this unit's bytes

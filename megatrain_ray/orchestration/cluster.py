@@ -15,6 +15,10 @@ and keeps its token in ``~/.ray/auth_token``; joining a cluster found on this ma
 token when it exists, as ``ray.init()`` does; an explicit address needs ``RAY_AUTH_MODE=token`` in
 the environment (a failure to authenticate says so in one sentence).
 
+A private Ray starts its dashboard on 127.0.0.1 (``runtime.dashboard``, on by default); one line
+at start says where it is and where the node's metrics endpoint is (:func:`endpoints_line`), so the
+pipeline's gauges can be scraped and its roles seen from the first run.
+
 Ray's own lines that the user cannot act on are dropped (:func:`quiet_ray_logs`); its other
 warnings and errors still show.
 
@@ -31,6 +35,15 @@ import os
 import socket
 
 from ..errors import ConfigError, PipelineError
+from . import grafana
+
+DASHBOARD_HOST = "127.0.0.1"
+"""Where a private Ray's dashboard listens: this machine only (reach it from elsewhere through an SSH
+tunnel, or start a cluster yourself with ``ray start --head --dashboard-host=...``)."""
+
+TOKEN_FILE = "~/.ray/auth_token"
+"""Where Ray keeps the token that a private Ray's dashboard asks for (token authentication is on by
+default in Ray 2.60)."""
 
 JOB_OUTPUT_ROOT = "~/megatrain-ray"
 """Where a Ray job's relative output paths are taken from (see :func:`job_path`)."""
@@ -141,14 +154,14 @@ def connect(rt, log=print) -> None:
         _check_reachable(address)
     try:
         if address is None:
-            ray.init(address="local", object_store_memory=rt.object_store_memory, include_dashboard=False,
-                     log_to_driver=True)
+            ctx = ray.init(address="local", object_store_memory=rt.object_store_memory,
+                           include_dashboard=rt.dashboard, dashboard_host=DASHBOARD_HOST, log_to_driver=True)
         elif found:
             log(f"joining the Ray cluster already running at {address}; set runtime.ray_address=local to "
                 "start a private one")
-            ray.init(log_to_driver=True)  # as plain ray.init() does: that cluster, with its token if any
+            ctx = ray.init(log_to_driver=True)  # as plain ray.init() does: that cluster, with its token if any
         else:
-            ray.init(address=address, log_to_driver=True)
+            ctx = ray.init(address=address, log_to_driver=True)
     except (ray.exceptions.AuthenticationError, ConnectionError) as e:
         if isinstance(e, ConnectionError) and "InvalidAuthToken" not in str(e.__cause__):
             raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e}); start it with "
@@ -157,6 +170,56 @@ def connect(rt, log=print) -> None:
                             "valid token; export RAY_AUTH_MODE=token and make the cluster's token available "
                             "(~/.ray/auth_token or RAY_AUTH_TOKEN), or set runtime.ray_address=local to start a "
                             "private Ray.") from None
+    dashboard_url = getattr(ctx, "dashboard_url", None)  # a ray:// client's context may lack one
+    log(endpoints_line(dashboard_url, address is None and not rt.dashboard))
+    installed = grafana.install(_session_dir()) if dashboard_url else None
+    if installed:
+        log(f"Grafana: the pipeline's dashboard is provisioned next to Ray's in {installed} (start Grafana with "
+            f"--config {os.path.dirname(os.path.dirname(installed))}/grafana.ini; see the README)")
+
+
+def _session_dir() -> str | None:
+    """This Ray session's directory on this machine (where Ray writes its Grafana setup), or None."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    try:
+        return node.get_session_dir_path() if node is not None else None
+    except Exception:
+        return None
+
+
+def metrics_endpoint() -> str | None:
+    """The Prometheus endpoint (``http://ip:port/metrics``) of this process's Ray node, where the
+    ``ray_megatrain_*`` gauges are exported; None if Ray reports no metrics port."""
+    import ray
+
+    try:
+        own = ray.get_runtime_context().get_node_id()
+        nodes = ray.nodes()
+    except Exception:  # a ray:// client has no node of its own
+        return None
+    for node in nodes:
+        if node["NodeID"] == own and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None
+
+
+def endpoints_line(dashboard_url: str | None, turned_off: bool) -> str:
+    """The line printed at start: where the Ray dashboard is (and how to log in to it) and the node's
+    metrics endpoint."""
+    from ray._private.authentication import authentication_utils
+
+    if dashboard_url:
+        url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
+        token = (f" (log in with the token in {TOKEN_FILE})" if authentication_utils.is_token_auth_enabled()
+                 else "")
+        dashboard = f"Ray dashboard: {url}{token}"
+    elif turned_off:
+        dashboard = "Ray dashboard: off (runtime.dashboard=false)"
+    else:
+        dashboard = "Ray dashboard: none on this cluster"
+    return f"{dashboard}; metrics: {metrics_endpoint() or 'not exported (Ray reports no metrics port)'}"
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

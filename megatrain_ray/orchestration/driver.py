@@ -26,6 +26,7 @@ from ..data.datasets import run_tokenizer
 from ..errors import Interrupted, MegatrainError, PipelineError
 from ..io import checkpoint
 from .calls import get as _get
+from .labels import step_task
 from .metrics import RunMetrics
 from .roles import Roles
 
@@ -133,7 +134,9 @@ class Driver:
         with _signals_deferred():
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
-            self.submitted[step] = [c.run_step.remote(step, batch, self.eval_ref if due and rank == 0 else None)
+            name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
+            self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
+                                                                         self.eval_ref if due and rank == 0 else None)
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:
@@ -217,7 +220,8 @@ class Driver:
                **({"workers": out["workers"]} if "workers" in out else {})}
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
-        self.gauges.step(row, _size(self.head.grad_q))
+        fetch = {f"fetch{f'-{w}' if w else ''}": q for w, q in enumerate(self.head.fetch_qs)}
+        self.gauges.step(row, {name: _size(q) for name, q in {"grad": self.head.grad_q, **fetch}.items()})
         if step % self.cfg.train.log_every == 0 or step == self.steps - 1 or "val_loss" in out:
             val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "

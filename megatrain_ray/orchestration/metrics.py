@@ -10,17 +10,23 @@ tokens_per_s                tokens trained per second over the last step
 tflops_6nt                  model TFLOP/s counted as 6 x every parameter x tokens (6NT)
 tflops_palm                 model TFLOP/s counted as PaLM does: 6 x matmul parameters + attention, per token
 step_time_s                 wall time of the last step on the compute worker
-stage_busy_s{stage}         busy seconds of the last step per stage: h2d, compute, d2h, wait, adamw
-stage_busy_fraction{stage}  the same, divided by the step time
+stage_busy_s{stage,role}    busy seconds of the last step per stage: h2d, compute, d2h, wait (the
+                            compute worker's lanes, role compute), adamw (role grad-sink)
+stage_busy_fraction{..}     the same, divided by the step time
 link_gbps{direction}        GB/s of the host-device copies while busy (h2d, d2h)
 loss, learning_rate, grad_norm
 val_loss                    validation loss at the last train.eval_every step
-queue_depth{queue}          gradients waiting for the sink (grad)
+queue_depth{queue}          items waiting, when the step is logged: gradients for the sink (grad),
+                            fetch tickets ready for a compute worker (fetch, fetch-1, ...)
 host_store_bytes            bytes of the host store in shared memory
 host_memory_used_bytes      used RAM of the node
 device_peak_bytes           peak device memory of the compute worker during the step
 step, checkpoint_step       last finished step, last saved checkpoint
+worker_busy_fraction, worker_link_gbps   the same per compute worker (tag worker: 0, 1, ...)
 ==========================  ========================================================================
+
+:data:`megatrain_ray.orchestration.gauges.UNITS` gives each gauge's unit, the one ``megatrain-ray
+plot`` labels its axes with and the Grafana dashboard (``megatrain_ray/dashboards/megatrain.json``) shows.
 """
 
 from __future__ import annotations
@@ -29,8 +35,7 @@ import psutil
 
 from ..config import ModelConfig
 from ..model import flops
-
-STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
+from .gauges import STAGE_ROLE, STAGES, UNITS  # noqa: F401  (UNITS: the units of the gauges set here)
 
 
 class RunMetrics:
@@ -62,21 +67,23 @@ class RunMetrics:
             "host_memory_used_bytes": gauge("host_memory_used_bytes", "Used RAM of the node, bytes."),
             "device_peak_bytes": gauge("device_peak_bytes", "Peak device memory of the compute worker, bytes."),
         }
-        self.stage_busy = gauge("stage_busy_s", "Busy seconds of the last step per pipeline stage.", ("stage",))
-        self.stage_fraction = gauge("stage_busy_fraction", "Busy share of the last step per stage.", ("stage",))
+        self.stage_busy = gauge("stage_busy_s", "Busy seconds of the last step per pipeline stage.", ("stage", "role"))
+        self.stage_fraction = gauge("stage_busy_fraction", "Busy share of the last step per stage.",
+                                    ("stage", "role"))
         self.link = gauge("link_gbps", "Host-device copy bandwidth while busy, GB/s.", ("direction",))
         self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
         self.worker_fraction = gauge("worker_busy_fraction", "Busy share of the last step per compute worker "
-                                     "(GPU) and stage, with several workers.", ("worker", "stage"))
+                                     "(GPU) and stage.", ("worker", "stage"))
         self.worker_link = gauge("worker_link_gbps", "Host-device copy bandwidth of each compute worker (GPU) "
-                                 "while busy, GB/s, with several workers.", ("worker", "direction"))
+                                 "while busy, GB/s.", ("worker", "direction"))
 
     def tflops(self, tokens: int, step_s: float) -> dict[str, float]:
         """The metrics.jsonl entries of a step's model TFLOP/s, one per convention (tflops_6nt, tflops_palm)."""
         return flops.tflops(self.model, self.seq_len, tokens, step_s)
 
-    def step(self, row: dict, grad_queue_depth: int | None = None) -> None:
-        """Record one metrics.jsonl row (see :func:`megatrain_ray.orchestration.pipeline._log_step`)."""
+    def step(self, row: dict, queue_depths: dict[str, int | None] | None = None) -> None:
+        """Record one metrics.jsonl row (see :meth:`megatrain_ray.orchestration.driver.Driver._log_step`)
+        and the depths of the pipeline's queues ({queue tag: items}; None where one did not answer)."""
         step_s = max(row.get("step_s", 0.0), 1e-9)
         values = {
             "tokens_per_s": row["tokens"] / step_s,
@@ -96,15 +103,17 @@ class RunMetrics:
             self.g[name].set(float(value), tags=self.tags)
         for stage in STAGES:
             busy = row.get("update_busy_s" if stage == "adamw" else f"{stage}_busy_s", 0.0)
-            self.stage_busy.set(busy, tags={**self.tags, "stage": stage})
-            self.stage_fraction.set(busy / step_s, tags={**self.tags, "stage": stage})
+            tags = {**self.tags, "stage": stage, "role": STAGE_ROLE[stage]}
+            self.stage_busy.set(busy, tags=tags)
+            self.stage_fraction.set(busy / step_s, tags=tags)
         for direction in ("h2d", "d2h"):
             busy = row.get(f"{direction}_busy_s", 0.0)
             if busy > 0:
                 self.link.set(row.get(f"{direction}_bytes", 0) / busy / 1e9, tags={**self.tags, "direction": direction})
-        if grad_queue_depth is not None:
-            self.queue.set(grad_queue_depth, tags={**self.tags, "queue": "grad"})
-        for w, worker in enumerate(row.get("workers", ())):  # each GPU's own lanes (rank order)
+        for name, depth in (queue_depths or {}).items():
+            if depth is not None:
+                self.queue.set(depth, tags={**self.tags, "queue": name})
+        for w, worker in enumerate(row.get("workers") or (row,)):  # each GPU's own lanes (rank order)
             tags = {**self.tags, "worker": str(w)}
             for lane in ("compute", "h2d", "d2h", "wait"):
                 self.worker_fraction.set(worker.get(f"{lane}_busy_s", 0.0) / step_s, tags={**tags, "stage": lane})

@@ -32,6 +32,7 @@ from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
 from .preflight import activation_placement
+from .labels import labelled
 
 STORE, PREFETCH, COMPUTE, SINK, LOADER = (
     {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25})
@@ -48,6 +49,8 @@ class NodeRoles:
     stats_q: Any
     prefetchers: list = field(default_factory=list)
     computes: list = field(default_factory=list)
+    fetch_qs: list = field(default_factory=list)
+    """Each compute worker's fetch queue (tickets of the units ready in its slots), in worker order."""
 
 
 @dataclass
@@ -112,6 +115,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
         roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q)
         for _ in range(workers):
             fetch_q, release_q = spawner.queue(depth), spawner.queue(depth)
+            roles.fetch_qs.append(fetch_q)
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
                 spec, depth, fetch_q, release_q, rt.actor_timeout_s))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
@@ -255,7 +259,7 @@ class RaySpawner:
         name = f"{role}{f'-{i}' if many else ''}{f'@{self.k}' if len(self.pgs) > 1 else ''}"
 
         def spawn(*args, **kwargs):
-            handle = ray.remote(cls).options(
+            handle = ray.remote(labelled(cls, name, self.k, self.run_id)).options(
                 name=f"{name}-{self.run_id}", max_concurrency=1, max_restarts=0, num_cpus=resources["CPU"],
                 num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy).remote(*args, **kwargs)
             self.handles[name] = handle
