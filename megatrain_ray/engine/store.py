@@ -234,7 +234,8 @@ class ParameterStore:
         return self.spec.nbytes()
 
     def _init_random(self, seed: int) -> None:
-        """Normal(0, initializer_range) matrices, unit norms, zero biases; deterministic per unit.
+        """Normal(0, initializer_range) matrices, unit norms, zero biases; deterministic per unit and the
+        same values, rounded to the master dtype, for every master dtype.
 
         Units are drawn on a pool of threads (torch's normal sampler is single-threaded, ~100 M
         values/s: a minute for 7B on one core), each from its own generator, in place.
@@ -244,9 +245,11 @@ class ParameterStore:
         def init_unit(i: int) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
             for name, p in self.store.params("master", i).items():
-                if p.dim() >= 2:
+                if p.dim() >= 2 and p.dtype == torch.float32:
                     torch.randn(p.shape, generator=gen, out=p)
                     p.mul_(std)
+                elif p.dim() >= 2:  # drawn in fp32 (a transient copy), as above: the same model rounded
+                    p.copy_(torch.randn(p.shape, generator=gen).mul_(std))
                 elif name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:

@@ -154,8 +154,13 @@ def connect(rt, log=print) -> None:
         _check_reachable(address)
     try:
         if address is None:
+            missing = rt.dashboard and _dashboard_missing()
+            if missing:
+                log(f"Ray dashboard: not started, its packages are missing ({missing}); install ray[default] "
+                    "for it, or set runtime.dashboard=false to skip it")
             ctx = ray.init(address="local", object_store_memory=rt.object_store_memory,
-                           include_dashboard=rt.dashboard, dashboard_host=DASHBOARD_HOST, log_to_driver=True)
+                           include_dashboard=rt.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
+                           log_to_driver=True)
         elif found:
             log(f"joining the Ray cluster already running at {address}; set runtime.ray_address=local to "
                 "start a private one")
@@ -176,6 +181,16 @@ def connect(rt, log=print) -> None:
     if installed:
         log(f"Grafana: the pipeline's dashboard is provisioned next to Ray's in {installed} (start Grafana with "
             f"--config {os.path.dirname(os.path.dirname(installed))}/grafana.ini; see the README)")
+
+
+def _dashboard_missing() -> str:
+    """What keeps this Ray from starting its dashboard (a plain ``ray`` install lacks its packages), or ""."""
+    try:
+        from ray._private.utils import get_dashboard_dependency_error
+    except ImportError:  # another Ray version: let ray.init decide
+        return ""
+    error = get_dashboard_dependency_error()
+    return "" if error is None else str(error)
 
 
 def _session_dir() -> str | None:
