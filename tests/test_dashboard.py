@@ -150,11 +150,12 @@ def test_roles_and_their_tasks_through_the_state_api(live_run):
     def tasks_of(role: str) -> list[dict]:
         return [t for t in state["tasks"] if t["actor_id"] == by_role[role]["actor_id"]]
 
-    names = {t["name"] for t in tasks_of("compute") if t["name"].startswith("step ")}
+    names = {t["name"] for t in tasks_of("compute") if t["name"].startswith("ComputeWorker step ")}
     assert names >= {labels.step_task(0, STEPS), labels.step_task(1, STEPS)}, sorted(names)[:10]
-    assert all(re.fullmatch(rf"step \d+/{STEPS}", n) for n in names), names
+    assert all(re.fullmatch(rf"ComputeWorker step \d+/{STEPS}", n) for n in names), names
     for role in ("prefetch", "grad-sink"):
-        loops = [t for t in tasks_of(role) if t["name"] == labels.loop_task(role, 0, STEPS)]
+        cls = "GradientSink" if role == "grad-sink" else "Prefetcher"
+        loops = [t for t in tasks_of(role) if t["name"] == labels.loop_task(role, cls, 0, STEPS)]
         assert [t["state"] for t in loops] == ["RUNNING"], [(t["name"], t["state"]) for t in tasks_of(role)]
 
 
@@ -249,3 +250,15 @@ def test_the_grafana_file_goes_into_rays_provisioning_folder(tmp_path):
         assert got.read() == shipped.read()
     board = json.loads(open(path).read())
     assert board["uid"] == "megatrain-ray" and len(board["panels"]) == len(grafana.PANELS)
+
+
+def test_a_ray_without_dashboard_packages_is_detected_before_it_starts(monkeypatch):
+    """A plain ``ray`` install (no ray[default]) cannot start the dashboard: ray.init would raise
+    "Cannot include dashboard with missing packages" and the run would die at start. connect()
+    asks first and starts Ray without it, saying which package is missing."""
+    from megatrain_ray.orchestration import cluster
+
+    assert cluster._dashboard_missing() == ""  # this install has them (ray[default])
+    monkeypatch.setattr("ray._private.utils.get_dashboard_dependency_error",
+                        lambda: ImportError("No module named 'aiohttp'"))
+    assert "aiohttp" in cluster._dashboard_missing()

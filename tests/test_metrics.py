@@ -158,7 +158,8 @@ def test_metrics_file_and_console_line(finished_run):
     assert [float(re.search(r"val loss ([0-9.]+)", ln).group(1)) for ln in steps if "val loss" in ln] == [
         round(result.val_losses[0], 4), round(result.val_losses[2], 4)]
     assert [ln for ln in lines if ln.startswith("checkpoint: step")] == [
-        ln for ln in lines if re.match(r"checkpoint: step (2|4) saved to .*step-00000(2|4) in [0-9.]+ s$", ln)]
+        ln for ln in lines if re.match(r"checkpoint: step (2|4) saved to .*step-00000(2|4) in [0-9.]+ s "
+                                                          r"\(the sink waited [0-9.]+ s for it\)$", ln)]
     assert len(result.checkpoints) == 2
 
 

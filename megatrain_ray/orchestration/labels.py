@@ -6,7 +6,7 @@ it was when the constructor returned: it is never asked again, so it cannot foll
 where it runs (``compute-1: ComputeWorker, node 0, GPU 1``); the engine's classes stay
 as they are. What a role is doing goes in the names of the tasks the driver submits to it
 (:func:`step_task`, :func:`loop_task`), which the dashboard lists per actor with their state
-(running, finished, failed): ``step 12/100`` on a compute worker, ``grad-sink loop, steps 1-100``.
+(running, finished, failed): ``ComputeWorker step 12/100``, ``GradientSink grad-sink loop, steps 1-100``.
 Inside their loops, the roles that keep a ``doing`` attribute (the prefetcher: the ticket it issues;
 the sink: the update it applies, as (step, unit)) have it published by a thread of their actor,
 twice a second, as the gauges ``ray_megatrain_role_step`` and ``ray_megatrain_role_unit`` (tags
@@ -68,10 +68,13 @@ def _publish(role, tags: dict[str, str]) -> None:
 
 
 def step_task(step: int, steps: int) -> str:
-    """The name of a compute worker's task for ``step`` (0-based) of ``steps``: ``step 12/100``."""
-    return f"step {step + 1}/{steps}"
+    """The name of a compute worker's task for ``step`` (0-based) of ``steps``: ``ComputeWorker step 12/100``.
+    Ray also titles the actor's process with it while it runs (``ray::ComputeWorker step 12/100`` in
+    ``ps``), so it starts with the class, as Ray's own titles do."""
+    return f"ComputeWorker step {step + 1}/{steps}"
 
 
-def loop_task(role: str, start: int, steps: int) -> str:
-    """The name of a role's loop over steps [start, steps): ``prefetch loop, steps 1-100``."""
-    return f"{role} loop, steps {start + 1}-{steps}"
+def loop_task(role: str, cls: str, start: int, steps: int) -> str:
+    """The name of role ``role`` (of class ``cls``)'s loop over steps [start, steps):
+    ``Prefetcher prefetch-0 loop, steps 1-100`` (the process title too, see :func:`step_task`)."""
+    return f"{cls} {role} loop, steps {start + 1}-{steps}"

@@ -213,8 +213,8 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
     health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy}, spawner.queues,
                     cfg.runtime.health_timeout_s, timeout)  # before the loops start: it asks every role where it runs
-    loops = {h.run.options(name=loop_task(names[h], start, steps)).remote(start, steps): names[h]
-             for n in roles.nodes for h in (*n.prefetchers, n.sink)}
+    loops = {h.run.options(name=loop_task(names[h], cls, start, steps)).remote(start, steps): names[h]
+             for n in roles.nodes for h, cls in (*((p, "Prefetcher") for p in n.prefetchers), (n.sink, "GradientSink"))}
     batches: dict[int, Any] = {}
 
     def batch_ref(step: int):
