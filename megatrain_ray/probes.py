@@ -32,7 +32,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     each SDPA backend."""
     from .engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
     from .engine.attention import sdpa_backend
-    from .engine.compute import layer_backward
+    from .engine.sequence import layer_backward
     from .engine.sequence import LayerRunner
     from .model import transformer as M
     from .model.layout import LayerTemplate

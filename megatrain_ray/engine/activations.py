@@ -116,7 +116,7 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
 
     flat: the layer's weights in their slot, copied first, since the slot is reused before the
     backward and the graph saves the weights it multiplied by. The same function on the same values
-    as the recompute of :func:`~megatrain_ray.engine.compute.layer_backward`, so the backward of the kept graph is that of the
+    as the recompute of :func:`~megatrain_ray.engine.sequence.layer_backward`, so the backward of the kept graph is that of the
     recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
     contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`.
     """
@@ -129,7 +129,7 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
 
 
 def kept_backward(graph: KeptGraph, grads: dict[str, torch.Tensor], dx: list[torch.Tensor]) -> None:
-    """:func:`~megatrain_ray.engine.compute.layer_backward` for a layer whose forward graph was kept: dx (M x [B, S, H]) replaced
+    """:func:`~megatrain_ray.engine.sequence.layer_backward` for a layer whose forward graph was kept: dx (M x [B, S, H]) replaced
     by the input gradients, the graph freed micro-batch by micro-batch."""
     for m in range(len(dx)):
         dx[m] = graph_backward(graph.leaves, graph.inputs[m], graph.outputs[m], dx[m], grads)

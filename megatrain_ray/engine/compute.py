@@ -41,70 +41,18 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, PipelineError
-from ..model.transformer import IGNORE_INDEX, decoder_layer, embed, final_norm, lm_head_weight, token_loss_sum
+from ..model.transformer import IGNORE_INDEX, embed
 from . import affinity
 from .activations import GPU, HOST, KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
-from .sequence import LayerRunner, step_contexts
+from .head import head_forward_backward, head_loss
+from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
+from .sequence import layer_backward
 from .store import HostStore, StoreSpec
 from .tickets import FetchTicket, GradTicket, update_order
-
-
-def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-                   inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg) -> None:
-    """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
-
-    runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.sequence`);
-    params: the layer's views into its device slot; grads: the same views into its fp32 gradient
-    buffer, accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
-    replaced by the input gradients; contexts: M x (rope, mask). Each parameter is its own autograd
-    leaf (a view of the slot, no copy), so its gradient is added straight into its place in the flat
-    buffer rather than assembled into a whole-layer gradient first.
-    """
-    leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
-    for m, x in enumerate(inputs):
-        dx[m] = runner.backward(leaves, grads, x, dx[m], contexts[m], cfg)
-
-
-class CompiledLayer:
-    """:func:`~megatrain_ray.model.transformer.decoder_layer` through ``torch.compile``, one compiled graph for
-    every layer (same shapes), fusing the elementwise work (RMSNorm, RoPE, SwiGLU, residuals) around
-    the GEMMs and attention, forward and backward. If compiling fails (no Triton, an unsupported
-    GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
-    """
-
-    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1, fn=decoder_layer):
-        import torch._inductor.config
-
-        torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
-        self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.sequence)
-        self.compiled = torch.compile(fn, dynamic=False, backend=backend)
-        self.failure: BaseException | None = None
-        self.warn = warn
-
-    def release_workers(self) -> None:
-        """Shut Inductor's compile worker pool down (after the first step, once both graphs are
-        compiled); a later recompile would start it again."""
-        try:
-            from torch._inductor.async_compile import shutdown_compile_workers
-        except ImportError:
-            return
-        shutdown_compile_workers()
-
-    def __call__(self, *args):
-        if self.failure is None:
-            try:
-                return self.compiled(*args)
-            except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
-                self.failure = e
-                cause = getattr(e, "inner_exception", None) or e
-                self.warn(f"warning: torch.compile of the decoder layer failed ({type(cause).__name__}: "
-                          f"{str(cause).splitlines()[0] if str(cause) else ''}); "
-                          "running it eagerly (set runtime.compile=false to skip the attempt).")
-        return self.fn(*args)
 
 
 class ComputeWorker:
@@ -456,60 +404,14 @@ class ComputeWorker:
             tickets.append(ticket_e)
             we = flat_e.detach().requires_grad_(True)
         with self.backend.compute("head"):
-            loss, dxs, head_grad = self._head_compute(wh, we, hidden, labels, n_tokens, embed_grad)
-            val_loss = None if evaluation is None else self._eval_loss(wh.detach(), we, *evaluation)
+            loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout.templates, self.chunk, wh, we, hidden,
+                                                         labels, n_tokens, embed_grad)
+            val_loss = None if evaluation is None else head_loss(self.cfg, self.layout.templates, self.chunk,
+                                                                 wh.detach(), we, *evaluation)
         for t in tickets:
             self._release(t)
         self._send_grad(unit, step, head_grad)
         return loss, dxs, val_loss
-
-    @torch.no_grad()
-    def _eval_loss(self, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
-                   labels: torch.Tensor) -> torch.Tensor:
-        """Mean loss over the counted tokens of validation hidden states E x [B, S, H], labels [E, B, S]."""
-        unit = self.cfg.num_hidden_layers + 1
-        templates = self.layout.templates
-        head = templates[unit].bind(wh)
-        w = lm_head_weight(head, templates[0].bind(we.detach()) if we is not None else None)
-        total = torch.zeros((), dtype=torch.float32, device=wh.device)
-        for e, lab in zip(hidden, labels):
-            h = e.reshape(-1, e.shape[-1])
-            lab = lab.reshape(-1)
-            for s in range(0, h.shape[0], self.chunk):
-                total += token_loss_sum(final_norm(head, h[s:s + self.chunk], self.cfg), w, lab[s:s + self.chunk])
-        return total / (labels != IGNORE_INDEX).sum().clamp_min(1)
-
-    def _head_compute(self, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
-                      labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor):
-        """wh: head unit [numel], we: embedding unit [numel] when tied; see :meth:`_head`.
-
-        Final norm, LM head and loss run per chunk of tokens, forward and backward at once, so what
-        grows with the sequence is only the input gradient being filled ([S, H] in the compute
-        dtype): the norm's fp32 temporaries and the fp32 logits exist for one chunk at a time.
-        """
-        unit = self.cfg.num_hidden_layers + 1
-        tied = we is not None
-        templates = self.layout.templates
-        head_grad = torch.zeros(templates[unit].numel, dtype=torch.float32, device=wh.device)
-        loss = torch.zeros((), dtype=torch.float32, device=wh.device)
-        dxs = []
-        for m, x in enumerate(hidden):
-            flat_x = x.detach().reshape(-1, x.shape[-1])
-            flat_labels = labels[m].reshape(-1)
-            dx = torch.empty_like(flat_x)
-            for s in range(0, flat_x.shape[0], self.chunk):
-                xc = flat_x[s:s + self.chunk].requires_grad_(True)
-                with torch.enable_grad():
-                    head = templates[unit].bind(wh)
-                    w = lm_head_weight(head, templates[0].bind(we) if tied else None)
-                    part = token_loss_sum(final_norm(head, xc, self.cfg), w, flat_labels[s:s + self.chunk]) / n_tokens
-                dx[s:s + self.chunk], gwh, *gwe = torch.autograd.grad(part, (xc, wh, *([we] if tied else [])))
-                head_grad += gwh
-                if tied:
-                    embed_grad += gwe[0]
-                loss += part.detach()
-            dxs.append(dx.view_as(x))
-        return loss, dxs, head_grad
 
     def close(self) -> None:
         self._stop.set()

@@ -1,4 +1,5 @@
-"""How the compute worker runs one decoder layer over a long sequence, forward and recompute-backward.
+"""How the compute worker runs one decoder layer: forward, and recompute-backward from its checkpoint
+(:func:`layer_backward`), eager or compiled (:class:`CompiledLayer`), over long sequences too.
 
 Two things are applied here, around the model's pure functions, never inside them:
 
@@ -34,7 +35,7 @@ class LayerRunner:
     """Forward (no gradients) and recompute-backward of one decoder layer, tiled or not.
 
     chunk: tokens per MLP chunk, 0 = untiled; wrap: turns a model function into the callable to run
-    (``torch.compile`` through :class:`~megatrain_ray.engine.compute.CompiledLayer`), or None = eager.
+    (``torch.compile`` through :class:`CompiledLayer`), or None = eager.
     """
 
     def __init__(self, chunk: int = 0, wrap: Callable | None = None):
@@ -94,6 +95,60 @@ class LayerRunner:
         *gws, dx = torch.autograd.grad(h, [*weights, x], dh, allow_unused=True)
         _accumulate(grads, names, gws)
         return dx
+
+
+def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                   inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg) -> None:
+    """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
+
+    runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.sequence`);
+    params: the layer's views into its device slot; grads: the same views into its fp32 gradient
+    buffer, accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
+    replaced by the input gradients; contexts: M x (rope, mask). Each parameter is its own autograd
+    leaf (a view of the slot, no copy), so its gradient is added straight into its place in the flat
+    buffer rather than assembled into a whole-layer gradient first.
+    """
+    leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
+    for m, x in enumerate(inputs):
+        dx[m] = runner.backward(leaves, grads, x, dx[m], contexts[m], cfg)
+
+
+class CompiledLayer:
+    """:func:`~megatrain_ray.model.transformer.decoder_layer` through ``torch.compile``, one compiled graph for
+    every layer (same shapes), fusing the elementwise work (RMSNorm, RoPE, SwiGLU, residuals) around
+    the GEMMs and attention, forward and backward. If compiling fails (no Triton, an unsupported
+    GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
+    """
+
+    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1, fn=decoder_layer):
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
+        self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.sequence)
+        self.compiled = torch.compile(fn, dynamic=False, backend=backend)
+        self.failure: BaseException | None = None
+        self.warn = warn
+
+    def release_workers(self) -> None:
+        """Shut Inductor's compile worker pool down (after the first step, once both graphs are
+        compiled); a later recompile would start it again."""
+        try:
+            from torch._inductor.async_compile import shutdown_compile_workers
+        except ImportError:
+            return
+        shutdown_compile_workers()
+
+    def __call__(self, *args):
+        if self.failure is None:
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
+                self.failure = e
+                cause = getattr(e, "inner_exception", None) or e
+                self.warn(f"warning: torch.compile of the decoder layer failed ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0] if str(cause) else ''}); "
+                          "running it eagerly (set runtime.compile=false to skip the attempt).")
+        return self.fn(*args)
 
 
 def _accumulate(grads: dict[str, torch.Tensor], names: list[str], gws) -> None:

@@ -1,0 +1,176 @@
+"""The device-memory side of the preflight plan: the rows one GPU (or, on a CPU run, host RAM) holds
+during a step, the peak they add up to (:func:`device_total`: phases that never overlap count once),
+and where each decoder layer's activations go (:func:`activation_placement`, chosen from the
+device's free memory or set by runtime.activations). See :mod:`megatrain_ray.orchestration.preflight`
+for what each row stands for and how the estimates were checked on an H200.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TrainConfig
+from ..engine.activations import kept_bytes_per_token, layer_modes
+from ..engine.store import StoreSpec
+from ..model.layout import StoreLayout
+from ..model.precision import resolve_precision
+from .machine import gpu_free_memory
+
+CUDA_CONTEXT_BYTES = 600 * 2**20
+"""Device memory the CUDA context and kernels take before any tensor."""
+GPU_USABLE = 0.9
+"""Share of the GPU's memory the plan lets a run use (the rest: allocator slack)."""
+
+
+@dataclass
+class Row:
+    """One component: where its bytes live and how many."""
+
+    component: str
+    where: str
+    """"shm" (a tmpfs; also host RAM), "host" or "device"."""
+    nbytes: int
+    phase: str = ""
+    """Device rows held only during one phase of the step ("layer": a layer's backward; "head":
+    the loss), which never overlap; "" = held throughout."""
+
+
+def device_total(rows: list[Row]) -> int:
+    """Peak device bytes of ``rows``: those held throughout plus the largest phase."""
+    phases: dict[str, int] = {}
+    for r in rows:
+        if r.where == "device":
+            phases[r.phase] = phases.get(r.phase, 0) + r.nbytes
+    always = phases.pop("", 0)
+    return always + max(phases.values(), default=0)
+
+
+def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None = None) -> list[Row]:
+    """The device-memory components of one step at ``micro_batch_size`` (see the module docstring),
+    with the activations placed as :func:`activation_counts` chooses for a device of ``device_bytes``."""
+    fixed = _fixed_device_rows(cfg, device, micro_batch_size)
+    keep, host = activation_counts(cfg, device, micro_batch_size, device_bytes, device_total(fixed))
+    return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, keep, host) + fixed[1:]
+
+
+def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int, int]:
+    """(compute dtype bytes, tokens per micro-batch, micro-batches per GPU, hidden size)."""
+    rt = cfg.runtime
+    c = resolve_precision(rt, device, cfg.optim.state).compute.itemsize
+    return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // (rt.compute_workers * rt.nodes), \
+        cfg.model.hidden_size
+
+
+def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Row]:
+    """Every device row but the activations' (the weight slots first)."""
+    m, rt = cfg.model, cfg.runtime
+    c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
+    precision = resolve_precision(rt, device, cfg.optim.state)
+    layout = StoreLayout.build(m)
+    layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
+    head_numel = layout.templates[-1].numel
+    chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
+    rows = [
+        Row(f"weight slots ({depth} x largest unit)", "device", depth * layout.max_unit_numel * c),
+        Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
+        _layer_working_set(cfg, tokens, c, layer_numel),
+        Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
+        *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
+               "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
+          if StoreSpec.of_run(cfg, precision, device, 0, "plan").hold_grads else []),
+        Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
+            chunk * m.vocab_size * (2 * 4 + c) + 3 * chunk * h * 4, "head"),
+    ]
+    if device == "cuda":
+        rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
+    return rows
+
+
+def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) -> Row:
+    """One layer's recompute + backward for one micro-batch of ``tokens`` (compute dtype: ``c`` bytes).
+
+    Attention half and residual stream: ~4 [tokens, hidden] tensors (normed input, output, their
+    gradients) and q, k, v with the attention output and their gradients; the MLP: 5
+    [tokens, intermediate] tensors (see the module docstring), for one chunk when tiled, where the
+    attention half's output and its gradient are one more [tokens, hidden] held across the chunks;
+    and the layer's fp32 gradient with a compute-dtype weight gradient.
+    """
+    m = cfg.model
+    h, inter = m.hidden_size, m.intermediate_size
+    q, kv = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
+    mlp_chunk = cfg.runtime.mlp_chunk_size_for(cfg.train.seq_len)
+    if 0 < mlp_chunk < cfg.train.seq_len:
+        rows = tokens // cfg.train.seq_len * mlp_chunk  # the micro-batch's sequences, one chunk each
+        return Row(f"one layer's working set (one micro-batch, MLP in chunks of {mlp_chunk} tokens)", "device",
+                   tokens * (5 * h + 2 * q + 2 * kv) * c + rows * 5 * inter * c + layer_numel * (4 + c), "layer")
+    return Row("one layer's working set (one micro-batch)", "device",
+               tokens * (4 * h + 2 * q + 2 * kv + 5 * inter) * c + layer_numel * (4 + c), "layer")
+
+
+def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int]:
+    """Bytes of one layer's activations (all its micro-batches): (checkpoints, kept graph with its
+    weight copy, pinned host buffers of offloaded checkpoints)."""
+    c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
+    layer_numel = max((tp.numel for tp in StoreLayout.build(cfg.model).templates[1:-1]), default=0)
+    per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+    return (mbs * tokens * h * c, mbs * tokens * per_token + layer_numel * c,
+            mbs * _pinned_size(tokens * h * c))
+
+
+def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None,
+                      fixed_bytes: int) -> tuple[int, int]:
+    """(decoder layers kept whole, layers offloaded) as runtime.activations sets or, on auto, as fits.
+
+    auto (on cuda, with the GPU's size known): the device memory the plan allows (GPU_USABLE of it)
+    minus everything else (``fixed_bytes``) goes first to every layer's checkpoint and then, layer
+    by layer, to keeping whole graphs instead (each saves that layer's recompute); if not even the
+    checkpoints fit, the fewest layers are offloaded that make them fit (with the 3 layers' worth
+    that offloading keeps in flight on the device). With the size unknown, nothing is kept or offloaded.
+    """
+    n = cfg.model.num_hidden_layers
+    counts = cfg.runtime.activation_counts(device, n)
+    if counts is not None:
+        return counts
+    if device_bytes is None or n == 0:
+        return 0, 0
+    budget = int(device_bytes * GPU_USABLE) - fixed_bytes
+    ck, kept, _ = _activation_bytes(cfg, device, micro_batch_size)
+    budget -= ck  # the last layer's output, the head's input, is on the device whatever the placement
+    if n * ck <= budget:
+        return min(n, (budget - n * ck) // max(1, kept - ck)), 0
+    return 0, min(n, -(-(n * ck + 3 * ck - budget) // ck))
+
+
+def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep: int, host: int) -> list[Row]:
+    c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
+    ck, kept, pinned = _activation_bytes(cfg, device, micro_batch_size)
+    on_device = cfg.model.num_hidden_layers - keep - host + 1  # + the last layer's output
+    rows = [Row(f"activation checkpoints ({on_device} x {mbs} x {tokens} tokens x {h})", "device", on_device * ck)]
+    if keep:
+        per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+        rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x {per_token} B, "
+                        "+ weights): no recompute", "device", keep * kept))
+    if host:
+        rows += [Row(f"activation checkpoints ({host} x {mbs} x {tokens} tokens x {h}), offloaded "
+                     "(pinned buffers round up to powers of 2)", "host", host * pinned),
+                 Row(f"activation checkpoints in flight (3 x {mbs} x {tokens} tokens x {h})", "device", 3 * ck)]
+    return rows
+
+
+def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> tuple[str, ...]:
+    """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
+    for the run's micro-batch on a device of ``device_bytes`` (default: what is free on this
+    process's GPU 0 now, so memory that other processes, or this one, hold is left to them)."""
+    if device == "cuda" and device_bytes is None:
+        device_bytes = gpu_free_memory()
+    mbs = cfg.train.micro_batch_size
+    fixed = device_total(_fixed_device_rows(cfg, device, mbs))
+    keep, host = activation_counts(cfg, device, mbs, device_bytes, fixed)
+    return layer_modes(cfg.model.num_hidden_layers, keep, host)
+
+
+def _pinned_size(nbytes: int) -> int:
+    """What torch's pinned host allocator takes for a buffer of ``nbytes`` (the next power of 2)."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
