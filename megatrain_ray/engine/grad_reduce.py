@@ -26,11 +26,12 @@ the gradient dtype, so with bf16 gradients each worker's partial is rounded once
 from __future__ import annotations
 
 import datetime
-import itertools
 import socket
 from concurrent.futures import Executor
 
 import torch
+
+from .optim import run_pieces
 
 
 def free_port() -> int:
@@ -106,23 +107,15 @@ def sum_copies(copies: list[torch.Tensor], pool: Executor | None = None, threads
     numel = first.numel()
     pieces = [(a, min(numel, a + SUM_CHUNK)) for a in range(0, numel, SUM_CHUNK)]
     norms = [0.0] * len(pieces)
-    counter = itertools.count()
 
-    def work() -> None:
-        for i in counter:
-            if i >= len(pieces):
-                return
-            a, b = pieces[i]
-            acc = first[a:b] if first.dtype == torch.float32 else first[a:b].float()
-            for other in rest:
-                acc.add_(other[a:b])
-            if acc.data_ptr() != first[a:b].data_ptr():
-                first[a:b].copy_(acc)
-            norms[i] = float(torch.dot(acc, acc))
+    def work(i: int) -> None:
+        a, b = pieces[i]
+        acc = first[a:b] if first.dtype == torch.float32 else first[a:b].float()
+        for other in rest:
+            acc.add_(other[a:b])
+        if acc.data_ptr() != first[a:b].data_ptr():
+            first[a:b].copy_(acc)
+        norms[i] = float(torch.dot(acc, acc))
 
-    if pool is None:
-        work()
-    else:
-        for f in [pool.submit(work) for _ in range(min(threads, len(pieces)))]:
-            f.result()
+    run_pieces(pool, threads, len(pieces), work)
     return sum(norms)

@@ -20,6 +20,26 @@ from ..config import OptimConfig
 from . import adamw_native, compact
 
 
+def run_pieces(pool, threads: int, count: int, fn) -> None:
+    """Call ``fn(i)`` for every i in range(count) on up to ``threads`` of ``pool``'s threads (an
+    Executor; None: here, in order), each thread taking the next index as it frees up, so pieces of
+    uneven cost balance; the first error is raised once all have stopped."""
+    if pool is None:
+        for i in range(count):
+            fn(i)
+        return
+    counter = itertools.count()
+
+    def work() -> None:
+        for i in counter:
+            if i >= count:
+                return
+            fn(i)
+
+    for f in [pool.submit(work) for _ in range(min(threads, count))]:
+        f.result()
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """The factor applied to every gradient, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
     if max_norm <= 0:
@@ -66,18 +86,13 @@ class AdamWRunner:
         key = compact.rng_key(step, unit)
         pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(master.numel(), decay_numel, cfg)
                   for a in range(lo, hi, CHUNK)]
-        counter = itertools.count()
 
-        def work() -> None:
-            for i in counter:
-                if i >= len(pieces):
-                    return
-                a, b, wd = pieces[i]
-                adamw_native.piece(self.kernel, master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
-                                   cfg.beta2, cfg.eps, wd, step, grad_scale, key)
+        def work(i: int) -> None:
+            a, b, wd = pieces[i]
+            adamw_native.piece(self.kernel, master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
+                               cfg.beta2, cfg.eps, wd, step, grad_scale, key)
 
-        for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
-            f.result()
+        run_pieces(self._pool, self.threads, len(pieces), work)
 
     def update_compact(self, master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
                        sm: torch.Tensor, sv: torch.Tensor, stream: torch.Tensor | None, decay_numel: int,
@@ -102,17 +117,11 @@ class AdamWRunner:
                 compact.step_reference(master[a:b], grad[a:b], qm[a:b], qv[a:b], sm[s], sv[s], decay_numel - a, c,
                                        key, a)
         else:
-            counter = itertools.count()
+            def work(i: int) -> None:
+                a, b = pieces[i]
+                adamw_native.compact_piece(fn, master, grad, qm, qv, sm, sv, a, b, decay_numel, c, key)
 
-            def work() -> None:
-                for i in counter:
-                    if i >= len(pieces):
-                        return
-                    a, b = pieces[i]
-                    adamw_native.compact_piece(fn, master, grad, qm, qv, sm, sv, a, b, decay_numel, c, key)
-
-            for f in [self._pool.submit(work) for _ in range(min(self.threads, len(pieces)))]:
-                f.result()
+            run_pieces(self._pool, self.threads, len(pieces), work)
         if stream is not None:
             stream.copy_(master)
 
