@@ -234,3 +234,32 @@ def test_eval_every_without_validation_data_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.eval_every needs validation data: set data.val_fraction"):
         load_config(None, ["train.eval_every=10", f"data.path={tmp_path / 't.npy'}"])
     assert load_config(None, ["train.eval_every=10"]).data.path is None  # the built-in corpus has its own
+
+
+def test_packed_documents_are_evaluated_each_within_itself(shm_dir):
+    """With position_ids (data.pack_documents) evaluation masks attention at document boundaries and
+    restarts RoPE per document, as training does: the loss of a pack of two documents is the sum of
+    each document's loss alone (fp32; only the summation order differs), and without the positions
+    it is not (the second document would attend to the first)."""
+    from megatrain_ray.io.evaluate import evaluate, loss_sum, store_reader
+
+    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "model.num_hidden_layers=2"])
+    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "pack"), 5)
+    try:
+        read, model = store_reader(store.store), cfg.model
+        gen = torch.Generator().manual_seed(0)
+        docs = [torch.randint(0, model.vocab_size, (n,), generator=gen) for n in (9, 14)]
+        labels = [torch.cat([d[1:], torch.tensor([IGNORE_INDEX])]) for d in docs]  # no target across documents
+        alone = [loss_sum(model, read, d[None], lab[None]) for d, lab in zip(docs, labels)]
+        ids, lab = torch.cat(docs)[None], torch.cat(labels)[None]
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        packed = loss_sum(model, read, ids, lab, position_ids=pos)
+        assert packed[1] == sum(n for _, n in alone) == 21
+        assert packed[0] == pytest.approx(sum(t for t, _ in alone), rel=1e-5)
+        unmasked = loss_sum(model, read, ids, lab)
+        assert abs(unmasked[0] - packed[0]) > 1e-3 * packed[0]
+        batch = {"input_ids": ids.numpy(), "labels": lab.numpy(), "position_ids": pos.numpy()}
+        assert evaluate(model, read, [batch]).loss == pytest.approx(packed[0] / packed[1], rel=1e-6)
+    finally:
+        store.close()

@@ -48,9 +48,10 @@ def forward_logits(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor) -> tor
 
 @torch.inference_mode()
 def loss_sum(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor, labels: torch.Tensor,
-             chunk: int = 1024) -> tuple[float, int]:
-    """ids, labels: [B, S] int64 -> (summed cross-entropy over counted labels, number counted)."""
-    h, w = forward_hidden(cfg, read, ids)
+             chunk: int = 1024, position_ids: torch.Tensor | None = None) -> tuple[float, int]:
+    """ids, labels: [B, S] int64 -> (summed cross-entropy over counted labels, number counted);
+    position_ids [B, S]: packed documents (data.pack_documents), each attending within itself."""
+    h, w = forward_hidden(cfg, read, ids, position_ids=position_ids)
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     total = sum(float(token_loss_sum(h[s:s + chunk], w, labels[s:s + chunk]))
                 for s in range(0, h.shape[0], chunk))
@@ -69,7 +70,8 @@ class EvalResult:
 
 def evaluate(cfg: ModelConfig, read: UnitReader, batches: Iterable[dict[str, np.ndarray]],
              max_batches: int | None = None) -> EvalResult:
-    """Loss and perplexity over ``batches`` (input_ids, labels: [..., S]; leading dims are flattened)."""
+    """Loss and perplexity over ``batches`` (input_ids, labels and, for packed documents,
+    position_ids: [..., S]; leading dims are flattened)."""
     total, count, seqs = 0.0, 0, 0
     for b, batch in enumerate(batches):
         if max_batches is not None and b >= max_batches:
@@ -80,7 +82,9 @@ def evaluate(cfg: ModelConfig, read: UnitReader, batches: Iterable[dict[str, np.
         if int(ids.max()) >= cfg.vocab_size:
             raise DataError(f"the evaluation data holds token id {int(ids.max())}, outside the checkpoint's "
                               f"vocab_size ({cfg.vocab_size}); the data and the model do not match.")
-        s, n = loss_sum(cfg, read, ids, labels)
+        pos = batch.get("position_ids")  # packed documents: masked as in training
+        pos = None if pos is None else torch.as_tensor(pos, dtype=torch.long).reshape(ids.shape)
+        s, n = loss_sum(cfg, read, ids, labels, position_ids=pos)
         total, count, seqs = total + s, count + n, seqs + ids.shape[0]
     if count == 0:
         raise DataError("the evaluation data holds no counted tokens; check data.val_path / data.val_fraction.")

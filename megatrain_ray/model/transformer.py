@@ -258,7 +258,8 @@ def token_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> to
 
 
 def forward_hidden(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor, layer: Callable = decoder_layer,
-                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype | None = None, position_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole model up to the LM head, unit after unit: ids [B, S] int64 -> (final-normed hidden
     [B, S, H], the LM-head weight [V, H]).
 
@@ -266,14 +267,19 @@ def forward_hidden(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor, layer:
     engine runs the same functions layer-major over micro-batches). ``read`` gives each unit's params;
     ``layer`` is :func:`decoder_layer` or a form of it that computes the same (compiled, recomputed in
     the backward); ``dtype``: the activations' dtype after the embedding and the rope tables' (None:
-    the embedding's, and fp32 tables).
+    the embedding's, and fp32 tables); ``position_ids`` [B, S]: packed documents (positions within
+    each token's document), attended within their document only (see :func:`document_mask`).
     """
     embed_params = read("embed")
     x = embed(embed_params, ids)
     if dtype is not None:
         x = x.to(dtype)
-    rope = rope_cache(cfg, ids.shape[-1], ids.device, dtype or torch.float32)
+    if position_ids is None:
+        rope, mask = rope_cache(cfg, ids.shape[-1], ids.device, dtype or torch.float32), None
+    else:
+        table = rope_cache(cfg, int(position_ids.max()) + 1, ids.device, dtype or torch.float32)
+        rope, mask = rope_at(table, position_ids), document_mask(position_ids)
     for unit in unit_names(cfg)[1:-1]:
-        x = layer(read(unit), x, rope, cfg)
+        x = layer(read(unit), x, rope, cfg) if mask is None else layer(read(unit), x, rope, cfg, mask)
     head = read("head")
     return final_norm(head, x, cfg), lm_head_weight(head, embed_params)
