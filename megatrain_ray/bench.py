@@ -118,9 +118,10 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     from .orchestration.pipeline import train
 
     t0 = time.perf_counter()
-    placement: list[str] = []  # the run's one line per node on where its threads run (runtime.cpu_affinity)
+    placement: list[str] = []  # its lines on where threads run (runtime.cpu_affinity) and activations wait
     with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
-        result = train(cfg, log=lambda line: placement.append(line) if line.startswith("cpu placement") else None)
+        result = train(cfg, log=lambda line: placement.append(line) if line.startswith(("cpu placement",
+                                                                                         "activations")) else None)
     wall_s = time.perf_counter() - t0
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -130,7 +131,8 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     summary["rows"] = rows
     summary.update(mem.summary(StoreLayout.build(cfg.model).num_params))
     summary["wall_s"] = wall_s
-    summary["cpu_placement"] = placement
+    summary["cpu_placement"] = [line for line in placement if line.startswith("cpu placement")]
+    summary["activations"] = next((line for line in placement if line.startswith("activations")), None)
     summary["outside_steps_s"] = wall_s - sum(r["step_s"] for r in rows)  # start-up and shut-down
     return summary, result.timeline
 
@@ -370,6 +372,8 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
         + f" (peak RSS + shm {ours['host_accounted_gib']:.1f} GiB = {ours['host_accounted_bytes_per_param']:.1f} B/param:"
         + f" shm {ours['host_accounted_shm_gib']:.1f}, processes {ours['host_accounted_processes_gib']:.1f})"
         + f"; link {ours['h2d_gbps']:.0f} GB/s in, {ours['d2h_gbps']:.0f} GB/s out")
+    if ours.get("activations"):
+        print("ours, " + ours["activations"])
     for key, r in systems.items():
         if key.startswith("megatrain_ray") and r["steady_periods"] < 3:
             print(f"note: {key}'s s/step is the median of only {r['steady_periods']} step(s) after the warm-up; "

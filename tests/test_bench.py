@@ -41,6 +41,9 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert ours["tflops_6nt"] * ours["step_s"] * 1e12 == pytest.approx(6 * report["params"] * 1024)
     assert ours["tflops_palm"] * ours["step_s"] * 1e12 == pytest.approx((6 * matmuls + attention) * 1024)
     assert "mfu" not in ours  # no GEMM to measure against on the CPU
+    # what the defaults did with the activations (on the CPU, auto recomputes every layer), also printed
+    assert ours["activations"] == ("activations (runtime.activations=auto): 0 of 2 layers kept whole on the device, "
+                                   "2 checkpointed there, 0 offloaded to host memory")
     # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in presets.preset_shape("tiny", 2).items()])
     precision = resolve_precision(cfg.runtime, "cpu")
@@ -50,6 +53,7 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert ours["wall_s"] > sum(r["step_s"] for r in report["rows"])
     assert os.listdir(shm_dir) == []
     printed = capsys.readouterr().out
+    assert "ours, " + ours["activations"] in printed
     assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "as PaLM's model FLOPs" in printed
 
 

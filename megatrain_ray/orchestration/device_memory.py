@@ -174,3 +174,12 @@ def _pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
+
+
+def placement_line(modes: tuple[str, ...], device: str, setting: str) -> str:
+    """The line a run logs at start: how many decoder layers keep their graph, their checkpoint on
+    the device, or their checkpoint in host memory (``setting``: runtime.activations)."""
+    keep, host = modes.count("keep"), modes.count("host")
+    where = "GPU" if device == "cuda" else "device"
+    return (f"activations (runtime.activations={setting}): {keep} of {len(modes)} layers kept whole on the {where}, "
+            f"{len(modes) - keep - host} checkpointed there, {host} offloaded to host memory")

@@ -49,6 +49,7 @@ from ..model.precision import resolve_device, resolve_precision
 from . import calls, cluster, preflight
 from .calls import get as _get
 from .cluster import connect_ray
+from .device_memory import placement_line
 from .driver import Driver, RunResult
 from .health import Health
 from .labels import loop_task
@@ -208,6 +209,7 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(cfg, roles, device, spawner.get, log)
+    log(placement_line(roles.activations, device, cfg.runtime.activations))
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight

@@ -59,6 +59,9 @@ class Roles:
 
     nodes: list[NodeRoles]
     loaders: list = field(default_factory=list)
+    activations: tuple[str, ...] = ()
+    """Each decoder layer's activation placement on every compute worker (see
+    :func:`~megatrain_ray.orchestration.device_memory.activation_placement`)."""
 
     @property
     def computes(self) -> list:
@@ -132,7 +135,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
     if loader is not None:
         spawner.node(0)
         loaders = [spawner.actor(loader[0], f"data-{k}")(*loader[1]) for k in range(cfg.data.num_workers)]
-    return Roles(nodes, loaders)
+    return Roles(nodes, loaders, placement)
 
 
 def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) -> list[str]:
