@@ -81,9 +81,9 @@ def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray
     # Reported once: the run's steps, each step's row once, the losses of steps 0..29.
     (done,) = [line for line in text if line.startswith("done: ")]
     repeated = result.repeated_steps
-    assert repeated >= 1 and result.restarts == 1
+    assert result.restarts == 1  # repeated: 0 when the kill came just after a checkpoint's boundary
     assert done.startswith(f"done: {steps} steps (after 1 restart, which trained {repeated} "
-                           f"step{'s' * (repeated > 1)} twice), final loss "), done
+                           f"step{'' if repeated == 1 else 's'} twice), final loss "), done
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == list(range(steps))
     assert [r["loss"] for r in rows] == result.losses and len(result.grad_norms) == steps

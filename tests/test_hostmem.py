@@ -44,7 +44,6 @@ def test_baseline_waits_until_memory_stops_falling(shm_dir):
 
     import threading
 
-    used_before = used_bytes()
     t = threading.Thread(target=release)
     t.start()
     start = time.monotonic()
@@ -58,4 +57,4 @@ def test_baseline_waits_until_memory_stops_falling(shm_dir):
     # over the instant between the baseline and this line. A baseline taken before the last piece
     # went (170 MiB) fails this.
     assert mem.baseline <= used_after + 128 * 2**20
-    assert used_before - used_after >= 256 * 2**20  # the release did happen, during the test
+    assert path.stat().st_size == 0  # the release did happen, during the test (system-wide memory is too noisy to show it)

@@ -72,9 +72,12 @@ class Health:
                                 "runtime.health_timeout_s if it is only slow.")
         for name in self.busy:
             status = _status(self.pids[name])
-            if status in ("stopped", "zombie", "dead", "gone"):
-                raise ActorDied(f"the {name} actor's process {self.pids[name]} is {status}, so the run cannot go on; "
+            if status == "stopped":  # SIGSTOP, a debugger: alive, but it will not go on
+                raise ActorDied(f"the {name} actor's process {self.pids[name]} is stopped, so the run cannot go on; "
                                 "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
+            if status in ("zombie", "dead", "gone"):  # noticed before Ray reports the death
+                raise ActorDied(f"the {name} actor died (its process {self.pids[name]} is {status}); see its log in "
+                                "the Ray dashboard or /tmp/ray/session_latest/logs.")
         for name, handle in self.idle.items():
             if name not in self.pings and now - self.answered.get(name, 0.0) >= self.INTERVAL_S:
                 self.pings[name] = (handle.__ray_ready__.remote(), now)
