@@ -126,12 +126,18 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     finally:
         worker.close()
     thread.join(timeout=30)
+    return result, step_grads(spec, grad_q)
+
+
+def step_grads(spec, grad_q) -> dict[int, dict[str, torch.Tensor]]:
+    """The gradients one compute worker's step sent, {unit: {name: fp32 copy}}, read from the store
+    as its tickets arrive."""
     store = HostStore(spec)
     grads = {}
     for _ in store.layout.units:
         ticket = grad_q.get(timeout=30)
-        grads[ticket.unit] = {k: v.clone() for k, v in store.params("grad", ticket.unit).items()}
-    return result, grads
+        grads[ticket.unit] = {k: v.float().clone() for k, v in store.params("grad", ticket.unit).items()}
+    return grads
 
 
 def _config(tmp_path, shm_dir, *extra):

@@ -14,13 +14,14 @@ import uuid
 
 import pytest
 import torch
+from test_actplace import step_grads
 from test_gpu import _config  # noqa: F401  (the shape and data of tests/test_gpu.py)
 
 from megatrain_ray.data.loader import source_from_config
 from megatrain_ray.engine.activations import GPU, KEEP, kept_bytes_per_token, layer_modes
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
-from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
 
@@ -47,12 +48,7 @@ def _step(cfg, placement, compile_layers=False, attention_backend="auto"):
     finally:
         worker.close()
     thread.join(timeout=30)
-    store = HostStore(spec)
-    grads = {}
-    for _ in store.layout.units:
-        ticket = grad_q.get(timeout=30)
-        grads[ticket.unit] = {k: v.float().clone() for k, v in store.params("grad", ticket.unit).items()}
-    return result, grads
+    return result, step_grads(spec, grad_q)
 
 
 def _rel(a, b) -> float:

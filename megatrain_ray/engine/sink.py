@@ -64,11 +64,11 @@ class GradientSink:
         self.order = update_order(spec.model.num_hidden_layers)
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
-        self.writes_checkpoints = writes_checkpoints
-        """False on the other nodes of a sharded optimizer: they only know the plan's boundaries,
-        where they hand their AdamW states over (see :mod:`megatrain_ray.engine.shards`)."""
         self.writer = (CheckpointWriter(self.store, checkpoint)
                        if checkpoint is not None and writes_checkpoints else None)
+        """Writes the plan's checkpoints; None without a plan, or on the other nodes of a sharded optimizer
+        (``writes_checkpoints`` False: they only know the plan's boundaries, where they hand their AdamW
+        states over, see :mod:`megatrain_ray.engine.shards`)."""
         self.sharding: OptimizerShards | None = None
         """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
         self.grad_slot_q = grad_slot_q
