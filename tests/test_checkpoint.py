@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zlib
 
@@ -119,6 +120,36 @@ def test_save_refuses_a_store_that_is_not_at_a_step_boundary(shm_dir, tmp_path):
         with pytest.raises(checkpoint.CheckpointError, match="not at a step boundary"):
             writer.save(ps.store, str(tmp_path), 3, {}, "r")
         assert os.listdir(tmp_path) == []
+    finally:
+        ps.close()
+
+
+def test_save_waits_for_the_master_weights_of_a_split_update(shm_dir, tmp_path):
+    """Between the sink's two passes of a split update a unit's stream copy and moments are at the
+    next step while its master is not: a save of that step waits for the master (the state
+    version), and one taken before it catches up is refused rather than written torn."""
+    ps = _store(shm_dir, "split")
+    try:
+        _fill_optimizer(ps, step=3)
+        units = range(len(ps.store.layout.units))
+        for i in units:
+            ps.store.set_stream_version(i, 4)  # first passes of update 4 done, second passes not
+        assert [ps.store.version(i) for i in units] == [4] * len(units)
+        assert [ps.store.state_version(i) for i in units] == [3] * len(units)
+        with pytest.raises(checkpoint.CheckpointError, match="not at a step boundary"):
+            writer.save(ps.store, str(tmp_path), 4, {}, "r", wait_s=0.2)
+        assert os.listdir(tmp_path) == []
+
+        def catch_up():
+            time.sleep(0.3)
+            for i in units:
+                ps.store.set_state_version(i, 4)
+
+        threading.Thread(target=catch_up).start()
+        path = writer.save(ps.store, str(tmp_path), 4, {}, "r", wait_s=30)
+        with open(os.path.join(path, checkpoint.META_FILE)) as f:
+            meta = json.load(f)
+        assert meta["step"] == 4 and set(meta["versions"].values()) == {4}
     finally:
         ps.close()
 

@@ -1,6 +1,8 @@
 """The engine's parts without Ray: layout and fused views, the per-unit AdamW, fetch order,
 and the bf16 precision modes through the single-process driver (the same roles as a Ray run)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -118,6 +120,78 @@ def test_unit_update_matches_torch_adamw(master_dtype, native, decay_all, monkey
             matrices.data.copy_(master[:decay].float())
             rest.data.copy_(master[decay:].float())
         assert torch.equal(stream, master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_split_update_is_the_one_pass_update_bit_for_bit(grad_dtype, monkeypatch):
+    """The sink's two passes (moments and stream copy first, master later) give exactly the one-pass
+    kernel's master, moments and stream copy: the same operations in the same order. The first pass
+    leaves the master as it was (a checkpoint in between still sees the boundary's master)."""
+    runner = optim.AdamWRunner(3)
+    if runner.split is None:
+        pytest.skip("no C compiler: the native AdamW kernel cannot be built here")
+    monkeypatch.setattr(optim, "CHUNK", 1000)
+    n, decay = 5000, 3100
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.99)
+    gen = torch.Generator().manual_seed(1)
+    one = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-4]
+    two = [t.clone() for t in one]
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen).to(grad_dtype)
+        s1, s2 = (grad.clone() if grad_dtype == torch.bfloat16 else torch.zeros(n, dtype=torch.bfloat16)
+                  for _ in range(2))
+        g1, g2 = (s1, s2) if grad_dtype == torch.bfloat16 else (grad.clone(), grad.clone())  # may alias the copy
+        runner.update(one[0], g1, one[1], one[2], s1, decay, step, cfg.lr, cfg, grad_scale=0.7)
+        assert runner.splits(two[0], g2, s2)
+        before = two[0].clone()
+        runner.update_stream(two[0], g2, two[1], two[2], s2, decay, step, cfg.lr, cfg, grad_scale=0.7)
+        assert torch.equal(two[0], before)
+        assert torch.equal(s2.view(torch.int16), s1.view(torch.int16))
+        runner.update_master(two[0], two[1], two[2], decay, step, cfg.lr, cfg)
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+        assert not torch.equal(two[0], before)
+    runner.close()
+
+
+def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypatch):
+    """runtime.split_update through the single-process driver (fp32 master, bf16 stream copy,
+    clipping): the same losses, and the same master weights and moments in the store at the end
+    (read just before the run removes it), bit for bit; and the second passes really ran."""
+    from megatrain_ray.engine import shm
+    from megatrain_ray.orchestration import local
+
+    if adamw_native.kernel() is None:
+        pytest.skip("no C compiler: the native AdamW kernel cannot be built here")
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 512, size=20_000))
+    states: dict[str, dict[str, bytes]] = {}
+    remove = shm.remove_run
+
+    def remove_run(shm_dir, owner_pid, run_id):
+        states[split] = {os.path.basename(f).rsplit("-", 1)[-1]: open(f, "rb").read()
+                         for f in shm.run_segments(shm_dir, owner_pid, run_id)}
+        return remove(shm_dir, owner_pid, run_id)
+
+    monkeypatch.setattr(local.shm, "remove_run", remove_run)
+    losses = {}
+    for split in ("true", "false"):
+        cfg = load_config(None, [
+            "model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=3",
+            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+            "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=4",
+            f"data.path={data}", "runtime.device=cpu", "runtime.compute_dtype=bfloat16", "optim.weight_decay=0.1",
+            "optim.max_grad_norm=0.05", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}",
+            f"runtime.split_update={split}"])
+        rows = local.train_local(cfg, 0)
+        masters = sum(1 for r in rows for lane, label, *_ in r["spans"] if lane == "adamw" and label.endswith("master"))
+        assert masters == (3 * (3 + 2) if split == "true" else 0)  # steps 1-3's, reported with the next step
+        assert any(r["grad_norm"] > 0.05 for r in rows)  # clipped
+        losses[split] = [r["loss"] for r in rows]
+    assert losses["true"] == losses["false"]
+    assert {"master", "exp_avg", "exp_avg_sq", "versions"} <= set(states["true"]) == set(states["false"])
+    for kind in ("master", "exp_avg", "exp_avg_sq", "stream", "versions"):
+        assert states["true"][kind] == states["false"][kind], kind
 
 
 @pytest.fixture(scope="module")

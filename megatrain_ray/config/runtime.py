@@ -126,6 +126,12 @@ class RuntimeSection:
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
     compute worker's kernel launches)."""
+    split_update: bool = True
+    """With clipping, update each unit in two passes where it can (fp32 master, bf16 stream copy,
+    the native AdamW kernel, one optimizer per node): first the moments and the stream copy that the
+    next forward fetches (24 of the update's 28 bytes per parameter), then, while the next step runs,
+    the master weights (16 bytes), so the forward waits less on AdamW. Bit for bit the one-pass
+    update; false: one pass (see megatrain_ray.engine.sink)."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"

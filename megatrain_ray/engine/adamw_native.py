@@ -7,6 +7,11 @@ what bounds AdamW on a CPU. Doing the same with torch's kernels takes three pass
 fused AdamW, downcast). The arithmetic follows ``torch._fused_adamw_`` (decoupled weight decay,
 ``lerp`` for the first moment, bias corrections as scalars), in fp32.
 
+The same update also runs split in two passes (:func:`stream_pass`, :func:`master_pass`) where
+the next forward waits on it: the first writes the moments and the stream copy (24 bytes per
+parameter), the second, later, the fp32 master from the new moments (16 bytes); the same
+arithmetic, so the same bits (see :mod:`megatrain_ray.engine.sink`).
+
 The kernel has no threads of its own: :class:`~megatrain_ray.engine.optim.AdamWRunner` calls it from a
 pool of Python threads on pieces of a unit (``ctypes`` releases the GIL for the call). It is
 compiled with ``cc -O3 -march=native -fno-math-errno`` into a per-user cache directory and loaded with
@@ -78,6 +83,31 @@ void adamw_piece(void *p_, int p_bf16, const void *g_, int g_bf16, float *restri
     else if (g_bf16)            { BODY(bf16_to_f32(ph[i]), ph[i] = SR(i), bf16_to_f32(gh[i]), (void)0) }
     else if (s)                 { BODY(bf16_to_f32(ph[i]), ph[i] = s[i] = SR(i), gf[i], (void)0) }
     else                        { BODY(bf16_to_f32(ph[i]), ph[i] = SR(i), gf[i], (void)0) }
+}
+
+/* The same update in two passes, for an fp32 master with a bf16 stream copy: the first writes the
+   moments and the stream copy the next forward fetches (24 bytes per parameter with a bf16 gradient,
+   which may alias s), the second the master from the new moments (16 bytes), later. Each computes
+   what adamw_piece does with the same operations in the same order, so the results are its own bit
+   for bit (no contraction into fused multiply-adds: -ffp-contract=off). */
+void adamw_stream_pass(const float *restrict pf, const void *g_, int g_bf16, float *restrict m,
+                       float *restrict v, uint16_t *s, int64_t n, float lr, float b1, float b2, float eps,
+                       float wd, float bc1, float bc2_sqrt, float scale) {
+    const float decay = 1.0f - lr * wd, step_size = lr / bc1, w1 = 1.0f - b1;
+    const float *gf = (const float *)g_; const uint16_t *gh = (const uint16_t *)g_;
+    if (g_bf16) { BODY(pf[i], (void)0, bf16_to_f32(gh[i]), s[i] = f32_to_bf16(param)) }
+    else        { BODY(pf[i], (void)0, gf[i], s[i] = f32_to_bf16(param)) }
+}
+
+void adamw_master_pass(float *restrict pf, const float *restrict m, const float *restrict v, int64_t n,
+                       float lr, float eps, float wd, float bc1, float bc2_sqrt) {
+    const float decay = 1.0f - lr * wd, step_size = lr / bc1;
+    for (int64_t i = 0; i < n; i++) {
+        float param = pf[i] * decay;
+        float mi = m[i], vi = v[i];
+        param -= step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        pf[i] = param;
+    }
 }
 
 /* ---- The compact state (megatrain_ray.engine.compact): 8-bit moments, bf16 master, stochastic rounding. */
@@ -211,6 +241,20 @@ def kernel(directory: str | None = None):
     return fn
 
 
+def split_kernels(directory: str | None = None):
+    """The loaded (``adamw_stream_pass``, ``adamw_master_pass``) functions: the update of
+    :func:`kernel` in two passes (see :func:`stream_pass`), or None as :func:`kernel`."""
+    lib = _library(directory)
+    if lib is None:
+        return None
+    first, second = lib.adamw_stream_pass, lib.adamw_master_pass
+    first.restype = second.restype = None
+    first.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+                      + [ctypes.c_float] * 8)
+    second.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_float] * 5
+    return first, second
+
+
 def compact_kernel(directory: str | None = None):
     """The loaded ``compact_piece`` function (see :mod:`megatrain_ray.engine.compact`), or None as :func:`kernel`."""
     lib = _library(directory)
@@ -256,3 +300,26 @@ def piece(fn, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     fn(at(master), int(master.dtype == torch.bfloat16), at(grad), int(grad.dtype == torch.bfloat16), at(exp_avg),
        at(exp_avg_sq), at(stream), b - a, lr, beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step,
        (1.0 - beta2 ** step) ** 0.5, scale, key, a)
+
+
+def stream_pass(fn, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                stream: torch.Tensor, a: int, b: int, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, step: int, scale: float) -> None:
+    """The first pass of elements [a, b) of :func:`piece` (fp32 ``master``, bf16 ``stream``; ``grad``
+    may alias ``stream``): the moments and the stream copy are updated, the master is only read."""
+    def at(t: torch.Tensor) -> int:
+        return t.data_ptr() + a * t.element_size()
+
+    fn(at(master), at(grad), int(grad.dtype == torch.bfloat16), at(exp_avg), at(exp_avg_sq), at(stream), b - a, lr,
+       beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step, (1.0 - beta2 ** step) ** 0.5, scale)
+
+
+def master_pass(fn, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, a: int, b: int,
+                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    """The second pass of elements [a, b): the fp32 ``master`` from the moments the first pass wrote;
+    together bit for bit :func:`piece`'s update."""
+    def at(t: torch.Tensor) -> int:
+        return t.data_ptr() + a * t.element_size()
+
+    fn(at(master), at(exp_avg), at(exp_avg_sq), b - a, lr, eps, weight_decay, 1.0 - beta1 ** step,
+       (1.0 - beta2 ** step) ** 0.5)

@@ -73,7 +73,45 @@ class AdamWRunner:
     def __init__(self, threads: int, native: bool = True):
         self.threads = max(1, threads)
         self.kernel = adamw_native.kernel() if native else None
+        self.split = adamw_native.split_kernels() if self.kernel else None
+        """The two passes of the update (:meth:`update_stream`, :meth:`update_master`), or None."""
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="adamw") if self.kernel else None
+
+    def splits(self, master: torch.Tensor, grad: torch.Tensor, stream: torch.Tensor | None) -> bool:
+        """Whether this unit's update can run in two passes: the native kernel, an fp32 master and a
+        bf16 stream copy (see :func:`~megatrain_ray.engine.adamw_native.stream_pass`)."""
+        return (self.split is not None and stream is not None and master.dtype == torch.float32
+                and adamw_native.supports(master, grad, stream))
+
+    def _pieces(self, numel: int, decay_numel: int, cfg: OptimConfig) -> list[tuple[int, int, float]]:
+        return [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(numel, decay_numel, cfg)
+                for a in range(lo, hi, CHUNK)]
+
+    def update_stream(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor, stream: torch.Tensor, decay_numel: int, step: int, lr: float,
+                      cfg: OptimConfig, grad_scale: float = 1.0) -> None:
+        """The first pass of :meth:`update` where :meth:`splits`: the moments and the stream copy."""
+        pieces = self._pieces(master.numel(), decay_numel, cfg)
+
+        def work(i: int) -> None:
+            a, b, wd = pieces[i]
+            adamw_native.stream_pass(self.split[0], master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
+                                     cfg.beta2, cfg.eps, wd, step, grad_scale)
+
+        run_pieces(self._pool, self.threads, len(pieces), work)
+
+    def update_master(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                      decay_numel: int, step: int, lr: float, cfg: OptimConfig) -> None:
+        """The second pass, after :meth:`update_stream`: the master weights from the new moments.
+        Together the two are :meth:`update`, bit for bit."""
+        pieces = self._pieces(master.numel(), decay_numel, cfg)
+
+        def work(i: int) -> None:
+            a, b, wd = pieces[i]
+            adamw_native.master_pass(self.split[1], master, exp_avg, exp_avg_sq, a, b, lr, cfg.beta1, cfg.beta2,
+                                     cfg.eps, wd, step)
+
+        run_pieces(self._pool, self.threads, len(pieces), work)
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
@@ -84,8 +122,7 @@ class AdamWRunner:
             adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale, unit)
             return
         key = compact.rng_key(step, unit)
-        pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(master.numel(), decay_numel, cfg)
-                  for a in range(lo, hi, CHUNK)]
+        pieces = self._pieces(master.numel(), decay_numel, cfg)
 
         def work(i: int) -> None:
             a, b, wd = pieces[i]

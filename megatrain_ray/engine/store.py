@@ -20,7 +20,10 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 - ``peer_grad``   with runtime.grad_reduce=host and N compute workers: N-1 more whole-model gradient
                   arrays (gradient dtype), one per worker but the first, which writes to ``grad``
                   as above; the gradient sink sums them into it (see :mod:`megatrain_ray.engine.grad_reduce`)
-- ``versions``    int64 per unit: how many optimizer updates the unit has received
+- ``versions``    int64, two per unit: how many optimizer updates its stream copy has received
+                  (what the prefetcher waits for), then how many its master weights and moments
+                  have (what a checkpoint waits for); they differ only while the sink's second
+                  pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`)
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
 it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
@@ -145,7 +148,7 @@ class HostStore:
         self.layout = StoreLayout.build(spec.model)
         open_ = shm.create if create else shm.attach
         self.arrays = {k: open_(spec.path(k), spec.numel(k), spec.dtype(k)) for k in spec.kinds()}
-        self.versions = open_(spec.path("versions"), len(self.layout.units), torch.int64)
+        self.versions = open_(spec.path("versions"), 2 * len(self.layout.units), torch.int64)
 
     def block(self, kind: str, i: int) -> torch.Tensor:
         """Unit i's flat block [numel] of one kind.
@@ -185,10 +188,25 @@ class HostStore:
         return self.layout.templates[i].bind(self.block(kind, i))
 
     def version(self, i: int) -> int:
+        """Updates unit i's stream copy (the weights the device fetches) has received."""
         return int(self.versions[i])
 
+    def state_version(self, i: int) -> int:
+        """Updates unit i's master weights and AdamW moments have received (a checkpoint's boundary)."""
+        return int(self.versions[len(self.layout.units) + i])
+
     def set_version(self, i: int, value: int) -> None:
+        """Unit i is wholly at ``value`` updates: its state first, then its stream copy."""
+        self.versions[len(self.layout.units) + i] = value
         self.versions[i] = value
+
+    def set_stream_version(self, i: int, value: int) -> None:
+        """Unit i's stream copy (and moments) are at ``value`` updates, its master not yet."""
+        self.versions[i] = value
+
+    def set_state_version(self, i: int, value: int) -> None:
+        """Unit i's master weights have caught up with its stream copy at ``value`` updates."""
+        self.versions[len(self.layout.units) + i] = value
 
     @property
     def separate_stream_copy(self) -> bool:

@@ -205,8 +205,8 @@ class CheckpointWriter:
         steps in flight)."""
         store, units = self.store, range(len(self.store.layout.units))
         deadline = time.monotonic() + self.plan.wait_s
-        while (any(store.version(i) < step for i in units) and time.monotonic() < deadline
-               and not any(store.version(i) > step for i in units)):
+        while (any(store.state_version(i) < step for i in units) and time.monotonic() < deadline
+               and not any(store.state_version(i) > step for i in units)):
             time.sleep(0.01)
         self._check_boundary(step)
         return self._write(step, list(units), lambda unit, group: None)
@@ -215,7 +215,8 @@ class CheckpointWriter:
 
     def _check_boundary(self, step: int) -> None:
         store = self.store
-        stale = {u: store.version(i) for i, u in enumerate(store.layout.units) if store.version(i) != step}
+        at = {u: store.state_version(i) for i, u in enumerate(store.layout.units)}
+        stale = {u: v for u, v in at.items() if v != step}
         if stale:
             names = list(stale)
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -309,7 +310,7 @@ class CheckpointWriter:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": step,
-            "versions": {u: store.version(i) for i, u in enumerate(units)},
+            "versions": {u: store.state_version(i) for i, u in enumerate(units)},
             "adamw_step": step,
             "data": {**data_state, "next_step": step, "path": run_config.get("data", {}).get("path"),
                      "sequences_consumed": step * sequences,

@@ -129,7 +129,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
             checkpoint=plan if k == 0 or sharded else None, grad_slot_q=grad_slot_q, shards=workers,
-            host_sum=rt.grad_reduce == "host", writes_checkpoints=k == 0)
+            host_sum=rt.grad_reduce == "host", writes_checkpoints=k == 0, split_update=rt.split_update)
         nodes.append(roles)
     loaders = []
     if loader is not None:
