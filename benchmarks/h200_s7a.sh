@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 7, first device call (nvidia-h200): the 7B benchmark with the defaults a user gets (the
+# split AdamW update on: moments + stream copy first, master weights while the next step runs)
+# against the same with runtime.split_update=false, side by side in one call (issue 16).
+#   bash benchmarks/h200_s7a.sh $OUT
+set -uo pipefail
+out=${1:-/tmp/out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+for spec in "7b-split:" "7b-onepass:--set runtime.split_update=false"; do
+  tag=${spec%%:*}; extra=${spec#*:}
+  left=$(( 570 - ($(date +%s) - t0) )); (( left > 280 )) && left=280
+  stamp "$tag ($extra), at most $left s"
+  timeout $left python3 -m megatrain_ray.bench --preset 7b --steps 6 $extra --tag "$tag" --out "$out" \
+    > "$out/log_$tag.txt" 2>&1; echo "rc=$?" >> "$out/log_$tag.txt"
+  grep -E "^megatrain_ray|activations|^note|rc=|Error" "$out/log_$tag.txt" | cut -c1-300 | tail -5
+done
+stamp done
+python3 - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+print(f"{'run':<12}{'s/step':>8}{'TF 6NT':>8}{'TF PaLM':>9}{'GPU GiB':>9}{'fwd wait s':>11}")
+for tag in ("7b-split", "7b-onepass"):
+    path = os.path.join(out, f"bench-{tag}.json")
+    if not os.path.exists(path):
+        print(f"{tag:<12}  (no result: see log_{tag}.txt)")
+        continue
+    d = json.load(open(path)); r = d["systems"]["megatrain_ray"]
+    # the forward's waits for its weights in the last step of the timeline (the AdamW it waits on)
+    fw = [s for s in d.get("timeline", []) if s[0] == "wait" and not s[1].endswith("bwd")]
+    last = fw[-30:] if len(fw) >= 30 else fw
+    wait = sum(e - b for _, _, b, e, _ in last)
+    print(f"{tag:<12}{r['step_s']:>8.3f}{r['tflops_6nt']:>8.1f}{r['tflops_palm']:>9.1f}"
+          f"{r.get('device_peak_gib', 0):>9.1f}{wait:>11.2f}")
+PY
