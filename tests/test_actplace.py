@@ -318,6 +318,7 @@ def test_plan_prints_the_placement(capsys, tmp_path, monkeypatch):
             and "1 checkpointed on the GPU" in out and "2 offloaded to host RAM" in out)
 
 
+@pytest.mark.slow  # two Ray runs of two workers
 def test_two_workers_with_kept_and_offloaded_layers_train_what_one_recomputing_worker_does(
         ray_cluster, tmp_path, shm_dir):
     """Data parallel with a mixed placement: each worker keeps one layer whole and offloads another;

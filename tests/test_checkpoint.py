@@ -580,6 +580,7 @@ def _kill_in_turn(roles: list[str], lines: list[str]):
     return log
 
 
+@pytest.mark.slow  # kills actors and restarts the pipeline
 def test_killed_actors_are_replaced_and_the_weights_are_identical(straight_run, shm_dir, tmp_path):
     """ray.kill the data loader, the compute worker, the grad sink and the prefetcher, one after another."""
     lines = []

@@ -72,6 +72,7 @@ def test_no_command_is_a_usage_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the whole default run, its eval, export and plots: ~2 min
 def test_default_run_trains_and_the_loss_falls(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train"], cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -230,6 +230,7 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # three Ray runs
 def test_compact_run_through_ray_trains_exports_bf16_and_resumes_bit_for_bit(ray_cluster, shm_dir, tmp_path):
     a = train(_cfg(shm_dir, tmp_path / "a", "train.checkpoint_every=3", "train.keep_checkpoints=3"),
               log=lambda line: None)

@@ -173,6 +173,7 @@ def test_tiny_trains(tmp_path, ray_cluster, shm_dir):
     assert os.listdir(shm_dir) == []
 
 
+@pytest.mark.slow  # a Ray run with a tokenizer and validation
 def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_cluster, shm_dir, user_files, capsys):
     cfg = load_config(_path("text-pretrain"), [
         *_replacements("text-pretrain", user_files), *COMMON, "train.steps=3", "train.eval_every=2",
@@ -188,6 +189,7 @@ def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_clu
     assert os.path.isfile(os.path.join(result.final_dir, "tokenizer.json"))
 
 
+@pytest.mark.slow  # a Ray run from an HF model
 def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user_files):
     cfg = load_config(_path("alpaca-sft"), [
         *_replacements("alpaca-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",

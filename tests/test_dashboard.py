@@ -22,6 +22,8 @@ import pytest
 
 from megatrain_ray.orchestration import labels
 
+pytestmark = pytest.mark.slow  # a second Ray with its dashboard, a headless browser: a minute or more
+
 STEPS = 100000  # more than it ever reaches: the run is stopped once the checks are done
 ROLES = {"store": "ParameterStore", "prefetch": "Prefetcher", "compute": "ComputeWorker",
          "grad-sink": "GradientSink", "data-0": "BatchSource"}

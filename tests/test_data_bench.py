@@ -5,9 +5,12 @@ for real, on a small generated corpus, and each pool size must have tokenized th
 served batches.
 """
 
+import pytest
+
 from benchmarks.data_bench import main
 
 
+@pytest.mark.slow  # data loaders of several pool sizes
 def test_benchmark_reports_tokens_per_second_for_each_pool_size(ray_cluster):
     lines = []
     rows = main(["--workers", "1,2,4", "--documents", "200", "--steps", "8", "--seq-len", "32"], log=lines.append)

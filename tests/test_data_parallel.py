@@ -27,6 +27,8 @@ from megatrain_ray.errors import ConfigError
 from megatrain_ray.gpu_check import distance, final_weights
 from megatrain_ray.orchestration.pipeline import train
 
+pytestmark = pytest.mark.slow  # several compute workers, two raylets, a killed worker's restart: minutes
+
 STEPS = 4
 
 
@@ -140,7 +142,6 @@ def _optimizer_states(directory) -> dict:
             for k, v in load_file(os.path.join(directory, f)).items()}
 
 
-@pytest.mark.slow  # a cluster of two raylets and two runs of ~10 actor processes each: ~3 min on 2 busy cores
 def test_two_simulated_nodes_train_what_one_does(one_worker, shm_dir):
     """Two raylets on this machine (ray.cluster_utils), each node with its own store, prefetcher,
     compute worker and sink, gradients all-reduced between the nodes: replicated (each node's AdamW

@@ -194,6 +194,7 @@ def test_eval_of_the_default_run_reads_the_built_in_held_out_documents(tmp_path,
     assert float(match.group(1)) == pytest.approx(total / count, rel=1e-4)
 
 
+@pytest.mark.slow  # a Ray run with checkpoints, then eval
 def test_validation_loss_during_training_is_the_loss_of_the_checkpoint_at_that_step(tmp_path, ray_cluster, shm_dir):
     """train.eval_every: the validation batch rides along the forward of every k-th step; its loss
     is that of the weights the step started from, i.e. of the checkpoint saved at that boundary."""

@@ -61,6 +61,7 @@ def _signal_at_step(step: int, cls: str, sig: int, lines: list, events: dict):
     return log
 
 
+@pytest.mark.slow  # kills a role mid-run and restarts the pipeline
 def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray_cluster, shm_dir, tmp_path):
     lines, events = [], {}
     steps = 30
@@ -90,6 +91,7 @@ def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray
     assert os.listdir(shm_dir) == []
 
 
+@pytest.mark.slow  # freezes roles of a running pipeline
 @pytest.mark.parametrize("cls,role,timeout", [("ParameterStore", "store", 4), ("ComputeWorker", "compute", 60)])
 def test_a_frozen_role_is_noticed_within_the_health_timeout(cls, role, timeout, ray_cluster, shm_dir, tmp_path):
     lines, events = [], {}
@@ -178,6 +180,7 @@ def test_the_reaper_goes_away_once_the_segments_are_gone(tmp_path):
     assert done == ["gone"]
 
 
+@pytest.mark.slow  # a driver process killed with -9
 def test_a_driver_killed_with_minus_9_leaves_no_segment_and_no_role(shm_dir, tmp_path):
     """The CLI with a private Ray, killed with SIGKILL once every role is stepping."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -26,6 +26,8 @@ from test_cli import RAY_NOISE  # the Ray lines no run may print
 
 from megatrain_ray.io import checkpoint
 
+pytestmark = pytest.mark.slow  # Ray clusters started with `ray start`, jobs submitted through the CLI: minutes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAD_ENV: dict[str, str] = {}
 """HOME and RAY_TMPDIR of the module's head, set by the ``head`` fixture for every command here."""

@@ -85,6 +85,7 @@ def test_missing_deepspeed_is_one_sentence_naming_the_fix(tmp_path):
     assert report["step_times"] == [] and "step_s" not in report
 
 
+@pytest.mark.slow  # a peer harness in a subprocess
 def test_run_peer_trains_in_a_subprocess_and_reports(tmp_path):
     log = tmp_path / "child.log"
     r = peers.run_peer("fsdp2", steps=3, device="cpu", log_path=str(log), echo=False, **TINY)
