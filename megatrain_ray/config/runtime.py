@@ -68,7 +68,7 @@ class RuntimeSection:
     micro-batch), so its [S, intermediate] tensors exist for one chunk at a time; same math. 0 = off; None (default) = off up to 65536 tokens per
     sequence, 16384 beyond (see ``mlp_chunk_size_for``)."""
     compile: bool | None = None
-    """torch.compile the decoder layer (fused elementwise kernels); None (default) = on cuda only."""
+    """torch.compile the decoder layer and the LM head's loss chunk (fused elementwise kernels); None (default) = on cuda only."""
     compile_threads: int = 1
     """Parallel compile jobs for the layer's kernels: 1 (default) compiles inside the compute process;
     more start a pool of Inductor worker processes (~0.4 GiB of host RAM each, which the store then

@@ -48,7 +48,7 @@ from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
-from .head import head_forward_backward, head_loss
+from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
 from .sequence import layer_backward
 from .store import HostStore, StoreSpec
@@ -70,6 +70,9 @@ class ComputeWorker:
         self.cfg = spec.model
         wrap = (lambda fn: CompiledLayer(threads=compile_threads, fn=fn)) if compile_layers else None
         self.runner = LayerRunner(mlp_chunk_size, wrap)
+        self.head_loss_fn = (CompiledLayer(threads=compile_threads, fn=chunk_loss_sum, what="LM head",
+                                           backward_at_forward=True) if compile_layers else chunk_loss_sum)
+        """One loss chunk of the head (:mod:`megatrain_ray.engine.head`), compiled with the layers."""
         self._compile_pool = self.runner.compiled()[0] if compile_layers and compile_threads > 1 else None
         """The compiled layer whose worker pool is still to be shut down after the first step."""
         self.store = HostStore(spec)
@@ -397,15 +400,15 @@ class ComputeWorker:
         unit = self.cfg.num_hidden_layers + 1
         tied = self.cfg.tie_word_embeddings
         ticket, flat = self._take(unit, step)
-        wh, we = flat.detach().requires_grad_(True), None
+        wh, we = flat, None
         tickets = [ticket]
         if tied:
             ticket_e, flat_e = self._take(0, step)
             tickets.append(ticket_e)
-            we = flat_e.detach().requires_grad_(True)
+            we = flat_e
         with self.backend.compute("head"):
             loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout.templates, self.chunk, wh, we, hidden,
-                                                         labels, n_tokens, embed_grad)
+                                                         labels, n_tokens, embed_grad, self.head_loss_fn)
             val_loss = None if evaluation is None else head_loss(self.cfg, self.layout.templates, self.chunk,
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:

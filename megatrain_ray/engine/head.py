@@ -4,29 +4,63 @@ backward at once (the compute worker's head), and the same forward alone for val
 Each chunk's fp32 logits and the norm's fp32 temporaries exist for one chunk of ``chunk`` tokens at
 a time, so what grows with the sequence is only the input gradient being filled ([S, H] in the
 compute dtype); the [S, vocabulary] logits never exist whole.
+
+With ``runtime.compile`` on, a chunk's loss (:func:`chunk_loss_sum`) runs through ``torch.compile``
+(:class:`~megatrain_ray.engine.sequence.CompiledLayer`, with its eager fallback): Inductor fuses the
+fp32 upcast, log-softmax and NLL, and in the backward the softmax minus the one-hot and its cast
+back, around the two GEMMs, so that a chunk keeps its bf16 logits for the backward rather than
+writing and reading several [chunk, V] fp32 tensors. Same math as the eager chunk: the softmax in
+fp32, ignored labels excluded from the sum, the sum divided by the step's counted tokens outside
+the compiled function (so that count is not compiled in). Shapes are static (``dynamic=False``): a
+micro-batch's B x S tokens are the same every step (train.seq_len, micro_batch_size), so at most two
+graphs are compiled, once: the full chunk and, where B x S is no multiple of the chunk, the last
+shorter one. (Padding that chunk to full size with IGNORE_INDEX labels would give the same loss and
+gradients, as ignored rows contribute exact zeros, but would run a whole chunk's GEMMs every step
+to save one compile at step 1.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from ..model.transformer import IGNORE_INDEX, final_norm, lm_head_weight, token_loss_sum
 
 
+def chunk_loss_sum(norm_weight: torch.Tensor, w: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, cfg
+                   ) -> torch.Tensor:
+    """Summed loss of one chunk: x [N, H] -> final norm (weight [H]) -> logits x @ w.T ([V, H]) -> fp32
+    cross-entropy over the labels [N] that are not IGNORE_INDEX -> scalar fp32. What the compiled head runs."""
+    return token_loss_sum(final_norm({"norm.weight": norm_weight}, x, cfg), w, labels)
+
+
 def head_forward_backward(cfg, templates, chunk: int, wh: torch.Tensor, we: torch.Tensor | None,
-                          hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor
-                          ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                          hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor,
+                          loss_fn: Callable = chunk_loss_sum) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Loss and gradients of the head for the step's micro-batches.
 
     cfg: the model config; templates: the layout's unit templates; wh: the head unit's flat weights
-    [numel], a leaf requiring grad; we: the embedding unit's [numel] when the embeddings are tied
-    (a leaf too), else None; hidden: M x [B, S, H]; labels: [M, B, S]; n_tokens: the step's counted
-    tokens (the loss is their mean). Returns (loss, M x [B, S, H] input gradients, the head's fp32
-    gradient [numel]); with tied embeddings the LM-head part is added into ``embed_grad`` [V*H] fp32.
+    [numel]; we: the embedding unit's [numel] when the embeddings are tied, else None; hidden:
+    M x [B, S, H]; labels: [M, B, S]; n_tokens: the step's counted tokens (the loss is their mean);
+    loss_fn: :func:`chunk_loss_sum` or its compiled form. Returns (loss, M x [B, S, H] input
+    gradients, the head's fp32 gradient [numel]); with tied embeddings the LM-head part is added
+    into ``embed_grad`` [V*H] fp32.
+
+    The autograd leaves are the parameters' views (the norm weight, the [V, H] matrix), not the flat
+    buffers: the gradient of a view of a flat leaf is a zero-filled [numel] tensor per view and chunk
+    (slice_backward), ~1 GB each for a 7B head, summed before being added to the fp32 gradient.
     """
     unit = cfg.num_hidden_layers + 1
     tied = we is not None
     head_grad = torch.zeros(templates[unit].numel, dtype=torch.float32, device=wh.device)
+    embed = templates[0].bind(we.detach()) if tied else None
+    head = templates[unit].bind(wh.detach())
+    norm_w = head["norm.weight"].requires_grad_(True)
+    w = lm_head_weight(head, embed).requires_grad_(True)
+    grads = templates[unit].bind(head_grad)
+    norm_grad = grads["norm.weight"]
+    w_grad = lm_head_weight(grads, templates[0].bind(embed_grad) if tied else None)
     loss = torch.zeros((), dtype=torch.float32, device=wh.device)
     dxs = []
     for m, x in enumerate(hidden):
@@ -36,13 +70,10 @@ def head_forward_backward(cfg, templates, chunk: int, wh: torch.Tensor, we: torc
         for s in range(0, flat_x.shape[0], chunk):
             xc = flat_x[s:s + chunk].requires_grad_(True)
             with torch.enable_grad():
-                head = templates[unit].bind(wh)
-                w = lm_head_weight(head, templates[0].bind(we) if tied else None)
-                part = token_loss_sum(final_norm(head, xc, cfg), w, flat_labels[s:s + chunk]) / n_tokens
-            dx[s:s + chunk], gwh, *gwe = torch.autograd.grad(part, (xc, wh, *([we] if tied else [])))
-            head_grad += gwh
-            if tied:
-                embed_grad += gwe[0]
+                part = loss_fn(norm_w, w, xc, flat_labels[s:s + chunk], cfg) / n_tokens
+            dx[s:s + chunk], gn, gw = torch.autograd.grad(part, (xc, norm_w, w))
+            norm_grad += gn
+            w_grad += gw
             loss += part.detach()
         dxs.append(dx.view_as(x))
     return loss, dxs, head_grad
@@ -51,7 +82,8 @@ def head_forward_backward(cfg, templates, chunk: int, wh: torch.Tensor, we: torc
 @torch.no_grad()
 def head_loss(cfg, templates, chunk: int, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
               labels: torch.Tensor) -> torch.Tensor:
-    """Mean loss over the counted tokens of hidden states E x [B, S, H] with labels [E, B, S] (forward only)."""
+    """Mean loss over the counted tokens of hidden states E x [B, S, H] with labels [E, B, S] (forward
+    only; eager: evaluation steps are rare, and a compiled forward-only graph would be one more compile)."""
     unit = cfg.num_hidden_layers + 1
     head = templates[unit].bind(wh)
     w = lm_head_weight(head, templates[0].bind(we.detach()) if we is not None else None)

@@ -118,9 +118,12 @@ class CompiledLayer:
     every layer (same shapes), fusing the elementwise work (RMSNorm, RoPE, SwiGLU, residuals) around
     the GEMMs and attention, forward and backward. If compiling fails (no Triton, an unsupported
     GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
+    The LM head's chunk loss (:func:`~megatrain_ray.engine.head.chunk_loss_sum`) is compiled through
+    it too (``what``: the name in the warning).
     """
 
-    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1, fn=decoder_layer):
+    def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1, fn=decoder_layer,
+                 what: str = "decoder layer", backward_at_forward: bool = False):
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
@@ -128,6 +131,20 @@ class CompiledLayer:
         self.compiled = torch.compile(fn, dynamic=False, backend=backend)
         self.failure: BaseException | None = None
         self.warn = warn
+        self.what = what
+        self.backward_at_forward = backward_at_forward
+        """Compile the backward graph in the forward call (AOTAutograd lowers it lazily, at the first
+        backward, by default), so that its failure too is caught here and the call runs eagerly; the
+        LM head (:mod:`megatrain_ray.engine.head`) differentiates every call at once."""
+
+    def _lowering(self):
+        import contextlib
+
+        import torch._functorch.config as functorch_config
+
+        if self.backward_at_forward and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            return functorch_config.patch(force_non_lazy_backward_lowering=True)
+        return contextlib.nullcontext()
 
     def release_workers(self) -> None:
         """Shut Inductor's compile worker pool down (after the first step, once both graphs are
@@ -141,11 +158,12 @@ class CompiledLayer:
     def __call__(self, *args):
         if self.failure is None:
             try:
-                return self.compiled(*args)
+                with self._lowering():
+                    return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
                 self.failure = e
                 cause = getattr(e, "inner_exception", None) or e
-                self.warn(f"warning: torch.compile of the decoder layer failed ({type(cause).__name__}: "
+                self.warn(f"warning: torch.compile of the {self.what} failed ({type(cause).__name__}: "
                           f"{str(cause).splitlines()[0] if str(cause) else ''}); "
                           "running it eagerly (set runtime.compile=false to skip the attempt).")
         return self.fn(*args)
