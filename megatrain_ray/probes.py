@@ -33,7 +33,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     from .engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
     from .engine.attention import sdpa_backend
     from .engine.sequence import layer_backward
-    from .engine.sequence import LayerRunner
+    from .engine.sequence import CompiledLayer, LayerRunner
     from .model import transformer as M
     from .model.layout import LayerTemplate
 
@@ -66,7 +66,10 @@ def layer_probe(cfg, micro_batches: int) -> dict:
         layer_backward(LayerRunner(wrap=lambda _: fn), t.bind(flat, fused=True), t.bind(grad, fused=True), xs,
                        [torch.ones_like(x) for x in xs], [(rope, None)] * len(xs), mc)
 
-    compiled = torch.compile(M.decoder_layer, dynamic=False)
+    from torch._inductor import config as inductor_config
+
+    # as the compute worker compiles it (its partitioner settings), the compiler's threads left as they are
+    compiled = CompiledLayer(threads=inductor_config.compile_threads)
     start = time.perf_counter()
     fwd(compiled)
     bwd(compiled)

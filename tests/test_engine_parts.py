@@ -285,7 +285,9 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
 
 def test_compiled_layer_matches_eager_and_falls_back_when_compiling_fails():
     """The compiled decoder layer (inductor, on the CPU here) gives the eager layer's output and
-    gradients; a compiler that fails makes it warn once and run eagerly instead of failing the run."""
+    gradients, and with torch's own partitioner settings the same bits as with its lean ones (which
+    recompute, in the backward, elementwise values the forward would have saved); a compiler that
+    fails makes it warn once and run eagerly instead of failing the run."""
     from megatrain_ray.engine.compute import CompiledLayer
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -301,8 +303,14 @@ def test_compiled_layer_matches_eager_and_falls_back_when_compiling_fails():
         return y.detach(), torch.autograd.grad(y.square().sum(), x)[0]
 
     eager = run(M.decoder_layer)
-    for got, want in zip(run(CompiledLayer()), eager):
+    torch._dynamo.reset()
+    lean = run(CompiledLayer())
+    for got, want in zip(lean, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    for got, want in zip(run(CompiledLayer(partitioner=None)), lean):
+        assert torch.equal(got, want)
+    torch._dynamo.reset()
 
     def broken_backend(graph, inputs):
         raise RuntimeError("no compiler here")

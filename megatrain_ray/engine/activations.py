@@ -45,37 +45,65 @@ def layer_modes(n_layers: int, keep: int, host: int) -> tuple[str, ...]:
     return (HOST,) * host + (GPU,) * (n_layers - keep - host) + (KEEP,) * keep
 
 
-def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False) -> int:
+LEAN_PARTITIONER = {"ban_recompute_used_far_apart": False, "ban_recompute_long_fusible_chains": False,
+                    "ban_recompute_materialized_backward": False}
+"""torch._functorch.config settings under which :class:`~megatrain_ray.engine.sequence.CompiledLayer`
+compiles the layer's training graph: the min-cut partitioner with three of its bans on recomputation
+lifted, so it recomputes the norms' outputs and silu(gate) * up in the backward (elementwise work
+fused into the backward's kernels) instead of saving them: -31% kept bytes at the 7B shape. The
+allowlist of recomputable ops stays, so no GEMM and no attention is ever recomputed. This is the
+first step of ``activation_memory_budget`` < 1 (its "more aggressive" min cut, taken when it meets
+the budget: it keeps 0.66-0.68 of the default's activations at the Qwen2.5-7B, Llama-3-8B and
+Qwen3-8B shapes, 0.77 for a small qk_norm layer), without the budget's later steps, which recompute
+attention (0.6 on the CPU) or GEMMs where that first cut does not meet it."""
+
+
+def lean_partitioner() -> dict | None:
+    """:data:`LEAN_PARTITIONER`, or None where this torch lacks one of its settings (its default
+    partitioner then, which saves what :func:`kept_bytes_per_token` counts with ``lean=False``)."""
+    import torch._functorch.config as functorch_config
+
+    if all(hasattr(functorch_config, key) for key in LEAN_PARTITIONER):
+        return LEAN_PARTITIONER
+    return None
+
+
+def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False, lean: bool | None = None) -> int:
     """Device bytes one token's kept graph of one decoder layer holds (weights and the step's RoPE
     cache not counted, the layer's input counted), for a compute dtype of ``itemsize`` bytes, run
     eagerly or (``compiled``) through torch.compile, whose partitioner recomputes cheap elementwise
-    work in the backward instead of saving it.
+    work in the backward instead of saving it; ``lean``: compiled under :data:`LEAN_PARTITIONER`
+    (None: as :class:`~megatrain_ray.engine.sequence.CompiledLayer` does with this torch).
 
     What :func:`~megatrain_ray.model.transformer.decoder_layer`'s autograd saves (tests/test_actplace.py
-    checks it against saved-tensor hooks on a Llama-shaped layer):
+    checks it against saved-tensor hooks on Llama-shaped layers, with qk_norm too, eager and compiled,
+    and compiled with q/k/v biases):
 
     - the norms, eager: each its fp32 upcast (4H; for fp32 inputs the input itself), the normalised
       value in the compute dtype and its product with the weight (2cH), the fp32 reciprocal RMS (4);
       plus the layer's input (cH), which a 16-bit run does not save (it saves its upcast) but the
-      backward needs as the leaf it differentiates to. Compiled: the input, both norms' outputs,
-      the residual between them (4cH) and the two reciprocal RMS (8);
+      backward needs as the leaf it differentiates to. Compiled: the input, the attention's output
+      projection (2cH: the residual between the norms is their sum) and the two reciprocal RMS (8),
+      and, not lean, both norms' outputs (2cH more);
     - attention, both: the fused q/k/v output (c(q + 2kv), held whole by v, a view of it; where
       SDPA copies v instead, as with q/k/v biases on the CPU, less), the rotated q and k
       (c(q + kv)), the attention output (cq, the o_proj input is a view of it) and the fp32
-      log-sum-exp per head (4 heads); with qk_norm, the norms over q and k, each its fp32 upcast
-      (for fp32, a view of the fused output), its normalised value and the reciprocal RMS per head
-      (the eager figure, for both);
+      log-sum-exp per head (4 heads); with qk_norm, the norms over q and k: eager, each its fp32
+      upcast (for fp32, a view of the fused output), its normalised value and the reciprocal RMS
+      per head; compiled, the reciprocal RMS per head only (the rest recomputed from the fused output);
     - the MLP, eager: the fused gate/up output (2cI), silu(gate) and silu(gate) * up (2cI);
-      compiled: the fused gate/up output and silu(gate) * up (3cI).
+      compiled: the fused gate/up output (2cI) and, not lean, silu(gate) * up (cI more).
     """
     c, h, i = itemsize, cfg.hidden_size, cfg.intermediate_size
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
     q, kv = heads * d, kv_heads * d
     attn = c * (q + 2 * kv) + c * (q + kv) + c * q + 4 * heads
     if cfg.qk_norm:
-        attn += (4 * (c < 4) + c) * (q + kv) + 4 * (heads + kv_heads)
+        attn += (0 if compiled else (4 * (c < 4) + c) * (q + kv)) + 4 * (heads + kv_heads)
     if compiled:
-        return 4 * c * h + 8 + attn + 3 * c * i
+        if lean is None:
+            lean = lean_partitioner() is not None
+        return 2 * c * h + 8 + attn + 2 * c * i + (0 if lean else 2 * c * h + c * i)
     return 2 * (4 * h + 2 * c * h + 4) + (c * h if c < 4 else 0) + attn + 4 * c * i
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..model.transformer import (attention_block, decoder_layer, document_ids, document_mask, mlp_block,
                                  rope_at, rope_cache)
-from .activations import graph_backward
+from .activations import graph_backward, lean_partitioner
 
 
 class LayerRunner:
@@ -120,15 +120,25 @@ class CompiledLayer:
     GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
     The LM head's chunk loss (:func:`~megatrain_ray.engine.head.chunk_loss_sum`) is compiled through
     it too (``what``: the name in the warning).
+
+    The training graph (gradients on: a kept forward, a recompute) is partitioned under
+    ``partitioner``: torch._functorch.config settings, None for torch's own, or "lean" (the
+    default) for :func:`~megatrain_ray.engine.activations.lean_partitioner`'s, which save less for
+    the backward and recompute the difference there, elementwise work only (torch's own where this
+    torch lacks them). They are applied around calls with gradients on only, so the no-grad
+    forward's graph is compiled as before; Dynamo does not guard on them, so they cause no
+    recompile (and every training call runs under the same ones).
     """
 
     def __init__(self, backend: str | object = "inductor", warn=print, threads: int = 1, fn=decoder_layer,
-                 what: str = "decoder layer", backward_at_forward: bool = False):
+                 what: str = "decoder layer", backward_at_forward: bool = False,
+                 partitioner: dict | str | None = "lean"):
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
         self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.sequence)
         self.compiled = torch.compile(fn, dynamic=False, backend=backend)
+        self.partitioner = lean_partitioner() if partitioner == "lean" else partitioner
         self.failure: BaseException | None = None
         self.warn = warn
         self.what = what
@@ -159,6 +169,11 @@ class CompiledLayer:
         if self.failure is None:
             try:
                 with self._lowering():
+                    if self.partitioner and torch.is_grad_enabled():
+                        import torch._functorch.config as functorch_config
+
+                        with functorch_config.patch(**self.partitioner):
+                            return self.compiled(*args)
                     return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
                 self.failure = e
