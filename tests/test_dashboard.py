@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow  # a second Ray with its dashboard, a headless bro
 
 STEPS = 100000  # more than it ever reaches: the run is stopped once the checks are done
 ROLES = {"store": "ParameterStore", "prefetch": "Prefetcher", "compute": "ComputeWorker",
-         "grad-sink": "GradientSink", "data-0": "BatchSource"}
-"""Role name -> its class, for a one-node, one-worker run of the built-in preset with one data loader."""
+         "grad-sink": "GradientSink", "data-0": "BatchSource", "queues": "QueueHost"}
+"""Role name -> its class, for a one-node, one-worker run of the built-in preset with one data loader
+(``queues``: the actor holding the node's queues)."""
 TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
 
 

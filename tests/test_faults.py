@@ -195,9 +195,9 @@ def test_a_driver_killed_with_minus_9_leaves_no_segment_and_no_role(shm_dir, tmp
         assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
         roles = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if _cmdline(p).startswith(("ray::ParameterStore", "ray::Prefetcher", "ray::ComputeWorker",
-                                            "ray::GradientSink", "ray::BatchSource", "ray::_QueueActor"))]
+                                            "ray::GradientSink", "ray::BatchSource", "ray::QueueHost"))]
         assert {_cmdline(p).split()[0].split(".")[0] for p in roles} >= {
-            "ray::ParameterStore", "ray::Prefetcher", "ray::ComputeWorker", "ray::GradientSink"}, roles
+            "ray::ParameterStore", "ray::Prefetcher", "ray::ComputeWorker", "ray::GradientSink", "ray::QueueHost"}, roles
         assert len(os.listdir(shm_dir)) == 5
         proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()

@@ -13,13 +13,13 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.queue import Queue
 
 from ..config import TrainConfig
 from ..data.datasets import run_tokenizer
@@ -278,14 +278,17 @@ def _combine(outs: list[dict]) -> dict:
             "workers": per_worker}
 
 
-def _drain(q: Queue) -> list[dict]:
+def _drain(q) -> list[dict]:
+    """What is waiting on ``q`` (a :class:`~megatrain_ray.orchestration.queues.QueueClient`), without waiting."""
     items = []
-    while not q.empty():
-        items.append(q.get())
-    return items
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
-def _size(q: Queue) -> int | None:
+def _size(q) -> int | None:
     try:
         return q.size()
     except Exception:

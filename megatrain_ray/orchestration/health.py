@@ -2,10 +2,11 @@
 
 The driver already holds a call in flight on the busy roles (each compute worker's ``run_step``,
 each prefetcher's and sink's ``run`` loop), and Ray fails such a call the moment its actor dies. The
-other roles — the parameter stores, the data loaders and the queue actors between the roles — sit
-idle between calls, so a death there went unnoticed until the next call (the store's: the final
-export). :class:`Health` keeps one small call in flight on each of them too (a ping, sent again half
-a second after the last answer), and:
+other roles — the parameter stores, the data loaders and each node's queue host (the actor holding
+the queues between the roles, :mod:`megatrain_ray.orchestration.queues`) — sit idle between calls,
+so a death there went unnoticed until the next call (the store's: the final export).
+:class:`Health` keeps one small call in flight on each of them too (a ping, sent again half a
+second after the last answer), and:
 
 - a ping that fails means the role died: :class:`~megatrain_ray.errors.ActorDied`, naming the role
   (the driver restarts the pipeline from the newest checkpoint, up to runtime.max_restarts times);
@@ -35,16 +36,14 @@ def _whereami(actor) -> tuple[int, str]:
 
 
 class Health:
-    """See the module docstring. ``idle``/``busy``: role name -> actor handle; ``queues``: Ray queues."""
+    """See the module docstring. ``idle``/``busy``: role name -> actor handle (the queue hosts are idle roles)."""
 
     INTERVAL_S = 0.5
 
-    def __init__(self, idle: dict, busy: dict, queues: list, timeout_s: float, start_timeout_s: float):
+    def __init__(self, idle: dict, busy: dict, timeout_s: float, start_timeout_s: float):
         """``start_timeout_s``: how long a role may take to come up and say where it runs (runtime.actor_timeout_s)."""
         self.timeout_s = timeout_s
         self.idle = dict(idle)
-        for k, q in enumerate(queues):
-            self.idle[f"queue-{k}"] = q.actor
         handles = {**self.idle, **busy}
         refs = {name: h.__ray_call__.remote(_whereami) for name, h in handles.items()}
         where = {name: _get(ref, name, start_timeout_s) for name, ref in refs.items()}

@@ -1,7 +1,7 @@
 """A single-process driver of the same engine, without Ray: the plain actor classes run as threads.
 
 Used by the benchmark to measure what Ray orchestration costs (same store, same prefetcher,
-compute worker and sink code; ``queue.Queue`` instead of Ray queues; method calls instead of
+compute worker and sink code; ``queue.Queue`` instead of the queue host's queues; method calls instead of
 actor calls). Segments are removed on every exit path, as in :func:`megatrain_ray.orchestration.pipeline.train`.
 """
 

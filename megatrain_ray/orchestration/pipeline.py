@@ -9,7 +9,8 @@
     GradientSink <------------- grad_q ---------------------+   gradient summed over all workers)
         '-- stats_q (grad norm, lr) --> driver
 
-The roles of every node are spawned and wired by :mod:`megatrain_ray.orchestration.roles`, the
+The roles of every node are spawned and wired by :mod:`megatrain_ray.orchestration.roles` (a
+node's queues are held by one actor, its queue host: :mod:`megatrain_ray.orchestration.queues`), the
 step loop is :mod:`megatrain_ray.orchestration.driver`. The driver holds the long-running loop
 calls of the prefetchers and sinks and waits on them together with each step, so the first actor
 failure ends the run with an error naming the role. Whatever happens (success, exception, Ctrl-C,
@@ -213,7 +214,7 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
-    health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy}, spawner.queues,
+    health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy},
                     cfg.runtime.health_timeout_s, timeout)  # before the loops start: it asks every role where it runs
     loops = {h.run.options(name=loop_task(names[h], cls, start, steps)).remote(start, steps): names[h]
              for n in roles.nodes for h, cls in (*((p, "Prefetcher") for p in n.prefetchers), (n.sink, "GradientSink"))}

@@ -7,13 +7,15 @@ own fetch and release queues (the worker's device slots) and a
 :class:`~megatrain_ray.engine.sink.GradientSink` takes the node's gradient tickets (one per worker
 and unit: each worker sends its shard of the summed gradient). The data loaders run on the first
 node. Checkpoints are written by the first node's sink only (every replica holds the same state).
+The queues of a node live in one actor of their own, the node's queue host
+(:mod:`megatrain_ray.orchestration.queues`).
 
 Once spawned, :meth:`RaySpawner.form_group` joins the compute workers (the gradient sum),
 :meth:`RaySpawner.form_shards` the nodes' sinks (runtime.optimizer_sharding=sharded), and
 :func:`place_cpus` pins each node's compute workers near their GPUs and its AdamW on the other CPUs.
 
 Both drivers wire through :func:`spawn_roles`: the Ray driver with :class:`RaySpawner` (actors in
-one STRICT_PACK placement group per node) and the single-process driver with
+one STRICT_PACK placement group per node, one queue host per node) and the single-process driver with
 :class:`LocalSpawner` (the same plain classes as objects, Python queues), so N workers and K nodes
 are one loop here, not an edit per driver.
 """
@@ -33,6 +35,7 @@ from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
 from .preflight import activation_placement
 from .labels import labelled
+from .queues import QueueClient, QueueHost
 
 STORE, PREFETCH, COMPUTE, SINK, LOADER = (
     {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25})
@@ -51,6 +54,9 @@ class NodeRoles:
     computes: list = field(default_factory=list)
     fetch_qs: list = field(default_factory=list)
     """Each compute worker's fetch queue (tickets of the units ready in its slots), in worker order."""
+    queues: Any = None
+    """The actor holding the node's queues (a :class:`~megatrain_ray.orchestration.queues.QueueHost`);
+    None where they are Python queues."""
 
 
 @dataclass
@@ -79,6 +85,8 @@ class Roles:
         for k, n in enumerate(self.nodes):
             at = f"@{k}" if len(self.nodes) > 1 else ""
             out[f"store{at}"], out[f"grad-sink{at}"] = n.store, n.sink
+            if n.queues is not None:
+                out[f"queues{at}"] = n.queues
             for w, (p, c) in enumerate(zip(n.prefetchers, n.computes)):
                 suffix = f"-{w}" if len(n.computes) > 1 else ""
                 out[f"prefetch{suffix}{at}"], out[f"compute{suffix}{at}"] = p, c
@@ -110,14 +118,14 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
     nodes = []
     for k, spec in enumerate(specs):
         spawner.node(k)
-        grad_q, stats_q = spawner.queue(0), spawner.queue(0)
-        grad_slot_q = spawner.queue(0) if spec.grad_slots else None
+        grad_q, stats_q = spawner.queue(0, "grad"), spawner.queue(0, "stats")
+        grad_slot_q = spawner.queue(0, "grad-slots") if spec.grad_slots else None
         store = spawner.actor(ParameterStore, "store")(spec, cfg.train.seed, rt.init_from, cpu, resume_from=resume,
                                                        reap=True)
         spawner.ready(store, "store")
-        roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q)
-        for _ in range(workers):
-            fetch_q, release_q = spawner.queue(depth), spawner.queue(depth)
+        roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q, queues=spawner.queue_host())
+        for w in range(workers):
+            fetch_q, release_q = spawner.queue(depth, f"fetch-{w}"), spawner.queue(depth, f"release-{w}")
             roles.fetch_qs.append(fetch_q)
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
                 spec, depth, fetch_q, release_q, rt.actor_timeout_s))
@@ -179,8 +187,11 @@ class LocalSpawner:
         if k:
             raise PipelineError("the single-process driver runs one node; set runtime.nodes=1.")
 
-    def queue(self, maxsize: int) -> queue.Queue:
+    def queue(self, maxsize: int, name: str) -> queue.Queue:
         return queue.Queue(maxsize)
+
+    def queue_host(self) -> None:
+        return None  # the queues are plain objects of this process
 
     def actor(self, cls: type, role: str, gpu: bool = False) -> Callable:
         return cls
@@ -191,7 +202,8 @@ class LocalSpawner:
 
 class RaySpawner:
     """The roles as Ray actors: one STRICT_PACK placement group per node (on distinct nodes when
-    there are several), bundles in :func:`node_resources` order; Ray queues inside the groups."""
+    there are several), bundles in :func:`node_resources` order; the queues of each node in one
+    :class:`~megatrain_ray.orchestration.queues.QueueHost` actor in its group (bundle 0, no CPU of its own)."""
 
     def __init__(self, cfg: TrainConfig, device: str, run_id: str, get: Callable):
         import ray
@@ -200,7 +212,8 @@ class RaySpawner:
         self.cfg, self.run_id, self.get = cfg, run_id, get
         """``get(ref, role)``: the driver's ray.get that turns actor failures into one-sentence errors."""
         self.handles: dict[str, Any] = {}
-        self.queues: list = []
+        self.hosts: dict[int, Any] = {}
+        """node -> its queue host."""
         self.pgs: list = []
         self.resources = [node_resources(cfg, device, k) for k in range(cfg.runtime.nodes)]
         targets = self._target_nodes(ray, device) if cfg.runtime.nodes > 1 else [None]
@@ -243,12 +256,21 @@ class RaySpawner:
     def node(self, k: int) -> None:
         self.k = k
 
-    def queue(self, maxsize: int):
-        from ray.util.queue import Queue
+    def queue_host(self):
+        """The current node's queue host, spawned on first use: named ``queues[@k]-<run id>`` and
+        labelled like a role, so the dashboard lists it with the run's roles."""
+        import ray
 
-        q = Queue(maxsize=maxsize, actor_options={"num_cpus": 0, "scheduling_strategy": self._strategy(0)})
-        self.queues.append(q)
-        return q
+        if self.k not in self.hosts:
+            name = f"queues{f'@{self.k}' if len(self.pgs) > 1 else ''}"
+            host = ray.remote(labelled(QueueHost, name, self.k, self.run_id)).options(
+                name=f"{name}-{self.run_id}", max_restarts=0, num_cpus=0, scheduling_strategy=self._strategy(0))
+            self.hosts[self.k] = self.handles[name] = host.remote()
+        return self.hosts[self.k]
+
+    def queue(self, maxsize: int, name: str) -> QueueClient:
+        """The current node's queue ``name`` (bounded by ``maxsize``; 0: unbounded), on its queue host."""
+        return QueueClient(self.queue_host(), name, maxsize)
 
     def actor(self, cls: type, role: str, gpu: bool = False) -> Callable:
         import ray
@@ -291,8 +313,8 @@ class RaySpawner:
         self.get([s.join_shards.remote(k, len(sinks), address, port) for k, s in enumerate(sinks)], "grad-sink")
 
     def kill(self) -> None:
-        """Remove every actor, queue and placement group (stores on other nodes free their shared
-        memory first, where they still answer)."""
+        """Remove every actor (the queue hosts too) and placement group (stores on other nodes free
+        their shared memory first, where they still answer)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -307,14 +329,9 @@ class RaySpawner:
                 ray.kill(handle, no_restart=True)
             except Exception:
                 pass
-        for q in self.queues:
-            try:
-                q.shutdown(force=True)
-            except Exception:
-                pass
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        self.handles, self.queues, self.pgs = {}, [], []
+        self.handles, self.hosts, self.pgs = {}, {}, []

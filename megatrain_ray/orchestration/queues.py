@@ -1,0 +1,142 @@
+"""The pipeline's queues on Ray: one queue-host actor per node and run holds all of that node's queues.
+
+The roles of a node hand each other small items through named queues (see
+:func:`~megatrain_ray.orchestration.roles.spawn_roles`):
+
+====================  =================================================  ======================
+queue                 items                                              bound
+====================  =================================================  ======================
+``fetch-W``           :class:`~megatrain_ray.engine.tickets.FetchTicket`  runtime.buffer_depth
+                      (prefetcher W -> compute worker W)
+``release-W``         device slot ids, ``int`` (compute W -> prefetcher)  runtime.buffer_depth
+``grad``              :class:`~megatrain_ray.engine.tickets.GradTicket`   none
+                      (compute workers -> sink)
+``grad-slots``        free slots of the store's gradient ring, ``int``    none
+                      (sink -> compute workers; only with a ring)
+``stats``             ``dict``: a step's stats (step, grad_norm, lr,      none
+                      ...) or a checkpoint notice (sink -> driver)
+====================  =================================================  ======================
+
+One ``ray.util.queue.Queue`` per queue would be one actor process each (4-5 per node and run,
+each process start a second or two on a small machine); here :class:`QueueHost`, one async actor
+with no CPU of its own, keeps each queue as an ``asyncio.Queue`` under its name, and
+:class:`QueueClient` is the small picklable handle the roles hold: the host's actor handle, the
+queue's name and bound. A client offers what the roles and the driver use of :class:`queue.Queue`
+(which the single-process driver passes instead): ``put``/``get`` with ``block`` and ``timeout``,
+raising :class:`queue.Full` / :class:`queue.Empty` when the time is up, ``put_nowait``/
+``get_nowait``, ``empty``, ``qsize`` (and ``size``). A call to a dead host raises Ray's actor
+error, as a dead queue actor's did.
+
+A queue comes into being on the host with the first call that names it (every client of a name
+carries the same bound), so no call has to wait for a "create" from the spawner to arrive first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import Any
+
+
+class QueueHost:
+    """The queues of one node's pipeline, by name (an async Ray actor: a blocked ``get`` or ``put``
+    waits on its event loop without holding up the other queues' calls)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    def _queue(self, name: str, maxsize: int) -> asyncio.Queue:
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = asyncio.Queue(maxsize)
+        return q
+
+    async def put(self, name: str, maxsize: int, item: Any, timeout: float | None) -> bool:
+        """Put ``item``, waiting up to ``timeout`` seconds (None: for ever) for room; False if there was none."""
+        q = self._queue(name, maxsize)
+        if not q.full():
+            q.put_nowait(item)
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        try:
+            async with asyncio.timeout(timeout):
+                await q.put(item)
+        except TimeoutError:
+            return False
+        return True
+
+    async def get(self, name: str, maxsize: int, timeout: float | None) -> tuple[bool, Any]:
+        """(True, the next item), waiting up to ``timeout`` seconds (None: for ever); (False, None) if none came."""
+        q = self._queue(name, maxsize)
+        if not q.empty():
+            return True, q.get_nowait()
+        if timeout is not None and timeout <= 0:
+            return False, None
+        try:
+            async with asyncio.timeout(timeout):
+                return True, await q.get()  # a get cancelled by the timeout takes no item
+        except TimeoutError:
+            return False, None
+
+    async def size(self, name: str, maxsize: int) -> int:
+        return self._queue(name, maxsize).qsize()
+
+    async def ready(self) -> bool:
+        return True
+
+
+class QueueClient:
+    """One named queue of a :class:`QueueHost`, with the interface of :class:`queue.Queue` that the
+    roles use (see the module docstring); picklable, so it is passed to the roles' constructors."""
+
+    def __init__(self, host, name: str, maxsize: int = 0):
+        self.host, self.name, self.maxsize = host, name, maxsize
+
+    @property
+    def actor(self):
+        """The host's actor handle (what the health checks ping)."""
+        return self.host
+
+    def _call(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self.host, method).remote(self.name, self.maxsize, *args))
+
+    @staticmethod
+    def _wait(block: bool, timeout: float | None) -> float | None:
+        if not block:
+            return 0.0
+        if timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        return timeout
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if not self._call("put", item, self._wait(block, timeout)):
+            raise queue.Full
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        ok, item = self._call("get", self._wait(block, timeout))
+        if not ok:
+            raise queue.Empty
+        return item
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item, block=False)
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        return self._call("size")
+
+    size = qsize
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def full(self) -> bool:
+        return 0 < self.maxsize <= self.qsize()
+
+    def __repr__(self) -> str:
+        return f"QueueClient({self.name!r}, maxsize={self.maxsize})"
