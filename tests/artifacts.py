@@ -34,6 +34,15 @@ ARCHS = {
 }
 
 
+TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+
+def dtype_kwarg(dtype) -> dict:
+    """from_pretrained's keyword for the dtype to load in: ``dtype`` from transformers 4.56 on,
+    ``torch_dtype`` before. ``"auto"`` is config.json's dtype (5's default; 4 loads float32 unless told)."""
+    return {"dtype" if TRANSFORMERS_VERSION >= (4, 56) else "torch_dtype": dtype}
+
+
 def make_model(arch: str, seed: int = 0, **overrides):
     """A tiny random fp32 model of ``arch`` (see ARCHS)."""
     config_cls, model_cls, extra = ARCHS[arch]

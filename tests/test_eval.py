@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import save_model, save_tokenizer  # noqa: E402
+from artifacts import dtype_kwarg, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
@@ -183,7 +183,7 @@ def test_eval_of_the_default_run_reads_the_built_in_held_out_documents(tmp_path,
     assert match, lines
 
     tok = transformers.AutoTokenizer.from_pretrained(run / "final")
-    model = transformers.AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "final", **dtype_kwarg(torch.float32)).eval()
     stream = np.concatenate([tok(d)["input_ids"] + [tok.eos_token_id] for d in builtin_documents("val")])
     assert tok.eos_token_id == 256 and stream.max() == 256
     s = cfg.train.seq_len

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import ARCHS, save_model, save_tokenizer  # noqa: E402
+from artifacts import ARCHS, dtype_kwarg, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
@@ -149,6 +149,15 @@ def _edit_config(directory, edit: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(raw))
 
 
+def _as_transformers5(raw: dict) -> None:
+    """config.json in transformers 5's form (what its save_pretrained writes): rope_theta inside
+    rope_parameters, no rope_scaling. transformers 4 writes the other form, so the tests make this one
+    themselves."""
+    if "rope_parameters" not in raw:
+        raw["rope_parameters"] = {**(raw.pop("rope_scaling", None) or {"rope_type": "default"}),
+                                  "rope_theta": raw.pop("rope_theta")}
+
+
 def _as_transformers4(raw: dict) -> None:
     """config.json in transformers 4's form (as Llama 3.1's own): rope_theta beside rope_scaling."""
     rope = raw.pop("rope_parameters", None) or raw.pop("rope_scaling")
@@ -179,7 +188,9 @@ def test_llama31_rope_scaling_logits_match_transformers(tmp_path, shm_dir):
 @pytest.mark.parametrize("form", ["transformers5", "transformers4", "run checkpoint"])
 def test_llama31_rope_scaling_survives_export(tmp_path, form):
     model = _llama31(tmp_path / "hf")
-    if form == "transformers4":
+    if form == "transformers5":
+        _edit_config(tmp_path / "hf", _as_transformers5)
+    elif form == "transformers4":
         _edit_config(tmp_path / "hf", _as_transformers4)
     elif form == "run checkpoint":  # what checkpoint.save writes: ModelConfig.to_hf_dict, no base
         cfg, _ = hf_io.read_config(str(tmp_path / "hf"))
@@ -198,8 +209,7 @@ def test_llama31_rope_scaling_survives_export(tmp_path, form):
 @pytest.mark.parametrize("form", ["transformers5", "transformers4"])
 def test_unsupported_rope_type_is_one_sentence(tmp_path, rope_type, form):
     _llama31(tmp_path / "hf")
-    if form == "transformers4":
-        _edit_config(tmp_path / "hf", _as_transformers4)
+    _edit_config(tmp_path / "hf", _as_transformers5 if form == "transformers5" else _as_transformers4)
     key = "rope_parameters" if form == "transformers5" else "rope_scaling"
     _edit_config(tmp_path / "hf", lambda raw: raw[key].update(rope_type=rope_type))
     with pytest.raises(ConfigError) as err:
@@ -259,7 +269,7 @@ def test_export_casts_to_bf16_on_request(tmp_path):
     exported = _tensors(tmp_path / "out")
     for name, ref in model.state_dict().items():
         assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], ref.to(torch.bfloat16))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", **dtype_kwarg("auto"))
     assert loaded.dtype == torch.bfloat16
 
 
@@ -301,7 +311,7 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
     assert proc.returncode == 0, proc.stderr
     assert "tokenizer.json" in proc.stdout
 
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", **dtype_kwarg(torch.float32)).eval()
     assert type(loaded).__name__ == "Qwen3ForCausalLM"
     ids = _ids(vocab=len(hf_tok), seq=16)
     with torch.no_grad():
@@ -318,8 +328,9 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
     source = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "the engineer streams the weights"
     assert type(tok) is type(source) and tok.encode(text) == source.encode(text) and len(tok.encode(text)) > 3
-    # Qwen3Config saves eos_token_id null: the export names the tokenizer's EOS, so generate can stop.
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] is None
+    # Qwen3Config saves eos_token_id null (transformers 4 leaves the key out): the export names the
+    # tokenizer's EOS, so generate can stop.
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()).get("eos_token_id") is None
     for directory in (result.final_dir, tmp_path / "export"):
         saved = json.loads(open(os.path.join(directory, "config.json")).read())
         assert saved["eos_token_id"] == source.eos_token_id == 1 and saved["bos_token_id"] is None

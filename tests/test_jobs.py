@@ -158,11 +158,12 @@ def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_pat
 
 
 def test_documented_job_command_writes_the_run_under_home(head, shm_dir):
-    """The README's form, from a shell with RAY_AUTH_MODE=token and the head's token: no --address,
-    no runtime env, a relative runtime.run_dir. The run lands in ~/megatrain-ray/runs (the job's
-    working directory is Ray's temporary copy), and the job says so first."""
-    proc = _ray("job", "submit", "--working-dir", ".", "--", "python", "jobs/train.py", "--set", "train.steps=3",
-                "--set", "runtime.device=cpu", "--set", f"runtime.shm_dir={shm_dir}")
+    """The README's form (``jobs/train.py --config configs/tiny.yaml``, a path in the uploaded working
+    directory), from a shell with RAY_AUTH_MODE=token and the head's token: no --address, no runtime
+    env, a relative runtime.run_dir. The run lands in ~/megatrain-ray/runs (the job's working
+    directory is Ray's temporary copy), and the job says so first."""
+    proc = _ray("job", "submit", "--working-dir", ".", "--", "python", "jobs/train.py", "--config", "configs/tiny.yaml",
+                "--set", "train.steps=3", "--set", "runtime.device=cpu", "--set", f"runtime.shm_dir={shm_dir}")
     logs = proc.stdout + proc.stderr
     assert proc.returncode == 0, logs[-4000:]
     runs = os.path.join(HEAD_ENV["HOME"], "megatrain-ray", "runs")

@@ -211,7 +211,10 @@ def save_byte_tokenizer(directory: str) -> list[str]:
     specials = [EOS_TOKEN] + [f"<|reserved_{i}|>" for i in range(BYTE_TOKENIZER_VOCAB - EOS_ID - 1)]
     tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
     assert tok.token_to_id(EOS_TOKEN) == EOS_ID and tok.get_vocab_size() == BYTE_TOKENIZER_VOCAB
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    # A causal LM takes no token_type_ids; transformers 4's fast tokenizer returns them unless told, and
+    # generate(**tokenizer(prompt)) then refuses them.
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                 model_input_names=["input_ids", "attention_mask"])
     hf.chat_template = BYTE_CHAT_TEMPLATE
     os.makedirs(directory, exist_ok=True)
     hf.save_pretrained(directory)
