@@ -154,6 +154,45 @@ def test_save_waits_for_the_master_weights_of_a_split_update(shm_dir, tmp_path):
         ps.close()
 
 
+def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_path, monkeypatch):
+    """The sink stops at a non-finite gradient norm; the save of the boundary before it (the last good
+    weights, written in the background) is finished first, not left a temporary by the run's teardown."""
+    import queue
+
+    from megatrain_ray.config import OptimConfig
+    from megatrain_ray.engine.sink import GradientSink
+    from megatrain_ray.engine.tickets import GradTicket
+    from megatrain_ray.errors import PipelineError
+
+    write = writer.CheckpointWriter._write
+
+    def slow_write(self, *args, **kwargs):  # a save that outlasts the step after it
+        time.sleep(1.0)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer.CheckpointWriter, "_write", slow_write)
+    ps = _store(shm_dir, "diverge")
+    root = str(tmp_path / "ckpts")
+    grad_q, stats_q = queue.Queue(), queue.Queue()
+    sink = GradientSink(ps.spec, OptimConfig(lr=1e-3), 3, grad_q, stats_q, timeout_s=30,
+                        checkpoint=checkpoint.CheckpointPlan(root, every=1, keep=2, run_config={}, run_id="r"))
+    try:
+        units = range(len(ps.store.layout.units))
+        for step, sq_norm in ((0, 1.0), (1, float("inf"))):
+            for i in units:
+                grad_q.put(GradTicket(i, step, sq_norm / len(units)))
+        with pytest.raises(PipelineError, match="gradient norm of step 2 is inf; training diverged"):
+            sink.run(0, 3)
+        assert os.listdir(root) == ["step-000001"]
+        meta = checkpoint.read_meta(os.path.join(root, "step-000001"))
+        assert meta["step"] == 1 and set(meta["versions"].values()) == {1}
+        notices = [stats_q.get_nowait() for _ in range(stats_q.qsize())]
+        assert [n["step"] for n in notices if "checkpoint" in n] == [1]
+    finally:
+        sink.close()
+        ps.close()
+
+
 def test_keep_last_k_prunes_only_after_a_new_checkpoint_is_complete(shm_dir, tmp_path):
     ps = _store(shm_dir, "keep")
     root = str(tmp_path / "ckpts")

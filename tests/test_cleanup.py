@@ -81,7 +81,7 @@ def test_segments_are_removed_when_the_run_raises(ray_cluster, shm_dir, tmp_path
     assert {_kind(n, os.getpid(), run_id) for n in seen[0]} == KINDS
     assert os.listdir(shm_dir) == []
     assert {a.rsplit("-" + run_id, 1)[0] for a in during["actors"]} == {
-        "store", "prefetch", "compute", "grad-sink", "data-0"}
+        "store", "prefetch", "compute", "grad-sink", "data-0", "queues"}  # queues: the node's queue host
     assert during["pgs"] == [f"megatrain-{run_id}-n0"]  # one placement group per node
     # The run's actors and placement group were torn down too (asynchronous in Ray: poll briefly).
     deadline = time.monotonic() + 30

@@ -202,7 +202,9 @@ def step_reference(master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, q
     param = master.to(f32) * decay
     m1 = m0 + torch.tensor(c.w1, dtype=f32) * (g - m0)
     v1 = v0 * torch.tensor(c.b2, dtype=f32) + g * g * torch.tensor(c.one_minus_b2, dtype=f32)
-    s1 = torch.sqrt(v1)
+    # Correctly rounded, as C's sqrtf: torch's fp32 sqrt is 1 ulp off on some CPUs (an AMD EPYC, AVX512);
+    # a float64 root rounded to fp32 is the correctly rounded fp32 root (53 >= 2 * 24 + 2 bits).
+    s1 = torch.sqrt(v1.double()).float()
     denom = s1 / torch.tensor(c.bc2_sqrt, dtype=f32) + torch.tensor(c.eps, dtype=f32)
     param = param - torch.tensor(c.step_size, dtype=f32) * m1 / denom
     h1, h2, h3 = random_bits(torch.arange(index0, index0 + n, dtype=torch.int64), key)

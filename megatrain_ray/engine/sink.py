@@ -124,8 +124,7 @@ class GradientSink:
                 del pending[ticket.unit]
                 held = ticket.step_sq_norm != -1.0  # the step's norm is known already (gradients held on the device)
                 if held and not math.isfinite(ticket.step_sq_norm):
-                    raise PipelineError(f"the gradient norm of step {step + 1} is {math.sqrt(ticket.step_sq_norm)}; "
-                                        "training diverged, lower optim.lr or check the data.")
+                    self._diverged(step, math.sqrt(ticket.step_sq_norm))
                 if self.host_sum:
                     sq_norm += self._sum_copies(ticket.unit)
                 if not deferred or held:  # (held gradients come from one worker alone: no sum, no shards)
@@ -135,8 +134,7 @@ class GradientSink:
                         self.grad_slot_q.put(ticket.slot, timeout=self.timeout_s)
             norm = math.sqrt(ticket.step_sq_norm if held else sq_norm)
             if not math.isfinite(norm):
-                raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
-                                    "lower optim.lr or check the data.")
+                self._diverged(step, norm)
             if deferred and not held:
                 coef = clip_coefficient(norm, self.optim.max_grad_norm)
                 split = self._splits()
@@ -161,6 +159,16 @@ class GradientSink:
         self._maybe_checkpoint(end_step, start_step, end_step)
         self._report_checkpoint(wait=True)
         return end_step - start_step
+
+    def _diverged(self, step: int, norm: float) -> None:
+        """Finish the save being written (the last good weights: this step's update is never applied),
+        then raise: the run stops, and its newest checkpoint is whole."""
+        try:
+            self._report_checkpoint(wait=True)
+        except Exception:  # noqa: BLE001 (that save failed: the divergence is still what stops the run)
+            pass
+        raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
+                            "lower optim.lr or check the data.")
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): where the sinks' group meets (the first node's)."""

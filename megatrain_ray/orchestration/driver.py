@@ -175,6 +175,7 @@ class Driver:
                     pass  # its non-finite gradient norm: the same divergence, said below
                 break
             self._handle(_drain(self.head.stats_q))
+        self._handle(_drain(self.head.stats_q))  # the notice of the save the sink finished first
         raise PipelineError(f"the loss of step {step + 1} is {loss}, so training diverged; lower optim.lr "
                             "(or raise optim.warmup_steps) or check the data.")
 
