@@ -13,6 +13,10 @@ from megatrain_ray.engine.tickets import fetch_order
 from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import UNIT_ALIGN, LayerTemplate, StoreLayout
 
+SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=3",
+               "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512"]
+"""A 3-layer model of 0.2M parameters for the single-process runs below."""
+
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_fused_views_are_the_concatenated_parameters_and_change_nothing(model_type):
@@ -177,8 +181,7 @@ def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypa
     losses = {}
     for split in ("true", "false"):
         cfg = load_config(None, [
-            "model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=3",
-            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+            *SMALL_MODEL,
             "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=4",
             f"data.path={data}", "runtime.device=cpu", "runtime.compute_dtype=bfloat16", "optim.weight_decay=0.1",
             "optim.max_grad_norm=0.05", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}",
@@ -241,8 +244,7 @@ def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
     results = {}
     for offload in ("false", "true"):
         cfg = load_config(None, [
-            "model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=3",
-            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+            *SMALL_MODEL,
             "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=3", "train.steps=3",
             f"data.path={data}", "runtime.device=cpu", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}",
             f"runtime.offload_activations={offload}"])
