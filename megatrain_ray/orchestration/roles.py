@@ -263,8 +263,11 @@ class RaySpawner:
 
         if self.k not in self.hosts:
             name = f"queues{f'@{self.k}' if len(self.pgs) > 1 else ''}"
+            # No task events: its puts and gets (several per unit and step) would flood Ray's task
+            # table, hiding the roles' own tasks from the dashboard and the state API.
             host = ray.remote(labelled(QueueHost, name, self.k, self.run_id)).options(
-                name=f"{name}-{self.run_id}", max_restarts=0, num_cpus=0, scheduling_strategy=self._strategy(0))
+                name=f"{name}-{self.run_id}", max_restarts=0, num_cpus=0, scheduling_strategy=self._strategy(0),
+                enable_task_events=False)
             self.hosts[self.k] = self.handles[name] = host.remote()
         return self.hosts[self.k]
 
