@@ -163,6 +163,9 @@ def test_roles_and_their_tasks_through_the_state_api(live_run):
     # The queue host records no task events: its puts and gets (several per unit and step) would
     # crowd the roles' own tasks out of Ray's task table (the state API lists at most 10,000).
     assert tasks_of("queues") == [], [t["name"] for t in tasks_of("queues")][:5]
+    # nor do the health checks' pings of the idle roles (twice a second each)
+    pings = [t["name"] for t in state["tasks"] if t["name"].endswith(("health_ping", "__ray_ready__"))]
+    assert pings == [], pings[:5]
 
 
 def _browser():

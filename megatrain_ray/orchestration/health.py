@@ -79,7 +79,7 @@ class Health:
                                 "the Ray dashboard or /tmp/ray/session_latest/logs.")
         for name, handle in self.idle.items():
             if name not in self.pings and now - self.answered.get(name, 0.0) >= self.INTERVAL_S:
-                self.pings[name] = (handle.__ray_ready__.remote(), now)
+                self.pings[name] = (handle.health_ping.remote(), now)  # (orchestration.labels)
 
     def _pid(self, name: str) -> str:
         return f" (process {self.pids[name]})" if name in self.pids else ""

@@ -3,7 +3,8 @@
 Ray shows an actor's ``__repr__`` (the state API's ``repr_name``, the prefix of its log lines) as
 it was when the constructor returned: it is never asked again, so it cannot follow the step.
 :func:`labelled` gives each role's class, at spawn, a ``__repr__`` that says which role it is and
-where it runs (``compute-1: ComputeWorker, node 0, GPU 1``); the engine's classes stay
+where it runs (``compute-1: ComputeWorker, node 0, GPU 1``), and a ``health_ping`` method that
+records no task event (the health checks call it twice a second); the engine's classes stay
 as they are. What a role is doing goes in the names of the tasks the driver submits to it
 (:func:`step_task`, :func:`loop_task`), which the dashboard lists per actor with their state
 (running, finished, failed): ``ComputeWorker step 12/100``, ``GradientSink grad-sink loop, steps 1-100``.
@@ -35,8 +36,16 @@ def labelled(cls: type, name: str, node: int, run_id: str) -> type:
         gpu = f", GPU {','.join(str(g) for g in gpus)}" if gpus else ""
         return f"{name}: {cls.__name__}, node {node}{gpu}"  # the run id is in the actor's name
 
+    def health_ping(self) -> bool:
+        """What :mod:`megatrain_ray.orchestration.health` calls twice a second on an idle role."""
+        return True
+
+    import ray
+
     body = {"__repr__": __repr__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__}
+            "__doc__": cls.__doc__,
+            # no task events: the pings would fill the role's task list in the dashboard, hiding its real tasks
+            "health_ping": ray.method(enable_task_events=False)(health_ping)}
     if hasattr(cls, "doing"):
         base_run = re.sub(r"-r\d+$", "", run_id)  # after a restart, the run's gauges keep its id
 
