@@ -114,12 +114,17 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     assert found[("worker_link_gbps", (("direction", "h2d"), ("worker", "0")))] == found[
         ("link_gbps", (("direction", "h2d"),))]
     assert found[("queue_depth", (("queue", "grad"),))] >= 0
-    # What each role was doing last: the prefetcher issued the last step's last ticket, the sink
-    # applied the last step's updates (published by the roles' actors, orchestration.labels).
-    assert found[("role_step", (("role", "prefetch"),))] == found[("role_step", (("role", "grad-sink"),))] == STEPS
+    # What each role was doing last (published by the roles' actors, orchestration.labels): the
+    # prefetcher issuing the last step's last ticket, the sink applying the last step's updates. An
+    # actor's gauges reach the endpoint every 10 s (Ray's metrics_report_interval_ms), and the run
+    # removes its actors when it ends, so the last export before that may be of the step before.
     layers = cfg.model.num_hidden_layers
-    assert found[("role_unit", (("role", "prefetch"),))] == fetch_order(layers, cfg.model.tie_word_embeddings)[-1]
-    assert found[("role_unit", (("role", "grad-sink"),))] in range(layers + 2)
+    for role, last_unit in (("prefetch", fetch_order(layers, cfg.model.tie_word_embeddings)[-1]), ("grad-sink", None)):
+        step, unit = found[("role_step", (("role", role),))], found[("role_unit", (("role", role),))]
+        assert step in (STEPS - 1, STEPS), (role, step)
+        assert unit in range(layers + 2), (role, unit)
+        if step == STEPS and last_unit is not None:
+            assert unit == last_unit, (role, unit)
     assert 0 <= found[("queue_depth", (("queue", "fetch"),))] <= 2  # it holds at most buffer_depth (2 on cpu)
 
 
