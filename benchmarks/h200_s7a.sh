@@ -16,17 +16,4 @@ for spec in "7b-split:" "7b-onepass:--set runtime.split_update=false"; do
   grep -E "^megatrain_ray|activations|^note|rc=|Error" "$out/log_$tag.txt" | cut -c1-300 | tail -5
 done
 stamp done
-python3 - "$out" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-print(f"{'run':<12}{'s/step':>8}{'TF 6NT':>8}{'TF PaLM':>9}{'GPU GiB':>9}{'wait s':>8}")
-for tag in ("7b-split", "7b-onepass"):
-    path = os.path.join(out, f"bench-{tag}.json")
-    if not os.path.exists(path):
-        print(f"{tag:<12}  (no result: see log_{tag}.txt)")
-        continue
-    d = json.load(open(path)); r = d["systems"]["megatrain_ray"]
-    wait = r.get("wait_busy_frac", 0) * r["step_s"]  # the compute worker waiting for weights (AdamW)
-    print(f"{tag:<12}{r['step_s']:>8.3f}{r['tflops_6nt']:>8.1f}{r['tflops_palm']:>9.1f}"
-          f"{r.get('device_peak_gib', 0):>9.1f}{wait:>8.2f}")
-PY
+python3 benchmarks/bench_table.py "$out" 7b-split 7b-onepass

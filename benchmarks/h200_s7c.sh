@@ -28,16 +28,4 @@ for probe in head kept; do
   echo "rc=$?" >> "$out/log_${probe}_probe.txt"; tail -12 "$out/log_${probe}_probe.txt" | cut -c1-200
 done
 stamp done
-python3 - "$out" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-print(f"{'run':<12}{'s/step':>8}{'TF 6NT':>8}{'TF PaLM':>9}{'GPU GiB':>9}{'busy':>7}")
-for tag in ("7b-now", "7b-2ea19d9"):
-    path = os.path.join(out, f"bench-{tag}.json")
-    if not os.path.exists(path):
-        print(f"{tag:<12}  (no result: see log_{tag}.txt)")
-        continue
-    r = json.load(open(path))["systems"]["megatrain_ray"]
-    print(f"{tag:<12}{r['step_s']:>8.3f}{r['tflops_6nt']:>8.1f}{r['tflops_palm']:>9.1f}"
-          f"{r.get('device_peak_gib', 0):>9.1f}{r.get('compute_busy_frac', 0):>7.1%}")
-PY
+python3 benchmarks/bench_table.py "$out" 7b-now 7b-2ea19d9
