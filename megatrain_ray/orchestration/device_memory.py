@@ -79,11 +79,22 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
                "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan").hold_grads else []),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
-            chunk * m.vocab_size * (2 * 4 + c) + 3 * chunk * h * 4, "head"),
+            chunk * m.vocab_size * _logit_bytes(c, rt.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
     if device == "cuda":
         rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
     return rows
+
+
+def _logit_bytes(c: int, compiled: bool) -> int:
+    """Device bytes per logit of one loss chunk at its peak (:mod:`megatrain_ray.engine.head`), for a
+    compute dtype of ``c`` bytes. Eager: the logits (c), their fp32 upcast and log-softmax (4 + 4, the
+    latter saved for the backward) and its fp32 gradient (4). Compiled: the logits and their gradient
+    in the compute dtype (2c), the fp32 softmax fused into the kernels around the two GEMMs. Checked
+    on the H200 (session 7, benchmarks/h200_head_probe.py, the Qwen2.5-7B head in chunks of 8192
+    tokens): 15.2 GiB eager and 4.5 GiB compiled above the head's inputs, gradient and outputs,
+    where the row says 16.6 and 5.0."""
+    return 2 * c if compiled else 3 * 4 + c
 
 
 def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) -> Row:

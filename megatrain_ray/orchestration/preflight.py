@@ -21,8 +21,9 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
   :func:`device_total`), one layer's working set while it is recomputed and differentiated for
   one micro-batch (its activations and their gradients, its fp32 gradient accumulator; with
   runtime.mlp_chunk_size, the [tokens, intermediate] terms for one chunk) or the head's: one loss
-  chunk of fp32 logits (``buffer_depth``, ``loss_chunk_size`` and ``mlp_chunk_size`` as
-  resolved for the run, see RuntimeSection).
+  chunk of logits, with their fp32 log-softmax and gradient when eager, in the compute dtype when
+  compiled (``buffer_depth``, ``loss_chunk_size``, ``mlp_chunk_size`` and ``compile`` as resolved
+  for the run, see RuntimeSection).
 
 The device figures are estimates of the dominant terms, the rest are exact sizes. Checked on an
 H200 (a 0.5B Llama shape, 2 x 2048-token micro-batches, bf16): the device total without the CUDA
