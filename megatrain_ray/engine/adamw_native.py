@@ -267,6 +267,16 @@ def compact_kernel(directory: str | None = None):
     return fn
 
 
+def _at(t: torch.Tensor | None, i: int) -> int | None:
+    """The address of element ``i`` of contiguous ``t`` (None for None): what the kernels take."""
+    return None if t is None else t.data_ptr() + i * t.element_size()
+
+
+def _corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """AdamW's bias corrections at 1-based ``step``: (1 - beta1^step, sqrt(1 - beta2^step))."""
+    return 1.0 - beta1 ** step, (1.0 - beta2 ** step) ** 0.5
+
+
 def compact_piece(fn, master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
                   sm: torch.Tensor, sv: torch.Tensor, a: int, b: int, decay_numel: int, c, key: int) -> None:
     """Elements [a, b) of one unit's compact step through ``fn`` (``a`` a multiple of the block size).
@@ -274,11 +284,8 @@ def compact_piece(fn, master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor
     master: [n] bf16, grad: [n] bf16/fp32, qm, qv: [n] uint8, sm, sv: [blocks] fp32, all contiguous;
     ``c``: the step's :class:`~megatrain_ray.engine.compact.StepConstants`; ``key``: its random key.
     """
-    def at(t: torch.Tensor, i: int) -> int:
-        return t.data_ptr() + i * t.element_size()
-
-    fn(at(master, a), at(grad, a), int(grad.dtype == torch.bfloat16), at(qm, a), at(qv, a), at(sm, a // BLOCK),
-       at(sv, a // BLOCK), b - a, decay_numel - a, c.decay_a, c.decay_b, c.w1, c.b2, c.one_minus_b2, c.step_size,
+    fn(_at(master, a), _at(grad, a), int(grad.dtype == torch.bfloat16), _at(qm, a), _at(qv, a), _at(sm, a // BLOCK),
+       _at(sv, a // BLOCK), b - a, decay_numel - a, c.decay_a, c.decay_b, c.w1, c.b2, c.one_minus_b2, c.step_size,
        c.bc2_sqrt, c.eps, c.scale, key, a)
 
 
@@ -294,12 +301,9 @@ def piece(fn, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
           weight_decay: float, step: int, scale: float, key: int = 0) -> None:
     """Elements [a, b) of one unit's AdamW step through the kernel ``fn`` (all tensors [n], contiguous);
     a bf16 master is rounded stochastically with the bits of ``key`` (:func:`~megatrain_ray.engine.compact.rng_key`)."""
-    def at(t: torch.Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr() + a * t.element_size()
-
-    fn(at(master), int(master.dtype == torch.bfloat16), at(grad), int(grad.dtype == torch.bfloat16), at(exp_avg),
-       at(exp_avg_sq), at(stream), b - a, lr, beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step,
-       (1.0 - beta2 ** step) ** 0.5, scale, key, a)
+    fn(_at(master, a), int(master.dtype == torch.bfloat16), _at(grad, a), int(grad.dtype == torch.bfloat16),
+       _at(exp_avg, a), _at(exp_avg_sq, a), _at(stream, a), b - a, lr, beta1, beta2, eps, weight_decay,
+       *_corrections(beta1, beta2, step), scale, key, a)
 
 
 def stream_pass(fn, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -307,19 +311,13 @@ def stream_pass(fn, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
                 weight_decay: float, step: int, scale: float) -> None:
     """The first pass of elements [a, b) of :func:`piece` (fp32 ``master``, bf16 ``stream``; ``grad``
     may alias ``stream``): the moments and the stream copy are updated, the master is only read."""
-    def at(t: torch.Tensor) -> int:
-        return t.data_ptr() + a * t.element_size()
-
-    fn(at(master), at(grad), int(grad.dtype == torch.bfloat16), at(exp_avg), at(exp_avg_sq), at(stream), b - a, lr,
-       beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step, (1.0 - beta2 ** step) ** 0.5, scale)
+    fn(_at(master, a), _at(grad, a), int(grad.dtype == torch.bfloat16), _at(exp_avg, a), _at(exp_avg_sq, a),
+       _at(stream, a), b - a, lr, beta1, beta2, eps, weight_decay, *_corrections(beta1, beta2, step), scale)
 
 
 def master_pass(fn, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, a: int, b: int,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
     """The second pass of elements [a, b): the fp32 ``master`` from the moments the first pass wrote;
     together bit for bit :func:`piece`'s update."""
-    def at(t: torch.Tensor) -> int:
-        return t.data_ptr() + a * t.element_size()
-
-    fn(at(master), at(exp_avg), at(exp_avg_sq), b - a, lr, eps, weight_decay, 1.0 - beta1 ** step,
-       (1.0 - beta2 ** step) ** 0.5)
+    fn(_at(master, a), _at(exp_avg, a), _at(exp_avg_sq, a), b - a, lr, eps, weight_decay,
+       *_corrections(beta1, beta2, step))

@@ -83,35 +83,27 @@ class AdamWRunner:
         return (self.split is not None and stream is not None and master.dtype == torch.float32
                 and adamw_native.supports(master, grad, stream))
 
-    def _pieces(self, numel: int, decay_numel: int, cfg: OptimConfig) -> list[tuple[int, int, float]]:
-        return [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(numel, decay_numel, cfg)
-                for a in range(lo, hi, CHUNK)]
+    def _by_pieces(self, numel: int, decay_numel: int, cfg: OptimConfig, call) -> None:
+        """``call(a, b, weight_decay)`` for every piece [a, b) of a unit of ``numel`` elements (at most
+        CHUNK, within one decay span), on the thread pool."""
+        pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(numel, decay_numel, cfg)
+                  for a in range(lo, hi, CHUNK)]
+        run_pieces(self._pool, self.threads, len(pieces), lambda i: call(*pieces[i]))
 
     def update_stream(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor, stream: torch.Tensor, decay_numel: int, step: int, lr: float,
                       cfg: OptimConfig, grad_scale: float = 1.0) -> None:
         """The first pass of :meth:`update` where :meth:`splits`: the moments and the stream copy."""
-        pieces = self._pieces(master.numel(), decay_numel, cfg)
-
-        def work(i: int) -> None:
-            a, b, wd = pieces[i]
-            adamw_native.stream_pass(self.split[0], master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
-                                     cfg.beta2, cfg.eps, wd, step, grad_scale)
-
-        run_pieces(self._pool, self.threads, len(pieces), work)
+        self._by_pieces(master.numel(), decay_numel, cfg, lambda a, b, wd: adamw_native.stream_pass(
+            self.split[0], master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1, cfg.beta2, cfg.eps, wd,
+            step, grad_scale))
 
     def update_master(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       decay_numel: int, step: int, lr: float, cfg: OptimConfig) -> None:
         """The second pass, after :meth:`update_stream`: the master weights from the new moments.
         Together the two are :meth:`update`, bit for bit."""
-        pieces = self._pieces(master.numel(), decay_numel, cfg)
-
-        def work(i: int) -> None:
-            a, b, wd = pieces[i]
-            adamw_native.master_pass(self.split[1], master, exp_avg, exp_avg_sq, a, b, lr, cfg.beta1, cfg.beta2,
-                                     cfg.eps, wd, step)
-
-        run_pieces(self._pool, self.threads, len(pieces), work)
+        self._by_pieces(master.numel(), decay_numel, cfg, lambda a, b, wd: adamw_native.master_pass(
+            self.split[1], master, exp_avg, exp_avg_sq, a, b, lr, cfg.beta1, cfg.beta2, cfg.eps, wd, step))
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
@@ -122,14 +114,9 @@ class AdamWRunner:
             adamw_unit(master, grad, exp_avg, exp_avg_sq, stream, decay_numel, step, lr, cfg, grad_scale, unit)
             return
         key = compact.rng_key(step, unit)
-        pieces = self._pieces(master.numel(), decay_numel, cfg)
-
-        def work(i: int) -> None:
-            a, b, wd = pieces[i]
-            adamw_native.piece(self.kernel, master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1,
-                               cfg.beta2, cfg.eps, wd, step, grad_scale, key)
-
-        run_pieces(self._pool, self.threads, len(pieces), work)
+        self._by_pieces(master.numel(), decay_numel, cfg, lambda a, b, wd: adamw_native.piece(
+            self.kernel, master, grad, exp_avg, exp_avg_sq, stream, a, b, lr, cfg.beta1, cfg.beta2, cfg.eps, wd,
+            step, grad_scale, key))
 
     def update_compact(self, master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
                        sm: torch.Tensor, sv: torch.Tensor, stream: torch.Tensor | None, decay_numel: int,

@@ -138,23 +138,18 @@ class CompiledLayer:
         torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
         self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.sequence)
         self.compiled = torch.compile(fn, dynamic=False, backend=backend)
-        self.partitioner = lean_partitioner() if partitioner == "lean" else partitioner
+        import torch._functorch.config as functorch_config
+
+        self.training_config = dict((lean_partitioner() if partitioner == "lean" else partitioner) or {})
+        """torch._functorch.config settings of the calls with gradients on: the partitioner's, and with
+        ``backward_at_forward`` the backward graph compiled in the forward call (AOTAutograd lowers it
+        lazily, at the first backward, by default), so that its failure too is caught here and the
+        call runs eagerly; the LM head (:mod:`megatrain_ray.engine.head`) differentiates every call at once."""
+        if backward_at_forward and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            self.training_config["force_non_lazy_backward_lowering"] = True
         self.failure: BaseException | None = None
         self.warn = warn
         self.what = what
-        self.backward_at_forward = backward_at_forward
-        """Compile the backward graph in the forward call (AOTAutograd lowers it lazily, at the first
-        backward, by default), so that its failure too is caught here and the call runs eagerly; the
-        LM head (:mod:`megatrain_ray.engine.head`) differentiates every call at once."""
-
-    def _lowering(self):
-        import contextlib
-
-        import torch._functorch.config as functorch_config
-
-        if self.backward_at_forward and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-            return functorch_config.patch(force_non_lazy_backward_lowering=True)
-        return contextlib.nullcontext()
 
     def release_workers(self) -> None:
         """Shut Inductor's compile worker pool down (after the first step, once both graphs are
@@ -168,13 +163,12 @@ class CompiledLayer:
     def __call__(self, *args):
         if self.failure is None:
             try:
-                with self._lowering():
-                    if self.partitioner and torch.is_grad_enabled():
-                        import torch._functorch.config as functorch_config
+                if self.training_config and torch.is_grad_enabled():
+                    import torch._functorch.config as functorch_config
 
-                        with functorch_config.patch(**self.partitioner):
-                            return self.compiled(*args)
-                    return self.compiled(*args)
+                    with functorch_config.patch(**self.training_config):
+                        return self.compiled(*args)
+                return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # failed while compiling, not running
                 self.failure = e
                 cause = getattr(e, "inner_exception", None) or e
