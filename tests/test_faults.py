@@ -12,6 +12,7 @@
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -19,14 +20,19 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import ray
 
 from megatrain_ray.config import load_config
 from megatrain_ray.engine import reaper
 from megatrain_ray.errors import ActorDied
-from megatrain_ray.orchestration.pipeline import train
+from megatrain_ray.orchestration.driver import Driver, RunResult
+from megatrain_ray.orchestration.metrics import RunMetrics
+from megatrain_ray.orchestration.pipeline import _rewind, train
+from megatrain_ray.orchestration.queues import QueueClient, QueueHost
 
 
 def _cfg(shm_dir, run_dir, *extra):
@@ -247,3 +253,54 @@ def test_a_kill_is_reported_as_a_kill_and_a_kernel_oom_kill_as_one():
                                                     "The actor is dead because it was killed by `ray.kill`.")
     assert str(calls.actor_error(killed, "compute")).startswith(
         "the compute actor died (The actor is dead because it was killed by `ray.kill`.); ")
+
+
+def test_a_restart_from_a_checkpoint_ahead_of_the_rows_keeps_the_trained_steps_and_names_the_unreported(tmp_path):
+    # Steps 0-5 collected, rows (and grad norms) written for 0-3; the sink had saved boundary 6 when the
+    # queue host died with the stats of steps 4 and 5: restart from 6, keep what is known, leave no row made up.
+    result = RunResult(run_id="r", run_dir=str(tmp_path), final_dir="", losses=[5.0, 4.0, 3.0, 2.0, 1.5, 1.25],
+                       grad_norms=[1.0, 0.9, 0.8, 0.7], fetches=[{"h2d": k} for k in range(6)])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    assert _rewind(result, 6) == [4, 5]
+    assert result.losses == [5.0, 4.0, 3.0, 2.0, 1.5, 1.25] and result.fetches[5] == {"h2d": 5}
+    assert result.grad_norms[:4] == [1.0, 0.9, 0.8, 0.7] and all(math.isnan(g) for g in result.grad_norms[4:])
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert (result.restarts, result.repeated_steps) == (1, 0)
+    # Behind the rows (the usual case): steps 4 and 5 are trained again, and forgotten until then.
+    assert _rewind(result, 2) == [] and result.losses == [5.0, 4.0] and result.grad_norms == [1.0, 0.9]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert (result.restarts, result.repeated_steps) == (2, 4)
+
+
+def test_after_a_death_the_driver_records_the_finished_steps_and_the_stats_left_on_the_queue(ray_cluster, tmp_path):
+    # What the driver had not read when a role died: step 4 finished on the (only) worker, the sink had
+    # put the stats of steps 3 and 4 and a checkpoint notice, step 5 never finished (its worker died).
+    @ray.remote(num_cpus=0)
+    def finished(step):
+        return {"step": step, "loss": 2.0 - step / 10, "tokens": 64, "start": 0.0, "step_s": 0.1,
+                "fetches": {"h2d": 4}, "spans": []}
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def died():
+        os._exit(1)
+
+    host = ray.remote(QueueHost).options(num_cpus=0).remote()
+    stats_q = QueueClient(host, "stats")
+    for step in (3, 4):
+        stats_q.put({"step": step, "grad_norm": 1.0 + step, "lr": 1e-3, "update_busy_s": 0.01, "spans": []})
+    stats_q.put({"checkpoint": "ckpt/step-000005", "step": 5, "save_s": 0.1})
+    cfg = _cfg("/dev/shm", tmp_path, "train.steps=8")
+    head = SimpleNamespace(stats_q=stats_q, grad_q=QueueClient(host, "grad"), fetch_qs=[QueueClient(host, "fetch-0")])
+    roles = SimpleNamespace(head=head, computes=[None])
+    result = RunResult(run_id="r", run_dir=str(tmp_path), final_dir="", losses=[3.0, 2.9, 2.8, 2.7],
+                       grad_norms=[1.0, 1.1, 1.2], fetches=[{}] * 4)
+    lines = []
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        driver = Driver(cfg, roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), lines.append)
+        driver.outputs[3] = ray.get(finished.remote(3))  # collected; its stats were still on the queue
+        driver.submitted = {4: [finished.remote(4)], 5: [died.remote()], 6: [finished.remote(6)]}
+        driver._salvage(within=10)
+    ray.kill(host, no_restart=True)
+    assert result.losses == [3.0, 2.9, 2.8, 2.7, 1.6] and result.grad_norms == [1.0, 1.1, 1.2, 4.0, 5.0]
+    assert result.checkpoints == ["ckpt/step-000005"] and sorted(driver.submitted) == [5, 6]  # 6: after 5, unread
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [3, 4]

@@ -1,8 +1,10 @@
 """The queue host (megatrain_ray.orchestration.queues): the semantics of queue.Queue that the roles rely
 on, through one real actor holding several named queues."""
 
+import os
 import pickle
 import queue
+import signal
 import threading
 import time
 
@@ -83,3 +85,28 @@ def test_a_timed_out_get_takes_no_item(host):
 def test_a_negative_timeout_is_refused():
     with pytest.raises(ValueError):
         QueueClient(None, "x").get(timeout=-1)
+
+
+def test_drain_takes_every_waiting_item_in_order_in_one_call_and_leaves_the_queue_empty(host):
+    q = QueueClient(host, "drain")
+    assert q.drain(within=5) == []
+    for item in range(5):
+        q.put(item)
+    assert q.drain(within=5) == [0, 1, 2, 3, 4] and q.empty()
+    q.put("after")
+    assert q.drain() == ["after"]
+
+
+def test_drain_of_a_frozen_host_gives_up_within_its_time(ray_cluster):
+    actor = ray.remote(QueueHost).options(num_cpus=0).remote()
+    ray.get(actor.ready.remote())
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)  # a hung host: the driver's salvage after a failure must not wait on it for ever
+    try:
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            QueueClient(actor, "frozen").drain(within=0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(actor, no_restart=True)

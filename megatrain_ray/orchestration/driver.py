@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import signal
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import ray
 
 from ..config import TrainConfig
 from ..data.datasets import run_tokenizer
-from ..errors import Interrupted, MegatrainError, PipelineError
+from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..io import checkpoint
 from .calls import get as _get
 from .labels import step_task
@@ -103,12 +102,15 @@ class Driver:
                 self._collect(step)
                 if step + self.WINDOW < self.steps:
                     self._submit(step + self.WINDOW, batch_ref)
-                self._handle(_drain(self.head.stats_q))
+                self._handle(self.head.stats_q.drain())
             for ref, role in list(self.loops.items()):  # the sink's ends with the final checkpoint
                 _get(ref, role, self.timeout)
-            self._handle(_drain(self.head.stats_q))
+            self._handle(self.head.stats_q.drain())
         except KeyboardInterrupt:
             raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
+        except ActorDied:
+            self._salvage()
+            raise
         r = self.result
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
         if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
@@ -157,10 +159,38 @@ class Driver:
         del self.submitted[step]
         if not math.isfinite(out["loss"]):
             self._diverged(step, out["loss"])
+        self._record(step, out)
+
+    def _record(self, step: int, out: dict) -> None:
+        """Count a step's combined output: its loss in the result, its row once the sink's stats are in."""
         self.tokens += out["tokens"]
         self.result.losses.append(out["loss"])
         self.result.fetches.append(out["fetches"])
         self.outputs[step] = out
+
+    def _salvage(self, within: float = 2.0) -> None:
+        """After a role died: record what finished before it did, so the restart can resume from the
+        newest checkpoint with every step before it reported (see
+        :func:`~megatrain_ray.orchestration.pipeline._attempts`): the steps whose every worker had
+        returned (in order, up to the first that had not) and the sink's stats and checkpoint notices
+        still on the queue. Best effort, ``within`` seconds per call: a dead or hung worker or queue
+        host leaves those steps unreported, and the restart then goes back to an earlier checkpoint."""
+        for step in sorted(self.submitted):
+            refs = self.submitted[step]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within)
+            try:
+                out = _combine(ray.get(refs, timeout=within)) if len(ready) == len(refs) else None
+            except Exception:  # noqa: BLE001 (a worker that died with this step: it stays unreported)
+                out = None
+            if out is None or not math.isfinite(out["loss"]):
+                break
+            del self.submitted[step]
+            self._record(step, out)
+        try:
+            items = self.head.stats_q.drain(within=within)
+        except Exception:  # noqa: BLE001 (the queue host died or hangs: its stats are lost with it)
+            return
+        self._handle(items)
 
     def _diverged(self, step: int, loss: float) -> None:
         """Let the sink reach its verdict on this step (and finish any save it is writing), then stop."""
@@ -174,8 +204,8 @@ class Driver:
                 except MegatrainError:
                     pass  # its non-finite gradient norm: the same divergence, said below
                 break
-            self._handle(_drain(self.head.stats_q))
-        self._handle(_drain(self.head.stats_q))  # the notice of the save the sink finished first
+            self._handle(self.head.stats_q.drain())
+        self._handle(self.head.stats_q.drain())  # the notice of the save the sink finished first
         raise PipelineError(f"the loss of step {step + 1} is {loss}, so training diverged; lower optim.lr "
                             "(or raise optim.warmup_steps) or check the data.")
 
@@ -246,9 +276,7 @@ class Driver:
                 out = _combine([_get(r, "compute", self.timeout) for r in self.submitted.pop(step)])
                 if not math.isfinite(out["loss"]):
                     return None, f"the loss of step {step + 1} is {out['loss']}"
-                self.tokens += out["tokens"]
-                self.result.losses.append(out["loss"])
-                self.outputs[step] = out
+                self._record(step, out)
             # The store actor waits until the sink has applied every submitted step's update.
             save = self.head.store.save_checkpoint.remote(self.plan, boundary)
             while True:
@@ -257,9 +285,9 @@ class Driver:
                     break
                 for r in ready:
                     _get(r, self.loops.pop(r), self.timeout)
-                self._handle(_drain(self.head.stats_q))
+                self._handle(self.head.stats_q.drain())
             path = _get(save, "store", self.timeout)
-            self._handle(_drain(self.head.stats_q))
+            self._handle(self.head.stats_q.drain())
         except MegatrainError as e:
             return None, f"no checkpoint could be saved ({e})"
         self.result.checkpoints.append(path)
@@ -277,16 +305,6 @@ def _combine(outs: list[dict]) -> dict:
                    "step_s": o["step_s"], "device_peak_bytes": o.get("device_peak_bytes")} for o in outs]
     return {**outs[0], "loss": sum(o["loss"] for o in outs), "step_s": max(o["step_s"] for o in outs),
             "workers": per_worker}
-
-
-def _drain(q) -> list[dict]:
-    """What is waiting on ``q`` (a :class:`~megatrain_ray.orchestration.queues.QueueClient`), without waiting."""
-    items = []
-    while True:
-        try:
-            items.append(q.get_nowait())
-        except queue.Empty:
-            return items
 
 
 def _size(q) -> int | None:

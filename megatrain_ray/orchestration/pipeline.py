@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -162,20 +163,33 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
             resume = checkpoint.latest(plan.directory, missing_ok=True) or resume
             start = checkpoint.read_meta(resume)["step"] if resume else 0
-            _rewind(result, start)
+            unreported = _rewind(result, start)
             spec = dataclasses.replace(spec, run_id=f"{base_id}-r{attempt + 1}")
             log(f"restart {attempt + 1} of {cfg.runtime.max_restarts}: {str(e).rstrip('.')}; restarting the pipeline "
                 f"from {resume or 'the initial weights'} (step {start}).")
+            if unreported:
+                log(f"warning: steps {unreported[0] + 1}-{unreported[-1] + 1} were trained and are in that checkpoint, "
+                    "but their stats (grad norm, lr) were lost with the failed pipeline: metrics.jsonl has no rows "
+                    "for them.")
     raise AssertionError("unreachable")
 
 
-def _rewind(result: RunResult, step: int) -> None:
+def _rewind(result: RunResult, step: int) -> list[int]:
     """Forget what the run recorded from ``step`` on (the restart trains those steps again): the
-    result's per-step lists and the rows of metrics.jsonl, so each step is reported once."""
+    result's per-step lists and the rows of metrics.jsonl, so each step is reported once.
+
+    The checkpoint restarted from may be ahead of the rows: the sink can save a boundary before the
+    driver has its stats for the steps before it (the driver salvages what it can when a role dies,
+    :meth:`~megatrain_ray.orchestration.driver.Driver._salvage`, but a dead queue host takes them
+    along). Those steps are trained and kept; their rows are left out, their entries in the per-step
+    lists are NaN where unknown. Returns those steps."""
     keep = step - result.start_step
     result.restarts += 1
     result.repeated_steps += max(0, len(result.losses) - keep)
-    del result.losses[keep:], result.fetches[keep:], result.grad_norms[keep:]
+    unreported = list(range(result.start_step + len(result.grad_norms), step))
+    for values, blank in ((result.losses, math.nan), (result.fetches, {}), (result.grad_norms, math.nan)):
+        del values[keep:]
+        values.extend([blank] * (keep - len(values)))
     result.val_losses = {s: v for s, v in result.val_losses.items() if s < step}
     path = os.path.join(result.run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -184,6 +198,7 @@ def _rewind(result: RunResult, step: int) -> None:
         with open(path + ".tmp", "w") as f:
             f.writelines(rows)
         os.replace(path + ".tmp", path)
+    return unreported
 
 
 def _data_state(source) -> dict:

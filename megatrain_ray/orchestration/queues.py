@@ -24,8 +24,8 @@ with no CPU of its own, keeps each queue as an ``asyncio.Queue`` under its name,
 queue's name and bound. A client offers what the roles and the driver use of :class:`queue.Queue`
 (which the single-process driver passes instead): ``put``/``get`` with ``block`` and ``timeout``,
 raising :class:`queue.Full` / :class:`queue.Empty` when the time is up, ``put_nowait``/
-``get_nowait``, ``empty``, ``qsize`` (and ``size``). A call to a dead host raises Ray's actor
-error, as a dead queue actor's did.
+``get_nowait``, ``empty``, ``qsize`` (and ``size``), and ``drain``: everything waiting, in one call.
+A call to a dead host raises Ray's actor error, as a dead queue actor's did.
 
 A queue comes into being on the host with the first call that names it (every client of a name
 carries the same bound), so no call has to wait for a "create" from the spawner to arrive first.
@@ -79,6 +79,11 @@ class QueueHost:
         except TimeoutError:
             return False, None
 
+    async def drain(self, name: str, maxsize: int) -> list:
+        """Every item waiting, oldest first, without waiting for more."""
+        q = self._queue(name, maxsize)
+        return [q.get_nowait() for _ in range(q.qsize())]
+
     async def size(self, name: str, maxsize: int) -> int:
         return self._queue(name, maxsize).qsize()
 
@@ -98,10 +103,10 @@ class QueueClient:
         """The host's actor handle (what the health checks ping)."""
         return self.host
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, within: float | None = None):
         import ray
 
-        return ray.get(getattr(self.host, method).remote(self.name, self.maxsize, *args))
+        return ray.get(getattr(self.host, method).remote(self.name, self.maxsize, *args), timeout=within)
 
     @staticmethod
     def _wait(block: bool, timeout: float | None) -> float | None:
@@ -126,6 +131,11 @@ class QueueClient:
 
     def get_nowait(self) -> Any:
         return self.get(block=False)
+
+    def drain(self, within: float | None = None) -> list:
+        """Every item waiting, oldest first, in one call to the host; ``within``: seconds to wait for
+        its answer (None: for ever; then Ray's ``GetTimeoutError``)."""
+        return self._call("drain", within=within)
 
     def qsize(self) -> int:
         return self._call("size")
