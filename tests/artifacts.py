@@ -1,13 +1,17 @@
 """Tiny real artifacts for the tests: random Hugging Face models of every supported architecture,
-and tokenizers trained here.
+and tokenizers trained here; and the tensors of any safetensors directory a run wrote.
 
 Every parameter is randomised (HF initialises norms to one and biases to zero, which would hide a
 norm or bias that is loaded into the wrong place), and the model is saved with save_pretrained in
 several small shards so import really goes shard by shard.
 """
 
+import glob
+import os
+
 import torch
 import transformers
+from safetensors.torch import load_file
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -107,3 +111,12 @@ def save_tokenizer(directory, kind: str = "bpe", vocab_size: int = 200, chat_tem
         hf.chat_template = chat_template
     hf.save_pretrained(directory)
     return hf
+
+
+def read_tensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory`` (a checkpoint's weights and optimizer
+    states, an export's weights), by name."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(str(directory), "*.safetensors"))):
+        out.update(load_file(path))
+    return out

@@ -289,12 +289,14 @@ def test_cuda_requested_without_a_gpu(ray_cluster, shm_dir, tmp_path, capsys, mo
 # ---------------------------------------------------------------------------------------------
 # During a run: the last good checkpoint survives.
 
-def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(ray_cluster, shm_dir, tmp_path, capsys,
+@pytest.mark.parametrize("device_adamw", ["none", "edges"])  # edges: the compute worker updates its units too
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(device_adamw, ray_cluster, shm_dir, tmp_path, capsys,
                                                                  monkeypatch):
     # lr 1e30: step 1 is finite, its update blows the weights up, step 2's loss is not finite.
     line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", "runtime.device=cpu",
                  "--set", "optim.lr=1e30", "--set", "train.steps=6", "--set", "train.checkpoint_every=1",
-                 "--set", "runtime.actor_timeout_s=120"], tmp_path, capsys, monkeypatch)
+                 "--set", "runtime.actor_timeout_s=120", "--set", f"runtime.device_adamw={device_adamw}"],
+                tmp_path, capsys, monkeypatch)
     runs = os.listdir(tmp_path / "runs")
     ckpts = tmp_path / "runs" / runs[0] / "checkpoints"
     assert os.listdir(ckpts) == ["step-000001"]  # nothing of the diverged step, no temporary

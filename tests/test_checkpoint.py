@@ -23,7 +23,6 @@ import zlib
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
@@ -36,15 +35,11 @@ from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
+from artifacts import read_tensors
+
 transformers = pytest.importorskip("transformers")
 
 
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (weights and optimizer states), by name."""
-    out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        out.update(load_file(path))
-    return out
 
 
 def _store(shm_dir, run_id, seed=0, master=torch.float32, **model) -> ParameterStore:
@@ -82,7 +77,7 @@ def test_save_load_round_trip_is_exact_and_layout_independent(master, shm_dir, t
         assert sorted(os.listdir(tmp_path / "ckpts")) == ["step-000007"]  # no temporary left
 
         # Flat and layout-independent: full HF names, no padding, nothing positional.
-        tensors = _tensors(path)
+        tensors = read_tensors(path)
         ours = _weights(src)
         hf_names = set(ours)
         assert {k for k in tensors if not k.startswith("exp_avg")} == hf_names
@@ -249,7 +244,7 @@ def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm
         else:
             assert notice["staged_bytes"] == 0
         assert overlapped >= n // 2, overlapped
-        ours, theirs = _tensors(notice["checkpoint"]), _tensors(path_paused)
+        ours, theirs = read_tensors(notice["checkpoint"]), read_tensors(path_paused)
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
         moved = hf_name("layers.0", "mlp.up_proj.weight")
@@ -432,7 +427,7 @@ def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "saved"
-        good = _tensors(root / "step-000001")
+        good = read_tensors(root / "step-000001")
         deadline = time.monotonic() + 60
         while not any(n.startswith(".step-000002.tmp-") for n in os.listdir(root)):
             assert time.monotonic() < deadline and proc.poll() is None
@@ -449,7 +444,7 @@ def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
     assert not os.path.isfile(root / temps[0] / "meta.json")  # the partial save is not a checkpoint
     # Readers see step 1, bit for bit as it was saved, and it loads.
     assert resume.find(str(root)) == str(root / "step-000001")
-    after = _tensors(root / "step-000001")
+    after = read_tensors(root / "step-000001")
     assert after.keys() == good.keys() and all(torch.equal(after[k], good[k]) for k in good)
     checkpoint.check_files(str(root / "step-000001"))
     # The next save's pruning removes the dead saver's temporary directory.
@@ -516,7 +511,8 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
     # Every checkpoint of B (periodic, by the sink; on interrupt, by the store) equals A's at that
     # step in every tensor: both were taken with all units at the same version.
     for name in b_ckpts:
-        ours, theirs = _tensors(os.path.join(b_run, "checkpoints", name)), _tensors(os.path.join(a_ckpts, name))
+        ours = read_tensors(os.path.join(b_run, "checkpoints", name))
+        theirs = read_tensors(os.path.join(a_ckpts, name))
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
@@ -528,19 +524,19 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
     c_run = c_run[0]
     assert json.load(open(os.path.join(c_run, "config.json")))["resumed_from"] == step3
 
-    final_a, final_c = _tensors(a.final_dir), _tensors(os.path.join(c_run, "final"))
+    final_a, final_c = read_tensors(a.final_dir), read_tensors(os.path.join(c_run, "final"))
     assert final_a.keys() == final_c.keys()
     assert all(torch.equal(final_a[k], final_c[k]) for k in final_a)
     # AdamW states too, and the per-step loss and learning rate of the resumed steps.
-    end_a, end_c = _tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")), \
-        _tensors(os.path.join(c_run, "checkpoints", f"step-{STEPS:06d}"))
+    end_a, end_c = read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")), \
+        read_tensors(os.path.join(c_run, "checkpoints", f"step-{STEPS:06d}"))
     assert all(torch.equal(end_a[k], end_c[k]) for k in end_a)
     rows_a, rows_c = _metrics(a.run_dir), _metrics(c_run)
     assert [r["step"] for r in rows_c] == list(range(3, STEPS))
     assert [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_c] == \
         [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_a[3:]]
     # The weights really moved over the resumed steps.
-    start = _tensors(step3)
+    start = read_tensors(step3)
     key = hf_name("layers.0", "mlp.up_proj.weight")
     assert not torch.equal(start[key], final_c[key])
     assert os.listdir(shm_dir) == []
@@ -633,10 +629,10 @@ def test_killed_actors_are_replaced_and_the_weights_are_identical(straight_run, 
     for n, line in enumerate(restarts, 1):
         assert line.startswith(f"restart {n} of 4: the ") and " actor died" in line, line
         assert "restarting the pipeline from " in line and "/checkpoints/step-" in line, line
-    final, expected = _tensors(result.final_dir), _tensors(straight_run.final_dir)
+    final, expected = read_tensors(result.final_dir), read_tensors(straight_run.final_dir)
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in expected)
-    end, end_a = (_tensors(os.path.join(r, "checkpoints", f"step-{STEPS:06d}"))
+    end, end_a = (read_tensors(os.path.join(r, "checkpoints", f"step-{STEPS:06d}"))
                   for r in (result.run_dir, straight_run.run_dir))
     assert all(torch.equal(end[k], end_a[k]) for k in end_a)
     assert os.listdir(shm_dir) == []

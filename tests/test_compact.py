@@ -21,6 +21,8 @@ from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration.pipeline import train
 
+from artifacts import read_tensors
+
 C = compact
 native_only = pytest.mark.skipif(adamw_native.compact_kernel() is None, reason="no C compiler: no native kernel")
 
@@ -223,11 +225,6 @@ def test_checkpoint_round_trip_of_the_compact_state_is_bit_exact(shm_dir, tmp_pa
             s.close()
 
 
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        out.update(load_file(path))
-    return out
 
 
 @pytest.mark.slow  # three Ray runs
@@ -240,14 +237,14 @@ def test_compact_run_through_ray_trains_exports_bf16_and_resumes_bit_for_bit(ray
     # Compact vs exact over 6 steps: the same trajectory to within a few tenths of a percent.
     np.testing.assert_allclose(a.losses, fp32.losses, rtol=5e-3)
     assert a.losses != fp32.losses
-    final = _tensors(a.final_dir)
+    final = read_tensors(a.final_dir)
     assert {v.dtype for v in final.values()} == {torch.bfloat16}  # the export is the bf16 master
     step3 = os.path.join(a.run_dir, "checkpoints", "step-000003")
     assert cli.main(["train", "--resume", step3]) == 0
     c_run = next(d for d in glob.glob(str(tmp_path / "a" / "*")) if d != a.run_dir)
-    final_c = _tensors(os.path.join(c_run, "final"))
+    final_c = read_tensors(os.path.join(c_run, "final"))
     assert final.keys() == final_c.keys() and all(torch.equal(final[k], final_c[k]) for k in final)
-    end_a, end_c = (_tensors(os.path.join(r, "checkpoints", "step-000006")) for r in (a.run_dir, c_run))
+    end_a, end_c = (read_tensors(os.path.join(r, "checkpoints", "step-000006")) for r in (a.run_dir, c_run))
     assert end_a.keys() == end_c.keys() and all(torch.equal(end_a[k], end_c[k]) for k in end_a)
     assert os.listdir(shm_dir) == []
 

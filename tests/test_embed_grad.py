@@ -14,16 +14,16 @@ nondeterministic; and 3 steps + checkpoint + resume + 3 steps equal 6 straight s
 through the real pipeline on the GPU.
 """
 
-import glob
 import json
 import os
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatrain_ray.engine.embed_grad import add_embedding_grad
+
+from artifacts import read_tensors
 
 
 def _case(seed: int, vocab=50, hidden=16, n=700, dtype=torch.float32, device="cpu"):
@@ -112,11 +112,6 @@ def test_the_same_bits_on_every_run_on_the_gpu():
     assert (results[0].double() - expected).abs().max().item() < 1e-3
 
 
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        out.update(load_file(path))
-    return out
 
 
 @cuda
@@ -144,12 +139,12 @@ def test_three_steps_resume_three_steps_equal_six_straight_on_the_gpu(ray_cluste
     assert checkpoint.read_meta(step3)["step"] == 3
     resumed = train(cfg(tmp_path / "b"), log=lambda line: None, resume=step3)
 
-    a, b = (_tensors(os.path.join(r.run_dir, "checkpoints", "step-000006")) for r in (straight, resumed))
+    a, b = (read_tensors(os.path.join(r.run_dir, "checkpoints", "step-000006")) for r in (straight, resumed))
     assert a.keys() == b.keys() and len(a) > 0
     differ = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
     assert not differ, f"{len(differ)} of {len(a)} tensors differ: {differ}"
     rows = [[json.loads(line) for line in open(os.path.join(r.run_dir, "metrics.jsonl"))] for r in (straight, resumed)]
     assert [r["step"] for r in rows[1]] == [3, 4, 5]
     assert [(r["loss"], r["grad_norm"]) for r in rows[1]] == [(r["loss"], r["grad_norm"]) for r in rows[0][3:]]
-    assert not torch.equal(_tensors(step3)["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+    assert not torch.equal(read_tensors(step3)["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
     assert os.listdir(shm_dir) == []

@@ -31,7 +31,7 @@ def test_store_kinds_and_bytes(grad_dtype, clip, kinds, bytes_per_param):
     assert spec.dtype("grad") == (torch.float32 if grad_dtype == "float32" else torch.bfloat16)
     if bytes_per_param is not None:
         assert spec.grad_slots == 0
-        assert spec.nbytes() == bytes_per_param * layout.total + 8 * len(layout.units)
+        assert spec.nbytes() == bytes_per_param * layout.total + 8 * (2 * len(layout.units) + 1)  # versions, hold
     else:
         assert spec.grad_slots == GRAD_RING_SLOTS
         assert spec.numel("grad") == GRAD_RING_SLOTS * layout.slot_numel

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import ARCHS, dtype_kwarg, save_model, save_tokenizer  # noqa: E402
+from artifacts import ARCHS, dtype_kwarg, read_tensors, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
@@ -51,12 +51,6 @@ def _ids(vocab=96, batch=2, seq=24, seed=0):
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -252,7 +246,7 @@ def test_import_then_export_without_training_is_bit_identical(tmp_path, shm_dir)
     finally:
         store.close()
     summary = hf_io.export(str(tmp_path / "final"), str(tmp_path / "out"), shard_bytes=50_000)
-    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    original, exported = read_tensors(tmp_path / "hf"), read_tensors(tmp_path / "out")
     assert set(exported) == set(original) - {"lm_head.weight"}  # tied: the head is the embedding
     for name, ref in exported.items():
         assert ref.dtype == original[name].dtype and torch.equal(ref, original[name]), name
@@ -266,7 +260,7 @@ def test_import_then_export_without_training_is_bit_identical(tmp_path, shm_dir)
 def test_export_casts_to_bf16_on_request(tmp_path):
     model = save_model("mistral", tmp_path / "hf")
     hf_io.export(str(tmp_path / "hf"), str(tmp_path / "out"), dtype="bfloat16")
-    exported = _tensors(tmp_path / "out")
+    exported = read_tensors(tmp_path / "out")
     for name, ref in model.state_dict().items():
         assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], ref.to(torch.bfloat16))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", **dtype_kwarg("auto"))

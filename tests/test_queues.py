@@ -97,15 +97,18 @@ def test_drain_takes_every_waiting_item_in_order_in_one_call_and_leaves_the_queu
     assert q.drain() == ["after"]
 
 
-def test_drain_of_a_frozen_host_gives_up_within_its_time(ray_cluster):
+def test_drain_and_size_of_a_frozen_host_give_up_within_their_time(ray_cluster):
     actor = ray.remote(QueueHost).options(num_cpus=0).remote()
     ray.get(actor.ready.remote())
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
     os.kill(pid, signal.SIGSTOP)  # a hung host: the driver's salvage after a failure must not wait on it for ever
     try:
         started = time.monotonic()
+        client = QueueClient(actor, "frozen")
         with pytest.raises(ray.exceptions.GetTimeoutError):
-            QueueClient(actor, "frozen").drain(within=0.5)
+            client.drain(within=0.5)
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            client.size(within=0.5)  # the driver's queue-depth gauge: it must not hang a step's row either
         assert time.monotonic() - started < 5
     finally:
         os.kill(pid, signal.SIGCONT)

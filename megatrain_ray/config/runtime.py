@@ -14,6 +14,9 @@ from .host import unwritable, usable_cpus
 GRAD_REDUCE = ("allreduce", "host")
 """Values of runtime.grad_reduce."""
 
+DEVICE_ADAMW = ("none", "edges")
+"""Values of runtime.device_adamw."""
+
 AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
 """runtime.buffer_depth when null, per resolved device: on cuda the depth every measurement of the
 benchmark (README, Performance) ran with; on cpu, where slots are host memory, double buffering."""
@@ -132,6 +135,15 @@ class RuntimeSection:
     next forward fetches (24 of the update's 28 bytes per parameter), then, while the next step runs,
     the master weights (16 bytes), so the forward waits less on AdamW. Bit for bit the one-pass
     update; false: one pass (see megatrain_ray.engine.sink)."""
+    device_adamw: str = "none"
+    """Units whose AdamW runs on the compute worker's device, their fp32 master weights and moments
+    resident there: none (default: every unit on the host) or edges = the embedding and the LM head
+    (with the final norm). They sit at the step boundary: the next forward needs the embedding
+    first, its gradient comes last, and on the host its update and the copies around it are time
+    the GPU waits (~0.2 s a step at 7B). 12 bytes per parameter of those units more device memory
+    (Qwen2.5-7B shape: 13 GB, which ``plan`` counts) and never streamed; their host copy is brought
+    up to date at checkpoint boundaries and at the end. One compute worker, fp32 master weights and
+    moments (see megatrain_ray.engine.owned)."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"
@@ -247,6 +259,8 @@ class RuntimeSection:
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.health_timeout_s > 0, "runtime.health_timeout_s",
                  f"must be positive, got {self.health_timeout_s}")
+        _require(self.device_adamw in DEVICE_ADAMW, "runtime.device_adamw",
+                 f"must be one of {', '.join(DEVICE_ADAMW)}, got {self.device_adamw!r}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
         _require(self.optimizer_sharding in ("replicated", "sharded"), "runtime.optimizer_sharding",

@@ -230,6 +230,14 @@ class TrainConfig:
         _require(self.train.num_micro_batches % workers == 0, "train.num_micro_batches",
                  f"({self.train.num_micro_batches}) must be a multiple of the compute workers of all nodes "
                  f"({self.runtime.compute_workers} x {self.runtime.nodes}), so each takes an equal share")
+        if self.runtime.device_adamw != "none":
+            _require(workers == 1, "runtime.device_adamw",
+                     f"({self.runtime.device_adamw}) needs one compute worker in the whole run (got "
+                     f"{self.runtime.compute_workers} x {self.runtime.nodes}): each would update its own copy; "
+                     "set it to none")
+            _require(self.runtime.master_dtype == "float32" and self.optim.state == "fp32", "runtime.device_adamw",
+                     f"({self.runtime.device_adamw}) needs fp32 master weights and moments (runtime.master_dtype "
+                     f"{self.runtime.master_dtype}, optim.state {self.optim.state}); set it to none")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self

@@ -16,6 +16,10 @@ and the slot is released as soon as the unit is done. One step, as one loop:
 5. embedding gradient (the input gradients added into their ids' rows in a fixed order, see
    :mod:`megatrain_ray.engine.embed_grad`; plus the head's when tied) goes out.
 
+Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.owned`) are not fetched:
+their weights stay on the device, their gradients too (only their norms go out), and they are
+updated here at the end of the step.
+
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
 step's token count, and each gradient is summed over all workers before its shard goes out.
@@ -26,7 +30,7 @@ Every model call of the step runs under the SDPA backend of ``runtime.attention_
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
 fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
 back to the prefetcher, and the *grad sender* waits for each gradient's copy to the host store to
-complete before sending its ticket to the sink.
+complete before sending its ticket to the sink (:mod:`megatrain_ray.engine.grad_out`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..config import OptimConfig
 from ..errors import ConfigError, PipelineError
 from ..model.transformer import IGNORE_INDEX, embed
 from . import affinity
@@ -49,10 +54,12 @@ from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_reduce import GradReducer
 from .head import chunk_loss_sum, head_forward_backward, head_loss
+from .grad_out import GradOut
+from .owned import OwnedUnits
 from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
 from .sequence import layer_backward
 from .store import HostStore, StoreSpec
-from .tickets import FetchTicket, GradTicket, update_order
+from .tickets import FetchTicket
 
 
 class ComputeWorker:
@@ -62,9 +69,10 @@ class ComputeWorker:
                  fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
                  compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None,
                  compile_threads: int = 1, placement: tuple[str, ...] | None = None, attention_backend: str = "auto",
-                 mlp_chunk_size: int = 0):
+                 mlp_chunk_size: int = 0, optim: OptimConfig | None = None, total_steps: int = 0):
         """placement: each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`);
-        None: every checkpoint offloaded with ``offload_activations``, else every one on the device."""
+        None: every checkpoint offloaded with ``offload_activations``, else every one on the device.
+        optim, total_steps: the AdamW settings and the run's steps, for the units it owns (``spec.owned``)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = spec.model
@@ -80,12 +88,12 @@ class ComputeWorker:
         self.dtype = spec.precision.compute
         self.chunk = loss_chunk_size
         self.timeout_s = timeout_s
-        self.fetch_q, self.grad_q, self.release_q = fetch_q, grad_q, release_q
-        self.grad_slot_q = grad_slot_q  # free slots of the store's gradient ring, from the sink
+        self.fetch_q, self.release_q = fetch_q, release_q
         self.device_name = device
         self.reducer: GradReducer | None = None
         """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
-        self.backend = make_backend(device, buffer_depth, self.layout.max_unit_numel, self.dtype)
+        fetched = [t.numel for i, t in enumerate(self.layout.templates) if i not in spec.owned]
+        self.backend = make_backend(device, buffer_depth, max(fetched, default=1), self.dtype)
         if placement is None:
             placement = (HOST if offload_activations else GPU,) * self.cfg.num_hidden_layers
         if len(placement) != self.cfg.num_hidden_layers:
@@ -97,19 +105,21 @@ class ComputeWorker:
             raise ConfigError(f"runtime.attention_backend {attention_backend!r} is not available on {device}; "
                               f"use one of {', '.join(offered)}.")
         self.attention_backend = attention_backend
-        for kind in ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad"):
+        pinned = ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad")
+        for kind in pinned:
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind])
+        self.owned = OwnedUnits(self.store, self.backend, optim, total_steps, timeout_s, num_threads or 1,
+                                pinned) if spec.owned else None
+        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.owned)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
-        self._grads: queue.Queue = queue.Queue()
-        self._held: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        """(unit, gradient [numel] on the device, its squared norm) of this step, with ``hold_grads``."""
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in (
-            (self._load_loop, "loader"), (self._release_loop, "releaser"), (self._grad_loop, "grad-sender"))]
+        loops = ((self._load_loop, "loader"), (self._release_loop, "releaser"),
+                 (lambda: self.grads_out.run(self._drain), "grad-sender"))
+        self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in loops]
         for t in self._threads:
             t.start()
 
@@ -136,8 +146,8 @@ class ComputeWorker:
                    timeout_s: float, mode: str = "allreduce") -> int:
         """Form the data-parallel group with the other workers (all call this at once); returns rank.
         ``mode``: runtime.grad_reduce (with host, this worker's own host gradient copy is pinned)."""
-        self.reducer = GradReducer(rank, world, local_rank, local_world, address, port, self.device_name, timeout_s,
-                                   mode)
+        self.reducer = self.grads_out.reducer = GradReducer(rank, world, local_rank, local_world, address, port,
+                                                            self.device_name, timeout_s, mode)
         if self.reducer.copy:
             total = self.layout.total
             self.backend.register_host(self.store.arrays["peer_grad"][(self.reducer.copy - 1) * total:
@@ -177,17 +187,13 @@ class ComputeWorker:
         for slot in self._drain(self._releases):
             self.release_q.put(slot, timeout=self.timeout_s)
 
-    def _grad_loop(self) -> None:
-        """Send each gradient's ticket once its copy to the host store is complete."""
-        for unit, step, slot, handle, step_sq_norm in self._drain(self._grads):
-            if callable(handle):  # a held gradient (_send_held): its slot and copy are taken here
-                slot, handle, step_sq_norm = handle()
-            self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq_norm), timeout=self.timeout_s)
-
     # -- one unit's weights ------------------------------------------------------------------
 
-    def _take(self, unit: int, step: int) -> tuple[FetchTicket, torch.Tensor]:
-        """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot."""
+    def _take(self, unit: int, step: int) -> tuple[FetchTicket | None, torch.Tensor]:
+        """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot (no
+        ticket, and the resident weights, for a unit this worker owns)."""
+        if self.owned is not None and unit in self.owned.units:
+            return None, self.owned.weights(unit, step)
         waited = time.time()
         try:
             item = self._arrived.get(timeout=self.timeout_s)
@@ -209,67 +215,19 @@ class ComputeWorker:
         self.fetches["layers" if 0 < unit <= self.cfg.num_hidden_layers else self.layout.units[unit]] += 1
         return ticket, self.backend.slots[ticket.slot][:self.layout.templates[unit].numel]
 
-    def _release(self, ticket: FetchTicket) -> None:
+    def _release(self, ticket: FetchTicket | None) -> None:
+        if ticket is None:  # an owned unit's resident weights
+            return
         self.backend.release(ticket.slot)
         self._releases.put(ticket.slot)
 
-    def _send_grad(self, unit: int, step: int, grad: torch.Tensor) -> None:
-        """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink.
-
-        With a data-parallel group, the gradient is first summed over all workers, and this worker
-        sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
-        gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
-        if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
-            self._held.append((unit, grad.to(self.store.spec.precision.grad), torch.dot(grad, grad)))
-            return
-        slot = self._free_grad_slot(unit) if self.store.spec.grad_slots else -1
-        host = self.store.grad_block(unit, slot, self.reducer.copy if self.reducer is not None else 0)
-        if self.reducer is not None:
-            lo, hi = self.reducer.reduce(grad)
-            grad, host = grad[lo:hi], host[lo:hi]
-        sq_norm = torch.dot(grad, grad)
-        handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
-        self._grads.put((unit, step, slot, handle, -1.0))
-
-    def _send_held(self, step: int) -> None:
-        """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order
-        (embedding, layers, head: the next forward's first weights are updated first), every ticket with
-        the step's squared norm, summed in the order the sink would have (the order they were computed).
-
-        The waits (for the norm, for free ring slots: the sink updating) are the grad-sender thread's,
-        so this step returns at once and the next step's forward runs while the updates do."""
-        held, self._held = self._held, []
-        total: list[float] = []
-
-        def step_sq_norm() -> float:
-            if not total:
-                total.append(0.0)
-                for _, _, sq_norm in held:
-                    total[0] += float(sq_norm)
-            return total[0]
-
-        def send(unit: int, grad: torch.Tensor, sq_norm: torch.Tensor):
-            slot = self._free_grad_slot(unit)
-            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit])
-            return slot, handle, step_sq_norm()
-
-        by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
-        for unit in update_order(self.cfg.num_hidden_layers):
-            grad, sq_norm = by_unit.pop(unit)
-            self._grads.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm: send(u, g, s), -1.0))
-
-    def _free_grad_slot(self, unit: int) -> int:
-        """A slot of the gradient ring that the sink has finished with (waits for one)."""
-        try:
-            return self.grad_slot_q.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for a free gradient slot for "
-                                f"{self.layout.units[unit]}: the gradient sink is stalled.") from None
-
     # -- one step ----------------------------------------------------------------------------
 
-    def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None) -> dict[str, Any]:
-        """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None.
+    def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None,
+                 sync: bool = False) -> dict[str, Any]:
+        """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None;
+        sync: the boundary after this step is a checkpoint's or the run's end, so the owned units'
+        state goes to the host store after their update (:func:`~megatrain_ray.engine.owned.sync_due`).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
         seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
@@ -278,7 +236,7 @@ class ComputeWorker:
         """
         try:
             with sdpa_backend(self.attention_backend):
-                return self._step(step, batch, eval_batch)
+                return self._step(step, batch, eval_batch, sync)
         except torch.OutOfMemoryError as e:
             kept = self.activations.modes.count(KEEP)
             if not kept:
@@ -287,7 +245,8 @@ class ComputeWorker:
                                 f"whole; set runtime.activations to keep fewer (e.g. \"keep={kept // 2}\") or to "
                                 "recompute.") from e
 
-    def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None) -> dict[str, Any]:
+    def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None,
+              sync: bool = False) -> dict[str, Any]:
         if self._error is not None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
         self.backend.begin_step()
@@ -361,7 +320,7 @@ class ComputeWorker:
                                    templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg)
             del inputs
             self._release(ticket)
-            self._send_grad(i, step, grad)
+            self.grads_out.send(i, step, grad)
 
         with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
             table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
@@ -369,10 +328,9 @@ class ComputeWorker:
                 rows, grads = ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
                 for s in range(0, rows.shape[0], self.chunk):
                     add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
-        self._send_grad(0, step, embed_grad)
+        self.grads_out.send(0, step, embed_grad)
         embed_grad = None
-        if self.store.spec.hold_grads:
-            self._send_held(step)
+        self.grads_out.end_step(step, sync)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()
@@ -413,10 +371,17 @@ class ComputeWorker:
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:
             self._release(t)
-        self._send_grad(unit, step, head_grad)
+        self.grads_out.send(unit, step, head_grad)
         return loss, dxs, val_loss
 
+    def sync_owned(self) -> None:
+        """Bring the host store's copy of the owned units up to date (an interrupt's checkpoint)."""
+        if self.owned is not None and self.owned.version is not None:
+            self.owned.sync()
+
     def close(self) -> None:
+        if self.owned is not None:
+            self.owned.close()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)

@@ -7,7 +7,8 @@ A backend owns the device weight slots and the two copy directions:
 - ``release(slot)``: the compute is done reading the slot (a later load may overwrite it);
 - ``store(dev, host_block, scalar)``: start copying a device tensor (a gradient) to the host,
   with a device scalar (its squared norm); returns a handle whose ``result()`` blocks until the
-  host bytes are complete and returns the scalar as a float;
+  host bytes are complete and returns the scalar as a float; ``scalar(value)``: the same for a
+  device scalar alone;
 - ``compute(label)``: a context around one unit's compute;
 - ``begin_step()`` / ``end_step()``: the step's timeline, as (lane, label, start, end) spans in
   wall-clock seconds, for lanes ``h2d``, ``compute`` and ``d2h``.
@@ -71,6 +72,9 @@ class CpuBackend:
     def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_Done":
         self.stash(dev, host, label)
         return _Done(float(scalar))
+
+    def scalar(self, value: torch.Tensor) -> "_Done":
+        return _Done(float(value))
 
     @contextlib.contextmanager
     def compute(self, label: str):
@@ -182,6 +186,18 @@ class CudaBackend:
     def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_EventDone":
         value = torch.empty((), dtype=scalar.dtype, pin_memory=True)
         return _EventDone(self._copy_out([(dev, host), (scalar, value)], label), value)
+
+    def scalar(self, value: torch.Tensor) -> "_EventDone":
+        """Start copying a device scalar to the host after the compute enqueued so far; the handle's
+        ``result()`` is it as a float."""
+        host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        computed = self._event()
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(computed)
+            host.copy_(value, non_blocking=True)
+            value.record_stream(self.d2h)
+            done = self._event(blocking=True)
+        return _EventDone(done, host)
 
     @contextlib.contextmanager
     def compute(self, label: str):

@@ -156,7 +156,7 @@ class AdamWRunner:
 
 def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                stream: torch.Tensor | None, decay_numel: int, step: int, lr: float, cfg: OptimConfig,
-               grad_scale: float = 1.0, unit: int = 0) -> None:
+               grad_scale: float = 1.0, unit: int = 0, pieces: bool = True) -> None:
     """One AdamW step on one unit, in place, piece by piece, with torch's kernels.
 
     master: [n] fp32 or bf16 (bf16 is updated through an fp32 temporary and rounded back
@@ -165,14 +165,17 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     it may alias ``stream``, since each piece's gradient is read before its stream copy is
     rewritten; exp_avg, exp_avg_sq: [n] fp32; stream: [n] compute-dtype copy to refresh, or None.
     The first ``decay_numel`` elements (the matrices) get weight decay, the rest only with
-    ``cfg.decay_norms_and_biases`` (:func:`decay_spans`). ``step`` is the 1-based AdamW step.
+    ``cfg.decay_norms_and_biases`` (:func:`decay_spans`). ``step`` is the 1-based AdamW step. The
+    tensors may live on any one device; ``pieces`` False updates each span in one call (on a GPU,
+    where cache-sized pieces would only add kernel launches).
     """
-    step_t = torch.tensor(float(step))
-    g_buf = torch.empty(min(CHUNK, master.numel()), dtype=torch.float32)
+    size = CHUNK if pieces else max(1, master.numel())
+    step_t = torch.tensor(float(step), device=master.device)
+    g_buf = torch.empty(min(size, master.numel()), dtype=torch.float32, device=master.device)
     p_buf = g_buf.new_empty(g_buf.shape) if master.dtype != torch.float32 else None
     for lo, hi, weight_decay in decay_spans(master.numel(), decay_numel, cfg):
-        for a in range(lo, hi, CHUNK):
-            b = min(hi, a + CHUNK)
+        for a in range(lo, hi, size):
+            b = min(hi, a + size)
             # An fp32 gradient is scaled in place: its block is scratch once read (even when it
             # aliases the stream copy, which is rewritten only after this piece's update).
             if grad.dtype == torch.float32:

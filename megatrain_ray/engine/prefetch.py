@@ -28,7 +28,7 @@ class Prefetcher:
     def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float):
         self.store = HostStore(spec)
         self.units = self.store.layout.units
-        self.order = fetch_order(spec.model.num_hidden_layers, spec.model.tie_word_embeddings)
+        self.order = fetch_order(spec.model.num_hidden_layers, spec.model.tie_word_embeddings, spec.owned)
         self.depth = buffer_depth
         self.fetch_q, self.release_q = fetch_q, release_q
         self.timeout_s = timeout_s

@@ -73,7 +73,10 @@ class GradientSink:
         self.total_steps = total_steps
         self.grad_q, self.stats_q = grad_q, stats_q
         self.timeout_s = timeout_s
-        self.order = update_order(spec.model.num_hidden_layers)
+        self.owned = spec.owned
+        """Units the compute worker updates on its device (:mod:`megatrain_ray.engine.owned`): their
+        tickets carry only their norms."""
+        self.order = [u for u in update_order(spec.model.num_hidden_layers) if u not in self.owned]
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
         self.writer = (CheckpointWriter(self.store, checkpoint)
@@ -125,6 +128,8 @@ class GradientSink:
                 held = ticket.step_sq_norm != -1.0  # the step's norm is known already (gradients held on the device)
                 if held and not math.isfinite(ticket.step_sq_norm):
                     self._diverged(step, math.sqrt(ticket.step_sq_norm))
+                if ticket.unit in self.owned:
+                    continue  # updated on the device
                 if self.host_sum:
                     sq_norm += self._sum_copies(ticket.unit)
                 if not deferred or held:  # (held gradients come from one worker alone: no sum, no shards)
@@ -216,8 +221,21 @@ class GradientSink:
                 self.sharding.gather_states(step, len(self.layout.units))
             if self.writer is None:
                 return
+            self._await_owned(step)
             clip = self.optim.max_grad_norm > 0  # the order of this step's updates: see run()
-            self.writer.start(step, self.order if clip or self.sharding is not None else self.order[::-1])
+            order = self.order if clip or self.sharding is not None else self.order[::-1]
+            self.writer.start(step, [*self.owned, *order])  # the owned first: their copy is held until written
+
+    def _await_owned(self, step: int) -> None:
+        """Wait until the compute worker has copied the units it owns at boundary ``step`` into the
+        store (it does right after their update, :meth:`~megatrain_ray.engine.owned.OwnedUnits.sync`)."""
+        deadline = time.monotonic() + self.timeout_s
+        while any(self.store.state_version(u) != step for u in self.owned):
+            if time.monotonic() > deadline:
+                names = ", ".join(self.layout.units[u] for u in self.owned)
+                raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for the compute worker's copy of "
+                                    f"{names} at step {step}: the compute worker is stalled.")
+            time.sleep(0.002)
 
     def _report_checkpoint(self, wait: bool = False) -> None:
         """Put the notice of a completed save on the stats queue ({checkpoint: path, step, save_s,

@@ -23,7 +23,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 - ``versions``    int64, two per unit: how many optimizer updates its stream copy has received
                   (what the prefetcher waits for), then how many its master weights and moments
                   have (what a checkpoint waits for); they differ only while the sink's second
-                  pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`)
+                  pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`);
+                  then one more: the *owned hold*, set while a checkpoint still reads the host copy
+                  of the units the compute worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.owned`)
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
 it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
@@ -71,6 +73,17 @@ def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, ho
     return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
 
 
+def versions_numel(layout: StoreLayout) -> int:
+    """Entries of the ``versions`` segment: two per unit and the owned hold."""
+    return 2 * len(layout.units) + 1
+
+
+def owned_units(model: ModelConfig, device_adamw: str) -> tuple[int, ...]:
+    """The units the compute worker owns under runtime.device_adamw: edges = the embedding (0) and
+    the head (L+1: final norm and, untied, the LM head); none = none."""
+    return (0, model.num_hidden_layers + 1) if device_adamw == "edges" else ()
+
+
 @dataclass(frozen=True)
 class StoreSpec:
     """Everything an actor needs to map the store (small and picklable)."""
@@ -88,6 +101,10 @@ class StoreSpec:
     hold_grads: bool = False
     """The compute worker keeps the step's gradients on the device until the step's norm is known, then
     sends them through the ring in update order, each ticket carrying that norm (runtime.hold_grads)."""
+    owned: tuple[int, ...] = ()
+    """Units the compute worker owns (runtime.device_adamw): it keeps their weights and AdamW states on
+    its device and updates them there; none is fetched or updated by the sink, and their blocks here
+    are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.owned`)."""
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str) -> StoreSpec:
@@ -97,10 +114,12 @@ class StoreSpec:
         single compute worker in the whole run)."""
         rt, clip = cfg.runtime, cfg.optim.max_grad_norm
         sharded = rt.sharded_optimizer
-        hold = not sharded and holds_grads(precision, clip, rt.compute_workers * rt.nodes, rt.hold_grads_on(device))
+        owned = owned_units(cfg.model, rt.device_adamw)
+        hold = not sharded and not owned and holds_grads(precision, clip, rt.compute_workers * rt.nodes,
+                                                         rt.hold_grads_on(device))
         slots = 0 if sharded else grad_slots_for(precision, clip, rt.compute_workers, hold)
         return cls(cfg.model, precision, rt.shm_dir, owner_pid, run_id, grad_slots=slots,
-                   peer_grads=peer_grads_for(rt.grad_reduce, rt.compute_workers), hold_grads=hold)
+                   peer_grads=peer_grads_for(rt.grad_reduce, rt.compute_workers), hold_grads=hold, owned=owned)
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
@@ -137,7 +156,7 @@ class StoreSpec:
     def nbytes(self) -> int:
         """Bytes of shared memory the store takes."""
         layout = StoreLayout.build(self.model)
-        return sum(self.numel(k) * self.dtype(k).itemsize for k in self.kinds()) + 8 * len(layout.units)
+        return sum(self.numel(k) * self.dtype(k).itemsize for k in self.kinds()) + 8 * versions_numel(layout)
 
 
 class HostStore:
@@ -148,7 +167,7 @@ class HostStore:
         self.layout = StoreLayout.build(spec.model)
         open_ = shm.create if create else shm.attach
         self.arrays = {k: open_(spec.path(k), spec.numel(k), spec.dtype(k)) for k in spec.kinds()}
-        self.versions = open_(spec.path("versions"), 2 * len(self.layout.units), torch.int64)
+        self.versions = open_(spec.path("versions"), versions_numel(self.layout), torch.int64)
 
     def block(self, kind: str, i: int) -> torch.Tensor:
         """Unit i's flat block [numel] of one kind.
@@ -207,6 +226,15 @@ class HostStore:
     def set_state_version(self, i: int, value: int) -> None:
         """Unit i's master weights have caught up with its stream copy at ``value`` updates."""
         self.versions[len(self.layout.units) + i] = value
+
+    def owned_hold(self) -> int | None:
+        """The boundary whose checkpoint still reads the host copy of the owned units, or None."""
+        held = int(self.versions[2 * len(self.layout.units)])
+        return held - 1 if held else None
+
+    def set_owned_hold(self, step: int | None) -> None:
+        """Hold the owned units' host copy for the checkpoint of boundary ``step`` (None: release it)."""
+        self.versions[2 * len(self.layout.units)] = 0 if step is None else step + 1
 
     @property
     def separate_stream_copy(self) -> bool:

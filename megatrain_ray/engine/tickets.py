@@ -34,15 +34,17 @@ class GradTicket:
     at once; else -1."""
 
 
-def fetch_order(num_layers: int, tied: bool) -> list[int]:
+def fetch_order(num_layers: int, tied: bool, owned: tuple[int, ...] = ()) -> list[int]:
     """Unit indices in the order one step fetches them (embed=0, layers 1..L, head=L+1).
 
     Layer-major: embedding, layers forward, head (with the embedding again when tied), layers
     backward. Every decoder layer appears exactly twice, whatever the number of micro-batches.
+    ``owned``: units resident on the device (runtime.device_adamw), never fetched.
     """
     layers = list(range(1, num_layers + 1))
     head = num_layers + 1
-    return [0, *layers, head, *([0] if tied else []), *reversed(layers)]
+    order = [0, *layers, head, *([0] if tied else []), *reversed(layers)]
+    return [u for u in order if u not in owned]
 
 
 def update_order(num_layers: int) -> list[int]:

@@ -103,6 +103,8 @@ class CheckpointWriter:
         self._outcome, self._stall_s = {"step": step, "began": time.time()}, 0.0
         self._started, self._staged, self._staged_bytes = set(), {}, 0
         order = self._order = list(order) if order is not None else list(units)
+        if self.store.spec.owned:  # the compute worker's next copy of its units waits until theirs are written
+            self.store.set_owned_hold(step)
         self._thread = threading.Thread(target=self._write_in_background, args=(step, order),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
@@ -192,10 +194,15 @@ class CheckpointWriter:
         finally:
             for event in self._written.values():  # a failed write holds no unit back
                 event.set()
+            if self.store.spec.owned:
+                self.store.set_owned_hold(None)
             self._outcome["done"] = time.time()
 
     def _release(self, unit: int, group: str) -> None:
         self._written[unit, group].set()
+        owned = self.store.spec.owned
+        if unit in owned and all(self._written[u, g].is_set() for u in owned for g in GROUPS):
+            self.store.set_owned_hold(None)
 
     # -- the store actor's side: in the foreground -------------------------------------------
 

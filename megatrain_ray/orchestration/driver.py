@@ -23,6 +23,7 @@ import ray
 from ..config import TrainConfig
 from ..data.datasets import run_tokenizer
 from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
+from ..engine.owned import sync_due
 from ..io import checkpoint
 from .calls import get as _get
 from .labels import step_task
@@ -95,6 +96,7 @@ class Driver:
         there, leaving out the first step's compile and warm-up."""
 
     def run(self, batch_ref, start: int) -> RunResult:
+        self.start = start
         try:
             for step in range(start, min(start + self.WINDOW, self.steps)):
                 self._submit(step, batch_ref)
@@ -137,8 +139,10 @@ class Driver:
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
+            sync = sync_due(self.plan, step, self.start, self.steps)  # the owned units' copy (engine.owned)
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
-                                                                         self.eval_ref if due and rank == 0 else None)
+                                                                         self.eval_ref if due and rank == 0 else None,
+                                                                         sync)
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:
@@ -277,7 +281,9 @@ class Driver:
                 if not math.isfinite(out["loss"]):
                     return None, f"the loss of step {step + 1} is {out['loss']}"
                 self._record(step, out)
-            # The store actor waits until the sink has applied every submitted step's update.
+            # The store actor waits until the sink has applied every submitted step's update; the
+            # compute worker's own units (runtime.device_adamw) it copies in first.
+            _get(self.roles.computes[0].sync_owned.remote(), "compute", self.timeout)
             save = self.head.store.save_checkpoint.remote(self.plan, boundary)
             while True:
                 ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)
@@ -308,8 +314,9 @@ def _combine(outs: list[dict]) -> dict:
 
 
 def _size(q) -> int | None:
+    """Items on ``q`` for the queue-depth gauge, or None if its host does not answer within a second."""
     try:
-        return q.size()
+        return q.size(within=1.0)
     except Exception:
         return None
 

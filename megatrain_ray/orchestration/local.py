@@ -52,7 +52,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         for step in range(steps):
             if errors:
                 raise errors[0]
-            rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None))
+            rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None,
+                                         sync=step == steps - 1))
         for row in rows:
             stats = roles.stats_q.get(timeout=rt.actor_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")

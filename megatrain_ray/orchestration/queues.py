@@ -137,8 +137,9 @@ class QueueClient:
         its answer (None: for ever; then Ray's ``GetTimeoutError``)."""
         return self._call("drain", within=within)
 
-    def qsize(self) -> int:
-        return self._call("size")
+    def qsize(self, within: float | None = None) -> int:
+        """Items waiting; ``within``: as for :meth:`drain`."""
+        return self._call("size", within=within)
 
     size = qsize
 

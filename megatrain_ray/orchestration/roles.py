@@ -133,7 +133,8 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
                 spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
                 rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
                 grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads, placement=placement,
-                attention_backend=rt.attention_backend, mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len)))
+                attention_backend=rt.attention_backend, mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len),
+                optim=cfg.optim, total_steps=cfg.train.steps))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
             checkpoint=plan if k == 0 or sharded else None, grad_slot_q=grad_slot_q, shards=workers,

@@ -1,0 +1,161 @@
+"""Units the compute worker owns (runtime.device_adamw): their weights and AdamW on its device.
+
+At the step boundary the host pipeline has one wait it cannot reorder away: the clipping factor
+needs every gradient, the embedding's comes last, and the next forward needs the embedding first,
+so the GPU idles while the embedding's gradient goes to the host, the sink updates it and its new
+weights come back (~0.15 s a step at the Qwen2.5-7B shape, plus ~0.05 s waiting on the head's
+update at the end of the forward; benchmarks/h200-session7/NOTES.md).
+
+With ``edges`` the compute worker owns the embedding and the head (``StoreSpec.owned``, see
+:func:`~megatrain_ray.engine.store.owned_units`): their fp32 master weights and AdamW moments live
+in its device memory for the whole attempt, with a compute-dtype copy of the weights that the
+forward reads, so they are never fetched; their gradients stay on the device, and only a ticket
+with the squared norm goes to the sink, which counts it in the step's norm and updates the rest.
+At the end of the step's backward the worker updates them itself, with the factor the sink
+computes (the same squared norms, summed in the same order) on the gradient rounded to the host
+gradient dtype, as the sink would have seen it: on the CPU backend through the sink's own kernel
+(bit for bit the host update), on a GPU through ``torch._fused_adamw_`` in one call per span.
+
+Their blocks in the host store are a copy, brought up to date (:meth:`OwnedUnits.sync`) only where
+something reads them: at each checkpoint boundary, at the end of the run (the export), and on an
+interrupt. A checkpoint written in the background may still be reading the previous copy: its
+writer writes the owned units first and holds the store's *owned hold* until their bytes are out
+(:meth:`~megatrain_ray.engine.store.HostStore.set_owned_hold`); a sync waits for it, and the sink
+waits for the sync before it starts the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..config import OptimConfig, lr_at
+from ..errors import PipelineError
+from .optim import AdamWRunner, adamw_unit, clip_coefficient
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""The store's kinds an owned unit keeps on the device (and copies back at a sync)."""
+
+
+def sync_due(plan, step: int, start: int, end: int) -> bool:
+    """Whether the boundary after step ``step`` must find the owned units' state in the host store:
+    a checkpoint's (``plan``: a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`, or None) or
+    the run's end (steps [``start``, ``end``) of this attempt)."""
+    return step + 1 == end or (plan is not None and plan.due(step + 1, start, end))
+
+
+def step_sq_norm(sq_norms: list[torch.Tensor]) -> float:
+    """The step's squared gradient norm from each unit's (device scalars, in the order the units'
+    tickets went to the sink), summed as the sink sums its tickets' floats: the same float."""
+    total = 0.0
+    for value in torch.stack(sq_norms).tolist():  # one copy to the host
+        total += value
+    return total
+
+
+class OwnedUnits:
+    """The device-resident weights and AdamW states of ``store.spec.owned`` (see the module docstring)."""
+
+    def __init__(self, store, backend, optim: OptimConfig, total_steps: int, timeout_s: float,
+                 threads: int = 1, registered: tuple[str, ...] = ()):
+        """store: the worker's :class:`~megatrain_ray.engine.store.HostStore`; backend: its device
+        backend; registered: the store's kinds whose whole arrays the backend has pinned already
+        (the owned blocks of the others are pinned here, for full-speed copies)."""
+        self.store, self.backend = store, backend
+        self.units = store.spec.owned
+        self.names = {u: store.layout.units[u] for u in self.units}
+        self.optim, self.total_steps, self.timeout_s = optim, total_steps, timeout_s
+        self.compute_dtype, self.grad_dtype = store.spec.precision.compute, store.spec.precision.grad
+        self.runner = AdamWRunner(threads) if backend.device.type == "cpu" else None
+        """The sink's kernel on the CPU backend (the same bits as a host update); None on a GPU."""
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        """unit -> master, exp_avg, exp_avg_sq ([numel] fp32 on the device) and weights (the master in
+        the compute dtype; the master itself when that is fp32)."""
+        self.version: int | None = None
+        """Updates the device state has received; None until the first step loads it."""
+        self.grads: dict[int, torch.Tensor] = {}
+        """unit -> this step's gradient [numel] fp32 on the device, until the update."""
+        self.diverged: str | None = None
+        """The sink's words for a step whose gradient norm was not finite (no update was applied)."""
+        for kind in STATE_KINDS:
+            if kind not in registered:
+                for u in self.units:
+                    backend.register_host(store.block(kind, u))
+
+    def weights(self, unit: int, step: int) -> torch.Tensor:
+        """``unit``'s weights [numel] in the compute dtype for step ``step`` (at its first call, the
+        state is taken from the host store, which must be at that boundary)."""
+        if self.version is None:
+            self._load(step)
+        if self.diverged is not None:  # the sink stops the run with the same sentence
+            raise PipelineError(self.diverged)
+        if self.version != step:
+            raise PipelineError(f"{self.names[unit]} on the device has {self.version} updates but step {step} "
+                                f"needs {step}.")
+        return self.state[unit]["weights"]
+
+    def _load(self, step: int) -> None:
+        dev = self.backend.device
+        for u in self.units:
+            at = (self.store.version(u), self.store.state_version(u))
+            if at != (step, step):
+                raise PipelineError(f"{self.names[u]} is at versions {at} in the host store, but step {step} "
+                                    f"starts from {step}.")
+            state = {kind: self.store.block(kind, u).to(dev, copy=True) for kind in STATE_KINDS}
+            master = state["master"]
+            state["weights"] = master if self.compute_dtype == master.dtype else master.to(self.compute_dtype)
+            self.state[u] = state
+        self.version = step
+
+    def hold(self, unit: int, grad: torch.Tensor) -> None:
+        """Keep ``unit``'s gradient of this step (grad: [numel] fp32 on the device) for :meth:`update`."""
+        self.grads[unit] = grad
+
+    def update(self, step: int, sq_norm: float) -> bool:
+        """Apply step ``step``'s AdamW update to every owned unit, clipped by the step's squared
+        gradient norm ``sq_norm`` (:func:`step_sq_norm`); False, and nothing applied, when it is not
+        finite (the sink stops the run on it; so does the next step here, in the sink's words)."""
+        grads, self.grads = self.grads, {}
+        norm = math.sqrt(sq_norm)
+        if not math.isfinite(norm):
+            self.diverged = (f"the gradient norm of step {step + 1} is {norm}; training diverged, lower optim.lr "
+                             "or check the data.")
+            return False
+        coef = clip_coefficient(norm, self.optim.max_grad_norm)
+        lr = lr_at(self.optim, step, self.total_steps)
+        for u in self.units:
+            s = self.state[u]
+            grad = grads.pop(u).to(self.grad_dtype)  # as the sink would have read it from the host
+            stream = None if s["weights"] is s["master"] else s["weights"]
+            args = (s["master"], grad, s["exp_avg"], s["exp_avg_sq"], stream,
+                    self.store.layout.templates[u].decay_numel, step + 1, lr, self.optim)
+            if self.runner is not None:
+                self.runner.update(*args, grad_scale=coef, unit=u)
+            else:
+                adamw_unit(*args, grad_scale=coef, unit=u, pieces=False)
+        self.version = step + 1
+        return True
+
+    def sync(self) -> None:
+        """Copy the device state into the owned units' host blocks and mark them at its version,
+        once no checkpoint reads the previous copy (the owned hold)."""
+        deadline = time.monotonic() + self.timeout_s
+        while (held := self.store.owned_hold()) is not None:
+            if time.monotonic() > deadline:
+                raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
+                                    f"{held} to write {', '.join(self.names.values())}: the checkpoint writer is "
+                                    "stalled (a slow disk?); raise runtime.actor_timeout_s if it is just slow.")
+            time.sleep(0.005)
+        done = None
+        for u in self.units:
+            for kind in STATE_KINDS:
+                done = self.backend.stash(self.state[u][kind], self.store.block(kind, u), f"{self.names[u]} {kind}")
+        self.backend.host_wait(done)
+        for u in self.units:
+            self.store.set_version(u, self.version)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()

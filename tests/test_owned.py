@@ -1,0 +1,177 @@
+"""Units updated on the compute worker's device (runtime.device_adamw, megatrain_ray.engine.owned).
+
+On the CPU backend the owned units go through the sink's own AdamW kernel on the gradient the sink
+would have read, clipped by the same factor (the same squared norms summed in the same order), so a
+run with ``edges`` must equal the host-updated run bit for bit: losses, grad norms, every weight
+and moment of every checkpoint, the exported weights. Any difference is a bug of the protocol
+(a stale copy, a missed sync, a wrong clipping factor or step), not rounding.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatrain_ray import cli
+from megatrain_ray.config import load_config
+from megatrain_ray.engine.device import CpuBackend
+from megatrain_ray.engine.owned import OwnedUnits, sync_due
+from megatrain_ray.engine.store import ParameterStore, StoreSpec, owned_units
+from megatrain_ray.errors import ConfigError, PipelineError
+from megatrain_ray.io import checkpoint
+from megatrain_ray.model.layout import StoreLayout
+from megatrain_ray.model.precision import Precision
+from megatrain_ray.model.presets import preset_shape
+from megatrain_ray.orchestration.device_memory import _fixed_device_rows
+from megatrain_ray.orchestration.local import train_local
+from megatrain_ray.orchestration.pipeline import Interrupted, train
+
+from artifacts import read_tensors
+
+STEPS = 12
+CLIPPED = ("optim.max_grad_norm=0.5", "optim.weight_decay=0.1", "optim.warmup_steps=2")
+"""Clipping active every step (the tiny model's norms are 2-3) and decay on: the factor and the spans matter."""
+
+
+def _cfg(shm_dir, run_dir, *extra):
+    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+                              f"train.steps={STEPS}", "train.seq_len=32", "train.micro_batch_size=2",
+                              "runtime.actor_timeout_s=120", *CLIPPED, *extra])
+
+
+
+
+def _equal(a: dict, b: dict) -> list[str]:
+    """The names whose tensors differ (or are missing on one side)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_edges_on_the_device_give_the_host_update_bit_for_bit(tied, shm_dir, tmp_path):
+    rows = {}
+    for mode in ("none", "edges"):
+        cfg = _cfg(shm_dir, tmp_path, f"runtime.device_adamw={mode}", f"model.tie_word_embeddings={str(tied).lower()}")
+        rows[mode] = train_local(cfg, 0)
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in rows["none"]] == [r[key] for r in rows["edges"]], key
+    assert all(r["grad_norm"] > 0.5 for r in rows["none"])  # clipped every step
+    # Only the decoder layers are streamed; the owned units never leave the device.
+    assert rows["none"][0]["fetches"]["embed"] == (2 if tied else 1)
+    assert set(rows["edges"][0]["fetches"]) == {"layers"} and \
+        rows["edges"][0]["fetches"]["layers"] == rows["none"][0]["fetches"]["layers"]
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.fixture(scope="module")
+def host_run(ray_cluster, tmp_path_factory, shm_dirs):
+    """A: the host update, a checkpoint after every step."""
+    base = tmp_path_factory.mktemp("host")
+    with shm_dirs() as shm_dir:
+        return train(_cfg(shm_dir, base, "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}"),
+                     log=lambda line: None)
+
+
+def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host_run(host_run, shm_dir, tmp_path):
+    a_ckpts = os.path.join(host_run.run_dir, "checkpoints")
+    # B: edges on the device, a checkpoint every 2 steps (the sink waits for the worker's copy before
+    # each), interrupted once step 2's is out (the worker copies its units in for the store's save).
+    lines = []
+
+    def interrupt_after_checkpoint_2(line):
+        lines.append(line)
+        if line.startswith("checkpoint: step 2 saved"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(shm_dir, tmp_path / "b", "runtime.device_adamw=edges", "train.checkpoint_every=2",
+                   f"train.keep_checkpoints={STEPS}"), log=interrupt_after_checkpoint_2)
+    boundary = checkpoint.read_meta(info.value.checkpoint)["step"]
+    assert 2 <= boundary < STEPS, lines
+    b_run = os.path.dirname(os.path.dirname(info.value.checkpoint))
+    b_ckpts = sorted(os.listdir(os.path.join(b_run, "checkpoints")))
+    assert set(b_ckpts) == {f"step-{s:06d}" for s in (*range(2, boundary + 1, 2), boundary)}, b_ckpts
+    for name in b_ckpts:  # weights and AdamW states, the owned units' included
+        ours = read_tensors(os.path.join(b_run, "checkpoints", name))
+        theirs = read_tensors(os.path.join(a_ckpts, name))
+        assert any("embed_tokens" in k for k in ours) and any("exp_avg" in k for k in ours)
+        assert not _equal(ours, theirs), (name, _equal(ours, theirs)[:4])
+
+    # C: resume B's step 2 with edges on the device (from the host copy the worker synced) to the end.
+    step2 = os.path.join(b_run, "checkpoints", "step-000002")
+    assert cli.main(["train", "--resume", step2]) == 0
+    (c_run,) = [d for d in (tmp_path / "b").iterdir() if str(d) != b_run]
+    assert not _equal(read_tensors(host_run.final_dir), read_tensors(c_run / "final"))  # the export at the end
+    assert not _equal(read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")),
+                      read_tensors(c_run / "checkpoints" / f"step-{STEPS:06d}"))
+    rows_a = [json.loads(line) for line in open(os.path.join(host_run.run_dir, "metrics.jsonl"))]
+    rows_c = [json.loads(line) for line in open(c_run / "metrics.jsonl")]
+    assert [(r["loss"], r["grad_norm"]) for r in rows_c] == [(r["loss"], r["grad_norm"]) for r in rows_a[2:]]
+    assert os.listdir(shm_dir) == []
+
+
+def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
+    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "runtime.device_adamw=edges"])
+    spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "held",
+                     owned=owned_units(cfg.model, "edges"))
+    ps = ParameterStore(spec, seed=0)
+    try:
+        owned = OwnedUnits(ps.store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=0.3)
+        before = owned.weights(0, 0).clone()
+        head = cfg.model.num_hidden_layers + 1
+        for u in (0, head):
+            owned.hold(u, torch.ones(ps.store.layout.templates[u].numel))
+        assert owned.update(0, 4.0) and owned.version == 1
+        assert not torch.equal(owned.weights(0, 1), before)
+        assert torch.equal(ps.store.block("master", 0), before)  # the host copy is untouched until a sync
+        ps.store.set_owned_hold(0)  # the checkpoint of step 0 still reads it
+        with pytest.raises(PipelineError, match=r"waited 0 s for the checkpoint of step 0 to write embed, head"):
+            owned.sync()
+        assert ps.store.state_version(0) == 0
+        ps.store.set_owned_hold(None)
+        owned.sync()
+        assert torch.equal(ps.store.block("master", 0), owned.weights(0, 1))
+        assert (ps.store.state_version(0), ps.store.version(head)) == (1, 1)
+        with pytest.raises(PipelineError, match="on the device has 1 updates but step 3 needs 3"):
+            owned.weights(0, 3)
+        assert not owned.update(1, float("inf")) and owned.version == 1  # the sink stops the run on it, and so
+        with pytest.raises(PipelineError, match=r"^the gradient norm of step 2 is inf; training diverged"):
+            owned.weights(0, 1)  # does the next step, in the same words
+        owned.close()
+    finally:
+        ps.close()
+
+
+def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end():
+    plan = checkpoint.CheckpointPlan("unused", 3, 2, {}, "r", {})
+    assert [s for s in range(10) if sync_due(plan, s, 0, 10)] == [2, 5, 8, 9]
+    assert [s for s in range(4, 10) if sync_due(None, s, 4, 10)] == [9]
+
+
+@pytest.mark.parametrize("extra,says", [
+    (("runtime.device_adamw=all",), "runtime.device_adamw must be one of none, edges, got 'all'"),
+    (("runtime.device_adamw=edges", "runtime.compute_workers=2"), "runtime.device_adamw (edges) needs one compute "
+     "worker in the whole run (got 2 x 1)"),
+    (("runtime.device_adamw=edges", "runtime.master_dtype=bfloat16"), "runtime.device_adamw (edges) needs fp32 "
+     "master weights and moments (runtime.master_dtype bfloat16, optim.state fp32)"),
+    (("runtime.device_adamw=edges", "optim.state=8bit"), "needs fp32 master weights and moments"),
+])
+def test_settings_it_cannot_serve_are_refused_by_name(extra, says, shm_dir):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [f"runtime.shm_dir={shm_dir}", *extra])
+
+
+def test_the_plan_counts_the_resident_state_and_streams_smaller_slots():
+    shape = [f"model.{k}={v}" for k, v in preset_shape("7b").items()]  # its embedding outweighs a layer
+    base = load_config(None, ["runtime.device=cuda", *shape])
+    edges = load_config(None, ["runtime.device=cuda", "runtime.device_adamw=edges", *shape])
+    rows = {mode: {r.component: r.nbytes for r in _fixed_device_rows(c, "cuda", 1)} for mode, c in
+            (("none", base), ("edges", edges))}
+    m = base.model
+    owned = [k for k in rows["edges"] if k.startswith("embed and head")]
+    assert len(owned) == 1
+    head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
+    assert rows["edges"][owned[0]] == (m.vocab_size * m.hidden_size + head) * (12 + 2)
+    slots = lambda r: next(v for k, v in r.items() if k.startswith("weight slots"))  # noqa: E731
+    layout = StoreLayout.build(base.model)  # the head is the largest unit, then a decoder layer
+    assert slots(rows["edges"]) == 3 * layout.templates[1].numel * 2 < slots(rows["none"]) == 3 * head * 2
