@@ -1,7 +1,9 @@
-"""Shared fixtures: one real local Ray cluster for the whole test session, private shm directories."""
+"""Shared fixtures: one real local Ray cluster for the whole test session, private shm directories;
+and a log callback that kills the pipeline's actors in turn."""
 
 import contextlib
 import os
+import re
 import subprocess
 
 import pytest
@@ -73,3 +75,24 @@ def read_only_dir(tmp_path):
     """A real read-only directory: a read-only bind mount of tmp_path/ro (root can write anywhere else)."""
     (tmp_path / "ro").mkdir()
     yield from _mounted(["--bind", "-o", "ro", str(tmp_path / "ro")], tmp_path / "ro", "bind-mount read-only")
+
+
+def kill_in_turn(roles: list[str], lines: list[str]):
+    """A log callback that records lines and ray.kill s each role's actor in turn: the first at the
+    step-2 line, each next one at the first step line after the pipeline restarted from the previous."""
+    pending = list(roles)
+
+    def log(line):
+        lines.append(line)
+        restarts = sum(ln.startswith("restart ") for ln in lines)
+        killed = sum(ln.startswith("killed ") for ln in lines)
+        m = re.match(r"step\s+(\d+)/", line)
+        if m and pending and restarts == killed and int(m.group(1)) >= 2:
+            role = pending.pop(0)
+            suffix = re.compile(rf"-r{restarts}$" if restarts else r"-[0-9a-f]{6}$")
+            (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"].startswith(role + "-") and suffix.search(a["name"])]
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            lines.append(f"killed {actor['name']}")
+
+    return log

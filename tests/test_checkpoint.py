@@ -36,6 +36,7 @@ from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
 from artifacts import read_tensors
+from conftest import kill_in_turn
 
 transformers = pytest.importorskip("transformers")
 
@@ -592,36 +593,13 @@ def test_a_changed_step_count_or_schedule_is_said_and_an_unchanged_one_is_not():
         checkpoint.check_resume(meta, load_config(None, ["train.steps=30"]), "ckpt")
 
 
-def _kill_in_turn(roles: list[str], lines: list[str]):
-    """A log callback that records lines and ray.kill s each role's actor in turn: the first at the
-    step-2 line, each next one at the first step line after the pipeline restarted from the previous."""
-    import ray
-
-    pending = list(roles)
-
-    def log(line):
-        lines.append(line)
-        restarts = sum(ln.startswith("restart ") for ln in lines)
-        killed = sum(ln.startswith("killed ") for ln in lines)
-        m = re.match(r"step\s+(\d+)/", line)
-        if m and pending and restarts == killed and int(m.group(1)) >= 2:
-            role = pending.pop(0)
-            suffix = re.compile(rf"-r{restarts}$" if restarts else r"-[0-9a-f]{6}$")
-            (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                        if a["name"].startswith(role + "-") and suffix.search(a["name"])]
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            lines.append(f"killed {actor['name']}")
-
-    return log
-
-
 @pytest.mark.slow  # kills actors and restarts the pipeline
 def test_killed_actors_are_replaced_and_the_weights_are_identical(straight_run, shm_dir, tmp_path):
     """ray.kill the data loader, the compute worker, the grad sink and the prefetcher, one after another."""
     lines = []
     roles = ["data-0", "compute", "grad-sink", "prefetch"]
     result = train(_cfg(shm_dir, tmp_path, "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}",
-                        "runtime.max_restarts=4"), log=_kill_in_turn(roles, lines))
+                        "runtime.max_restarts=4"), log=kill_in_turn(roles, lines))
     killed = [ln for ln in lines if ln.startswith("killed ")]
     restarts = [ln for ln in lines if ln.startswith("restart ")]
     assert [re.match(r"killed (data-0|compute|grad-sink|prefetch)-", k).group(1) for k in killed] == roles, killed

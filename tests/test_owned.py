@@ -28,6 +28,7 @@ from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
 from artifacts import read_tensors
+from conftest import kill_in_turn
 
 STEPS = 12
 CLIPPED = ("optim.max_grad_norm=0.5", "optim.weight_decay=0.1", "optim.warmup_steps=2")
@@ -107,6 +108,22 @@ def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host
     rows_a = [json.loads(line) for line in open(os.path.join(host_run.run_dir, "metrics.jsonl"))]
     rows_c = [json.loads(line) for line in open(c_run / "metrics.jsonl")]
     assert [(r["loss"], r["grad_norm"]) for r in rows_c] == [(r["loss"], r["grad_norm"]) for r in rows_a[2:]]
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # kills actors and restarts the pipeline
+def test_a_killed_compute_worker_takes_its_units_along_and_the_restart_still_ends_bit_for_bit(host_run, shm_dir,
+                                                                                             tmp_path):
+    """The compute worker dies with the only current copy of the embedding and head: the restart
+    resumes from the last checkpoint, where the worker's synced copy is; then the sink dies."""
+    lines = []
+    result = train(_cfg(shm_dir, tmp_path, "runtime.device_adamw=edges", "train.checkpoint_every=2",
+                        f"train.keep_checkpoints={STEPS}", "runtime.max_restarts=2"),
+                   log=kill_in_turn(["compute", "grad-sink"], lines))
+    assert sum(line.startswith("restart ") for line in lines) == 2, "\n".join(lines)
+    assert not _equal(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
+    assert not _equal(read_tensors(os.path.join(host_run.run_dir, "checkpoints", f"step-{STEPS:06d}")),
+                      read_tensors(os.path.join(result.run_dir, "checkpoints", f"step-{STEPS:06d}")))
     assert os.listdir(shm_dir) == []
 
 
