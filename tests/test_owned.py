@@ -9,6 +9,7 @@ and moment of every checkpoint, the exported weights. Any difference is a bug of
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -48,19 +49,20 @@ def _equal(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
 
 
+@pytest.mark.parametrize("mode", ["edges", "edges+1"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_edges_on_the_device_give_the_host_update_bit_for_bit(tied, shm_dir, tmp_path):
+def test_owned_units_on_the_device_give_the_host_update_bit_for_bit(tied, mode, shm_dir, tmp_path):
     rows = {}
-    for mode in ("none", "edges"):
-        cfg = _cfg(shm_dir, tmp_path, f"runtime.device_adamw={mode}", f"model.tie_word_embeddings={str(tied).lower()}")
-        rows[mode] = train_local(cfg, 0)
+    for setting in ("none", mode):
+        cfg = _cfg(shm_dir, tmp_path, f"runtime.device_adamw={setting}", f"model.tie_word_embeddings={str(tied).lower()}")
+        rows[setting] = train_local(cfg, 0)
     for key in ("loss", "grad_norm", "lr"):
-        assert [r[key] for r in rows["none"]] == [r[key] for r in rows["edges"]], key
+        assert [r[key] for r in rows["none"]] == [r[key] for r in rows[mode]], key
     assert all(r["grad_norm"] > 0.5 for r in rows["none"])  # clipped every step
-    # Only the decoder layers are streamed; the owned units never leave the device.
+    # Only the other decoder layers are streamed (each twice); the owned units never leave the device.
     assert rows["none"][0]["fetches"]["embed"] == (2 if tied else 1)
-    assert set(rows["edges"][0]["fetches"]) == {"layers"} and \
-        rows["edges"][0]["fetches"]["layers"] == rows["none"][0]["fetches"]["layers"]
+    layers = cfg.model.num_hidden_layers - (1 if mode == "edges+1" else 0)
+    assert rows[mode][0]["fetches"] == {"layers": 2 * layers}
     assert os.listdir(shm_dir) == []
 
 
@@ -166,7 +168,10 @@ def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end():
 
 
 @pytest.mark.parametrize("extra,says", [
-    (("runtime.device_adamw=all",), "runtime.device_adamw must be one of none, edges, got 'all'"),
+    (("runtime.device_adamw=all",), "runtime.device_adamw must be one of none, edges, edges+K, got 'all'"),
+    (("runtime.device_adamw=edges+x",), "runtime.device_adamw must be one of none, edges, edges+K, got 'edges+x'"),
+    (("runtime.device_adamw=edges+9",), "runtime.device_adamw (edges+9) names more decoder layers than the model "
+     "has"),
     (("runtime.device_adamw=edges", "runtime.compute_workers=2"), "runtime.device_adamw (edges) needs one compute "
      "worker in the whole run (got 2 x 1)"),
     (("runtime.device_adamw=edges", "runtime.master_dtype=bfloat16"), "runtime.device_adamw (edges) needs fp32 "
@@ -174,7 +179,7 @@ def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end():
     (("runtime.device_adamw=edges", "optim.state=8bit"), "needs fp32 master weights and moments"),
 ])
 def test_settings_it_cannot_serve_are_refused_by_name(extra, says, shm_dir):
-    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(says)):
         load_config(None, [f"runtime.shm_dir={shm_dir}", *extra])
 
 
@@ -185,7 +190,7 @@ def test_the_plan_counts_the_resident_state_and_streams_smaller_slots():
     rows = {mode: {r.component: r.nbytes for r in _fixed_device_rows(c, "cuda", 1)} for mode, c in
             (("none", base), ("edges", edges))}
     m = base.model
-    owned = [k for k in rows["edges"] if k.startswith("embed and head")]
+    owned = [k for k in rows["edges"] if k.startswith("embed, head: ")]
     assert len(owned) == 1
     head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
     assert rows["edges"][owned[0]] == (m.vocab_size * m.hidden_size + head) * (12 + 2)

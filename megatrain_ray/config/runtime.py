@@ -14,8 +14,17 @@ from .host import unwritable, usable_cpus
 GRAD_REDUCE = ("allreduce", "host")
 """Values of runtime.grad_reduce."""
 
-DEVICE_ADAMW = ("none", "edges")
-"""Values of runtime.device_adamw."""
+DEVICE_ADAMW = ("none", "edges", "edges+K")
+"""Values of runtime.device_adamw (K: a number of decoder layers, see ``device_adamw_layers``)."""
+
+
+def device_adamw_layers(setting: str) -> int | None:
+    """The decoder layers runtime.device_adamw puts on the device besides the edges: edges -> 0,
+    ``edges+K`` -> K; None for none or a value of another form."""
+    if setting == "edges":
+        return 0
+    head, _, count = str(setting).partition("+")
+    return int(count) if head == "edges" and count.isdigit() else None
 
 AUTO_BUFFER_DEPTH = {"cuda": 3, "cpu": 2}
 """runtime.buffer_depth when null, per resolved device: on cuda the depth every measurement of the
@@ -142,8 +151,9 @@ class RuntimeSection:
     first, its gradient comes last, and on the host its update and the copies around it are time
     the GPU waits (~0.2 s a step at 7B). 12 bytes per parameter of those units more device memory
     (Qwen2.5-7B shape: 13 GB, which ``plan`` counts) and never streamed; their host copy is brought
-    up to date at checkpoint boundaries and at the end. One compute worker, fp32 master weights and
-    moments (see megatrain_ray.engine.owned)."""
+    up to date at checkpoint boundaries and at the end. edges+K: the first K decoder layers too
+    (each next to be updated after the embedding, which the forward waits for next; 14 bytes per
+    parameter). One compute worker, fp32 master weights and moments (see megatrain_ray.engine.owned)."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"
@@ -259,8 +269,8 @@ class RuntimeSection:
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.health_timeout_s > 0, "runtime.health_timeout_s",
                  f"must be positive, got {self.health_timeout_s}")
-        _require(self.device_adamw in DEVICE_ADAMW, "runtime.device_adamw",
-                 f"must be one of {', '.join(DEVICE_ADAMW)}, got {self.device_adamw!r}")
+        _require(self.device_adamw == "none" or device_adamw_layers(self.device_adamw) is not None,
+                 "runtime.device_adamw", f"must be one of {', '.join(DEVICE_ADAMW)}, got {self.device_adamw!r}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")
         _require(self.optimizer_sharding in ("replicated", "sharded"), "runtime.optimizer_sharding",

@@ -16,7 +16,7 @@ from .fields import require as _require
 from .host import unwritable, usable_cpus  # noqa: F401  (re-exported)
 from .model import ModelConfig
 from .runtime import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, AUTO_MLP_CHUNK, GRAD_REDUCE,  # noqa: F401  (re-exported)
-                      RuntimeSection, parse_activation_counts)
+                      RuntimeSection, device_adamw_layers, parse_activation_counts)
 
 
 @dataclass
@@ -235,6 +235,9 @@ class TrainConfig:
                      f"({self.runtime.device_adamw}) needs one compute worker in the whole run (got "
                      f"{self.runtime.compute_workers} x {self.runtime.nodes}): each would update its own copy; "
                      "set it to none")
+            _require(device_adamw_layers(self.runtime.device_adamw) <= self.model.num_hidden_layers,
+                     "runtime.device_adamw", f"({self.runtime.device_adamw}) names more decoder layers than the "
+                     f"model has ({self.model.num_hidden_layers})")
             _require(self.runtime.master_dtype == "float32" and self.optim.state == "fp32", "runtime.device_adamw",
                      f"({self.runtime.device_adamw}) needs fp32 master weights and moments (runtime.master_dtype "
                      f"{self.runtime.master_dtype}, optim.state {self.optim.state}); set it to none")

@@ -41,6 +41,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 
 from ..config import ModelConfig, TrainConfig
+from ..config.runtime import device_adamw_layers
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
 from ..model.transformer import hf_name
@@ -80,8 +81,11 @@ def versions_numel(layout: StoreLayout) -> int:
 
 def owned_units(model: ModelConfig, device_adamw: str) -> tuple[int, ...]:
     """The units the compute worker owns under runtime.device_adamw: edges = the embedding (0) and
-    the head (L+1: final norm and, untied, the LM head); none = none."""
-    return (0, model.num_hidden_layers + 1) if device_adamw == "edges" else ()
+    the head (L+1: final norm and, untied, the LM head), edges+K also layers 1..K; none = none."""
+    layers = device_adamw_layers(device_adamw)
+    if layers is None:
+        return ()
+    return (0, *range(1, min(layers, model.num_hidden_layers) + 1), model.num_hidden_layers + 1)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
     owned_numel = sum(layout.templates[i].numel for i in owned)
     rows = [
         Row(f"weight slots ({depth} x largest unit{' streamed' if owned else ''})", "device", depth * fetched * c),
-        *([Row(f"{' and '.join(layout.units[i] for i in owned)}: fp32 master, AdamW moments and weights "
+        *([Row(f"{', '.join(layout.units[i] for i in owned)}: fp32 master, AdamW moments and weights "
                "(runtime.device_adamw)", "device", owned_numel * (12 + (c if c != 4 else 0)))] if owned else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         _layer_working_set(cfg, tokens, c, layer_numel),
