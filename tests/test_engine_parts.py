@@ -126,6 +126,27 @@ def test_unit_update_matches_torch_adamw(master_dtype, native, decay_all, monkey
         assert torch.equal(stream, master.to(torch.bfloat16))
 
 
+def test_whole_span_update_of_owned_units_matches_torch_adamw():
+    """adamw_unit as the compute worker runs it on a GPU for the units it owns (runtime.device_adamw):
+    one call per decay span, an fp32 gradient scaled in place, the compute-dtype copy refreshed; the
+    same tolerance and argument as the piecewise update above."""
+    n, decay = 5000, 3100
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.99)
+    gen = torch.Generator().manual_seed(2)
+    start = torch.randn(n, generator=gen)
+    master, m, v, weights = start.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    matrices, rest = (torch.nn.Parameter(part.clone()) for part in start.split([decay, n - decay]))
+    opt = torch.optim.AdamW([{"params": [matrices], "weight_decay": cfg.weight_decay},
+                             {"params": [rest], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99), eps=cfg.eps)
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen)
+        optim.adamw_unit(master, grad.clone(), m, v, weights, decay, step, cfg.lr, cfg, grad_scale=0.5, pieces=False)
+        matrices.grad, rest.grad = (grad * 0.5).split([decay, n - decay])
+        opt.step()
+        torch.testing.assert_close(master, torch.cat([matrices.detach(), rest.detach()]), rtol=1e-6, atol=1e-7)
+        assert torch.equal(weights, master.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_split_update_is_the_one_pass_update_bit_for_bit(grad_dtype, monkeypatch):
     """The sink's two passes (moments and stream copy first, master later) give exactly the one-pass

@@ -171,8 +171,10 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     """
     size = CHUNK if pieces else max(1, master.numel())
     step_t = torch.tensor(float(step), device=master.device)
-    g_buf = torch.empty(min(size, master.numel()), dtype=torch.float32, device=master.device)
-    p_buf = g_buf.new_empty(g_buf.shape) if master.dtype != torch.float32 else None
+    piece = min(size, master.numel())
+    fp32 = dict(dtype=torch.float32, device=master.device)
+    g_buf = torch.empty(piece, **fp32) if grad.dtype != torch.float32 else None  # an upcast gradient piece
+    p_buf = torch.empty(piece, **fp32) if master.dtype != torch.float32 else None
     for lo, hi, weight_decay in decay_spans(master.numel(), decay_numel, cfg):
         for a in range(lo, hi, size):
             b = min(hi, a + size)

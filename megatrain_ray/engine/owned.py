@@ -12,9 +12,10 @@ in its device memory for the whole attempt, with a compute-dtype copy of the wei
 forward reads, so they are never fetched; their gradients stay on the device, and only a ticket
 with the squared norm goes to the sink, which counts it in the step's norm and updates the rest.
 At the end of the step's backward the worker updates them itself, with the factor the sink
-computes (the same squared norms, summed in the same order) on the gradient rounded to the host
-gradient dtype, as the sink would have seen it: on the CPU backend through the sink's own kernel
-(bit for bit the host update), on a GPU through ``torch._fused_adamw_`` in one call per span.
+computes (the same squared norms, summed in the same order), on the fp32 gradient as accumulated
+(it never crosses to the host, so runtime.grad_dtype does not round it): on the CPU backend through
+the sink's own kernel (bit for bit the host update where the gradient dtype is fp32, as on the
+CPU), on a GPU through ``torch._fused_adamw_`` in one call per span.
 
 Their blocks in the host store are a copy, brought up to date (:meth:`OwnedUnits.sync`) only where
 something reads them: at each checkpoint boundary, at the end of the run (the export), and on an
@@ -67,7 +68,7 @@ class OwnedUnits:
         self.units = store.spec.owned
         self.names = {u: store.layout.units[u] for u in self.units}
         self.optim, self.total_steps, self.timeout_s = optim, total_steps, timeout_s
-        self.compute_dtype, self.grad_dtype = store.spec.precision.compute, store.spec.precision.grad
+        self.compute_dtype = store.spec.precision.compute
         self.runner = AdamWRunner(threads) if backend.device.type == "cpu" else None
         """The sink's kernel on the CPU backend (the same bits as a host update); None on a GPU."""
         self.state: dict[int, dict[str, torch.Tensor]] = {}
@@ -127,7 +128,7 @@ class OwnedUnits:
         lr = lr_at(self.optim, step, self.total_steps)
         for u in self.units:
             s = self.state[u]
-            grad = grads.pop(u).to(self.grad_dtype)  # as the sink would have read it from the host
+            grad = grads.pop(u)  # fp32, scaled in place
             stream = None if s["weights"] is s["master"] else s["weights"]
             args = (s["master"], grad, s["exp_avg"], s["exp_avg_sq"], stream,
                     self.store.layout.templates[u].decay_numel, step + 1, lr, self.optim)
