@@ -10,6 +10,8 @@ and moment of every checkpoint, the exported weights. Any difference is a bug of
 import json
 import os
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -17,10 +19,10 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.device import CpuBackend
-from megatrain_ray.engine.owned import OwnedUnits, sync_due
+from megatrain_ray.engine.owned import OwnedUnits, checkpoint_due, sync_due
 from megatrain_ray.engine.store import ParameterStore, StoreSpec, owned_units
 from megatrain_ray.errors import ConfigError, PipelineError
-from megatrain_ray.io import checkpoint
+from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.presets import preset_shape
@@ -77,8 +79,9 @@ def host_run(ray_cluster, tmp_path_factory, shm_dirs):
 
 def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host_run(host_run, shm_dir, tmp_path):
     a_ckpts = os.path.join(host_run.run_dir, "checkpoints")
-    # B: edges on the device, a checkpoint every 2 steps (the sink waits for the worker's copy before
-    # each), interrupted once step 2's is out (the worker copies its units in for the store's save).
+    # B: edges on the device, a checkpoint every step (the sink waits for the worker's copy before
+    # each; the worker's next copy waits until the checkpoint has written the last), interrupted once
+    # step 2's is out (the worker copies its units in for the store's save).
     lines = []
 
     def interrupt_after_checkpoint_2(line):
@@ -87,13 +90,13 @@ def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host
             raise KeyboardInterrupt
 
     with pytest.raises(Interrupted) as info:
-        train(_cfg(shm_dir, tmp_path / "b", "runtime.device_adamw=edges", "train.checkpoint_every=2",
+        train(_cfg(shm_dir, tmp_path / "b", "runtime.device_adamw=edges", "train.checkpoint_every=1",
                    f"train.keep_checkpoints={STEPS}"), log=interrupt_after_checkpoint_2)
     boundary = checkpoint.read_meta(info.value.checkpoint)["step"]
     assert 2 <= boundary < STEPS, lines
     b_run = os.path.dirname(os.path.dirname(info.value.checkpoint))
     b_ckpts = sorted(os.listdir(os.path.join(b_run, "checkpoints")))
-    assert set(b_ckpts) == {f"step-{s:06d}" for s in (*range(2, boundary + 1, 2), boundary)}, b_ckpts
+    assert b_ckpts == [f"step-{s:06d}" for s in range(1, boundary + 1)], b_ckpts
     for name in b_ckpts:  # weights and AdamW states, the owned units' included
         ours = read_tensors(os.path.join(b_run, "checkpoints", name))
         theirs = read_tensors(os.path.join(a_ckpts, name))
@@ -161,10 +164,56 @@ def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
         ps.close()
 
 
-def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end():
+def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end_and_held_for_checkpoints():
     plan = checkpoint.CheckpointPlan("unused", 3, 2, {}, "r", {})
     assert [s for s in range(10) if sync_due(plan, s, 0, 10)] == [2, 5, 8, 9]
+    assert [s for s in range(10) if checkpoint_due(plan, s, 0, 10)] == [2, 5, 8, 9]  # the end is saved too
     assert [s for s in range(4, 10) if sync_due(None, s, 4, 10)] == [9]
+    assert not any(checkpoint_due(None, s, 4, 10) for s in range(4, 10))  # the export's copy: nothing to hold for
+    never = checkpoint.CheckpointPlan("unused", 0, 2, {}, "r", {})  # checkpoints only on an interrupt
+    assert [s for s in range(10) if sync_due(never, s, 0, 10)] == [9] and not checkpoint_due(never, 9, 0, 10)
+
+
+def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, tmp_path):
+    """With a checkpoint every step the worker reaches its next copy before the sink has started the
+    checkpoint of the previous one (the sink may still be writing the one before): that copy waits."""
+    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "runtime.device_adamw=edges"])
+    spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "ahead",
+                     owned=owned_units(cfg.model, "edges"))
+    ps = ParameterStore(spec, seed=0)
+    store = ps.store
+    try:
+        owned = OwnedUnits(store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=60)
+
+        def update(step: int) -> None:  # the step's update of the owned units, on the "device"
+            owned.weights(0, step)
+            for u in owned.units:
+                owned.hold(u, torch.full((store.layout.templates[u].numel,), 0.1 * (step + 1)))
+            assert owned.update(step, 1.0)
+
+        update(0)
+        for u in range(len(store.layout.units)):  # the sink's units reach boundary 1 too
+            if u not in owned.units:
+                store.set_version(u, 1)
+        owned.sync(hold=True)  # the copy of boundary 1, a checkpoint's
+        assert store.owned_hold() == 1 and store.state_version(0) == 1
+        at_1 = store.block("master", 0).clone()
+        update(1)
+        ahead = threading.Thread(target=owned.sync, args=(True,))  # the copy of boundary 2
+        ahead.start()
+        time.sleep(0.5)
+        assert ahead.is_alive() and store.state_version(0) == 1 and torch.equal(store.block("master", 0), at_1)
+        plan = checkpoint.CheckpointPlan(str(tmp_path), 1, 5, cfg.to_dict(), "r", {})
+        write = writer.CheckpointWriter(store, plan)
+        head = cfg.model.num_hidden_layers + 1
+        write.start(1, [0, head, *range(1, head)])  # as the sink orders them: the owned units first
+        ahead.join(timeout=60)
+        notice = write.finish()
+        assert not ahead.is_alive() and store.owned_hold() == 2 and store.state_version(0) == 2
+        saved = read_tensors(notice["checkpoint"])["model.embed_tokens.weight"].flatten()
+        assert torch.equal(saved, at_1) and not torch.equal(saved, store.block("master", 0))
+    finally:
+        ps.close()
 
 
 @pytest.mark.parametrize("extra,says", [

@@ -224,10 +224,11 @@ class ComputeWorker:
     # -- one step ----------------------------------------------------------------------------
 
     def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None,
-                 sync: bool = False) -> dict[str, Any]:
+                 sync: bool = False, hold: bool = False) -> dict[str, Any]:
         """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None;
         sync: the boundary after this step is a checkpoint's or the run's end, so the owned units'
-        state goes to the host store after their update (:func:`~megatrain_ray.engine.owned.sync_due`).
+        state goes to the host store after their update; hold: a checkpoint's, so that copy stays
+        until the checkpoint has it (:func:`~megatrain_ray.engine.owned.sync_due`, ``checkpoint_due``).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
         seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
@@ -236,7 +237,7 @@ class ComputeWorker:
         """
         try:
             with sdpa_backend(self.attention_backend):
-                return self._step(step, batch, eval_batch, sync)
+                return self._step(step, batch, eval_batch, sync, hold)
         except torch.OutOfMemoryError as e:
             kept = self.activations.modes.count(KEEP)
             if not kept:
@@ -246,7 +247,7 @@ class ComputeWorker:
                                 "recompute.") from e
 
     def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None,
-              sync: bool = False) -> dict[str, Any]:
+              sync: bool = False, hold: bool = False) -> dict[str, Any]:
         if self._error is not None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
         self.backend.begin_step()
@@ -330,7 +331,7 @@ class ComputeWorker:
                     add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
         self.grads_out.send(0, step, embed_grad)
         embed_grad = None
-        self.grads_out.end_step(step, sync)
+        self.grads_out.end_step(step, sync, hold)
         spans = self.backend.end_step()  # waits for the device without spinning a core
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()

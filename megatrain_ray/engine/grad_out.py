@@ -80,9 +80,10 @@ class GradOut:
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
         self.outbox.put((unit, step, slot, handle, -1.0))
 
-    def end_step(self, step: int, sync: bool) -> None:
+    def end_step(self, step: int, sync: bool, hold: bool = False) -> None:
         """After the last gradient of step ``step``: send the held ones, or update the owned units
-        (and with ``sync`` copy them to the host store: :func:`~megatrain_ray.engine.owned.sync_due`)."""
+        (and with ``sync`` copy them to the host store, ``hold``: for a checkpoint; see
+        :func:`~megatrain_ray.engine.owned.sync_due`)."""
         if self.store.spec.hold_grads:
             self._send_held(step)
         if self.owned is not None:
@@ -90,7 +91,7 @@ class GradOut:
             with self.backend.compute("adamw (owned units)"):
                 self.owned.update(step, step_sq_norm(norms))
             if sync:
-                self.owned.sync()
+                self.owned.sync(hold)
 
     def _send_held(self, step: int) -> None:
         """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order

@@ -19,10 +19,13 @@ CPU), on a GPU through ``torch._fused_adamw_`` in one call per span.
 
 Their blocks in the host store are a copy, brought up to date (:meth:`OwnedUnits.sync`) only where
 something reads them: at each checkpoint boundary, at the end of the run (the export), and on an
-interrupt. A checkpoint written in the background may still be reading the previous copy: its
-writer writes the owned units first and holds the store's *owned hold* until their bytes are out
-(:meth:`~megatrain_ray.engine.store.HostStore.set_owned_hold`); a sync waits for it, and the sink
-waits for the sync before it starts the next checkpoint.
+interrupt. A copy made for a checkpoint must stay until that checkpoint has written it, and the
+worker may reach its next copy first (the sink starts a checkpoint only once it has updated the
+steps before it, and may still be finishing the previous write; with a checkpoint every step the
+worker is one boundary ahead by then). So the copy for a checkpoint sets the store's *owned hold*
+(:meth:`~megatrain_ray.engine.store.HostStore.set_owned_hold`); the sink waits for the copy before
+it starts that checkpoint, whose writer writes the owned units first and releases the hold once
+their bytes are out; the next copy waits for the release.
 """
 
 from __future__ import annotations
@@ -40,11 +43,17 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The store's kinds an owned unit keeps on the device (and copies back at a sync)."""
 
 
+def checkpoint_due(plan, step: int, start: int, end: int) -> bool:
+    """Whether the sink checkpoints the boundary after step ``step`` (``plan``: a
+    :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`, or None; steps [``start``, ``end``) of this
+    attempt): the owned units' copy for it is held until its writer has it."""
+    return plan is not None and plan.due(step + 1, start, end)
+
+
 def sync_due(plan, step: int, start: int, end: int) -> bool:
     """Whether the boundary after step ``step`` must find the owned units' state in the host store:
-    a checkpoint's (``plan``: a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`, or None) or
-    the run's end (steps [``start``, ``end``) of this attempt)."""
-    return step + 1 == end or (plan is not None and plan.due(step + 1, start, end))
+    a checkpoint's (:func:`checkpoint_due`) or the run's end (the export)."""
+    return step + 1 == end or checkpoint_due(plan, step, start, end)
 
 
 def step_sq_norm(sq_norms: list[torch.Tensor]) -> float:
@@ -79,7 +88,8 @@ class OwnedUnits:
         self.grads: dict[int, torch.Tensor] = {}
         """unit -> this step's gradient [numel] fp32 on the device, until the update."""
         self.diverged: str | None = None
-        """The sink's words for a step whose gradient norm was not finite (no update was applied)."""
+        """The sink's words for a step whose gradient norm was not finite (no update was applied): the
+        next step waits, as for weights that never come, and then says them."""
         for kind in STATE_KINDS:
             if kind not in registered:
                 for u in self.units:
@@ -90,7 +100,8 @@ class OwnedUnits:
         state is taken from the host store, which must be at that boundary)."""
         if self.version is None:
             self._load(step)
-        if self.diverged is not None:  # the sink stops the run with the same sentence
+        if self.diverged is not None:  # as a fetch would: wait while the sink stops the run (it finishes the
+            time.sleep(self.timeout_s)  # checkpoint being written first), then say what it says
             raise PipelineError(self.diverged)
         if self.version != step:
             raise PipelineError(f"{self.names[unit]} on the device has {self.version} updates but step {step} "
@@ -139,21 +150,25 @@ class OwnedUnits:
         self.version = step + 1
         return True
 
-    def sync(self) -> None:
-        """Copy the device state into the owned units' host blocks and mark them at its version,
-        once no checkpoint reads the previous copy (the owned hold)."""
+    def sync(self, hold: bool = False) -> None:
+        """Copy the device state into the owned units' host blocks and mark them at its version, once
+        no checkpoint needs the previous copy (the owned hold); ``hold``: this copy is a checkpoint's
+        (:func:`checkpoint_due`), kept until its writer releases it."""
         deadline = time.monotonic() + self.timeout_s
         while (held := self.store.owned_hold()) is not None:
             if time.monotonic() > deadline:
                 raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
-                                    f"{held} to write {', '.join(self.names.values())}: the checkpoint writer is "
-                                    "stalled (a slow disk?); raise runtime.actor_timeout_s if it is just slow.")
+                                    f"{held} to write {', '.join(self.names.values())}: the gradient sink or the "
+                                    "checkpoint writer is stalled (a slow disk?); raise runtime.actor_timeout_s if "
+                                    "it is just slow.")
             time.sleep(0.005)
         done = None
         for u in self.units:
             for kind in STATE_KINDS:
                 done = self.backend.stash(self.state[u][kind], self.store.block(kind, u), f"{self.names[u]} {kind}")
         self.backend.host_wait(done)
+        if hold:
+            self.store.set_owned_hold(self.version)
         for u in self.units:
             self.store.set_version(u, self.version)
 

@@ -103,8 +103,6 @@ class CheckpointWriter:
         self._outcome, self._stall_s = {"step": step, "began": time.time()}, 0.0
         self._started, self._staged, self._staged_bytes = set(), {}, 0
         order = self._order = list(order) if order is not None else list(units)
-        if self.store.spec.owned:  # the compute worker's next copy of its units waits until theirs are written
-            self.store.set_owned_hold(step)
         self._thread = threading.Thread(target=self._write_in_background, args=(step, order),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
@@ -194,14 +192,19 @@ class CheckpointWriter:
         finally:
             for event in self._written.values():  # a failed write holds no unit back
                 event.set()
-            if self.store.spec.owned:
-                self.store.set_owned_hold(None)
+            self._release_owned(step)
             self._outcome["done"] = time.time()
 
     def _release(self, unit: int, group: str) -> None:
         self._written[unit, group].set()
         owned = self.store.spec.owned
         if unit in owned and all(self._written[u, g].is_set() for u in owned for g in GROUPS):
+            self._release_owned(self._outcome["step"])
+
+    def _release_owned(self, step: int) -> None:
+        """Let the compute worker overwrite the copy of its units that it held for this write
+        (:mod:`megatrain_ray.engine.owned`); a hold for a later boundary is not this write's."""
+        if self.store.spec.owned and self.store.owned_hold() == step:
             self.store.set_owned_hold(None)
 
     # -- the store actor's side: in the foreground -------------------------------------------

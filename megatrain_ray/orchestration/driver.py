@@ -23,7 +23,7 @@ import ray
 from ..config import TrainConfig
 from ..data.datasets import run_tokenizer
 from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
-from ..engine.owned import sync_due
+from ..engine.owned import checkpoint_due, sync_due
 from ..io import checkpoint
 from .calls import get as _get
 from .labels import step_task
@@ -139,10 +139,11 @@ class Driver:
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
-            sync = sync_due(self.plan, step, self.start, self.steps)  # the owned units' copy (engine.owned)
+            owned = (sync_due(self.plan, step, self.start, self.steps),  # the owned units' copy (engine.owned)
+                     checkpoint_due(self.plan, step, self.start, self.steps))
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
                                                                          self.eval_ref if due and rank == 0 else None,
-                                                                         sync)
+                                                                         *owned)
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:
