@@ -149,11 +149,12 @@ class RuntimeSection:
     resident there: none (default: every unit on the host) or edges = the embedding and the LM head
     (with the final norm). They sit at the step boundary: the next forward needs the embedding
     first, its gradient comes last, and on the host its update and the copies around it are time
-    the GPU waits (~0.2 s a step at 7B). 12 bytes per parameter of those units more device memory
-    (Qwen2.5-7B shape: 13 GB, which ``plan`` counts) and never streamed; their host copy is brought
-    up to date at checkpoint boundaries and at the end. edges+K: the first K decoder layers too
-    (each next to be updated after the embedding, which the forward waits for next; 14 bytes per
-    parameter). One compute worker, fp32 master weights and moments (see megatrain_ray.engine.owned)."""
+    the GPU waits (~0.2 s a step at 7B). 14 bytes per parameter of those units in device memory
+    (fp32 master and moments, compute-dtype weights; Qwen2.5-7B shape: 14.2 GiB, less 1.8 GiB of
+    weight slots that shrink to a decoder layer's; ``plan`` counts both), never streamed; their host
+    copy is brought up to date at checkpoint boundaries and at the end. edges+K: the first K decoder
+    layers too (layer 0 is the next the forward waits for after the embedding). One compute
+    worker, fp32 master weights and moments (see megatrain_ray.engine.owned)."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"

@@ -52,9 +52,9 @@ from .activations import GPU, HOST, KEEP, ActivationStore, KeptGraph, kept_backw
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
+from .grad_out import GradOut
 from .grad_reduce import GradReducer
 from .head import chunk_loss_sum, head_forward_backward, head_loss
-from .grad_out import GradOut
 from .owned import OwnedUnits
 from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
 from .sequence import layer_backward

@@ -64,7 +64,8 @@ class GradOut:
         if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
             self._held.append((unit, grad.to(self.store.spec.precision.grad), torch.dot(grad, grad)))
             return
-        if self.owned is not None:
+        sq_norm = None
+        if self.owned is not None:  # (one worker: no reduction below)
             sq_norm = torch.dot(grad, grad)
             self._sq_norms.append(sq_norm)
             if unit in self.owned.units:  # updated on the device at the end of the step: the sink needs its norm
@@ -76,7 +77,8 @@ class GradOut:
         if self.reducer is not None:
             lo, hi = self.reducer.reduce(grad)
             grad, host = grad[lo:hi], host[lo:hi]
-        sq_norm = torch.dot(grad, grad)
+        if sq_norm is None:
+            sq_norm = torch.dot(grad, grad)
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
         self.outbox.put((unit, step, slot, handle, -1.0))
 

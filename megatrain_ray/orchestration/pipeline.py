@@ -168,9 +168,10 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
             log(f"restart {attempt + 1} of {cfg.runtime.max_restarts}: {str(e).rstrip('.')}; restarting the pipeline "
                 f"from {resume or 'the initial weights'} (step {start}).")
             if unreported:
-                log(f"warning: steps {unreported[0] + 1}-{unreported[-1] + 1} were trained and are in that checkpoint, "
-                    "but their stats (grad norm, lr) were lost with the failed pipeline: metrics.jsonl has no rows "
-                    "for them.")
+                which = (f"step {unreported[0] + 1} was" if len(unreported) == 1
+                         else f"steps {unreported[0] + 1}-{unreported[-1] + 1} were")
+                log(f"warning: {which} trained and in that checkpoint, but the stats (grad norm, lr) were lost with "
+                    "the failed pipeline: metrics.jsonl has no rows for them.")
     raise AssertionError("unreachable")
 
 
