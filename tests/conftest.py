@@ -1,5 +1,5 @@
 """Shared fixtures: one real local Ray cluster for the whole test session, private shm directories;
-and a log callback that kills the pipeline's actors in turn."""
+and the log callbacks that interrupt a run or kill its actors in turn."""
 
 import contextlib
 import os
@@ -75,6 +75,17 @@ def read_only_dir(tmp_path):
     """A real read-only directory: a read-only bind mount of tmp_path/ro (root can write anywhere else)."""
     (tmp_path / "ro").mkdir()
     yield from _mounted(["--bind", "-o", "ro", str(tmp_path / "ro")], tmp_path / "ro", "bind-mount read-only")
+
+
+def interrupt_after_checkpoint(step: int, lines: list[str]):
+    """A log callback that records lines and raises KeyboardInterrupt (as Ctrl-C) once the checkpoint
+    of ``step`` is reported saved."""
+    def log(line):
+        lines.append(line)
+        if line.startswith(f"checkpoint: step {step} saved"):
+            raise KeyboardInterrupt
+
+    return log
 
 
 def kill_in_turn(roles: list[str], lines: list[str]):

@@ -36,7 +36,7 @@ from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
 from artifacts import read_tensors
-from conftest import kill_in_turn
+from conftest import interrupt_after_checkpoint, kill_in_turn
 
 transformers = pytest.importorskip("transformers")
 
@@ -488,15 +488,9 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
 
     # B: the same run with a checkpoint every 3 steps, interrupted (as by Ctrl-C) once step 3's is out.
     lines = []
-
-    def interrupt_after_checkpoint_3(line):
-        lines.append(line)
-        if line.startswith("checkpoint: step 3 saved"):
-            raise KeyboardInterrupt
-
     with pytest.raises(Interrupted) as info:
         train(_cfg(shm_dir, tmp_path / "b", "train.checkpoint_every=3", f"train.keep_checkpoints={STEPS}"),
-              log=interrupt_after_checkpoint_3)
+              log=interrupt_after_checkpoint(3, lines))
     saved = info.value.checkpoint  # where the interrupt drained the steps in flight to
     meta = checkpoint.read_meta(saved)
     boundary = meta["step"]

@@ -31,7 +31,7 @@ from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
 from artifacts import read_tensors
-from conftest import kill_in_turn
+from conftest import interrupt_after_checkpoint, kill_in_turn
 
 STEPS = 12
 CLIPPED = ("optim.max_grad_norm=0.5", "optim.weight_decay=0.1", "optim.warmup_steps=2")
@@ -83,15 +83,9 @@ def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host
     # each; the worker's next copy waits until the checkpoint has written the last), interrupted once
     # step 2's is out (the worker copies its units in for the store's save).
     lines = []
-
-    def interrupt_after_checkpoint_2(line):
-        lines.append(line)
-        if line.startswith("checkpoint: step 2 saved"):
-            raise KeyboardInterrupt
-
     with pytest.raises(Interrupted) as info:
         train(_cfg(shm_dir, tmp_path / "b", "runtime.device_adamw=edges", "train.checkpoint_every=1",
-                   f"train.keep_checkpoints={STEPS}"), log=interrupt_after_checkpoint_2)
+                   f"train.keep_checkpoints={STEPS}"), log=interrupt_after_checkpoint(2, lines))
     boundary = checkpoint.read_meta(info.value.checkpoint)["step"]
     assert 2 <= boundary < STEPS, lines
     b_run = os.path.dirname(os.path.dirname(info.value.checkpoint))

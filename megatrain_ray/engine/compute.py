@@ -58,7 +58,7 @@ from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .owned import OwnedUnits
 from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
 from .sequence import layer_backward
-from .store import HostStore, StoreSpec
+from .store import HostStore, StoreSpec, largest_streamed
 from .tickets import FetchTicket
 
 
@@ -92,8 +92,7 @@ class ComputeWorker:
         self.device_name = device
         self.reducer: GradReducer | None = None
         """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
-        fetched = [t.numel for i, t in enumerate(self.layout.templates) if i not in spec.owned]
-        self.backend = make_backend(device, buffer_depth, max(fetched, default=1), self.dtype)
+        self.backend = make_backend(device, buffer_depth, largest_streamed(self.layout, spec.owned), self.dtype)
         if placement is None:
             placement = (HOST if offload_activations else GPU,) * self.cfg.num_hidden_layers
         if len(placement) != self.cfg.num_hidden_layers:

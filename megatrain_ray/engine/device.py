@@ -191,13 +191,7 @@ class CudaBackend:
         """Start copying a device scalar to the host after the compute enqueued so far; the handle's
         ``result()`` is it as a float."""
         host = torch.empty((), dtype=value.dtype, pin_memory=True)
-        computed = self._event()
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(computed)
-            host.copy_(value, non_blocking=True)
-            value.record_stream(self.d2h)
-            done = self._event(blocking=True)
-        return _EventDone(done, host)
+        return _EventDone(self._copy_out([(value, host)]), host)
 
     @contextlib.contextmanager
     def compute(self, label: str):
@@ -213,10 +207,10 @@ class CudaBackend:
         enqueued so far; the device tensor's memory is reused only once the copy is done."""
         return self._copy_out([(dev, host)], label)
 
-    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], label: str) -> torch.cuda.Event:
+    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], label: str | None = None) -> torch.cuda.Event:
         """Copy each (device, host) pair on the copy-out stream after the compute enqueued so far;
         device memory is reused only once its copy is done. Returns the (host-waitable) done event;
-        the span counts the first pair's bytes."""
+        the span (none without a ``label``) counts the first pair's bytes."""
         computed = self._event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(computed)
@@ -225,8 +219,9 @@ class CudaBackend:
                 host.copy_(dev, non_blocking=True)
                 dev.record_stream(self.d2h)
             done = self._event(blocking=True)
-        host = pairs[0][1]
-        self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
+        if label is not None:
+            host = pairs[0][1]
+            self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
         return done
 
     def unstash(self, host: torch.Tensor, done: torch.cuda.Event, label: str = "") -> tuple[torch.Tensor, torch.cuda.Event]:

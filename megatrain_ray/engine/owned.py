@@ -154,14 +154,11 @@ class OwnedUnits:
         """Copy the device state into the owned units' host blocks and mark them at its version, once
         no checkpoint needs the previous copy (the owned hold); ``hold``: this copy is a checkpoint's
         (:func:`checkpoint_due`), kept until its writer releases it."""
-        deadline = time.monotonic() + self.timeout_s
-        while (held := self.store.owned_hold()) is not None:
-            if time.monotonic() > deadline:
-                raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
-                                    f"{held} to write {', '.join(self.names.values())}: the gradient sink or the "
-                                    "checkpoint writer is stalled (a slow disk?); raise runtime.actor_timeout_s if "
-                                    "it is just slow.")
-            time.sleep(0.005)
+        if not self.store.wait_until(lambda: self.store.owned_hold() is None, self.timeout_s, pause=0.005):
+            raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
+                                f"{self.store.owned_hold()} to write {', '.join(self.names.values())}: the gradient "
+                                "sink or the checkpoint writer is stalled (a slow disk?); raise "
+                                "runtime.actor_timeout_s if it is just slow.")
         done = None
         for u in self.units:
             for kind in STATE_KINDS:

@@ -229,13 +229,11 @@ class GradientSink:
     def _await_owned(self, step: int) -> None:
         """Wait until the compute worker has copied the units it owns at boundary ``step`` into the
         store (it does right after their update, :meth:`~megatrain_ray.engine.owned.OwnedUnits.sync`)."""
-        deadline = time.monotonic() + self.timeout_s
-        while any(self.store.state_version(u) != step for u in self.owned):
-            if time.monotonic() > deadline:
-                names = ", ".join(self.layout.units[u] for u in self.owned)
-                raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for the compute worker's copy of "
-                                    f"{names} at step {step}: the compute worker is stalled.")
-            time.sleep(0.002)
+        if not self.store.wait_until(lambda: all(self.store.state_version(u) == step for u in self.owned),
+                                     self.timeout_s):
+            names = ", ".join(self.layout.units[u] for u in self.owned)
+            raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for the compute worker's copy of "
+                                f"{names} at step {step}: the compute worker is stalled.")
 
     def _report_checkpoint(self, wait: bool = False) -> None:
         """Put the notice of a completed save on the stats queue ({checkpoint: path, step, save_s,

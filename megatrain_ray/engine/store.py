@@ -35,6 +35,7 @@ them as a Hugging Face safetensors checkpoint, and removes them.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 
@@ -72,6 +73,12 @@ def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, ho
     """``StoreSpec.hold_grads`` of a run: runtime.hold_grads (``hold``, resolved) where it saves the
     whole-model host gradient array, i.e. with clipping, no stream block and one compute worker."""
     return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
+
+
+def largest_streamed(layout: StoreLayout, owned: tuple[int, ...]) -> int:
+    """Elements of the largest unit the prefetcher streams (what a device weight slot holds): every
+    unit but those the compute worker owns."""
+    return max((t.numel for i, t in enumerate(layout.templates) if i not in owned), default=1)
 
 
 def versions_numel(layout: StoreLayout) -> int:
@@ -230,6 +237,17 @@ class HostStore:
     def set_state_version(self, i: int, value: int) -> None:
         """Unit i's master weights have caught up with its stream copy at ``value`` updates."""
         self.versions[len(self.layout.units) + i] = value
+
+    @staticmethod
+    def wait_until(condition, timeout_s: float, pause: float = 0.002) -> bool:
+        """Poll ``condition()`` (a test of versions other processes write) until it holds or
+        ``timeout_s`` pass; whether it held."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+        return True
 
     def owned_hold(self) -> int | None:
         """The boundary whose checkpoint still reads the host copy of the owned units, or None."""

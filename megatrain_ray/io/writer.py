@@ -214,10 +214,8 @@ class CheckpointWriter:
         plan's ``wait_s`` for every unit to reach it (on an interrupt, the sink is still applying the
         steps in flight)."""
         store, units = self.store, range(len(self.store.layout.units))
-        deadline = time.monotonic() + self.plan.wait_s
-        while (any(store.state_version(i) < step for i in units) and time.monotonic() < deadline
-               and not any(store.state_version(i) > step for i in units)):
-            time.sleep(0.01)
+        store.wait_until(lambda: all(store.state_version(i) >= step for i in units)
+                         or any(store.state_version(i) > step for i in units), self.plan.wait_s, pause=0.01)
         self._check_boundary(step)
         return self._write(step, list(units), lambda unit, group: None)
 

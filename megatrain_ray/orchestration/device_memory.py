@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..config import TrainConfig
 from ..engine.activations import kept_bytes_per_token, layer_modes
-from ..engine.store import StoreSpec, owned_units
+from ..engine.store import StoreSpec, largest_streamed, owned_units
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .machine import gpu_free_memory
@@ -71,10 +71,10 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
     head_numel = layout.templates[-1].numel
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
     owned = owned_units(m, rt.device_adamw)
-    fetched = max((t.numel for i, t in enumerate(layout.templates) if i not in owned), default=0)
     owned_numel = sum(layout.templates[i].numel for i in owned)
     rows = [
-        Row(f"weight slots ({depth} x largest unit{' streamed' if owned else ''})", "device", depth * fetched * c),
+        Row(f"weight slots ({depth} x largest unit{' streamed' if owned else ''})", "device",
+            depth * largest_streamed(layout, owned) * c),
         *([Row(f"{', '.join(layout.units[i] for i in owned)}: fp32 master, AdamW moments and weights "
                "(runtime.device_adamw)", "device", owned_numel * (12 + (c if c != 4 else 0)))] if owned else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),

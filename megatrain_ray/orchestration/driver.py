@@ -317,7 +317,7 @@ def _combine(outs: list[dict]) -> dict:
 def _size(q) -> int | None:
     """Items on ``q`` for the queue-depth gauge, or None if its host does not answer within a second."""
     try:
-        return q.size(within=1.0)
+        return q.qsize(within=1.0)
     except Exception:
         return None
 

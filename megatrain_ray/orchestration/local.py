@@ -14,6 +14,7 @@ import uuid
 from ..config import TrainConfig
 from ..data.loader import source_from_config
 from ..engine import shm
+from ..engine.owned import sync_due
 from ..engine.store import StoreSpec
 from ..errors import ConfigError
 from ..model.precision import resolve_device, resolve_precision
@@ -53,7 +54,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
             if errors:
                 raise errors[0]
             rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None,
-                                         sync=step == steps - 1))
+                                         sync=sync_due(None, step, 0, steps)))  # the end: the owned units' copy
         for row in rows:
             stats = roles.stats_q.get(timeout=rt.actor_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")

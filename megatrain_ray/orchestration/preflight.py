@@ -241,7 +241,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
             for k in spec.kinds()]
-    rows.append(Row("unit versions", "shm", 8 * versions_numel(layout)))  # stream and state (engine.store)
+    rows.append(Row("unit versions", "shm", 8 * versions_numel(layout)))
     if starts_ray:
         same_fs = same_filesystem(rt.shm_dir, "/dev/shm")
         rows.append(Row("Ray object store", "shm" if same_fs else "host", rt.object_store_memory))

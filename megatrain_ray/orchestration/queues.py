@@ -21,10 +21,10 @@ One ``ray.util.queue.Queue`` per queue would be one actor process each (4-5 per 
 each process start a second or two on a small machine); here :class:`QueueHost`, one async actor
 with no CPU of its own, keeps each queue as an ``asyncio.Queue`` under its name, and
 :class:`QueueClient` is the small picklable handle the roles hold: the host's actor handle, the
-queue's name and bound. A client offers what the roles and the driver use of :class:`queue.Queue`
-(which the single-process driver passes instead): ``put``/``get`` with ``block`` and ``timeout``,
-raising :class:`queue.Full` / :class:`queue.Empty` when the time is up, ``put_nowait``/
-``get_nowait``, ``empty``, ``qsize`` (and ``size``), and ``drain``: everything waiting, in one call.
+queue's name and bound. A client offers what the roles use of :class:`queue.Queue` (which the
+single-process driver passes instead): ``put``/``get`` with ``block`` and ``timeout``, raising
+:class:`queue.Full` / :class:`queue.Empty` when the time is up; and for the driver ``qsize`` and
+``drain`` (everything waiting, in one call), each with a limit on the wait for the host's answer.
 A call to a dead host raises Ray's actor error, as a dead queue actor's did.
 
 A queue comes into being on the host with the first call that names it (every client of a name
@@ -87,9 +87,6 @@ class QueueHost:
     async def size(self, name: str, maxsize: int) -> int:
         return self._queue(name, maxsize).qsize()
 
-    async def ready(self) -> bool:
-        return True
-
 
 class QueueClient:
     """One named queue of a :class:`QueueHost`, with the interface of :class:`queue.Queue` that the
@@ -97,11 +94,6 @@ class QueueClient:
 
     def __init__(self, host, name: str, maxsize: int = 0):
         self.host, self.name, self.maxsize = host, name, maxsize
-
-    @property
-    def actor(self):
-        """The host's actor handle (what the health checks ping)."""
-        return self.host
 
     def _call(self, method: str, *args, within: float | None = None):
         import ray
@@ -126,12 +118,6 @@ class QueueClient:
             raise queue.Empty
         return item
 
-    def put_nowait(self, item: Any) -> None:
-        self.put(item, block=False)
-
-    def get_nowait(self) -> Any:
-        return self.get(block=False)
-
     def drain(self, within: float | None = None) -> list:
         """Every item waiting, oldest first, in one call to the host; ``within``: seconds to wait for
         its answer (None: for ever; then Ray's ``GetTimeoutError``)."""
@@ -140,14 +126,6 @@ class QueueClient:
     def qsize(self, within: float | None = None) -> int:
         """Items waiting; ``within``: as for :meth:`drain`."""
         return self._call("size", within=within)
-
-    size = qsize
-
-    def empty(self) -> bool:
-        return self.qsize() == 0
-
-    def full(self) -> bool:
-        return 0 < self.maxsize <= self.qsize()
 
     def __repr__(self) -> str:
         return f"QueueClient({self.name!r}, maxsize={self.maxsize})"
