@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several 7B benchmark runs side by side in one device call, then their table: each argument is
 # TAG:SETTINGS, the settings passed to `megatrain_ray.bench --preset 7b --steps 6` as they are
-# (empty: the defaults). Each run gets an equal share of the call's ~570 s (at most 280 s).
+# (empty: the defaults). Each run gets at most 280 s of the BUDGET seconds (default 570) left.
 #   bash benchmarks/bench_side_by_side.sh $OUT "7b-host:" "7b-edges:--set runtime.device_adamw=edges"
 set -uo pipefail
 out=${1:-/tmp/out}; shift; mkdir -p "$out"
@@ -10,7 +10,7 @@ t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 tags=()
 for spec in "$@"; do
   tag=${spec%%:*}; extra=${spec#*:}; tags+=("$tag")
-  left=$(( 570 - ($(date +%s) - t0) )); (( left > 280 )) && left=280
+  left=$(( ${BUDGET:-570} - ($(date +%s) - t0) )); (( left > 280 )) && left=280
   stamp "$tag ($extra), at most $left s"
   # shellcheck disable=SC2086  # the settings are words
   timeout $left python3 -m megatrain_ray.bench --preset 7b --steps 6 $extra --tag "$tag" --out "$out" \
