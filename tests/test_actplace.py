@@ -24,6 +24,7 @@ from megatrain_ray.engine.activations import GPU, HOST, KEEP, kept_bytes_per_tok
 from megatrain_ray.engine.attention import sdpa_backend
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.sequence import LayerRunner
 from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model import transformer as M
@@ -147,7 +148,7 @@ def _min_cut_backend(backward_graphs=None):
                         partition_fn=min_cut_rematerialization_partition)
 
 
-def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None, layer_fn=None):
+def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None, wrap=None):
     """One step through store + prefetcher + compute worker on the CPU; returns (loss, {unit: grads}, result)."""
     rt = cfg.runtime
     spec = StoreSpec(cfg.model, resolve_precision(rt, "cpu"), shm_dir, os.getpid(), "ap-" + uuid.uuid4().hex[:6])
@@ -159,17 +160,16 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     thread.start()
     worker = ComputeWorker(spec, "cpu", depth, rt.loss_chunk_size_on("cpu"), fetch_q, grad_q, release_q,
                            rt.actor_timeout_s, placement=placement, attention_backend=attention_backend)
-    if layer_fn is not None:
-        worker.runner.layer = layer_fn
-    if calls is not None:  # count the layer's forward runs (forward and recompute)
-        inner = worker.runner.layer
-
-        def counted(*args):
-            calls.append(1)
-            if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
-            return inner(*args)
-        worker.runner.layer = counted
+    if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with runtime.compile
+        worker.runner = LayerRunner(0, wrap)
+    if calls is not None:  # count the layer's forward runs (forward, and recompute up to the down projection)
+        for attr in ("layer", "to_down"):
+            def counted(*args, inner=getattr(worker.runner, attr)):
+                calls.append(1)
+                if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+                return inner(*args)
+            setattr(worker.runner, attr, counted)
     try:
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:
@@ -237,8 +237,9 @@ def test_running_out_of_device_memory_with_kept_graphs_says_what_to_set(tmp_path
 def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_dir):
     """The compiled layer (CompiledLayer, here without code generation: the partitioned forward and
     backward graphs run op by op) kept whole gives the recompute's loss and gradients bit for bit
-    and compiles nothing new: the kept forward is the graph the recompute already runs, and its
-    partitioner settings (applied with gradients on) cause no recompile. With torch's own
+    (the recompute is a graph of its own, the layer up to its down projection, whose backward the
+    runner does by hand) and compiles one graph more: the kept forward's, once for every kept
+    layer; its partitioner settings (applied with gradients on) cause no recompile. With torch's own
     partitioner settings, the same values bit for bit: what the lean ones recompute in the
     backward are the same ops on the same values as the forward that saved them otherwise. (With
     the inductor backend on this CPU, checked once by hand: also bit for bit.)"""
@@ -246,20 +247,24 @@ def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_
 
     cfg = _config(tmp_path, shm_dir)
     torch._dynamo.reset()
-    layer = CompiledLayer(backend=_min_cut_backend())
-    from megatrain_ray.engine.activations import LEAN_PARTITIONER
+    compiled = {}
 
-    assert layer.training_config == LEAN_PARTITIONER  # lean: this torch has the settings
+    def wrap(fn, partitioner="lean"):  # one compiled callable per function and settings, as one worker has
+        key = (fn, partitioner)
+        compiled[key] = compiled.get(key) or CompiledLayer(backend=_min_cut_backend(), fn=fn, partitioner=partitioner)
+        return compiled[key]
+    from megatrain_ray.engine.activations import LEAN_PARTITIONER
     from torch._dynamo.utils import counters
 
-    ref, ref_grads = _cpu_step(cfg, shm_dir, (GPU,) * 3, layer_fn=layer)
+    ref, ref_grads = _cpu_step(cfg, shm_dir, (GPU,) * 3, wrap=wrap)
+    assert all(c.training_config == LEAN_PARTITIONER for c in compiled.values())  # lean: this torch has them
     graphs = counters["stats"]["unique_graphs"]
-    got, grads = _cpu_step(cfg, shm_dir, layer_modes(3, 2, 1), layer_fn=layer)
-    assert counters["stats"]["unique_graphs"] == graphs >= 2  # no-grad forward + training graph, no third
+    assert graphs >= 2  # the no-grad forward, the recompute's training graph
+    got, grads = _cpu_step(cfg, shm_dir, layer_modes(3, 2, 1), wrap=wrap)
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # and the kept forward's, once for both kept layers
     torch._dynamo.reset()
-    default = CompiledLayer(backend=_min_cut_backend(), partitioner=None)
-    runs = [(got, grads), _cpu_step(cfg, shm_dir, layer_modes(3, 2, 1), layer_fn=default)]
-    assert layer.failure is None and default.failure is None
+    runs = [(got, grads), _cpu_step(cfg, shm_dir, layer_modes(3, 2, 1), wrap=lambda fn: wrap(fn, None))]
+    assert all(c.failure is None for c in compiled.values())
     for got, grads in runs:
         assert got["loss"] == ref["loss"]
         for unit, named in grads.items():

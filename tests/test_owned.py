@@ -211,8 +211,8 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
 
 
 @pytest.mark.parametrize("extra,says", [
-    (("runtime.device_adamw=all",), "runtime.device_adamw must be one of none, edges, edges+K, got 'all'"),
-    (("runtime.device_adamw=edges+x",), "runtime.device_adamw must be one of none, edges, edges+K, got 'edges+x'"),
+    (("runtime.device_adamw=all",), "runtime.device_adamw must be one of auto, none, edges, edges+K, got 'all'"),
+    (("runtime.device_adamw=edges+x",), "runtime.device_adamw must be one of auto, none, edges, edges+K, got 'edges+x'"),
     (("runtime.device_adamw=edges+9",), "runtime.device_adamw (edges+9) names more decoder layers than the model "
      "has"),
     (("runtime.device_adamw=edges", "runtime.compute_workers=2"), "runtime.device_adamw (edges) needs one compute "

@@ -58,8 +58,11 @@ def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
     best = plan.largest_micro_batch
     assert best and best > 0
 
+    resolved = preflight.resolve_device_adamw(cfg, "cuda", 8 * 2**30)  # as the plan resolves it
+    assert resolved.runtime.device_adamw == "edges+1"  # the default, auto, on one GPU where it fits
+
     def device_total(b):  # activations placed by auto for that GPU, as the run would place them
-        return preflight.device_total(preflight.device_rows(cfg, "cuda", b, 8 * 2**30))
+        return preflight.device_total(preflight.device_rows(resolved, "cuda", b, 8 * 2**30))
 
     assert device_total(best) <= 8 * 2**30 * preflight.GPU_USABLE < device_total(best + 1)
     # Beyond one loss chunk, the device total grows linearly with the micro-batch (activations).
@@ -181,7 +184,8 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
 def test_device_rows_use_the_buffer_depth_and_loss_chunk_resolved_for_the_device():
     cfg = load_config(None, ["model.hidden_size=256", "model.num_hidden_layers=2", "model.intermediate_size=704",
                              "model.num_attention_heads=4", "model.vocab_size=4096", "train.seq_len=512",
-                             "train.micro_batch_size=32"])  # 16,384 tokens per micro-batch: more than a chunk
+                             "train.micro_batch_size=32",  # 16,384 tokens per micro-batch: more than a chunk
+                             "runtime.device_adamw=none"])  # every unit streamed through the slots
     layout = StoreLayout.build(cfg.model)
     for device, depth, chunk, itemsize in (("cuda", 3, 8192, 2), ("cpu", 2, 1024, 4)):
         rows = {r.component: r.nbytes for r in preflight.plan(cfg, device, device_bytes=80 * 2**30,

@@ -14,7 +14,7 @@ from .host import unwritable, usable_cpus
 GRAD_REDUCE = ("allreduce", "host")
 """Values of runtime.grad_reduce."""
 
-DEVICE_ADAMW = ("none", "edges", "edges+K")
+DEVICE_ADAMW = ("auto", "none", "edges", "edges+K")
 """Values of runtime.device_adamw (K: a number of decoder layers, see ``device_adamw_layers``)."""
 
 
@@ -144,9 +144,12 @@ class RuntimeSection:
     next forward fetches (24 of the update's 28 bytes per parameter), then, while the next step runs,
     the master weights (16 bytes), so the forward waits less on AdamW. Bit for bit the one-pass
     update; false: one pass (see megatrain_ray.engine.sink)."""
-    device_adamw: str = "none"
+    device_adamw: str = "auto"
     """Units whose AdamW runs on the compute worker's device, their fp32 master weights and moments
-    resident there: none (default: every unit on the host) or edges = the embedding and the LM head
+    resident there: auto (default: edges+1 on one GPU where the plan fits it with every activation
+    checkpoint on the GPU, else edges, else none; none on the CPU, with several compute workers, a
+    bf16 master or 8-bit moments; see megatrain_ray.orchestration.device_memory.resolve_device_adamw),
+    none (every unit on the host) or edges = the embedding and the LM head
     (with the final norm). They sit at the step boundary: the next forward needs the embedding
     first, its gradient comes last, and on the host its update and the copies around it are time
     the GPU waits (~0.2 s a step at 7B). 14 bytes per parameter of those units in device memory
@@ -270,7 +273,7 @@ class RuntimeSection:
         _require(self.max_restarts >= 0, "runtime.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.health_timeout_s > 0, "runtime.health_timeout_s",
                  f"must be positive, got {self.health_timeout_s}")
-        _require(self.device_adamw == "none" or device_adamw_layers(self.device_adamw) is not None,
+        _require(self.device_adamw in ("auto", "none") or device_adamw_layers(self.device_adamw) is not None,
                  "runtime.device_adamw", f"must be one of {', '.join(DEVICE_ADAMW)}, got {self.device_adamw!r}")
         _require(self.compute_workers >= 1, "runtime.compute_workers", f"must be >= 1, got {self.compute_workers}")
         _require(self.nodes >= 1, "runtime.nodes", f"must be >= 1, got {self.nodes}")

@@ -230,7 +230,7 @@ class TrainConfig:
         _require(self.train.num_micro_batches % workers == 0, "train.num_micro_batches",
                  f"({self.train.num_micro_batches}) must be a multiple of the compute workers of all nodes "
                  f"({self.runtime.compute_workers} x {self.runtime.nodes}), so each takes an equal share")
-        if self.runtime.device_adamw != "none":
+        if self.runtime.device_adamw not in ("auto", "none"):
             _require(workers == 1, "runtime.device_adamw",
                      f"({self.runtime.device_adamw}) needs one compute worker in the whole run (got "
                      f"{self.runtime.compute_workers} x {self.runtime.nodes}): each would update its own copy; "

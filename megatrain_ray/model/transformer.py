@@ -25,7 +25,9 @@ or a FlexAttention ``BlockMask`` built from the same rule (the fast path on a GP
 engine); ``mask=None`` is plain causal attention over the whole sequence.
 
 :func:`decoder_layer` is :func:`attention_block` then :func:`mlp_block`; the second is
-position-wise, so a caller may run it over pieces of the sequence (same values).
+position-wise, so a caller may run it over pieces of the sequence (same values). :func:`mlp_block`
+is h + down_proj(:func:`mlp_activation`), so a caller may stop before the layer's last GEMM (a
+backward needs its input, not its output).
 
 The model is split into *units*, the granularity at which weights are stored and streamed:
 ``embed`` (token embeddings), ``layers.{i}`` (one decoder layer each) and ``head`` (final norm and,
@@ -210,10 +212,11 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
 
-def mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP. x: [B, S, H] -> [B, S, H]."""
-    gate, up = project(p, x, "mlp.gate_up_proj")
-    return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
+def mlp_activation(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The SwiGLU MLP's hidden activation, the input of its down projection: silu(gate) * up of the
+    post-attention norm of h. h: [B, S', H] -> [B, S', intermediate], position-wise."""
+    gate, up = project(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps), "mlp.gate_up_proj")
+    return F.silu(gate) * up
 
 
 def attention_block(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
@@ -223,8 +226,8 @@ def attention_block(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.
 
 
 def mlp_block(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The second half: h + mlp(norm(h)), position-wise. h: [B, S', H] -> [B, S', H] for any S'."""
-    return h + mlp(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+    """The second half: h + down_proj(:func:`mlp_activation`), position-wise. h: [B, S', H] -> [B, S', H] for any S'."""
+    return h + F.linear(mlp_activation(p, h, cfg), p["mlp.down_proj.weight"])
 
 
 def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,

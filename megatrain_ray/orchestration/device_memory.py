@@ -7,6 +7,7 @@ for what each row stands for and how the estimates were checked on an H200.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import TrainConfig
@@ -18,8 +19,14 @@ from .machine import gpu_free_memory
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """Device memory the CUDA context and kernels take before any tensor."""
-GPU_USABLE = 0.9
-"""Share of the GPU's memory the plan lets a run use (the rest: allocator slack)."""
+GPU_USABLE = 0.94
+"""Share of the GPU's memory the plan lets a run use (the rest: allocator slack). Measured on an
+H200 (143,771 MiB; session 9, benchmarks/h200_s9b.sh): the plan's device total came within 1.1 GiB
+above the peak torch allocated in every 7B run (e.g. 132.3 planned, 131.3 allocated), and
+nvidia-smi showed 133.9 GiB used at that peak (context, cuBLAS workspace and cached blocks): a plan
+at 94% of the free memory leaves ~7 GiB of that GPU unused at the peak."""
+AUTO_DEVICE_ADAMW = ("edges+1", "edges")
+"""What runtime.device_adamw=auto tries, in order (see :func:`resolve_device_adamw`)."""
 
 
 @dataclass
@@ -171,6 +178,38 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
                      "(pinned buffers round up to powers of 2)", "host", host * pinned),
                  Row(f"activation checkpoints in flight (3 x {mbs} x {tokens} tokens x {h})", "device", 3 * ck)]
     return rows
+
+
+def resolve_device_adamw(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> TrainConfig:
+    """``cfg`` with runtime.device_adamw=auto made concrete for a run on ``device`` with a GPU of
+    ``device_bytes`` (default: what is free on GPU 0 now); other settings stay as they are.
+
+    On one CUDA compute worker with fp32 master weights and moments: the first of
+    :data:`AUTO_DEVICE_ADAMW` with which the plan fits the GPU with every activation checkpoint on
+    it (none offloaded to host memory). Measured at 7B on an H200 (session 9): the host update of
+    the embedding, layer 0 and the head is ~0.2 s a step that the GPU waits at the step boundary,
+    more than the two kept layers' recompute the resident states take the memory of. Else none.
+    """
+    rt = cfg.runtime
+    if rt.device_adamw != "auto":
+        return cfg
+    choice = "none"
+    if (device == "cuda" and rt.compute_workers * rt.nodes == 1 and rt.master_dtype == "float32"
+            and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
+        device_bytes = gpu_free_memory() if device_bytes is None else device_bytes
+        for setting in AUTO_DEVICE_ADAMW:
+            trial = _with_device_adamw(cfg, setting)
+            fixed = _fixed_device_rows(trial, device, cfg.train.micro_batch_size)
+            keep, host = activation_counts(trial, device, cfg.train.micro_batch_size, device_bytes, device_total(fixed))
+            rows = fixed + _activation_rows(trial, device, cfg.train.micro_batch_size, keep, host)
+            if device_bytes and host == 0 and device_total(rows) <= device_bytes * GPU_USABLE:
+                choice = setting
+                break
+    return _with_device_adamw(cfg, choice)
+
+
+def _with_device_adamw(cfg: TrainConfig, setting: str) -> TrainConfig:
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device_adamw=setting))
 
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> tuple[str, ...]:

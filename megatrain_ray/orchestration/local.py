@@ -19,6 +19,7 @@ from ..engine.store import StoreSpec
 from ..errors import ConfigError
 from ..model.precision import resolve_device, resolve_precision
 from .cluster import connect_ray
+from .device_memory import resolve_device_adamw
 from .roles import LocalSpawner, spawn_roles
 
 
@@ -29,6 +30,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
         raise ConfigError("the single-process driver runs one compute worker; set runtime.compute_workers=1 and "
                           "runtime.nodes=1 (several run through the Ray pipeline).")
     device = resolve_device(rt, gpus_available)
+    cfg = resolve_device_adamw(cfg, device)
     precision = resolve_precision(rt, device, cfg.optim.state)
     spec = StoreSpec.of_run(cfg, precision, device, os.getpid(), "local-" + uuid.uuid4().hex[:6])
     source = source_from_config(cfg, connect=connect_ray)

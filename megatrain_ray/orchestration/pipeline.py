@@ -51,7 +51,7 @@ from ..model.precision import resolve_device, resolve_precision
 from . import calls, cluster, preflight
 from .calls import get as _get
 from .cluster import connect_ray
-from .device_memory import placement_line
+from .device_memory import placement_line, resolve_device_adamw
 from .driver import Driver, RunResult
 from .health import Health
 from .labels import loop_task
@@ -103,6 +103,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
+        cfg = resolve_device_adamw(cfg, device)
         precision = resolve_precision(cfg.runtime, device, cfg.optim.state)
         preflight.check(cfg, device, log, starts_ray=False)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]

@@ -53,7 +53,8 @@ from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import check_num_workers, cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
-                            _pinned_size, activation_counts, activation_placement, device_rows, device_total)
+                            _pinned_size, activation_counts, activation_placement, device_rows, device_total,
+                            resolve_device_adamw)
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
 from .machine import (gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold,
                       same_filesystem)
@@ -232,6 +233,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     device = device or guess_device(cfg)
     if device == "cuda" and device_bytes is None:
         device_bytes = gpu_memory()
+    cfg = resolve_device_adamw(cfg, device, device_bytes)
     if starts_ray is None:
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
