@@ -346,7 +346,9 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     """auto fills the usable GPU memory: every checkpoint first, then whole graphs layer by layer
     while one more fits; where the checkpoints do not fit, the fewest layers go to host memory."""
     gib = 2**30
-    cfg = _seven_b(16384, 4)  # the benchmark's 7B step: 64k tokens
+    # the benchmark's 7B step (64k tokens), its runtime.device_adamw (auto) resolved as a run resolves it
+    cfg = preflight.resolve_device_adamw(_seven_b(16384, 4), "cuda", 140 * gib)
+    assert cfg.runtime.device_adamw == "edges+1"
     modes = preflight.activation_placement(cfg, "cuda", 140 * gib)
     keep = modes.count(KEEP)
     assert 0 < keep < 28 and HOST not in modes and modes[-keep:] == (KEEP,) * keep
@@ -361,6 +363,8 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     assert plan.total("device") == device_total(keep, 0)
     assert f"{keep} layers kept whole on the GPU" in plan.table()
 
+    cfg = preflight.resolve_device_adamw(_seven_b(16384, 4), "cuda", 24 * gib)
+    assert cfg.runtime.device_adamw == "none"  # what it would hold on the GPU would push checkpoints out
     small = preflight.activation_placement(cfg, "cuda", 24 * gib)  # not even every checkpoint fits
     host = small.count(HOST)
     assert KEEP not in small and 0 < host < 28 and small[:host] == (HOST,) * host
