@@ -163,13 +163,14 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with runtime.compile
         worker.runner = LayerRunner(0, wrap)
     if calls is not None:  # count the layer's forward runs (forward, and recompute up to the down projection)
-        for attr in ("layer", "to_down"):
-            def counted(*args, inner=getattr(worker.runner, attr)):
+        def counting(inner):
+            def counted(*args):
                 calls.append(1)
                 if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
                 return inner(*args)
-            setattr(worker.runner, attr, counted)
+            return counted
+        worker.runner.layer, worker.runner.to_down = counting(worker.runner.layer), counting(worker.runner.to_down)
     try:
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:
@@ -253,8 +254,9 @@ def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_
         key = (fn, partitioner)
         compiled[key] = compiled.get(key) or CompiledLayer(backend=_min_cut_backend(), fn=fn, partitioner=partitioner)
         return compiled[key]
-    from megatrain_ray.engine.activations import LEAN_PARTITIONER
     from torch._dynamo.utils import counters
+
+    from megatrain_ray.engine.activations import LEAN_PARTITIONER
 
     ref, ref_grads = _cpu_step(cfg, shm_dir, (GPU,) * 3, wrap=wrap)
     assert all(c.training_config == LEAN_PARTITIONER for c in compiled.values())  # lean: this torch has them
@@ -333,9 +335,9 @@ def test_runtime_activations_settings_and_their_errors():
 
 
 def _seven_b(tokens_per_mb: int, micro_batches: int, *extra):
-    from megatrain_ray.model.presets import preset_model
-
     import dataclasses
+
+    from megatrain_ray.model.presets import preset_model
     return load_config(None, [f"train.seq_len={min(tokens_per_mb, 4096)}",
                               f"train.micro_batch_size={max(1, tokens_per_mb // 4096)}",
                               f"train.num_micro_batches={micro_batches}", *extra],
