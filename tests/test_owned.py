@@ -26,7 +26,7 @@ from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.presets import preset_shape
-from megatrain_ray.orchestration.device_memory import _fixed_device_rows
+from megatrain_ray.orchestration.device_memory import _fixed_device_rows, resolve_device_adamw
 from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
@@ -224,6 +224,24 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
 def test_settings_it_cannot_serve_are_refused_by_name(extra, says, shm_dir):
     with pytest.raises(ConfigError, match=re.escape(says)):
         load_config(None, [f"runtime.shm_dir={shm_dir}", *extra])
+
+
+def test_auto_owns_the_edges_and_layer_0_on_one_gpu_where_they_fit_and_nothing_elsewhere():
+    """runtime.device_adamw=auto (the default) as a run resolves it: edges+1 where the plan fits it with
+    every checkpoint on the GPU, else edges, else none; none wherever owning is refused or pointless."""
+    shape = [f"model.{k}={v}" for k, v in preset_shape("7b").items()]  # its small default step: 2 x 8 x 64 tokens
+
+    def auto(gib, *extra, device="cuda"):
+        cfg = load_config(None, ["runtime.device=cuda", *shape, *extra])
+        return resolve_device_adamw(cfg, device, gib * 2**30).runtime.device_adamw
+
+    # edges+1 holds 17.3 GiB on the GPU at this shape, edges 14.2: the plan's totals decide
+    assert [auto(g) for g in (140, 27, 24, 20)] == ["edges+1", "edges+1", "edges", "none"]
+    assert auto(140, device="cpu") == "none"  # the CPU's "device" is the host: nothing to gain
+    for extra in (["runtime.compute_workers=2", "train.num_micro_batches=2"], ["runtime.master_dtype=bfloat16"],
+                  ["optim.state=8bit"], ["runtime.activations=keep=3,host=5"]):
+        assert auto(140, *extra) == "none", extra  # several copies; no fp32 state; checkpoints already offloaded
+    assert auto(20, "runtime.device_adamw=edges") == "edges"  # a setting given is kept (the plan then judges it)
 
 
 def test_the_plan_counts_the_resident_state_and_streams_smaller_slots():
