@@ -198,11 +198,9 @@ def resolve_device_adamw(cfg: TrainConfig, device: str, device_bytes: int | None
             and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
         device_bytes = gpu_free_memory() if device_bytes is None else device_bytes
         for setting in AUTO_DEVICE_ADAMW:
-            trial = _with_device_adamw(cfg, setting)
-            fixed = _fixed_device_rows(trial, device, cfg.train.micro_batch_size)
-            keep, host = activation_counts(trial, device, cfg.train.micro_batch_size, device_bytes, device_total(fixed))
-            rows = fixed + _activation_rows(trial, device, cfg.train.micro_batch_size, keep, host)
-            if device_bytes and host == 0 and device_total(rows) <= device_bytes * GPU_USABLE:
+            rows = device_rows(_with_device_adamw(cfg, setting), device, cfg.train.micro_batch_size, device_bytes)
+            offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory
+            if device_bytes and not offloaded and device_total(rows) <= device_bytes * GPU_USABLE:
                 choice = setting
                 break
     return _with_device_adamw(cfg, choice)
