@@ -20,13 +20,19 @@ def require(ok: bool, key: str, what: str) -> None:
 
 
 def coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Check/convert one YAML value against a field annotation (str, int, float, bool, optionals)."""
+    """Check/convert one YAML value against a field annotation (str, int, float, bool, optionals,
+    tuple[str, ...])."""
     hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})  # noqa: S307
     args = typing.get_args(hint)
     if value is None:
         if type(None) in args:
             return None
         raise ConfigError(f"{key} may not be empty (null).")
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...]: a list, or one comma-separated string
+        items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{key} must be a list (or a comma-separated string), got {value!r}.")
+        return tuple(coerce(v, args[0], key) for v in items)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if base is bool:
         if isinstance(value, bool):

@@ -15,11 +15,12 @@ import yaml
 from ..errors import ConfigError
 from ..yaml_strict import StrictLoader
 from .fields import section_from_dict
+from .lora import LoraSection
 from .model import ModelConfig
 from .sections import DataSection, OptimConfig, RuntimeSection, TrainConfig, TrainSection
 
 _SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainSection,
-             "data": DataSection, "runtime": RuntimeSection}
+             "data": DataSection, "runtime": RuntimeSection, "lora": LoraSection}
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:

@@ -1,5 +1,6 @@
 """The run's sections besides the model: optimizer, steps and batch shape, data (the runtime section is in
-:mod:`.runtime`), and :class:`TrainConfig`, which holds all five and checks the rules between them.
+:mod:`.runtime`, the lora section in :mod:`.lora`), and :class:`TrainConfig`, which holds all six and
+checks the rules between them.
 
 Every check raises :class:`~megatrain_ray.errors.ConfigError` with one sentence that names the key.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .fields import require as _require
+from .lora import LoraSection
 from .host import unwritable, usable_cpus  # noqa: F401  (re-exported)
 from .model import ModelConfig
 from .runtime import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, AUTO_MLP_CHUNK, GRAD_REDUCE,  # noqa: F401  (re-exported)
@@ -207,10 +209,12 @@ class TrainConfig:
     """Training data."""
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     """Device, precision, buffering and Ray."""
+    lora: LoraSection = field(default_factory=LoraSection)
+    """Low-rank adapters on a frozen base (off unless lora.rank > 0)."""
 
     def validate(self) -> "TrainConfig":
         """Check every section and the cross-section rules; return self."""
-        for section in (self.model, self.optim, self.train, self.data, self.runtime):
+        for section in (self.model, self.optim, self.train, self.data, self.runtime, self.lora):
             section.validate()
         _require(self.train.seq_len <= self.model.max_position_embeddings, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.max_position_embeddings "
@@ -241,6 +245,9 @@ class TrainConfig:
             _require(self.runtime.master_dtype == "float32" and self.optim.state == "fp32", "runtime.device_adamw",
                      f"({self.runtime.device_adamw}) needs fp32 master weights and moments (runtime.master_dtype "
                      f"{self.runtime.master_dtype}, optim.state {self.optim.state}); set it to none")
+        _require(not (self.lora.train_head and self.model.tie_word_embeddings), "lora.train_head",
+                 "cannot be set for a model with tied embeddings (model.tie_word_embeddings), whose LM head is the "
+                 "embedding: set lora.train_embedding to train both")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self

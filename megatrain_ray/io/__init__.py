@@ -4,6 +4,7 @@
   directories) and the one safetensors header check;
 - :mod:`.hf_io`: HF config.json / safetensors import and export, and loading a run's config with
   ``runtime.init_from``'s model shape;
+- :mod:`.peft_io`: LoRA adapters out, as a PEFT adapter directory and as a merged HF model;
 - :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,
   with the size and CRC-32 of every file; :mod:`.state_tensors`: which optimizer-state tensors it
   holds (fp32 moments per parameter, the compact state per unit);

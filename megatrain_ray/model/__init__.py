@@ -4,6 +4,8 @@
   functions of (weights, inputs), and the HF names of its units' tensors;
 - :mod:`.layout`: where each unit's tensors sit in one flat buffer (shared by the store and the
   compute templates);
+- :mod:`.lora`: low-rank adapters beside the projections (names, shapes, PEFT's initialisation,
+  binding next to a unit's weights, merging);
 - :mod:`.precision`: the precision policy (master, compute, gradient and stream dtypes), stated once;
 - :mod:`.presets`: named model shapes (tiny, 1b, 3b, 7b);
 - :mod:`.flops`: the model's training FLOPs in the two conventions we report (6·N·T and PaLM's).

@@ -59,7 +59,11 @@ class LayerTemplate:
 
     @classmethod
     def build(cls, cfg: ModelConfig, unit: str) -> "LayerTemplate":
-        entries = unit_params(cfg, unit)
+        return cls.of(unit, unit_params(cfg, unit))
+
+    @classmethod
+    def of(cls, unit: str, entries: list[tuple[str, tuple[int, ...]]]) -> "LayerTemplate":
+        """The template of a unit with these (name, shape) parameters (a model unit's, or its adapters')."""
         ordered = [e for e in entries if len(e[1]) >= 2] + [e for e in entries if len(e[1]) < 2]
         params, offset, decay_numel = [], 0, 0
         for name, shape in ordered:

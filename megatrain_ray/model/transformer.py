@@ -17,6 +17,12 @@ taken through that view lands in the members' places. Chosen over a fused-weight
 checkpoint and the optimizer keep HF's separate tensors) and over a strategy object threaded through
 every call (the params are already the one thing the caller hands in).
 
+Low-rank adapters (LoRA) are offered the same way: where the params also hold an adapter for a
+projection (``self_attn.q_proj.lora_A.weight`` [r, in], ``...lora_B.weight`` [out, r] and
+``...lora_scaling``, PEFT's names), :func:`linear` adds its term, scaling * B (A x), to the
+projection's output, as PEFT's LoRA layer does. The model neither creates nor stores adapters; the
+caller binds them next to the base weights (:mod:`megatrain_ray.model.lora`).
+
 Packed documents: a sequence may hold several documents, each starting at position 0. The caller
 then passes RoPE tables gathered at each token's position within its document (:func:`rope_at`,
 [B, S, d] instead of [S, d]) and an attention mask that lets a token see only the earlier tokens of
@@ -169,18 +175,40 @@ PROJECTION_GROUPS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 (see the module docstring and :func:`project`)."""
 
 
+def low_rank(p: Params, name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The adapter term of the projection ``name``, scaling * B (A x), where ``p`` holds an adapter
+    for it (``{name}.lora_A.weight`` A: [r, in], ``{name}.lora_B.weight`` B: [out, r],
+    ``{name}.lora_scaling``: a 0-d tensor), else None. x: [..., in] -> [..., out]."""
+    a = p.get(f"{name}.lora_A.weight")
+    if a is None:
+        return None
+    return F.linear(F.linear(x, a), p[f"{name}.lora_B.weight"]) * p[f"{name}.lora_scaling"]
+
+
+def linear(p: Params, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The projection ``name`` (``self_attn.o_proj``, ...): x: [..., in] -> [..., out], with its
+    ``weight`` [out, in], its ``bias`` [out] if it has one, and its adapter term where ``p`` holds one
+    (:func:`low_rank`)."""
+    out = F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias"))
+    extra = low_rank(p, name, x)
+    return out if extra is None else out + extra
+
+
 def project(p: Params, x: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:
     """The outputs of a group of :data:`PROJECTION_GROUPS`, in member order. x: [..., H] -> each [..., out_i].
 
     ``p`` holds every member's ``weight`` [out_i, H] (and ``bias`` [out_i] if the member has one).
     If it also holds ``{group}.weight`` [sum out_i, H], the members' weights stacked along dim 0 (and
     ``{group}.bias`` when they have biases), that is used instead: one GEMM, split. Same values.
+    Members with an adapter add its term (:func:`low_rank`) either way.
     """
     members = PROJECTION_GROUPS[group]
-    if f"{group}.weight" in p:
-        out = F.linear(x, p[f"{group}.weight"], p.get(f"{group}.bias"))
-        return out.split([p[f"{m}.weight"].shape[0] for m in members], dim=-1)
-    return tuple(F.linear(x, p[f"{m}.weight"], p.get(f"{m}.bias")) for m in members)
+    if f"{group}.weight" not in p:
+        return tuple(linear(p, m, x) for m in members)
+    out = F.linear(x, p[f"{group}.weight"], p.get(f"{group}.bias"))
+    outs = out.split([p[f"{m}.weight"].shape[0] for m in members], dim=-1)
+    extras = [low_rank(p, m, x) for m in members]
+    return tuple(o if e is None else o + e for o, e in zip(outs, extras))
 
 
 def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
@@ -209,7 +237,7 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     else:
         out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     out = out.transpose(1, 2).reshape(b, s, -1)
-    return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+    return linear(p, "self_attn.o_proj", out)
 
 
 def mlp_activation(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -227,7 +255,7 @@ def attention_block(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.
 
 def mlp_block(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The second half: h + down_proj(:func:`mlp_activation`), position-wise. h: [B, S', H] -> [B, S', H] for any S'."""
-    return h + F.linear(mlp_activation(p, h, cfg), p["mlp.down_proj.weight"])
+    return h + linear(p, "mlp.down_proj", mlp_activation(p, h, cfg))
 
 
 def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,

@@ -45,7 +45,7 @@ from ..config import TrainConfig
 from ..data.loader import loader_spec, source_from_config
 from ..engine import reaper, shm
 from ..engine.store import StoreSpec
-from ..errors import ActorDied, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
+from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
 from ..model.precision import resolve_device, resolve_precision
 from . import calls, cluster, preflight
@@ -79,6 +79,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     train.steps extends a run: see :func:`megatrain_ray.io.checkpoint.check_resume`, whose sentence is
     logged). Ctrl-C and SIGTERM save a checkpoint, then raise :class:`Interrupted`.
     """
+    if cfg.lora.enabled:
+        raise ConfigError(f"lora.rank ({cfg.lora.rank}) asks for adapter training, which the training pipeline "
+                          "does not run yet; set lora.rank to 0 to train every parameter.")
     start_step, schedule_note = 0, None
     if resume is not None:  # nothing to resume is refused before the data is read
         meta = checkpoint.read_meta(resume)

@@ -1,0 +1,74 @@
+"""The lora section: low-rank adapters on a frozen base, as PEFT's ``LoraConfig`` describes them.
+
+With ``lora.rank`` > 0 the base model's weights are frozen and each targeted linear layer of every
+decoder layer gains an adapter, y = W x + b + scaling * B (A x), A: [rank, in], B: [out, rank],
+scaling = alpha / rank (alpha / sqrt(rank) with ``use_rslora``); only the adapters (and, if asked,
+the embedding and the LM head in full) are trained. Names, initialisation and scaling are PEFT's,
+so a run's adapters load with ``peft.PeftModel.from_pretrained`` (see megatrain_ray.io.peft_io).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .fields import require as _require
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers an adapter may target, by their Hugging Face module names."""
+
+
+@dataclass
+class LoraSection:
+    """Low-rank adapters (LoRA) on a frozen base; rank 0 trains the whole model instead."""
+
+    rank: int = 0
+    """Rank r of every adapter (PEFT's ``r``); 0: no adapters, every parameter is trained."""
+    alpha: float = 8.0
+    """PEFT's ``lora_alpha``: the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with
+    use_rslora)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling, alpha / sqrt(rank), as PEFT's ``use_rslora``."""
+    dropout: float = 0.0
+    """PEFT's ``lora_dropout``: dropout on the adapter's input during training. Only 0 is supported:
+    a mask drawn in the forward would have to be drawn again, identically, by the backward's
+    recompute and on resume."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """The linear layers of each decoder layer that get an adapter, by Hugging Face name (any of
+    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), as a list or comma-separated."""
+    train_embedding: bool = False
+    """Also train the token embedding in full (PEFT's ``modules_to_save: [embed_tokens]``)."""
+    train_head: bool = False
+    """Also train the LM head in full (PEFT's ``modules_to_save: [lm_head]``); the final norm stays frozen."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """The factor of the adapter's output (PEFT's ``scaling``); 0 without adapters."""
+        if not self.enabled:
+            return 0.0
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def modules_to_save(self) -> tuple[str, ...]:
+        """The base modules trained in full, by PEFT's names."""
+        return (("embed_tokens",) if self.train_embedding else ()) + (("lm_head",) if self.train_head else ())
+
+    def validate(self) -> None:
+        _require(self.rank >= 0, "lora.rank", f"must be >= 0 (0 = no adapters), got {self.rank}")
+        _require(math.isfinite(self.alpha) and self.alpha > 0, "lora.alpha", f"must be positive, got {self.alpha}")
+        _require(self.dropout == 0.0, "lora.dropout",
+                 f"must be 0 (dropout on the adapters' input is not supported yet), got {self.dropout}")
+        targets = self.target_modules
+        _require(len(targets) > 0, "lora.target_modules", f"must name at least one of {', '.join(LORA_TARGETS)}")
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        _require(not unknown, "lora.target_modules",
+                 f"names {', '.join(map(repr, unknown))}, which is not a linear layer of a decoder layer; "
+                 f"use any of {', '.join(LORA_TARGETS)}")
+        _require(len(set(targets)) == len(targets), "lora.target_modules", f"names a module twice: {list(targets)}")
+        if not self.enabled:
+            _require(not (self.train_embedding or self.train_head), "lora.train_embedding" if self.train_embedding
+                     else "lora.train_head", "needs lora.rank > 0 (without adapters every parameter is trained)")

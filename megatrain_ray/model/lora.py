@@ -1,0 +1,106 @@
+"""Low-rank adapters (LoRA) beside the model's projections: which exist, their names and shapes, PEFT's
+initialisation, binding them next to a unit's base weights, and merging them into those weights.
+
+An adapter of the projection ``self_attn.q_proj`` of ``layers.i`` is two matrices named as PEFT names
+them, relative to the unit: ``self_attn.q_proj.lora_A.weight`` A: [r, in] and
+``self_attn.q_proj.lora_B.weight`` B: [out, r]; the layer then computes W x + b + scaling * B (A x)
+(:func:`megatrain_ray.model.transformer.linear`). A decoder layer's adapters form an *adapter unit*
+of their own, laid out like any unit (:class:`~megatrain_ray.model.layout.LayerTemplate`), so one
+flat buffer holds them and one optimizer call updates them. The embedding and the head carry no
+adapters (lora.train_embedding / train_head train them in full instead).
+
+Initialisation is PEFT's default (``init_lora_weights=True``): A Kaiming-uniform with a = sqrt(5)
+(uniform in +-1/sqrt(in)), B zero, so a fresh adapter leaves the model's output unchanged. Each
+matrix draws from its own generator, seeded by a CRC-32 of the run's seed and the matrix's full name
+(the CPU generator keeps 32 bits of a seed), so the values depend on neither the order of creation
+nor the other adapters.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..config import LoraSection, ModelConfig
+from .layout import LayerTemplate
+from .transformer import Params, hf_name, unit_names, unit_params
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's saved adapter keys put before the base model's own names."""
+
+
+def projection_name(param: str) -> str | None:
+    """``self_attn.q_proj.weight`` -> ``q_proj`` (the HF module name lora.target_modules uses); None
+    for a parameter that is no projection's weight (norms, biases)."""
+    parts = param.split(".")
+    return parts[-2] if len(parts) == 3 and parts[-1] == "weight" and parts[-2].endswith("_proj") else None
+
+
+def adapter_params(cfg: ModelConfig, lora: LoraSection, unit: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name relative to the unit, shape) of each adapter matrix of ``unit``, in the order of its
+    projections: A [r, in] then B [out, r] of each targeted one; none for the embedding and the head."""
+    if not lora.enabled or not unit.startswith("layers."):
+        return []
+    out = []
+    for name, (rows, cols) in ((n, s) for n, s in unit_params(cfg, unit) if projection_name(n) in lora.target_modules):
+        module = name.removesuffix(".weight")
+        out += [(f"{module}.lora_A.weight", (lora.rank, cols)), (f"{module}.lora_B.weight", (rows, lora.rank))]
+    return out
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """The adapter units of a model: for each decoder layer, the flat layout of its adapters."""
+
+    units: tuple[str, ...]
+    """The units that carry adapters (``layers.i``), in forward order."""
+    templates: tuple[LayerTemplate, ...]
+    scaling: float
+    """The factor of every adapter's output (:attr:`~megatrain_ray.config.LoraSection.scaling`)."""
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, lora: LoraSection) -> "AdapterLayout":
+        units = tuple(u for u in unit_names(cfg) if adapter_params(cfg, lora, u))
+        return cls(units, tuple(LayerTemplate.of(u, adapter_params(cfg, lora, u)) for u in units), lora.scaling)
+
+    def template(self, unit: str) -> LayerTemplate | None:
+        """``unit``'s adapter template, or None when it has no adapters."""
+        return self.templates[self.units.index(unit)] if unit in self.units else None
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.param_count for t in self.templates)
+
+    def init(self, unit: str, seed: int) -> torch.Tensor:
+        """``unit``'s adapters as PEFT initialises them (see the module docstring): [numel] fp32."""
+        template = self.template(unit)
+        flat = torch.zeros(template.numel, dtype=torch.float32)
+        for name, t in template.bind(flat).items():
+            if ".lora_A." in name:
+                g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{hf_name(unit, name)}".encode()))
+                torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+        return flat
+
+    def bind(self, unit: str, flat: torch.Tensor) -> Params:
+        """flat: [>= numel] holding ``unit``'s adapters -> their views, with each projection's
+        ``lora_scaling``, to be offered to the model beside the unit's base weights (``{**base,
+        **adapters}``). The scaling is a 0-d fp32 CPU tensor: torch reads such a tensor as a scalar
+        at full precision whatever the other operand's dtype and device (as PEFT's Python float)."""
+        views = self.template(unit).bind(flat)
+        scale = torch.tensor(self.scaling, dtype=torch.float32)
+        return {**views, **{n.replace(".lora_A.weight", ".lora_scaling"): scale for n in views if ".lora_A." in n}}
+
+
+def peft_name(unit: str, name: str) -> str:
+    """The key of a unit's tensor (an adapter matrix, or a base weight trained in full) in PEFT's
+    adapter_model.safetensors: ``base_model.model.`` + its full HF name."""
+    return PEFT_PREFIX + hf_name(unit, name)
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """weight: [out, in] + scaling * b [out, r] @ a [r, in], computed in fp32 and rounded once to
+    weight's dtype (PEFT's ``merge_and_unload`` adds the same delta)."""
+    return (weight.float() + (b.float() @ a.float()) * scaling).to(weight.dtype)
