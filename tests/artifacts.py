@@ -37,6 +37,23 @@ ARCHS = {
                 dict(num_key_value_heads=2, sliding_window=4096, rope_theta=10000.0)),
 }
 
+MOE_ARCHS = {
+    # Qwen3-MoE: q/k norms, softmax top-2 of 4 renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0)),
+    # Mixtral: top-2 of 4, every layer sparse, experts intermediate_size wide.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # Qwen2-MoE: q/k/v biases, a shared expert with its sigmoid gate, top-2 of 4 not renormalised,
+    # sparse every second layer (decoder_sparse_step=2 of 4 layers: 1 and 3).
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_hidden_layers=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                       tie_word_embeddings=True)),
+}
+"""Tiny mixtures of experts, built like :data:`ARCHS` (their routers randomised with std 1/sqrt(H),
+so that the routing is decisive and no two experts' scores of a token tie at rounding level)."""
 
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -48,8 +65,8 @@ def dtype_kwarg(dtype) -> dict:
 
 
 def make_model(arch: str, seed: int = 0, **overrides):
-    """A tiny random fp32 model of ``arch`` (see ARCHS)."""
-    config_cls, model_cls, extra = ARCHS[arch]
+    """A tiny random fp32 model of ``arch`` (see ARCHS and MOE_ARCHS)."""
+    config_cls, model_cls, extra = {**ARCHS, **MOE_ARCHS}[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**COMMON, **extra, **overrides})).float().eval()
     with torch.no_grad():
@@ -58,6 +75,8 @@ def make_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                p.normal_(0, p.shape[-1] ** -0.5)
     return model
 
 

@@ -19,11 +19,11 @@ This package is the bottom layer, so its ``__init__`` re-exports the public name
 
 from .load import config_from_dict, load_config, parse_override
 from .lora import LORA_TARGETS, LoraSection
-from .model import ARCHITECTURES, LLAMA3_ROPE_KEYS, SUPPORTED_MODEL_TYPES, ModelConfig
+from .model import ARCHITECTURES, LLAMA3_ROPE_KEYS, MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig
 from .sections import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, DataSection, OptimConfig, RuntimeSection, TrainConfig,
                        TrainSection, lr_at, unwritable, usable_cpus)
 
 __all__ = ["ARCHITECTURES", "AUTO_BUFFER_DEPTH", "AUTO_LOSS_CHUNK_SIZE", "LLAMA3_ROPE_KEYS", "LORA_TARGETS",
-           "SUPPORTED_MODEL_TYPES", "DataSection", "LoraSection", "ModelConfig", "OptimConfig", "RuntimeSection",
-           "TrainConfig", "TrainSection",
+           "MOE_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "DataSection", "LoraSection", "ModelConfig", "OptimConfig",
+           "RuntimeSection", "TrainConfig", "TrainSection",
            "config_from_dict", "load_config", "lr_at", "parse_override", "unwritable", "usable_cpus"]

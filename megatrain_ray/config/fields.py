@@ -21,9 +21,13 @@ def require(ok: bool, key: str, what: str) -> None:
 
 def coerce(value: Any, annotation: Any, key: str) -> Any:
     """Check/convert one YAML value against a field annotation (str, int, float, bool, optionals,
-    tuple[str, ...])."""
+    tuple[str, ...], list of one of those)."""
     hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})  # noqa: S307
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}.")
+        return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if value is None:
         if type(None) in args:
             return None

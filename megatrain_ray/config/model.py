@@ -1,5 +1,6 @@
-"""The model section: a decoder-only transformer's shape (Llama / Qwen2 / Qwen3 / Mistral), named as
-in Hugging Face config.json, and its mapping to and from such a config.json.
+"""The model section: a decoder-only transformer's shape (Llama / Qwen2 / Qwen3 / Mistral, and the
+mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE), named as in Hugging Face config.json, and its
+mapping to and from such a config.json.
 """
 
 from __future__ import annotations
@@ -13,26 +14,36 @@ from .fields import require as _require
 from .fields import section_from_dict
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 """model_type -> the HF ``architectures`` entry of its causal LM: the one map of supported families
 (config.json is read and written through it, by :class:`ModelConfig` and megatrain_ray.io.hf_io)."""
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+"""The mixture-of-experts families (see :mod:`megatrain_ray.model.moe`)."""
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+              "router_aux_loss_coef", "output_router_logits")
+"""The fields only a mixture of experts has (a dense family's config.json carries none of them)."""
 LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 """The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
 
 
 @dataclass
 class ModelConfig:
-    """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral), named as in HF config.json."""
+    """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral /
+    Qwen2-MoE), named as in HF config.json."""
 
     model_type: str = "llama"
-    """Architecture family: one of llama, qwen2, qwen3, mistral (qwen2 adds q/k/v biases, qwen3 q/k norms)."""
+    """Architecture family: one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, qwen2_moe (qwen2
+    and qwen2_moe add q/k/v biases, qwen3 and qwen3_moe q/k norms; the *_moe ones and mixtral replace
+    the MLP of their sparse layers by a mixture of experts)."""
     vocab_size: int = 260
     """Number of token embeddings (rows of the embedding and LM-head matrices)."""
     hidden_size: int = 64
     """Width of the residual stream."""
     intermediate_size: int = 176
-    """Width of the SwiGLU MLP's gate/up projections."""
+    """Width of the SwiGLU MLP's gate/up projections (of a dense layer; for mixtral, of each expert)."""
     num_hidden_layers: int = 2
     """Number of decoder layers."""
     num_attention_heads: int = 4
@@ -61,11 +72,41 @@ class ModelConfig:
     """Sliding-window attention span (Mistral v0.1); attention here is full causal, so train.seq_len
     may not exceed it. None: no sliding window."""
 
+    num_experts: int = 0
+    """Routed experts of each sparse layer (HF: num_experts for qwen3_moe / qwen2_moe, num_local_experts
+    for mixtral); 0 for a dense family."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k of the router's softmax); 0 for a dense family."""
+    moe_intermediate_size: int | None = None
+    """Width of each routed expert's SwiGLU gate/up projections; None means intermediate_size (mixtral,
+    whose config.json has no such key)."""
+    norm_topk_prob: bool | None = None
+    """Renormalise the top-k routing weights to sum to 1; None means the family default (true for
+    mixtral, which always does, false for qwen3_moe and qwen2_moe, as transformers' configs)."""
+    decoder_sparse_step: int = 1
+    """Layer i is sparse (a mixture of experts) when (i + 1) is a multiple of this and i is not in
+    mlp_only_layers; the others have a dense MLP of intermediate_size (qwen3_moe, qwen2_moe)."""
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+    """Layer indices that keep a dense MLP whatever decoder_sparse_step says (qwen3_moe, qwen2_moe)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token goes through beside the routed ones, scaled by a sigmoid
+    gate (qwen2_moe); 0: none."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the router's load-balancing auxiliary loss in the training loss (only with
+    output_router_logits, as transformers adds it)."""
+    output_router_logits: bool = False
+    """Add router_aux_loss_coef x the load-balancing loss (Switch Transformer's, over all sparse layers
+    of a micro-batch, as transformers' load_balancing_loss_func) to the training loss, as transformers
+    does when this is on; off: the loss is the cross-entropy alone (the routing is still trained
+    through the routing weights)."""
+
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.attention_bias is None:
-            self.attention_bias = self.model_type == "qwen2"
+            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe")
+        if self.norm_topk_prob is None:
+            self.norm_topk_prob = self.model_type == "mixtral"
 
     @property
     def head_size(self) -> int:
@@ -75,12 +116,33 @@ class ModelConfig:
     @property
     def o_proj_bias(self) -> bool:
         """Whether the attention output projection has a bias (HF Llama/Qwen3 with attention_bias)."""
-        return bool(self.attention_bias) and self.model_type in ("llama", "qwen3")
+        return bool(self.attention_bias) and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
     @property
     def qk_norm(self) -> bool:
-        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
-        return self.model_type == "qwen3"
+        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3, Qwen3-MoE)."""
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether this is a mixture-of-experts family (some layers sparse)."""
+        return self.model_type in MOE_MODEL_TYPES
+
+    @property
+    def expert_size(self) -> int:
+        """Width of each routed expert's gate/up projections."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a mixture of experts (else a dense MLP), as transformers
+        decides it: not in mlp_only_layers, experts present, and (layer + 1) % decoder_sparse_step == 0."""
+        return (self.is_moe and self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The indices of the sparse (mixture-of-experts) layers."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse(i))
 
     def validate(self) -> None:
         _require(self.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
@@ -105,6 +167,48 @@ class ModelConfig:
             self._validate_rope_scaling()
         _require(self.initializer_range > 0, "model.initializer_range",
                  f"must be positive, got {self.initializer_range}")
+        if self.is_moe:
+            self._validate_moe()
+        else:
+            dense = ModelConfig()
+            for key in MOE_FIELDS:
+                _require(getattr(self, key) in (getattr(dense, key), None), f"model.{key}",
+                         f"is a mixture-of-experts setting, which a {self.model_type} model does not have; remove "
+                         f"it, or use one of {', '.join(MOE_MODEL_TYPES)}")
+
+    def _validate_moe(self) -> None:
+        _require(self.num_experts > 0, "model.num_experts",
+                 f"must be positive for a {self.model_type} model, got {self.num_experts}")
+        _require(0 < self.num_experts_per_tok <= self.num_experts, "model.num_experts_per_tok",
+                 f"must be between 1 and model.num_experts ({self.num_experts}), got {self.num_experts_per_tok}")
+        _require(self.moe_intermediate_size is None or self.moe_intermediate_size > 0, "model.moe_intermediate_size",
+                 f"must be positive, got {self.moe_intermediate_size}")
+        _require(self.decoder_sparse_step > 0, "model.decoder_sparse_step",
+                 f"must be positive, got {self.decoder_sparse_step}")
+        _require(isinstance(self.mlp_only_layers, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_hidden_layers
+            for i in self.mlp_only_layers), "model.mlp_only_layers",
+            f"must be a list of layer indices below model.num_hidden_layers ({self.num_hidden_layers}), "
+            f"got {self.mlp_only_layers!r}")
+        _require(self.shared_expert_intermediate_size >= 0, "model.shared_expert_intermediate_size",
+                 f"must be >= 0, got {self.shared_expert_intermediate_size}")
+        _require(self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
+                 f"must be >= 0, got {self.router_aux_loss_coef}")
+        if self.model_type == "mixtral":  # every Mixtral layer is sparse, its experts intermediate_size wide
+            for key in ("moe_intermediate_size", "mlp_only_layers", "decoder_sparse_step",
+                        "shared_expert_intermediate_size"):
+                _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
+                         "is not a setting of a mixtral model (every layer is sparse, each expert "
+                         "intermediate_size wide); remove it")
+            _require(not self.attention_bias, "model.attention_bias", "must be false for mixtral (no attention biases)")
+            _require(self.norm_topk_prob, "model.norm_topk_prob",
+                     "must be true for mixtral (its router always renormalises the top-k weights)")
+        if self.model_type == "qwen3_moe":
+            _require(self.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
+                     "is a qwen2_moe setting; a qwen3_moe model has no shared expert")
+        if self.model_type == "qwen2_moe":
+            _require(self.shared_expert_intermediate_size > 0, "model.shared_expert_intermediate_size",
+                     "must be positive for qwen2_moe (its shared expert's width)")
 
     def _validate_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -147,8 +251,12 @@ class ModelConfig:
         if not isinstance(rope, dict):
             raise ConfigError(f"rope_scaling in config.json must be a JSON object, got {rope!r}.")
         names = {f.name for f in dataclasses.fields(cls)}
+        if model_type not in MOE_MODEL_TYPES:
+            names -= set(MOE_FIELDS)
         data = {k: v for k, v in hf.items() if k in names}
         data["model_type"] = model_type
+        if model_type in MOE_MODEL_TYPES:
+            _moe_from_hf(hf, data)
         data["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         data["rope_scaling"] = None
@@ -160,7 +268,7 @@ class ModelConfig:
                                     hf.get("max_position_embeddings", cls.max_position_embeddings))
                 data["rope_scaling"]["original_max_position_embeddings"] = hf.get(
                     "original_max_position_embeddings", fallback)
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not hf.get("use_sliding_window", False):
             data["sliding_window"] = None
         cfg = section_from_dict(cls, data, "model")
         cfg.validate()
@@ -172,4 +280,36 @@ class ModelConfig:
         out["head_dim"] = self.head_size
         out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["hidden_act"] = "silu"
+        if not self.is_moe:
+            for key in MOE_FIELDS:
+                del out[key]
+        elif self.model_type == "mixtral":  # its config.json's names; every layer sparse, no shared expert
+            out["num_local_experts"] = out.pop("num_experts")
+            for key in ("moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                        "shared_expert_intermediate_size", "attention_bias"):
+                del out[key]
+            out["router_jitter_noise"] = 0.0
+        else:
+            out["moe_intermediate_size"] = self.expert_size
+            if self.model_type == "qwen2_moe":  # its name for the q/k/v biases
+                out["qkv_bias"] = out.pop("attention_bias")
+            else:
+                del out["shared_expert_intermediate_size"]
         return out
+
+
+def _moe_from_hf(hf: dict[str, Any], data: dict[str, Any]) -> None:
+    """The mixture-of-experts keys of an HF config.json into ``data`` (ModelConfig field names): the
+    expert count under either name, q/k/v biases under qwen2_moe's, router noise refused."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is not None:
+        data["num_experts"] = experts
+    if hf.get("router_jitter_noise"):
+        raise ConfigError(f"router_jitter_noise {hf['router_jitter_noise']!r} in config.json is not supported; "
+                          "set it to 0 (the router sees its input unperturbed).")
+    if data["model_type"] == "qwen2_moe":
+        data["attention_bias"] = hf.get("qkv_bias", True)
+    if data["model_type"] == "mixtral":
+        for key in ("moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"):
+            data.pop(key, None)
+        data["norm_topk_prob"] = True

@@ -8,6 +8,13 @@ tokenizer) and config.json names its end-of-text and beginning-of-text ids (``eo
 ``bos_token_id``: the source model's where it had them, else the tokenizer's), so ``generate``
 stops at EOS. Files get the mode a plain ``open`` would give them (0o666 less the umask).
 
+Mixtures of experts: a checkpoint holds each routed expert's projections as tensors of their own
+(the Hub's form, ``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``,
+which transformers 4 and 5 both load and 5 writes), or all of a layer's experts stacked in 3-D
+tensors (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]: transformers
+5's parameters, as a state dict saved directly holds them). Import reads either, layer by layer
+(:func:`megatrain_ray.io.experts.sources`; a stacked tensor is read one expert's slice at a time); export writes the Hub's form.
+
 Memory policy, for every direction: tensors move one at a time. Import reads the shards in order
 through safetensors' memory mapping and copies each tensor straight into its place in the store's
 master block, under a mapping of its own (see :func:`load_into`); no torch model and no second
@@ -30,6 +37,7 @@ from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
 from . import checkpoint
+from .experts import read_source, source_shapes, sources
 from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,7 +127,7 @@ def expected_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 
 def check_tensors(cfg: ModelConfig, mapping: dict[str, str], directory: str, what: str) -> None:
     """Missing or unexpected tensors are one ConfigError naming them."""
-    wanted = expected_names(cfg)
+    wanted = {key for key, _ in sources(cfg, mapping, expected_names(cfg)).values()}
     missing = sorted(k for k in wanted if k not in mapping)
     if missing:
         raise ConfigError(f"{what} ({directory}) lacks {len(missing)} tensor(s) a {cfg.model_type} model of this "
@@ -150,7 +158,7 @@ def check_weights(cfg: ModelConfig, directory: str, what: str) -> dict[str, str]
     names the file or tensor otherwise. Returns the weight map."""
     mapping = weight_map(directory, what)
     check_tensors(cfg, mapping, directory, what)
-    want = expected_shapes(cfg)
+    want = source_shapes(cfg, sources(cfg, mapping, expected_names(cfg)), expected_shapes(cfg))
     for filename in sorted({mapping[k] for k in want}):
         found = _header(directory, filename, what)
         for key in (k for k in want if mapping[k] == filename):
@@ -176,11 +184,11 @@ def load_into(store, directory: str, what: str = "runtime.init_from") -> None:
 
     cfg = store.spec.model
     mapping = check_weights(cfg, directory, what)
-    names = expected_names(cfg)
+    where = sources(cfg, mapping, expected_names(cfg))
     units = store.layout.units
-    for key, (unit, name) in sorted(names.items(), key=lambda kv: (mapping[kv[0]], kv[0])):
-        with safe_open(os.path.join(directory, mapping[key]), framework="pt") as f:
-            store.params("master", units.index(unit))[name].copy_(f.get_tensor(key))
+    for key, (unit, name) in sorted(expected_names(cfg).items(), key=lambda kv: (mapping[where[kv[0]][0]], kv[0])):
+        with safe_open(os.path.join(directory, mapping[where[key][0]]), framework="pt") as f:
+            store.params("master", units.index(unit))[name].copy_(read_source(f, where[key]))
     for i in range(len(units)):
         store.refresh_stream(i)
 
@@ -192,14 +200,14 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
 
     from ..model.transformer import unit_params
 
-    out, by_file = {}, {}
+    out, by_file, where = {}, {}, sources(cfg, mapping, expected_names(cfg))
     for name, _ in unit_params(cfg, unit):
-        key = hf_name(unit, name)
-        by_file.setdefault(mapping[key], []).append((key, name))
+        source = where[hf_name(unit, name)]
+        by_file.setdefault(mapping[source[0]], []).append((source, name))
     for filename, entries in by_file.items():
         with safe_open(os.path.join(directory, filename), framework="pt") as f:
-            for key, name in entries:
-                out[name] = f.get_tensor(key).to(dtype)
+            for source, name in entries:
+                out[name] = read_source(f, source).to(dtype)
     return out
 
 
@@ -381,11 +389,12 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     if dtype is None and stored not in TORCH_DTYPES:
         raise ConfigError(f"the checkpoint stores weights as {stored}; only F32, BF16 and F16 are supported.")
     target = DTYPES[dtype] if dtype else TORCH_DTYPES[stored]
+    where = sources(cfg, mapping, expected_names(cfg))  # a stacked-experts checkpoint is written in the per-expert form
 
     def reader(key: str) -> Callable[[], torch.Tensor]:
         def load() -> torch.Tensor:
-            with safe_open(os.path.join(ckpt.weights_dir, mapping[key]), framework="pt") as f:
-                return f.get_tensor(key).to(target)
+            with safe_open(os.path.join(ckpt.weights_dir, mapping[where[key][0]]), framework="pt") as f:
+                return read_source(f, where[key]).contiguous().to(target)
         return load
 
     tensors = [TensorSource(key, shape, target, reader(key)) for key, shape in expected_shapes(cfg).items()]

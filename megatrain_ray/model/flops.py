@@ -1,6 +1,6 @@
 """Training FLOPs of the model, in two named conventions; every TFLOPS figure we report comes from here.
 
-- **6NT** (:func:`flops_6nt`): 6 x N x T, with N *every* parameter (embedding, LM head, norms,
+- **6NT** (:func:`flops_6nt`): 6 x N x T, with N *every* (active) parameter (embedding, LM head, norms,
   biases) and T the tokens trained: the usual "6 FLOPs per parameter per token" (2 forward, 4
   backward). Simple and comparable across systems (the peers' tables use it), but it counts the
   embedding lookup as if it were a matmul and ignores attention's S x S work.
@@ -8,6 +8,11 @@
   projection and the LM head, which is the embedding matrix when tied; not the embedding lookup,
   norms or biases) plus 12 x L x heads x head_dim x S for the attention scores and values, the full
   S x S matrix, not halved for causal masking (PaLM, appendix B). The basis of MFU.
+
+Mixtures of experts count *active* parameters: a token goes through top-k of a sparse layer's E
+routed experts, so 6NT's N is :func:`active_params` (every parameter less the E - k routed experts
+a token skips, per sparse layer) and PaLM's matmul parameters count k routed experts, the router
+and the shared expert (with its gate) of each sparse layer. For a dense model both are as before.
 
 Neither counts the recomputation of the forward in the backward pass (the usual MFU convention),
 so both are *model* FLOPs, not the hardware FLOPs executed. Reported side by side under the keys
@@ -35,12 +40,31 @@ def num_params(model: ModelConfig) -> int:
     return total
 
 
+def expert_params(model: ModelConfig) -> int:
+    """Parameters of one routed expert (gate, up, down): 3 x hidden x expert width."""
+    return 3 * model.hidden_size * model.expert_size
+
+
+def active_params(model: ModelConfig) -> int:
+    """Parameters a token goes through: :func:`num_params` less, in each sparse layer, the
+    E - k routed experts it is not routed to. Equal to num_params for a dense model."""
+    skipped = (model.num_experts - model.num_experts_per_tok) * expert_params(model)
+    return num_params(model) - len(model.sparse_layers) * skipped
+
+
 def matmul_params(model: ModelConfig) -> int:
-    """Weights that multiply activations: q/k/v/o and gate/up/down of every layer, and the LM head."""
+    """Weights that multiply a token's activations: q/k/v/o of every layer, gate/up/down of each
+    dense layer, the router, top-k routed experts and the shared expert (and its gate) of each sparse
+    layer, and the LM head."""
     h, inter = model.hidden_size, model.intermediate_size
     q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
-    return model.num_hidden_layers * per_layer + model.vocab_size * h
+    attention = h * q + 2 * h * kv + q * h
+    sparse = len(model.sparse_layers)
+    dense = model.num_hidden_layers - sparse
+    routed = model.num_experts * h + model.num_experts_per_tok * expert_params(model)
+    shared = (3 * h * model.shared_expert_intermediate_size + h) if model.shared_expert_intermediate_size else 0
+    return (model.num_hidden_layers * attention + dense * 3 * h * inter + sparse * (routed + shared)
+            + model.vocab_size * h)
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
@@ -50,8 +74,9 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
 
 
 def flops_6nt(model: ModelConfig, tokens: int) -> float:
-    """6 x N x T: N = :func:`num_params` (every parameter), T = ``tokens`` trained."""
-    return 6.0 * num_params(model) * tokens
+    """6 x N x T: N = :func:`active_params` (every parameter a token goes through: all of a dense
+    model's), T = ``tokens`` trained."""
+    return 6.0 * active_params(model) * tokens
 
 
 def palm_model_flops(model: ModelConfig, seq_len: int, tokens: int) -> float:

@@ -14,6 +14,10 @@ copy and nothing retained. The members of each of the model's projection groups
 back, so ``bind(fused=True)`` can also offer the group's concatenation, which the model then runs
 as one GEMM, as one more view under the group's name (``self_attn.qkv_proj.weight``, ...); where
 alignment padding separates them (odd shapes), none is offered and the model runs one GEMM each.
+Likewise a sparse layer's routed experts (:func:`~megatrain_ray.model.moe.sparse_params`: every
+expert's gate and up back to back, then every down) are offered stacked, as the [E, 2I, H] and
+[E, H, I] views :attr:`~megatrain_ray.model.moe.Names.stacked` names, which the grouped expert GEMMs
+read with no copy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from .moe import MIXTRAL_NAMES, QWEN_NAMES
 from .transformer import PROJECTION_GROUPS, unit_names, unit_params
 
 UNIT_ALIGN = 4096
@@ -111,6 +116,29 @@ def _fusable(params: list[tuple[str, tuple[int, ...], int]]) -> tuple:
             views.append((f"{fused}.{suffix}", (sum(sh[0] for sh in shapes), *shapes[0][1:]), offsets[0]))
         else:
             out += views
+    return tuple(out) + _stackable(where)
+
+
+def _stackable(where: dict[str, tuple[tuple[int, ...], int]]) -> tuple:
+    """The routed experts' stacked views (:attr:`~megatrain_ray.model.moe.Names.stacked`), when every
+    expert's gate, up and then every down lie back to back; () for a dense layer or odd shapes."""
+    family = next((f for f in (QWEN_NAMES, MIXTRAL_NAMES) if f.router in where), None)
+    if family is None:
+        return ()
+    n = 0
+    while family.expert(n)[0] in where:
+        n += 1
+    names = [family.expert(e) for e in range(n)]
+    gate_ups = [name for g, u, _ in names for name in (g, u)]
+    downs = [d for _, _, d in names]
+    out = []
+    for members, stacked in zip((gate_ups, downs), family.stacked):
+        shapes = [where[m][0] for m in members]
+        offsets = [where[m][1] for m in members]
+        if any(offsets[j + 1] != offsets[j] + _prod(shapes[j]) for j in range(len(members) - 1)):
+            return ()
+        rows = shapes[0][0] * (len(members) // n)  # gate and up: 2I rows per expert; down: H
+        out.append((stacked, (n, rows, shapes[0][1]), offsets[0]))
     return tuple(out)
 
 

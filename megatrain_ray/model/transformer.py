@@ -1,4 +1,5 @@
-"""The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral), architecture only.
+"""The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral, and the mixtures of
+experts Qwen3-MoE / Mixtral / Qwen2-MoE), architecture only.
 
 Everything here is a pure function of (weights, inputs). Weights arrive as a dict of tensors keyed
 by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...): any tensors,
@@ -35,6 +36,12 @@ position-wise, so a caller may run it over pieces of the sequence (same values).
 is h + down_proj(:func:`mlp_activation`), so a caller may stop before the layer's last GEMM (a
 backward needs its input, not its output).
 
+Dense and sparse layers: a layer's MLP is the dense SwiGLU MLP or, in a sparse layer of a mixture
+of experts (``cfg.is_sparse(i)``), :func:`megatrain_ray.model.moe.sparse_mlp`; :func:`unit_params`
+describes each layer's tensors accordingly, and :func:`mlp_block` runs the MLP its params describe
+(a router's weight among them: sparse), so the same :func:`decoder_layer` runs both kinds.
+:func:`routed_layer` is the sparse layer with its router's statistics for the load-balancing loss.
+
 The model is split into *units*, the granularity at which weights are stored and streamed:
 ``embed`` (token embeddings), ``layers.{i}`` (one decoder layer each) and ``head`` (final norm and,
 unless tied, the LM head). :func:`unit_params` lists each unit's parameters and shapes.
@@ -49,6 +56,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..config import ModelConfig
+from .moe import RouterStats, is_sparse, sparse_mlp, sparse_params
 
 Params = dict[str, torch.Tensor]
 UnitReader = Callable[[str], Params]
@@ -74,14 +82,17 @@ def unit_params(cfg: ModelConfig, unit: str) -> list[tuple[str, tuple[int, ...]]
             params.append(("lm_head.weight", (cfg.vocab_size, h)))
         return params
     q = cfg.num_attention_heads * cfg.head_size
+    if cfg.is_sparse(int(unit.split(".")[1])):
+        mlp = sparse_params(cfg)
+    else:
+        mlp = [("mlp.gate_proj.weight", (cfg.intermediate_size, h)), ("mlp.up_proj.weight", (cfg.intermediate_size, h)),
+               ("mlp.down_proj.weight", (h, cfg.intermediate_size))]
     params = [
         ("self_attn.q_proj.weight", (q, h)),
         ("self_attn.k_proj.weight", (kv, h)),
         ("self_attn.v_proj.weight", (kv, h)),
         ("self_attn.o_proj.weight", (h, q)),
-        ("mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-        ("mlp.up_proj.weight", (cfg.intermediate_size, h)),
-        ("mlp.down_proj.weight", (h, cfg.intermediate_size)),
+        *mlp,
         ("input_layernorm.weight", (h,)),
         ("post_attention_layernorm.weight", (h,)),
     ]
@@ -254,8 +265,20 @@ def attention_block(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.
 
 
 def mlp_block(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The second half: h + down_proj(:func:`mlp_activation`), position-wise. h: [B, S', H] -> [B, S', H] for any S'."""
+    """The second half: h + down_proj(:func:`mlp_activation`), position-wise, or in a sparse layer h +
+    the mixture of experts of the normed h. h: [B, S', H] -> [B, S', H] for any S'."""
+    if is_sparse(p):
+        return h + sparse_mlp(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps), cfg)[0]
     return h + linear(p, "mlp.down_proj", mlp_activation(p, h, cfg))
+
+
+def routed_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
+                 mask=None) -> tuple[torch.Tensor, RouterStats]:
+    """A sparse decoder layer, with its router's statistics (for the load-balancing loss, see
+    :mod:`megatrain_ray.model.moe`). x: [B, S, H] -> ([B, S, H], RouterStats); rope, mask: see :func:`attention`."""
+    h = attention_block(p, x, rope, cfg, mask)
+    out, stats = sparse_mlp(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps), cfg)
+    return h + out, stats
 
 
 def decoder_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,

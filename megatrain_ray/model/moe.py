@@ -1,0 +1,237 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), architecture only: pure functions of
+(weights, inputs), as transformers' ``*SparseMoeBlock`` computes them.
+
+A sparse layer's MLP is a router and E routed experts (each a SwiGLU MLP of width
+``cfg.expert_size``), plus, for Qwen2-MoE, a shared expert every token goes through, scaled by a
+sigmoid gate. Per token: the router's logits [E], their softmax in fp32, the top-k experts and
+their probabilities (renormalised to sum to 1 with ``norm_topk_prob``: Mixtral always, Qwen per
+config), cast to the activations' dtype; the token's output is the weighted sum of its k experts'
+outputs (:func:`sparse_mlp`).
+
+Weights, named relative to the layer as on the Hub (one tensor per expert; :func:`names`):
+``mlp.gate.weight`` [E, H] (the router), ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` [I, H]
+and ``down_proj`` [H, I]; Mixtral's are ``block_sparse_moe.gate.weight`` and
+``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down); Qwen2-MoE also has
+``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight`` [1, H]. As
+with the projection groups of :mod:`megatrain_ray.model.transformer`, the caller may also pass the
+experts *stacked*, as transformers 5 holds them: ``{mlp}.experts.gate_up_proj`` [E, 2I, H] (each
+expert's gate and up weights, stacked along dim 1) and ``{mlp}.experts.down_proj`` [E, H, I]. Then
+those are used, with no copy (the engine's flat layout offers them as views, see
+:meth:`megatrain_ray.model.layout.LayerTemplate.bind`); else the per-expert tensors are stacked
+here (a copy per call). Same values either way.
+
+Compute: the k x N (token, expert) pairs are sorted by expert (a stable sort: within an expert the
+tokens keep their order), the tokens gathered in that order, and each expert's GEMMs run over its
+contiguous rows: on a GPU as one grouped GEMM per projection (``torch._grouped_mm``, where torch and
+the GPU support it: bf16 on compute capability 9.0+), with no Python loop over experts and no
+host synchronisation; elsewhere one GEMM per expert over its rows (:func:`grouped_linear`, the CPU
+path; same values). An expert that receives no token has zero rows, so its gradient is exactly zero.
+The outputs return to token order through the inverse permutation and the k weighted outputs of
+each token are summed in a fixed order (no atomics, deterministic).
+
+The load-balancing auxiliary loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
+computes it without an attention mask): over every sparse layer's rows of a micro-batch together,
+f_e = (number of top-k assignments to expert e) / rows and P_e = (sum of the router's softmax
+probabilities of e) / rows, rows = tokens x sparse layers; loss = E x sum_e f_e P_e. f is a count,
+not differentiable; P is. Each layer contributes its own counts and probability sums
+(:class:`RouterStats`), so a caller that runs the layers one at a time (the engine) adds them up,
+and :func:`aux_loss` of the sums is the loss; its gradient reaches layer l only through l's P, as
+E x sum_e f_e x P_l,e / rows (:func:`aux_loss_of_layer`, whose sum over layers is the loss).
+
+Where the next routers go (see also the design note in ARCHITECTURE.md): :func:`route` is the one
+place that maps router logits to (top-k weights, top-k indices, the probabilities the aux loss
+sees). DeepSeek-V3 / GLM-4.5's router (sigmoid scores, a per-expert score-correction bias added for
+the choice only, top-k groups of experts first, then top-k within them, a routed scaling factor) is
+another ``route`` selected by the config, with its bias a 1-D parameter of the router beside
+``mlp.gate.weight`` (``mlp.gate.e_score_correction_bias``, not trained by the gradient); the expert
+GEMMs, the dispatch and the shared experts (DeepSeek's ``shared_experts`` is Qwen2-MoE's shared
+expert without the sigmoid gate) are unchanged. gpt-oss's biased experts add ``gate_up_proj_bias``
+[E, 2I] / ``down_proj_bias`` [E, H] beside the stacked weights: :func:`expert_weights` returns them
+and :func:`grouped_linear` adds each row's expert bias (a gather by the sorted expert ids), and its
+clamped SwiGLU variant is the activation between the two grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+Params = dict[str, torch.Tensor]
+
+ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+"""The router weight's name (Qwen's, Mixtral's): its presence in a layer's params makes the MLP sparse."""
+
+
+@dataclass(frozen=True)
+class Names:
+    """The names of a sparse layer's MLP tensors in one family, relative to the layer."""
+
+    block: str
+    """``mlp`` (Qwen) or ``block_sparse_moe`` (Mixtral)."""
+    projections: tuple[str, str, str]
+    """An expert's gate, up and down projections: gate_proj, up_proj, down_proj, or Mixtral's w1, w3, w2."""
+
+    @property
+    def router(self) -> str:
+        return f"{self.block}.gate.weight"
+
+    @property
+    def stacked(self) -> tuple[str, str]:
+        """The names the experts' stacked weights (gate_up [E, 2I, H], down [E, H, I]) may be passed under."""
+        return f"{self.block}.experts.gate_up_proj", f"{self.block}.experts.down_proj"
+
+    def expert(self, e: int) -> tuple[str, str, str]:
+        """Routed expert ``e``'s gate, up and down weights."""
+        return tuple(f"{self.block}.experts.{e}.{m}.weight" for m in self.projections)
+
+
+QWEN_NAMES = Names("mlp", ("gate_proj", "up_proj", "down_proj"))
+MIXTRAL_NAMES = Names("block_sparse_moe", ("w1", "w3", "w2"))
+
+
+def names(cfg: ModelConfig) -> Names:
+    """The Hub names of ``cfg``'s sparse-layer tensors."""
+    return MIXTRAL_NAMES if cfg.model_type == "mixtral" else QWEN_NAMES
+
+
+def is_sparse(p: Params) -> bool:
+    """Whether a layer's params describe a sparse MLP (they hold a router)."""
+    return any(r in p for r in ROUTERS)
+
+
+def sparse_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a sparse layer's MLP parameters: the router, every expert's gate and up
+    back to back expert after expert, then every expert's down (the order in which the flat layout
+    can offer the stacked views), then the shared expert and its gate (Qwen2-MoE)."""
+    h, i, e, n = cfg.hidden_size, cfg.expert_size, cfg.num_experts, names(cfg)
+    params = [(n.router, (e, h))]
+    for j in range(e):
+        gate, up, _ = n.expert(j)
+        params += [(gate, (i, h)), (up, (i, h))]
+    params += [(n.expert(j)[2], (h, i)) for j in range(e)]
+    s = cfg.shared_expert_intermediate_size
+    if s:
+        params += [("mlp.shared_expert.gate_proj.weight", (s, h)), ("mlp.shared_expert.up_proj.weight", (s, h)),
+                   ("mlp.shared_expert.down_proj.weight", (h, s)), ("mlp.shared_expert_gate.weight", (1, h))]
+    return params
+
+
+@dataclass
+class RouterStats:
+    """One sparse layer's contribution to the load-balancing loss of one micro-batch."""
+
+    counts: torch.Tensor
+    """[E] float32, no graph: top-k assignments of each expert (tokens routed to it)."""
+    prob_sum: torch.Tensor
+    """[E] float32, differentiable: the sum over tokens of the router's softmax probability of each expert."""
+    rows: int
+    """Tokens routed (N)."""
+
+
+def route(p: Params, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax top-k router. x: [N, H] -> (probs [N, E] fp32, weights [N, k] in x's dtype,
+    experts [N, k] int64): softmax in fp32, top-k, renormalised with ``cfg.norm_topk_prob``."""
+    logits = F.linear(x, p[names(cfg).router])  # [N, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return probs, top.to(x.dtype), experts
+
+
+def expert_weights(p: Params, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' weights stacked: (gate_up [E, 2I, H], down [E, H, I]); the stacked views
+    when the params hold them, else stacked here from the per-expert tensors (a copy)."""
+    n = names(cfg)
+    if n.stacked[0] in p:
+        return p[n.stacked[0]], p[n.stacked[1]]
+    experts = [n.expert(e) for e in range(cfg.num_experts)]
+    gate_up = torch.stack([torch.cat((p[g], p[u])) for g, u, _ in experts])
+    return gate_up, torch.stack([p[d] for _, _, d in experts])
+
+
+def grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs x: [T, in] against w: [E, out, in] here: CUDA, bf16,
+    compute capability 9.0+, rows 16-byte aligned (in, out multiples of 8)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert through their expert's linear map. x: [T, in] (the rows of expert 0,
+    then 1, ...), w: [E, out, in], counts: [E] int64 (rows per expert, summing to T) -> [T, out].
+
+    One grouped GEMM where :func:`grouped_kernel` says so; else one GEMM per expert over its rows
+    (this needs the counts on the host: the CPU path)."""
+    if grouped_kernel(x, w):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    pieces = x.split(counts.tolist())
+    return torch.cat([F.linear(piece, w[e]) for e, piece in enumerate(pieces)])
+
+
+def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts: [N, k] int64 -> (order [N*k]: the (token, slot) pairs sorted by expert, stably;
+    inverse [N*k]: its inverse permutation; counts [E] int64: pairs per expert)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse, torch.bincount(flat, minlength=num_experts)
+
+
+def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig
+                   ) -> torch.Tensor:
+    """The weighted sum of each token's top-k experts' SwiGLU outputs. x: [N, H]; weights, experts:
+    [N, k] (from :func:`route`) -> [N, H]."""
+    n, k = experts.shape
+    order, inverse, counts = dispatch(experts, cfg.num_experts)
+    gate_up, down = expert_weights(p, cfg)
+    rows = x[order // k]  # [N*k, H]: each pair's token, grouped by expert
+    gate, up = grouped_linear(rows, gate_up, counts).chunk(2, dim=-1)  # [N*k, I] each
+    out = grouped_linear(F.silu(gate) * up, down, counts)  # [N*k, H]
+    out = out * weights.reshape(-1)[order, None]
+    return out[inverse].view(n, k, -1).sum(dim=1)  # back to (token, slot) order, slots summed
+
+
+def shared_expert(p: Params, x: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared expert, scaled by its sigmoid gate. x: [N, H] -> [N, H]."""
+    gate = F.linear(x, p["mlp.shared_expert.gate_proj.weight"])
+    up = F.linear(x, p["mlp.shared_expert.up_proj.weight"])
+    out = F.linear(F.silu(gate) * up, p["mlp.shared_expert.down_proj.weight"])
+    return torch.sigmoid(F.linear(x, p["mlp.shared_expert_gate.weight"])) * out
+
+
+def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, RouterStats]:
+    """The mixture-of-experts MLP of a sparse layer (its input already normed). x: [..., H] ->
+    ([..., H], this layer's :class:`RouterStats`)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])  # [N, H]
+    probs, weights, experts = route(p, flat, cfg)
+    out = routed_experts(p, flat, weights, experts, cfg)
+    if "mlp.shared_expert_gate.weight" in p:
+        out = out + shared_expert(p, flat)
+    counts = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts).float()
+    return out.reshape(shape), RouterStats(counts, probs.sum(dim=0), flat.shape[0])
+
+
+def aux_loss_of_layer(stats: RouterStats, total_counts: torch.Tensor, total_rows: int,
+                      num_experts: int) -> torch.Tensor:
+    """One layer's share of the load-balancing loss, given the counts of every sparse layer of the
+    micro-batch (total_counts [E], total_rows = tokens x sparse layers): E x sum_e f_e x P_l,e / rows
+    with f = total_counts / total_rows. Differentiable through this layer's probabilities only; the
+    shares of all layers sum to :func:`aux_loss`. -> scalar fp32."""
+    f = total_counts / total_rows
+    return num_experts * (f * stats.prob_sum).sum() / total_rows
+
+
+def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """The load-balancing loss of one micro-batch from its sparse layers' stats, as transformers'
+    ``load_balancing_loss_func`` (no attention mask): E x sum_e f_e P_e. -> scalar fp32."""
+    counts = torch.stack([s.counts for s in stats]).sum(0)
+    rows = sum(s.rows for s in stats)
+    return sum(aux_loss_of_layer(s, counts, rows, num_experts) for s in stats)
