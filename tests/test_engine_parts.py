@@ -9,7 +9,7 @@ import torch
 
 from megatrain_ray.config import ModelConfig, OptimConfig, load_config
 from megatrain_ray.engine import adamw_native, optim
-from megatrain_ray.engine.tickets import fetch_order
+from megatrain_ray.engine.schedule import COMPUTE, SINK, Schedule
 from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import UNIT_ALIGN, LayerTemplate, StoreLayout
 
@@ -80,10 +80,27 @@ def test_store_layout_is_page_aligned_and_counts_parameters():
     assert all(len(shape) == 1 for _, shape, off in t.params if off >= t.decay_numel)
 
 
+def _layout(layers: int, tied: bool) -> StoreLayout:
+    return StoreLayout.build(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                         tie_word_embeddings=tied))
+
+
 def test_fetch_order_streams_each_layer_twice():
-    order = fetch_order(4, tied=False)
-    assert order == [0, 1, 2, 3, 4, 5, 4, 3, 2, 1]
-    assert fetch_order(2, tied=True) == [0, 1, 2, 3, 0, 2, 1]
+    assert Schedule.build(_layout(4, False), tied=False).fetch == (0, 1, 2, 3, 4, 5, 4, 3, 2, 1)
+    assert Schedule.build(_layout(2, True), tied=True).fetch == (0, 1, 2, 3, 0, 2, 1)
+
+
+def test_units_are_records_and_resident_units_are_neither_fetched_nor_the_sinks():
+    layout = _layout(3, False)
+    assert [(u.name, u.kind, u.layer) for u in layout.records] == [
+        ("embed", "embedding", None), ("layers.0", "decoder_layer", 0), ("layers.1", "decoder_layer", 1),
+        ("layers.2", "decoder_layer", 2), ("head", "head", None)]
+    assert (layout.embed.index, layout.head.index, [u.index for u in layout.layers]) == (0, 4, [1, 2, 3])
+    schedule = Schedule.build(layout, tied=False, resident=(0, 1, 4))
+    assert schedule.fetch == (2, 3, 3, 2)
+    assert schedule.update == (0, 1, 2, 3, 4) and schedule.sink_updates == (2, 3)
+    assert [schedule.owner(u) for u in schedule.update] == [COMPUTE, COMPUTE, SINK, SINK, COMPUTE]
 
 
 @pytest.mark.parametrize("decay_all", [False, True])

@@ -11,7 +11,7 @@ from megatrain_ray.config import ModelConfig
 from megatrain_ray.engine.head import chunk_loss_sum, head_forward_backward
 from megatrain_ray.engine.sequence import CompiledLayer
 from megatrain_ray.model import transformer as M
-from megatrain_ray.model.layout import LayerTemplate
+from megatrain_ray.model.layout import LayerTemplate, StoreLayout
 
 V, H, CHUNK = 96, 32, 8
 U = 2.0 ** -24  # fp32 unit roundoff
@@ -40,7 +40,7 @@ def _run(tied: bool, loss_fn=chunk_loss_sum):
     cfg, templates, wh, we, hidden, labels = _head(tied)
     embed_grad = torch.zeros(templates[0].numel)
     n = int((labels != M.IGNORE_INDEX).sum())
-    loss, dxs, head_grad = head_forward_backward(cfg, templates, CHUNK, wh, we if tied else None, hidden, labels, n,
+    loss, dxs, head_grad = head_forward_backward(cfg, StoreLayout.build(cfg), CHUNK, wh, we if tied else None, hidden, labels, n,
                                                  embed_grad, loss_fn)
     return loss, torch.stack(dxs), head_grad, embed_grad
 

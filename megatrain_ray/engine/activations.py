@@ -165,7 +165,7 @@ def kept_backward(graph: KeptGraph, grads: dict[str, torch.Tensor], dx: list[tor
 
 
 class ActivationStore:
-    """Each layer's activations by unit index (layer i is unit i + 1), placed per :func:`layer_modes`."""
+    """Each decoder layer's activations by its layer index (0-based), placed per :func:`layer_modes`."""
 
     def __init__(self, backend, modes: Sequence[str]):
         self.backend = backend
@@ -176,9 +176,9 @@ class ActivationStore:
         self._host: dict[tuple[int, int], torch.Tensor] = {}
         self._marks: collections.deque = collections.deque()
 
-    def mode(self, unit: int) -> str:
-        """The placement of decoder unit ``unit`` (1-based: unit 0 is the embedding)."""
-        return self.modes[unit - 1]
+    def mode(self, layer: int) -> str:
+        """The placement of decoder layer ``layer``."""
+        return self.modes[layer]
 
     def clear(self) -> None:
         """Forget every layer's activations (the host buffers stay for the next step)."""
@@ -187,38 +187,38 @@ class ActivationStore:
         self._stashed.clear()
         self._fetched.clear()
 
-    def keep(self, unit: int, graph: KeptGraph) -> None:
-        """Hold ``unit``'s forward graph (a :data:`KEEP` layer) for its backward."""
-        self._kept[unit] = graph
+    def keep(self, layer: int, graph: KeptGraph) -> None:
+        """Hold ``layer``'s forward graph (a :data:`KEEP` layer) for its backward."""
+        self._kept[layer] = graph
 
-    def put(self, unit: int, xs: list[torch.Tensor]) -> None:
-        """xs: M x [B, S, H], the input of ``unit`` for every micro-batch, no longer needed by the forward."""
-        if self.mode(unit) != HOST:
-            self._kept[unit] = xs
+    def put(self, layer: int, xs: list[torch.Tensor]) -> None:
+        """xs: M x [B, S, H], the input of ``layer`` for every micro-batch, no longer needed by the forward."""
+        if self.mode(layer) != HOST:
+            self._kept[layer] = xs
             return
         self._hold_back()
         entries = []
         for m, x in enumerate(xs):
-            host = self._host.get((unit, m))
+            host = self._host.get((layer, m))
             if host is None or host.shape != x.shape or host.dtype != x.dtype:
-                host = self._host[(unit, m)] = self.backend.host_buffer(x.shape, x.dtype)
-            entries.append((host, self.backend.stash(x, host, f"inputs of unit {unit}")))
-        self._stashed[unit] = entries
+                host = self._host[(layer, m)] = self.backend.host_buffer(x.shape, x.dtype)
+            entries.append((host, self.backend.stash(x, host, f"inputs of layers.{layer}")))
+        self._stashed[layer] = entries
 
-    def prefetch(self, unit: int) -> None:
-        """Start bringing ``unit``'s inputs back to the device (no-op when kept there or absent)."""
-        if unit in self._stashed and unit not in self._fetched:
-            self._fetched[unit] = [self.backend.unstash(host, done, f"inputs of unit {unit}")
-                                   for host, done in self._stashed.pop(unit)]
+    def prefetch(self, layer: int) -> None:
+        """Start bringing ``layer``'s inputs back to the device (no-op when kept there or absent)."""
+        if layer in self._stashed and layer not in self._fetched:
+            self._fetched[layer] = [self.backend.unstash(host, done, f"inputs of layers.{layer}")
+                                    for host, done in self._stashed.pop(layer)]
 
-    def take(self, unit: int) -> list[torch.Tensor] | KeptGraph:
-        """``unit``'s kept graph, or its inputs on the device ready for the compute stream; forgets them here."""
-        if self.mode(unit) != HOST:
-            return self._kept.pop(unit)
+    def take(self, layer: int) -> list[torch.Tensor] | KeptGraph:
+        """``layer``'s kept graph, or its inputs on the device ready for the compute stream; forgets them here."""
+        if self.mode(layer) != HOST:
+            return self._kept.pop(layer)
         self._hold_back()
-        self.prefetch(unit)
+        self.prefetch(layer)
         out = []
-        for x, ready in self._fetched.pop(unit):
+        for x, ready in self._fetched.pop(layer):
             self.backend.wait(ready)
             out.append(x)
         return out

@@ -46,6 +46,7 @@ import torch
 
 from ..config import OptimConfig
 from ..errors import ConfigError, PipelineError
+from ..model.layout import DECODER_LAYER
 from ..model.transformer import IGNORE_INDEX, embed
 from . import affinity
 from .activations import GPU, HOST, KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
@@ -211,7 +212,8 @@ class ComputeWorker:
             raise PipelineError(f"{self.layout.units[unit]} has version {self.store.version(unit)} "
                                 f"but step {step} needs version {step}.")
         self.backend.wait(handle)
-        self.fetches["layers" if 0 < unit <= self.cfg.num_hidden_layers else self.layout.units[unit]] += 1
+        record = self.layout.records[unit]
+        self.fetches["layers" if record.kind == DECODER_LAYER else record.name] += 1
         return ticket, self.backend.slots[ticket.slot][:self.layout.templates[unit].numel]
 
     def _release(self, ticket: FetchTicket | None) -> None:
@@ -265,8 +267,8 @@ class ComputeWorker:
         ids, labels = ids.to(dev), labels.to(dev)
         num_mb, seq = ids.shape[0], ids.shape[2]
         ctx = step_contexts(self.cfg, None if pos is None else pos.to(dev), num_mb, seq, dev, self.dtype)
-        n_layers = self.cfg.num_hidden_layers
         templates = self.layout.templates
+        first = self.layout.embed.index
 
         acts = self.activations
         acts.clear()  # anything a failed step left
@@ -279,39 +281,41 @@ class ComputeWorker:
             eval_ctx = step_contexts(self.cfg, None if eval_pos is None else torch.tensor(
                 eval_pos, dtype=torch.long).to(dev), eval_ids.shape[0], seq, dev, self.dtype)
         with torch.no_grad():
-            ticket, flat = self._take(0, step)
+            ticket, flat = self._take(first, step)
             with self.backend.compute("embed"):
-                xs = [embed(templates[0].bind(flat), ids[m]) for m in range(num_mb)]
-                es = [] if eval_batch is None else [embed(templates[0].bind(flat), e) for e in eval_ids]
+                xs = [embed(templates[first].bind(flat), ids[m]) for m in range(num_mb)]
+                es = [] if eval_batch is None else [embed(templates[first].bind(flat), e) for e in eval_ids]
             self._release(ticket)
-            for i in range(1, n_layers + 1):
+            for unit in self.layout.layers:
+                i, layer = unit.index, unit.layer
                 ticket, flat = self._take(i, step)
-                with self.backend.compute(self.layout.units[i]):
+                with self.backend.compute(unit.name):
                     p = templates[i].bind(flat, fused=True)
-                    if acts.mode(i) == KEEP:  # the graph stays for the backward: nothing to recompute
+                    if acts.mode(layer) == KEEP:  # the graph stays for the backward: nothing to recompute
                         graph = layer_forward_kept(self.runner.layer, templates[i], flat, xs, ctx, self.cfg)
                         ys = [y.detach() for y in graph.outputs]
                     else:
                         ys = [self.runner.forward(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)]
                     es = [self.runner.forward(p, e, eval_ctx[m], self.cfg) for m, e in enumerate(es)]
-                if acts.mode(i) == KEEP:
-                    acts.keep(i, graph)
+                if acts.mode(layer) == KEEP:
+                    acts.keep(layer, graph)
                     graph = None
                 else:
-                    acts.put(i, xs)  # layer i's inputs: the checkpoint its backward recomputes from
+                    acts.put(layer, xs)  # the layer's inputs: the checkpoint its backward recomputes from
                 xs = ys
                 self._release(ticket)
 
-        embed_grad = torch.zeros(templates[0].numel, dtype=torch.float32, device=dev)
+        embed_grad = torch.zeros(templates[first].numel, dtype=torch.float32, device=dev)
         evaluation = (es, eval_labels) if eval_batch is not None else None
         loss, dx, val_loss = self._head(step, xs, labels, n_tokens, embed_grad, evaluation)
         xs = ys = es = None  # the head has used the last hidden states
 
-        for i in range(n_layers, 0, -1):
+        for unit in reversed(self.layout.layers):
+            i, layer = unit.index, unit.layer
             ticket, flat = self._take(i, step)
-            inputs = acts.take(i)
-            acts.prefetch(i - 1)  # the next backward's inputs come in while this one computes
-            with self.backend.compute(self.layout.units[i] + " bwd"):
+            inputs = acts.take(layer)
+            acts.prefetch(layer - 1)  # the next backward's inputs come in while this one computes
+            with self.backend.compute(unit.name + " bwd"):
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
                 if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
                     kept_backward(inputs, templates[i].bind(grad, fused=True), dx)
@@ -328,7 +332,7 @@ class ComputeWorker:
                 rows, grads = ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
                 for s in range(0, rows.shape[0], self.chunk):
                     add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
-        self.grads_out.send(0, step, embed_grad)
+        self.grads_out.send(first, step, embed_grad)
         embed_grad = None
         self.grads_out.end_step(step, sync, hold)
         spans = self.backend.end_step()  # waits for the device without spinning a core
@@ -355,19 +359,19 @@ class ComputeWorker:
         head's gradient is sent; with tied embeddings the LM-head part is added into ``embed_grad``
         [V*H] fp32.
         """
-        unit = self.cfg.num_hidden_layers + 1
+        unit = self.layout.head.index
         tied = self.cfg.tie_word_embeddings
         ticket, flat = self._take(unit, step)
         wh, we = flat, None
         tickets = [ticket]
         if tied:
-            ticket_e, flat_e = self._take(0, step)
+            ticket_e, flat_e = self._take(self.layout.embed.index, step)
             tickets.append(ticket_e)
             we = flat_e
         with self.backend.compute("head"):
-            loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout.templates, self.chunk, wh, we, hidden,
+            loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout, self.chunk, wh, we, hidden,
                                                          labels, n_tokens, embed_grad, self.head_loss_fn)
-            val_loss = None if evaluation is None else head_loss(self.cfg, self.layout.templates, self.chunk,
+            val_loss = None if evaluation is None else head_loss(self.cfg, self.layout, self.chunk,
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:
             self._release(t)

@@ -25,7 +25,8 @@ import torch
 
 from ..errors import PipelineError
 from .owned import OwnedUnits, step_sq_norm
-from .tickets import GradTicket, update_order
+from .schedule import Schedule
+from .tickets import GradTicket
 
 
 class GradOut:
@@ -118,7 +119,7 @@ class GradOut:
             return slot, handle, step_sq()
 
         by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
-        for unit in update_order(self.store.spec.model.num_hidden_layers):
+        for unit in Schedule.build(self.layout, self.store.spec.model.tie_word_embeddings).update:
             grad, sq_norm = by_unit.pop(unit)
             self.outbox.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm: send(u, g, s), -1.0))
 

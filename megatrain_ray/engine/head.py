@@ -35,12 +35,12 @@ def chunk_loss_sum(norm_weight: torch.Tensor, w: torch.Tensor, x: torch.Tensor, 
     return token_loss_sum(final_norm({"norm.weight": norm_weight}, x, cfg), w, labels)
 
 
-def head_forward_backward(cfg, templates, chunk: int, wh: torch.Tensor, we: torch.Tensor | None,
+def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.Tensor | None,
                           hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor,
                           loss_fn: Callable = chunk_loss_sum) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Loss and gradients of the head for the step's micro-batches.
 
-    cfg: the model config; templates: the layout's unit templates; wh: the head unit's flat weights
+    cfg: the model config; layout: its :class:`~megatrain_ray.model.layout.StoreLayout`; wh: the head unit's flat weights
     [numel]; we: the embedding unit's [numel] when the embeddings are tied, else None; hidden:
     M x [B, S, H]; labels: [M, B, S]; n_tokens: the step's counted tokens (the loss is their mean);
     loss_fn: :func:`chunk_loss_sum` or its compiled form. Returns (loss, M x [B, S, H] input
@@ -51,16 +51,16 @@ def head_forward_backward(cfg, templates, chunk: int, wh: torch.Tensor, we: torc
     buffers: the gradient of a view of a flat leaf is a zero-filled [numel] tensor per view and chunk
     (slice_backward), ~1 GB each for a 7B head, summed before being added to the fp32 gradient.
     """
-    unit = cfg.num_hidden_layers + 1
+    head_t, embed_t = layout.templates[layout.head.index], layout.templates[layout.embed.index]
     tied = we is not None
-    head_grad = torch.zeros(templates[unit].numel, dtype=torch.float32, device=wh.device)
-    embed = templates[0].bind(we.detach()) if tied else None
-    head = templates[unit].bind(wh.detach())
+    head_grad = torch.zeros(head_t.numel, dtype=torch.float32, device=wh.device)
+    embed = embed_t.bind(we.detach()) if tied else None
+    head = head_t.bind(wh.detach())
     norm_w = head["norm.weight"].requires_grad_(True)
     w = lm_head_weight(head, embed).requires_grad_(True)
-    grads = templates[unit].bind(head_grad)
+    grads = head_t.bind(head_grad)
     norm_grad = grads["norm.weight"]
-    w_grad = lm_head_weight(grads, templates[0].bind(embed_grad) if tied else None)
+    w_grad = lm_head_weight(grads, embed_t.bind(embed_grad) if tied else None)
     loss = torch.zeros((), dtype=torch.float32, device=wh.device)
     dxs = []
     for m, x in enumerate(hidden):
@@ -80,13 +80,13 @@ def head_forward_backward(cfg, templates, chunk: int, wh: torch.Tensor, we: torc
 
 
 @torch.no_grad()
-def head_loss(cfg, templates, chunk: int, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
+def head_loss(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.Tensor | None, hidden: list[torch.Tensor],
               labels: torch.Tensor) -> torch.Tensor:
     """Mean loss over the counted tokens of hidden states E x [B, S, H] with labels [E, B, S] (forward
     only; eager: evaluation steps are rare, and a compiled forward-only graph would be one more compile)."""
-    unit = cfg.num_hidden_layers + 1
-    head = templates[unit].bind(wh)
-    w = lm_head_weight(head, templates[0].bind(we.detach()) if we is not None else None)
+    head = layout.templates[layout.head.index].bind(wh)
+    embed_t = layout.templates[layout.embed.index]
+    w = lm_head_weight(head, embed_t.bind(we.detach()) if we is not None else None)
     total = torch.zeros((), dtype=torch.float32, device=wh.device)
     for e, lab in zip(hidden, labels):
         h = e.reshape(-1, e.shape[-1])

@@ -1,6 +1,7 @@
 """The prefetcher: decides which unit's weights go into which device slot, and when.
 
-One loop over the run: for every step, for every unit in :func:`~megatrain_ray.engine.tickets.fetch_order`,
+One loop over the run: for every step, for every unit in the schedule's fetch order
+(:class:`~megatrain_ray.engine.schedule.Schedule`),
 take a free slot (slots come back from the compute worker on the release queue; there are
 ``buffer_depth`` of them, so it never runs more than that far ahead), wait until the unit's
 version in the store equals the step (its previous update is complete), and put a
@@ -16,7 +17,8 @@ import time
 
 from ..errors import PipelineError
 from .store import HostStore, StoreSpec
-from .tickets import FetchTicket, fetch_order
+from .schedule import Schedule
+from .tickets import FetchTicket
 
 
 class Prefetcher:
@@ -28,7 +30,7 @@ class Prefetcher:
     def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float):
         self.store = HostStore(spec)
         self.units = self.store.layout.units
-        self.order = fetch_order(spec.model.num_hidden_layers, spec.model.tie_word_embeddings, spec.owned)
+        self.order = Schedule.build(self.store.layout, spec.model.tie_word_embeddings, spec.owned).fetch
         self.depth = buffer_depth
         self.fetch_q, self.release_q = fetch_q, release_q
         self.timeout_s = timeout_s

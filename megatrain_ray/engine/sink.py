@@ -54,7 +54,8 @@ from .grad_reduce import sum_copies
 from .optim import AdamWRunner, clip_coefficient
 from .shards import OptimizerShards
 from .store import HostStore, StoreSpec
-from .tickets import GradTicket, update_order
+from .schedule import Schedule
+from .tickets import GradTicket
 
 
 class GradientSink:
@@ -76,7 +77,7 @@ class GradientSink:
         self.owned = spec.owned
         """Units the compute worker updates on its device (:mod:`megatrain_ray.engine.owned`): their
         tickets carry only their norms."""
-        self.order = [u for u in update_order(spec.model.num_hidden_layers) if u not in self.owned]
+        self.order = list(Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.owned).sink_updates)
         self.spans: list[tuple] = []
         self.checkpoint = checkpoint
         self.writer = (CheckpointWriter(self.store, checkpoint)

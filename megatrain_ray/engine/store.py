@@ -81,18 +81,40 @@ def largest_streamed(layout: StoreLayout, owned: tuple[int, ...]) -> int:
     return max((t.numel for i, t in enumerate(layout.templates) if i not in owned), default=1)
 
 
-def versions_numel(layout: StoreLayout) -> int:
-    """Entries of the ``versions`` segment: two per unit and the owned hold."""
-    return 2 * len(layout.units) + 1
+@dataclass(frozen=True)
+class VersionWords:
+    """Where each count lives in the store's int64 ``versions`` segment (see the module docstring)."""
+
+    units: int
+    """Units of the layout."""
+
+    def stream(self, i: int) -> int:
+        """The word of unit i's stream version (updates its streamed weights have received)."""
+        return i
+
+    def state(self, i: int) -> int:
+        """The word of unit i's state version (updates its master weights and moments have received)."""
+        return self.units + i
+
+    @property
+    def hold(self) -> int:
+        """The word of the owned hold (see :meth:`HostStore.owned_hold`)."""
+        return 2 * self.units
+
+    @property
+    def numel(self) -> int:
+        """Words of the segment."""
+        return 2 * self.units + 1
 
 
 def owned_units(model: ModelConfig, device_adamw: str) -> tuple[int, ...]:
-    """The units the compute worker owns under runtime.device_adamw: edges = the embedding (0) and
-    the head (L+1: final norm and, untied, the LM head), edges+K also layers 1..K; none = none."""
+    """The units the compute worker owns under runtime.device_adamw: edges = the embedding and the
+    head (final norm and, untied, the LM head), edges+K also the first K decoder layers; none = none."""
     layers = device_adamw_layers(device_adamw)
     if layers is None:
         return ()
-    return (0, *range(1, min(layers, model.num_hidden_layers) + 1), model.num_hidden_layers + 1)
+    layout = StoreLayout.build(model)
+    return (layout.embed.index, *(u.index for u in layout.layers if u.layer < layers), layout.head.index)
 
 
 @dataclass(frozen=True)
@@ -167,7 +189,8 @@ class StoreSpec:
     def nbytes(self) -> int:
         """Bytes of shared memory the store takes."""
         layout = StoreLayout.build(self.model)
-        return sum(self.numel(k) * self.dtype(k).itemsize for k in self.kinds()) + 8 * versions_numel(layout)
+        return sum(self.numel(k) * self.dtype(k).itemsize for k in self.kinds()) + 8 * VersionWords(
+            len(layout.units)).numel
 
 
 class HostStore:
@@ -178,7 +201,8 @@ class HostStore:
         self.layout = StoreLayout.build(spec.model)
         open_ = shm.create if create else shm.attach
         self.arrays = {k: open_(spec.path(k), spec.numel(k), spec.dtype(k)) for k in spec.kinds()}
-        self.versions = open_(spec.path("versions"), versions_numel(self.layout), torch.int64)
+        self.words = VersionWords(len(self.layout.units))
+        self.versions = open_(spec.path("versions"), self.words.numel, torch.int64)
 
     def block(self, kind: str, i: int) -> torch.Tensor:
         """Unit i's flat block [numel] of one kind.
@@ -219,24 +243,24 @@ class HostStore:
 
     def version(self, i: int) -> int:
         """Updates unit i's stream copy (the weights the device fetches) has received."""
-        return int(self.versions[i])
+        return int(self.versions[self.words.stream(i)])
 
     def state_version(self, i: int) -> int:
         """Updates unit i's master weights and AdamW moments have received (a checkpoint's boundary)."""
-        return int(self.versions[len(self.layout.units) + i])
+        return int(self.versions[self.words.state(i)])
 
     def set_version(self, i: int, value: int) -> None:
         """Unit i is wholly at ``value`` updates: its state first, then its stream copy."""
-        self.versions[len(self.layout.units) + i] = value
-        self.versions[i] = value
+        self.versions[self.words.state(i)] = value
+        self.versions[self.words.stream(i)] = value
 
     def set_stream_version(self, i: int, value: int) -> None:
         """Unit i's stream copy (and moments) are at ``value`` updates, its master not yet."""
-        self.versions[i] = value
+        self.versions[self.words.stream(i)] = value
 
     def set_state_version(self, i: int, value: int) -> None:
         """Unit i's master weights have caught up with its stream copy at ``value`` updates."""
-        self.versions[len(self.layout.units) + i] = value
+        self.versions[self.words.state(i)] = value
 
     @staticmethod
     def wait_until(condition, timeout_s: float, pause: float = 0.002) -> bool:
@@ -251,12 +275,12 @@ class HostStore:
 
     def owned_hold(self) -> int | None:
         """The boundary whose checkpoint still reads the host copy of the owned units, or None."""
-        held = int(self.versions[2 * len(self.layout.units)])
+        held = int(self.versions[self.words.hold])
         return held - 1 if held else None
 
     def set_owned_hold(self, step: int | None) -> None:
         """Hold the owned units' host copy for the checkpoint of boundary ``step`` (None: release it)."""
-        self.versions[2 * len(self.layout.units)] = 0 if step is None else step + 1
+        self.versions[self.words.hold] = 0 if step is None else step + 1
 
     @property
     def separate_stream_copy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Control messages of the pipeline and the order in which units are fetched.
+"""Control messages of the pipeline (the order of their units: :mod:`megatrain_ray.engine.schedule`).
 
 Queues between actors carry only these small tickets, never tensors: the bytes they refer to live
 in the host store's shared memory (grad blocks) or in the compute worker's device slots.
@@ -32,21 +32,3 @@ class GradTicket:
     """With gradients held on the device (``StoreSpec.hold_grads``): the squared norm of the whole step's
     gradient, summed in the order the units' gradients were computed, so the sink can clip and update
     at once; else -1."""
-
-
-def fetch_order(num_layers: int, tied: bool, owned: tuple[int, ...] = ()) -> list[int]:
-    """Unit indices in the order one step fetches them (embed=0, layers 1..L, head=L+1).
-
-    Layer-major: embedding, layers forward, head (with the embedding again when tied), layers
-    backward. Every decoder layer appears exactly twice, whatever the number of micro-batches.
-    ``owned``: units resident on the device (runtime.device_adamw), never fetched.
-    """
-    layers = list(range(1, num_layers + 1))
-    head = num_layers + 1
-    order = [0, *layers, head, *([0] if tied else []), *reversed(layers)]
-    return [u for u in order if u not in owned]
-
-
-def update_order(num_layers: int) -> list[int]:
-    """Units in the order the next step's forward needs them: embed, layers 0.., head."""
-    return list(range(num_layers + 2))

@@ -7,6 +7,11 @@ unit. Each unit starts at a multiple of :data:`UNIT_ALIGN` elements, so its bloc
 in every dtype of the store (fp32, bf16), which is what ``cudaHostRegister``-backed copies and
 per-layer mappings want.
 
+Each unit is also a :class:`Unit` record (its position in the store, name, kind and decoder layer),
+so the rest of the code asks ``layout.embed`` or ``unit.kind`` instead of reading meaning into a
+position; a kind of unit the model gains (a layer's experts, an adapter) is a new ``kind`` with its
+``layer`` and ``part``, and the engine's schedule and policies take it from there.
+
 A :class:`LayerTemplate` is the stateless view of one unit: given any flat tensor holding that
 unit (a host block, a device slot), ``bind`` returns the parameter dict of views into it, with no
 copy and nothing retained. The members of each of the model's projection groups
@@ -34,6 +39,36 @@ UNIT_ALIGN = 4096
 """Elements; 4096 elements are a whole number of 4 KiB pages in any dtype of >= 1 byte."""
 PARAM_ALIGN = 64
 """Elements; parameters inside a unit start at this alignment (256 B in fp32) for vector loads."""
+
+
+EMBEDDING, DECODER_LAYER, HEAD = "embedding", "decoder_layer", "head"
+"""The kinds of unit of a dense decoder: the token embedding, one decoder layer, the final norm with
+the LM head. A model with other parts (mixture-of-experts layers, adapters) adds kinds of its own."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of the model: one contiguous block of every array of the store."""
+
+    index: int
+    """Its block's position in the store's arrays (and in ``StoreLayout.units``/``templates``)."""
+    name: str
+    """Its name in the store and in checkpoints: embed, layers.i, head."""
+    kind: str
+    """:data:`EMBEDDING`, :data:`DECODER_LAYER` or :data:`HEAD` (or a kind a model adds)."""
+    layer: int | None = None
+    """The decoder layer it belongs to (0-based), or None for the embedding and the head."""
+    part: str = ""
+    """Which part of its layer it is, where a layer is split into several units (e.g. one routed
+    expert); "" for a whole layer."""
+
+
+def _unit_record(index: int, name: str) -> Unit:
+    if name == "embed":
+        return Unit(index, name, EMBEDDING)
+    if name == "head":
+        return Unit(index, name, HEAD)
+    return Unit(index, name, DECODER_LAYER, int(name.split(".")[1]))
 
 
 def _round_up(n: int, k: int) -> int:
@@ -152,6 +187,8 @@ class StoreLayout:
     """Start of each unit, in elements, in every per-kind array."""
     total: int
     """Elements of every per-kind array (units padded to UNIT_ALIGN)."""
+    records: tuple[Unit, ...] = ()
+    """Every unit as a :class:`Unit`, in store order."""
 
     @classmethod
     def build(cls, cfg: ModelConfig) -> "StoreLayout":
@@ -161,10 +198,34 @@ class StoreLayout:
         for t in templates:
             offsets.append(pos)
             pos += _round_up(t.numel, UNIT_ALIGN)
-        return cls(units, templates, tuple(offsets), pos)
+        return cls(units, templates, tuple(offsets), pos, tuple(_unit_record(i, u) for i, u in enumerate(units)))
 
     def index(self, unit: str) -> int:
         return self.units.index(unit)
+
+    def of_kind(self, kind: str) -> tuple[Unit, ...]:
+        """The units of one kind, in store order."""
+        return tuple(u for u in self.records if u.kind == kind)
+
+    @property
+    def embed(self) -> Unit:
+        """The token embedding's unit."""
+        return self.of_kind(EMBEDDING)[0]
+
+    @property
+    def head(self) -> Unit:
+        """The final norm and LM head's unit."""
+        return self.of_kind(HEAD)[0]
+
+    @property
+    def layers(self) -> tuple[Unit, ...]:
+        """The decoder layers' units, in forward order."""
+        return self.of_kind(DECODER_LAYER)
+
+    @property
+    def max_layer_numel(self) -> int:
+        """Elements of the largest decoder layer unit (0 without layers)."""
+        return max((self.templates[u.index].numel for u in self.layers), default=0)
 
     def block(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """flat: [total] -> the unit's used elements [numel] (a view)."""

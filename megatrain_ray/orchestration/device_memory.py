@@ -74,8 +74,8 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
     precision = resolve_precision(rt, device, cfg.optim.state)
     layout = StoreLayout.build(m)
-    layer_numel = max(tp.numel for tp in layout.templates[1:-1]) if m.num_hidden_layers else 0
-    head_numel = layout.templates[-1].numel
+    layer_numel = layout.max_layer_numel
+    head_numel = layout.templates[layout.head.index].numel
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
     owned = owned_units(m, rt.device_adamw)
     owned_numel = sum(layout.templates[i].numel for i in owned)
@@ -134,7 +134,7 @@ def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> t
     """Bytes of one layer's activations (all its micro-batches): (checkpoints, kept graph with its
     weight copy, pinned host buffers of offloaded checkpoints)."""
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
-    layer_numel = max((tp.numel for tp in StoreLayout.build(cfg.model).templates[1:-1]), default=0)
+    layer_numel = StoreLayout.build(cfg.model).max_layer_numel
     per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
     return (mbs * tokens * h * c, mbs * tokens * per_token + layer_numel * c,
             mbs * _pinned_size(tokens * h * c))

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
-from ..engine.store import StoreSpec, versions_numel
+from ..engine.store import StoreSpec, VersionWords
 from ..errors import PreflightError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
@@ -243,7 +243,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
             for k in spec.kinds()]
-    rows.append(Row("unit versions", "shm", 8 * versions_numel(layout)))
+    rows.append(Row("unit versions", "shm", 8 * VersionWords(len(layout.units)).numel))
     if starts_ray:
         same_fs = same_filesystem(rt.shm_dir, "/dev/shm")
         rows.append(Row("Ray object store", "shm" if same_fs else "host", rt.object_store_memory))
