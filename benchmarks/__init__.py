@@ -1,4 +1,4 @@
-"""Benchmarks and harnesses that live outside the installed package: the DeepSpeed / FSDP2 peers
-(peers.py), the data-loader throughput (data_bench.py), real-text convergence (convergence.py), the
-device scripts (*.sh) and their results (one directory per session). Run them as scripts from the
-repository root (``python benchmarks/peers.py --help``); megatrain_ray never imports them."""
+"""Benchmarks and harnesses that live outside the installed package: recipes named by the question
+they answer (*.sh, convergence.py, checkpoint_cost.py), the comparison harness (compare.py, peers.py,
+reference.py, gpu_check.py, probes.py) and the results that back the documents' figures (results/).
+See benchmarks/README.md. Run them from the repository root; megatrain_ray never imports them."""

@@ -48,7 +48,7 @@ from megatrain_ray.model.presets import PRESETS  # noqa: E402
 
 PARAMS_7B = 7.62e9
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
-ADAMW_7B_S = 1.5  # the measured AdamW time of one 7B step (benchmarks/h200-2026-11-30-s4/NOTES.md)
+ADAMW_7B_S = 1.5  # the measured AdamW time of one 7B step (benchmarks/results/2026-11-30_h200x2_multi-gpu-convergence/NOTES.md)
 
 
 def rate(nbytes: int, seconds: float) -> float:

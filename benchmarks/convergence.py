@@ -9,7 +9,7 @@ batches in the same order:
 
 - ``megatrain_ray``: the pipeline with its defaults (bf16 compute, gradients to the host in bf16);
 - ``megatrain_ray_fp32_grads``: the same with ``runtime.grad_dtype=float32``;
-- ``gpu_resident``: :class:`megatrain_ray.engine.reference.ResidentTrainer` (fp32 weights on the GPU,
+- ``gpu_resident``: :class:`benchmarks.reference.ResidentTrainer` (fp32 weights on the GPU,
   bf16 autocast, fp32 gradients, torch AdamW);
 - ``megatrain_ray_8bit``: the compact optimizer state (``optim.state=8bit``: 8-bit moments, bf16 master,
   stochastic rounding); ``megatrain_ray_bf16_master``: ``runtime.master_dtype=bfloat16`` (fp32 moments).
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_ray.data.loader import source_from_config  # noqa: E402
-from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer  # noqa: E402
+from benchmarks.reference import ResidentModel, ResidentTrainer  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.orchestration.cluster import connect_ray  # noqa: E402

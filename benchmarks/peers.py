@@ -2,9 +2,7 @@
 
     python benchmarks/peers.py --preset 3b,7b --systems deepspeed,fsdp2 --steps 3 --out OUT
     python benchmarks/peers.py --preset 7b --sweep-layers 12,20,28 --tokens 16384 --steps 2 --out OUT
-    python benchmarks/peers.py bench --preset 7b --steps 4 --peers deepspeed,fsdp2 --out OUT
-
-(``bench``: ``megatrain-ray bench`` with its ``--peers`` option, the peers in the same table.)
+    python benchmarks/compare.py --preset 7b --steps 4 --peers deepspeed,fsdp2 --out OUT   # beside ours, one table
 
 What users would run instead of megatrain_ray, set up as their documentation says and measured the
 way :mod:`megatrain_ray.bench` measures us: the same shapes (``megatrain_ray.model.presets``, optionally with
@@ -60,7 +58,7 @@ from megatrain_ray.errors import MegatrainError  # noqa: E402
 from megatrain_ray.io.files import write_json  # noqa: E402
 from megatrain_ray.model import flops as model_flops  # noqa: E402
 from megatrain_ray.model.presets import PRESETS, model_params, preset_model, preset_shape  # noqa: E402
-from megatrain_ray.orchestration.hostmem import HostMemoryPeak  # noqa: E402
+from megatrain_ray.hostmem import HostMemoryPeak  # noqa: E402
 
 SYSTEMS = ("deepspeed", "fsdp2")
 EXIT_SETUP_ERROR = 2
@@ -708,8 +706,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["bench"]:
-        from megatrain_ray import bench
-
-        raise SystemExit(bench.main(sys.argv[2:], run_peer=run_peer))
     raise SystemExit(main())

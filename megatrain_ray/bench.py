@@ -1,9 +1,9 @@
-"""Benchmark: the streamed pipeline against a GPU-resident PyTorch baseline, side by side in one run.
+"""Benchmark: what a run of this model does on this machine (s/step, tokens/s, TFLOPS, memory).
 
-    python -m megatrain_ray.bench --preset 7b --steps 5 --baseline --out OUT
-    python benchmarks/peers.py bench --preset 7b --steps 5 --baseline --peers deepspeed,fsdp2 --out OUT
+    megatrain-ray bench --preset 7b --steps 5 --out OUT
     megatrain-ray bench --config run.yaml --steps 5 --out OUT      # the model and runtime of a run config
     megatrain-ray bench --model path/to/hf_model --set model.num_hidden_layers=8 --out OUT
+    megatrain-ray bench --preset 7b --gpus 1,2 --out OUT           # 1 and 2 GPUs in one call
 
 The model is a preset, a run config's (its model, optim and runtime sections; random weights) or
 a Hugging Face config.json's, then ``--layers`` and ``--set`` overrides; the parameter count and
@@ -11,20 +11,17 @@ the random tokens' vocabulary are those of the final config. Runtime settings no
 library's defaults, so ``train`` with the same config runs what the benchmark measured.
 
 Reports steady-state seconds per step, tokens/s and model TFLOPS in both conventions of
-:mod:`megatrain_ray.model.flops` (``tflops_6nt``: 6·N·T; ``tflops_palm``: PaLM's, with attention;
-MFU is the latter over the bf16 GEMM rate) for megatrain_ray, and in the same run: the same
-model trained plainly on the GPU (fp32 parameters, bf16 autocast, per-layer recompute, fused AdamW
-on the GPU; ``--baseline``, eager, or ``--baseline-compiled``) where it fits, the same engine without Ray (``--single-process``), the
-peers of benchmarks/peers.py (``--peers``, presets only, run through that script), and a bf16 GEMM. ``--check``
-first trains a small model 24 steps against GPU-resident PyTorch and stops if it does not track it; ``--probe``
-times one layer (eager and compiled) and the CPU AdamW variants.
+:mod:`megatrain_ray.model.flops` (``tflops_6nt``: 6·N·T; ``tflops_palm``: PaLM's, with attention),
+the GPU peak, the host memory the run added (:mod:`megatrain_ray.hostmem`) and where each
+step's time went, printed as a table and written to ``OUT/bench-<name>.json`` with a timeline PNG.
+Comparisons with other systems (GPU-resident PyTorch, DeepSpeed, FSDP2) are a harness outside the
+package: ``python benchmarks/compare.py`` (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -35,15 +32,14 @@ import time
 import numpy as np
 import torch
 
-from .config import TrainConfig, load_config, usable_cpus
-from .errors import ConfigError, PipelineError
+from .config import TrainConfig, load_config
+from .errors import ConfigError
 from .io.hf_io import load_train_config, read_config
 from .model import flops as model_flops
 from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
-from .orchestration.hostmem import HostMemoryPeak
+from .hostmem import HostMemoryPeak
 from .orchestration.preflight import guess_device
-from .probes import adamw_probe, gemm_tflops, layer_probe
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
@@ -137,15 +133,6 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     return summary, result.timeline
 
 
-def run_single_process(cfg) -> dict:
-    from .orchestration.local import train_local
-
-    rows = train_local(cfg, torch.cuda.device_count())
-    for r in rows:
-        r["update_busy_s"] = r.get("update_busy_s", 0.0)
-    return summarize(rows)
-
-
 def plot_timeline(spans: list[tuple], path: str) -> None:
     """One PNG row per lane (h2d, compute, d2h, adamw) of one step's spans."""
     import matplotlib
@@ -168,48 +155,6 @@ def plot_timeline(spans: list[tuple], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run_resident(cfg, steps: int, compiled: bool = False) -> dict:
-    """The same model trained GPU-resident: fp32 params, bf16 autocast, per-layer recompute, fused AdamW.
-
-    Tries the run's micro-batches first, then splits each into 4 and 16 smaller ones (same tokens
-    per step) while the GPU runs out of memory; reports the split that fit, or status "oom".
-    ``compiled`` runs the decoder layer through torch.compile, as our pipeline does on CUDA.
-    """
-    for split in (1, 4, 16):
-        try:
-            return {**_resident(cfg, steps, split, compiled), "micro_batch_split": split, "status": "ok"}
-        except torch.cuda.OutOfMemoryError:
-            pass
-        gc.collect()  # the failed attempt's tensors, once its traceback is gone
-        torch.cuda.empty_cache()
-    return {"status": "oom", "step_s": float("nan"), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
-
-
-def _resident(cfg, steps: int, split: int, compiled: bool) -> dict:
-    from .data.loader import source_from_config
-    from .engine.reference import ResidentModel, ResidentTrainer
-    from .model.transformer import decoder_layer
-    from .orchestration.cluster import connect_ray
-
-    torch.cuda.reset_peak_memory_stats()
-    layer_fn = torch.compile(decoder_layer, dynamic=False) if compiled else decoder_layer
-    model = ResidentModel.random(cfg.model, "cuda", autocast=torch.bfloat16, recompute=True, layer_fn=layer_fn)
-    trainer = ResidentTrainer(model, cfg.optim, steps)
-    source = source_from_config(cfg, connect=connect_ray)
-    times = []
-    for step in range(steps):
-        batch = source.batch(step)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        trainer.step(step, batch, split)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del model, trainer
-    torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times[1:]), "peak_gpu_gib": peak}
-
-
 def format_systems(systems: dict[str, dict]) -> str:
     """One row per system: s/step, tok/s, TFLOPS (6·N·T and PaLM's), megatrain_ray's speed over it, GPU
     and host memory, and the status of runs that did not finish (oom, timeout, error)."""
@@ -227,9 +172,8 @@ def format_systems(systems: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, run_peer=None) -> int:
-    """``run_peer``: benchmarks/peers.py's, passed by ``python benchmarks/peers.py bench ...`` (the
-    harness lives outside the package, which imports nothing from benchmarks/)."""
+def parser() -> argparse.ArgumentParser:
+    """The command's options (benchmarks/compare.py adds its comparisons to them)."""
     ap = argparse.ArgumentParser(prog="megatrain-ray bench", description=__doc__.split("\n")[0])
     what = ap.add_argument_group("what to benchmark (one of; default --preset 1b)")
     what.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model shape")
@@ -247,26 +191,39 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
     ap.add_argument("--buffer-depth", type=int, default=None, help="runtime.buffer_depth (default: the library's)")
     ap.add_argument("--master-dtype", default=None, help="runtime.master_dtype (default: the library's)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="optim.max_grad_norm (default: the library's)")
-    ap.add_argument("--baseline", action="store_true", help="also train GPU-resident (must fit the GPU)")
-    ap.add_argument("--baseline-compiled", action="store_true",
-                    help="also train GPU-resident with the decoder layer compiled, as ours is")
-    ap.add_argument("--single-process", action="store_true", help="also run the engine without Ray")
-    ap.add_argument("--peers", default="", metavar="SYSTEMS",
-                    help="also train with these peers (comma-separated: deepspeed, fsdp2; presets only, "
-                         "through python benchmarks/peers.py bench ...)")
-    ap.add_argument("--peer-timeout-s", type=float, default=300.0, help="time limit of each peer run")
-    ap.add_argument("--check", action="store_true",
-                    help="first train 24 steps of a small model against GPU-resident PyTorch and stop if it does not "
-                         "track it (see megatrain_ray.gpu_check)")
-    ap.add_argument("--probe", action="store_true", help="also time one layer on the GPU and AdamW on the CPU")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for our runs (repeatable), e.g. runtime.compile=false or model.vocab_size=32000")
     ap.add_argument("--tag", default=None, help="name of this run's output files (default: the preset, config or model name)")
     ap.add_argument("--out", default=".", help="directory for bench-<name>.json and the timeline PNG")
-    args = ap.parse_args(argv)
-    if args.peers and run_peer is None:
-        ap.error("--peers runs the DeepSpeed / FSDP2 harness of benchmarks/, outside the package: "
-                 "python benchmarks/peers.py bench ARGS (from the repository root).")
+    return ap
+
+
+@dataclasses.dataclass
+class Bench:
+    """One benchmark call resolved from its arguments: the model, the step shape, the overrides."""
+
+    args: argparse.Namespace
+    base: dict
+    extra: list[str]
+    shape: tuple  # (tokens, seq_len, micro_batches, steps)
+    model: object  # the final ModelConfig, --set model.* included
+    preset: str | None
+    name: str
+    report: dict
+
+    @property
+    def counts(self) -> list[int]:
+        return [int(n) for n in self.args.gpus.split(",")]
+
+    def config(self, data: str, tmp: str, workers: int = 1) -> TrainConfig:
+        """The run on ``workers`` compute workers, each with the step shape of one (weak scaling)."""
+        if workers == 1:
+            return bench_config(self.base, *self.shape, data, [*self.extra, f"runtime.run_dir={tmp}/runs"])
+        return _with_workers(self.base, self.shape, data, self.extra, tmp, workers)
+
+
+def setup(args: argparse.Namespace) -> Bench:
+    """Resolve the arguments; every error is raised here, before any work or output."""
     from .orchestration.cluster import job_path
 
     base = base_sections(args.preset, args.config, args.model, args.layers)
@@ -274,91 +231,66 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
              *([f"runtime.master_dtype={args.master_dtype}"] if args.master_dtype else []),
              *([f"optim.max_grad_norm={args.max_grad_norm}"] if args.max_grad_norm is not None else []), *args.set]
     shape = (args.tokens, args.seq_len, args.micro_batches, args.steps)
-    model = bench_config(base, *shape, None, extra).model  # the final shape, --set model.* included
+    model = bench_config(base, *shape, None, extra).model
     preset = args.preset or (None if args.config or args.model else "1b")
-    if args.peers and (preset is None or model != preset_model(preset, args.layers)):
-        raise ConfigError("--peers trains the presets' shapes only; drop --peers, or --config/--model/--set model.*.")
     name = args.tag or preset or (os.path.splitext(os.path.basename(args.config))[0] if args.config
                                   else os.path.basename(os.path.normpath(args.model)))
     args.out = job_path(args.out, "--out")
-    os.makedirs(args.out, exist_ok=True)
-    report: dict = {"preset": preset, "name": name, "model": dataclasses.asdict(model),
-                    "layers": model.num_hidden_layers, "params": StoreLayout.build(model).num_params,
-                    "overrides": args.set, "tokens_per_step": args.tokens,
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    with tempfile.TemporaryDirectory() as tmp:
-        data = random_tokens(os.path.join(tmp, "tokens.npy"), model.vocab_size)
-        if args.check:  # the GPU path against GPU-resident PyTorch (megatrain_ray.gpu_check): can fail
-            from .gpu_check import run_check
+    report = {"preset": preset, "name": name, "model": dataclasses.asdict(model),
+              "layers": model.num_hidden_layers, "params": StoreLayout.build(model).num_params,
+              "overrides": args.set, "tokens_per_step": args.tokens,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    return Bench(args, base, extra, shape, model, preset, name, report)
 
-            check = run_check(os.path.join(tmp, "check"))
-            check.pop("refs")
-            report["check"] = check
-            print(f"check: 24 steps against GPU-resident PyTorch: {'ok' if check['ok'] else 'FAILED'}; ours vs the bf16 "
-                  f"resident run {check['seen']}, bound {check['bound']}; failed: "
-                  f"{[k for k, ok in check['checks'].items() if not ok] or 'none'}", flush=True)
-            if not check["ok"]:
-                raise PipelineError("bench --check: the GPU path does not track GPU-resident PyTorch "
-                                    f"({[k for k, ok in check['checks'].items() if not ok]}); see bench-*.json's check.")
-        if torch.cuda.is_available():
-            report["gemm_tflops"] = gemm_tflops()
-        cfg = bench_config(base, *shape, data, [*extra, f"runtime.run_dir={tmp}/runs"])
-        device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
-        report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
-                      loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype,
-                      optim_state=cfg.optim.state, hold_grads=cfg.runtime.hold_grads_on(device))
-        if args.probe:
-            report["layer_probe"] = layer_probe(cfg, args.micro_batches)
-            layer_numel = StoreLayout.build(cfg.model).templates[1].numel
-            report["adamw_probe"] = adamw_probe(layer_numel, usable_cpus())
-            print("probe:", json.dumps({k: {a: round(b, 2) for a, b in v.items()}
-                                        for k, v in report.items() if k.endswith("_probe")}), flush=True)
-        systems = {}
-        counts = [int(n) for n in args.gpus.split(",")]
-        tokens_of = {"megatrain_ray": args.tokens * counts[0]}
-        if counts[0] > 1:
-            cfg = _with_workers(base, shape, data, extra, tmp, counts[0])
-        systems["megatrain_ray"], timeline = run_pipeline(cfg)
-        for n in counts[1:]:
-            systems[f"megatrain_ray_{n}gpu"] = run_pipeline(_with_workers(base, shape, data, extra, tmp, n))[0]
-            systems[f"megatrain_ray_{n}gpu"].pop("rows")
-            tokens_of[f"megatrain_ray_{n}gpu"] = args.tokens * n
-        rows = systems["megatrain_ray"].pop("rows")
-        report["rows"] = rows
-        print("step  start(s)  run_step(s)  waiting(s)  compute(s)  adamw(s)")
-        for r in rows:
-            print(f"{r['step']:>4}{r['start'] - rows[0]['start']:>10.3f}{r['step_s']:>13.3f}"
-                  f"{r.get('wait_busy_s', 0):>12.3f}{r['compute_busy_s']:>12.3f}{r['update_busy_s']:>10.3f}")
-        report["timeline"] = timeline
-        try:
-            plot_timeline(timeline, os.path.join(args.out, f"timeline-{name}.png"))
-        except ImportError:
-            print("matplotlib is not installed: no timeline PNG")
-        if args.single_process:
-            systems["single_process"] = run_single_process(cfg)
-        if args.baseline:
-            systems["gpu_resident"] = run_resident(cfg, args.steps)
-        if args.baseline_compiled:
-            systems["gpu_resident_compiled"] = run_resident(cfg, args.steps, compiled=True)
-        for system in filter(None, args.peers.split(",")):
-            systems[system] = run_peer(system, preset, tokens=args.tokens, seq_len=args.seq_len,
-                                       micro_batches=args.micro_batches, steps=args.steps, layers=args.layers,
-                                       timeout_s=args.peer_timeout_s)
-        for key, r in systems.items():
-            tokens = tokens_of.get(key, args.tokens)
-            r.setdefault("step_s", float("nan"))
-            r["tokens_per_step"] = tokens
-            r["tokens_per_s"] = tokens / r["step_s"]
-            r.update(model_flops.tflops(cfg.model, args.seq_len, tokens, r["step_s"]))  # tflops_6nt, _palm
-            if "gemm_tflops" in report:  # per GPU: against one GPU's GEMM times the GPUs the run used
-                gpus = tokens // args.tokens if key.startswith("megatrain_ray") else 1
-                r["mfu"] = r["tflops_palm"] / (report["gemm_tflops"] * gpus)
-        report["systems"] = systems
-    with open(os.path.join(args.out, f"bench-{name}.json"), "w") as f:
+
+def run_ours(b: Bench, cfg: TrainConfig, data: str, tmp: str) -> tuple[dict, dict]:
+    """Our pipeline at each GPU count of ``--gpus``: ({system: summary}, {system: tokens per step});
+    the first count's rows and timeline go into the report (and its PNG next to the JSON)."""
+    os.makedirs(b.args.out, exist_ok=True)
+    device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
+    b.report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
+                    loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype,
+                    optim_state=cfg.optim.state, hold_grads=cfg.runtime.hold_grads_on(device))
+    counts, tokens = b.counts, b.args.tokens
+    systems, tokens_of = {}, {"megatrain_ray": tokens * counts[0]}
+    systems["megatrain_ray"], timeline = run_pipeline(cfg if counts[0] == 1 else b.config(data, tmp, counts[0]))
+    for n in counts[1:]:
+        systems[f"megatrain_ray_{n}gpu"] = run_pipeline(b.config(data, tmp, n))[0]
+        systems[f"megatrain_ray_{n}gpu"].pop("rows")
+        tokens_of[f"megatrain_ray_{n}gpu"] = tokens * n
+    rows = systems["megatrain_ray"].pop("rows")
+    b.report["rows"] = rows
+    print("step  start(s)  run_step(s)  waiting(s)  compute(s)  adamw(s)")
+    for r in rows:
+        print(f"{r['step']:>4}{r['start'] - rows[0]['start']:>10.3f}{r['step_s']:>13.3f}"
+              f"{r.get('wait_busy_s', 0):>12.3f}{r['compute_busy_s']:>12.3f}{r['update_busy_s']:>10.3f}")
+    b.report["timeline"] = timeline
+    try:
+        plot_timeline(timeline, os.path.join(b.args.out, f"timeline-{b.name}.png"))
+    except ImportError:
+        print("matplotlib is not installed: no timeline PNG")
+    return systems, tokens_of
+
+
+def finish(b: Bench, cfg: TrainConfig, systems: dict, tokens_of: dict) -> int:
+    """Tokens/s and TFLOPS (both conventions; MFU where the report has a measured GEMM rate) of every
+    system, the JSON written, the table and our step's breakdown printed."""
+    args, report = b.args, b.report
+    for key, r in systems.items():
+        tokens = tokens_of.get(key, args.tokens)
+        r.setdefault("step_s", float("nan"))
+        r["tokens_per_step"] = tokens
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r.update(model_flops.tflops(cfg.model, args.seq_len, tokens, r["step_s"]))  # tflops_6nt, _palm
+        if "gemm_tflops" in report:  # per GPU: against one GPU's GEMM times the GPUs the run used
+            gpus = tokens // args.tokens if key.startswith("megatrain_ray") else 1
+            r["mfu"] = r["tflops_palm"] / (report["gemm_tflops"] * gpus)
+    report["systems"] = systems
+    with open(os.path.join(args.out, f"bench-{b.name}.json"), "w") as f:
         json.dump(report, f, indent=2)
-    ours = systems["megatrain_ray"]
-    print(f"\n{name}: {report['params'] / 1e9:.2f} B params ({report['layers']} layers, vocabulary "
-          f"{model.vocab_size}), {args.tokens} tokens/step{' per GPU' if max(counts) > 1 else ''}, {report['device']}")
+    ours, counts = systems["megatrain_ray"], b.counts
+    print(f"\n{b.name}: {report['params'] / 1e9:.2f} B params ({report['layers']} layers, vocabulary "
+          f"{b.model.vocab_size}), {args.tokens} tokens/step{' per GPU' if max(counts) > 1 else ''}, {report['device']}")
     print(format_systems(systems))
     for n in counts[1:]:
         many = systems[f"megatrain_ray_{n}gpu"]
@@ -383,6 +315,15 @@ def main(argv: list[str] | None = None, run_peer=None) -> int:
           + (f", MFU {ours['mfu']:.1%} of the bf16 GEMM measured in this run ({report['gemm_tflops']:.0f} TFLOP/s)"
              if "mfu" in ours else ""))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    b = setup(parser().parse_args(argv))
+    with tempfile.TemporaryDirectory() as tmp:
+        data = random_tokens(os.path.join(tmp, "tokens.npy"), b.model.vocab_size)
+        cfg = b.config(data, tmp)
+        systems, tokens_of = run_ours(b, cfg, data, tmp)
+    return finish(b, cfg, systems, tokens_of)
 
 
 if __name__ == "__main__":

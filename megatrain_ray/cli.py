@@ -4,9 +4,10 @@ Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the memory a config nee
 :mod:`megatrain_ray.orchestration.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
 ``export RUN_DIR_OR_CHECKPOINT --out DIR`` (a Hugging Face model directory, see
 :mod:`megatrain_ray.io.hf_io`), ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
-:mod:`megatrain_ray.io.evaluate`) and ``bench`` (throughput against a GPU-resident baseline, the
-options of :mod:`megatrain_ray.bench`). The DeepSpeed ZeRO-3 / FSDP2 offload peers on the same model
-are a harness outside the package: ``python benchmarks/peers.py``.
+:mod:`megatrain_ray.io.evaluate`) and ``bench`` (what a run of a model does on this machine: s/step,
+tokens/s, TFLOPS, memory; the options of :mod:`megatrain_ray.bench`). Comparisons with other
+systems (GPU-resident PyTorch, DeepSpeed, FSDP2) are a harness outside the package:
+``python benchmarks/compare.py``.
 
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
 generated corpus) on the Ray cluster running on this machine, or on a private one started for it
@@ -65,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _FORWARDED = {
-    "bench": "benchmark the pipeline on presets (1b/3b/7b...) against a GPU-resident baseline, side by side "
-             "(megatrain-ray bench --help)",
+    "bench": "measure a run of a preset, a run config or an HF model on this machine: s/step, tokens/s, TFLOPS, "
+             "memory (megatrain-ray bench --help)",
 }
 """Commands whose arguments go to a module's own ``main`` unparsed: their help lines."""
 

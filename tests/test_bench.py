@@ -1,5 +1,5 @@
-"""The benchmark (``megatrain-ray bench``) on the CPU: the Ray pipeline and the single-process
-driver of the same engine train the same steps (same losses), and the host memory it reports
+"""The benchmark (``megatrain-ray bench``, and benchmarks/compare.py around it) on the CPU: the Ray
+pipeline and the single-process driver of the same engine train the same steps (same losses), and the host memory it reports
 accounts for the store; it benchmarks any model (a preset with ``--set model.*``, a run config, an
 HF config.json), counting and feeding the final one. (``jobs/bench.py`` under ``ray job submit`` is
 in test_jobs.py.)"""
@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from benchmarks import compare
 from megatrain_ray import bench, cli
 from megatrain_ray.config import ModelConfig, load_config
 from megatrain_ray.errors import ConfigError
@@ -22,9 +23,9 @@ from megatrain_ray.model.precision import resolve_precision
 
 def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     out = tmp_path / "out"
-    rc = cli.main(["bench", "--preset", "tiny", "--layers", "2", "--tokens", "1024", "--seq-len", "128",
-                   "--micro-batches", "2", "--steps", "3", "--single-process", "--out", str(out),
-                   "--set", f"runtime.shm_dir={shm_dir}"])
+    rc = compare.main(["--preset", "tiny", "--layers", "2", "--tokens", "1024", "--seq-len", "128",
+                       "--micro-batches", "2", "--steps", "3", "--single-process", "--out", str(out),
+                       "--set", f"runtime.shm_dir={shm_dir}"])
     assert rc == 0
     report = json.loads((out / "bench-tiny.json").read_text())
     ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
@@ -57,13 +58,16 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "as PaLM's model FLOPs" in printed
 
 
-def test_bench_peers_only_through_the_benchmarks_harness(capsys):
-    """The DeepSpeed / FSDP2 harness lives in benchmarks/, which the package never imports: the user
-    command refuses --peers with the script to run instead, before any work."""
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", "--preset", "tiny", "--peers", "fsdp2"])
-    assert info.value.code == 2
-    assert "benchmarks/peers.py bench" in capsys.readouterr().err
+def test_comparisons_only_through_the_benchmarks_harness(capsys):
+    """The comparisons with other systems live in benchmarks/compare.py, which the package never
+    imports: the user command has none of their options."""
+    for option in ("--peers", "--baseline", "--single-process", "--check", "--probe"):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["bench", "--preset", "tiny", option, *(["fsdp2"] if option == "--peers" else [])])
+        assert info.value.code == 2
+        assert f"unrecognized arguments: {option}" in capsys.readouterr().err
+    assert {"--peers", "--baseline", "--single-process", "--check", "--probe"} <= set(
+        compare.parser()._option_string_actions)
 
 
 SMALL_STEP = ["--tokens", "512", "--seq-len", "64", "--micro-batches", "2", "--steps", "2"]
@@ -108,9 +112,8 @@ def test_bench_model_from_an_hf_directory_and_what_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     for args in (["--model", str(directory), "--peers", "deepspeed"],
                  ["--preset", "tiny", "--set", "model.vocab_size=300", "--peers", "fsdp2"]):
-        # as benchmarks/peers.py calls it (the package never imports the harness): presets only
         with pytest.raises(ConfigError, match="--peers trains the presets' shapes only"):
-            bench.main([*args, "--out", str(out)], run_peer=lambda *a, **k: {})
+            compare.main([*args, "--out", str(out)])
     assert cli.main(["bench", "--preset", "tiny", "--model", str(directory), "--out", str(out)]) == 2
     assert "one of --preset, --config and --model" in capsys.readouterr().err
     assert not out.exists()

@@ -24,7 +24,7 @@ import pytest
 
 from megatrain_ray.config import load_config
 from megatrain_ray.errors import ConfigError
-from megatrain_ray.gpu_check import distance, final_weights
+from benchmarks.gpu_check import distance, final_weights
 from megatrain_ray.orchestration.pipeline import train
 
 pytestmark = pytest.mark.slow  # several compute workers, two raylets, a killed worker's restart: minutes

@@ -19,7 +19,7 @@ from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
-from megatrain_ray.engine.reference import ResidentModel
+from benchmarks.reference import ResidentModel
 from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
 from megatrain_ray.model.precision import resolve_precision
 

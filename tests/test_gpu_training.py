@@ -2,7 +2,7 @@
 
 Our pipeline (real Ray actors, store, prefetcher, compiled layer on the GPU, gradient sink with
 AdamW and clipping, 3 micro-batches) trains a small Llama from an HF checkpoint on a learnable token
-stream; :mod:`megatrain_ray.gpu_check` trains the same weights on the same batches GPU-resident and
+stream; :mod:`benchmarks.gpu_check` trains the same weights on the same batches GPU-resident and
 states the tolerance and its argument: our distance to the bf16 resident run must stay within twice
 the largest of three yardsticks (the same resident run with another bf16 summation order, with the
 decoder layer compiled as ours runs it, and in fp32), for the final weights, the per-step losses
@@ -18,7 +18,7 @@ torch's fused AdamW, the rest on the host: the same formula, other roundings). `
 import pytest
 import torch
 
-from megatrain_ray import gpu_check
+from benchmarks import gpu_check
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

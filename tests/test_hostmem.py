@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from megatrain_ray.orchestration.hostmem import HostMemoryPeak, used_bytes
+from megatrain_ray.hostmem import HostMemoryPeak, used_bytes
 
 
 def test_counts_child_private_memory_and_shm(shm_dir):

@@ -202,7 +202,7 @@ def test_fsdp2_offload_trains_on_gpu():
 
 
 def test_bench_table_puts_peers_beside_ours_with_the_speedup_and_status():
-    """`bench --peers`: one table; the speedup column is the peer's step time over ours, and a peer
+    """`benchmarks/compare.py --peers`: one table; the speedup column is the peer's step time over ours, and a peer
     that ran out of memory shows its status instead of numbers."""
     from megatrain_ray.bench import format_systems
 

@@ -1,4 +1,4 @@
-"""The resident reference (megatrain_ray.engine.reference) against Hugging Face transformers, on the CPU.
+"""The resident reference (benchmarks.reference) against Hugging Face transformers, on the CPU.
 
 The GPU tests and the convergence benchmark trust ResidentModel / ResidentTrainer as the
 GPU-resident PyTorch run; here they are checked against HF's own model and torch.optim.AdamW
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.data.loader import BatchSource
 from megatrain_ray.config import lr_at
-from megatrain_ray.engine.reference import ResidentModel, ResidentTrainer
+from benchmarks.reference import ResidentModel, ResidentTrainer
 from megatrain_ray.io.evaluate import checkpoint_reader
 from megatrain_ray.io.hf_io import load_train_config
 from megatrain_ray.model.transformer import IGNORE_INDEX

@@ -7,9 +7,10 @@
   and where the layer inputs kept for the backward live;
 - :mod:`.sink`, :mod:`.optim`, :mod:`.adamw_native`: the gradient sink, AdamW on the host and its
   one-pass C kernel, the learning-rate schedule and clipping; :mod:`.compact`: the compact optimizer
-  state (8-bit moments, bf16 master, stochastic rounding) and its torch reference;
-- :mod:`.reference`: the whole model resident on one device, the reference the engine is checked
-  against.
+  state (8-bit moments, bf16 master, stochastic rounding) and its torch reference.
+
+The whole model resident on one device, the reference the engine is checked against, is outside
+the package: ``benchmarks/reference.py`` (the tests and the benchmark harness use it).
 
 Who runs these classes, as Ray actors or as threads, is :mod:`megatrain_ray.orchestration`'s
 business. The engine reads weights and checkpoints through :mod:`megatrain_ray.io`.

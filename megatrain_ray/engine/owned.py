@@ -4,7 +4,7 @@ At the step boundary the host pipeline has one wait it cannot reorder away: the 
 needs every gradient, the embedding's comes last, and the next forward needs the embedding first,
 so the GPU idles while the embedding's gradient goes to the host, the sink updates it and its new
 weights come back (~0.15 s a step at the Qwen2.5-7B shape, plus ~0.05 s waiting on the head's
-update at the end of the forward; benchmarks/h200-session7/NOTES.md).
+update at the end of the forward; benchmarks/results/2026-12-01_h200_defaults-7b/NOTES.md).
 
 With ``edges`` the compute worker owns the embedding and the head (``StoreSpec.owned``, see
 :func:`~megatrain_ray.engine.store.owned_units`): their fp32 master weights and AdamW moments live

@@ -6,5 +6,4 @@
 - :mod:`.preflight`: the memory a run needs, checked before anything is allocated;
 - :mod:`.machine`: what this machine has (available RAM under its cgroup limits, GPU memory);
 - :mod:`.metrics`: the per-step numbers a user reads (metrics.jsonl, Ray gauges);
-- :mod:`.hostmem`: peak host memory of a run, for the benchmark.
 """

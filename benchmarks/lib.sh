@@ -1,0 +1,29 @@
+# Shared by the recipes (source it): the output folder, a clock, what the machine and code are, smoke mode.
+#   out=$1 (default /tmp/out); SMOKE=1: the same steps on the CPU at a tiny shape (what the tests run).
+set -uo pipefail
+out=${1:-/tmp/out}; mkdir -p "$out"; out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1  # the repository root: python -m megatrain_ray, benchmarks/*.py
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+left() { local l=$(( ${BUDGET:-570} - ($(date +%s) - t0) )); (( l > $1 )) && l=$1; (( l < 10 )) && l=10; echo $l; }
+smoke() { [ "${SMOKE:-0}" = 1 ]; }
+# The step shape and device of a smoke run: a 2-layer tiny model on the CPU, 1,024 tokens a step.
+SMOKE_ARGS=(--preset tiny --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 --set runtime.device=cpu)
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+  echo "cpus: $(nproc), memory: $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+  python3 -c "import torch, ray; print(f'torch {torch.__version__}, ray {ray.__version__}')" 2>/dev/null
+} > "$out/machine.txt"
+# run TAG TIMEOUT COMMAND...: the command's output to OUT/log_TAG.txt and its exit status at the end
+run() {
+  local tag=$1 limit=$2; shift 2
+  stamp "$tag"
+  timeout "$limit" "$@" > "$out/log_$tag.txt" 2>&1; local rc=$?
+  echo "rc=$rc" >> "$out/log_$tag.txt"
+  (( rc == 0 )) || { echo "$tag failed (rc=$rc): see $out/log_$tag.txt"; tail -5 "$out/log_$tag.txt"; }
+  return $rc
+}

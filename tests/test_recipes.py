@@ -1,0 +1,91 @@
+"""The benchmark recipes (benchmarks/*.sh) run: each in its CPU smoke mode (SMOKE=1, a tiny model),
+printing its table and writing its JSON; benchmarks/README.md lists every recipe and probe there is,
+and names only result folders that exist. One recipe runs in the quick suite, the others in the slow
+tier (each runs whole pipelines several times)."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(BENCH, "*.sh")) if not p.endswith("lib.sh"))
+
+
+def _smoke(recipe: str, out, *args: str, timeout: int = 420) -> str:
+    """Run a recipe with SMOKE=1 on the session's Ray cluster (joined through its address, which
+    saves each run the start of a private one); returns what it printed."""
+    import ray
+
+    env = {**os.environ, "SMOKE": "1", "PYTHONPATH": ROOT, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.run(["bash", os.path.join(BENCH, recipe), str(out), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{recipe} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    machine = (out / "machine.txt").read_text()
+    assert "commit: " in machine and "cpus: " in machine
+    return proc.stdout
+
+
+def _bench(out, tag: str) -> dict:
+    report = json.loads((out / f"bench-{tag}.json").read_text())
+    assert report["systems"]["megatrain_ray"]["step_s"] > 0
+    return report
+
+
+def test_every_script_parses_and_every_recipe_and_probe_is_listed():
+    readme = open(os.path.join(BENCH, "README.md")).read()
+    for recipe in RECIPES:
+        assert subprocess.run(["bash", "-n", os.path.join(BENCH, recipe)]).returncode == 0, recipe
+        assert f"`{recipe}" in readme, f"benchmarks/README.md does not list {recipe}"
+    for script in glob.glob(os.path.join(BENCH, "*.py")):
+        name = os.path.basename(script)
+        compile(open(script).read(), script, "exec")
+        if name != "__init__.py":
+            assert f"`{name}" in readme, f"benchmarks/README.md does not list {name}"
+    folders = set(re.findall(r"results/([\w.-]+)/", readme))
+    assert folders and all(os.path.isdir(os.path.join(BENCH, "results", f)) for f in folders), folders
+    for folder in glob.glob(os.path.join(BENCH, "results", "*")):
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_(h200|h200x2|cpu)_[\w.-]+", os.path.basename(folder)), folder
+        assert os.path.isfile(os.path.join(folder, "NOTES.md")), f"{folder} has no NOTES.md"
+
+
+def test_defaults_7b_smoke(ray_cluster, tmp_path):
+    printed = _smoke("defaults_7b.sh", tmp_path)
+    report = _bench(tmp_path, "defaults-7b")
+    ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
+    assert ours["losses"] == local["losses"]  # the same engine with and without Ray
+    assert re.search(r"^megatrain_ray\s+[\d.]+", printed, re.M) and "single_process" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, tags", [
+    ("vs_resident.sh", ["resident-tiny"]),
+    ("multi_gpu.sh", ["gpus-1-2"]),
+    ("largest_model.sh", ["largest-8bit"]),
+    ("activation_placement.sh", ["activations-recompute", "activations-auto"]),
+])
+def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
+    printed = _smoke(recipe, tmp_path)
+    for tag in tags:
+        _bench(tmp_path, tag)
+    assert printed.strip().splitlines()[-1].endswith("done")
+
+
+@pytest.mark.slow
+def test_side_by_side_smoke(ray_cluster, tmp_path):
+    printed = _smoke("side_by_side.sh", tmp_path, "a:", "b:--set runtime.buffer_depth=3")
+    assert _bench(tmp_path, "b")["buffer_depth"] == 3 and _bench(tmp_path, "a")["buffer_depth"] == 2
+    assert re.search(r"^a\s+[\d.]+", printed, re.M) and re.search(r"^b\s+[\d.]+", printed, re.M)
+
+
+@pytest.mark.slow
+def test_peers_smoke(ray_cluster, tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    printed = _smoke("peers.sh", tmp_path)
+    report = json.loads((tmp_path / "peers-tiny.json").read_text())
+    assert [r["status"] for r in report["runs"]] == ["ok"], printed
