@@ -57,9 +57,8 @@ def test_every_script_parses_and_every_recipe_and_probe_is_listed():
 def test_defaults_7b_smoke(ray_cluster, tmp_path):
     printed = _smoke("defaults_7b.sh", tmp_path)
     report = _bench(tmp_path, "defaults-7b")
-    ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
-    assert ours["losses"] == local["losses"]  # the same engine with and without Ray
-    assert re.search(r"^megatrain_ray\s+[\d.]+", printed, re.M) and "single_process" in printed
+    assert len(report["rows"]) == 3 and report["params"] > 0
+    assert re.search(r"^megatrain_ray\s+[\d.]+", printed, re.M) and "TFLOPS as 6·N·T" in printed
 
 
 @pytest.mark.slow
@@ -72,7 +71,10 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)
     for tag in tags:
-        _bench(tmp_path, tag)
+        report = _bench(tmp_path, tag)
+    if recipe == "vs_resident.sh":  # the same engine with and without Ray: the same losses
+        systems = report["systems"]
+        assert systems["megatrain_ray"]["losses"] == systems["single_process"]["losses"]
     assert printed.strip().splitlines()[-1].endswith("done")
 
 
