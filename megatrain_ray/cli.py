@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                       "auto meaning cuda when a GPU is visible)")
     plan.add_argument("--gpu-memory", type=float, metavar="GIB",
                       help="GPU memory to plan for, in GiB (default: GPU 0's, if visible)")
+    plan.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
+                      help="the GPU's bf16 dense rate for the expected step time, e.g. one measured by "
+                           "`megatrain-ray bench` (default: nominal, by the GPU's name)")
     plot = sub.add_parser("plot", help="write PNG plots (loss, throughput, stage busy time) of a run")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run id>) with a metrics.jsonl")
     plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR/plots)")
@@ -140,7 +143,7 @@ def _plan(args) -> int:
 
     cfg = load_train_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
-    result = plan(cfg, args.device, gpu)
+    result = plan(cfg, args.device, gpu, device_tflops=args.gpu_tflops)
     print(result.table())
     problems = result.problems()
     if problems:

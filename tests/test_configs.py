@@ -29,8 +29,8 @@ from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
-NAMES = ["tiny", "text-pretrain", "alpaca-sft", "qwen2.5-7b", "long-context"]
-BIG = {"qwen2.5-7b", "long-context"}
+NAMES = ["tiny", "text-pretrain", "alpaca-sft", "qwen2.5-7b", "long-context", "long-context-512k"]
+BIG = {"qwen2.5-7b", "long-context", "long-context-512k"}
 H200 = ["--device", "cuda", "--gpu-memory", "141"]
 GiB = 2**30
 
@@ -88,7 +88,8 @@ def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
     assert _replaced_keys("tiny") == set()
     assert _replaced_keys("text-pretrain") == {"data.path", "data.tokenizer", "model.vocab_size"}
     assert _replaced_keys("alpaca-sft") == {"data.path", "runtime.init_from"}
-    assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == {"data.path", "data.tokenizer"}
+    assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == _replaced_keys("long-context-512k") == {
+        "data.path", "data.tokenizer"}
     assert sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".yaml")) == sorted(NAMES)
 
 
@@ -120,6 +121,7 @@ def test_small_examples_plan_and_fit_here(name, user_files, capsys):
 @pytest.mark.parametrize("name,params,layers,shape,tokens", [
     ("qwen2.5-7b", 7_615_616_512, 28, "4 x 16 sequences of 1024 tokens", 65_536),
     ("long-context", 4_352_807_424, 14, "1 x 1 sequences of 65536 tokens", 65_536),
+    ("long-context-512k", 7_615_616_512, 28, "1 x 1 sequences of 524288 tokens", 524_288),
 ])
 def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_files, capsys):
     status, out, err = _plan_output(name, user_files, capsys, *H200)
@@ -130,11 +132,12 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_
     assert cfg.runtime.buffer_depth == 3 and cfg.runtime.loss_chunk_size == 8192
     assert cfg.runtime.offload_activations == (name == "long-context")
     title = out.splitlines()[0]
-    assert f"{params / 1e9:.1f}B parameters ({layers} layers, hidden 3584), device cuda, master float32, " \
+    master, size = ("bfloat16", 2) if cfg.optim.state == "8bit" else ("float32", 4)  # 8-bit state: bf16 master
+    assert f"{params / 1e9:.1f}B parameters ({layers} layers, hidden 3584), device cuda, master {master}, " \
            f"compute bfloat16, {shape} per step" in title
-    # The table is the plan's: the fp32 master weights are 4 bytes per parameter (plus page padding).
+    # The table is the plan's: the master weights are 4 (or 2) bytes per parameter (plus page padding).
     store = StoreLayout.build(cfg.model).total
-    assert re.search(rf"^master weights \(float32\)\s+/dev/shm\s+{re.escape(preflight.fmt(4 * store))}$", out, re.M)
+    assert re.search(rf"^master weights \({master}\)\s+/dev/shm\s+{re.escape(preflight.fmt(size * store))}$", out, re.M)
     usable = f"{preflight.GPU_USABLE * 141:.1f}"
     gpu = re.search(rf"^total GPU\s+([0-9.]+) GiB  \(usable {usable} GiB: ok\)$", out, re.M)
     assert gpu, out
@@ -152,8 +155,25 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_
     if name == "long-context":
         assert re.search(r"activation checkpoints \(14 x 1 x 65536 tokens x 3584\), offloaded .* host RAM\s+7.0 GiB",
                          out)
+    if name == "long-context-512k":
+        _check_512k(cfg, out)
     if status != 0:  # only host RAM or /dev/shm can be short here, never the GPU
         assert re.fullmatch(r"error: the run needs [0-9.]+ GiB (in runtime.shm_dir|of host RAM) but only .*\n", err), err
+
+
+def _check_512k(cfg, out: str) -> None:
+    """The whole 7B at 524,288 tokens as measured on the H200 box (configs/long-context-512k.yaml):
+    the settings of that run, every checkpoint placed (on the GPU or in host RAM, none kept whole),
+    and the expected step time of ~9 minutes (532 s measured) with the stall check following it."""
+    assert (cfg.optim.state, cfg.runtime.mlp_chunk_size, cfg.model.max_position_embeddings) == ("8bit", 16384, 524288)
+    assert cfg.runtime.init_from is None and cfg.train.micro_batch_size == cfg.train.num_micro_batches == 1
+    on_gpu, off = (re.search(rf"^activations \(chosen by the planner .*\): 0 layers kept whole on the GPU .*, (\d+) "
+                             rf"checkpointed on the GPU .*, (\d+) offloaded to host RAM", out, re.M).groups())
+    assert int(on_gpu) + int(off) == 28 and 14 <= int(on_gpu) <= 20, out  # measured: 17 and 11
+    minutes = int(re.search(r"^expected step time: ~(\d+) min \(", out, re.M).group(1))
+    assert 8 <= minutes <= 10, out
+    stall = int(re.search(r"^stall check: .* for (\d+) min \(3 x the expected step time\)", out, re.M).group(1))
+    assert abs(stall - 3 * minutes) <= 2, out
 
 
 def _train_small(cfg, tmp_path):

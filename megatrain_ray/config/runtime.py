@@ -181,8 +181,10 @@ class RuntimeSection:
     start. false starts none (the ``ray_megatrain_*`` gauges are still exported). A cluster the run
     joins keeps its own (``ray start --head --dashboard-host=127.0.0.1``)."""
     actor_timeout_s: float = 300.0
-    """Seconds a pipeline stage may wait on another before the run fails with a timeout (a periodic
-    checkpoint pauses the updates, so it must also exceed the time one checkpoint takes to write)."""
+    """The floor of the run's timeouts: the health check calls the run stalled when no message moves
+    between its roles for 3 expected step times (``megatrain-ray plan`` prints both), never sooner
+    than this; a periodic checkpoint pauses the updates, so it must exceed the time one checkpoint
+    takes to write (see megatrain_ray.orchestration.pace)."""
     max_restarts: int = 0
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""

@@ -45,6 +45,12 @@ def layer_modes(n_layers: int, keep: int, host: int) -> tuple[str, ...]:
     return (HOST,) * host + (GPU,) * (n_layers - keep - host) + (KEEP,) * keep
 
 
+def recomputed_layers(modes: Sequence[str]) -> int:
+    """Decoder-layer forwards the backward runs again under placement ``modes``: one per layer
+    without a kept graph."""
+    return sum(mode != KEEP for mode in modes)
+
+
 LEAN_PARTITIONER = {"ban_recompute_used_far_apart": False, "ban_recompute_long_fusible_chains": False,
                     "ban_recompute_materialized_backward": False}
 """torch._functorch.config settings under which :class:`~megatrain_ray.engine.sequence.CompiledLayer`

@@ -60,7 +60,7 @@ from .owned import OwnedUnits
 from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
 from .sequence import layer_backward
 from .store import HostStore, StoreSpec, largest_streamed
-from .tickets import FetchTicket
+from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 
 
 class ComputeWorker:
@@ -185,7 +185,7 @@ class ComputeWorker:
     def _release_loop(self) -> None:
         """Hand freed slot ids back to the prefetcher, as soon as the compute has queued its last use."""
         for slot in self._drain(self._releases):
-            self.release_q.put(slot, timeout=self.timeout_s)
+            wait_while_moving(lambda t: self.release_q.put(slot, timeout=t) or True, self.release_q, self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------
 
@@ -196,12 +196,12 @@ class ComputeWorker:
             return None, self.owned.weights(unit, step)
         waited = time.time()
         try:
-            item = self._arrived.get(timeout=self.timeout_s)
+            item, = wait_while_moving(lambda t: (self._arrived.get(timeout=t),), self.fetch_q, self.timeout_s)
             self.backend.note("wait", self.layout.units[unit], waited, time.time())
         except queue.Empty:
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the weights of "
-                                f"{self.layout.units[unit]}: the prefetcher or the gradient sink is stalled; "
-                                "raise runtime.actor_timeout_s if the update is just slow.") from None
+                                f"{self.layout.units[unit]} while no message moved between the roles; "
+                                f"{NO_PROGRESS}") from None
         if item is None:
             raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
         ticket, handle = item

@@ -26,7 +26,7 @@ import torch
 from ..errors import PipelineError
 from .owned import OwnedUnits, step_sq_norm
 from .schedule import Schedule
-from .tickets import GradTicket
+from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 
 
 class GradOut:
@@ -126,7 +126,8 @@ class GradOut:
     def _free_slot(self, unit: int) -> int:
         """A slot of the gradient ring that the sink has finished with (waits for one)."""
         try:
-            return self.grad_slot_q.get(timeout=self.timeout_s)
+            return wait_while_moving(lambda t: self.grad_slot_q.get(timeout=t), self.grad_slot_q, self.timeout_s)
         except queue.Empty:
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for a free gradient slot for "
-                                f"{self.layout.units[unit]}: the gradient sink is stalled.") from None
+                                f"{self.layout.units[unit]} while no message moved between the roles; "
+                                f"{NO_PROGRESS}") from None

@@ -18,7 +18,7 @@ import time
 from ..errors import PipelineError
 from .store import HostStore, StoreSpec
 from .schedule import Schedule
-from .tickets import FetchTicket
+from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 
 
 class Prefetcher:
@@ -46,28 +46,36 @@ class Prefetcher:
                 if not free:
                     free.append(self._get(self.release_q, "a free device slot"))
                 self._wait_version(unit, step)
-                self.fetch_q.put(FetchTicket(unit, step, free.popleft()), timeout=self.timeout_s)
+                ticket = FetchTicket(unit, step, free.popleft())
+                wait_while_moving(lambda t: self.fetch_q.put(ticket, timeout=t) or True, self.fetch_q, self.timeout_s)
                 issued += 1
         return {"issued": issued, "version_wait_s": self.version_wait_s}
 
     def _get(self, q, what: str):
         try:
-            return q.get(timeout=self.timeout_s)
+            return wait_while_moving(lambda t: q.get(timeout=t), q, self.timeout_s)
         except queue.Empty:
-            raise PipelineError(f"the prefetcher waited {self.timeout_s:.0f} s for {what}: "
-                                "the compute worker is stalled.") from None
+            raise PipelineError(f"the prefetcher waited {self.timeout_s:.0f} s for {what} while no message moved "
+                                f"between the roles; {NO_PROGRESS}") from None
 
     def _wait_version(self, unit: int, step: int) -> None:
         """Block until ``unit`` has received exactly ``step`` updates (polls shared memory)."""
         start = time.perf_counter()
-        pause = 1e-4
-        while self.store.version(unit) != step:
-            if self.store.version(unit) > step:
-                raise PipelineError(f"{self.units[unit]} is at version {self.store.version(unit)}, "
-                                    f"past step {step}: two pipelines share one store.")
-            if time.perf_counter() - start > self.timeout_s:
-                raise PipelineError(f"the prefetcher waited {self.timeout_s:.0f} s for the step-{step - 1} "
-                                    f"update of {self.units[unit]}: the gradient sink is stalled.")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+        pause = [1e-4]
+
+        def poll(within: float) -> bool | None:
+            deadline = time.perf_counter() + within
+            while self.store.version(unit) != step:
+                if self.store.version(unit) > step:
+                    raise PipelineError(f"{self.units[unit]} is at version {self.store.version(unit)}, "
+                                        f"past step {step}: two pipelines share one store.")
+                if time.perf_counter() > deadline:
+                    return None
+                time.sleep(pause[0])
+                pause[0] = min(pause[0] * 2, 2e-3)
+            return True
+
+        if wait_while_moving(poll, self.fetch_q, self.timeout_s) is None:
+            raise PipelineError(f"the prefetcher waited {self.timeout_s:.0f} s for the step-{step - 1} update of "
+                                f"{self.units[unit]} while no message moved between the roles; {NO_PROGRESS}")
         self.version_wait_s += time.perf_counter() - start

@@ -55,7 +55,7 @@ from .optim import AdamWRunner, clip_coefficient
 from .shards import OptimizerShards
 from .store import HostStore, StoreSpec
 from .schedule import Schedule
-from .tickets import GradTicket
+from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 
 
 class GradientSink:
@@ -230,11 +230,14 @@ class GradientSink:
     def _await_owned(self, step: int) -> None:
         """Wait until the compute worker has copied the units it owns at boundary ``step`` into the
         store (it does right after their update, :meth:`~megatrain_ray.engine.owned.OwnedUnits.sync`)."""
-        if not self.store.wait_until(lambda: all(self.store.state_version(u) == step for u in self.owned),
-                                     self.timeout_s):
+        def copied(within: float) -> bool | None:
+            return self.store.wait_until(lambda: all(self.store.state_version(u) == step for u in self.owned),
+                                         within) or None
+
+        if wait_while_moving(copied, self.grad_q, self.timeout_s) is None:
             names = ", ".join(self.layout.units[u] for u in self.owned)
             raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for the compute worker's copy of "
-                                f"{names} at step {step}: the compute worker is stalled.")
+                                f"{names} at step {step} while no message moved between the roles; {NO_PROGRESS}")
 
     def _report_checkpoint(self, wait: bool = False) -> None:
         """Put the notice of a completed save on the stats queue ({checkpoint: path, step, save_s,
@@ -246,10 +249,10 @@ class GradientSink:
 
     def _get(self) -> GradTicket:
         try:
-            return self.grad_q.get(timeout=self.timeout_s)
+            return wait_while_moving(lambda t: self.grad_q.get(timeout=t), self.grad_q, self.timeout_s)
         except queue.Empty:
-            raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for a gradient: "
-                                "the compute worker is stalled.") from None
+            raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for a gradient while no message "
+                                f"moved between the roles; {NO_PROGRESS}") from None
 
     def _splits(self) -> bool:
         """Whether the deferred updates run in two passes (``split_update``, the module docstring):

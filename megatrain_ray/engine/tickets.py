@@ -1,12 +1,46 @@
 """Control messages of the pipeline (the order of their units: :mod:`megatrain_ray.engine.schedule`).
 
 Queues between actors carry only these small tickets, never tensors: the bytes they refer to live
-in the host store's shared memory (grad blocks) or in the compute worker's device slots.
+in the host store's shared memory (grad blocks) or in the compute worker's device slots. A role
+waits for its next ticket with :func:`wait_while_moving`: as long as the pipeline around it makes
+progress.
 """
 
 from __future__ import annotations
 
+import queue
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+
+NO_PROGRESS = ("a role makes no progress (see the health check's verdict, the roles' stacks in the Ray dashboard or "
+               "`ray stack`), or raise runtime.actor_timeout_s if a step may pass that long without a message.")
+"""The end of the sentence of a role whose wait found no progress anywhere (:func:`wait_while_moving`)."""
+
+
+def wait_while_moving(attempt: Callable[[float], Any], q, timeout_s: float) -> Any:
+    """``attempt(t)``: a wait of at most ``t`` seconds (a queue's get or put, a poll) that raises
+    :class:`queue.Empty` or :class:`queue.Full`, or returns None, when it ends empty-handed; tried
+    again while any queue of ``q``'s node moved an item within the last ``timeout_s``
+    (``q.quiet_s()``, see :class:`~megatrain_ray.orchestration.queues.QueueHost`; a plain
+    :class:`queue.Queue`, which cannot tell, counts as quiet). So a role gives up
+    only after ``timeout_s`` without any progress between the roles, never because the message it
+    waits for is merely slow; the exception (or None) of the last attempt is then the caller's."""
+    left = timeout_s
+    while True:
+        try:
+            out, empty = attempt(left), None
+        except (queue.Empty, queue.Full) as e:
+            out, empty = None, e
+        if out is not None:
+            return out
+        quiet = q.quiet_s() if hasattr(q, "quiet_s") else timeout_s  # a plain queue.Queue cannot tell
+        if quiet >= timeout_s:
+            if empty is not None:
+                raise empty
+            return None
+        left = max(timeout_s - quiet, 1e-3)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ a token skips, per sparse layer) and PaLM's matmul parameters count k routed exp
 and the shared expert (with its gate) of each sparse layer. For a dense model both are as before.
 
 Neither counts the recomputation of the forward in the backward pass (the usual MFU convention),
-so both are *model* FLOPs, not the hardware FLOPs executed. Reported side by side under the keys
+so both are *model* FLOPs, not the hardware FLOPs executed; :func:`recompute_flops` counts that
+recomputation apart, in PaLM's convention (the expected step time of
+:mod:`megatrain_ray.orchestration.pace` adds it). Reported side by side under the keys
 of :data:`TFLOPS_KEYS` (metrics.jsonl, the Ray gauges, the benchmark's JSON).
 """
 
@@ -71,6 +73,18 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
     """Training FLOPs of the attention scores and values per token, 12 L S d (d = heads x head_dim):
     the full S x S matrix, as PaLM's model FLOPs count it (causal kernels skip about half)."""
     return 12 * model.num_hidden_layers * seq_len * model.num_attention_heads * model.head_size
+
+
+def recompute_flops(model: ModelConfig, seq_len: int, tokens: int, layers: float) -> float:
+    """Forward FLOPs the backward runs again for ``layers`` decoder layers recomputed from a
+    checkpoint, over ``tokens`` in sequences of ``seq_len``, in PaLM's convention: per token and layer
+    2 x the layer's projections up to the down projection (the recompute stops before it, see
+    :mod:`megatrain_ray.engine.sequence`) plus 4 S d for the attention scores and values (a third of
+    :func:`attention_flops_per_token`'s per layer)."""
+    h, inter = model.hidden_size, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
+    to_down = h * q + 2 * h * kv + q * h + 2 * h * inter
+    return (2.0 * to_down + 4.0 * seq_len * q) * tokens * layers
 
 
 def flops_6nt(model: ModelConfig, tokens: int) -> float:

@@ -16,7 +16,12 @@ second after the last answer), and:
   than waiting for a queue timeout of minutes (runtime.actor_timeout_s).
 
 A role busy in a long call cannot answer a ping (one call at a time), so its liveness is that
-call's; a busy role that is alive and running but makes no progress is left to the queue timeouts.
+call's; whether it makes progress is told by the queues: each node's queue host is asked, instead
+of a plain ping, how long ago it last moved an item and who waits on which queue
+(:meth:`~megatrain_ray.orchestration.queues.QueueHost.progress`). No item moved for ``stall_s``
+(:func:`~megatrain_ray.orchestration.pace.stall_s`: a few expected step times) is the evidence of
+a stall: ActorDied again, saying who waits for what. This is the only place a run is called
+stalled; the roles' own waits last while items move anywhere on their node (a slow step is no stall).
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ class Health:
 
     INTERVAL_S = 0.5
 
-    def __init__(self, idle: dict, busy: dict, timeout_s: float, start_timeout_s: float):
-        """``start_timeout_s``: how long a role may take to come up and say where it runs (runtime.actor_timeout_s)."""
+    def __init__(self, idle: dict, busy: dict, timeout_s: float, start_timeout_s: float,
+                 stall_s: float | None = None, hosts: set[str] = frozenset()):
+        """``start_timeout_s``: how long a role may take to come up and say where it runs (runtime.actor_timeout_s);
+        ``hosts``: the idle roles that are queue hosts, whose queues moving no item for ``stall_s`` is a stall."""
         self.timeout_s = timeout_s
+        self.stall_s, self.hosts = stall_s, set(hosts)
         self.idle = dict(idle)
         handles = {**self.idle, **busy}
         refs = {name: h.__ray_call__.remote(_whereami) for name, h in handles.items()}
@@ -55,6 +63,8 @@ class Health:
         """role -> (ping ref, time sent)."""
         self.answered: dict[str, float] = {}
         """role -> when its last ping was answered."""
+        self.started = time.monotonic()
+        """Quiet queues count from here: the roles' start-up before it is no stall."""
 
     def check(self) -> None:
         """Raise ActorDied naming the first role found dead or hung; else send the pings that are due."""
@@ -62,9 +72,11 @@ class Health:
         for name, (ref, sent) in list(self.pings.items()):
             done, _ = ray.wait([ref], timeout=0)
             if done:
-                _get(ref, name, self.timeout_s)  # a dead role raises ActorDied here
+                answer = _get(ref, name, self.timeout_s)  # a dead role raises ActorDied here
                 del self.pings[name]
                 self.answered[name] = now
+                if name in self.hosts:
+                    self._check_progress(name, *answer)
             elif now - sent > self.timeout_s:
                 raise ActorDied(f"the {name} actor has not answered a health check for {self.timeout_s:.0f} s, so it "
                                 f"hangs{self._pid(name)}; see its stack in the Ray dashboard, or raise "
@@ -79,10 +91,34 @@ class Health:
                                 "the Ray dashboard or /tmp/ray/session_latest/logs.")
         for name, handle in self.idle.items():
             if name not in self.pings and now - self.answered.get(name, 0.0) >= self.INTERVAL_S:
-                self.pings[name] = (handle.health_ping.remote(), now)  # (orchestration.labels)
+                ping = handle.progress if name in self.hosts else handle.health_ping  # (orchestration.labels)
+                self.pings[name] = (ping.remote(), now)
+
+    def _check_progress(self, host: str, quiet_s: float, waiting: list[tuple[str, str]]) -> None:
+        """Raise ActorDied if the queues of ``host`` moved no item for ``stall_s``: the run is stalled."""
+        quiet_s = min(quiet_s, time.monotonic() - self.started)
+        if self.stall_s is None or quiet_s < self.stall_s:
+            return
+        node = host.partition("@")[2]
+        waits = ", ".join(_WAITS.get((queue.rsplit("-", 1)[0] if queue[-1].isdigit() else queue, op),
+                                     f"{op} on {queue}") for queue, op in waiting) or "no role waits on a queue"
+        raise ActorDied(f"the pipeline{f' of node {node}' if node else ''} is stalled: no message moved between its "
+                        f"roles for {quiet_s:.0f} s ({self.stall_s:.0f} s is a few times the expected step time, or "
+                        f"runtime.actor_timeout_s; see `megatrain-ray plan`), while {waits}; see the roles' stacks in "
+                        "the Ray dashboard (or `ray stack`), or raise runtime.actor_timeout_s if a step may pass that "
+                        "long without one.")
 
     def _pid(self, name: str) -> str:
         return f" (process {self.pids[name]})" if name in self.pids else ""
+
+
+_WAITS = {("grad", "get"): "the gradient sink waits for a gradient",
+          ("fetch", "get"): "the compute worker's loader waits for a fetch ticket",
+          ("release", "get"): "the prefetcher waits for a free device slot",
+          ("fetch", "put"): "the prefetcher waits for room in the fetch queue",
+          ("release", "put"): "the compute worker waits to hand a slot back",
+          ("grad-slots", "get"): "the compute worker waits for a free gradient slot"}
+"""What a call waiting on a queue (its name without the worker number, get or put) says of its role."""
 
 
 def _status(pid: int) -> str:

@@ -79,6 +79,18 @@ def gpu_memory() -> int | None:
     return None
 
 
+def gpu_name() -> str | None:
+    """The name of GPU 0 as this process sees it (``NVIDIA H200``), or None without CUDA."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return None
+
+
 def guess_device(cfg: TrainConfig) -> str:
     """runtime.device before Ray is up: auto means cuda when this process sees a GPU."""
     if cfg.runtime.device != "auto":

@@ -56,6 +56,7 @@ from .driver import Driver, RunResult
 from .health import Health
 from .labels import loop_task
 from .metrics import RunMetrics
+from .pace import stall_s
 from .roles import RaySpawner, place_cpus, spawn_roles
 
 
@@ -231,11 +232,13 @@ def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(cfg, roles, device, spawner.get, log)
     log(placement_line(roles.activations, device, cfg.runtime.activations))
+    log(roles.pace.line())
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
     health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy},
-                    cfg.runtime.health_timeout_s, timeout)  # before the loops start: it asks every role where it runs
+                    cfg.runtime.health_timeout_s, timeout,  # before the loops start: it asks every role where it runs
+                    stall_s(roles.pace, timeout), {names[n.queues] for n in roles.nodes if n.queues is not None})
     loops = {h.run.options(name=loop_task(names[h], cls, start, steps)).remote(start, steps): names[h]
              for n in roles.nodes for h, cls in (*((p, "Prefetcher") for p in n.prefetchers), (n.sink, "GradientSink"))}
     batches: dict[int, Any] = {}

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
+from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords
 from ..errors import PreflightError
 from ..model.layout import StoreLayout
@@ -55,8 +56,9 @@ from .cluster import check_num_workers, cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
                             _pinned_size, activation_counts, activation_placement, device_rows, device_total,
                             resolve_device_adamw)
+from .pace import Pace, expected_pace, timeout_line
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
-from .machine import (gpu_memory, guess_device, host_available, ray_monitor_margin, ray_threshold,
+from .machine import (gpu_memory, gpu_name, guess_device, host_available, ray_monitor_margin, ray_threshold,
                       same_filesystem)
 
 PROCESS_BYTES = 350 * 2**20
@@ -97,6 +99,8 @@ class Plan:
     """The longest train.seq_len that fits (device and host), at train.micro_batch_size; None: unknown."""
     context_limit: str = ""
     """What a longer context would not fit: GPU memory or host RAM."""
+    pace: Pace | None = None
+    """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`)."""
 
     def total(self, where: str) -> int:
         """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
@@ -222,13 +226,14 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     fits(hi * step)  # records what the next length would exceed
     return lo * step
 def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
-         starts_ray: bool | None = None) -> Plan:
+         starts_ray: bool | None = None, device_tflops: float | None = None) -> Plan:
     """The memory plan of ``cfg`` on this machine (nothing is allocated).
 
     ``device``: cpu or cuda (default: :func:`guess_device`); ``device_bytes``: GPU memory to plan
     for (default: this process's GPU 0); ``starts_ray``: whether this process will start Ray
     (and so its object store), by default when it would not join a cluster
-    (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`).
+    (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`); ``device_tflops``: the GPU's
+    bf16 dense rate for the expected step time (default: nominal, see :mod:`.pace`).
     """
     device = device or guess_device(cfg)
     if device == "cuda" and device_bytes is None:
@@ -282,6 +287,10 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
     result.notes.append(_activation_note(cfg, device, result))
+    modes = activation_placement(cfg, device, result.device_bytes)
+    result.pace = expected_pace(cfg, device, recomputed_layers(modes), device_tflops,
+                                gpu_name() if device == "cuda" else None)
+    result.notes += [result.pace.line(), timeout_line(result.pace, rt.actor_timeout_s)]
     state_bytes = sum(spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
     result.notes.append(_checkpoint_note(cfg, n_params * precision.master.itemsize + state_bytes))
     result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()))

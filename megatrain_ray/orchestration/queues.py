@@ -27,6 +27,12 @@ single-process driver passes instead): ``put``/``get`` with ``block`` and ``time
 ``drain`` (everything waiting, in one call), each with a limit on the wait for the host's answer.
 A call to a dead host raises Ray's actor error, as a dead queue actor's did.
 
+The host notes when it last moved an item on any of its queues: :meth:`QueueHost.quiet_s`, the
+evidence of progress by which the roles keep waiting for a slow message
+(:func:`~megatrain_ray.engine.tickets.wait_while_moving`) and the health check tells a stalled
+pipeline from a slow one (:mod:`megatrain_ray.orchestration.health`, which also asks
+:meth:`QueueHost.waiting` who waits for what).
+
 A queue comes into being on the host with the first call that names it (every client of a name
 carries the same bound), so no call has to wait for a "create" from the spawner to arrive first.
 """
@@ -34,7 +40,9 @@ carries the same bound), so no call has to wait for a "create" from the spawner 
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
+import time
 from typing import Any
 
 
@@ -44,6 +52,30 @@ class QueueHost:
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue] = {}
+        self._moved = time.monotonic()
+        """When an item last went onto or off one of the queues (the host's start before any)."""
+        self._waiters: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(queue, "get" or "put") -> calls waiting there now."""
+
+    async def quiet_s(self) -> float:
+        """Seconds since an item last went onto or off any of this host's queues."""
+        return time.monotonic() - self._moved
+
+    async def waiting(self) -> list[tuple[str, str]]:
+        """(queue, "get" or "put") of every call waiting now: on an empty queue or a full one."""
+        return sorted(k for k, n in self._waiters.items() if n)
+
+    async def progress(self) -> tuple[float, list[tuple[str, str]]]:
+        """(:meth:`quiet_s`, :meth:`waiting`) in one call: what the health check asks twice a second."""
+        return await self.quiet_s(), await self.waiting()
+
+    async def _wait(self, name: str, op: str, awaitable, timeout: float | None):
+        self._waiters[name, op] += 1
+        try:
+            async with asyncio.timeout(timeout):
+                return await awaitable
+        finally:
+            self._waiters[name, op] -= 1
 
     def _queue(self, name: str, maxsize: int) -> asyncio.Queue:
         q = self._queues.get(name)
@@ -56,36 +88,62 @@ class QueueHost:
         q = self._queue(name, maxsize)
         if not q.full():
             q.put_nowait(item)
+            self._moved = time.monotonic()
             return True
         if timeout is not None and timeout <= 0:
             return False
         try:
-            async with asyncio.timeout(timeout):
-                await q.put(item)
+            await self._wait(name, "put", q.put(item), timeout)
         except TimeoutError:
             return False
+        self._moved = time.monotonic()
         return True
 
     async def get(self, name: str, maxsize: int, timeout: float | None) -> tuple[bool, Any]:
         """(True, the next item), waiting up to ``timeout`` seconds (None: for ever); (False, None) if none came."""
         q = self._queue(name, maxsize)
         if not q.empty():
+            self._moved = time.monotonic()
             return True, q.get_nowait()
         if timeout is not None and timeout <= 0:
             return False, None
         try:
-            async with asyncio.timeout(timeout):
-                return True, await q.get()  # a get cancelled by the timeout takes no item
+            item = await self._wait(name, "get", q.get(), timeout)  # a get cancelled by the timeout takes no item
         except TimeoutError:
             return False, None
+        self._moved = time.monotonic()
+        return True, item
 
     async def drain(self, name: str, maxsize: int) -> list:
         """Every item waiting, oldest first, without waiting for more."""
         q = self._queue(name, maxsize)
+        if q.qsize():
+            self._moved = time.monotonic()
         return [q.get_nowait() for _ in range(q.qsize())]
 
     async def size(self, name: str, maxsize: int) -> int:
         return self._queue(name, maxsize).qsize()
+
+
+class LocalQueue(queue.Queue):
+    """A Python queue for the single-process driver that notes, on a clock its node's queues share
+    (``moved``: a one-item list), when an item last went onto or off any of them, as
+    :class:`QueueHost` does; ``quiet_s`` as :meth:`QueueClient.quiet_s`."""
+
+    def __init__(self, maxsize: int, moved: list[float]):
+        super().__init__(maxsize)
+        self.moved = moved
+
+    def _put(self, item) -> None:
+        super()._put(item)
+        self.moved[0] = time.monotonic()
+
+    def _get(self):
+        self.moved[0] = time.monotonic()
+        return super()._get()
+
+    def quiet_s(self) -> float:
+        return time.monotonic() - self.moved[0]
 
 
 class QueueClient:
@@ -122,6 +180,12 @@ class QueueClient:
         """Every item waiting, oldest first, in one call to the host; ``within``: seconds to wait for
         its answer (None: for ever; then Ray's ``GetTimeoutError``)."""
         return self._call("drain", within=within)
+
+    def quiet_s(self) -> float:
+        """Seconds since any queue of this queue's host moved an item (:meth:`QueueHost.quiet_s`)."""
+        import ray
+
+        return ray.get(self.host.quiet_s.remote())
 
     def qsize(self, within: float | None = None) -> int:
         """Items waiting; ``within``: as for :meth:`drain`."""

@@ -22,7 +22,7 @@ are one loop here, not an edit per driver.
 
 from __future__ import annotations
 
-import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +33,12 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
+from ..engine.activations import recomputed_layers
+from .machine import gpu_name
+from .pace import Pace, expected_pace, role_wait_s
 from .preflight import activation_placement
 from .labels import labelled
-from .queues import QueueClient, QueueHost
+from .queues import LocalQueue, QueueClient, QueueHost
 
 STORE, PREFETCH, COMPUTE, SINK, LOADER = (
     {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25})
@@ -68,6 +71,8 @@ class Roles:
     activations: tuple[str, ...] = ()
     """Each decoder layer's activation placement on every compute worker (see
     :func:`~megatrain_ray.orchestration.device_memory.activation_placement`)."""
+    pace: Pace | None = None
+    """The expected step time the roles' waits follow from (:mod:`megatrain_ray.orchestration.pace`)."""
 
     @property
     def computes(self) -> list:
@@ -115,6 +120,8 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
     workers = rt.compute_workers
     sharded = rt.sharded_optimizer
     placement = activation_placement(cfg, device)  # every GPU alike: the same share of the micro-batches
+    pace = expected_pace(cfg, device, recomputed_layers(placement), gpu_name=gpu_name() if device == "cuda" else None)
+    wait = role_wait_s(pace, rt.actor_timeout_s)  # a role's wait for its next message (orchestration.pace)
     nodes = []
     for k, spec in enumerate(specs):
         spawner.node(k)
@@ -128,15 +135,15 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
             fetch_q, release_q = spawner.queue(depth, f"fetch-{w}"), spawner.queue(depth, f"release-{w}")
             roles.fetch_qs.append(fetch_q)
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
-                spec, depth, fetch_q, release_q, rt.actor_timeout_s))
+                spec, depth, fetch_q, release_q, wait))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
                 spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
-                rt.actor_timeout_s, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
+                wait, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
                 grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads, placement=placement,
                 attention_backend=rt.attention_backend, mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len),
                 optim=cfg.optim, total_steps=cfg.train.steps))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
-            spec, cfg.optim, cfg.train.steps, grad_q, stats_q, rt.actor_timeout_s, rt.adamw_threads(),
+            spec, cfg.optim, cfg.train.steps, grad_q, stats_q, wait, rt.adamw_threads(),
             checkpoint=plan if k == 0 or sharded else None, grad_slot_q=grad_slot_q, shards=workers,
             host_sum=rt.grad_reduce == "host", writes_checkpoints=k == 0, split_update=rt.split_update)
         nodes.append(roles)
@@ -144,7 +151,7 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
     if loader is not None:
         spawner.node(0)
         loaders = [spawner.actor(loader[0], f"data-{k}")(*loader[1]) for k in range(cfg.data.num_workers)]
-    return Roles(nodes, loaders, placement)
+    return Roles(nodes, loaders, placement, pace)
 
 
 def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) -> list[str]:
@@ -184,12 +191,16 @@ def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) 
 class LocalSpawner:
     """The roles as plain objects in this process (one node, one compute worker), Python queues."""
 
+    def __init__(self) -> None:
+        self.moved = [time.monotonic()]
+        """When the node's queues last moved an item (see :class:`~.queues.LocalQueue`)."""
+
     def node(self, k: int) -> None:
         if k:
             raise PipelineError("the single-process driver runs one node; set runtime.nodes=1.")
 
-    def queue(self, maxsize: int, name: str) -> queue.Queue:
-        return queue.Queue(maxsize)
+    def queue(self, maxsize: int, name: str) -> LocalQueue:
+        return LocalQueue(maxsize, self.moved)
 
     def queue_host(self) -> None:
         return None  # the queues are plain objects of this process

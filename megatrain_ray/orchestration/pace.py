@@ -1,0 +1,136 @@
+"""The pace a run should keep: its expected step time, and the queue timeouts that follow from it.
+
+The step time is the step's FLOPs per GPU over the rate the GPU reaches: the model FLOPs in PaLM's
+convention (attention's S x S work counted, :mod:`megatrain_ray.model.flops`) plus the forward the
+backward recomputes for every layer that has no kept graph (:func:`~megatrain_ray.model.flops.recompute_flops`,
+more for a layer recomputed within a span, see :func:`~megatrain_ray.engine.activations.recomputed_layers`),
+at :data:`ACHIEVED` of the GPU's nominal bf16 dense rate (by its name, :data:`NOMINAL_TFLOPS`; or
+the rate ``megatrain-ray plan --gpu-tflops`` gives, e.g. one measured by ``megatrain-ray bench``).
+On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core. It is an estimate to plan by (measured
+steps differ from it by tens of percent, see :data:`ACHIEVED`), and a bound for the timeouts:
+
+every queue of the pipeline carries messages every step, so no wait for the next message should
+last longer than a step. Whether the run is stalled is the health check's verdict alone
+(:class:`~megatrain_ray.orchestration.health.Health`), from evidence of no progress: no message
+moved on a node's queues for :func:`stall_s` (:data:`WAIT_STEPS` expected step times, never less
+than runtime.actor_timeout_s, the floor: a checkpoint's write pauses the updates, see that field).
+A role's own wait for a message (:func:`role_wait_s`) lasts twice that, and on Ray's queues ends
+only when no message at all moved between the node's roles for that long
+(:class:`~megatrain_ray.orchestration.queues.QueueHost`): a slow run that progresses is not stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TrainConfig, usable_cpus
+from ..model.flops import flops_6nt, palm_model_flops, recompute_flops
+
+ACHIEVED = 0.85
+"""Share of the nominal rate a step's FLOPs (model + recompute, PaLM's convention) run at. Measured
+on an H200 (989 nominal): the whole Qwen2.5-7B shape on one 524,288-token sequence ran 532 s per step
+(first step, compile included; 468 PFLOP: 0.89), the 7B at 64 x 1,024 tokens 5.43 s (3.2 PFLOP:
+0.60; short sequences leave the GPU waiting on the host more)."""
+NOMINAL_TFLOPS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
+                  ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+                  ("A10", 125.0), ("RTX 4090", 165.0))
+"""(name part, dense bf16 TFLOP/s without sparsity) of known GPUs, the first part a GPU's name contains."""
+DEFAULT_GPU_TFLOPS = 989.0
+"""The rate assumed where the GPU is not visible or not known: an H100/H200's."""
+CPU_TFLOPS_PER_CORE = 0.01
+"""What one CPU core reaches in the layer's fp32 GEMMs (a conservative 10 GFLOP/s)."""
+WAIT_STEPS = 3
+"""Expected step times a role waits for its next message before giving up (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One GPU's share of a step: its FLOPs and the time they should take."""
+
+    palm: float
+    """Model FLOPs, PaLM's convention (attention counted)."""
+    six_nt: float
+    """Model FLOPs, 6 x N x T."""
+    recompute: float
+    """Forward FLOPs the backward recomputes (PaLM's convention)."""
+    tflops: float
+    """The rate assumed: ACHIEVED of the nominal (or given) rate, TFLOP/s."""
+    rate_note: str
+    """Where the rate comes from, for the plan's line."""
+
+    @property
+    def step_s(self) -> float:
+        return (self.palm + self.recompute) / (self.tflops * 1e12)
+
+    def line(self) -> str:
+        """The plan's line: ``expected step time: ~9 min (...)``."""
+        return (f"expected step time: ~{duration(self.step_s)} ({_flop(self.palm + self.recompute)} per GPU: "
+                f"{_flop(self.palm)} of the model counting attention (PaLM; 6NT: {_flop(self.six_nt)}) + "
+                f"{_flop(self.recompute)} recomputed in the backward, at {_flop(self.tflops * 1e12)}/s: {self.rate_note})")
+
+
+def expected_pace(cfg: TrainConfig, device: str, recomputed: float, tflops: float | None = None,
+                  gpu_name: str | None = None) -> Pace:
+    """The pace of ``cfg`` on ``device`` with ``recomputed`` decoder layers' forwards run again in
+    the backward; ``tflops``: the device's rate (default: nominal, by ``gpu_name`` on cuda)."""
+    t, rt = cfg.train, cfg.runtime
+    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / (rt.compute_workers * rt.nodes)
+    if tflops is not None:
+        rate, note = tflops * ACHIEVED, f"{ACHIEVED:.0%} of the {tflops:,.0f} given"
+    elif device == "cpu":
+        cores = usable_cpus()
+        rate, note = CPU_TFLOPS_PER_CORE * cores, f"a nominal {CPU_TFLOPS_PER_CORE * 1e3:.0f} GFLOP/s per CPU core x {cores}"
+    else:
+        nominal = next((r for part, r in NOMINAL_TFLOPS if gpu_name and part in gpu_name), None)
+        if nominal is None:
+            nominal, what = DEFAULT_GPU_TFLOPS, (f"an H100/H200's (the {gpu_name} is not in the table"
+                                                 if gpu_name else "an H100/H200's (no GPU visible here") + \
+                "; --gpu-tflops sets it)"
+        else:
+            what = f"the {gpu_name}'s"
+        rate, note = nominal * ACHIEVED, f"{ACHIEVED:.0%} of {what} nominal {nominal:,.0f} bf16"
+    m = cfg.model
+    return Pace(palm_model_flops(m, t.seq_len, tokens), flops_6nt(m, tokens),
+                recompute_flops(m, t.seq_len, tokens, recomputed), rate, note)
+
+
+def stall_s(pace: Pace, floor: float) -> float:
+    """How long no message may move on a node's queues before the health check calls the run
+    stalled: :data:`WAIT_STEPS` expected steps, at least ``floor`` (runtime.actor_timeout_s)."""
+    return max(floor, WAIT_STEPS * pace.step_s)
+
+
+def role_wait_s(pace: Pace, floor: float) -> float:
+    """How long a role waits for its next message: twice :func:`stall_s` (and on Ray's queues only
+    while no message moves at all), so that the health check's verdict comes first."""
+    return 2 * stall_s(pace, floor)
+
+
+def timeout_line(pace: Pace, floor: float) -> str:
+    """The plan's line on the run's timeouts."""
+    stall = stall_s(pace, floor)
+    why = (f"{WAIT_STEPS} x the expected step time" if stall > floor else
+           f"runtime.actor_timeout_s, the floor; {WAIT_STEPS} x the expected step time is "
+           f"{duration(WAIT_STEPS * pace.step_s)}")
+    return (f"stall check: the run is called stalled when no message moves between its roles for "
+            f"{duration(stall)} ({why}); a slow step that keeps them moving is waited for")
+
+
+def duration(seconds: float) -> str:
+    """3 ms, 2.5 s, 42 s, 9 min, 1.5 h."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _flop(n: float) -> str:
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} FLOP"
