@@ -16,6 +16,13 @@ and the slot is released as soon as the unit is done. One step, as one loop:
 5. embedding gradient (the input gradients added into their ids' rows in a fixed order, see
    :mod:`megatrain_ray.engine.embed_grad`; plus the head's when tied) goes out.
 
+A mixture of experts' sparse layers (whole units today: attention, router and every expert) run
+through :meth:`~megatrain_ray.engine.sequence.LayerRunner.forward_routed`, their router statistics
+gathered by a :class:`~megatrain_ray.engine.routing.StepRouting`: the load-balancing loss joins the
+step's loss, its gradient joins each sparse layer's recompute-backward (a sparse layer is always
+recomputed from its checkpoint, never kept whole), and the tokens each expert received are returned
+with the step. An expert that received no token gets an exactly zero gradient in its unit's buffer.
+
 Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.owned`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
 updated here at the end of the step.
@@ -58,7 +65,8 @@ from .grad_reduce import GradReducer
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .owned import OwnedUnits
 from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
-from .sequence import layer_backward
+from .routing import StepRouting
+from .sequence import layer_backward, routed_backward
 from .store import HostStore, StoreSpec, largest_streamed
 from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 
@@ -272,6 +280,7 @@ class ComputeWorker:
 
         acts = self.activations
         acts.clear()  # anything a failed step left
+        routing = StepRouting(self.cfg, len(batch["input_ids"]))
         if eval_batch is not None:  # validation sequences ride along the forward: no extra weight traffic
             eval_ids = torch.tensor(eval_batch["input_ids"], dtype=torch.long).to(dev)
             eval_labels = torch.tensor(eval_batch["labels"], dtype=torch.long).to(dev)
@@ -288,16 +297,21 @@ class ComputeWorker:
             self._release(ticket)
             for unit in self.layout.layers:
                 i, layer = unit.index, unit.layer
+                sparse = self.cfg.is_sparse(layer)  # recomputed from its checkpoint, never kept whole
                 ticket, flat = self._take(i, step)
                 with self.backend.compute(unit.name):
                     p = templates[i].bind(flat, fused=True)
-                    if acts.mode(layer) == KEEP:  # the graph stays for the backward: nothing to recompute
+                    if sparse:
+                        ys, stats = zip(*(self.runner.forward_routed(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)))
+                        ys = list(ys)
+                        routing.record(layer, list(stats))
+                    elif acts.mode(layer) == KEEP:  # the graph stays for the backward: nothing to recompute
                         graph = layer_forward_kept(self.runner.layer, templates[i], flat, xs, ctx, self.cfg)
                         ys = [y.detach() for y in graph.outputs]
                     else:
                         ys = [self.runner.forward(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)]
                     es = [self.runner.forward(p, e, eval_ctx[m], self.cfg) for m, e in enumerate(es)]
-                if acts.mode(layer) == KEEP:
+                if acts.mode(layer) == KEEP and not sparse:
                     acts.keep(layer, graph)
                     graph = None
                 else:
@@ -309,6 +323,9 @@ class ComputeWorker:
         evaluation = (es, eval_labels) if eval_batch is not None else None
         loss, dx, val_loss = self._head(step, xs, labels, n_tokens, embed_grad, evaluation)
         xs = ys = es = None  # the head has used the last hidden states
+        aux = routing.aux_loss()
+        if aux is not None:
+            loss = loss + aux
 
         for unit in reversed(self.layout.layers):
             i, layer = unit.index, unit.layer
@@ -319,6 +336,9 @@ class ComputeWorker:
                 grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
                 if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
                     kept_backward(inputs, templates[i].bind(grad, fused=True), dx)
+                elif self.cfg.is_sparse(layer):
+                    routed_backward(self.runner, templates[i].bind(flat, fused=True),
+                                    templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg, routing)
                 else:
                     layer_backward(self.runner, templates[i].bind(flat, fused=True),
                                    templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg)
@@ -341,6 +361,9 @@ class ComputeWorker:
             self._compile_pool = None
         loss = float(loss)
         extra = {} if val_loss is None else {"val_loss": float(val_loss)}
+        if routing.stats:
+            extra["expert_tokens"] = routing.expert_tokens()
+            extra["aux_loss"] = 0.0 if aux is None else float(aux)
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}

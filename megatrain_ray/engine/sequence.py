@@ -21,6 +21,10 @@ Three things are applied here, around the model's pure functions, never inside t
   backpropagates the attention half. Same math, same FLOPs as the untiled layer: the MLP forward
   is recomputed once per chunk (without its down projection), as the untiled backward recomputes it
   once; only the summation order of the weight gradients over tokens changes (per chunk into fp32).
+- **Sparse layers** (a mixture of experts): run whole, untiled, and recomputed whole in the backward
+  (:meth:`LayerRunner.forward_routed`, :meth:`LayerRunner.backward_routed`): the layer's router
+  statistics come out of the forward (the step's expert counts, the load-balancing loss), and the
+  backward takes the loss's gradient with respect to the router probabilities beside dy.
 - **Packed documents**: the RoPE tables at each token's position in its document and the
   attention mask that keeps tokens within their document (:func:`step_contexts`): a dense
   [B, 1, S, S] boolean mask on the CPU (SDPA), a FlexAttention ``BlockMask`` on CUDA (O(S^2 / 128^2)
@@ -34,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.transformer import (attention_block, decoder_layer, document_ids, document_mask, mlp_activation,
-                                 mlp_block, rope_at, rope_cache)
+                                 mlp_block, rope_at, rope_cache, routed_layer)
 from .activations import lean_partitioner
 
 DOWN = "mlp.down_proj.weight"
@@ -73,10 +77,32 @@ class LayerRunner:
         """The recompute of an untiled layer."""
         self.attn, self.mlp, self.mlp_act = ((wrap(attention_block), wrap(mlp_block), wrap(mlp_activation))
                                              if chunk else (None, None, None))
+        self.routed = wrap(routed_layer)
+        """A sparse layer, forward and recompute, with its router statistics."""
 
     def compiled(self) -> list:
         """The wrapped callables (for releasing the compiler's worker pool)."""
-        return [f for f in (self.layer, self.to_down, self.attn, self.mlp, self.mlp_act) if f is not None]
+        return [f for f in (self.layer, self.to_down, self.attn, self.mlp, self.mlp_act, self.routed) if f is not None]
+
+    def forward_routed(self, p, x: torch.Tensor, context: tuple, cfg):
+        """A sparse layer's forward: x: [B, S, H] -> (its output [B, S, H], its RouterStats)."""
+        rope, mask = context
+        return self.routed(p, x, rope, cfg, mask)
+
+    def backward_routed(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
+                        dy: torch.Tensor, context: tuple, cfg, dprobs: torch.Tensor | None) -> torch.Tensor:
+        """Recompute a sparse layer from x: [B, S, H] and backpropagate dy: [B, S, H] and, unless None,
+        dprobs [E], the loss's gradient with respect to its router's probability sums. Same
+        conventions as :meth:`backward`; returns dx: [B, S, H]."""
+        rope, mask = context
+        x = x.detach().requires_grad_(True)
+        names, weights = list(leaves), list(leaves.values())
+        with torch.enable_grad():
+            y, stats = self.routed(leaves, x, rope, cfg, mask)
+        outputs, grads_out = ([y], [dy]) if dprobs is None else ([y, stats.prob_sum], [dy, dprobs])
+        *gws, dx = torch.autograd.grad(outputs, [*weights, x], grads_out, allow_unused=True)
+        _accumulate(grads, names, gws)
+        return dx
 
     def tiles(self, x: torch.Tensor) -> bool:
         """Whether a [B, S, H] input runs tiled (chunking on and S longer than one chunk)."""
@@ -146,6 +172,16 @@ def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: 
     leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
     for m, x in enumerate(inputs):
         dx[m] = runner.backward(leaves, grads, x, dx[m], contexts[m], cfg)
+
+
+def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                    inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing) -> None:
+    """:func:`layer_backward` for a sparse layer; routing: the step's
+    :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
+    load-balancing loss with respect to the router probabilities."""
+    leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
+    for m, x in enumerate(inputs):
+        dx[m] = runner.backward_routed(leaves, grads, x, dx[m], contexts[m], cfg, routing.prob_grad(m))
 
 
 class CompiledLayer:

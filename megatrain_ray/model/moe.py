@@ -181,13 +181,14 @@ def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     order = torch.argsort(flat, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return order, inverse, torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, inverse, counts  # integer sums: exact in any order; a fixed shape, no host sync
 
 
 def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig
-                   ) -> torch.Tensor:
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weighted sum of each token's top-k experts' SwiGLU outputs. x: [N, H]; weights, experts:
-    [N, k] (from :func:`route`) -> [N, H]."""
+    [N, k] (from :func:`route`) -> ([N, H], the tokens routed to each expert [E] int64)."""
     n, k = experts.shape
     order, inverse, counts = dispatch(experts, cfg.num_experts)
     gate_up, down = expert_weights(p, cfg)
@@ -195,7 +196,7 @@ def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: t
     gate, up = grouped_linear(rows, gate_up, counts).chunk(2, dim=-1)  # [N*k, I] each
     out = grouped_linear(F.silu(gate) * up, down, counts)  # [N*k, H]
     out = out * weights.reshape(-1)[order, None]
-    return out[inverse].view(n, k, -1).sum(dim=1)  # back to (token, slot) order, slots summed
+    return out[inverse].view(n, k, -1).sum(dim=1), counts  # back to (token, slot) order, slots summed
 
 
 def shared_expert(p: Params, x: torch.Tensor) -> torch.Tensor:
@@ -212,11 +213,10 @@ def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tens
     shape = x.shape
     flat = x.reshape(-1, shape[-1])  # [N, H]
     probs, weights, experts = route(p, flat, cfg)
-    out = routed_experts(p, flat, weights, experts, cfg)
+    out, counts = routed_experts(p, flat, weights, experts, cfg)
     if "mlp.shared_expert_gate.weight" in p:
         out = out + shared_expert(p, flat)
-    counts = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts).float()
-    return out.reshape(shape), RouterStats(counts, probs.sum(dim=0), flat.shape[0])
+    return out.reshape(shape), RouterStats(counts.float(), probs.sum(dim=0), flat.shape[0])
 
 
 def aux_loss_of_layer(stats: RouterStats, total_counts: torch.Tensor, total_rows: int,

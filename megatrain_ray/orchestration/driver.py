@@ -253,6 +253,7 @@ class Driver:
                **self.gauges.tflops(out["tokens"], out["step_s"]),
                **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
                **({"val_loss": out["val_loss"]} if "val_loss" in out else {}),
+               **{k: out[k] for k in ROUTING_KEYS if k in out},
                **({"workers": out["workers"]} if "workers" in out else {})}
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
@@ -302,16 +303,25 @@ class Driver:
         return path, ""
 
 
+ROUTING_KEYS = ("aux_loss", "expert_tokens")
+"""A mixture of experts' step outputs in metrics.jsonl: the load-balancing loss's part of the loss
+(coef x its mean over micro-batches) and the tokens each expert received, per sparse layer."""
+
+
 def _combine(outs: list[dict]) -> dict:
-    """One step's result from every worker's: the loss summed (each worker's is its share of the mean
-    over the whole step's tokens), the slowest worker's time, the rest (timeline, fetch counts,
-    validation loss) the first worker's."""
+    """One step's result from every worker's: the loss (and its load-balancing part) and the tokens
+    per expert summed (each worker's is its share), the slowest worker's time, the rest (timeline,
+    fetch counts, validation loss) the first worker's."""
     if len(outs) == 1:
         return outs[0]
     per_worker = [{"fetches": o["fetches"], **{k: v for k, v in o.items() if k.endswith(("_busy_s", "_bytes"))},
                    "step_s": o["step_s"], "device_peak_bytes": o.get("device_peak_bytes")} for o in outs]
+    routing = {}
+    if "expert_tokens" in outs[0]:
+        routing = {"aux_loss": sum(o["aux_loss"] for o in outs),
+                   "expert_tokens": [[sum(c) for c in zip(*layers)] for layers in zip(*(o["expert_tokens"] for o in outs))]}
     return {**outs[0], "loss": sum(o["loss"] for o in outs), "step_s": max(o["step_s"] for o in outs),
-            "workers": per_worker}
+            **routing, "workers": per_worker}
 
 
 def _size(q) -> int | None:

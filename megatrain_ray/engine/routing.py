@@ -1,0 +1,66 @@
+"""A step's routing in a mixture of experts: the tokens each expert received and the router's
+load-balancing loss, gathered layer by layer as the compute worker runs the forward, and the loss's
+gradient handed to each sparse layer's backward.
+
+The loss of a step (ModelConfig.output_router_logits on) is the cross-entropy, mean over the step's
+counted tokens, plus router_aux_loss_coef x the mean over the step's micro-batches of each
+micro-batch's load-balancing loss (:func:`megatrain_ray.model.moe.aux_loss` over all sparse layers
+of that micro-batch, as transformers computes it per forward call): what a gradient-accumulating
+run of transformers computes when it divides each micro-batch's loss by the number of
+micro-batches. Its gradient reaches sparse layer l of micro-batch m only through l's router
+probabilities: the gradient of l's probability sums [E] is
+coef / M x E x f_m / rows_m (:meth:`StepRouting.prob_grad`), f_m the micro-batch's expert counts
+over every sparse layer, known once the forward is done, before the first backward.
+
+Also the counts themselves, per sparse layer and expert, summed over this worker's micro-batches:
+what metrics.jsonl reports as ``expert_tokens``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..model.moe import RouterStats, aux_loss_of_layer
+
+
+class StepRouting:
+    """The router statistics of one step's forward, by unit and micro-batch."""
+
+    def __init__(self, cfg: ModelConfig, step_micro_batches: int):
+        """step_micro_batches: micro-batches of the whole step (every worker's), the M of the mean."""
+        self.cfg = cfg
+        self.scale = cfg.router_aux_loss_coef / step_micro_batches if cfg.output_router_logits else 0.0
+        self.stats: dict[int, list[RouterStats]] = {}
+
+    def record(self, unit: int, stats: list[RouterStats]) -> None:
+        """The forward's statistics of sparse unit ``unit``, one per micro-batch (no graph)."""
+        self.stats[unit] = stats
+
+    def _totals(self, m: int) -> tuple[torch.Tensor, int]:
+        """Micro-batch m's expert counts over every sparse layer [E], and its rows (tokens x layers)."""
+        layers = [per_mb[m] for per_mb in self.stats.values()]
+        return torch.stack([s.counts for s in layers]).sum(0), sum(s.rows for s in layers)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """This worker's share of the step's coef x mean load-balancing loss (scalar), None when off."""
+        if not self.scale or not self.stats:
+            return None
+        total = 0.0
+        for m in range(len(next(iter(self.stats.values())))):
+            counts, rows = self._totals(m)
+            total = total + sum(aux_loss_of_layer(per_mb[m], counts, rows, self.cfg.num_experts)
+                                for per_mb in self.stats.values())
+        return self.scale * total
+
+    def prob_grad(self, m: int) -> torch.Tensor | None:
+        """The loss's gradient with respect to any sparse layer's probability sums [E] in micro-batch
+        m (the same for every layer), None when the loss has no auxiliary term."""
+        if not self.scale:
+            return None
+        counts, rows = self._totals(m)
+        return self.scale * self.cfg.num_experts * counts / (rows * rows)
+
+    def expert_tokens(self) -> list[list[int]]:
+        """Tokens each expert received in this step on this worker, per sparse layer (in layer order)."""
+        return [torch.stack([s.counts for s in self.stats[u]]).sum(0).long().tolist() for u in sorted(self.stats)]
