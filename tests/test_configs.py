@@ -29,7 +29,7 @@ from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
-NAMES = ["tiny", "text-pretrain", "alpaca-sft", "qwen2.5-7b", "long-context", "long-context-512k"]
+NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "qwen2.5-7b", "long-context", "long-context-512k"]
 BIG = {"qwen2.5-7b", "long-context", "long-context-512k"}
 H200 = ["--device", "cuda", "--gpu-memory", "141"]
 GiB = 2**30
@@ -85,7 +85,7 @@ def _replacements(name: str, files: dict) -> list[str]:
 
 
 def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
-    assert _replaced_keys("tiny") == set()
+    assert _replaced_keys("tiny") == _replaced_keys("tiny-moe") == set()
     assert _replaced_keys("text-pretrain") == {"data.path", "data.tokenizer", "model.vocab_size"}
     assert _replaced_keys("alpaca-sft") == {"data.path", "runtime.init_from"}
     assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == _replaced_keys("long-context-512k") == {
@@ -193,6 +193,20 @@ def test_tiny_trains(tmp_path, ray_cluster, shm_dir):
     result, lines = _train_small(cfg, tmp_path)
     assert result.losses[-1] < result.losses[0]
     assert os.listdir(shm_dir) == []
+
+
+def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir):
+    cfg = load_config(_path("tiny-moe"), [*COMMON, "train.steps=4", f"runtime.run_dir={tmp_path / 'runs'}",
+                                           f"runtime.shm_dir={shm_dir}"])
+    assert cfg.model.sparse_layers == (1, 2, 3)
+    result, _ = _train_small(cfg, tmp_path)
+    assert result.losses[-1] < result.losses[0]
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    tokens = cfg.train.seq_len * cfg.train.micro_batch_size * cfg.train.num_micro_batches
+    for row in rows:  # every token to 2 of 8 experts in each of the 3 sparse layers
+        assert [sum(layer) for layer in row["expert_tokens"]] == [2 * tokens] * 3
+        assert all(len(layer) == 8 for layer in row["expert_tokens"]) and 0 < row["aux_loss"] < row["loss"]
+    assert transformers.AutoConfig.from_pretrained(result.final_dir).model_type == "qwen3_moe"
 
 
 @pytest.mark.slow  # a Ray run with a tokenizer and validation
