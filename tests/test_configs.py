@@ -9,6 +9,7 @@ shape, the tokens per step, the GPU total within the H200, host RAM within a 128
 The small examples then train a few steps through the real pipeline (the session's Ray).
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -193,6 +194,27 @@ def test_tiny_trains(tmp_path, ray_cluster, shm_dir):
     result, lines = _train_small(cfg, tmp_path)
     assert result.losses[-1] < result.losses[0]
     assert os.listdir(shm_dir) == []
+
+
+def test_tiny_moe_plan_counts_active_parameters_and_the_layers_each_mode_fits(user_files, capsys):
+    from megatrain_ray.model import flops
+
+    status, out, err = _plan_output("tiny-moe", user_files, capsys, "--device", "cpu")
+    assert status == 0, err
+    m = load_config(_path("tiny-moe")).model
+    total, active = flops.num_params(m), flops.active_params(m)
+    assert active == total - 3 * (8 - 2) * 3 * 64 * 64  # 3 sparse layers, 6 experts of 3 x 64 x 64 skipped
+    assert f"{preflight._count(total)} parameters (4 layers, {preflight._count(active)} active: 2 of 8 experts " \
+           "in 3 sparse layers, hidden 64)" in out.splitlines()[0]
+    modes = re.findall(r"^  .*?([0-9.]+) B/param  -> \S+ parameters \((\d+) layer\(s\) of this shape: (\S+) active\)$",
+                       out, re.M)
+    assert len(modes) == 3, out
+    per_layer = flops.num_params(dataclasses.replace(m, num_hidden_layers=2, mlp_only_layers=[])) - \
+        flops.num_params(dataclasses.replace(m, num_hidden_layers=1, mlp_only_layers=[]))
+    layers = [int(n) for _, n, _ in modes]
+    assert layers == sorted(layers) and layers[0] > 4  # more layers in the more compact modes
+    budget = float(modes[0][0]) * layers[0] * per_layer  # the exact mode's layers, at its bytes per parameter
+    assert budget / float(modes[2][0]) / per_layer == pytest.approx(layers[2], rel=0.01)
 
 
 def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir):

@@ -50,6 +50,7 @@ from ..config import TrainConfig
 from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords
 from ..errors import PreflightError
+from ..model import flops
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import check_num_workers, cluster_to_join
@@ -277,7 +278,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     shm_free = shutil.disk_usage(rt.shm_dir).free
     host = host_available()
     n_params = layout.num_params
-    title = (f"preflight: {m.model_type}, {_count(n_params)} parameters ({m.num_hidden_layers} layers, "
+    experts = (f", {_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
+               f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
+    title = (f"preflight: {m.model_type}, {_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
@@ -340,8 +343,19 @@ def mode_notes(cfg: TrainConfig, device: str, budget: int) -> list[str]:
              f"whose store fits the {fmt(max(0, budget))} of host RAM left for it"]
     for state, master, label in MODES:
         per = bytes_per_param(cfg, device, state, master)
-        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {_count(int(max(0, budget) / per))} parameters")
+        fits = int(max(0, budget) / per)
+        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {_count(fits)} parameters{_layers_note(cfg.model, fits)}")
     return lines
+
+
+def _layers_note(model, fits: int) -> str:
+    """A mixture of experts' layers of this shape that ``fits`` parameters hold, and their active ones."""
+    if not model.is_moe:
+        return ""
+    one, two = (flops.num_params(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
+    layers = max(0, (fits - (2 * one - two)) // (two - one))
+    cut = dataclasses.replace(model, num_hidden_layers=layers, mlp_only_layers=[])
+    return f" ({layers} layer(s) of this shape: {_count(flops.active_params(cut))} active)" if layers else ""
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
