@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import sys
 import textwrap
 
@@ -36,7 +37,9 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def _one_line(text: str) -> str:
-    """A docstring as one table cell: paragraphs joined with a line break, pipes escaped."""
+    """A docstring as one table cell: paragraphs joined with a line break, reST literals and roles
+    (``x``, :mod:`x`) as Markdown code, pipes escaped."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text.replace("``", "`"))
     paragraphs = [" ".join(p.split()) for p in text.split("\n\n")]
     return "<br>".join(paragraphs).replace("|", "\\|")
 
@@ -62,7 +65,7 @@ def _cell(value: object) -> str:
 def section(prefix: str, cls, level: int) -> list[str]:
     """The markdown of one dataclass: its docstring, a table of its plain fields, then its groups."""
     docs = field_docs(cls)
-    lines = [f"{'#' * level} `{prefix}`", "", " ".join(inspect.cleandoc(cls.__doc__ or "").split()), "",
+    lines = [f"{'#' * level} `{prefix}`", "", _one_line(inspect.cleandoc(cls.__doc__ or "")), "",
              "| key | type | default | meaning |", "|---|---|---|---|"]
     groups = []
     for f in dataclasses.fields(cls):
