@@ -67,6 +67,7 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
     ("multi_gpu.sh", ["gpus-1-2"]),
     ("largest_model.sh", ["largest-8bit"]),
     ("activation_placement.sh", ["activations-recompute", "activations-auto"]),
+    ("moe.sh", ["moe-tiny"]),
 ])
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)
@@ -75,6 +76,8 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     if recipe == "vs_resident.sh":  # the same engine with and without Ray: the same losses
         systems = report["systems"]
         assert systems["megatrain_ray"]["losses"] == systems["single_process"]["losses"]
+    if recipe == "moe.sh":  # and the resident transformers run beside it
+        assert json.loads((tmp_path / "resident-tiny.json").read_text())["layers"] == 1
     assert printed.strip().splitlines()[-1].endswith("done")
 
 
