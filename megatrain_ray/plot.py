@@ -9,7 +9,10 @@
 - ``stages.png``: busy share of each step per pipeline stage (copy in, compute, copy out, wait,
   adamw); stages overlap in time, so the shares do not add up to one;
 - ``timeline.png``: the spans of the run's last two steps, one row per stage (when the run
-  finished and wrote timeline.json).
+  finished and wrote timeline.json);
+- ``experts.png`` (a mixture of experts): the load of each expert of each sparse layer over the run
+  (tokens it received / the mean of its layer; 1 is a perfect balance), a layer x expert heatmap, and
+  each step's imbalance (max / mean tokens per expert, the worst and the median layer).
 
 Each plotted series is a Ray gauge of :mod:`megatrain_ray.orchestration.metrics` (:data:`GAUGES`),
 so the plots and the Grafana dashboard (megatrain_ray/dashboards/megatrain.json) show the same numbers
@@ -146,6 +149,10 @@ def figures(run_dir: str) -> dict:
     _legend_below(ax, ax.get_lines())
     out["stages.png"] = fig
 
+    routed = [(r["step"] + 1, r["expert_tokens"]) for r in rows if r.get("expert_tokens")]
+    if routed:
+        out["experts.png"] = _experts_figure(plt, routed)
+
     timeline = os.path.join(run_dir, "timeline.json")
     spans = []
     if os.path.isfile(timeline):
@@ -168,6 +175,37 @@ def figures(run_dir: str) -> dict:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
     return out
+
+
+def expert_load(routed: list[tuple[int, list[list[int]]]]) -> tuple[list[list[float]], list[list[float]]]:
+    """(load [layer][expert]: tokens over the run / the layer's mean, imbalance [step][layer]: max / mean
+    tokens per expert) of (step, expert_tokens) pairs of metrics.jsonl."""
+    layers = len(routed[0][1])
+    totals = [[sum(step[layer][e] for _, step in routed) for e in range(len(routed[0][1][layer]))]
+              for layer in range(layers)]
+    load = [[t / max(sum(row) / len(row), 1e-9) for t in row] for row in totals]
+    imbalance = [[max(c) / max(sum(c) / len(c), 1e-9) for c in step] for _, step in routed]
+    return load, imbalance
+
+
+def _experts_figure(plt, routed):
+    """The load heatmap (sparse layer x expert) and the imbalance per step (see the module docstring)."""
+    load, imbalance = expert_load(routed)
+    fig, (heat, line) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    image = heat.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+    heat.set_xlabel("expert")
+    heat.set_ylabel("sparse layer")
+    heat.set_title("load over the run (tokens / layer mean)")
+    fig.colorbar(image, ax=heat)
+    steps = [s for s, _ in routed]
+    line.plot(steps, [max(layers) for layers in imbalance], color="tab:red", label="worst layer")
+    line.plot(steps, [sorted(layers)[len(layers) // 2] for layers in imbalance], color="tab:blue", label="median layer")
+    line.axhline(1.0, color="grey", linewidth=0.8)
+    line.set_xlabel("step")
+    line.set_ylabel("imbalance (max / mean tokens per expert)")
+    line.set_title("imbalance per step")
+    _legend_below(line, line.get_lines()[:2])
+    return fig
 
 
 def _legend_below(ax, lines) -> None:

@@ -229,6 +229,23 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
         assert [sum(layer) for layer in row["expert_tokens"]] == [2 * tokens] * 3
         assert all(len(layer) == 8 for layer in row["expert_tokens"]) and 0 < row["aux_loss"] < row["loss"]
     assert transformers.AutoConfig.from_pretrained(result.final_dir).model_type == "qwen3_moe"
+    # plot: the layer x expert load heatmap and the imbalance per step, from those counts
+    import matplotlib.pyplot as plt
+
+    from megatrain_ray.plot import expert_load, figures
+
+    load, imbalance = expert_load([(r["step"] + 1, r["expert_tokens"]) for r in rows])
+    first = rows[0]["expert_tokens"][0]
+    assert imbalance[0][0] == pytest.approx(max(first) / (sum(first) / 8))
+    assert all(sum(layer) == pytest.approx(8) for layer in load) and all(i >= 1 for step in imbalance for i in step)
+    figs = figures(result.run_dir)
+    try:
+        heat, line = figs["experts.png"].axes[:2]
+        assert heat.images[0].get_array().shape == (3, 8)
+        assert [len(ln.get_xdata()) for ln in line.get_lines()[:2]] == [4, 4]
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
 
 
 @pytest.mark.slow  # a Ray run with a tokenizer and validation
