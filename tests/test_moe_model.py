@@ -172,7 +172,7 @@ def test_grouped_gemm_matches_the_per_expert_fallback_with_an_idle_expert():
     out = {}
     for name in ("grouped", "fallback"):
         xi, wi = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-        y = (torch._grouped_mm(xi, wi.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+        y = (moe._grouped_mm()(xi, wi.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
              if name == "grouped" else moe.grouped_linear(xi, wi, counts))
         y.backward(dy)
         out[name] = (y.float(), xi.grad.float(), wi.grad.float())
@@ -184,6 +184,38 @@ def test_grouped_gemm_matches_the_per_expert_fallback_with_an_idle_expert():
     ref = torch.cat([x[a:b].float() @ w[e].float().t() for e, (a, b) in
                      enumerate(zip([0, 5, 5, 14], [5, 5, 14, 16]))])
     torch.testing.assert_close(out["grouped"][0], ref, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gpu_grouped_gemm_layer_matches_the_per_expert_path():
+    """On a GPU in bf16 the routed experts run as grouped GEMMs; the same routing through the per-expert
+    path (on the CPU in fp32, the reference) gives the same output and gradients within bf16
+    rounding, an idle expert's gradient exactly zero in both."""
+    cfg = ModelConfig(model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
+                      hidden_size=256, num_attention_heads=4, num_hidden_layers=1)
+    cfg.validate()
+    torch.manual_seed(0)
+    ref = {n: torch.randn(shape) * shape[-1] ** -0.5 for n, shape in moe.sparse_params(cfg)}
+    x = torch.randn(6, 256)  # 6 tokens x top-2 of 16: idle experts
+    _, weights, experts = moe.route(ref, x, cfg)  # one routing for both
+    outs = {}
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+        p = {n: v.to(device, dtype).requires_grad_(True) for n, v in ref.items()}
+        xi = x.to(device, dtype)
+        assert moe.grouped_kernel(xi, moe.expert_weights(p, cfg)[0]) == (device == "cuda")
+        out, counts = moe.routed_experts(p, xi, weights.to(device, dtype), experts.to(device), cfg)
+        out.float().square().sum().backward()
+        outs[device] = (out.float().cpu(), {n: v.grad.float().cpu() for n, v in p.items() if v.grad is not None},
+                        counts.cpu())
+    (a, ga, ca), (b, gb, cb) = outs["cuda"], outs["cpu"]
+    assert torch.equal(ca, cb)
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    idle = int((cb == 0).nonzero()[0])
+    for name in moe.names(cfg).expert(idle):
+        assert torch.count_nonzero(ga[name]) == torch.count_nonzero(gb[name]) == 0
+    assert set(ga) == set(gb)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=5e-2, atol=5e-2 * gb[name].abs().max().item())
 
 
 def test_an_expert_without_tokens_has_an_exactly_zero_gradient():

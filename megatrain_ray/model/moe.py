@@ -22,9 +22,9 @@ here (a copy per call). Same values either way.
 
 Compute: the k x N (token, expert) pairs are sorted by expert (a stable sort: within an expert the
 tokens keep their order), the tokens gathered in that order, and each expert's GEMMs run over its
-contiguous rows: on a GPU as one grouped GEMM per projection (``torch._grouped_mm``, where torch and
-the GPU support it: bf16 on compute capability 9.0+), with no Python loop over experts and no
-host synchronisation; elsewhere one GEMM per expert over its rows (:func:`grouped_linear`, the CPU
+contiguous rows: on a GPU as one grouped GEMM per projection (torch's ``grouped_mm``, where torch and
+the GPU support it: bf16 on compute capability 8.0+ from torch 2.9, 9.x before), with no Python loop
+over experts and no host synchronisation; elsewhere one GEMM per expert over its rows (:func:`grouped_linear`, the CPU
 path; same values). An expert that receives no token has zero rows, so its gradient is exactly zero.
 The outputs return to token order through the inverse permutation and the k weighted outputs of
 each token are summed in a fixed order (no atomics, deterministic).
@@ -154,11 +154,20 @@ def expert_weights(p: Params, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Ten
     return gate_up, torch.stack([p[d] for _, _, d in experts])
 
 
+def _grouped_mm():
+    """torch's grouped GEMM: ``torch.nn.functional.grouped_mm`` (torch 2.10+), else ``torch._grouped_mm``, else None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs x: [T, in] against w: [E, out, in] here: CUDA, bf16,
-    compute capability 9.0+, rows 16-byte aligned (in, out multiples of 8)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+    """Whether torch's grouped GEMM runs x: [T, in] against w: [E, out, in] here: CUDA, bf16, a GPU it
+    supports (compute capability 8.0+ from torch 2.9 on, 9.x before), 16-byte aligned rows and starts."""
+    if not (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and _grouped_mm() is not None):
+        return False
+    major = torch.cuda.get_device_capability(x.device)[0]
+    recent = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
+    return ((major >= 8) if recent else major == 9) and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0 \
+        and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -168,8 +177,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     One grouped GEMM where :func:`grouped_kernel` says so; else one GEMM per expert over its rows
     (this needs the counts on the host: the CPU path)."""
     if grouped_kernel(x, w):
-        offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return _grouped_mm()(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     pieces = x.split(counts.tolist())
     return torch.cat([F.linear(piece, w[e]) for e, piece in enumerate(pieces)])
 
