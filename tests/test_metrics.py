@@ -22,7 +22,7 @@ from megatrain_ray.engine.store import StoreSpec
 from megatrain_ray.model import flops
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration import grafana
-from megatrain_ray.orchestration.gauges import STAGE_ROLE, UNITS
+from megatrain_ray.orchestration.gauges import MOE_GAUGES, STAGE_ROLE, UNITS
 from megatrain_ray.orchestration.pipeline import train
 
 STEPS = 4
@@ -52,9 +52,12 @@ def finished_run(ray_cluster, tmp_path_factory, shm_dirs):
     return cfg, result, lines
 
 
-def _scrape(run_id: str, final_step: int, timeout: float = 90.0) -> dict[tuple[str, tuple], float]:
+def _scrape(run_id: str, final_step: int, timeout: float = 90.0, wanted: set[str] | None = None
+            ) -> dict[tuple[str, tuple], float]:
     """{(metric name, sorted extra tags): value} of this run's ray_megatrain_* samples on the node,
-    once the exporter shows every gauge at the run's final step (it exports every few seconds)."""
+    once the exporter shows every gauge at the run's final step (it exports every few seconds);
+    wanted: the gauges to wait for (default: every gauge a dense run sets and the dashboard reads)."""
+    wanted = (set(GAUGES) | grafana_metrics()) - set(MOE_GAUGES) if wanted is None else wanted
     node = next(n for n in ray.nodes() if n["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     deadline = time.monotonic() + timeout
@@ -65,10 +68,11 @@ def _scrape(run_id: str, final_step: int, timeout: float = 90.0) -> dict[tuple[s
         for m in re.finditer(r'^ray_megatrain_(\w+)\{([^}]*)\} (\S+)$', text, re.M):
             tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             if tags.get("run_id") == run_id:
-                keys = ("role",) if m.group(1).startswith("role_") else ("stage", "direction", "queue", "worker")
+                keys = ("role",) if m.group(1).startswith("role_") else ("stage", "direction", "queue", "worker",
+                                                                          "layer", "expert")
                 extra = tuple(sorted((k, v) for k, v in tags.items() if k in keys))
                 found[(m.group(1), extra)] = float(m.group(3))
-        if {name for name, _ in found} >= set(GAUGES) | grafana_metrics() and found.get(("step", ())) == final_step \
+        if {name for name, _ in found} >= wanted and found.get(("step", ())) == final_step \
                 and found.get(("checkpoint_step", ())) == final_step:
             return found
         time.sleep(2)
@@ -79,8 +83,8 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     cfg, result, _ = finished_run
     found = _scrape(result.run_id, STEPS)
     assert {name for name, _ in found} >= set(GAUGES), sorted(found)
-    assert set(GAUGES) == set(UNITS)  # every gauge has its unit, and this test checks every one
-    missing = grafana_metrics() - {name for name, _ in found}
+    assert set(GAUGES) | set(MOE_GAUGES) == set(UNITS)  # every gauge has its unit; this test or the MoE one checks it
+    missing = grafana_metrics() - set(MOE_GAUGES) - {name for name, _ in found}
     assert not missing, f"the Grafana dashboard reads metrics no run exports: {sorted(missing)}"
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     last = rows[-1]
@@ -123,6 +127,22 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
         assert step in (STEPS - 1, STEPS), (role, step)
         assert unit in range(cfg.model.num_hidden_layers + 2), (role, unit)
     assert 0 <= found[("queue_depth", (("queue", "fetch"),))] <= 2  # it holds at most buffer_depth (2 on cpu)
+
+
+def test_moe_gauges_are_exported(ray_cluster, tmp_path, shm_dir):
+    """A mixture of experts' run sets aux_loss, expert_tokens{layer, expert} and expert_imbalance{layer}
+    to its last step's values (metrics.jsonl), the sparse layers named by their decoder layer index."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "tiny-moe.yaml"), [
+        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}", "runtime.device=cpu", "train.steps=2",
+        "train.checkpoint_every=2", "train.save_final=false", "runtime.actor_timeout_s=120", "optim.warmup_steps=1"])
+    result = train(cfg, log=lambda line: None)
+    found = _scrape(result.run_id, 2, wanted=set(MOE_GAUGES))
+    last = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))][-1]
+    assert found[("aux_loss", ())] == pytest.approx(last["aux_loss"], rel=1e-6) and last["aux_loss"] > 0
+    for layer, counts in zip(cfg.model.sparse_layers, last["expert_tokens"]):
+        assert [found[("expert_tokens", (("expert", str(e)), ("layer", str(layer))))] for e in range(8)] == counts
+        assert found[("expert_imbalance", (("layer", str(layer)),))] == pytest.approx(max(counts) / (sum(counts) / 8))
 
 
 def test_stage_gauges_name_their_role(finished_run):

@@ -19,5 +19,9 @@ UNITS = {
     "device_peak_bytes": "bytes", "stage_busy_s": "s", "stage_busy_fraction": "share of the step",
     "link_gbps": "GB/s", "queue_depth": "items", "worker_busy_fraction": "share of the step",
     "worker_link_gbps": "GB/s", "role_step": "steps", "role_unit": "",
+    "aux_loss": "nats/token", "expert_tokens": "tokens", "expert_imbalance": "",
 }
 """Every gauge (name without the ``ray_megatrain_`` prefix) and its unit ("" for a plain number)."""
+
+MOE_GAUGES = ("aux_loss", "expert_tokens", "expert_imbalance")
+"""The gauges only a mixture of experts sets (a dense run exports none of them)."""

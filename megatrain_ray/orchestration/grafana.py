@@ -28,7 +28,7 @@ UID = "megatrain-ray"
 
 GRAFANA_UNITS = {"tokens/s": "suffix: tokens/s", "TFLOP/s": "suffix: TFLOP/s", "s": "s",
                  "nats/token": "suffix: nats/token", "": "none", "steps": "none", "bytes": "bytes",
-                 "share of the step": "percentunit", "GB/s": "GBs", "items": "none"}
+                 "share of the step": "percentunit", "GB/s": "GBs", "items": "none", "tokens": "none"}
 """Unit of :data:`UNITS` -> Grafana's unit id (``percentunit`` shows a share 0..1 as percent;
 ``GBs`` is gigabytes per second, 1e9 bytes, as link_gbps counts them)."""
 
@@ -55,7 +55,13 @@ PANELS = [
                      ("host_memory_used_bytes", "node RAM used")], "Bytes of host RAM."),
     ("GPU memory", [("device_peak_bytes", "peak on the compute worker")],
      "Peak device memory of the compute worker during the last step."),
-    ("Loss", [("loss", "train"), ("val_loss", "validation")], "Cross-entropy, nats per token."),
+    ("Loss", [("loss", "train"), ("val_loss", "validation"), ("aux_loss", "load-balancing part of train")],
+     "Cross-entropy, nats per token; a mixture of experts' training loss includes router_aux_loss_coef x its "
+     "load-balancing loss (shown apart)."),
+    ("Experts: imbalance per sparse layer", [("expert_imbalance", "layer {{layer}}")],
+     "A mixture of experts: max / mean tokens per expert of each sparse layer in the last step (1: balanced)."),
+    ("Experts: tokens per expert", [("expert_tokens", "layer {{layer}} expert {{expert}}")],
+     "A mixture of experts: the tokens each expert of each sparse layer received in the last step."),
     ("Learning rate", [("learning_rate", "lr")], "Learning rate of the last step."),
     ("Gradient norm", [("grad_norm", "grad norm")], "Global gradient norm of the last step, before clipping."),
     ("Progress", [("step", "steps done"), ("checkpoint_step", "last checkpoint")],

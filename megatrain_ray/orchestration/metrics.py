@@ -23,6 +23,9 @@ host_memory_used_bytes      used RAM of the node
 device_peak_bytes           peak device memory of the compute worker during the step
 step, checkpoint_step       last finished step, last saved checkpoint
 worker_busy_fraction, worker_link_gbps   the same per compute worker (tag worker: 0, 1, ...)
+aux_loss                    a mixture of experts: the load-balancing part of the last step's loss
+expert_tokens{layer,expert} tokens each expert of each sparse layer received in the last step
+expert_imbalance{layer}     max / mean of those per sparse layer (1: balanced)
 ==========================  ========================================================================
 
 :data:`megatrain_ray.orchestration.gauges.UNITS` gives each gauge's unit, the one ``megatrain-ray
@@ -74,6 +77,11 @@ class RunMetrics:
         self.queue = gauge("queue_depth", "Items waiting in a pipeline queue.", ("queue",))
         self.worker_fraction = gauge("worker_busy_fraction", "Busy share of the last step per compute worker "
                                      "(GPU) and stage.", ("worker", "stage"))
+        self.aux = gauge("aux_loss", "A mixture of experts: the load-balancing part of the last step's loss.")
+        self.expert_tokens = gauge("expert_tokens", "Tokens each expert of each sparse layer received in the last "
+                                   "step.", ("layer", "expert"))
+        self.imbalance = gauge("expert_imbalance", "Max / mean tokens per expert of each sparse layer in the last "
+                               "step.", ("layer",))
         self.worker_link = gauge("worker_link_gbps", "Host-device copy bandwidth of each compute worker (GPU) "
                                  "while busy, GB/s.", ("worker", "direction"))
 
@@ -113,6 +121,8 @@ class RunMetrics:
         for name, depth in (queue_depths or {}).items():
             if depth is not None:
                 self.queue.set(depth, tags={**self.tags, "queue": name})
+        if "expert_tokens" in row:
+            self._experts(row)
         for w, worker in enumerate(row.get("workers") or (row,)):  # each GPU's own lanes (rank order)
             tags = {**self.tags, "worker": str(w)}
             for lane in ("compute", "h2d", "d2h", "wait"):
@@ -122,6 +132,16 @@ class RunMetrics:
                 if busy > 0:
                     self.worker_link.set(worker.get(f"{direction}_bytes", 0) / busy / 1e9,
                                          tags={**tags, "direction": direction})
+
+    def _experts(self, row: dict) -> None:
+        """A mixture of experts' gauges: aux_loss, and per sparse layer (its decoder layer index) the
+        tokens of each expert and their imbalance."""
+        self.aux.set(row["aux_loss"], tags=self.tags)
+        for layer, counts in zip(self.model.sparse_layers, row["expert_tokens"]):
+            tags = {**self.tags, "layer": str(layer)}
+            for e, n in enumerate(counts):
+                self.expert_tokens.set(n, tags={**tags, "expert": str(e)})
+            self.imbalance.set(max(counts) / max(sum(counts) / len(counts), 1e-9), tags=tags)
 
     def checkpoint(self, step: int) -> None:
         self.g["checkpoint_step"].set(step, tags=self.tags)
