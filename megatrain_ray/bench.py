@@ -310,7 +310,7 @@ def finish(b: Bench, cfg: TrainConfig, systems: dict, tokens_of: dict) -> int:
         if key.startswith("megatrain_ray") and r["steady_periods"] < 3:
             print(f"note: {key}'s s/step is the median of only {r['steady_periods']} step(s) after the warm-up; "
                   "use --steps 5 or more for numbers to quote")
-    print(f"ours: {ours['tflops_6nt']:.1f} TFLOPS as 6·N·T (every parameter), {ours['tflops_palm']:.1f} as PaLM's "
+    print(f"ours: {ours['tflops_6nt']:.1f} TFLOPS as 6·N·T (every parameter a token goes through), {ours['tflops_palm']:.1f} as PaLM's "
           "model FLOPs (matmul parameters + attention)"
           + (f", MFU {ours['mfu']:.1%} of the bf16 GEMM measured in this run ({report['gemm_tflops']:.0f} TFLOP/s)"
              if "mfu" in ours else ""))

@@ -217,6 +217,18 @@ def test_tiny_moe_plan_counts_active_parameters_and_the_layers_each_mode_fits(us
     assert budget / float(modes[2][0]) / per_layer == pytest.approx(layers[2], rel=0.01)
 
 
+def test_moe_sparse_layers_are_never_planned_kept_whole(user_files, capsys):
+    """A sparse layer is recomputed from its checkpoint (engine.sequence): auto keeps only dense layers
+    after the last sparse one (none in tiny-moe), and asking to keep more is one error naming the key."""
+    status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200)
+    assert re.search(r"^activations \(chosen by the planner .*\): 0 layers kept whole", out, re.M), out
+    dense = preflight.activation_placement(load_config(_path("qwen2.5-7b"), _replacements("qwen2.5-7b", user_files)),
+                                           "cuda", 141 * GiB)
+    assert dense.count("keep") > 0  # the same planner keeps a dense model's layers on that GPU
+    status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200, "--set", "runtime.activations=keep=2")
+    assert status != 0 and "runtime.activations keeps 2 layers whole" in err and "keep at most 0" in err
+
+
 def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir):
     cfg = load_config(_path("tiny-moe"), [*COMMON, "train.steps=4", f"runtime.run_dir={tmp_path / 'runs'}",
                                            f"runtime.shm_dir={shm_dir}"])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..config import TrainConfig
 from ..engine.activations import kept_bytes_per_token, layer_modes
 from ..engine.store import StoreSpec, largest_streamed, owned_units
+from ..errors import ConfigError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .machine import gpu_free_memory
@@ -149,10 +150,17 @@ def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, devi
     by layer, to keeping whole graphs instead (each saves that layer's recompute); if not even the
     checkpoints fit, the fewest layers are offloaded that make them fit (with the 3 layers' worth
     that offloading keeps in flight on the device). With the size unknown, nothing is kept or offloaded.
+    A mixture of experts' sparse layers are always recomputed, so only the dense layers after the
+    last sparse one can be kept whole.
     """
     n = cfg.model.num_hidden_layers
+    keepable = n - 1 - max(cfg.model.sparse_layers, default=-1)
     counts = cfg.runtime.activation_counts(device, n)
     if counts is not None:
+        if counts[0] > keepable:
+            raise ConfigError(f"runtime.activations keeps {counts[0]} layers whole, but a sparse (mixture-of-experts) "
+                              f"layer is recomputed, never kept, and only the last {keepable} layers are dense; keep at "
+                              f"most {keepable} (e.g. \"keep={keepable}\") or leave it auto.")
         return counts
     if device_bytes is None or n == 0:
         return 0, 0
@@ -160,7 +168,7 @@ def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, devi
     ck, kept, _ = _activation_bytes(cfg, device, micro_batch_size)
     budget -= ck  # the last layer's output, the head's input, is on the device whatever the placement
     if n * ck <= budget:
-        return min(n, (budget - n * ck) // max(1, kept - ck)), 0
+        return min(keepable, (budget - n * ck) // max(1, kept - ck)), 0
     return 0, min(n, -(-(n * ck + 3 * ck - budget) // ck))
 
 
