@@ -1,7 +1,7 @@
 """The ``megatrain-ray`` command line: ``megatrain-ray train [--config FILE.yaml] [--set key=value ...]``.
 
-Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the memory a config needs, see
-:mod:`megatrain_ray.orchestration.preflight`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
+Also ``train --resume RUN_DIR_OR_CHECKPOINT``, ``plan`` (the run a config resolves to and the memory it needs, see
+:mod:`megatrain_ray.orchestration.resolve`), ``plot RUN_DIR`` (PNG plots of runs/<id>/metrics.jsonl),
 ``export RUN_DIR_OR_CHECKPOINT --out DIR`` (a Hugging Face model directory, see
 :mod:`megatrain_ray.io.hf_io`), ``eval RUN_DIR_OR_CHECKPOINT`` (held-out loss and perplexity, see
 :mod:`megatrain_ray.io.evaluate`) and ``bench`` (what a run of a model does on this machine: s/step,
@@ -34,14 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
                        help="continue from a checkpoint (a run directory: its newest one); its config is the "
                             "base that --config and --set override")
-    plan = sub.add_parser("plan", help="print the host RAM, /dev/shm and GPU memory a config needs")
+    plan = sub.add_parser("plan", help="print the run a config resolves to on this machine: its settings and the "
+                                       "host RAM, /dev/shm and GPU memory it needs")
     plan.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override one config field (repeatable)")
     plan.add_argument("--device", choices=("cpu", "cuda"), help="plan for this device (default: runtime.device, "
                       "auto meaning cuda when a GPU is visible)")
     plan.add_argument("--gpu-memory", type=float, metavar="GIB",
-                      help="GPU memory to plan for, in GiB (default: GPU 0's, if visible)")
+                      help="GPU memory to plan for, in GiB (default: what is free on GPU 0 now, if visible, "
+                           "as a run would find it)")
     plan.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
                       help="the GPU's bf16 dense rate for the expected step time, e.g. one measured by "
                            "`megatrain-ray bench` (default: nominal, by the GPU's name)")
@@ -137,15 +139,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan(args) -> int:
-    """``plan``: print the memory table; exit status 2 (and one error line) if the run would not fit."""
+    """``plan``: print the resolved run (the settings its roles get, the memory table); exit status 2
+    (and one error line) if the run would not fit."""
     from .io.hf_io import load_train_config
-    from .orchestration.preflight import plan
+    from .orchestration.cluster import cluster_to_join
+    from .orchestration.resolve import Facts, resolve
 
     cfg = load_train_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
-    result = plan(cfg, args.device, gpu, device_tflops=args.gpu_tflops)
-    print(result.table())
-    problems = result.problems()
+    run = resolve(cfg, Facts.here(cfg, args.device, gpu, starts_ray=cluster_to_join(cfg.runtime)[0] is None,
+                                  device_tflops=args.gpu_tflops))
+    print(run.describe())
+    problems = run.memory.problems()
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ deterministic), an offloaded checkpoint comes back with the same bytes. So losse
 must agree bit for bit, not to a tolerance.
 """
 
+import dataclasses
 import os
 import queue
 import threading
@@ -31,6 +32,7 @@ from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import LayerTemplate
 from megatrain_ray.model.precision import resolve_precision
 from megatrain_ray.orchestration import preflight
+from megatrain_ray.orchestration.resolve import Facts, resolve
 
 SMALL = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=3",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512"]
@@ -158,8 +160,9 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
-    worker = ComputeWorker(spec, "cpu", depth, rt.loss_chunk_size_on("cpu"), fetch_q, grad_q, release_q,
-                           rt.actor_timeout_s, placement=placement, attention_backend=attention_backend)
+    settings = dataclasses.replace(resolve(cfg, Facts("cpu")).compute, activations=placement,
+                                   attention_backend=attention_backend, threads=None)
+    worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
     if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with runtime.compile
         worker.runner = LayerRunner(0, wrap)
     if calls is not None:  # count the layer's forward runs (forward, and recompute up to the down projection)
@@ -349,30 +352,34 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     while one more fits; where the checkpoints do not fit, the fewest layers go to host memory."""
     gib = 2**30
     # the benchmark's 7B step (64k tokens), its runtime.device_adamw (auto) resolved as a run resolves it
-    cfg = preflight.resolve_device_adamw(_seven_b(16384, 4), "cuda", 140 * gib)
-    assert cfg.runtime.device_adamw == "edges+1"
-    modes = preflight.activation_placement(cfg, "cuda", 140 * gib)
+    cfg = _seven_b(16384, 4)
+    run = resolve(cfg, Facts("cuda", 140 * gib))
+    assert run.resident == "edges+1"
+    resident = run.schedule.resident
+    modes = run.compute.activations
+    assert modes == preflight.activation_placement(cfg, "cuda", 140 * gib, resident)
     keep = modes.count(KEEP)
     assert 0 < keep < 28 and HOST not in modes and modes[-keep:] == (KEEP,) * keep
 
     def device_total(k, h):
-        rows = preflight._fixed_device_rows(cfg, "cuda", 4) + preflight._activation_rows(cfg, "cuda", 4, k, h)
+        rows = preflight._fixed_device_rows(cfg, "cuda", 4, resident) + preflight._activation_rows(cfg, "cuda", 4, k, h)
         return preflight.device_total(rows)  # the layer and the head phases never overlap
 
     usable = 140 * gib * preflight.GPU_USABLE
     assert device_total(keep, 0) <= usable < device_total(keep + 1, 0)
-    plan = preflight.plan(cfg, "cuda", device_bytes=140 * gib, starts_ray=False)
+    plan = run.memory
     assert plan.total("device") == device_total(keep, 0)
     assert f"{keep} layers kept whole on the GPU" in plan.table()
 
-    cfg = preflight.resolve_device_adamw(_seven_b(16384, 4), "cuda", 24 * gib)
-    assert cfg.runtime.device_adamw == "none"  # what it would hold on the GPU would push checkpoints out
-    small = preflight.activation_placement(cfg, "cuda", 24 * gib)  # not even every checkpoint fits
+    run = resolve(cfg, Facts("cuda", 24 * gib))
+    assert run.resident == "none"  # what it would hold on the GPU would push checkpoints out
+    resident = ()
+    small = run.compute.activations  # not even every checkpoint fits
     host = small.count(HOST)
     assert KEEP not in small and 0 < host < 28 and small[:host] == (HOST,) * host
     assert device_total(0, host) <= 24 * gib * preflight.GPU_USABLE < device_total(0, host - 1)
     assert preflight.activation_placement(cfg, "cuda", 10_000 * gib) == (KEEP,) * 28
-    assert preflight.activation_placement(cfg, "cpu") == (GPU,) * 28  # auto on the CPU: recompute
+    assert preflight.activation_placement(cfg, "cpu", None) == (GPU,) * 28  # auto on the CPU: recompute
     explicit = _seven_b(16384, 4, "runtime.activations=keep=3,host=5")
     assert preflight.activation_placement(explicit, "cuda", 48 * gib) == layer_modes(28, 3, 5)
 

@@ -156,6 +156,7 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     import queue
 
     from megatrain_ray.config import OptimConfig
+    from megatrain_ray.engine.settings import SinkSettings
     from megatrain_ray.engine.sink import GradientSink
     from megatrain_ray.engine.tickets import GradTicket
     from megatrain_ray.errors import PipelineError
@@ -170,7 +171,7 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     ps = _store(shm_dir, "diverge")
     root = str(tmp_path / "ckpts")
     grad_q, stats_q = queue.Queue(), queue.Queue()
-    sink = GradientSink(ps.spec, OptimConfig(lr=1e-3), 3, grad_q, stats_q, timeout_s=30,
+    sink = GradientSink(ps.spec, SinkSettings(OptimConfig(lr=1e-3), 3, timeout_s=30, threads=1), grad_q, stats_q,
                         checkpoint=checkpoint.CheckpointPlan(root, every=1, keep=2, run_config={}, run_id="r"))
     try:
         units = range(len(ps.store.layout.units))

@@ -24,6 +24,7 @@ from artifacts import CORPUS, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.orchestration import preflight  # noqa: E402
+from megatrain_ray.orchestration.resolve import Facts, resolve  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config as load_config  # noqa: E402  (configs may name runtime.init_from)
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
@@ -144,8 +145,8 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_
     assert gpu, out
     assert 20 < float(gpu.group(1)) <= float(usable)  # the GPU side fits an H200 (auto fills it with kept graphs)
     kept = int(re.search(r"^activations \(.*\): (\d+) layers kept whole", out, re.M).group(1))
-    resolved = preflight.resolve_device_adamw(cfg, "cuda", 141 * GiB)  # auto: edges+1 where it fits, as the plan has it
-    assert kept == (0 if name == "long-context" else preflight.activation_placement(resolved, "cuda", 141 * GiB).count("keep"))
+    run = resolve(cfg, Facts("cuda", 141 * GiB))  # auto: edges+1 where it fits, as the plan has it
+    assert kept == (0 if name == "long-context" else run.compute.activations.count("keep"))
     largest = int(re.search(r"^largest micro-batch that fits: (\d+)", out, re.M).group(1))
     assert largest >= cfg.train.micro_batch_size
     # Host RAM: this machine's verdict depends on its size; what a 128 GiB machine (the H200 box)

@@ -5,6 +5,7 @@ worker (the gradient sink left out, so the gradients stay in the host store to b
 against the same weights held on the GPU in fp32 and run under bf16 autocast with plain autograd.
 """
 
+import dataclasses
 import gc
 import os
 import queue
@@ -17,11 +18,13 @@ import torch
 
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
+from megatrain_ray.engine.activations import GPU, HOST
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
 from benchmarks.reference import ResidentModel
 from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
 from megatrain_ray.model.precision import resolve_precision
+from megatrain_ray.orchestration.resolve import Facts, resolve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,9 +50,10 @@ def _streamed_step(cfg, compile_layers: bool, offload: bool = False, mlp_chunk: 
     prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
-    worker = ComputeWorker(spec, "cuda", depth, rt.loss_chunk_size_on("cuda"), fetch_q, grad_q, release_q,
-                           rt.actor_timeout_s, compile_layers=compile_layers, offload_activations=offload,
-                           mlp_chunk_size=mlp_chunk)
+    settings = dataclasses.replace(resolve(cfg, Facts("cuda")).compute, compile=compile_layers,
+                                   activations=(HOST if offload else GPU,) * cfg.model.num_hidden_layers,
+                                   mlp_chunk_size=mlp_chunk)
+    worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
     try:
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:

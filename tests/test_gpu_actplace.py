@@ -6,6 +6,7 @@ memory of kept graphs against the planner's estimate; every SDPA backend the GPU
 torch's own choice.
 """
 
+import dataclasses
 import gc
 import os
 import queue
@@ -24,6 +25,7 @@ from megatrain_ray.engine.prefetch import Prefetcher
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
+from megatrain_ray.orchestration.resolve import Facts, resolve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,9 +42,9 @@ def _step(cfg, placement, compile_layers=False, attention_backend="auto"):
     thread.start()
     gc.collect()
     torch.cuda.reset_peak_memory_stats()
-    worker = ComputeWorker(spec, "cuda", depth, rt.loss_chunk_size_on("cuda"), fetch_q, grad_q, release_q,
-                           rt.actor_timeout_s, compile_layers=compile_layers, placement=placement,
-                           attention_backend=attention_backend)
+    settings = dataclasses.replace(resolve(cfg, Facts("cuda")).compute, compile=compile_layers, activations=placement,
+                                   attention_backend=attention_backend, mlp_chunk_size=0)
+    worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
     try:
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:

@@ -17,6 +17,8 @@ from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration import machine, preflight
+from megatrain_ray.orchestration import resolve as resolve_module
+from megatrain_ray.orchestration.resolve import Facts, check, resolve
 
 HUGE = ["--set", "model.hidden_size=16384", "--set", "model.num_hidden_layers=200", "--set",
         "model.intermediate_size=53248", "--set", "model.num_attention_heads=128", "--set", "model.vocab_size=128256"]
@@ -58,11 +60,12 @@ def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
     best = plan.largest_micro_batch
     assert best and best > 0
 
-    resolved = preflight.resolve_device_adamw(cfg, "cuda", 8 * 2**30)  # as the plan resolves it
-    assert resolved.runtime.device_adamw == "edges+1"  # the default, auto, on one GPU where it fits
+    run = resolve(cfg, Facts("cuda", 8 * 2**30))  # as the plan resolves it
+    assert run.resident == "edges+1" and run.memory.resident == run.schedule.resident  # auto, on one GPU where it fits
+    assert cfg.runtime.device_adamw == "auto"  # the config is as written
 
     def device_total(b):  # activations placed by auto for that GPU, as the run would place them
-        return preflight.device_total(preflight.device_rows(resolved, "cuda", b, 8 * 2**30))
+        return preflight.device_total(preflight.device_rows(cfg, "cuda", b, 8 * 2**30, run.schedule.resident))
 
     assert device_total(best) <= 8 * 2**30 * preflight.GPU_USABLE < device_total(best + 1)
     # Beyond one loss chunk, the device total grows linearly with the micro-batch (activations).
@@ -121,15 +124,17 @@ def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypa
     real = preflight.plan(cfg, "cpu", starts_ray=False)
     need = real.total("shm")
     frees = iter([need // 2, need // 2 + need // 4, need * 2])  # releasing, still short, then enough
-    monkeypatch.setattr(preflight, "RELEASE_POLL_S", 0.01)
+    monkeypatch.setattr(resolve_module, "RELEASE_POLL_S", 0.01)
     monkeypatch.setattr(preflight, "plan", lambda *a, **k: dataclasses.replace(real, shm_free=next(frees)))
     lines = []
-    assert preflight.check(cfg, "cpu", lines.append, starts_ray=False).shm_free == need * 2
+    run = resolve(cfg, Facts("cpu"))
+    short = dataclasses.replace(run, memory=dataclasses.replace(real, shm_free=next(frees)))
+    assert check(short, lines.append).shm_free == need * 2
     assert lines == ["waiting for the memory of a run that just ended to be released"]
 
-    frees = iter([need // 2, need // 2])  # not growing: fails at once, with the table and the sentence
+    frees = iter([need // 2])  # not growing: fails at once, with the table and the sentence
     try:
-        preflight.check(cfg, "cpu", lines.append, starts_ray=False)
+        check(dataclasses.replace(run, memory=dataclasses.replace(real, shm_free=need // 2)), lines.append)
     except preflight.PreflightError as e:
         assert str(e).startswith("the run needs")
     else:

@@ -148,7 +148,7 @@ class RuntimeSection:
     """Units whose AdamW runs on the compute worker's device, their fp32 master weights and moments
     resident there: auto (default: edges+1 on one GPU where the plan fits it with every activation
     checkpoint on the GPU, else edges, else none; none on the CPU, with several compute workers, a
-    bf16 master or 8-bit moments; see megatrain_ray.orchestration.device_memory.resolve_device_adamw),
+    bf16 master or 8-bit moments; see megatrain_ray.orchestration.device_memory.resolve_resident),
     none (every unit on the host) or edges = the embedding and the LM head
     (with the final norm). They sit at the step boundary: the next forward needs the embedding
     first, its gradient comes last, and on the host its update and the copies around it are time

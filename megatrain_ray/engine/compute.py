@@ -51,12 +51,11 @@ from typing import Any
 
 import torch
 
-from ..config import OptimConfig
 from ..errors import ConfigError, PipelineError
 from ..model.layout import DECODER_LAYER
-from ..model.transformer import IGNORE_INDEX, embed
+from ..model.transformer import embed
 from . import affinity
-from .activations import GPU, HOST, KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
+from .activations import KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
@@ -64,9 +63,10 @@ from .grad_out import GradOut
 from .grad_reduce import GradReducer
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .owned import OwnedUnits
-from .sequence import CompiledLayer, LayerRunner, step_contexts  # noqa: F401  (CompiledLayer: re-exported)
+from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
 from .routing import StepRouting
 from .sequence import layer_backward, routed_backward
+from .settings import ComputeSettings
 from .store import HostStore, StoreSpec, largest_streamed
 from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 
@@ -74,52 +74,48 @@ from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 class ComputeWorker:
     """Plain class; made a Ray actor (with a GPU when there is one) at spawn."""
 
-    def __init__(self, spec: StoreSpec, device: str, buffer_depth: int, loss_chunk_size: int,
-                 fetch_q, grad_q, release_q, timeout_s: float, num_threads: int | None = None,
-                 compile_layers: bool = False, offload_activations: bool = False, grad_slot_q=None,
-                 compile_threads: int = 1, placement: tuple[str, ...] | None = None, attention_backend: str = "auto",
-                 mlp_chunk_size: int = 0, optim: OptimConfig | None = None, total_steps: int = 0):
-        """placement: each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`);
-        None: every checkpoint offloaded with ``offload_activations``, else every one on the device.
-        optim, total_steps: the AdamW settings and the run's steps, for the units it owns (``spec.owned``)."""
-        if num_threads:
-            torch.set_num_threads(num_threads)
+    def __init__(self, spec: StoreSpec, settings: ComputeSettings, fetch_q, grad_q, release_q, grad_slot_q=None):
+        """spec: the node's store; settings: this worker's part of the run; fetch_q, release_q: its
+        prefetcher's queues (weights ready in a slot, slots freed); grad_q: to the gradient sink;
+        grad_slot_q: free slots of the store's gradient ring, from the sink (None without a ring)."""
+        self.settings = s = settings
+        if s.threads:
+            torch.set_num_threads(s.threads)
         self.cfg = spec.model
-        wrap = (lambda fn: CompiledLayer(threads=compile_threads, fn=fn)) if compile_layers else None
-        self.runner = LayerRunner(mlp_chunk_size, wrap)
-        self.head_loss_fn = (CompiledLayer(threads=compile_threads, fn=chunk_loss_sum, what="LM head",
-                                           backward_at_forward=True) if compile_layers else chunk_loss_sum)
+        wrap = (lambda fn: CompiledLayer(threads=s.compile_threads, fn=fn)) if s.compile else None
+        self.runner = LayerRunner(s.mlp_chunk_size, wrap)
+        self.head_loss_fn = (CompiledLayer(threads=s.compile_threads, fn=chunk_loss_sum, what="LM head",
+                                           backward_at_forward=True) if s.compile else chunk_loss_sum)
         """One loss chunk of the head (:mod:`megatrain_ray.engine.head`), compiled with the layers."""
-        self._compile_pool = self.runner.compiled()[0] if compile_layers and compile_threads > 1 else None
+        self._compile_pool = self.runner.compiled()[0] if s.compile and s.compile_threads > 1 else None
         """The compiled layer whose worker pool is still to be shut down after the first step."""
         self.store = HostStore(spec)
         self.layout = self.store.layout
         self.dtype = spec.precision.compute
-        self.chunk = loss_chunk_size
-        self.timeout_s = timeout_s
+        self.chunk = s.loss_chunk_size
+        self.timeout_s = timeout_s = s.timeout_s
         self.fetch_q, self.release_q = fetch_q, release_q
-        self.device_name = device
+        self.device_name = device = s.device
         self.reducer: GradReducer | None = None
         """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
-        self.backend = make_backend(device, buffer_depth, largest_streamed(self.layout, spec.owned), self.dtype)
-        if placement is None:
-            placement = (HOST if offload_activations else GPU,) * self.cfg.num_hidden_layers
+        self.backend = make_backend(device, s.buffer_depth, largest_streamed(self.layout, spec.owned), self.dtype)
+        placement = s.activations
         if len(placement) != self.cfg.num_hidden_layers:
             raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
                               f"{self.cfg.num_hidden_layers}; check runtime.activations.")
         self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
         offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
-        if attention_backend not in offered:
-            raise ConfigError(f"runtime.attention_backend {attention_backend!r} is not available on {device}; "
+        if s.attention_backend not in offered:
+            raise ConfigError(f"runtime.attention_backend {s.attention_backend!r} is not available on {device}; "
                               f"use one of {', '.join(offered)}.")
-        self.attention_backend = attention_backend
+        self.attention_backend = s.attention_backend
         pinned = ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad")
         for kind in pinned:
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind])
-        self.owned = OwnedUnits(self.store, self.backend, optim, total_steps, timeout_s, num_threads or 1,
+        self.owned = OwnedUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
                                 pinned) if spec.owned else None
-        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.owned)
+        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.owned, s.policies)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
@@ -201,7 +197,14 @@ class ComputeWorker:
         """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot (no
         ticket, and the resident weights, for a unit this worker owns)."""
         if self.owned is not None and unit in self.owned.units:
-            return None, self.owned.weights(unit, step)
+            weights = self.owned.weights(unit, step)
+            if weights is None:  # diverged: wait as for weights that never come (on the queue that would bring
+                try:  # them) while the sink stops the run, finishing the checkpoint being written first
+                    wait_while_moving(lambda t: (self._arrived.get(timeout=t),), self.fetch_q, self.timeout_s)
+                except queue.Empty:
+                    pass
+                raise PipelineError(self.owned.diverged)  # then say what it says
+            return None, weights
         waited = time.time()
         try:
             item, = wait_while_moving(lambda t: (self._arrived.get(timeout=t),), self.fetch_q, self.timeout_s)
@@ -262,104 +265,110 @@ class ComputeWorker:
         self.backend.begin_step()
         start = time.time()
         self.fetches.clear()
-        dev = self.backend.device
-        ids = torch.tensor(batch["input_ids"], dtype=torch.long)
-        labels = torch.tensor(batch["labels"], dtype=torch.long)
-        pos = batch.get("position_ids")  # packed documents (data.pack_documents), else absent
-        pos = None if pos is None else torch.tensor(pos, dtype=torch.long)
-        n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))  # of the whole step: every worker's share
-        if self.reducer is not None:  # this worker's equal share of the step's micro-batches
-            share = ids.shape[0] // self.reducer.world
-            ids, labels, pos = (t if t is None else t[self.reducer.rank * share:(self.reducer.rank + 1) * share]
-                                for t in (ids, labels, pos))
-        ids, labels = ids.to(dev), labels.to(dev)
-        num_mb, seq = ids.shape[0], ids.shape[2]
-        ctx = step_contexts(self.cfg, None if pos is None else pos.to(dev), num_mb, seq, dev, self.dtype)
-        templates = self.layout.templates
-        first = self.layout.embed.index
-
-        acts = self.activations
-        acts.clear()  # anything a failed step left
+        self.activations.clear()  # anything a failed step left
+        mb = self._batch(batch)
+        evaluation = None if eval_batch is None else self._batch(eval_batch, mb.ids.shape[2])
         routing = StepRouting(self.cfg, len(batch["input_ids"]))
-        if eval_batch is not None:  # validation sequences ride along the forward: no extra weight traffic
-            eval_ids = torch.tensor(eval_batch["input_ids"], dtype=torch.long).to(dev)
-            eval_labels = torch.tensor(eval_batch["labels"], dtype=torch.long).to(dev)
-            if eval_ids.shape[2] != seq:
-                raise PipelineError(f"validation sequences have {eval_ids.shape[2]} tokens but training ones {seq}.")
-            eval_pos = eval_batch.get("position_ids")
-            eval_ctx = step_contexts(self.cfg, None if eval_pos is None else torch.tensor(
-                eval_pos, dtype=torch.long).to(dev), eval_ids.shape[0], seq, dev, self.dtype)
-        with torch.no_grad():
-            ticket, flat = self._take(first, step)
-            with self.backend.compute("embed"):
-                xs = [embed(templates[first].bind(flat), ids[m]) for m in range(num_mb)]
-                es = [] if eval_batch is None else [embed(templates[first].bind(flat), e) for e in eval_ids]
-            self._release(ticket)
-            for unit in self.layout.layers:
-                i, layer = unit.index, unit.layer
-                sparse = self.cfg.is_sparse(layer)  # recomputed from its checkpoint, never kept whole
-                ticket, flat = self._take(i, step)
-                with self.backend.compute(unit.name):
-                    p = templates[i].bind(flat, fused=True)
-                    if sparse:
-                        ys, stats = zip(*(self.runner.forward_routed(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)))
-                        ys = list(ys)
-                        routing.record(layer, list(stats))
-                    elif acts.mode(layer) == KEEP:  # the graph stays for the backward: nothing to recompute
-                        graph = layer_forward_kept(self.runner.layer, templates[i], flat, xs, ctx, self.cfg)
-                        ys = [y.detach() for y in graph.outputs]
-                    else:
-                        ys = [self.runner.forward(p, x, ctx[m], self.cfg) for m, x in enumerate(xs)]
-                    es = [self.runner.forward(p, e, eval_ctx[m], self.cfg) for m, e in enumerate(es)]
-                if acts.mode(layer) == KEEP and not sparse:
-                    acts.keep(layer, graph)
-                    graph = None
-                else:
-                    acts.put(layer, xs)  # the layer's inputs: the checkpoint its backward recomputes from
-                xs = ys
-                self._release(ticket)
-
-        embed_grad = torch.zeros(templates[first].numel, dtype=torch.float32, device=dev)
-        evaluation = (es, eval_labels) if eval_batch is not None else None
-        loss, dx, val_loss = self._head(step, xs, labels, n_tokens, embed_grad, evaluation)
-        xs = ys = es = None  # the head has used the last hidden states
+        xs, es = self._forward(step, mb, evaluation, routing)
+        embed_grad = torch.zeros(self.layout.templates[self.layout.embed.index].numel, dtype=torch.float32,
+                                 device=self.backend.device)
+        loss, dx, val_loss = self._head(step, xs, mb.labels, mb.n_tokens, embed_grad,
+                                        None if evaluation is None else (es, evaluation.labels))
+        xs = es = None  # the head has used the last hidden states
         aux = routing.aux_loss()
         if aux is not None:
             loss = loss + aux
-
-        for unit in reversed(self.layout.layers):
-            i, layer = unit.index, unit.layer
-            ticket, flat = self._take(i, step)
-            inputs = acts.take(layer)
-            acts.prefetch(layer - 1)  # the next backward's inputs come in while this one computes
-            with self.backend.compute(unit.name + " bwd"):
-                grad = torch.zeros(templates[i].numel, dtype=torch.float32, device=dev)
-                if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
-                    kept_backward(inputs, templates[i].bind(grad, fused=True), dx)
-                elif self.cfg.is_sparse(layer):
-                    routed_backward(self.runner, templates[i].bind(flat, fused=True),
-                                    templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg, routing)
-                else:
-                    layer_backward(self.runner, templates[i].bind(flat, fused=True),
-                                   templates[i].bind(grad, fused=True), inputs, dx, ctx, self.cfg)
-            del inputs
-            self._release(ticket)
-            self.grads_out.send(i, step, grad)
-
-        with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
-            table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
-            for m in range(num_mb):  # in a fixed order, unlike index_add_'s atomics on CUDA
-                rows, grads = ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
-                for s in range(0, rows.shape[0], self.chunk):
-                    add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
-        self.grads_out.send(first, step, embed_grad)
+        self._backward(step, mb, dx, embed_grad, routing)
         embed_grad = None
         self.grads_out.end_step(step, sync, hold)
+        return self._report(step, start, loss, mb.n_tokens, val_loss, routing, aux)
+
+    def _batch(self, batch: dict[str, Any], seq: int | None = None) -> MicroBatches:
+        """The step's micro-batches on the device (this worker's share, in a data-parallel group);
+        ``seq``: the training sequences' length, for a validation batch riding along (whole)."""
+        share = None if seq is not None or self.reducer is None else (self.reducer.rank, self.reducer.world)
+        return MicroBatches.of(self.cfg, batch, self.backend.device, self.dtype, share, seq)
+
+    @torch.no_grad()
+    def _forward(self, step: int, mb: MicroBatches, evaluation: MicroBatches | None, routing: StepRouting
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Embedding and every decoder layer forward, for every micro-batch (and the validation
+        sequences alongside: no extra weight traffic), each layer's activations kept for its backward
+        as placed (:mod:`megatrain_ray.engine.activations`; a sparse layer's router statistics into
+        ``routing``). Returns the last hidden states of both."""
+        templates, acts = self.layout.templates, self.activations
+        first = self.layout.embed.index
+        ticket, flat = self._take(first, step)
+        with self.backend.compute("embed"):
+            xs = [embed(templates[first].bind(flat), ids) for ids in mb.ids]
+            es = [] if evaluation is None else [embed(templates[first].bind(flat), e) for e in evaluation.ids]
+        self._release(ticket)
+        for unit in self.layout.layers:
+            ticket, flat = self._take(unit.index, step)
+            sparse = self.cfg.is_sparse(unit.layer)  # recomputed from its checkpoint, never kept whole
+            template, kept = templates[unit.index], acts.mode(unit.layer) == KEEP and not sparse
+            with self.backend.compute(unit.name):
+                p = template.bind(flat, fused=True)
+                if sparse:
+                    ys, stats = zip(*(self.runner.forward_routed(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)))
+                    ys = list(ys)
+                    routing.record(unit.layer, list(stats))
+                elif kept:  # the graph stays for the backward: nothing to recompute
+                    graph = layer_forward_kept(self.runner.layer, template, flat, xs, mb.ctx, self.cfg)
+                    ys = [y.detach() for y in graph.outputs]
+                else:
+                    ys = [self.runner.forward(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)]
+                es = [self.runner.forward(p, e, evaluation.ctx[m], self.cfg) for m, e in enumerate(es)]
+            if kept:
+                acts.keep(unit.layer, graph)
+                graph = None
+            else:
+                acts.put(unit.layer, xs)  # the layer's inputs: the checkpoint its backward recomputes from
+            xs = ys
+            self._release(ticket)
+        return xs, es
+
+    def _backward(self, step: int, mb: MicroBatches, dx: list[torch.Tensor], embed_grad: torch.Tensor,
+                  routing: StepRouting) -> None:
+        """Every decoder layer backward from the head's input gradients ``dx`` (M x [B, S, H], replaced
+        layer by layer), recomputing each from its checkpoint or differentiating its kept graph, then
+        the embedding's; each unit's fp32 gradient goes out as soon as it is done (``embed_grad``
+        [V*H] holds the head's part with tied embeddings)."""
+        templates, acts, dev = self.layout.templates, self.activations, self.backend.device
+        for unit in reversed(self.layout.layers):
+            ticket, flat = self._take(unit.index, step)
+            inputs = acts.take(unit.layer)
+            acts.prefetch(unit.layer - 1)  # the next backward's inputs come in while this one computes
+            template = templates[unit.index]
+            with self.backend.compute(unit.name + " bwd"):
+                grad = torch.zeros(template.numel, dtype=torch.float32, device=dev)
+                if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
+                    kept_backward(inputs, template.bind(grad, fused=True), dx)
+                elif self.cfg.is_sparse(unit.layer):
+                    routed_backward(self.runner, template.bind(flat, fused=True), template.bind(grad, fused=True),
+                                    inputs, dx, mb.ctx, self.cfg, routing)
+                else:
+                    layer_backward(self.runner, template.bind(flat, fused=True), template.bind(grad, fused=True),
+                                   inputs, dx, mb.ctx, self.cfg)
+            del inputs
+            self._release(ticket)
+            self.grads_out.send(unit.index, step, grad)
+        with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
+            table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
+            for m in range(len(dx)):  # in a fixed order, unlike index_add_'s atomics on CUDA
+                rows, grads = mb.ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
+                for s in range(0, rows.shape[0], self.chunk):
+                    add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
+        self.grads_out.send(self.layout.embed.index, step, embed_grad)
+
+    def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting,
+                aux) -> dict[str, Any]:
+        """The step's result, once the device is done with it (see :meth:`run_step`)."""
         spans = self.backend.end_step()  # waits for the device without spinning a core
+        loss = float(loss)
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()
             self._compile_pool = None
-        loss = float(loss)
         extra = {} if val_loss is None else {"val_loss": float(val_loss)}
         if routing.stats:
             extra["expert_tokens"] = routing.expert_tokens()

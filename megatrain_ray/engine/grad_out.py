@@ -25,6 +25,7 @@ import torch
 
 from ..errors import PipelineError
 from .owned import OwnedUnits, step_sq_norm
+from .policy import NONE, UnitPolicy
 from .schedule import Schedule
 from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 
@@ -32,12 +33,16 @@ from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
-    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, owned: OwnedUnits | None = None):
+    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, owned: OwnedUnits | None = None,
+                 policies: tuple[UnitPolicy, ...] = ()):
+        """policies: each unit's (:mod:`megatrain_ray.engine.policy`); the gradients of units whose
+        policy has none (frozen units) are never sent."""
         self.store, self.backend = store, backend
         self.layout = store.layout
         self.grad_q, self.grad_slot_q = grad_q, grad_slot_q  # grad_slot_q: free ring slots, from the sink
         self.timeout_s = timeout_s
         self.owned = owned
+        self.frozen = {u for u, p in enumerate(policies) if p.gradient == NONE}
         self.reducer = None
         """The worker's data-parallel group (set when it joins one), or None."""
         self.outbox: queue.Queue = queue.Queue()
@@ -62,6 +67,8 @@ class GradOut:
         With a data-parallel group, the gradient is first summed over all workers, and this worker
         sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
         gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        if unit in self.frozen:
+            return
         if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
             self._held.append((unit, grad.to(self.store.spec.precision.grad), torch.dot(grad, grad)))
             return
@@ -119,7 +126,8 @@ class GradOut:
             return slot, handle, step_sq()
 
         by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
-        for unit in Schedule.build(self.layout, self.store.spec.model.tie_word_embeddings).update:
+        for unit in (u for u in Schedule.build(self.layout, self.store.spec.model.tie_word_embeddings).update
+                     if u in by_unit):
             grad, sq_norm = by_unit.pop(unit)
             self.outbox.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm: send(u, g, s), -1.0))
 

@@ -31,7 +31,6 @@ their bytes are out; the next copy waits for the release.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -65,6 +64,30 @@ def step_sq_norm(sq_norms: list[torch.Tensor]) -> float:
     return total
 
 
+class DeviceAdamW:
+    """The optimizer protocol (:mod:`megatrain_ray.engine.updates`) on the device state of resident
+    units: AdamW in one pass, through the sink's kernel on the CPU backend, else
+    ``torch._fused_adamw_`` in one call per span."""
+
+    def __init__(self, state: dict[int, dict[str, torch.Tensor]], runner: AdamWRunner | None, optim: OptimConfig,
+                 total_steps: int, layout):
+        self.state, self.runner, self.optim, self.total_steps, self.layout = state, runner, optim, total_steps, layout
+
+    def update(self, unit: int, grad: torch.Tensor, coef: float, step: int) -> bool:
+        s = self.state[unit]
+        stream = None if s["weights"] is s["master"] else s["weights"]
+        args = (s["master"], grad, s["exp_avg"], s["exp_avg_sq"], stream, self.layout.templates[unit].decay_numel,
+                step + 1, lr_at(self.optim, step, self.total_steps), self.optim)
+        if self.runner is not None:
+            self.runner.update(*args, grad_scale=coef, unit=unit)
+        else:
+            adamw_unit(*args, grad_scale=coef, unit=unit, pieces=False)
+        return True
+
+    def finish(self, unit: int, step: int) -> None:
+        pass
+
+
 class OwnedUnits:
     """The device-resident weights and AdamW states of ``store.spec.owned`` (see the module docstring)."""
 
@@ -85,6 +108,7 @@ class OwnedUnits:
         the compute dtype; the master itself when that is fp32)."""
         self.version: int | None = None
         """Updates the device state has received; None until the first step loads it."""
+        self.optimizer = DeviceAdamW(self.state, self.runner, optim, total_steps, store.layout)
         self.grads: dict[int, torch.Tensor] = {}
         """unit -> this step's gradient [numel] fp32 on the device, until the update."""
         self.diverged: str | None = None
@@ -95,14 +119,15 @@ class OwnedUnits:
                 for u in self.units:
                     backend.register_host(store.block(kind, u))
 
-    def weights(self, unit: int, step: int) -> torch.Tensor:
+    def weights(self, unit: int, step: int) -> torch.Tensor | None:
         """``unit``'s weights [numel] in the compute dtype for step ``step`` (at its first call, the
-        state is taken from the host store, which must be at that boundary)."""
+        state is taken from the host store, which must be at that boundary); None after a step whose
+        gradient norm was not finite (``diverged``): there are none, as there are no new weights
+        to fetch for the others."""
         if self.version is None:
             self._load(step)
-        if self.diverged is not None:  # as a fetch would: wait while the sink stops the run (it finishes the
-            time.sleep(self.timeout_s)  # checkpoint being written first), then say what it says
-            raise PipelineError(self.diverged)
+        if self.diverged is not None:
+            return None
         if self.version != step:
             raise PipelineError(f"{self.names[unit]} on the device has {self.version} updates but step {step} "
                                 f"needs {step}.")
@@ -136,17 +161,8 @@ class OwnedUnits:
                              "or check the data.")
             return False
         coef = clip_coefficient(norm, self.optim.max_grad_norm)
-        lr = lr_at(self.optim, step, self.total_steps)
         for u in self.units:
-            s = self.state[u]
-            grad = grads.pop(u)  # fp32, scaled in place
-            stream = None if s["weights"] is s["master"] else s["weights"]
-            args = (s["master"], grad, s["exp_avg"], s["exp_avg_sq"], stream,
-                    self.store.layout.templates[u].decay_numel, step + 1, lr, self.optim)
-            if self.runner is not None:
-                self.runner.update(*args, grad_scale=coef, unit=u)
-            else:
-                adamw_unit(*args, grad_scale=coef, unit=u, pieces=False)
+            self.optimizer.update(u, grads.pop(u), coef, step)  # the gradient: fp32, scaled in place
         self.version = step + 1
         return True
 

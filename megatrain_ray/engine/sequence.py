@@ -34,11 +34,13 @@ Three things are applied here, around the model's pure functions, never inside t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..model.transformer import (attention_block, decoder_layer, document_ids, document_mask, mlp_activation,
-                                 mlp_block, rope_at, rope_cache, routed_layer)
+from ..errors import PipelineError
+from ..model.transformer import (IGNORE_INDEX, attention_block, decoder_layer, document_ids, document_mask,
+                                 mlp_activation, mlp_block, rope_at, rope_cache, routed_layer)
 from .activations import lean_partitioner
 
 DOWN = "mlp.down_proj.weight"
@@ -282,3 +284,38 @@ def step_contexts(cfg, position_ids: torch.Tensor | None, num_mb: int, seq: int,
         return [(rope, None)] * num_mb
     table = rope_cache(cfg, int(position_ids.max()) + 1, device, dtype)
     return [(rope_at(table, pos), attention_mask(pos)) for pos in position_ids]
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """A step's micro-batches on the device, with what every layer of the step shares."""
+
+    ids: torch.Tensor
+    """[M, B, S] token ids."""
+    labels: torch.Tensor
+    """[M, B, S] labels (IGNORE_INDEX where not counted)."""
+    ctx: list
+    """Each micro-batch's (rope, mask) (:func:`step_contexts`)."""
+    n_tokens: int
+    """Counted tokens of the whole batch (every worker's share): what the loss is the mean over."""
+
+    @classmethod
+    def of(cls, cfg, batch: dict, device, dtype, share: tuple[int, int] | None = None,
+           seq: int | None = None) -> MicroBatches:
+        """batch: input_ids, labels (and position_ids for packed documents): [M, B, S]; ``share``:
+        (rank, world) to take that worker's equal share of the micro-batches; ``seq``: the length the
+        sequences must have (a validation batch beside the training one)."""
+        ids = torch.tensor(batch["input_ids"], dtype=torch.long)
+        labels = torch.tensor(batch["labels"], dtype=torch.long)
+        pos = batch.get("position_ids")  # packed documents (data.pack_documents), else absent
+        pos = None if pos is None else torch.tensor(pos, dtype=torch.long)
+        n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))  # of the whole step: every worker's share
+        if seq is not None and ids.shape[2] != seq:
+            raise PipelineError(f"validation sequences have {ids.shape[2]} tokens but training ones {seq}.")
+        if share is not None:
+            rank, world = share
+            n = ids.shape[0] // world
+            ids, labels, pos = (t if t is None else t[rank * n:(rank + 1) * n] for t in (ids, labels, pos))
+        ids, labels = ids.to(device), labels.to(device)
+        ctx = step_contexts(cfg, None if pos is None else pos.to(device), ids.shape[0], ids.shape[2], device, dtype)
+        return cls(ids, labels, ctx, n_tokens)

@@ -31,12 +31,12 @@ whole gradient, which the sink then sums (:func:`~megatrain_ray.engine.grad_redu
 With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.shards`) the updates also wait
 for the last gradient, and the sink updates only its own units, receiving the others'.
 
-Checkpoints (when given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) are started here, at
-the top of the step loop, where every update of the previous step is done and none of this step's
-has begun (a step boundary), and written in the background by a
-:class:`~megatrain_ray.io.writer.CheckpointWriter` while the loop goes on: before each update the
-sink waits only until that unit's bytes are written (usually long since). The last boundary is
-saved after the loop, and waited for.
+Each unit's update is its policy's (:mod:`megatrain_ray.engine.policy`): a host optimizer of the
+one protocol of :mod:`megatrain_ray.engine.updates` (exact, split, compact), or none here for the
+units resident on the compute worker's device, whose tickets carry only their norms. So the loop
+reads: take the step's tickets -> the norm -> the clipping factor -> for each unit in update
+order, its optimizer's update. Checkpoints are started at step boundaries and written beside the
+updates (:mod:`megatrain_ray.engine.checkpointing`).
 """
 
 from __future__ import annotations
@@ -46,16 +46,19 @@ import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..config import OptimConfig, lr_at
+from ..config import lr_at
 from ..errors import PipelineError
-from ..io.writer import CheckpointWriter
 from . import affinity
+from .checkpointing import SinkCheckpoints
 from .grad_reduce import sum_copies
 from .optim import AdamWRunner, clip_coefficient
+from .policy import DEVICE, EXACT, NONE, policies_of_run
+from .schedule import Schedule
+from .settings import SinkSettings
 from .shards import OptimizerShards
 from .store import HostStore, StoreSpec
-from .schedule import Schedule
 from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
+from .updates import host_optimizer
 
 
 class GradientSink:
@@ -64,41 +67,51 @@ class GradientSink:
     doing: tuple[int, int] | None = None
     """(step, unit) of the update being applied: what the dashboard shows (orchestration.labels)."""
 
-    def __init__(self, spec: StoreSpec, optim: OptimConfig, total_steps: int, grad_q, stats_q,
-                 timeout_s: float, num_threads: int = 1, checkpoint=None, grad_slot_q=None, shards: int = 1,
-                 host_sum: bool = False, writes_checkpoints: bool = True, split_update: bool = True):
-        self.runner = AdamWRunner(num_threads)
+    def __init__(self, spec: StoreSpec, settings: SinkSettings, grad_q, stats_q, grad_slot_q=None,
+                 checkpoint=None, writes_checkpoints: bool = True):
+        """spec: the node's store; settings: the sink's part of the run; grad_q: gradient tickets from
+        the node's compute workers; stats_q: to the driver; grad_slot_q: the gradient ring's free slots,
+        back to the compute worker (None without a ring); checkpoint: the run's
+        :class:`~megatrain_ray.io.checkpoint.CheckpointPlan` or None, written here with ``writes_checkpoints``
+        (the first node's sink; the others only hand their AdamW states over at its boundaries, see
+        :mod:`megatrain_ray.engine.shards`)."""
+        self.settings = settings
         self.store = HostStore(spec)
         self.layout = self.store.layout
-        self.optim = optim
-        self.total_steps = total_steps
-        self.grad_q, self.stats_q = grad_q, stats_q
-        self.timeout_s = timeout_s
-        self.owned = spec.owned
-        """Units the compute worker updates on its device (:mod:`megatrain_ray.engine.owned`): their
-        tickets carry only their norms."""
-        self.order = list(Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.owned).sink_updates)
-        self.spans: list[tuple] = []
-        self.checkpoint = checkpoint
-        self.writer = (CheckpointWriter(self.store, checkpoint)
-                       if checkpoint is not None and writes_checkpoints else None)
-        """Writes the plan's checkpoints; None without a plan, or on the other nodes of a sharded optimizer
-        (``writes_checkpoints`` False: they only know the plan's boundaries, where they hand their AdamW
-        states over, see :mod:`megatrain_ray.engine.shards`)."""
-        self.sharding: OptimizerShards | None = None
-        """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
-        self.grad_slot_q = grad_slot_q
-        self.shards = shards
+        self.optim = settings.optim
+        self.grad_q, self.stats_q, self.grad_slot_q = grad_q, stats_q, grad_slot_q
+        self.timeout_s = timeout_s = settings.timeout_s
+        self.policies = settings.policies or policies_of_run(len(self.layout.units), spec.owned, EXACT)
+        """Each unit's :class:`~megatrain_ray.engine.policy.UnitPolicy`."""
+        self.order = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.owned).update
+                      if self.policies[u].optimizer not in (DEVICE, NONE)]
+        """The units this sink updates, in update order."""
+        self.after_norm = self.optim.max_grad_norm > 0 or settings.sharded
+        """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
+        update order, after the last gradient), unless it comes with the tickets (held gradients)."""
+        self.shards = settings.workers
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
         summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
         whole gradient in a host copy of its own, which this sink sums (runtime.grad_reduce=host)."""
-        self.host_sum = host_sum and shards > 1
-        self.threads = max(1, num_threads)
-        self.split_update = split_update
-        """Run the deferred updates in two passes where they can (see the module docstring)."""
+        self.host_sum = settings.host_sum and self.shards > 1
+        self.threads = max(1, settings.threads)
+        self.spans: list[tuple] = []
+        self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
+                                           self.order if self.after_norm else self.order[::-1], spec.owned, grad_q)
+        self.sharding: OptimizerShards | None = None
+        """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
+        self._set_runner(settings.threads)
         self._sum_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grad-sum") if self.host_sum else None
+        self._second: list[int] = []
+        """Units whose update's second pass is still to run (:meth:`_finish`)."""
         for slot in range(spec.grad_slots):  # the gradient ring starts empty: every slot is free
             grad_slot_q.put(slot, timeout=timeout_s)
+
+    def _set_runner(self, threads: int) -> None:
+        """The AdamW kernel on ``threads`` threads, and each unit's optimizer over it."""
+        self.runner = AdamWRunner(threads)
+        self.optimizers = {u: host_optimizer(self.policies[u].optimizer, self.store, self.runner, self.optim,
+                                             self.settings.total_steps) for u in self.order}
 
     def run(self, start_step: int, end_step: int) -> int:
         """Apply the updates of steps [start_step, end_step); returns the number of steps done.
@@ -107,70 +120,65 @@ class GradientSink:
         each checkpoint, {checkpoint: path, step, save_s}.
         """
         for step in range(start_step, end_step):
-            self._report_checkpoint()
-            self._maybe_checkpoint(step, start_step, end_step)
-            lr = lr_at(self.optim, step, self.total_steps)
-            clip = self.optim.max_grad_norm > 0
-            deferred = clip or self.sharding is not None  # updates after the last gradient, in update order
-            split = False
-            pending = dict.fromkeys(range(len(self.layout.units)), self.shards)
-            sq_norm = 0.0
-            while pending:
-                ticket = self._get()
-                if ticket.step != step or ticket.unit not in pending:
-                    raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
-                                        f"{ticket.step} while collecting step {step}.")
-                if not self.host_sum:
-                    sq_norm += ticket.sq_norm
-                pending[ticket.unit] -= 1
-                if pending[ticket.unit]:
-                    continue  # other workers' shards of this unit are still on their way
-                del pending[ticket.unit]
-                held = ticket.step_sq_norm != -1.0  # the step's norm is known already (gradients held on the device)
-                if held and not math.isfinite(ticket.step_sq_norm):
-                    self._diverged(step, math.sqrt(ticket.step_sq_norm))
-                if ticket.unit in self.owned:
-                    continue  # updated on the device
-                if self.host_sum:
-                    sq_norm += self._sum_copies(ticket.unit)
-                if not deferred or held:  # (held gradients come from one worker alone: no sum, no shards)
-                    coef = clip_coefficient(math.sqrt(ticket.step_sq_norm), self.optim.max_grad_norm) if held else 1.0
-                    self._update(ticket.unit, step, lr, coef, ticket.slot)
-                    if ticket.slot >= 0:
-                        self.grad_slot_q.put(ticket.slot, timeout=self.timeout_s)
-            norm = math.sqrt(ticket.step_sq_norm if held else sq_norm)
+            self._boundary(step, start_step, end_step)
+            lr = lr_at(self.optim, step, self.settings.total_steps)
+            waiting, held = set(), None
+            for ticket in self._tickets(step):
+                held = ticket.step_sq_norm if ticket.step_sq_norm != -1.0 else None  # the step's, with held gradients
+                if held is not None and not math.isfinite(held):
+                    self._diverged(step, math.sqrt(held))
+                if ticket.unit not in self.optimizers:
+                    continue  # updated on the device (its ticket carries only its norm), or never
+                if self.after_norm and held is None:
+                    waiting.add(ticket.unit)
+                    continue
+                coef = 1.0 if held is None else clip_coefficient(math.sqrt(held), self.optim.max_grad_norm)
+                self._update(ticket.unit, step, coef, ticket.slot)
+            norm = math.sqrt(self.sq_norm if held is None else held)
             if not math.isfinite(norm):
                 self._diverged(step, norm)
-            if deferred and not held:
-                coef = clip_coefficient(norm, self.optim.max_grad_norm)
-                split = self._splits()
-                for unit in self.order:
-                    if self.sharding is None or self.sharding.owns(unit):
-                        self._update(unit, step, lr, coef, part="stream" if split else "whole")
-                    if self.sharding is not None:
-                        if self.writer is not None and not self.sharding.owns(unit):
-                            self.writer.before_update(unit)  # the owner's weights land in this unit
-                        self.sharding.share(unit, step + 1)
-                if self.sharding is not None:
-                    self.sharding.end_step()
+            coef = clip_coefficient(norm, self.optim.max_grad_norm)
+            for unit in (u for u in self.order if u in waiting):
+                self._update(unit, step, coef)
+            if self.sharding is not None:
+                self.sharding.end_step()
             self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,
                               "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
                               "spans": self.spans}, timeout=self.timeout_s)
             self.spans = []  # the second passes below are reported with the next step, as they run beside it
-            if split:
-                for unit in self.order:
-                    self._update(unit, step, lr, coef, part="master")
+            self._finish(step)
         if self.sharding is not None:  # the export and any checkpoint after the run need every state
             self.sharding.gather_states(end_step, len(self.layout.units))
-        self._maybe_checkpoint(end_step, start_step, end_step)
-        self._report_checkpoint(wait=True)
+        self._boundary(end_step, start_step, end_step)
+        self.checkpoints.report(wait=True)
         return end_step - start_step
+
+    def _tickets(self, step: int):
+        """The ticket of each unit of ``step`` once its gradient is whole: every worker's ticket for it
+        is in (and, with ``host_sum``, their copies summed). Meanwhile ``sq_norm`` sums the step's
+        squared norms, ticket by ticket in the order they came (a host sum's once it is done)."""
+        self.sq_norm = 0.0
+        pending = dict.fromkeys((u for u, p in enumerate(self.policies) if p.gradient != NONE), self.shards)
+        while pending:
+            ticket = self._get()
+            if ticket.step != step or ticket.unit not in pending:
+                raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
+                                    f"{ticket.step} while collecting step {step}.")
+            if not self.host_sum:
+                self.sq_norm += ticket.sq_norm
+            pending[ticket.unit] -= 1
+            if pending[ticket.unit]:
+                continue  # other workers' shards of this unit are still on their way
+            del pending[ticket.unit]
+            if self.host_sum and ticket.unit in self.optimizers:
+                self.sq_norm += self._sum_copies(ticket.unit)
+            yield ticket
 
     def _diverged(self, step: int, norm: float) -> None:
         """Finish the save being written (the last good weights: this step's update is never applied),
         then raise: the run stops, and its newest checkpoint is whole."""
         try:
-            self._report_checkpoint(wait=True)
+            self.checkpoints.report(wait=True)
         except Exception:  # noqa: BLE001 (that save failed: the divergence is still what stops the run)
             pass
         raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
@@ -202,7 +210,7 @@ class GradientSink:
         :mod:`megatrain_ray.engine.affinity`); returns the threads pinned."""
         if threads != self.runner.threads:
             self.runner.close()
-            self.runner = AdamWRunner(threads)
+            self._set_runner(threads)
         return affinity.pin_process(cpus)
 
     def _sum_copies(self, unit: int) -> float:
@@ -213,39 +221,16 @@ class GradientSink:
         self.spans.append(("adamw", f"sum {self.layout.units[unit]}", start, time.time(), 0))
         return sq_norm
 
-    def _maybe_checkpoint(self, step: int, start_step: int, end_step: int) -> None:
-        """Start saving the boundary after ``step`` updates if the plan asks for it (see the module
-        docstring); a save still being written is finished first."""
-        if self.checkpoint is not None and self.checkpoint.due(step, start_step, end_step):
-            self._report_checkpoint(wait=True)
+    def _boundary(self, step: int, start_step: int, end_step: int) -> None:
+        """The boundary after ``step`` updates: report a save that has completed; start the
+        checkpoint the plan asks for there (with a sharded optimizer, every node's AdamW states
+        gathered first)."""
+        self.checkpoints.report()
+        if self.checkpoints.due(step, start_step, end_step):
+            self.checkpoints.report(wait=True)
             if self.sharding is not None:
                 self.sharding.gather_states(step, len(self.layout.units))
-            if self.writer is None:
-                return
-            self._await_owned(step)
-            clip = self.optim.max_grad_norm > 0  # the order of this step's updates: see run()
-            order = self.order if clip or self.sharding is not None else self.order[::-1]
-            self.writer.start(step, [*self.owned, *order])  # the owned first: their copy is held until written
-
-    def _await_owned(self, step: int) -> None:
-        """Wait until the compute worker has copied the units it owns at boundary ``step`` into the
-        store (it does right after their update, :meth:`~megatrain_ray.engine.owned.OwnedUnits.sync`)."""
-        def copied(within: float) -> bool | None:
-            return self.store.wait_until(lambda: all(self.store.state_version(u) == step for u in self.owned),
-                                         within) or None
-
-        if wait_while_moving(copied, self.grad_q, self.timeout_s) is None:
-            names = ", ".join(self.layout.units[u] for u in self.owned)
-            raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for the compute worker's copy of "
-                                f"{names} at step {step} while no message moved between the roles; {NO_PROGRESS}")
-
-    def _report_checkpoint(self, wait: bool = False) -> None:
-        """Put the notice of a completed save on the stats queue ({checkpoint: path, step, save_s,
-        stall_s}); raise its error if it failed. ``wait``: for the save being written."""
-        if self.writer is not None:
-            notice = self.writer.finish() if wait else self.writer.poll()
-            if notice is not None:
-                self.stats_q.put(notice, timeout=self.timeout_s)
+            self.checkpoints.start(step)
 
     def _get(self) -> GradTicket:
         try:
@@ -254,42 +239,32 @@ class GradientSink:
             raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for a gradient while no message "
                                 f"moved between the roles; {NO_PROGRESS}") from None
 
-    def _splits(self) -> bool:
-        """Whether the deferred updates run in two passes (``split_update``, the module docstring):
-        one optimizer for the node's whole gradient (no shards, no host sum), fp32 master weights
-        with a bf16 stream copy, the native kernel."""
-        s = self.store
-        if not (self.split_update and self.sharding is None and not self.host_sum and not s.spec.hold_grads
-                and not s.spec.precision.compact and s.separate_stream_copy):
-            return False
-        return self.runner.splits(s.block("master", 0), s.grad_block(0), s.block("stream", 0))
-
-    def _update(self, unit: int, step: int, lr: float, coef: float, slot: int = -1, part: str = "whole") -> None:
-        """Apply step ``step``'s update to ``unit``: ``part`` whole, or its first (stream) or second
-        (master) pass; then bump the versions that part completes."""
+    def _update(self, unit: int, step: int, coef: float, slot: int = -1) -> None:
+        """Apply step ``step``'s update to ``unit`` (clipped by ``coef``; its gradient in ring slot
+        ``slot``, or -1: its grad block) by its optimizer and bump the versions it completes; with a
+        sharded optimizer, only where this node owns it, then exchanged (:mod:`megatrain_ray.engine.shards`)."""
         self.doing = (step, unit)
-        s = self.store
-        if self.writer is not None:
-            self.writer.before_update(unit)  # the checkpoint being written has this unit's bytes
-        start = time.time()
-        stream = s.block("stream", unit) if s.separate_stream_copy else None
-        decay_numel = self.layout.templates[unit].decay_numel
-        if part == "stream":
-            self.runner.update_stream(s.block("master", unit), s.grad_block(unit), s.block("exp_avg", unit),
-                                      s.block("exp_avg_sq", unit), stream, decay_numel, step + 1, lr, self.optim,
-                                      grad_scale=coef)
-        elif part == "master":
-            self.runner.update_master(s.block("master", unit), s.block("exp_avg", unit), s.block("exp_avg_sq", unit),
-                                      decay_numel, step + 1, lr, self.optim)
-        elif s.spec.precision.compact:
-            self.runner.update_compact(
-                s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit), s.block("exp_avg_sq", unit),
-                s.scale_block("exp_avg_scale", unit), s.scale_block("exp_avg_sq_scale", unit), stream,
-                decay_numel, unit, step + 1, lr, self.optim, grad_scale=coef)
-        else:
-            self.runner.update(s.block("master", unit), s.grad_block(unit, slot), s.block("exp_avg", unit),
-                               s.block("exp_avg_sq", unit), stream, decay_numel, step + 1, lr, self.optim,
-                               grad_scale=coef, unit=unit)
-        {"whole": s.set_version, "stream": s.set_stream_version, "master": s.set_state_version}[part](unit, step + 1)
-        name = self.layout.units[unit] + (" master" if part == "master" else "")
-        self.spans.append(("adamw", name, start, time.time(), 0))
+        self.checkpoints.before_update(unit)  # the checkpoint being written has this unit's bytes
+        if self.sharding is None or self.sharding.owns(unit):
+            start = time.time()
+            if self.optimizers[unit].update(unit, self.store.grad_block(unit, slot), coef, step):
+                self.store.set_version(unit, step + 1)
+            else:  # its stream copy and moments: the master weights follow in the second pass
+                self.store.set_stream_version(unit, step + 1)
+                self._second.append(unit)
+            self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))
+        if self.sharding is not None:
+            self.sharding.share(unit, step + 1)
+        if slot >= 0:
+            self.grad_slot_q.put(slot, timeout=self.timeout_s)
+
+    def _finish(self, step: int) -> None:
+        """The second passes of step ``step``'s split updates, in update order, while the next step runs."""
+        second, self._second = self._second, []
+        for unit in second:
+            self.doing = (step, unit)
+            self.checkpoints.before_update(unit)
+            start = time.time()
+            self.optimizers[unit].finish(unit, step)
+            self.store.set_state_version(unit, step + 1)
+            self.spans.append(("adamw", self.layout.units[unit] + " master", start, time.time(), 0))

@@ -140,14 +140,15 @@ class StoreSpec:
     are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.owned`)."""
 
     @classmethod
-    def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str) -> StoreSpec:
-        """The store of one node of a run of ``cfg`` on ``device``: its gradient ring, held gradients
-        and peer gradient copies as the run's settings resolve (a sharded optimizer across nodes
-        updates after the last gradient, from whole-model gradient blocks; held gradients need a
-        single compute worker in the whole run)."""
+    def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str,
+               owned: tuple[int, ...] = ()) -> StoreSpec:
+        """The store of one node of a run of ``cfg`` on ``device`` whose compute worker owns the units
+        ``owned`` (as the run resolved runtime.device_adamw): its gradient ring, held gradients and
+        peer gradient copies as the run's settings resolve (a sharded optimizer across nodes updates
+        after the last gradient, from whole-model gradient blocks; held gradients need a single
+        compute worker in the whole run)."""
         rt, clip = cfg.runtime, cfg.optim.max_grad_norm
         sharded = rt.sharded_optimizer
-        owned = owned_units(cfg.model, rt.device_adamw)
         hold = not sharded and not owned and holds_grads(precision, clip, rt.compute_workers * rt.nodes,
                                                          rt.hold_grads_on(device))
         slots = 0 if sharded else grad_slots_for(precision, clip, rt.compute_workers, hold)

@@ -1,13 +1,15 @@
 """The device-memory side of the preflight plan: the rows one GPU (or, on a CPU run, host RAM) holds
 during a step, the peak they add up to (:func:`device_total`: phases that never overlap count once),
 and where each decoder layer's activations go (:func:`activation_placement`, chosen from the
-device's free memory or set by runtime.activations). See :mod:`megatrain_ray.orchestration.preflight`
+device's memory or set by runtime.activations), and which units are resident on the device
+(:func:`resolve_resident`, runtime.device_adamw). Each takes the resident units as an argument
+(``resident``: unit indices; None = as an explicit runtime.device_adamw names them, none for auto),
+so the plan of a run is computed from what the run resolved, never from a rewritten config. See :mod:`megatrain_ray.orchestration.preflight`
 for what each row stands for and how the estimates were checked on an H200.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..config import TrainConfig
@@ -16,7 +18,6 @@ from ..engine.store import StoreSpec, largest_streamed, owned_units
 from ..errors import ConfigError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
-from .machine import gpu_free_memory
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """Device memory the CUDA context and kernels take before any tensor."""
@@ -27,7 +28,7 @@ above the peak torch allocated in every 7B run (e.g. 132.3 planned, 131.3 alloca
 nvidia-smi showed 133.9 GiB used at that peak (context, cuBLAS workspace and cached blocks): a plan
 at 94% of the free memory leaves ~7 GiB of that GPU unused at the peak."""
 AUTO_DEVICE_ADAMW = ("edges+1", "edges")
-"""What runtime.device_adamw=auto tries, in order (see :func:`resolve_device_adamw`)."""
+"""What runtime.device_adamw=auto tries, in order (see :func:`resolve_resident`)."""
 
 
 @dataclass
@@ -53,10 +54,11 @@ def device_total(rows: list[Row]) -> int:
     return always + max(phases.values(), default=0)
 
 
-def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None = None) -> list[Row]:
+def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None = None,
+                resident: tuple[int, ...] | None = None) -> list[Row]:
     """The device-memory components of one step at ``micro_batch_size`` (see the module docstring),
     with the activations placed as :func:`activation_counts` chooses for a device of ``device_bytes``."""
-    fixed = _fixed_device_rows(cfg, device, micro_batch_size)
+    fixed = _fixed_device_rows(cfg, device, micro_batch_size, resident)
     keep, host = activation_counts(cfg, device, micro_batch_size, device_bytes, device_total(fixed))
     return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, keep, host) + fixed[1:]
 
@@ -69,7 +71,13 @@ def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, i
         cfg.model.hidden_size
 
 
-def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> list[Row]:
+def resident_units(cfg: TrainConfig, resident: tuple[int, ...] | None) -> tuple[int, ...]:
+    """``resident``, or where None the units an explicit runtime.device_adamw names (none for auto)."""
+    return owned_units(cfg.model, cfg.runtime.device_adamw) if resident is None else resident
+
+
+def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
+                       resident: tuple[int, ...] | None = None) -> list[Row]:
     """Every device row but the activations' (the weight slots first)."""
     m, rt = cfg.model, cfg.runtime
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
@@ -78,7 +86,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
     layer_numel = layout.max_layer_numel
     head_numel = layout.templates[layout.head.index].numel
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
-    owned = owned_units(m, rt.device_adamw)
+    owned = resident_units(cfg, resident)
     owned_numel = sum(layout.templates[i].numel for i in owned)
     rows = [
         Row(f"weight slots ({depth} x largest unit{' streamed' if owned else ''})", "device",
@@ -90,7 +98,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int) -> 
         Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
-          if StoreSpec.of_run(cfg, precision, device, 0, "plan").hold_grads else []),
+          if StoreSpec.of_run(cfg, precision, device, 0, "plan", owned).hold_grads else []),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * _logit_bytes(c, rt.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
@@ -188,44 +196,36 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
     return rows
 
 
-def resolve_device_adamw(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> TrainConfig:
-    """``cfg`` with runtime.device_adamw=auto made concrete for a run on ``device`` with a GPU of
-    ``device_bytes`` (default: what is free on GPU 0 now); other settings stay as they are.
+def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) -> str:
+    """runtime.device_adamw as a run on ``device`` with a GPU of ``device_bytes`` resolves it: a given
+    setting as it is; auto made concrete.
 
     On one CUDA compute worker with fp32 master weights and moments: the first of
     :data:`AUTO_DEVICE_ADAMW` with which the plan fits the GPU with every activation checkpoint on
-    it (none offloaded to host memory). Measured at 7B on an H200 (session 9): the host update of
-    the embedding, layer 0 and the head is ~0.2 s a step that the GPU waits at the step boundary,
-    more than the two kept layers' recompute the resident states take the memory of. Else none.
+    it (none offloaded to host memory). Measured at 7B on an H200: the host update of the embedding,
+    layer 0 and the head is ~0.2 s a step that the GPU waits at the step boundary, more than the two
+    kept layers' recompute the resident states take the memory of. Else none.
     """
     rt = cfg.runtime
     if rt.device_adamw != "auto":
-        return cfg
-    choice = "none"
+        return rt.device_adamw
     if (device == "cuda" and rt.compute_workers * rt.nodes == 1 and rt.master_dtype == "float32"
-            and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
-        device_bytes = gpu_free_memory() if device_bytes is None else device_bytes
+            and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0 and device_bytes):
         for setting in AUTO_DEVICE_ADAMW:
-            rows = device_rows(_with_device_adamw(cfg, setting), device, cfg.train.micro_batch_size, device_bytes)
+            rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, owned_units(cfg.model, setting))
             offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory
-            if device_bytes and not offloaded and device_total(rows) <= device_bytes * GPU_USABLE:
-                choice = setting
-                break
-    return _with_device_adamw(cfg, choice)
+            if not offloaded and device_total(rows) <= device_bytes * GPU_USABLE:
+                return setting
+    return "none"
 
 
-def _with_device_adamw(cfg: TrainConfig, setting: str) -> TrainConfig:
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device_adamw=setting))
-
-
-def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None = None) -> tuple[str, ...]:
+def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None,
+                         resident: tuple[int, ...] | None = None) -> tuple[str, ...]:
     """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
-    for the run's micro-batch on a device of ``device_bytes`` (default: what is free on this
-    process's GPU 0 now, so memory that other processes, or this one, hold is left to them)."""
-    if device == "cuda" and device_bytes is None:
-        device_bytes = gpu_free_memory()
+    for the run's micro-batch on a device of ``device_bytes`` (None: unknown; nothing is kept or
+    offloaded then unless runtime.activations says so)."""
     mbs = cfg.train.micro_batch_size
-    fixed = device_total(_fixed_device_rows(cfg, device, mbs))
+    fixed = device_total(_fixed_device_rows(cfg, device, mbs, resident))
     keep, host = activation_counts(cfg, device, mbs, device_bytes, fixed)
     return layer_modes(cfg.model.num_hidden_layers, keep, host)
 

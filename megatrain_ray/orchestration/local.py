@@ -15,11 +15,10 @@ from ..config import TrainConfig
 from ..data.loader import source_from_config
 from ..engine import shm
 from ..engine.owned import sync_due
-from ..engine.store import StoreSpec
 from ..errors import ConfigError
-from ..model.precision import resolve_device, resolve_precision
+from ..model.precision import resolve_device
 from .cluster import connect_ray
-from .device_memory import resolve_device_adamw
+from .resolve import Facts, resolve
 from .roles import LocalSpawner, spawn_roles
 
 
@@ -29,10 +28,8 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     if rt.compute_workers * rt.nodes > 1:
         raise ConfigError("the single-process driver runs one compute worker; set runtime.compute_workers=1 and "
                           "runtime.nodes=1 (several run through the Ray pipeline).")
-    device = resolve_device(rt, gpus_available)
-    cfg = resolve_device_adamw(cfg, device)
-    precision = resolve_precision(rt, device, cfg.optim.state)
-    spec = StoreSpec.of_run(cfg, precision, device, os.getpid(), "local-" + uuid.uuid4().hex[:6])
+    run = resolve(cfg, Facts.here(cfg, resolve_device(rt, gpus_available)))
+    spec = run.store_spec(os.getpid(), "local-" + uuid.uuid4().hex[:6])
     source = source_from_config(cfg, connect=connect_ray)
     eval_batch = source_from_config(cfg, "val", connect=connect_ray).batch(0) if cfg.train.eval_every else None
     roles = None
@@ -45,7 +42,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
             errors.append(e)
 
     try:
-        roles = spawn_roles(cfg, [spec], device, LocalSpawner()).head  # the store creates and fills the segments
+        roles = spawn_roles(run, [spec], LocalSpawner()).head  # the store creates and fills the segments
         compute = roles.computes[0]
         threads = [threading.Thread(target=loop, args=(h.run, 0, steps), daemon=True)
                    for h in (*roles.prefetchers, roles.sink)]

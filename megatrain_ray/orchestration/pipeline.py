@@ -18,8 +18,9 @@ SIGTERM), the placement groups, the actors and the stores' shared-memory segment
 before :func:`train` returns or raises.
 
 The Ray it runs on (a running cluster, or a private one) is chosen by :mod:`megatrain_ray.orchestration.cluster`.
-Before anything is allocated, :mod:`megatrain_ray.orchestration.preflight` checks that the run fits host RAM
-and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.io.checkpoint`) are saved by the sink every
+The run is resolved once (:func:`~megatrain_ray.orchestration.resolve.resolve`) before Ray starts,
+and before anything is allocated :mod:`megatrain_ray.orchestration.preflight` checks that it fits
+host RAM and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.io.checkpoint`) are saved by the sink every
 train.checkpoint_every steps and at the end; on Ctrl-C / SIGTERM (``ray job stop``) the driver stops
 submitting steps, lets those in flight finish (a second signal skips this), and has the store
 actor save the boundary they reach. ``train(cfg, resume=checkpoint_dir)`` loads one and runs the
@@ -44,19 +45,19 @@ import ray
 from ..config import TrainConfig
 from ..data.loader import loader_spec, source_from_config
 from ..engine import reaper, shm
-from ..engine.store import StoreSpec
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
-from ..model.precision import resolve_device, resolve_precision
+from ..model.precision import resolve_device
 from . import calls, cluster, preflight
 from .calls import get as _get
 from .cluster import connect_ray
-from .device_memory import placement_line, resolve_device_adamw
+from .device_memory import placement_line
 from .driver import Driver, RunResult
 from .health import Health
 from .labels import loop_task
 from .metrics import RunMetrics
 from .pace import stall_s
+from .resolve import Facts, ResolvedRun, check, resolve
 from .roles import RaySpawner, place_cpus, spawn_roles
 
 
@@ -99,7 +100,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         start_step = meta["step"]
         if hasattr(source, "resume_step") and "fingerprint" in meta.get("data", {}):
             source.resume_step(meta["data"])  # the same data, seed and batch shape
-    preflight.check(cfg, preflight.guess_device(cfg), log, starts_ray=cluster.starts_ray(cfg.runtime))
+    cluster.check_num_workers(cfg)
+    run = resolve(cfg, Facts.here(cfg, starts_ray=cluster.starts_ray(cfg.runtime)))
+    check(run, log)
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     roles, spec, plan, lease = _Active(), None, None, None
@@ -107,11 +110,11 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
-        cfg = resolve_device_adamw(cfg, device)
-        precision = resolve_precision(cfg.runtime, device, cfg.optim.state)
-        preflight.check(cfg, device, log, starts_ray=False)
+        if device != run.device:  # a cluster joined offers a device this process does not see
+            run = resolve(cfg, Facts.here(cfg, device))
+            check(run, log)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        spec = StoreSpec.of_run(cfg, precision, device, os.getpid(), run_id)
+        spec = run.store_spec(os.getpid(), run_id)
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
@@ -121,8 +124,8 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         os.makedirs(run_dir, exist_ok=True)
         log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
         with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), "device": device, **({"resumed_from": resume} if resume else {})}, f,
-                      indent=2)
+            json.dump({**cfg.to_dict(), "device": device, "resolved": {"runtime.device_adamw": run.resident},
+                       **({"resumed_from": resume} if resume else {})}, f, indent=2)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
                                          _data_state(source), wait_s=cfg.runtime.actor_timeout_s,
@@ -131,7 +134,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
                 log(schedule_note)
-        return _attempts(cfg, spec, device, run_dir, roles, log, start_step, resume, plan, val_batch)
+        return _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, val_batch)
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
         if last is None or plan is None or last in str(e):
@@ -147,7 +150,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, roles: _Active, log, start: int,
+def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: int,
               resume: str | None, plan: checkpoint.CheckpointPlan, val_batch: dict | None = None) -> RunResult:
     """Run the pipeline; when an actor dies, restart it (up to runtime.max_restarts times) from the
     newest checkpoint of the run, or from where the run began if there is none yet.
@@ -155,12 +158,13 @@ def _attempts(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, role
     The store is never trusted after a death (a unit may be half-updated); a checkpoint is a step
     boundary and resuming from one is bit-exact, so the run ends with the weights of an unfaulted one.
     """
+    cfg = run.config
     base_id = spec.run_id
     result = RunResult(run_id=os.path.basename(run_dir), run_dir=run_dir, final_dir=os.path.join(run_dir, "final"),
                        start_step=start)
     for attempt in range(cfg.runtime.max_restarts + 1):
         try:
-            return _run(cfg, spec, device, run_dir, roles, log, start, resume, plan, val_batch, result)
+            return _run(run, spec, run_dir, roles, log, start, resume, plan, val_batch, result)
         except ActorDied as e:
             if attempt == cfg.runtime.max_restarts:
                 raise
@@ -217,17 +221,18 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _run(cfg: TrainConfig, spec: StoreSpec, device: str, run_dir: str, active: _Active, log, start: int = 0,
+def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, start: int = 0,
          resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None,
          val_batch: dict | None = None, result: RunResult | None = None) -> RunResult:
-    """One attempt: spawn the roles and drive steps [start, train.steps); ``result``: what earlier
-    attempts recorded (see :func:`_rewind`), added to."""
+    """One attempt: spawn the roles of ``run`` (its store: ``spec``) and drive steps [start,
+    train.steps); ``result``: what earlier attempts recorded (see :func:`_rewind`), added to."""
+    cfg, device = run.config, run.device
     calls.mark_oom_kills()
     nodes = cfg.runtime.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
     timeout = cfg.runtime.actor_timeout_s
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
-    roles = spawn_roles(cfg, specs, device, spawner, resume, plan, loader_spec(cfg, connect=connect_ray))
+    roles = spawn_roles(run, specs, spawner, resume, plan, loader_spec(cfg, connect=connect_ray))
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(cfg, roles, device, spawner.get, log)

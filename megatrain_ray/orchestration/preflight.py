@@ -43,20 +43,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..engine.activations import recomputed_layers
-from ..engine.store import StoreSpec, VersionWords
-from ..errors import PreflightError
+from ..engine.store import StoreSpec, VersionWords, owned_units
+from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
 from ..model import flops
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
-from .cluster import check_num_workers, cluster_to_join
+from .cluster import cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
                             _pinned_size, activation_counts, activation_placement, device_rows, device_total,
-                            resolve_device_adamw)
+                            resolve_resident)
 from .pace import Pace, expected_pace, timeout_line
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
 from .machine import (gpu_memory, gpu_name, guess_device, host_available, ray_monitor_margin, ray_threshold,
@@ -102,6 +101,8 @@ class Plan:
     """What a longer context would not fit: GPU memory or host RAM."""
     pace: Pace | None = None
     """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`)."""
+    resident: tuple[int, ...] = ()
+    """The units resident on the device that the plan counts (runtime.device_adamw, resolved)."""
 
     def total(self, where: str) -> int:
         """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
@@ -203,13 +204,13 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     if device != "cpu" and base.device_bytes is None:
         return None
     step = 1024
-    here = device_rows(cfg, device, cfg.train.micro_batch_size, base.device_bytes)  # in base: what changes with the length
+    here = device_rows(cfg, device, cfg.train.micro_batch_size, base.device_bytes, base.resident)  # in base: what changes with the length
     fixed_host = base.total("host") - sum(r.nbytes for r in here if r.where == "host") - (
         device_total(here) if device == "cpu" else 0)
 
     def fits(seq_len: int) -> bool:
         c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
-        rows = device_rows(c, device, cfg.train.micro_batch_size, base.device_bytes)  # placed as it would be
+        rows = device_rows(c, device, cfg.train.micro_batch_size, base.device_bytes, base.resident)  # as it would be
         dev = device_total(rows)
         host = fixed_host + sum(r.nbytes for r in rows if r.where == "host") + (dev if device == "cpu" else 0)
         base.context_limit = "host RAM" if host > base.host_available else (
@@ -227,24 +228,29 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     fits(hi * step)  # records what the next length would exceed
     return lo * step
 def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
-         starts_ray: bool | None = None, device_tflops: float | None = None) -> Plan:
-    """The memory plan of ``cfg`` on this machine (nothing is allocated).
+         starts_ray: bool | None = None, device_tflops: float | None = None,
+         resident: tuple[int, ...] | None = None) -> Plan:
+    """The memory plan of ``cfg`` on this machine (nothing is allocated); a run's is part of its
+    :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`.
 
     ``device``: cpu or cuda (default: :func:`guess_device`); ``device_bytes``: GPU memory to plan
     for (default: this process's GPU 0); ``starts_ray``: whether this process will start Ray
     (and so its object store), by default when it would not join a cluster
     (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`); ``device_tflops``: the GPU's
-    bf16 dense rate for the expected step time (default: nominal, see :mod:`.pace`).
+    bf16 dense rate for the expected step time (default: nominal, see :mod:`.pace`); ``resident``:
+    the units resident on the device (default: runtime.device_adamw as :func:`resolve_resident`
+    resolves it here).
     """
     device = device or guess_device(cfg)
     if device == "cuda" and device_bytes is None:
         device_bytes = gpu_memory()
-    cfg = resolve_device_adamw(cfg, device, device_bytes)
+    if resident is None:
+        resident = owned_units(cfg.model, resolve_resident(cfg, device, device_bytes))
     if starts_ray is None:
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
     precision = resolve_precision(rt, device, cfg.optim.state)
-    spec = StoreSpec.of_run(cfg, precision, device, 0, "plan")
+    spec = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
     layout = StoreLayout.build(m)
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
@@ -274,7 +280,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if cfg.train.save_final:
         rows.append(Row("one shard of the final export", "host",
                         min(EXPORT_SHARD_BYTES, layout.num_params * precision.master.itemsize)))
-    rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes)
+    rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident)
     shm_free = shutil.disk_usage(rt.shm_dir).free
     host = host_available()
     n_params = layout.num_params
@@ -286,17 +292,18 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
              + (f"; per node of {rt.nodes}, {rt.compute_workers} GPU(s) each taking 1/{rt.compute_workers * rt.nodes} "
                 "of the micro-batches (device rows: per GPU)" if rt.compute_workers * rt.nodes > 1 else ""))
-    result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None)
+    result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
+                  resident=resident)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
     result.notes.append(_activation_note(cfg, device, result))
-    modes = activation_placement(cfg, device, result.device_bytes)
+    modes = activation_placement(cfg, device, result.device_bytes, result.resident)
     result.pace = expected_pace(cfg, device, recomputed_layers(modes), device_tflops,
                                 gpu_name() if device == "cuda" else None)
     result.notes += [result.pace.line(), timeout_line(result.pace, rt.actor_timeout_s)]
     state_bytes = sum(spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
     result.notes.append(_checkpoint_note(cfg, n_params * precision.master.itemsize + state_bytes))
-    result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()))
+    result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()), resident)
     return result
 
 
@@ -306,7 +313,7 @@ def _activation_note(cfg: TrainConfig, device: str, result: Plan) -> str:
     rows = [r for r in result.rows if r.component.startswith("activation")]
     keep = sum(r.nbytes for r in rows if "kept whole" in r.component)
     host = sum(r.nbytes for r in rows if r.where == "host")
-    modes = activation_placement(cfg, device, result.device_bytes)
+    modes = activation_placement(cfg, device, result.device_bytes, result.resident)
     n_keep, n_host = modes.count("keep"), modes.count("host")
     n_gpu = len(modes) - n_keep - n_host
     where = "GPU" if device == "cuda" else "device"
@@ -323,26 +330,25 @@ def _scale_kinds(spec: StoreSpec) -> tuple[str, ...]:
     return tuple(k for k in spec.kinds() if k.endswith("_scale"))
 
 
-def bytes_per_param(cfg: TrainConfig, device: str, state: str, master_dtype: str) -> float:
+def bytes_per_param(cfg: TrainConfig, device: str, state: str, master_dtype: str,
+                    resident: tuple[int, ...] = ()) -> float:
     """Host-store bytes per parameter of ``cfg``'s model in one optimizer mode, with the run's clipping
-    (a gradient ring of unit slots counts as O(one unit), not per parameter)."""
-    import dataclasses
-
+    and ``resident`` units (a gradient ring of unit slots counts as O(one unit), not per parameter)."""
     rt = dataclasses.replace(cfg.runtime, master_dtype=master_dtype)
     precision = resolve_precision(rt, device, state)
-    spec = StoreSpec.of_run(dataclasses.replace(cfg, runtime=rt), precision, device, 0, "plan")
+    spec = StoreSpec.of_run(dataclasses.replace(cfg, runtime=rt), precision, device, 0, "plan", resident)
     ring = spec.numel("grad") * spec.dtype("grad").itemsize if spec.grad_slots else 0
     return (spec.nbytes() - ring) / StoreLayout.build(cfg.model).num_params
 
 
-def mode_notes(cfg: TrainConfig, device: str, budget: int) -> list[str]:
+def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, ...] = ()) -> list[str]:
     """One line per optimizer mode: its bytes per parameter and about the largest model whose store fits
     ``budget`` (the host RAM left once everything but the store is counted), at this model's shape."""
     clip = "with clipping" if cfg.optim.max_grad_norm > 0 else "without clipping"
     lines = [f"optimizer modes ({clip}, {device}): host-store bytes per parameter and the largest model "
              f"whose store fits the {fmt(max(0, budget))} of host RAM left for it"]
     for state, master, label in MODES:
-        per = bytes_per_param(cfg, device, state, master)
+        per = bytes_per_param(cfg, device, state, master, resident)
         fits = int(max(0, budget) / per)
         lines.append(f"  {label:<46}{per:6.2f} B/param  -> {_count(fits)} parameters{_layers_note(cfg.model, fits)}")
     return lines
@@ -382,7 +388,7 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
         budget = int(base.device_bytes * GPU_USABLE)
 
     def fits(b: int) -> bool:
-        return device_total(device_rows(cfg, device, b, base.device_bytes)) <= budget
+        return device_total(device_rows(cfg, device, b, base.device_bytes, base.resident)) <= budget
 
     if not fits(1):
         return 0
@@ -412,39 +418,3 @@ def check_init_from(cfg: TrainConfig) -> None:
         from ..io import hf_io
 
         hf_io.check_weights(cfg.model, cfg.runtime.init_from, "runtime.init_from")
-
-
-def _fits_an_idle_machine(result: Plan, cfg: TrainConfig) -> bool:
-    """Whether the run would fit this machine with nothing else on it (then waiting may help)."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (result.total("shm") <= shutil.disk_usage(cfg.runtime.shm_dir).total
-            and result.total("host") <= physical)
-
-
-RELEASE_WAIT_S = 30.0
-"""Seconds :func:`check` waits, at most, for free memory that is still growing before it fails."""
-RELEASE_POLL_S = 2.0
-
-
-def check(cfg: TrainConfig, device: str, log=print, starts_ray: bool | None = None) -> Plan:
-    """The plan of a run about to start; prints the table and raises PreflightError if it does not fit."""
-    check_num_workers(cfg)
-    result = plan(cfg, device, starts_ray=starts_ray)
-    problems = result.problems()
-    waited = 0.0
-    while problems and waited < RELEASE_WAIT_S and _fits_an_idle_machine(result, cfg):
-        # A run that has just ended frees its memory only as its processes exit (its segments are
-        # unlinked, but mappings live until then): wait while the free memory is still growing.
-        time.sleep(RELEASE_POLL_S)
-        waited += RELEASE_POLL_S
-        again = plan(cfg, device, starts_ray=starts_ray)
-        growing = again.shm_free > result.shm_free or again.host_available > result.host_available
-        if waited == RELEASE_POLL_S and growing:
-            log("waiting for the memory of a run that just ended to be released")
-        result, problems = again, again.problems()
-        if not growing:
-            break
-    if problems:
-        log(result.table())
-        raise PreflightError(problems[0])
-    return result

@@ -33,10 +33,7 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
-from ..engine.activations import recomputed_layers
-from .machine import gpu_name
-from .pace import Pace, expected_pace, role_wait_s
-from .preflight import activation_placement
+from .pace import Pace
 from .labels import labelled
 from .queues import LocalQueue, QueueClient, QueueHost
 
@@ -107,21 +104,22 @@ def node_resources(cfg: TrainConfig, device: str, node: int) -> list[dict[str, f
     return [STORE, *per_worker * cfg.runtime.compute_workers, SINK, *loaders]
 
 
-def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, resume: str | None = None,
+def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
                 plan=None, loader: tuple[type, tuple] | None = None) -> Roles:
-    """Spawn the roles of every node (``specs``: one store per node) through ``spawner``, wired by queues.
+    """Spawn the roles of every node (``specs``: one store per node) of ``run`` (a
+    :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`, whose parts they are built from)
+    through ``spawner``, wired by queues.
 
     ``plan``: the checkpoint plan (the first node's sink writes it); ``loader``: (class, arguments)
     of the data-loader actors, or None where the driver reads batches itself.
     """
-    rt = cfg.runtime
+    cfg, rt = run.config, run.config.runtime
     cpu = usable_cpus()
-    depth = rt.buffer_depth_on(device)
+    depth = run.compute.buffer_depth
     workers = rt.compute_workers
     sharded = rt.sharded_optimizer
-    placement = activation_placement(cfg, device)  # every GPU alike: the same share of the micro-batches
-    pace = expected_pace(cfg, device, recomputed_layers(placement), gpu_name=gpu_name() if device == "cuda" else None)
-    wait = role_wait_s(pace, rt.actor_timeout_s)  # a role's wait for its next message (orchestration.pace)
+    device = run.device
+    wait = run.wait_s  # a role's wait for its next message (orchestration.pace)
     nodes = []
     for k, spec in enumerate(specs):
         spawner.node(k)
@@ -137,21 +135,16 @@ def spawn_roles(cfg: TrainConfig, specs: list[StoreSpec], device: str, spawner, 
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
                 spec, depth, fetch_q, release_q, wait))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
-                spec, device, depth, rt.loss_chunk_size_on(device), fetch_q, grad_q, release_q,
-                wait, cpu if device == "cpu" else None, compile_layers=rt.compile_on(device),
-                grad_slot_q=grad_slot_q, compile_threads=rt.compile_threads, placement=placement,
-                attention_backend=rt.attention_backend, mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len),
-                optim=cfg.optim, total_steps=cfg.train.steps))
+                spec, run.compute, fetch_q, grad_q, release_q, grad_slot_q))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
-            spec, cfg.optim, cfg.train.steps, grad_q, stats_q, wait, rt.adamw_threads(),
-            checkpoint=plan if k == 0 or sharded else None, grad_slot_q=grad_slot_q, shards=workers,
-            host_sum=rt.grad_reduce == "host", writes_checkpoints=k == 0, split_update=rt.split_update)
+            spec, run.sink, grad_q, stats_q, grad_slot_q, checkpoint=plan if k == 0 or sharded else None,
+            writes_checkpoints=k == 0)
         nodes.append(roles)
     loaders = []
     if loader is not None:
         spawner.node(0)
         loaders = [spawner.actor(loader[0], f"data-{k}")(*loader[1]) for k in range(cfg.data.num_workers)]
-    return Roles(nodes, loaders, placement, pace)
+    return Roles(nodes, loaders, run.compute.activations, run.pace)
 
 
 def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) -> list[str]:

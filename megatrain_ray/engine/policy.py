@@ -1,0 +1,68 @@
+"""Per-unit policies: how each unit of the model is stored, differentiated and updated.
+
+A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.Unit`):
+
+- ``weights``: ``streamed`` (its weights live in the host store and the prefetcher streams them to
+  a device slot twice a step) or ``resident`` (they stay on the compute worker's device for the
+  whole run: today the units of runtime.device_adamw);
+- ``gradient``: ``host`` (its gradient crosses to the host store and a ticket tells the sink),
+  ``device`` (it stays on the device, and only its squared norm goes to the sink, which counts it
+  in the step's norm), or ``none`` (it has no gradient: a frozen unit);
+- ``optimizer``: which update it gets, by whom: ``exact`` (AdamW on the host in one pass),
+  ``split`` (the same update in two passes, the stream copy first, see :mod:`megatrain_ray.engine.sink`),
+  ``compact`` (8-bit moments, :mod:`megatrain_ray.engine.compact`), ``device`` (AdamW on the compute
+  worker's device, :mod:`megatrain_ray.engine.owned`) or ``none`` (never updated).
+
+Policies are resolved once per run (:func:`policies_of_run`, from the settings the run resolved)
+and the roles take their behaviour from them: the prefetcher streams the ``streamed`` units, the
+compute worker holds the ``resident`` ones and sends gradients as ``gradient`` says, and the sink
+runs each unit's ``optimizer`` (:mod:`megatrain_ray.engine.updates`). A new kind of unit joins by
+being given a policy, not by a new branch in those loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STREAMED, RESIDENT = "streamed", "resident"
+HOST, DEVICE, NONE = "host", "device", "none"
+EXACT, SPLIT, COMPACT = "exact", "split", "compact"
+"""The optimizers of the host (``device`` and ``none`` as above)."""
+WEIGHTS, GRADIENTS, OPTIMIZERS = (STREAMED, RESIDENT), (HOST, DEVICE, NONE), (EXACT, SPLIT, COMPACT, DEVICE, NONE)
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """Where one unit's weights live, where its gradient goes, and which optimizer updates it."""
+
+    weights: str = STREAMED
+    gradient: str = HOST
+    optimizer: str = EXACT
+
+    def __post_init__(self) -> None:
+        for value, allowed, what in ((self.weights, WEIGHTS, "weights"), (self.gradient, GRADIENTS, "gradient"),
+                                     (self.optimizer, OPTIMIZERS, "optimizer")):
+            if value not in allowed:
+                raise ValueError(f"a unit policy's {what} must be one of {', '.join(allowed)}, got {value!r}")
+        if (self.optimizer == DEVICE) != (self.weights == RESIDENT and self.gradient == DEVICE):
+            raise ValueError("a unit is updated on the device exactly when its weights are resident there and its "
+                             f"gradient stays there, got {self}")
+
+    def __str__(self) -> str:
+        return f"weights {self.weights}, gradient {self.gradient}, optimizer {self.optimizer}"
+
+
+def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str) -> tuple[UnitPolicy, ...]:
+    """Each of ``units`` units' policy: the ``resident`` ones on the device (weights, gradient and
+    AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``."""
+    on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
+    return tuple(on_device if u in resident else on_host for u in range(units))
+
+
+def host_optimizer(compact: bool, splits: bool) -> str:
+    """The host optimizer of a run's streamed units: ``compact`` with 8-bit moments, else ``split``
+    where the run's updates can run in two passes (``splits``, see
+    :func:`~megatrain_ray.orchestration.resolve.resolve`), else ``exact``."""
+    if compact:
+        return COMPACT
+    return SPLIT if splits else EXACT

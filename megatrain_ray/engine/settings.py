@@ -1,0 +1,70 @@
+"""What each role of the engine is told about its run: its part of the resolved run
+(:class:`~megatrain_ray.orchestration.resolve.ResolvedRun`), small, frozen and picklable.
+
+A role is built from its part and its queues, and works nothing out again: every setting here is
+already what the run resolved for its device (buffer depth, chunk sizes, compilation, where each
+layer's activations wait, thread counts), so what ``megatrain-ray plan`` prints is what the roles
+hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import OptimConfig
+from .policy import UnitPolicy
+
+
+@dataclass(frozen=True)
+class ComputeSettings:
+    """A compute worker's part of the run."""
+
+    device: str
+    """cpu or cuda, resolved."""
+    buffer_depth: int
+    """Device weight slots (runtime.buffer_depth, resolved)."""
+    loss_chunk_size: int
+    """Tokens per chunk of the LM head and loss (runtime.loss_chunk_size, resolved)."""
+    mlp_chunk_size: int
+    """Positions per chunk of the sequence-tiled MLP; 0 = untiled (runtime.mlp_chunk_size, resolved)."""
+    compile: bool
+    """torch.compile the decoder layer and the loss chunk (runtime.compile, resolved)."""
+    compile_threads: int
+    """Parallel compile jobs (runtime.compile_threads)."""
+    attention_backend: str
+    """The SDPA kernel (runtime.attention_backend)."""
+    activations: tuple[str, ...]
+    """Each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`)."""
+    threads: int | None
+    """torch's CPU threads in the worker (all usable CPUs on the cpu device); None: torch's default."""
+    timeout_s: float
+    """How long it waits on another role (runtime.actor_timeout_s)."""
+    optim: OptimConfig
+    """The AdamW settings, for the units resident on its device."""
+    total_steps: int
+    """The run's steps (train.steps), for the learning-rate schedule of the resident units."""
+    policies: tuple[UnitPolicy, ...] = ()
+    """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): as ``StoreSpec.owned`` says."""
+
+
+@dataclass(frozen=True)
+class SinkSettings:
+    """A gradient sink's part of the run."""
+
+    optim: OptimConfig
+    total_steps: int
+    """The run's steps (train.steps), for the learning-rate schedule."""
+    timeout_s: float
+    """How long it waits on another role (runtime.actor_timeout_s)."""
+    threads: int
+    """CPU threads of the AdamW update (runtime.optimizer_threads, resolved)."""
+    workers: int = 1
+    """Compute workers of its node: the tickets per unit and step (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+    host_sum: bool = False
+    """Each worker sends its whole gradient in a host copy of its own, which the sink sums
+    (runtime.grad_reduce=host with several workers)."""
+    sharded: bool = False
+    """The nodes' sinks share the AdamW work (runtime.optimizer_sharding=sharded with several nodes)."""
+    policies: tuple[UnitPolicy, ...] = ()
+    """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): every unit streamed and updated here
+    exactly, but those the compute worker owns (``StoreSpec.owned``)."""

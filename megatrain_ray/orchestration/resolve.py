@@ -1,0 +1,237 @@
+"""A run resolved once: every setting its roles need, worked out from the config and the facts of
+the machine it runs on, before anything is spawned.
+
+``resolve(config, facts) -> ResolvedRun`` is computed once by the driver (the Ray pipeline and the
+single-process driver) and by ``megatrain-ray plan``, which prints exactly it
+(:meth:`ResolvedRun.describe`). Every role is built from its part of it (the store's
+:class:`~megatrain_ray.engine.store.StoreSpec`, the compute worker's
+:class:`~megatrain_ray.engine.settings.ComputeSettings`, the gradient sink's
+:class:`~megatrain_ray.engine.settings.SinkSettings`); nothing is planned again at spawn, and the
+config is never rewritten: what the user wrote stays in ``config``, what it resolved to is here.
+
+The facts (:class:`Facts`) are what the config cannot say: the device the cluster offers, the GPU
+memory free for the run (which decides runtime.device_adamw=auto and runtime.activations=auto), and
+whether this process will start Ray (its object store then counts in the memory plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import TrainConfig, usable_cpus
+from ..errors import PreflightError
+from ..engine.policy import UnitPolicy, host_optimizer, policies_of_run
+from ..engine.schedule import Schedule
+from ..engine.settings import ComputeSettings, SinkSettings
+from ..engine.store import StoreSpec, owned_units
+from ..model.layout import StoreLayout
+from ..model.precision import Precision, resolve_precision
+from . import preflight
+from .device_memory import activation_placement, resolve_resident
+from .machine import gpu_free_memory, guess_device
+from .pace import Pace, role_wait_s
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the machine says about a run, as the driver finds it before spawning."""
+
+    device: str
+    """cpu or cuda, as the cluster offers it (:func:`~megatrain_ray.model.precision.resolve_device`)."""
+    device_bytes: int | None = None
+    """GPU memory free for the run (None: unknown, or the cpu device)."""
+    starts_ray: bool = False
+    """Whether this process starts a private Ray (whose object store the memory plan then counts)."""
+    device_tflops: float | None = None
+    """The GPU's bf16 dense rate for the expected step time (None: nominal, by the GPU's name)."""
+
+    @classmethod
+    def here(cls, cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
+             starts_ray: bool = False, device_tflops: float | None = None) -> Facts:
+        """The facts of this machine: ``device`` (default: runtime.device, auto = cuda where this
+        process sees a GPU) and ``device_bytes`` (default: what is free on GPU 0 now)."""
+        device = device or guess_device(cfg)
+        if device == "cuda" and device_bytes is None:
+            device_bytes = gpu_free_memory()
+        return cls(device, device_bytes if device == "cuda" else None, starts_ray, device_tflops)
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything a run's roles are built from (see the module docstring)."""
+
+    config: TrainConfig
+    """The config as the user wrote it (with its overrides), never rewritten."""
+    facts: Facts
+    precision: Precision
+    layout: StoreLayout
+    """The model's units (:class:`~megatrain_ray.model.layout.Unit` records) and their blocks."""
+    schedule: Schedule
+    """Fetch order, update order and the units resident on the device."""
+    policies: tuple[UnitPolicy, ...]
+    """Each unit's policy: where its weights live, where its gradient goes, which optimizer updates it."""
+    resident: str
+    """runtime.device_adamw as resolved: none, edges or edges+K (auto made concrete)."""
+    store: StoreSpec
+    """The store of every node (its owner and run id filled in by :meth:`store_spec`)."""
+    compute: ComputeSettings
+    sink: SinkSettings
+    memory: preflight.Plan
+    """The memory plan: host RAM, /dev/shm and device rows, and whether the run fits; with the
+    expected step time (``memory.pace``, :mod:`megatrain_ray.orchestration.pace`)."""
+    wait_s: float
+    """How long a role waits for its next message before the run counts it stalled (from the
+    expected step time and runtime.actor_timeout_s, :func:`~megatrain_ray.orchestration.pace.role_wait_s`)."""
+
+    @property
+    def pace(self) -> Pace:
+        """The expected step time the roles' waits follow from."""
+        return self.memory.pace
+
+    @property
+    def device(self) -> str:
+        return self.facts.device
+
+    def store_spec(self, owner_pid: int, run_id: str) -> StoreSpec:
+        """The store of a run whose segments ``owner_pid`` owns under ``run_id``."""
+        return dataclasses.replace(self.store, owner_pid=owner_pid, run_id=run_id)
+
+    def describe(self) -> str:
+        """What ``megatrain-ray plan`` prints: the memory table, then the settings the roles get."""
+        cfg, rt, s = self.config, self.config.runtime, self.store
+        p = self.precision
+
+        def dtype(t) -> str:
+            return str(t).removeprefix("torch.")
+
+        names = [u.name for u in self.layout.records]
+        resident = ", ".join(self.layout.units[u] for u in self.schedule.resident) or "none"
+        how = self.resident if rt.device_adamw == self.resident else f"{rt.device_adamw}: {self.resident}"
+        c, k = self.compute, self.sink
+        if s.hold_grads:
+            grads = f"held on the device until the step's norm is known, then through a ring of {s.grad_slots} slots"
+        elif s.grad_slots:
+            grads = f"to a ring of {s.grad_slots} unit slots in the host store"
+        else:
+            grads = "to a whole-model gradient array in the host store"
+        if k.workers > 1:
+            grads += (f"; {k.workers} workers' copies summed by the sink (runtime.grad_reduce=host)" if k.host_sum
+                      else f"; summed over {k.workers} workers by an all-reduce, each sending its shard")
+        lines = [
+            self.memory.table(),
+            "resolved:",
+            f"  device: {self.device}" + (f" ({preflight.fmt(self.facts.device_bytes)} of GPU memory for the run)"
+                                          if self.facts.device_bytes else ""),
+            f"  precision: master {dtype(p.master)}, compute {dtype(p.compute)}, gradients {dtype(p.grad)}, "
+            f"optimizer state {dtype(p.optim_state)}",
+            f"  units: {len(names)}, by policy:",
+            *(f"    {_names(group)}: {policy}" for policy, group in _by_policy(names, self.policies)),
+            f"  resident on the device: {resident} (runtime.device_adamw={how})",
+            f"  gradients: {grads}",
+            f"  activations, layer by layer: {_runs(c.activations)} (host: checkpoint offloaded, gpu: checkpoint "
+            "on the device, keep: whole graph kept)",
+            f"  compute: {c.buffer_depth} weight slots, loss chunks of {c.loss_chunk_size} tokens, "
+            f"MLP {'in chunks of %d tokens' % c.mlp_chunk_size if c.mlp_chunk_size else 'untiled'}, "
+            f"compile {'on' if c.compile else 'off'}, attention {c.attention_backend}"
+            + (f", {c.threads} CPU threads" if c.threads else ""),
+            f"  host optimizer: AdamW on {k.threads} CPU thread{'s' if k.threads > 1 else ''}"
+            + (f", sharded across {rt.nodes} nodes" if rt.sharded_optimizer else ""),
+        ]
+        return "\n".join(lines)
+
+
+def _by_policy(names: list[str], policies) -> list[tuple]:
+    """(policy, the names of its units) for each distinct policy, in the order of their first unit."""
+    groups: dict = {}
+    for name, policy in zip(names, policies):
+        groups.setdefault(policy, []).append(name)
+    return list(groups.items())
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]} ({len(names)} units)"
+
+
+def _runs(modes: tuple[str, ...]) -> str:
+    """("host", "gpu", "gpu") -> "host x1, gpu x2"."""
+    out: list[list] = []
+    for mode in modes:
+        if out and out[-1][0] == mode:
+            out[-1][1] += 1
+        else:
+            out.append([mode, 1])
+    return ", ".join(f"{mode} x{n}" for mode, n in out) or "no layers"
+
+
+def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
+    """The run of ``cfg`` on a machine with these ``facts`` (see the module docstring)."""
+    rt, device = cfg.runtime, facts.device
+    precision = resolve_precision(rt, device, cfg.optim.state)
+    layout = StoreLayout.build(cfg.model)
+    setting = resolve_resident(cfg, device, facts.device_bytes)
+    resident = owned_units(cfg.model, setting)
+    schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident)
+    store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
+    memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident)
+    wait = role_wait_s(memory.pace, rt.actor_timeout_s)  # a role's wait for its next message
+    host_sum = rt.grad_reduce == "host" and rt.compute_workers > 1
+    # Two passes where the updates wait for the norm and one optimizer has the node's whole gradient
+    # (no host sum, no shards, no gradients held on the device), from fp32 master weights to a stream copy.
+    splits = (rt.split_update and cfg.optim.max_grad_norm > 0 and not rt.sharded_optimizer and not host_sum
+              and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
+    policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits))
+    compute = ComputeSettings(
+        device=device, buffer_depth=rt.buffer_depth_on(device), loss_chunk_size=rt.loss_chunk_size_on(device),
+        mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len), compile=rt.compile_on(device),
+        compile_threads=rt.compile_threads, attention_backend=rt.attention_backend,
+        activations=activation_placement(cfg, device, facts.device_bytes, resident),  # every GPU alike
+        threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
+        total_steps=cfg.train.steps, policies=policies)
+    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
+                        threads=rt.adamw_threads(), workers=rt.compute_workers, host_sum=rt.grad_reduce == "host",
+                        sharded=rt.sharded_optimizer, policies=policies)
+    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, setting, store, compute, sink, memory, wait)
+
+
+def _fits_an_idle_machine(result: preflight.Plan, cfg: TrainConfig) -> bool:
+    """Whether the run would fit this machine with nothing else on it (then waiting may help)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return (result.total("shm") <= shutil.disk_usage(cfg.runtime.shm_dir).total
+            and result.total("host") <= physical)
+
+
+RELEASE_WAIT_S = 30.0
+"""Seconds :func:`check` waits, at most, for free memory that is still growing before it fails."""
+RELEASE_POLL_S = 2.0
+
+
+def check(run: ResolvedRun, log=print) -> preflight.Plan:
+    """The memory plan of ``run`` about to start, once memory that a run which just ended is still releasing has come back; prints the
+    table and raises PreflightError if it does not fit."""
+    cfg, facts = run.config, run.facts
+    result = run.memory
+    problems = result.problems()
+    waited = 0.0
+    while problems and waited < RELEASE_WAIT_S and _fits_an_idle_machine(result, cfg):
+        # A run that has just ended frees its memory only as its processes exit (its segments are
+        # unlinked, but mappings live until then): wait while the free memory is still growing.
+        time.sleep(RELEASE_POLL_S)
+        waited += RELEASE_POLL_S
+        again = preflight.plan(cfg, facts.device, facts.device_bytes, facts.starts_ray, facts.device_tflops,
+                               run.schedule.resident)
+        growing = again.shm_free > result.shm_free or again.host_available > result.host_available
+        if waited == RELEASE_POLL_S and growing:
+            log("waiting for the memory of a run that just ended to be released")
+        result, problems = again, again.problems()
+        if not growing:
+            break
+    if problems:
+        log(result.table())
+        raise PreflightError(problems[0])
+    return result
