@@ -45,7 +45,7 @@ def test_the_spawned_roles_hold_what_the_run_resolved(shm_dir, tmp_path):
         assert compute.settings == run.compute and sink.settings == run.sink
         assert compute.activations.modes == run.compute.activations == ("host", GPU, KEEP)
         assert compute.store.spec == sink.store.spec == prefetcher.store.spec == spec
-        assert spec.owned == run.schedule.resident and compute.owned.units == run.schedule.resident
+        assert spec.resident == run.schedule.resident and compute.resident.units == run.schedule.resident
         assert tuple(prefetcher.order) == run.schedule.fetch and tuple(sink.order) == run.schedule.sink_updates
         assert sink.runner.threads == run.sink.threads == cfg.runtime.adamw_threads()
         assert sink.policies == compute.settings.policies == run.policies

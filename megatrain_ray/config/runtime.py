@@ -157,7 +157,7 @@ class RuntimeSection:
     weight slots that shrink to a decoder layer's; ``plan`` counts both), never streamed; their host
     copy is brought up to date at checkpoint boundaries and at the end. edges+K: the first K decoder
     layers too (layer 0 is the next the forward waits for after the embedding). One compute
-    worker, fp32 master weights and moments (see megatrain_ray.engine.owned)."""
+    worker, fp32 master weights and moments (see megatrain_ray.engine.resident)."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     run_dir: str = "runs"

@@ -7,7 +7,7 @@ none of this step's has begun (a step boundary), and written in the background b
 sink waits only until that unit's bytes are written (:meth:`SinkCheckpoints.before_update`,
 usually long since). The last boundary is saved after the loop, and waited for.
 
-Units resident on the compute worker's device (:mod:`megatrain_ray.engine.owned`) are copied into
+Units resident on the compute worker's device (:mod:`megatrain_ray.engine.resident`) are copied into
 the store by the worker right after their update at a checkpoint's boundary (their state versions
 then say that boundary); the sink waits for that before it starts the checkpoint, whose writer
 writes their bytes first.
@@ -63,7 +63,7 @@ class SinkCheckpoints:
 
     def _await_resident(self, step: int) -> None:
         """Wait until the compute worker has copied the resident units' state of boundary ``step``
-        into the store (:meth:`~megatrain_ray.engine.owned.OwnedUnits.sync`)."""
+        into the store (:meth:`~megatrain_ray.engine.resident.ResidentUnits.sync`)."""
         store = self.store
 
         def copied(within: float) -> bool | None:

@@ -23,7 +23,7 @@ step's loss, its gradient joins each sparse layer's recompute-backward (a sparse
 recomputed from its checkpoint, never kept whole), and the tokens each expert received are returned
 with the step. An expert that received no token gets an exactly zero gradient in its unit's buffer.
 
-Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.owned`) are not fetched:
+Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
 updated here at the end of the step.
 
@@ -62,7 +62,7 @@ from .embed_grad import add_embedding_grad
 from .grad_out import GradOut
 from .grad_reduce import GradReducer
 from .head import chunk_loss_sum, head_forward_backward, head_loss
-from .owned import OwnedUnits
+from .resident import ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
 from .routing import StepRouting
 from .sequence import layer_backward, routed_backward
@@ -98,7 +98,7 @@ class ComputeWorker:
         self.device_name = device = s.device
         self.reducer: GradReducer | None = None
         """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
-        self.backend = make_backend(device, s.buffer_depth, largest_streamed(self.layout, spec.owned), self.dtype)
+        self.backend = make_backend(device, s.buffer_depth, largest_streamed(self.layout, spec.resident), self.dtype)
         placement = s.activations
         if len(placement) != self.cfg.num_hidden_layers:
             raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
@@ -113,9 +113,9 @@ class ComputeWorker:
         for kind in pinned:
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind])
-        self.owned = OwnedUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
-                                pinned) if spec.owned else None
-        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.owned, s.policies)
+        self.resident = ResidentUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
+                                pinned) if spec.resident else None
+        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, s.policies)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
@@ -196,14 +196,14 @@ class ComputeWorker:
     def _take(self, unit: int, step: int) -> tuple[FetchTicket | None, torch.Tensor]:
         """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot (no
         ticket, and the resident weights, for a unit this worker owns)."""
-        if self.owned is not None and unit in self.owned.units:
-            weights = self.owned.weights(unit, step)
+        if self.resident is not None and unit in self.resident.units:
+            weights = self.resident.weights(unit, step)
             if weights is None:  # diverged: wait as for weights that never come (on the queue that would bring
                 try:  # them) while the sink stops the run, finishing the checkpoint being written first
                     wait_while_moving(lambda t: (self._arrived.get(timeout=t),), self.fetch_q, self.timeout_s)
                 except queue.Empty:
                     pass
-                raise PipelineError(self.owned.diverged)  # then say what it says
+                raise PipelineError(self.resident.diverged)  # then say what it says
             return None, weights
         waited = time.time()
         try:
@@ -228,7 +228,7 @@ class ComputeWorker:
         return ticket, self.backend.slots[ticket.slot][:self.layout.templates[unit].numel]
 
     def _release(self, ticket: FetchTicket | None) -> None:
-        if ticket is None:  # an owned unit's resident weights
+        if ticket is None:  # a resident unit's weights
             return
         self.backend.release(ticket.slot)
         self._releases.put(ticket.slot)
@@ -238,9 +238,9 @@ class ComputeWorker:
     def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None,
                  sync: bool = False, hold: bool = False) -> dict[str, Any]:
         """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None;
-        sync: the boundary after this step is a checkpoint's or the run's end, so the owned units'
+        sync: the boundary after this step is a checkpoint's or the run's end, so the resident units'
         state goes to the host store after their update; hold: a checkpoint's, so that copy stays
-        until the checkpoint has it (:func:`~megatrain_ray.engine.owned.sync_due`, ``checkpoint_due``).
+        until the checkpoint has it (:func:`~megatrain_ray.engine.resident.sync_due`, ``checkpoint_due``).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
         seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
@@ -410,14 +410,14 @@ class ComputeWorker:
         self.grads_out.send(unit, step, head_grad)
         return loss, dxs, val_loss
 
-    def sync_owned(self) -> None:
-        """Bring the host store's copy of the owned units up to date (an interrupt's checkpoint)."""
-        if self.owned is not None and self.owned.version is not None:
-            self.owned.sync()
+    def sync_resident(self) -> None:
+        """Bring the host store's copy of the resident units up to date (an interrupt's checkpoint)."""
+        if self.resident is not None and self.resident.version is not None:
+            self.resident.sync()
 
     def close(self) -> None:
-        if self.owned is not None:
-            self.owned.close()
+        if self.resident is not None:
+            self.resident.close()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)

@@ -11,7 +11,7 @@ is complete. The waits for copies and ring slots are the worker's *grad-sender* 
 
 - held gradients (``StoreSpec.hold_grads``): every gradient waits on the device until the step's
   norm is known, then goes through the ring in update order, each ticket carrying that norm;
-- owned units (``StoreSpec.owned``, :mod:`megatrain_ray.engine.owned`): their gradients stay on the
+- resident units (``StoreSpec.resident``, :mod:`megatrain_ray.engine.resident`): their gradients stay on the
   device and only their norms go out; the worker updates them itself with the step's norm, summed
   from every unit's as the sink sums them.
 """
@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import PipelineError
-from .owned import OwnedUnits, step_sq_norm
+from .resident import ResidentUnits, step_sq_norm
 from .policy import NONE, UnitPolicy
 from .schedule import Schedule
 from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
@@ -33,7 +33,7 @@ from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
-    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, owned: OwnedUnits | None = None,
+    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, resident: ResidentUnits | None = None,
                  policies: tuple[UnitPolicy, ...] = ()):
         """policies: each unit's (:mod:`megatrain_ray.engine.policy`); the gradients of units whose
         policy has none (frozen units) are never sent."""
@@ -41,7 +41,7 @@ class GradOut:
         self.layout = store.layout
         self.grad_q, self.grad_slot_q = grad_q, grad_slot_q  # grad_slot_q: free ring slots, from the sink
         self.timeout_s = timeout_s
-        self.owned = owned
+        self.resident = resident
         self.frozen = {u for u, p in enumerate(policies) if p.gradient == NONE}
         self.reducer = None
         """The worker's data-parallel group (set when it joins one), or None."""
@@ -51,7 +51,7 @@ class GradOut:
         self._held: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(unit, gradient [numel] on the device, its squared norm) of this step, with ``hold_grads``."""
         self._sq_norms: list[torch.Tensor] = []
-        """Each unit's squared gradient norm of this step, in the order their tickets go (with owned units)."""
+        """Each unit's squared gradient norm of this step, in the order their tickets go (with resident units)."""
 
     def run(self, drain: Callable[[queue.Queue], Iterator]) -> None:
         """The grad-sender thread: each ticket goes out once its copy to the host store is complete
@@ -73,11 +73,11 @@ class GradOut:
             self._held.append((unit, grad.to(self.store.spec.precision.grad), torch.dot(grad, grad)))
             return
         sq_norm = None
-        if self.owned is not None:  # (one worker: no reduction below)
+        if self.resident is not None:  # (one worker: no reduction below)
             sq_norm = torch.dot(grad, grad)
             self._sq_norms.append(sq_norm)
-            if unit in self.owned.units:  # updated on the device at the end of the step: the sink needs its norm
-                self.owned.hold(unit, grad)
+            if unit in self.resident.units:  # updated on the device at the end of the step: the sink needs its norm
+                self.resident.hold(unit, grad)
                 self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0))
                 return
         slot = self._free_slot(unit) if self.store.spec.grad_slots else -1
@@ -91,17 +91,17 @@ class GradOut:
         self.outbox.put((unit, step, slot, handle, -1.0))
 
     def end_step(self, step: int, sync: bool, hold: bool = False) -> None:
-        """After the last gradient of step ``step``: send the held ones, or update the owned units
+        """After the last gradient of step ``step``: send the held ones, or update the resident units
         (and with ``sync`` copy them to the host store, ``hold``: for a checkpoint; see
-        :func:`~megatrain_ray.engine.owned.sync_due`)."""
+        :func:`~megatrain_ray.engine.resident.sync_due`)."""
         if self.store.spec.hold_grads:
             self._send_held(step)
-        if self.owned is not None:
+        if self.resident is not None:
             norms, self._sq_norms = self._sq_norms, []
-            with self.backend.compute("adamw (owned units)"):
-                self.owned.update(step, step_sq_norm(norms))
+            with self.backend.compute("adamw (resident units)"):
+                self.resident.update(step, step_sq_norm(norms))
             if sync:
-                self.owned.sync(hold)
+                self.resident.sync(hold)
 
     def _send_held(self, step: int) -> None:
         """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order

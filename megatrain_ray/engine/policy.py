@@ -11,7 +11,7 @@ A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.
 - ``optimizer``: which update it gets, by whom: ``exact`` (AdamW on the host in one pass),
   ``split`` (the same update in two passes, the stream copy first, see :mod:`megatrain_ray.engine.sink`),
   ``compact`` (8-bit moments, :mod:`megatrain_ray.engine.compact`), ``device`` (AdamW on the compute
-  worker's device, :mod:`megatrain_ray.engine.owned`) or ``none`` (never updated).
+  worker's device, :mod:`megatrain_ray.engine.resident`) or ``none`` (never updated).
 
 Policies are resolved once per run (:func:`policies_of_run`, from the settings the run resolved)
 and the roles take their behaviour from them: the prefetcher streams the ``streamed`` units, the

@@ -30,7 +30,7 @@ class Prefetcher:
     def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float):
         self.store = HostStore(spec)
         self.units = self.store.layout.units
-        self.order = Schedule.build(self.store.layout, spec.model.tie_word_embeddings, spec.owned).fetch
+        self.order = Schedule.build(self.store.layout, spec.model.tie_word_embeddings, spec.resident).fetch
         self.depth = buffer_depth
         self.fetch_q, self.release_q = fetch_q, release_q
         self.timeout_s = timeout_s

@@ -29,7 +29,7 @@ class Schedule:
     update: tuple[int, ...]
     """Every unit, in the order the next step's forward needs them: embedding, layers, head."""
     resident: tuple[int, ...] = ()
-    """Units resident on the compute worker's device, updated there (see :mod:`megatrain_ray.engine.owned`)."""
+    """Units resident on the compute worker's device, updated there (see :mod:`megatrain_ray.engine.resident`)."""
 
     @classmethod
     def build(cls, layout: StoreLayout, tied: bool, resident: tuple[int, ...] = ()) -> Schedule:

@@ -44,7 +44,7 @@ class ComputeSettings:
     total_steps: int
     """The run's steps (train.steps), for the learning-rate schedule of the resident units."""
     policies: tuple[UnitPolicy, ...] = ()
-    """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): as ``StoreSpec.owned`` says."""
+    """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): as ``StoreSpec.resident`` says."""
 
 
 @dataclass(frozen=True)
@@ -67,4 +67,4 @@ class SinkSettings:
     """The nodes' sinks share the AdamW work (runtime.optimizer_sharding=sharded with several nodes)."""
     policies: tuple[UnitPolicy, ...] = ()
     """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): every unit streamed and updated here
-    exactly, but those the compute worker owns (``StoreSpec.owned``)."""
+    exactly, but those the compute worker owns (``StoreSpec.resident``)."""

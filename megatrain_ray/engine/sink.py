@@ -81,9 +81,9 @@ class GradientSink:
         self.optim = settings.optim
         self.grad_q, self.stats_q, self.grad_slot_q = grad_q, stats_q, grad_slot_q
         self.timeout_s = timeout_s = settings.timeout_s
-        self.policies = settings.policies or policies_of_run(len(self.layout.units), spec.owned, EXACT)
+        self.policies = settings.policies or policies_of_run(len(self.layout.units), spec.resident, EXACT)
         """Each unit's :class:`~megatrain_ray.engine.policy.UnitPolicy`."""
-        self.order = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.owned).update
+        self.order = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
                       if self.policies[u].optimizer not in (DEVICE, NONE)]
         """The units this sink updates, in update order."""
         self.after_norm = self.optim.max_grad_norm > 0 or settings.sharded
@@ -97,7 +97,7 @@ class GradientSink:
         self.threads = max(1, settings.threads)
         self.spans: list[tuple] = []
         self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
-                                           self.order if self.after_norm else self.order[::-1], spec.owned, grad_q)
+                                           self.order if self.after_norm else self.order[::-1], spec.resident, grad_q)
         self.sharding: OptimizerShards | None = None
         """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
         self._set_runner(settings.threads)

@@ -24,8 +24,8 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   (what the prefetcher waits for), then how many its master weights and moments
                   have (what a checkpoint waits for); they differ only while the sink's second
                   pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`);
-                  then one more: the *owned hold*, set while a checkpoint still reads the host copy
-                  of the units the compute worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.owned`)
+                  then one more: the *resident hold*, set while a checkpoint still reads the host copy
+                  of the units the compute worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.resident`)
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
 it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
@@ -75,10 +75,10 @@ def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, ho
     return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
 
 
-def largest_streamed(layout: StoreLayout, owned: tuple[int, ...]) -> int:
+def largest_streamed(layout: StoreLayout, resident: tuple[int, ...]) -> int:
     """Elements of the largest unit the prefetcher streams (what a device weight slot holds): every
     unit but those the compute worker owns."""
-    return max((t.numel for i, t in enumerate(layout.templates) if i not in owned), default=1)
+    return max((t.numel for i, t in enumerate(layout.templates) if i not in resident), default=1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class VersionWords:
 
     @property
     def hold(self) -> int:
-        """The word of the owned hold (see :meth:`HostStore.owned_hold`)."""
+        """The word of the resident hold (see :meth:`HostStore.resident_hold`)."""
         return 2 * self.units
 
     @property
@@ -107,7 +107,7 @@ class VersionWords:
         return 2 * self.units + 1
 
 
-def owned_units(model: ModelConfig, device_adamw: str) -> tuple[int, ...]:
+def resident_units(model: ModelConfig, device_adamw: str) -> tuple[int, ...]:
     """The units the compute worker owns under runtime.device_adamw: edges = the embedding and the
     head (final norm and, untied, the LM head), edges+K also the first K decoder layers; none = none."""
     layers = device_adamw_layers(device_adamw)
@@ -134,26 +134,26 @@ class StoreSpec:
     hold_grads: bool = False
     """The compute worker keeps the step's gradients on the device until the step's norm is known, then
     sends them through the ring in update order, each ticket carrying that norm (runtime.hold_grads)."""
-    owned: tuple[int, ...] = ()
+    resident: tuple[int, ...] = ()
     """Units the compute worker owns (runtime.device_adamw): it keeps their weights and AdamW states on
     its device and updates them there; none is fetched or updated by the sink, and their blocks here
-    are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.owned`)."""
+    are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.resident`)."""
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str,
-               owned: tuple[int, ...] = ()) -> StoreSpec:
+               resident: tuple[int, ...] = ()) -> StoreSpec:
         """The store of one node of a run of ``cfg`` on ``device`` whose compute worker owns the units
-        ``owned`` (as the run resolved runtime.device_adamw): its gradient ring, held gradients and
+        ``resident`` (as the run resolved runtime.device_adamw): its gradient ring, held gradients and
         peer gradient copies as the run's settings resolve (a sharded optimizer across nodes updates
         after the last gradient, from whole-model gradient blocks; held gradients need a single
         compute worker in the whole run)."""
         rt, clip = cfg.runtime, cfg.optim.max_grad_norm
         sharded = rt.sharded_optimizer
-        hold = not sharded and not owned and holds_grads(precision, clip, rt.compute_workers * rt.nodes,
+        hold = not sharded and not resident and holds_grads(precision, clip, rt.compute_workers * rt.nodes,
                                                          rt.hold_grads_on(device))
         slots = 0 if sharded else grad_slots_for(precision, clip, rt.compute_workers, hold)
         return cls(cfg.model, precision, rt.shm_dir, owner_pid, run_id, grad_slots=slots,
-                   peer_grads=peer_grads_for(rt.grad_reduce, rt.compute_workers), hold_grads=hold, owned=owned)
+                   peer_grads=peer_grads_for(rt.grad_reduce, rt.compute_workers), hold_grads=hold, resident=resident)
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
@@ -274,13 +274,13 @@ class HostStore:
             time.sleep(pause)
         return True
 
-    def owned_hold(self) -> int | None:
-        """The boundary whose checkpoint still reads the host copy of the owned units, or None."""
+    def resident_hold(self) -> int | None:
+        """The boundary whose checkpoint still reads the host copy of the resident units, or None."""
         held = int(self.versions[self.words.hold])
         return held - 1 if held else None
 
-    def set_owned_hold(self, step: int | None) -> None:
-        """Hold the owned units' host copy for the checkpoint of boundary ``step`` (None: release it)."""
+    def set_resident_hold(self, step: int | None) -> None:
+        """Hold the resident units' host copy for the checkpoint of boundary ``step`` (None: release it)."""
         self.versions[self.words.hold] = 0 if step is None else step + 1
 
     @property

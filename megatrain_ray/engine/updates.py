@@ -14,7 +14,7 @@ knows nothing else of the update. :func:`host_optimizer` builds the one a policy
 (:mod:`megatrain_ray.engine.policy`): :class:`ExactAdamW`, :class:`SplitAdamW` or
 :class:`CompactAdamW`, all over the same :class:`~megatrain_ray.engine.optim.AdamWRunner` and the
 store's blocks; the device-side optimizer of resident units implements the same protocol on the
-compute worker (:class:`~megatrain_ray.engine.owned.DeviceAdamW`).
+compute worker (:class:`~megatrain_ray.engine.resident.DeviceAdamW`).
 """
 
 from __future__ import annotations

@@ -197,15 +197,15 @@ class CheckpointWriter:
 
     def _release(self, unit: int, group: str) -> None:
         self._written[unit, group].set()
-        owned = self.store.spec.owned
-        if unit in owned and all(self._written[u, g].is_set() for u in owned for g in GROUPS):
+        resident = self.store.spec.resident
+        if unit in resident and all(self._written[u, g].is_set() for u in resident for g in GROUPS):
             self._release_owned(self._outcome["step"])
 
     def _release_owned(self, step: int) -> None:
         """Let the compute worker overwrite the copy of its units that it held for this write
-        (:mod:`megatrain_ray.engine.owned`); a hold for a later boundary is not this write's."""
-        if self.store.spec.owned and self.store.owned_hold() == step:
-            self.store.set_owned_hold(None)
+        (:mod:`megatrain_ray.engine.resident`); a hold for a later boundary is not this write's."""
+        if self.store.spec.resident and self.store.resident_hold() == step:
+            self.store.set_resident_hold(None)
 
     # -- the store actor's side: in the foreground -------------------------------------------
 

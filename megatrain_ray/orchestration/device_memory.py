@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import TrainConfig
 from ..engine.activations import kept_bytes_per_token, layer_modes
-from ..engine.store import StoreSpec, largest_streamed, owned_units
+from ..engine.store import StoreSpec, largest_streamed, resident_units
 from ..errors import ConfigError
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
@@ -71,9 +71,9 @@ def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, i
         cfg.model.hidden_size
 
 
-def resident_units(cfg: TrainConfig, resident: tuple[int, ...] | None) -> tuple[int, ...]:
+def configured_resident(cfg: TrainConfig, resident: tuple[int, ...] | None) -> tuple[int, ...]:
     """``resident``, or where None the units an explicit runtime.device_adamw names (none for auto)."""
-    return owned_units(cfg.model, cfg.runtime.device_adamw) if resident is None else resident
+    return resident_units(cfg.model, cfg.runtime.device_adamw) if resident is None else resident
 
 
 def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
@@ -86,19 +86,19 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     layer_numel = layout.max_layer_numel
     head_numel = layout.templates[layout.head.index].numel
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
-    owned = resident_units(cfg, resident)
-    owned_numel = sum(layout.templates[i].numel for i in owned)
+    resident = configured_resident(cfg, resident)
+    resident_numel = sum(layout.templates[i].numel for i in resident)
     rows = [
-        Row(f"weight slots ({depth} x largest unit{' streamed' if owned else ''})", "device",
-            depth * largest_streamed(layout, owned) * c),
-        *([Row(f"{', '.join(layout.units[i] for i in owned)}: fp32 master, AdamW moments and weights "
-               "(runtime.device_adamw)", "device", owned_numel * (12 + (c if c != 4 else 0)))] if owned else []),
+        Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
+            depth * largest_streamed(layout, resident) * c),
+        *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
+               "(runtime.device_adamw)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         _layer_working_set(cfg, tokens, c, layer_numel),
         Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
-          if StoreSpec.of_run(cfg, precision, device, 0, "plan", owned).hold_grads else []),
+          if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * _logit_bytes(c, rt.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
@@ -212,7 +212,7 @@ def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) ->
     if (device == "cuda" and rt.compute_workers * rt.nodes == 1 and rt.master_dtype == "float32"
             and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0 and device_bytes):
         for setting in AUTO_DEVICE_ADAMW:
-            rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, owned_units(cfg.model, setting))
+            rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident_units(cfg.model, setting))
             offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory
             if not offloaded and device_total(rows) <= device_bytes * GPU_USABLE:
                 return setting

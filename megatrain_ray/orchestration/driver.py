@@ -23,7 +23,7 @@ import ray
 from ..config import TrainConfig
 from ..data.datasets import run_tokenizer
 from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
-from ..engine.owned import checkpoint_due, sync_due
+from ..engine.resident import checkpoint_due, sync_due
 from ..io import checkpoint
 from .calls import get as _get
 from .labels import step_task
@@ -139,11 +139,11 @@ class Driver:
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
-            owned = (sync_due(self.plan, step, self.start, self.steps),  # the owned units' copy (engine.owned)
+            resident = (sync_due(self.plan, step, self.start, self.steps),  # the resident units' copy (engine.resident)
                      checkpoint_due(self.plan, step, self.start, self.steps))
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
                                                                          self.eval_ref if due and rank == 0 else None,
-                                                                         *owned)
+                                                                         *resident)
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:
@@ -285,7 +285,7 @@ class Driver:
                 self._record(step, out)
             # The store actor waits until the sink has applied every submitted step's update; the
             # compute worker's own units (runtime.device_adamw) it copies in first.
-            _get(self.roles.computes[0].sync_owned.remote(), "compute", self.timeout)
+            _get(self.roles.computes[0].sync_resident.remote(), "compute", self.timeout)
             save = self.head.store.save_checkpoint.remote(self.plan, boundary)
             while True:
                 ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)

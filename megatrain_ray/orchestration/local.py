@@ -14,7 +14,7 @@ import uuid
 from ..config import TrainConfig
 from ..data.loader import source_from_config
 from ..engine import shm
-from ..engine.owned import sync_due
+from ..engine.resident import sync_due
 from ..errors import ConfigError
 from ..model.precision import resolve_device
 from .cluster import connect_ray
@@ -53,7 +53,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
             if errors:
                 raise errors[0]
             rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None,
-                                         sync=sync_due(None, step, 0, steps)))  # the end: the owned units' copy
+                                         sync=sync_due(None, step, 0, steps)))  # the end: the resident units' copy
         for row in rows:
             stats = roles.stats_q.get(timeout=rt.actor_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")

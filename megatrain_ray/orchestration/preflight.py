@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..engine.activations import recomputed_layers
-from ..engine.store import StoreSpec, VersionWords, owned_units
+from ..engine.store import StoreSpec, VersionWords, resident_units
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
 from ..model import flops
 from ..model.layout import StoreLayout
@@ -245,7 +245,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if device == "cuda" and device_bytes is None:
         device_bytes = gpu_memory()
     if resident is None:
-        resident = owned_units(cfg.model, resolve_resident(cfg, device, device_bytes))
+        resident = resident_units(cfg.model, resolve_resident(cfg, device, device_bytes))
     if starts_ray is None:
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model

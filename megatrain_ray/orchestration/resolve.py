@@ -29,7 +29,7 @@ from ..errors import PreflightError
 from ..engine.policy import UnitPolicy, host_optimizer, policies_of_run
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
-from ..engine.store import StoreSpec, owned_units
+from ..engine.store import StoreSpec, resident_units
 from ..model.layout import StoreLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
@@ -175,7 +175,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     precision = resolve_precision(rt, device, cfg.optim.state)
     layout = StoreLayout.build(cfg.model)
     setting = resolve_resident(cfg, device, facts.device_bytes)
-    resident = owned_units(cfg.model, setting)
+    resident = resident_units(cfg.model, setting)
     schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
     memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident)

@@ -6,8 +6,8 @@ so the GPU idles while the embedding's gradient goes to the host, the sink updat
 weights come back (~0.15 s a step at the Qwen2.5-7B shape, plus ~0.05 s waiting on the head's
 update at the end of the forward; benchmarks/results/2026-12-01_h200_defaults-7b/NOTES.md).
 
-With ``edges`` the compute worker owns the embedding and the head (``StoreSpec.owned``, see
-:func:`~megatrain_ray.engine.store.owned_units`): their fp32 master weights and AdamW moments live
+With ``edges`` the compute worker owns the embedding and the head (``StoreSpec.resident``, see
+:func:`~megatrain_ray.engine.store.resident_units`): their fp32 master weights and AdamW moments live
 in its device memory for the whole attempt, with a compute-dtype copy of the weights that the
 forward reads, so they are never fetched; their gradients stay on the device, and only a ticket
 with the squared norm goes to the sink, which counts it in the step's norm and updates the rest.
@@ -17,14 +17,14 @@ computes (the same squared norms, summed in the same order), on the fp32 gradien
 the sink's own kernel (bit for bit the host update where the gradient dtype is fp32, as on the
 CPU), on a GPU through ``torch._fused_adamw_`` in one call per span.
 
-Their blocks in the host store are a copy, brought up to date (:meth:`OwnedUnits.sync`) only where
+Their blocks in the host store are a copy, brought up to date (:meth:`ResidentUnits.sync`) only where
 something reads them: at each checkpoint boundary, at the end of the run (the export), and on an
 interrupt. A copy made for a checkpoint must stay until that checkpoint has written it, and the
 worker may reach its next copy first (the sink starts a checkpoint only once it has updated the
 steps before it, and may still be finishing the previous write; with a checkpoint every step the
-worker is one boundary ahead by then). So the copy for a checkpoint sets the store's *owned hold*
-(:meth:`~megatrain_ray.engine.store.HostStore.set_owned_hold`); the sink waits for the copy before
-it starts that checkpoint, whose writer writes the owned units first and releases the hold once
+worker is one boundary ahead by then). So the copy for a checkpoint sets the store's *resident hold*
+(:meth:`~megatrain_ray.engine.store.HostStore.set_resident_hold`); the sink waits for the copy before
+it starts that checkpoint, whose writer writes the resident units first and releases the hold once
 their bytes are out; the next copy waits for the release.
 """
 
@@ -39,18 +39,18 @@ from ..errors import PipelineError
 from .optim import AdamWRunner, adamw_unit, clip_coefficient
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-"""The store's kinds an owned unit keeps on the device (and copies back at a sync)."""
+"""The store's kinds a resident unit keeps on the device (and copies back at a sync)."""
 
 
 def checkpoint_due(plan, step: int, start: int, end: int) -> bool:
     """Whether the sink checkpoints the boundary after step ``step`` (``plan``: a
     :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`, or None; steps [``start``, ``end``) of this
-    attempt): the owned units' copy for it is held until its writer has it."""
+    attempt): the resident units' copy for it is held until its writer has it."""
     return plan is not None and plan.due(step + 1, start, end)
 
 
 def sync_due(plan, step: int, start: int, end: int) -> bool:
-    """Whether the boundary after step ``step`` must find the owned units' state in the host store:
+    """Whether the boundary after step ``step`` must find the resident units' state in the host store:
     a checkpoint's (:func:`checkpoint_due`) or the run's end (the export)."""
     return step + 1 == end or checkpoint_due(plan, step, start, end)
 
@@ -88,16 +88,16 @@ class DeviceAdamW:
         pass
 
 
-class OwnedUnits:
-    """The device-resident weights and AdamW states of ``store.spec.owned`` (see the module docstring)."""
+class ResidentUnits:
+    """The device-resident weights and AdamW states of ``store.spec.resident`` (see the module docstring)."""
 
     def __init__(self, store, backend, optim: OptimConfig, total_steps: int, timeout_s: float,
                  threads: int = 1, registered: tuple[str, ...] = ()):
         """store: the worker's :class:`~megatrain_ray.engine.store.HostStore`; backend: its device
         backend; registered: the store's kinds whose whole arrays the backend has pinned already
-        (the owned blocks of the others are pinned here, for full-speed copies)."""
+        (the resident blocks of the others are pinned here, for full-speed copies)."""
         self.store, self.backend = store, backend
-        self.units = store.spec.owned
+        self.units = store.spec.resident
         self.names = {u: store.layout.units[u] for u in self.units}
         self.optim, self.total_steps, self.timeout_s = optim, total_steps, timeout_s
         self.compute_dtype = store.spec.precision.compute
@@ -151,7 +151,7 @@ class OwnedUnits:
         self.grads[unit] = grad
 
     def update(self, step: int, sq_norm: float) -> bool:
-        """Apply step ``step``'s AdamW update to every owned unit, clipped by the step's squared
+        """Apply step ``step``'s AdamW update to every resident unit, clipped by the step's squared
         gradient norm ``sq_norm`` (:func:`step_sq_norm`); False, and nothing applied, when it is not
         finite (the sink stops the run on it; so does the next step here, in the sink's words)."""
         grads, self.grads = self.grads, {}
@@ -167,12 +167,12 @@ class OwnedUnits:
         return True
 
     def sync(self, hold: bool = False) -> None:
-        """Copy the device state into the owned units' host blocks and mark them at its version, once
-        no checkpoint needs the previous copy (the owned hold); ``hold``: this copy is a checkpoint's
+        """Copy the device state into the resident units' host blocks and mark them at its version, once
+        no checkpoint needs the previous copy (the resident hold); ``hold``: this copy is a checkpoint's
         (:func:`checkpoint_due`), kept until its writer releases it."""
-        if not self.store.wait_until(lambda: self.store.owned_hold() is None, self.timeout_s, pause=0.005):
+        if not self.store.wait_until(lambda: self.store.resident_hold() is None, self.timeout_s, pause=0.005):
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
-                                f"{self.store.owned_hold()} to write {', '.join(self.names.values())}: the gradient "
+                                f"{self.store.resident_hold()} to write {', '.join(self.names.values())}: the gradient "
                                 "sink or the checkpoint writer is stalled (a slow disk?); raise "
                                 "runtime.actor_timeout_s if it is just slow.")
         done = None
@@ -181,7 +181,7 @@ class OwnedUnits:
                 done = self.backend.stash(self.state[u][kind], self.store.block(kind, u), f"{self.names[u]} {kind}")
         self.backend.host_wait(done)
         if hold:
-            self.store.set_owned_hold(self.version)
+            self.store.set_resident_hold(self.version)
         for u in self.units:
             self.store.set_version(u, self.version)
 

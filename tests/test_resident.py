@@ -1,6 +1,6 @@
-"""Units updated on the compute worker's device (runtime.device_adamw, megatrain_ray.engine.owned).
+"""Units updated on the compute worker's device (runtime.device_adamw, megatrain_ray.engine.resident).
 
-On the CPU backend the owned units go through the sink's own AdamW kernel on the gradient the sink
+On the CPU backend the resident units go through the sink's own AdamW kernel on the gradient the sink
 would have read, clipped by the same factor (the same squared norms summed in the same order), so a
 run with ``edges`` must equal the host-updated run bit for bit: losses, grad norms, every weight
 and moment of every checkpoint, the exported weights. Any difference is a bug of the protocol
@@ -19,8 +19,8 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.device import CpuBackend
-from megatrain_ray.engine.owned import OwnedUnits, checkpoint_due, sync_due
-from megatrain_ray.engine.store import ParameterStore, StoreSpec, owned_units
+from megatrain_ray.engine.resident import ResidentUnits, checkpoint_due, sync_due
+from megatrain_ray.engine.store import ParameterStore, StoreSpec, resident_units
 from megatrain_ray.errors import ConfigError, PipelineError
 from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.model.layout import StoreLayout
@@ -53,7 +53,7 @@ def _equal(a: dict, b: dict) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["edges", "edges+1"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_owned_units_on_the_device_give_the_host_update_bit_for_bit(tied, mode, shm_dir, tmp_path):
+def test_resident_units_on_the_device_give_the_host_update_bit_for_bit(tied, mode, shm_dir, tmp_path):
     rows = {}
     for setting in ("none", mode):
         cfg = _cfg(shm_dir, tmp_path, f"runtime.device_adamw={setting}", f"model.tie_word_embeddings={str(tied).lower()}")
@@ -61,7 +61,7 @@ def test_owned_units_on_the_device_give_the_host_update_bit_for_bit(tied, mode, 
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in rows["none"]] == [r[key] for r in rows[mode]], key
     assert all(r["grad_norm"] > 0.5 for r in rows["none"])  # clipped every step
-    # Only the other decoder layers are streamed (each twice); the owned units never leave the device.
+    # Only the other decoder layers are streamed (each twice); the resident units never leave the device.
     assert rows["none"][0]["fetches"]["embed"] == (2 if tied else 1)
     layers = cfg.model.num_hidden_layers - (1 if mode == "edges+1" else 0)
     assert rows[mode][0]["fetches"] == {"layers": 2 * layers}
@@ -91,7 +91,7 @@ def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host
     b_run = os.path.dirname(os.path.dirname(info.value.checkpoint))
     b_ckpts = sorted(os.listdir(os.path.join(b_run, "checkpoints")))
     assert b_ckpts == [f"step-{s:06d}" for s in range(1, boundary + 1)], b_ckpts
-    for name in b_ckpts:  # weights and AdamW states, the owned units' included
+    for name in b_ckpts:  # weights and AdamW states, the resident units' included
         ours = read_tensors(os.path.join(b_run, "checkpoints", name))
         theirs = read_tensors(os.path.join(a_ckpts, name))
         assert any("embed_tokens" in k for k in ours) and any("exp_avg" in k for k in ours)
@@ -129,31 +129,31 @@ def test_a_killed_compute_worker_takes_its_units_along_and_the_restart_still_end
 def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
     cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "runtime.device_adamw=edges"])
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "held",
-                     owned=owned_units(cfg.model, "edges"))
+                     resident=resident_units(cfg.model, "edges"))
     ps = ParameterStore(spec, seed=0)
     try:
-        owned = OwnedUnits(ps.store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=0.3)
-        before = owned.weights(0, 0).clone()
+        resident = ResidentUnits(ps.store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=0.3)
+        before = resident.weights(0, 0).clone()
         head = cfg.model.num_hidden_layers + 1
         for u in (0, head):
-            owned.hold(u, torch.ones(ps.store.layout.templates[u].numel))
-        assert owned.update(0, 4.0) and owned.version == 1
-        assert not torch.equal(owned.weights(0, 1), before)
+            resident.hold(u, torch.ones(ps.store.layout.templates[u].numel))
+        assert resident.update(0, 4.0) and resident.version == 1
+        assert not torch.equal(resident.weights(0, 1), before)
         assert torch.equal(ps.store.block("master", 0), before)  # the host copy is untouched until a sync
-        ps.store.set_owned_hold(0)  # the checkpoint of step 0 still reads it
+        ps.store.set_resident_hold(0)  # the checkpoint of step 0 still reads it
         with pytest.raises(PipelineError, match=r"waited 0 s for the checkpoint of step 0 to write embed, head"):
-            owned.sync()
+            resident.sync()
         assert ps.store.state_version(0) == 0
-        ps.store.set_owned_hold(None)
-        owned.sync()
-        assert torch.equal(ps.store.block("master", 0), owned.weights(0, 1))
+        ps.store.set_resident_hold(None)
+        resident.sync()
+        assert torch.equal(ps.store.block("master", 0), resident.weights(0, 1))
         assert (ps.store.state_version(0), ps.store.version(head)) == (1, 1)
         with pytest.raises(PipelineError, match="on the device has 1 updates but step 3 needs 3"):
-            owned.weights(0, 3)
-        assert not owned.update(1, float("inf")) and owned.version == 1  # the sink stops the run on it, and so
-        assert owned.weights(0, 1) is None  # does the next step (the compute worker waits, then says these words):
-        assert re.match(r"the gradient norm of step 2 is inf; training diverged", owned.diverged)
-        owned.close()
+            resident.weights(0, 3)
+        assert not resident.update(1, float("inf")) and resident.version == 1  # the sink stops the run on it, and so
+        assert resident.weights(0, 1) is None  # does the next step (the compute worker waits, then says these words):
+        assert re.match(r"the gradient norm of step 2 is inf; training diverged", resident.diverged)
+        resident.close()
     finally:
         ps.close()
 
@@ -173,37 +173,37 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
     checkpoint of the previous one (the sink may still be writing the one before): that copy waits."""
     cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "runtime.device_adamw=edges"])
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "ahead",
-                     owned=owned_units(cfg.model, "edges"))
+                     resident=resident_units(cfg.model, "edges"))
     ps = ParameterStore(spec, seed=0)
     store = ps.store
     try:
-        owned = OwnedUnits(store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=60)
+        resident = ResidentUnits(store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=60)
 
-        def update(step: int) -> None:  # the step's update of the owned units, on the "device"
-            owned.weights(0, step)
-            for u in owned.units:
-                owned.hold(u, torch.full((store.layout.templates[u].numel,), 0.1 * (step + 1)))
-            assert owned.update(step, 1.0)
+        def update(step: int) -> None:  # the step's update of the resident units, on the "device"
+            resident.weights(0, step)
+            for u in resident.units:
+                resident.hold(u, torch.full((store.layout.templates[u].numel,), 0.1 * (step + 1)))
+            assert resident.update(step, 1.0)
 
         update(0)
         for u in range(len(store.layout.units)):  # the sink's units reach boundary 1 too
-            if u not in owned.units:
+            if u not in resident.units:
                 store.set_version(u, 1)
-        owned.sync(hold=True)  # the copy of boundary 1, a checkpoint's
-        assert store.owned_hold() == 1 and store.state_version(0) == 1
+        resident.sync(hold=True)  # the copy of boundary 1, a checkpoint's
+        assert store.resident_hold() == 1 and store.state_version(0) == 1
         at_1 = store.block("master", 0).clone()
         update(1)
-        ahead = threading.Thread(target=owned.sync, args=(True,))  # the copy of boundary 2
+        ahead = threading.Thread(target=resident.sync, args=(True,))  # the copy of boundary 2
         ahead.start()
         time.sleep(0.5)
         assert ahead.is_alive() and store.state_version(0) == 1 and torch.equal(store.block("master", 0), at_1)
         plan = checkpoint.CheckpointPlan(str(tmp_path), 1, 5, cfg.to_dict(), "r", {})
         write = writer.CheckpointWriter(store, plan)
         head = cfg.model.num_hidden_layers + 1
-        write.start(1, [0, head, *range(1, head)])  # as the sink orders them: the owned units first
+        write.start(1, [0, head, *range(1, head)])  # as the sink orders them: the resident units first
         ahead.join(timeout=60)
         notice = write.finish()
-        assert not ahead.is_alive() and store.owned_hold() == 2 and store.state_version(0) == 2
+        assert not ahead.is_alive() and store.resident_hold() == 2 and store.state_version(0) == 2
         saved = read_tensors(notice["checkpoint"])["model.embed_tokens.weight"].flatten()
         assert torch.equal(saved, at_1) and not torch.equal(saved, store.block("master", 0))
     finally:
@@ -251,10 +251,10 @@ def test_the_plan_counts_the_resident_state_and_streams_smaller_slots():
     rows = {mode: {r.component: r.nbytes for r in _fixed_device_rows(c, "cuda", 1)} for mode, c in
             (("none", base), ("edges", edges))}
     m = base.model
-    owned = [k for k in rows["edges"] if k.startswith("embed, head: ")]
-    assert len(owned) == 1
+    resident = [k for k in rows["edges"] if k.startswith("embed, head: ")]
+    assert len(resident) == 1
     head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
-    assert rows["edges"][owned[0]] == (m.vocab_size * m.hidden_size + head) * (12 + 2)
+    assert rows["edges"][resident[0]] == (m.vocab_size * m.hidden_size + head) * (12 + 2)
     slots = lambda r: next(v for k, v in r.items() if k.startswith("weight slots"))  # noqa: E731
     layout = StoreLayout.build(base.model)  # the head is the largest unit, then a decoder layer
     assert slots(rows["edges"]) == 3 * layout.templates[1].numel * 2 < slots(rows["none"]) == 3 * head * 2
