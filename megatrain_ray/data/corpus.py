@@ -45,8 +45,12 @@ def open_split(ref: CorpusRef, split: str) -> dict:
     mask [T] uint8 of target tokens (or None: all are); max_id, the largest token id."""
     if ref.path.endswith(".npy"):
         return _npy_split(ref, split)
-    with open(os.path.join(ref.path, "meta.json")) as f:
-        info = json.load(f)["splits"][split]
+    try:
+        with open(os.path.join(ref.path, "meta.json")) as f:
+            info = json.load(f)["splits"][split]
+    except FileNotFoundError:
+        raise DataError(f"the token cache {ref.path} of {ref.where} is gone (removed while the run used it); "
+                        "train again, which tokenizes the data anew.") from None
     if info["documents"] == 0:
         what = ("data.val_fraction held out no document; raise it or set data.val_path" if split == "val"
                 else "it holds no training document (is data.val_fraction too high?)")

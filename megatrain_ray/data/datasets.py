@@ -232,7 +232,11 @@ def run_tokenizer(data: dict, init_from: str | None) -> str | None:
 
 def fingerprint(p: DataPlan) -> str:
     """Cache key: files (path, size, mtime), format, tokenizer files, split."""
-    stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in p.files]
+    try:
+        stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in p.files]
+    except FileNotFoundError as e:
+        raise DataError(f"{p.where}: its file {e.filename} is gone; restore it, or point data.path at the "
+                        "data meant.") from None
     key = json.dumps({"v": CACHE_VERSION, "files": stats, "kind": p.kind, "format": p.format,
                       "tokenizer": tokenizer_fingerprint(p.tokenizer), "text_key": p.text_key,
                       "labels": p.has_labels, "val": p.val_fraction}, sort_keys=True)

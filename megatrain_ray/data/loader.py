@@ -69,8 +69,13 @@ class BatchSource:
     """How the batches are drawn, recorded in each checkpoint's meta.json (rng.data_order)."""
 
     def __init__(self, path: str | None, seq_len: int, micro_batch_size: int, num_micro_batches: int,
-                 seed: int, vocab_size: int, pack_documents: bool = False):
+                 seed: int, vocab_size: int, pack_documents: bool = False, pinned: str | None = None):
+        """``pinned``: the :attr:`fingerprint` of the tokens the run started with (see :func:`run_data`)."""
         self.tokens = load_tokens(path)
+        if pinned is not None and self.fingerprint != pinned:
+            raise DataError(f"data.path {path!r} changed since the run started (its tokens differ from those it "
+                            "began with), so the run cannot go on with the data it trained on; restore the file, "
+                            "or start a new run on the changed data.")
         self.starts = None
         """Document starts when packing (data.pack_documents): after each EOS of the text read."""
         if pack_documents:
@@ -115,6 +120,11 @@ class BatchSource:
         changed = [k for k, v in self.state(0).items() if k != "next_step" and state.get(k) != v]
         if state.get("pack_documents", False) != (self.starts is not None) and "pack_documents" not in changed:
             changed.append("pack_documents")
+        if changed == ["fingerprint"]:
+            raise DataError("cannot resume: the checkpoint was trained on other tokens (the text of data.path "
+                            "changed since, or another file is named); restore the data it was trained on, or "
+                            "start afresh from its weights with runtime.init_from set to the checkpoint (no "
+                            "--resume).")
         if changed:
             raise DataError(f"cannot resume: the checkpoint's data position was taken with a different "
                             f"{', '.join(changed)}; resume with the data and train settings it was saved with.")
@@ -140,8 +150,43 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     the built-in corpus, its own held-out documents (:func:`~megatrain_ray.data.builtin.builtin_documents`). Data that trains as
     random windows is evaluated as a packed corpus of the same tokens.
     """
-    from .datasets import plan
     from .prepare import prepare
+
+    p, cache = _corpus_plan(cfg, split)
+
+    def join() -> None:
+        connect(cfg)
+
+    return prepare(p, cache, cfg.data.num_workers, join if connect is not None else None, log)
+
+
+def corpus_fingerprint(cfg) -> str | None:
+    """The fingerprint the training corpus of ``cfg`` has now (its files as they are), without
+    tokenizing; None for random windows (whose fingerprint hashes the tokens: :class:`BatchSource`)."""
+    from .datasets import fingerprint
+
+    return None if uses_windows(cfg) else fingerprint(_corpus_plan(cfg, "train")[0])
+
+
+def check_resume_data(state: dict, saved_data: dict, cfg, checkpoint: str) -> None:
+    """Refuse, before anything is tokenized, a resume whose training corpus is not the one the
+    checkpoint was trained on (``state``: its meta.json ``data``; ``saved_data``: its run's data
+    section); random windows are checked by :meth:`BatchSource.resume_step` once read."""
+    now = corpus_fingerprint(cfg) if "fingerprint" in state else None
+    if now is None or now == state["fingerprint"]:
+        return
+    changed = [f"data.{k}" for k, v in dataclasses.asdict(cfg.data).items()
+               if k in saved_data and saved_data[k] != v and k not in ("num_workers", "cache_dir")]
+    what = (f"{', '.join(changed)} differ{'s' if len(changed) == 1 else ''} from the run's" if changed else
+            f"data.path {cfg.data.path!r} changed since (a file's size or modification time is not what it was)")
+    raise DataError(f"cannot resume from {checkpoint}: it was trained on other data ({what}); restore the data it "
+                    f"was trained on, or start afresh from its weights with `megatrain-ray train --set "
+                    f"runtime.init_from={checkpoint}` (no --resume).")
+
+
+def _corpus_plan(cfg, split: str):
+    """(DataPlan of the corpus of one split, cache root): see :func:`corpus_ref`."""
+    from .datasets import plan
 
     d = cfg.data
     separate = split == "val" and bool(d.val_path)
@@ -155,12 +200,7 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     if builtin_val:
         p = dataclasses.replace(p, kind="builtin-val", where="the built-in corpus's validation documents")
     p = dataclasses.replace(p, val_fraction=1.0 if separate or builtin_val else d.val_fraction)
-    cache = d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
-
-    def join() -> None:
-        connect(cfg)
-
-    return prepare(p, cache, d.num_workers, join if connect is not None else None, log)
+    return p, d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
 
 
 def check_first_row(p) -> None:
@@ -216,6 +256,20 @@ def loader_spec(cfg, split: str = "train", log=print, connect: Connect | None = 
     from .corpus import CorpusSource
 
     return CorpusSource, (corpus_ref(cfg, split, log, connect), split, *shape)
+
+
+def run_data(cfg, log=print, connect: Connect | None = None) -> tuple[tuple[type, tuple], object]:
+    """(loader spec, source) of a run's training data, read once at the run's start.
+
+    Every attempt's loader actors are built from this one spec, so a restart reads exactly the data
+    the run began with: the corpus cache it was tokenized into (data.path is never tokenized again
+    while the run lives), or for random windows the file checked against the hash of the tokens
+    read now (a file changed since is refused in one sentence)."""
+    cls, args = loader_spec(cfg, "train", log, connect)
+    source = cls(*args)
+    if cls is BatchSource:
+        args = (*args, source.fingerprint)
+    return (cls, args), source
 
 
 def source_from_config(cfg, split: str = "train", log=print, connect: Connect | None = None):

@@ -158,6 +158,10 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
                     connect()
                 _write_ray_data(p, writer, num_workers)
             splits = writer.close()
+            if fingerprint(p) != fp:  # written to while it was read: the cache would hold neither version
+                raise DataError(f"{p.where} changed while it was being tokenized (a file's size or modification "
+                                "time differs from when tokenizing began), so its cache was not kept; train "
+                                "again once nothing writes to it.")
             pad = 0 if tok is None else tok.pad_id
             meta = {"version": CACHE_VERSION, "plan": asdict(p), "fingerprint": fp, "layout": p.layout,
                     "pad_id": pad, "splits": splits}

@@ -8,8 +8,11 @@ keeps its sentence.
 
 from __future__ import annotations
 
+import re
+
 import ray
 
+from .. import errors
 from ..errors import ActorDied, MegatrainError, PipelineError
 from . import preflight
 
@@ -24,10 +27,25 @@ def actor_error(e: BaseException, role: str) -> MegatrainError:
             f"(it does past {preflight.RAY_MEMORY_THRESHOLD:.0%} of RAM by default); see what the run needs with "
             "`megatrain-ray plan` and stop other memory users, or lower it (runtime.master_dtype=bfloat16, "
             "runtime.offload_activations=false, a smaller model or micro-batch).")
+    if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
+        ours = _raised_in_constructor(str(e))
+        if ours is not None:  # its own sentence, e.g. a loader's data that changed under the run
+            return ours
     if isinstance(e, ray.exceptions.RayActorError):
         return ActorDied(f"the {role} actor died ({_death_cause(e)}); "
                          "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
     return PipelineError(f"the {role} actor failed: {cause or e}")
+
+
+def _raised_in_constructor(text: str) -> MegatrainError | None:
+    """The MegatrainError a role's constructor raised, from Ray's text of its failed creation task
+    (which keeps only the text: its last line is ``megatrain_ray.errors.<Type>: <sentence>``)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    m = re.fullmatch(r"megatrain_ray\.errors\.(\w+): (.*)", lines[-1]) if lines else None
+    kind = m and getattr(errors, m.group(1), None)
+    if not (isinstance(kind, type) and issubclass(kind, MegatrainError)):
+        return None
+    return kind(m.group(2))
 
 
 def _death_cause(e: BaseException) -> str:

@@ -43,7 +43,7 @@ from typing import Any
 import ray
 
 from ..config import TrainConfig
-from ..data.loader import loader_spec, source_from_config
+from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint
@@ -88,7 +88,9 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     if resume is not None:  # nothing to resume is refused before the data is read
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
-    source = source_from_config(cfg, connect=connect_ray)  # fail on bad data or weights before any actor starts
+        check_resume_data(meta.get("data") or {}, (meta.get("config") or {}).get("data") or {}, cfg, resume)
+    # Read once: every attempt's loaders read this same data (fail on bad data before any actor starts).
+    loader, source = run_data(cfg, log, connect_ray)
     val_batch = None
     if cfg.train.eval_every:  # the validation data too, read once for every attempt
         val_batch = source_from_config(cfg, "val", log, connect_ray).batch(0)
@@ -134,7 +136,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
                 log(schedule_note)
-        return _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, val_batch)
+        return _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, loader, val_batch)
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
         if last is None or plan is None or last in str(e):
@@ -151,7 +153,8 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
 
 
 def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: int,
-              resume: str | None, plan: checkpoint.CheckpointPlan, val_batch: dict | None = None) -> RunResult:
+              resume: str | None, plan: checkpoint.CheckpointPlan, loader: tuple,
+              val_batch: dict | None = None) -> RunResult:
     """Run the pipeline; when an actor dies, restart it (up to runtime.max_restarts times) from the
     newest checkpoint of the run, or from where the run began if there is none yet.
 
@@ -164,7 +167,7 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
                        start_step=start)
     for attempt in range(cfg.runtime.max_restarts + 1):
         try:
-            return _run(run, spec, run_dir, roles, log, start, resume, plan, val_batch, result)
+            return _run(run, spec, run_dir, roles, log, loader, start, resume, plan, val_batch, result)
         except ActorDied as e:
             if attempt == cfg.runtime.max_restarts:
                 raise
@@ -221,18 +224,19 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, start: int = 0,
+def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tuple, start: int = 0,
          resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None,
          val_batch: dict | None = None, result: RunResult | None = None) -> RunResult:
     """One attempt: spawn the roles of ``run`` (its store: ``spec``) and drive steps [start,
-    train.steps); ``result``: what earlier attempts recorded (see :func:`_rewind`), added to."""
+    train.steps); ``loader``: the run's data loader spec (:func:`~megatrain_ray.data.loader.run_data`);
+    ``result``: what earlier attempts recorded (see :func:`_rewind`), added to."""
     cfg, device = run.config, run.device
     calls.mark_oom_kills()
     nodes = cfg.runtime.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
     timeout = cfg.runtime.actor_timeout_s
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
-    roles = spawn_roles(run, specs, spawner, resume, plan, loader_spec(cfg, connect=connect_ray))
+    roles = spawn_roles(run, specs, spawner, resume, plan, loader)
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(cfg, roles, device, spawner.get, log)

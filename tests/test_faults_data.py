@@ -1,0 +1,182 @@
+"""A run's data is fixed at its start, with real files changed, appended to or removed under it.
+
+- Restarts read the token cache the run was tokenized into, never data.path again: rows appended
+  to the source mid-run and a compute worker killed leave one ``data: tokenized`` line, and the
+  steps trained twice have the losses they had before the kill (the same weights, the same batches).
+- A source rewritten while it is tokenized is refused in one sentence, and no cache (not even the
+  temporary one) is left.
+- ``--resume`` against a changed source is refused before anything is tokenized, in one sentence
+  that says how to start afresh; random windows (read straight from a .txt) likewise, and a restart
+  of a windows run whose file changed is refused rather than trained on other text.
+- The token cache removed under a running run: its restart says so in one sentence.
+"""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from megatrain_ray.config import load_config
+from megatrain_ray.data.loader import corpus_ref
+from megatrain_ray.errors import DataError, MegatrainError
+from megatrain_ray.io import checkpoint
+from megatrain_ray.orchestration.pipeline import train
+from test_faults import _role_pid
+
+DOC = "the quick brown fox number {i} jumps over the lazy dog and keeps running far away"
+
+
+def _jsonl(path, start: int, count: int, mode: str = "w") -> None:
+    with open(path, mode) as f:
+        for i in range(start, start + count):
+            f.write(json.dumps({"text": DOC.format(i=i)}) + "\n")
+
+
+def _cfg(tmp_path, shm_dir, *extra):
+    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
+                              "runtime.device=cpu", "train.seq_len=32", "train.micro_batch_size=2",
+                              "runtime.actor_timeout_s=300", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+
+
+def _step_losses(lines):
+    """[(step, loss text)] of the step lines, in the order they were logged."""
+    return [(int(m.group(1)), m.group(2)) for m in (re.match(r"step\s+(\d+)/\d+ \| loss (\S+)", ln) for ln in lines)
+            if m]
+
+
+def _append_and_kill_at(step: int, cls: str, change, lines: list):
+    """A log callback: at the line of ``step``, ``change()`` the data, then SIGKILL the ``cls`` actor."""
+    def log(line):
+        lines.append(line)
+        if re.match(rf"step\s+{step}/", line) and not any(ln.startswith("killed") for ln in lines):
+            change()
+            os.kill(_role_pid(cls), signal.SIGKILL)
+            lines.append("killed")
+    return log
+
+
+@pytest.mark.slow  # kills a compute worker mid-run and restarts the pipeline
+def test_rows_appended_mid_run_are_not_tokenized_again_on_restart(ray_cluster, shm_dir, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 300)
+    lines = []
+    cfg = _cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "train.steps=10",
+               "train.checkpoint_every=2", "runtime.max_restarts=1")
+    result = train(cfg, log=_append_and_kill_at(5, "ComputeWorker", lambda: _jsonl(data, 300, 3000, "a"), lines))
+    tokenized = [ln for ln in lines if ln.startswith("data: tokenized")]
+    assert len(tokenized) == 1, tokenized  # the restart read the cache of the run's start
+    assert any(ln.startswith("restart 1 of 1: the compute actor died") for ln in lines), lines
+    (cache,) = os.listdir(tmp_path / "cache")
+    # The steps trained twice (from the restart's checkpoint up to the kill) have the same losses.
+    losses = _step_losses(lines)
+    restart = lines.index(next(ln for ln in lines if ln.startswith("restart ")))
+    before = dict(_step_losses(lines[:restart]))
+    after = _step_losses(lines[restart:])
+    assert after and all(before[s] == loss for s, loss in after if s in before), (before, after)
+    assert [s for s, _ in losses[-1:]] == [10]
+    for ckpt in filter(os.path.isdir, result.checkpoints):  # the data fingerprint recorded: the data trained on
+        assert checkpoint.read_meta(ckpt)["data"]["fingerprint"] == cache
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_source_rewritten_while_it_is_tokenized_is_refused_and_leaves_no_cache(ray_cluster, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 200)
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={data}", "data.format=text", "data.val_fraction=0.1")
+
+    def rewrite(_cfg):  # called once the cache key is taken, just before the files are read
+        _jsonl(data, 1000, 20)
+
+    with pytest.raises(DataError) as info:
+        corpus_ref(cfg, connect=rewrite)
+    assert str(info.value) == (f"data.path '{data}' changed while it was being tokenized (a file's size or "
+                               "modification time differs from when tokenizing began), so its cache was not kept; "
+                               "train again once nothing writes to it.")
+    assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one
+
+
+def _short_run(tmp_path, shm_dir, *extra):
+    train(_cfg(tmp_path, shm_dir, "train.steps=4", "train.checkpoint_every=2", *extra), log=lambda line: None)
+    (run,) = os.listdir(tmp_path / "runs")
+    return checkpoint.latest(str(tmp_path / "runs" / run / "checkpoints"))
+
+
+@pytest.mark.slow  # trains a short run, then resumes it
+def test_a_resume_against_a_changed_source_is_refused_before_tokenizing(ray_cluster, shm_dir, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 300)
+    ckpt = _short_run(tmp_path, shm_dir, f"data.path={data}", "data.format=text")
+    caches = os.listdir(tmp_path / "cache")
+    _jsonl(data, 300, 10, "a")
+    cfg = _cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "train.steps=6")
+    with pytest.raises(DataError) as info:
+        train(cfg, resume=ckpt, log=lambda line: None)
+    assert str(info.value) == (f"cannot resume from {ckpt}: it was trained on other data (data.path '{data}' "
+                               "changed since (a file's size or modification time is not what it was)); restore the "
+                               "data it was trained on, or start afresh from its weights with `megatrain-ray train "
+                               f"--set runtime.init_from={ckpt}` (no --resume).")
+    assert os.listdir(tmp_path / "cache") == caches  # nothing tokenized for it
+    # Another setting of the data named as such.
+    _jsonl(data, 0, 300)
+    with pytest.raises(DataError, match=r"\(data.val_fraction differs from the run's\)"):
+        train(_cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "data.val_fraction=0.2",
+                   "train.steps=6"), resume=ckpt, log=lambda line: None)
+    # The advice works: the checkpoint's weights start a fresh run.
+    fresh = load_config(None, [f"runtime.init_from={ckpt}"], model_from=lambda d, given: _cfg(
+        tmp_path, shm_dir).model)
+    assert fresh.runtime.init_from == ckpt
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # trains a short run, then resumes it
+def test_a_resume_of_random_windows_whose_text_changed_is_refused(ray_cluster, shm_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("\n\n".join(DOC.format(i=i) for i in range(200)))
+    ckpt = _short_run(tmp_path, shm_dir, f"data.path={text}")
+    with open(text, "a") as f:
+        f.write("\n\nand one more paragraph at the end")
+    with pytest.raises(DataError) as info:
+        train(_cfg(tmp_path, shm_dir, f"data.path={text}", "train.steps=6"), resume=ckpt, log=lambda line: None)
+    assert str(info.value).startswith("cannot resume: the checkpoint was trained on other tokens (the text of "
+                                      "data.path changed since, or another file is named); ")
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # kills a compute worker mid-run
+def test_a_restart_of_random_windows_whose_text_changed_is_refused(ray_cluster, shm_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("\n\n".join(DOC.format(i=i) for i in range(200)))
+    lines = []
+
+    def change():
+        with open(text, "a") as f:
+            f.write("\n\nanother paragraph appended while the run trains")
+
+    cfg = _cfg(tmp_path, shm_dir, f"data.path={text}", "train.steps=10", "train.checkpoint_every=2",
+               "runtime.max_restarts=1")
+    with pytest.raises(MegatrainError) as info:
+        train(cfg, log=_append_and_kill_at(5, "ComputeWorker", change, lines))
+    message = str(info.value)
+    assert message.startswith(f"data.path '{text}' changed since the run started (its tokens differ from those it "
+                              "began with), so the run cannot go on with the data it trained on; restore the file, "
+                              "or start a new run on the changed data; the last good checkpoint is "), message
+    assert "\n" not in message and os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # kills a compute worker mid-run
+def test_a_token_cache_removed_under_a_run_is_named_at_its_restart(ray_cluster, shm_dir, tmp_path):
+    import shutil
+
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 300)
+    lines = []
+    cfg = _cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "train.steps=10",
+               "train.checkpoint_every=2", "runtime.max_restarts=1")
+    with pytest.raises(DataError) as info:
+        train(cfg, log=_append_and_kill_at(5, "ComputeWorker", lambda: shutil.rmtree(tmp_path / "cache"), lines))
+    assert re.match(rf"the token cache {tmp_path / 'cache'}/\w+ of data.path '{data}' is gone \(removed while the "
+                    r"run used it\); train again, which tokenizes the data anew; the last good checkpoint is ",
+                    str(info.value)), str(info.value)
+    assert os.listdir(shm_dir) == []
