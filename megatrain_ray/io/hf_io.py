@@ -76,6 +76,14 @@ def load_train_config(path: str | None = None, overrides: list[str] = (), base: 
 
 def _init_from_model(directory: str, given: dict) -> ModelConfig:
     model = read_config(directory, "runtime.init_from")[0]
+    if model.tie_word_embeddings and _separate_head(directory):
+        if given.get("tie_word_embeddings") is not False:
+            raise ConfigError(f"runtime.init_from's config.json ({directory}) sets tie_word_embeddings: true, but "
+                              "its weights hold an lm_head.weight unlike model.embed_tokens.weight; set "
+                              "model.tie_word_embeddings=false to train that head (transformers loads this "
+                              "directory untied too), or remove lm_head.weight from the files to tie it.")
+        model.tie_word_embeddings = False  # the user's choice: the head the files hold
+        given = {k: v for k, v in given.items() if k != "tie_word_embeddings"}
     for key, value in given.items():
         theirs = getattr(model, key)
         if value != theirs:
@@ -83,6 +91,23 @@ def _init_from_model(directory: str, given: dict) -> ModelConfig:
                               f"({directory}: {theirs!r}), which defines the model; remove model.{key} from the "
                               "configuration, or point runtime.init_from at the model meant.")
     return model
+
+
+def _separate_head(directory: str, rows: int = 4096) -> bool:
+    """Whether an HF directory holds an ``lm_head.weight`` that is not a copy of the embedding (read
+    ``rows`` rows of each at a time): a config.json that ties them beside such a file is the wrong one."""
+    from safetensors import safe_open
+
+    mapping = weight_map(directory, "runtime.init_from")
+    head, embed = "lm_head.weight", hf_name("embed", "weight")
+    if head not in mapping or embed not in mapping:
+        return False
+    with safe_open(os.path.join(directory, mapping[head]), framework="pt") as h, \
+            safe_open(os.path.join(directory, mapping[embed]), framework="pt") as e:
+        a, b = h.get_slice(head), e.get_slice(embed)
+        if a.get_shape() != b.get_shape():
+            return True
+        return any(not torch.equal(a[i:i + rows], b[i:i + rows]) for i in range(0, a.get_shape()[0], rows))
 
 
 def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
