@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, PipelineError
+from ..errors import ConfigError, MegatrainError, PipelineError
 from ..model.layout import DECODER_LAYER
 from ..model.transformer import embed
 from . import affinity
@@ -167,6 +167,14 @@ class ComputeWorker:
             self._error = e
             self._arrived.put(None)
 
+    def _thread_error(self) -> MegatrainError:
+        """The error a helper thread ended with: its own sentence (a dead queue host's ActorDied), or
+        the compute worker's failure."""
+        e = self._error
+        if isinstance(e, MegatrainError):
+            return type(e)(str(e))
+        return PipelineError(f"the compute worker's {type(e).__name__}: {e}")
+
     def _load_loop(self) -> None:
         """Take fetch tickets as the prefetcher issues them and start each copy into its slot."""
         while not self._stop.is_set():
@@ -214,7 +222,7 @@ class ComputeWorker:
                                 f"{self.layout.units[unit]} while no message moved between the roles; "
                                 f"{NO_PROGRESS}") from None
         if item is None:
-            raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
+            raise self._thread_error()
         ticket, handle = item
         if (ticket.unit, ticket.step) != (unit, step):
             raise PipelineError(f"fetch out of order: expected {self.layout.units[unit]} for step {step}, "
@@ -261,7 +269,7 @@ class ComputeWorker:
     def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None,
               sync: bool = False, hold: bool = False) -> dict[str, Any]:
         if self._error is not None:
-            raise PipelineError(f"the compute worker's {type(self._error).__name__}: {self._error}")
+            raise self._thread_error()
         self.backend.begin_step()
         start = time.time()
         self.fetches.clear()

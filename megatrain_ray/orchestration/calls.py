@@ -17,8 +17,26 @@ from ..errors import ActorDied, MegatrainError, PipelineError
 from . import preflight
 
 
+_ROLES: dict[str, str] = {}
+"""Actor id (hex) -> role name, for the pipeline's actors now spawned (:func:`name_role`)."""
+
+
+def name_role(handle, role: str) -> None:
+    """Register a spawned role's actor, so that its death is told under its own name wherever it
+    surfaces (a compute worker's step that needed a dead loader's batch names the loader)."""
+    _ROLES[handle._actor_id.hex()] = role
+
+
+def forget_roles() -> None:
+    _ROLES.clear()
+
+
 def actor_error(e: BaseException, role: str) -> MegatrainError:
+    """One sentence for a failed call into the ``role`` actor (or into the role whose actor it
+    reports dead, where that is another: see :func:`name_role`)."""
     cause = getattr(e, "cause", None)
+    if isinstance(e, ray.exceptions.RayActorError):
+        role = _ROLES.get(getattr(e, "actor_id", None) or "", role)
     if isinstance(cause, MegatrainError):
         return type(cause)(str(cause))
     if isinstance(e, ray.exceptions.OutOfMemoryError) or isinstance(cause, ray.exceptions.OutOfMemoryError):

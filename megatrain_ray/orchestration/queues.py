@@ -25,7 +25,8 @@ queue's name and bound. A client offers what the roles use of :class:`queue.Queu
 single-process driver passes instead): ``put``/``get`` with ``block`` and ``timeout``, raising
 :class:`queue.Full` / :class:`queue.Empty` when the time is up; and for the driver ``qsize`` and
 ``drain`` (everything waiting, in one call), each with a limit on the wait for the host's answer.
-A call to a dead host raises Ray's actor error, as a dead queue actor's did.
+A call to a dead host raises :class:`~megatrain_ray.errors.ActorDied` naming the host (``queues``,
+``queues@k``), in the driver and in the roles alike, so the run restarts from its newest checkpoint.
 
 The host notes when it last moved an item on any of its queues: :meth:`QueueHost.quiet_s`, the
 evidence of progress by which the roles keep waiting for a slow message
@@ -150,13 +151,19 @@ class QueueClient:
     """One named queue of a :class:`QueueHost`, with the interface of :class:`queue.Queue` that the
     roles use (see the module docstring); picklable, so it is passed to the roles' constructors."""
 
-    def __init__(self, host, name: str, maxsize: int = 0):
-        self.host, self.name, self.maxsize = host, name, maxsize
+    def __init__(self, host, name: str, maxsize: int = 0, role: str = "queues"):
+        """``role``: the host's role name, which a dead host's error names."""
+        self.host, self.name, self.maxsize, self.role = host, name, maxsize, role
 
     def _call(self, method: str, *args, within: float | None = None):
         import ray
 
-        return ray.get(getattr(self.host, method).remote(self.name, self.maxsize, *args), timeout=within)
+        from .calls import actor_error
+
+        try:
+            return ray.get(getattr(self.host, method).remote(self.name, self.maxsize, *args), timeout=within)
+        except ray.exceptions.RayActorError as e:  # the host died: ActorDied naming it, wherever the call was
+            raise actor_error(e, self.role) from None
 
     @staticmethod
     def _wait(block: bool, timeout: float | None) -> float | None:

@@ -33,6 +33,7 @@ from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
 from ..errors import PipelineError
+from .calls import forget_roles, name_role
 from .pace import Pace
 from .labels import labelled
 from .queues import LocalQueue, QueueClient, QueueHost
@@ -267,18 +268,22 @@ class RaySpawner:
         import ray
 
         if self.k not in self.hosts:
-            name = f"queues{f'@{self.k}' if len(self.pgs) > 1 else ''}"
+            name = self._host_name()
             # No task events: its puts and gets (several per unit and step) would flood Ray's task
             # table, hiding the roles' own tasks from the dashboard and the state API.
             host = ray.remote(labelled(QueueHost, name, self.k, self.run_id)).options(
                 name=f"{name}-{self.run_id}", max_restarts=0, num_cpus=0, scheduling_strategy=self._strategy(0),
                 enable_task_events=False)
             self.hosts[self.k] = self.handles[name] = host.remote()
+            name_role(self.hosts[self.k], name)
         return self.hosts[self.k]
 
     def queue(self, maxsize: int, name: str) -> QueueClient:
         """The current node's queue ``name`` (bounded by ``maxsize``; 0: unbounded), on its queue host."""
-        return QueueClient(self.queue_host(), name, maxsize)
+        return QueueClient(self.queue_host(), name, maxsize, role=self._host_name())
+
+    def _host_name(self) -> str:
+        return f"queues{f'@{self.k}' if len(self.pgs) > 1 else ''}"
 
     def actor(self, cls: type, role: str, gpu: bool = False) -> Callable:
         import ray
@@ -296,6 +301,7 @@ class RaySpawner:
                 name=f"{name}-{self.run_id}", max_concurrency=1, max_restarts=0, num_cpus=resources["CPU"],
                 num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy).remote(*args, **kwargs)
             self.handles[name] = handle
+            name_role(handle, name)
             return handle
 
         return spawn
@@ -343,3 +349,4 @@ class RaySpawner:
             except Exception:
                 pass
         self.handles, self.hosts, self.pgs = {}, {}, []
+        forget_roles()

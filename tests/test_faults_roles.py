@@ -1,0 +1,48 @@
+"""Every role's death is told under its own name, and every role can be restarted: real ``kill -9``
+of the role's process in a running pipeline (the real local Ray of tests/conftest.py).
+
+- With runtime.max_restarts 0 the run ends with one sentence naming the role that died — a data
+  loader (whose batch a compute worker was waiting for), the queue host (which every role calls) —
+  not the role that noticed first; nothing is left in shared memory.
+- The queue host killed with runtime.max_restarts 2 is restarted like any other role, and the run
+  finishes with every step reported once.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+
+from megatrain_ray.errors import ActorDied
+from megatrain_ray.orchestration.pipeline import train
+from test_faults import _cfg, _signal_at_step
+
+
+@pytest.mark.slow  # kills a role of a running pipeline
+@pytest.mark.parametrize("cls,role", [("BatchSource", "data-0"), ("QueueHost", "queues")])
+def test_a_dead_role_is_named_as_itself(cls, role, ray_cluster, shm_dir, tmp_path):
+    lines, events = [], {}
+    with pytest.raises(ActorDied) as info:
+        train(_cfg(shm_dir, tmp_path, "train.steps=100000", "runtime.max_restarts=0"),
+              log=_signal_at_step(2, cls, signal.SIGKILL, lines, events))
+    message = str(info.value)
+    assert message.startswith(f"the {role} actor died (its process was killed by a signal or crashed"), message
+    assert "\n" not in message and "Traceback" not in message
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # kills the queue host of a running pipeline, which restarts
+def test_the_queue_host_killed_is_restarted(ray_cluster, shm_dir, tmp_path):
+    lines, events = [], {}
+    steps = 12
+    result = train(_cfg(shm_dir, tmp_path, f"train.steps={steps}", "train.checkpoint_every=2",
+                        "runtime.max_restarts=2"), log=_signal_at_step(3, "QueueHost", signal.SIGKILL, lines, events))
+    text = [line for _, line in lines]
+    (restart,) = [line for line in text if line.startswith("restart ")]
+    assert restart.startswith("restart 1 of 2: the queues actor died (its process was killed"), restart
+    assert result.restarts == 1 and any(line.startswith(f"done: {steps} steps (after 1 restart") for line in text)
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    steps_logged = [r["step"] for r in rows]
+    assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == steps - 1  # each step once
+    assert os.listdir(shm_dir) == []
