@@ -134,7 +134,8 @@ def test_malformed_alpaca_row_is_one_sentence(tmp_path, ray_cluster):
                              "data.format=alpaca"])
     with pytest.raises(DataError) as err:
         source_from_config(cfg, log=lambda line: None)
-    assert str(err.value) == "an alpaca row lacks the text field(s) output (it has input, instruction, output)."
+    assert str(err.value) == (f"data.path '{tmp_path / 'bad.jsonl'}' line 2: an alpaca row needs text in instruction "
+                              "and output, but its output is null.")
     assert not list((tmp_path / "cache").glob("*/meta.json"))  # nothing half-written is left as a cache
 
 

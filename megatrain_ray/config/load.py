@@ -62,6 +62,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
     """
     data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path!r} is a directory; pass a YAML file (e.g. configs/tiny.yaml).")
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist.")
         try:

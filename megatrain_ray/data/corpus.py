@@ -53,7 +53,8 @@ def open_split(ref: CorpusRef, split: str) -> dict:
                         "train again, which tokenizes the data anew.") from None
     if info["documents"] == 0:
         what = ("data.val_fraction held out no document; raise it or set data.val_path" if split == "val"
-                else "it holds no training document (is data.val_fraction too high?)")
+                else "it holds no training document (is data.val_fraction too high?)" if ref.val_fraction
+                else "it holds no document with text")
         raise DataError(f"{ref.where} has no {split} data: {what}.")
     offsets = np.load(os.path.join(ref.path, f"{split}.offsets.npy"))
     mask_path = os.path.join(ref.path, f"{split}.mask.bin")

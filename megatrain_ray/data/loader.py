@@ -153,6 +153,7 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     from .prepare import prepare
 
     p, cache = _corpus_plan(cfg, split)
+    check_vocab(p, cfg.model.vocab_size)
 
     def join() -> None:
         connect(cfg)
@@ -203,6 +204,20 @@ def _corpus_plan(cfg, split: str):
     return p, d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
 
 
+def check_vocab(p, vocab_size: int) -> None:
+    """A tokenizer with more tokens than model.vocab_size is refused before anything is tokenized
+    (its ids past the vocabulary would index no embedding row)."""
+    if p.format == "tokens":
+        return
+    from .tokenizer import load_tokenizer
+
+    n = load_tokenizer(p.tokenizer).vocab_size
+    if n > vocab_size:
+        name = f"data.tokenizer {p.tokenizer!r}" if p.tokenizer else "the byte-level tokenizer"
+        raise DataError(f"{name} has {n} tokens, more than model.vocab_size ({vocab_size}); use the model's own "
+                        f"tokenizer, or a model whose vocabulary holds at least {n} tokens.")
+
+
 def check_first_row(p) -> None:
     """Pre-tokenized rows (format tokens, in .jsonl/.json/.parquet/.arrow): the first row's (or the
     schema's) input_ids must be a list of integers, checked here before Ray starts; the tokenizer
@@ -211,15 +226,21 @@ def check_first_row(p) -> None:
     if p.kind == "txt":
         import codecs
 
+        empty = []
         for path in p.files:
             with open(path, "rb") as f:
                 head = f.read(1 << 16)
+            if not head.strip() and os.path.getsize(path) <= len(head):
+                empty.append(path)
             try:
                 codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
             except UnicodeDecodeError as e:
                 which = p.where if len(p.files) == 1 else f"{p.where}: {os.path.basename(path)!r}"
                 raise DataError(f"{which} is not UTF-8 text ({e.reason} at byte {e.start}); give a text file, or "
                                 "token ids as .npy.") from None
+        if len(empty) == len(p.files):
+            what = "is empty" if len(p.files) == 1 else f"holds only empty .txt files ({len(empty)})"
+            raise DataError(f"{p.where} {what}: there is no text to train on; point data.path at the text meant.")
         return
     if p.format != "tokens" or p.kind not in ("jsonl", "json", "parquet", "arrow"):
         return

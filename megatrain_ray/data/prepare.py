@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import DataError, MegatrainError
 from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_reader, fingerprint, is_val
+from .locate import first_bad_record
 from .tokenizer import as_token_ids, load_tokenizer, messages_from_row
 
 
@@ -248,10 +249,23 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
         for table in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2):
             _write_table(writer, table)
     except Exception as e:
-        raise _unwrap(e, p.where) from None
+        raise _located(e, p) from None
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars, _, ctx.use_datasource_v2 = saved
         logger.setLevel(saved[2])
+
+
+def _located(e: BaseException, p: DataPlan) -> MegatrainError:
+    """A failed tokenization as one sentence, naming the file and line of the record it failed on
+    where a record is to blame (:mod:`megatrain_ray.data.locate`): a row the pool refused, or JSON
+    that Ray Data could not parse."""
+    refused = isinstance(e, DataError) and getattr(e, "cause", None) is None
+    if refused or (p.kind in ("jsonl", "json") and "JSON" in str(e)):
+        encode = TokenizeBatch(p.format, p.tokenizer, p.text_key, p.kind).encode if refused else None
+        found = first_bad_record(p.where, p.files, p.kind, encode)
+        if found is not None:
+            return DataError(f"{found}.") if not found.endswith(".") else DataError(found)
+    return _unwrap(e, p.where)
 
 
 def _unwrap(e: BaseException, where: str) -> MegatrainError:

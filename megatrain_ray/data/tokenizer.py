@@ -224,10 +224,9 @@ def save_byte_tokenizer(directory: str) -> list[str]:
 def messages_from_row(row: dict[str, Any], layout: str) -> list[dict[str, str]]:
     """Chat messages [{role, content}] of one alpaca or sharegpt row; malformed rows are DataErrors."""
     if layout == "alpaca":
-        missing = [k for k in ("instruction", "output") if not isinstance(row.get(k), str)]
-        if missing:
-            raise DataError(f"an alpaca row lacks the text field(s) {', '.join(missing)} "
-                            f"(it has {', '.join(sorted(row)) or 'none'}).")
+        bad = [f"its {k} is {_what(row, k)}" for k in ("instruction", "output") if not isinstance(row.get(k), str)]
+        if bad:
+            raise DataError(f"an alpaca row needs text in instruction and output, but {' and '.join(bad)}.")
         prompt = row["instruction"]
         if isinstance(row.get("input"), str) and row["input"].strip():
             prompt += "\n\n" + row["input"]
@@ -237,8 +236,9 @@ def messages_from_row(row: dict[str, Any], layout: str) -> list[dict[str, str]]:
         return messages
     turns = row.get("conversations")
     if not isinstance(turns, (list, tuple)) or not turns:
-        raise DataError(f"a sharegpt row needs a non-empty 'conversations' list "
-                        f"(it has {', '.join(sorted(row)) or 'no fields'}).")
+        what = "an empty list" if isinstance(turns, (list, tuple)) else _what(row, "conversations")
+        raise DataError(f"a sharegpt row needs 'conversations' as a non-empty list of turns, but its conversations "
+                        f"is {what}.")
     messages = []
     for turn in turns:
         if isinstance(turn, str):
@@ -252,3 +252,15 @@ def messages_from_row(row: dict[str, Any], layout: str) -> list[dict[str, str]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError("a sharegpt conversation has no gpt/assistant turn, so nothing to train on.")
     return messages
+
+
+def _what(row: dict[str, Any], key: str) -> str:
+    """How a row's field reads in a message: missing, null, or its type (``a number``, ``a string``)."""
+    if key not in row:
+        return "missing"
+    value = row[key]
+    if value is None:
+        return "null"
+    kinds = {str: "a string", bool: "true/false", int: "a number", float: "a number", list: "a list",
+             tuple: "a list", dict: "an object"}
+    return kinds.get(type(value), f"a {type(value).__name__}")

@@ -28,6 +28,37 @@ import time
 import torch
 
 
+PAGE = 4096
+PIN_PIECE_BYTES = 64 * 2**30
+"""The most host memory pinned by one ``cudaHostRegister`` call: some drivers refuse a single
+registration of 512 GiB or more, so a larger store is registered piece by piece."""
+
+
+def pin_in_pieces(ptr: int, nbytes: int, register, unregister, piece_bytes: int = PIN_PIECE_BYTES) -> list[int]:
+    """Register ``nbytes`` of host memory at ``ptr`` with ``register(ptr, n)`` as consecutive pieces of
+    at most ``piece_bytes`` (a multiple of the 4 KiB page), cut at page boundaries so that no page
+    belongs to two pieces; returns the pieces' pointers (for ``unregister(ptr)`` at close). A piece
+    that fails unregisters those before it, so nothing stays pinned, and raises one RuntimeError
+    naming the piece. A copy that crosses two pieces is still correct (the driver copies memory it
+    does not see as one registration like any pageable memory)."""
+    if piece_bytes <= 0 or piece_bytes % PAGE:
+        raise ValueError(f"piece_bytes must be a positive multiple of {PAGE}, got {piece_bytes}")
+    done: list[int] = []
+    start, end = ptr, ptr + nbytes
+    while start < end:
+        stop = min(end, (start + piece_bytes) // PAGE * PAGE)
+        try:
+            register(start, stop - start)
+        except Exception as e:
+            for p in reversed(done):
+                unregister(p)
+            raise RuntimeError(f"pinning {nbytes} bytes of host memory failed at piece {len(done) + 1} ("
+                               f"{stop - start} bytes at offset {start - ptr}): {e}") from None
+        done.append(start)
+        start = stop
+    return done
+
+
 class _Spans:
     """Thread-safe list of (lane, label, start, end) records of the current step."""
 
@@ -157,15 +188,20 @@ class CudaBackend:
         ev.record()
         return ev
 
-    def register_host(self, tensor: torch.Tensor) -> None:
-        """Pin a shared-memory mapping once so copies from/to it run at full link speed."""
+    def register_host(self, tensor: torch.Tensor, piece_bytes: int = PIN_PIECE_BYTES) -> None:
+        """Pin a shared-memory mapping once so copies from/to it run at full link speed (in pieces of
+        at most ``piece_bytes``: :func:`pin_in_pieces`)."""
         if tensor.numel() == 0:
             return
-        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-        self._registered.append(ptr)
+        cudart = torch.cuda.cudart()
+
+        def register(ptr: int, n: int) -> None:
+            err = cudart.cudaHostRegister(ptr, n, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"CUDA error {int(err)}")
+
+        self._registered += pin_in_pieces(tensor.data_ptr(), tensor.numel() * tensor.element_size(), register,
+                                          lambda ptr: cudart.cudaHostUnregister(ptr), piece_bytes)
 
     def load(self, slot: int, host: torch.Tensor, label: str = "") -> torch.cuda.Event:
         with torch.cuda.stream(self.h2d):

@@ -31,7 +31,10 @@ then the directory is renamed into place (atomic on one filesystem) and the pare
 or a full disk at any point leaves at most a temporary directory, which readers ignore and the next
 save removes; older checkpoints are pruned (keep-last-K) only after a new one is complete.
 
-**Integrity.** Every file's size and CRC-32 (computed while it is written) are in ``meta.json``.
+**Integrity.** Every file's size and CRC-32 (computed while it is written) are in ``meta.json``,
+and ``meta.json`` carries the CRC-32 of its own content (:func:`meta_checksum`), checked whenever
+it is read: a changed bit in its step or a garbled key makes the checkpoint corrupt like a changed
+shard.
 :func:`check_files` compares sizes, reads every shard's safetensors header and recomputes the
 checksums, before a resume (in the driver, before any actor starts) and an export; a checkpoint
 whose bytes changed, even without a change of size, is refused naming the file. ``--resume`` of a
@@ -57,7 +60,7 @@ from .state_tensors import COMPACT_KINDS, OPTIM_KINDS, optim_tensors_of  # noqa:
 from .state_tensors import optim_state_name as _optim_state_name
 
 FORMAT = "megatrain-ray-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 META_FILE = "meta.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
@@ -66,6 +69,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 _UPGRADES: dict[int, Callable[[dict], dict]] = {
     1: lambda meta: {**meta, "format_version": 2, "files": None},  # 2 added "files": {name: {bytes, crc32}}
+    2: lambda meta: {**meta, "format_version": 3, "meta_crc32": None},  # 3 added meta.json's own checksum
 }
 """format_version n -> function turning a version-n meta dict into version n+1."""
 
@@ -143,6 +147,12 @@ def step_dirs(root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def stray_steps(root: str) -> list[str]:
+    """Entries of ``root`` named like a checkpoint (step-NNNNNN) that are not directories."""
+    return sorted(os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else [])
+                  if _STEP_DIR.match(n) and not os.path.isdir(os.path.join(root, n)))
+
+
 def latest(root: str, missing_ok: bool = False) -> str | None:
     """The newest valid checkpoint in a checkpoint directory (readable meta.json, every file of the size
     it was written with and a sound safetensors header; checksums are not recomputed), or None if there
@@ -184,10 +194,22 @@ def _read_meta(directory: str) -> dict:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CorruptFile(f"it has format version {version!r}, newer than this megatrain-ray reads "
                           f"({FORMAT_VERSION}); upgrade megatrain-ray")
+    if (version >= 3 or "meta_crc32" in meta) and meta.get("meta_crc32") != meta_checksum(meta):
+        raise CorruptFile(f"its {META_FILE} does not match its checksum (its content changed after it was written)")
     while version < FORMAT_VERSION:
         meta = _UPGRADES[version](meta)
         version = meta["format_version"]
     return meta
+
+
+def meta_checksum(meta: dict) -> str:
+    """The CRC-32 (8 hex digits) of a meta dict's content, its ``meta_crc32`` left out: of its JSON
+    with sorted keys and no spaces, which parsing and writing again reproduces exactly."""
+    import zlib
+
+    body = json.dumps({k: v for k, v in meta.items() if k != "meta_crc32"}, sort_keys=True,
+                      separators=(",", ":")).encode()
+    return f"{zlib.crc32(body):08x}"
 
 
 def read_meta(directory: str) -> dict:

@@ -355,6 +355,9 @@ def resolve_checkpoint(path: str) -> Checkpoint:
     weights = os.path.abspath(path)
     if os.path.isfile(os.path.join(weights, checkpoint.META_FILE)):
         checkpoint.check_files(weights)
+    elif os.path.isfile(os.path.join(weights, checkpoint.OPTIM_INDEX)):  # a training checkpoint, by its files
+        raise ConfigError(f"checkpoint {weights} has no {checkpoint.META_FILE}, so it is incomplete or damaged "
+                          "and its weights cannot be verified; use another checkpoint of the run, or its final/.")
     up = os.path.dirname(weights)
     run = (_run_config(os.path.join(weights, "meta.json"), key="config")
            or _run_config(os.path.join(up, "config.json"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from .checkpoint import META_FILE, CheckpointError, step_dirs, check_model, problem, read_meta
+from .checkpoint import META_FILE, CheckpointError, check_model, problem, read_meta, step_dirs, stray_steps
 from .hf_io import load_train_config
 
 
@@ -23,8 +23,11 @@ def find(path: str, log=print) -> str:
                               "or one of its checkpoints/step-NNNNNN directories.")
     if os.path.isfile(os.path.join(path, META_FILE)):
         return path
-    found = step_dirs(os.path.join(path, "checkpoints")) or step_dirs(path)
+    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    found = step_dirs(root)
     skipped = []
+    for stray in stray_steps(root):
+        log(f"resume: passed over {stray}, which is a file, not a checkpoint directory")
     for _, directory in reversed(found):
         why = problem(directory)
         if why is None:
@@ -32,6 +35,10 @@ def find(path: str, log=print) -> str:
                 log(f"resume: skipped the corrupt checkpoint {bad} ({reason}); using {directory}, the newest valid one")
             return directory
         skipped.append((directory, why))
+    runs = sorted(n for n in os.listdir(path) if step_dirs(os.path.join(path, n, "checkpoints")))
+    if not found and runs:
+        raise CheckpointError(f"--resume {path!r} is a folder of runs, not one run; pass one of them, e.g. the newest: "
+                              f"--resume {os.path.join(path, runs[-1])}.")
     if skipped:
         raise CheckpointError(f"--resume {path!r} holds no valid checkpoint: "
                               + "; ".join(f"{d} is corrupt ({why})" for d, why in skipped) + ".")
@@ -53,6 +60,13 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
     base = json.loads(json.dumps(meta.get("config") or {}))
     if not isinstance(base.get("runtime"), dict) or not isinstance(base.get("model"), dict):
         raise CheckpointError(f"checkpoint {directory} has no run config in its {META_FILE}.")
-    cfg = load_train_config(config_file, overrides, base=base)
+    if base["runtime"].get("init_from"):
+        # The model is runtime.init_from's config.json, so the saved model.* are not the user's settings to
+        # check against it: another init_from is told apart from the checkpoint by check_model, below.
+        cfg = load_train_config(config_file, overrides, base={k: v for k, v in base.items() if k != "model"})
+        if cfg.runtime.init_from is None:  # --set runtime.init_from=null: the model as it was saved
+            cfg = load_train_config(config_file, overrides, base=base)
+    else:
+        cfg = load_train_config(config_file, overrides, base=base)
     check_model(meta, cfg.model, directory)
     return cfg, directory, meta

@@ -60,7 +60,7 @@ import torch
 from ..errors import CheckpointError
 from ..model.transformer import hf_name
 from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, SHARD_BYTES, CheckpointPlan,
-                         latest, prune, step_dir_name)
+                         latest, meta_checksum, prune, step_dir_name)
 from .files import TensorSource, fmt_bytes, free_bytes, fsync_dir, write_json, write_shards
 from .state_tensors import optim_entries, optim_state_name, optim_tensors_of, state_block, state_kinds
 
@@ -278,6 +278,7 @@ class CheckpointWriter:
             hf["torch_dtype"] = str(store.spec.precision.master).removeprefix("torch.")
             records["config.json"] = write_json(os.path.join(tmp, "config.json"), hf)
             meta["files"] = {name: rec.to_dict() for name, rec in sorted(records.items())}
+            meta["meta_crc32"] = meta_checksum(meta)
             write_json(os.path.join(tmp, META_FILE), meta)
             try:
                 os.rename(tmp, final)

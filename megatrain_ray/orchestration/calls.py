@@ -8,6 +8,7 @@ keeps its sentence.
 
 from __future__ import annotations
 
+import os
 import re
 
 import ray
@@ -51,8 +52,21 @@ def actor_error(e: BaseException, role: str) -> MegatrainError:
             return ours
     if isinstance(e, ray.exceptions.RayActorError):
         return ActorDied(f"the {role} actor died ({_death_cause(e)}); "
-                         "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
+                         f"see its log in the Ray dashboard or {ray_logs()}.")
     return PipelineError(f"the {role} actor failed: {cause or e}")
+
+
+def ray_logs() -> str:
+    """The log directory of the Ray session this process is connected to (under RAY_TMPDIR or the
+    cluster's --temp-dir where one is set), else where Ray puts the newest session's logs."""
+    try:
+        from ray._private.worker import _global_node
+
+        if _global_node is not None:
+            return os.path.join(_global_node.get_session_dir_path(), "logs")
+    except Exception:  # noqa: BLE001 (a private API: fall back to the documented place)
+        pass
+    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp/ray", "session_latest", "logs")
 
 
 def _raised_in_constructor(text: str) -> MegatrainError | None:

@@ -33,6 +33,7 @@ import ray
 
 from ..errors import ActorDied
 from .calls import get as _get
+from .calls import ray_logs
 
 
 def _whereami(actor) -> tuple[int, str]:
@@ -85,10 +86,10 @@ class Health:
             status = _status(self.pids[name])
             if status == "stopped":  # SIGSTOP, a debugger: alive, but it will not go on
                 raise ActorDied(f"the {name} actor's process {self.pids[name]} is stopped, so the run cannot go on; "
-                                "see its log in the Ray dashboard or /tmp/ray/session_latest/logs.")
+                                f"see its log in the Ray dashboard or {ray_logs()}.")
             if status in ("zombie", "dead", "gone"):  # noticed before Ray reports the death
                 raise ActorDied(f"the {name} actor died (its process {self.pids[name]} is {status}); see its log in "
-                                "the Ray dashboard or /tmp/ray/session_latest/logs.")
+                                f"the Ray dashboard or {ray_logs()}.")
         for name, handle in self.idle.items():
             if name not in self.pings and now - self.answered.get(name, 0.0) >= self.INTERVAL_S:
                 ping = handle.progress if name in self.hosts else handle.health_ping  # (orchestration.labels)

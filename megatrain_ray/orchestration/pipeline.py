@@ -46,7 +46,7 @@ from ..config import TrainConfig
 from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
-from ..io import checkpoint
+from ..io import checkpoint, run_lock
 from ..model.precision import resolve_device
 from . import calls, cluster, preflight
 from .calls import get as _get
@@ -79,8 +79,18 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     ``resume``: a checkpoint directory (see :func:`megatrain_ray.io.checkpoint.resume_config`); the
     run continues from its step, bit for bit, unless cfg changes the lr schedule (a larger
     train.steps extends a run: see :func:`megatrain_ray.io.checkpoint.check_resume`, whose sentence is
-    logged). Ctrl-C and SIGTERM save a checkpoint, then raise :class:`Interrupted`.
+    logged). Ctrl-C and SIGTERM save a checkpoint, then raise :class:`Interrupted`. The run
+    directory, and the one resumed from, are held for the process while it trains
+    (:mod:`megatrain_ray.io.run_lock`): another process that would train or resume them is refused.
     """
+    held = run_lock.hold(run_lock.run_of(resume), "resuming") if resume is not None else None
+    try:
+        return _train(cfg, log, resume)
+    finally:
+        run_lock.release(held)
+
+
+def _train(cfg: TrainConfig, log, resume: str | None) -> RunResult:
     if cfg.lora.enabled:
         raise ConfigError(f"lora.rank ({cfg.lora.rank}) asks for adapter training, which the training pipeline "
                           "does not run yet; set lora.rank to 0 to train every parameter.")
@@ -107,7 +117,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     check(run, log)
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    roles, spec, plan, lease = _Active(), None, None, None
+    roles, spec, plan, lease, own = _Active(), None, None, None, None
     try:
         cluster.connect(cfg.runtime, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -124,6 +134,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
                              until_gone=False, lease=True)
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
         os.makedirs(run_dir, exist_ok=True)
+        own = run_lock.hold(run_dir, "training")
         log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), "device": device, "resolved": {"runtime.device_adamw": run.resident},
@@ -149,6 +160,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
         if lease is not None:
             reaper.release(lease)
+        run_lock.release(own)
         signal.signal(signal.SIGTERM, previous)
 
 
