@@ -20,7 +20,7 @@ import pytest
 
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import corpus_ref
-from megatrain_ray.errors import DataError, MegatrainError
+from megatrain_ray.errors import ConfigError, DataError, MegatrainError
 from megatrain_ray.io import checkpoint
 from megatrain_ray.orchestration.pipeline import train
 from test_faults import _role_pid
@@ -113,10 +113,10 @@ def test_a_resume_against_a_changed_source_is_refused_before_tokenizing(ray_clus
     cfg = _cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "train.steps=6")
     with pytest.raises(DataError) as info:
         train(cfg, resume=ckpt, log=lambda line: None)
-    assert str(info.value) == (f"cannot resume from {ckpt}: it was trained on other data (data.path '{data}' "
-                               "changed since (a file's size or modification time is not what it was)); restore the "
-                               "data it was trained on, or start afresh from its weights with `megatrain-ray train "
-                               f"--set runtime.init_from={ckpt}` (no --resume).")
+    assert str(info.value) == (f"cannot resume from {ckpt}: it was trained on other data (the files of data.path "
+                               f"'{data}' changed since (a size or a modification time is not what it was)); restore "
+                               "the data it was trained on, or start afresh from its weights with `megatrain-ray "
+                               f"train --set runtime.init_from={ckpt}` (no --resume).")
     assert os.listdir(tmp_path / "cache") == caches  # nothing tokenized for it
     # Another setting of the data named as such.
     _jsonl(data, 0, 300)
@@ -180,3 +180,118 @@ def test_a_token_cache_removed_under_a_run_is_named_at_its_restart(ray_cluster, 
                     r"run used it\); train again, which tokenizes the data anew; the last good checkpoint is ",
                     str(info.value)), str(info.value)
     assert os.listdir(shm_dir) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources that vanish, and tokenizations that stop half-way.
+
+def test_a_data_path_that_is_gone_is_named(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _cfg(tmp_path, "/dev/shm", f"data.path={tmp_path / 'gone.jsonl'}", "data.format=text")
+    assert str(info.value) == f"data.path does not name a readable file or directory: '{tmp_path / 'gone.jsonl'}'."
+
+
+def test_a_file_removed_from_a_data_directory_while_it_is_tokenized_is_named(ray_cluster, tmp_path):
+    (tmp_path / "docs").mkdir()
+    for k in range(3):
+        _jsonl(tmp_path / "docs" / f"part-{k}.jsonl", 100 * k, 100)
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={tmp_path / 'docs'}", "data.format=text", "data.val_fraction=0.1")
+
+    def remove(_cfg):  # once the cache key is taken, before the files are read
+        os.unlink(tmp_path / "docs" / "part-1.jsonl")
+
+    with pytest.raises(DataError) as info:
+        corpus_ref(cfg, connect=remove)
+    assert str(info.value) == (f"data.path '{tmp_path / 'docs'}': its file {tmp_path / 'docs' / 'part-1.jsonl'} is "
+                               "gone; restore it, or point data.path at the data meant.")
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_an_interrupt_during_tokenization_leaves_no_cache(tmp_path):
+    _jsonl(tmp_path / "docs.jsonl", 0, 50)
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={tmp_path / 'docs.jsonl'}", "data.format=text",
+               "data.val_fraction=0.1")
+
+    def interrupted(_cfg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        corpus_ref(cfg, connect=interrupted)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_the_unfinished_cache_of_a_killed_process_is_removed_by_the_next_run(ray_cluster, tmp_path):
+    import subprocess
+    import sys
+
+    _jsonl(tmp_path / "docs.jsonl", 0, 50)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process that is gone, as one killed with -9 half-way through tokenizing
+    stale = tmp_path / "cache" / f"0123456789abcdef0123.tmp-{dead.pid}"
+    stale.mkdir(parents=True)
+    (stale / "train.tokens.bin").write_bytes(b"\0" * 64)
+    lines = []
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={tmp_path / 'docs.jsonl'}", "data.format=text",
+               "data.val_fraction=0.1")
+    ref = corpus_ref(cfg, log=lines.append)
+    assert lines[0] == f"data: removed {stale}, the unfinished cache of process {dead.pid}, which is gone"
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(ref.path)]
+
+
+@pytest.mark.slow  # trains a short run, then resumes it
+def test_a_resume_after_the_tokenizer_files_changed_is_refused(ray_cluster, shm_dir, tmp_path):
+    from megatrain_ray.data.tokenizer import save_byte_tokenizer
+
+    save_byte_tokenizer(str(tmp_path / "tok"))
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 300)
+    sets = (f"data.path={data}", "data.format=text", f"data.tokenizer={tmp_path / 'tok'}")
+    ckpt = _short_run(tmp_path, shm_dir, *sets)
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 12345}))
+    with pytest.raises(DataError) as info:
+        train(_cfg(tmp_path, shm_dir, *sets, "train.steps=6"), resume=ckpt, log=lambda line: None)
+    assert str(info.value).startswith(
+        f"cannot resume from {ckpt}: it was trained on other data (the files of data.path '{data}' or of "
+        f"data.tokenizer '{tmp_path / 'tok'}' changed since"), str(info.value)
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # tokenizes 120k rows on an actor pool and kills one of its actors
+def test_a_tokenizer_actor_killed_as_it_starts_is_one_sentence_and_leaves_no_cache(ray_cluster, tmp_path):
+    import threading
+    import time
+
+    import psutil
+
+    from test_faults import _cmdline
+
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 120_000)
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={data}", "data.format=text", "data.val_fraction=0.01",
+               "data.num_workers=2")
+    killed, stop = [], threading.Event()
+
+    def kill_the_first_tokenizer():  # as soon as a pool actor's process is there: it waits for its first block
+        while not stop.is_set() and not killed:
+            for p in psutil.Process().children(recursive=True):
+                if _cmdline(p).startswith("ray::MapWorker(MapBatches(TokenizeBatch))"):
+                    p.kill()
+                    killed.append(p.pid)
+                    break
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_first_tokenizer)
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DataError) as info:
+            corpus_ref(cfg, log=lambda line: None)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no tokenizer actor was seen"
+    message = str(info.value)
+    assert message.startswith(f"a tokenizer actor of data.path '{data}' died ("), message
+    assert "\n" not in message and time.monotonic() - started < 300
+    assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one

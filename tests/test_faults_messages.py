@@ -224,8 +224,9 @@ def test_the_ray_log_directory_named_honours_ray_tmpdir(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": str(tmp_path / "raytmp"),
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     logs = proc.stdout.strip().splitlines()[-1]
     assert logs.startswith(str(tmp_path / "raytmp")) and logs.endswith("/logs") and os.path.isdir(logs), proc.stdout
     proc = subprocess.run([sys.executable, "-c", "from megatrain_ray.orchestration.calls import ray_logs\n"
                            "print(ray_logs())"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.stdout.strip() == str(tmp_path / "raytmp" / "session_latest" / "logs")  # no Ray: the newest session
+    assert proc.stdout.strip() == str(tmp_path / "raytmp" / "ray" / "session_latest" / "logs")  # no Ray: the newest

@@ -16,7 +16,7 @@ import pytest
 
 from megatrain_ray.errors import ActorDied
 from megatrain_ray.orchestration.pipeline import train
-from test_faults import _cfg, _signal_at_step
+from test_faults import _cfg, _role_pid, _signal_at_step
 
 
 @pytest.mark.slow  # kills a role of a running pipeline
@@ -45,4 +45,55 @@ def test_the_queue_host_killed_is_restarted(ray_cluster, shm_dir, tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     steps_logged = [r["step"] for r in rows]
     assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == steps - 1  # each step once
+    assert os.listdir(shm_dir) == []
+
+
+def _kill_at(prefix: str, cls: str, lines: list):
+    """A log callback: SIGKILL the ``cls`` actor at the first line starting with ``prefix``."""
+    def log(line):
+        lines.append(line)
+        if line.startswith(prefix) and "killed" not in lines:
+            os.kill(_role_pid(cls), signal.SIGKILL)
+            lines.append("killed")
+    return log
+
+
+@pytest.mark.slow  # kills roles of a pipeline that is starting
+@pytest.mark.parametrize("cls,role", [("BatchSource", "data-0"), ("QueueHost", "queues"),
+                                      ("ParameterStore", "store")])
+def test_a_role_killed_during_start_up_is_restarted(cls, role, ray_cluster, shm_dir, tmp_path):
+    lines = []
+    result = train(_cfg(shm_dir, tmp_path, "train.steps=4", "runtime.max_restarts=1"),
+                   log=_kill_at("activations (runtime.activations=", cls, lines))
+    (restart,) = [line for line in lines if line.startswith("restart ")]
+    assert restart.startswith(f"restart 1 of 1: the {role} actor died ("), restart
+    assert "restarting the pipeline from the initial weights (step 0)" in restart
+    assert result.restarts == 1 and len(result.losses) == 4
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # kills the store as the run ends
+def test_the_store_killed_before_the_final_export_restarts_and_exports(ray_cluster, shm_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from megatrain_ray.io import checkpoint
+
+    lines = []
+    result = train(_cfg(shm_dir, tmp_path, "train.steps=8", "train.checkpoint_every=4", "runtime.max_restarts=1"),
+                   log=_kill_at("step     8/8", "ParameterStore", lines))
+    (restart,) = [line for line in lines if line.startswith("restart ")]
+    assert restart.startswith("restart 1 of 1: the store actor died ("), restart
+    last = checkpoint.latest(os.path.join(result.run_dir, "checkpoints"))
+    assert last.endswith("step-000008")
+    final = load_file(os.path.join(result.final_dir, "model.safetensors")) if os.path.isfile(
+        os.path.join(result.final_dir, "model.safetensors")) else None
+    saved = {}
+    for name in sorted(os.listdir(last)):
+        if name.startswith("model") and name.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(last, name)))
+    exported = final or {k: v for name in sorted(os.listdir(result.final_dir)) if name.endswith(".safetensors")
+                         for k, v in load_file(os.path.join(result.final_dir, name)).items()}
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k].float(), saved[k].float()) for k in saved)  # the weights of step 8
     assert os.listdir(shm_dir) == []

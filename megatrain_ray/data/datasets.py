@@ -99,6 +99,8 @@ def list_files(path: str | None, key: str) -> tuple[tuple[str, ...], str]:
         if len(kinds) > 1:
             raise DataError(f"{key} {path!r} mixes file kinds ({', '.join(kinds)}); keep one kind per directory.")
         return tuple(files), kinds[0]
+    if not os.path.exists(path):
+        raise DataError(f"{key} {path!r} does not exist.")
     ext = os.path.splitext(path)[1]
     if ext not in EXTENSIONS or not os.path.isfile(path):
         raise DataError(f"{key} {path!r} must be a .txt, .jsonl, .json, .parquet, .arrow or .npy file, or a "

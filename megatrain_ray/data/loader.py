@@ -178,8 +178,10 @@ def check_resume_data(state: dict, saved_data: dict, cfg, checkpoint: str) -> No
         return
     changed = [f"data.{k}" for k, v in dataclasses.asdict(cfg.data).items()
                if k in saved_data and saved_data[k] != v and k not in ("num_workers", "cache_dir")]
+    files = f"data.path {cfg.data.path!r}" + (f" or of data.tokenizer {cfg.data.tokenizer!r}" if cfg.data.tokenizer
+                                              else "")
     what = (f"{', '.join(changed)} differ{'s' if len(changed) == 1 else ''} from the run's" if changed else
-            f"data.path {cfg.data.path!r} changed since (a file's size or modification time is not what it was)")
+            f"the files of {files} changed since ({'a size, a modification time or a tokenizer file' if cfg.data.tokenizer else 'a size or a modification time'} is not what it was)")
     raise DataError(f"cannot resume from {checkpoint}: it was trained on other data ({what}); restore the data it "
                     f"was trained on, or start afresh from its weights with `megatrain-ray train --set "
                     f"runtime.init_from={checkpoint}` (no --resume).")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -145,6 +146,7 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
     if not os.path.isfile(os.path.join(final, "meta.json")):
         tok = None if p.format == "tokens" else load_tokenizer(p.tokenizer)  # a broken one fails here, not in the pool
         os.makedirs(cache_root, exist_ok=True)
+        _remove_unfinished(cache_root, log)
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -180,6 +182,19 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
     with open(os.path.join(final, "meta.json")) as f:
         meta = json.load(f)
     return CorpusRef(final, meta["layout"], fp, int(meta["pad_id"]), p.val_fraction, p.where)
+
+
+def _remove_unfinished(cache_root: str, log) -> None:
+    """Remove the temporary caches (``<fingerprint>.tmp-<pid>``) of processes that are gone: a run
+    killed (-9, a lost node) while it tokenized leaves its half-written cache behind."""
+    import psutil
+
+    for name in sorted(os.listdir(cache_root)):
+        m = re.fullmatch(r"[0-9a-f]+\.tmp-(\d+)", name)
+        if m and not psutil.pid_exists(int(m.group(1))):
+            shutil.rmtree(os.path.join(cache_root, name), ignore_errors=True)
+            log(f"data: removed {os.path.join(cache_root, name)}, the unfinished cache of process {m.group(1)}, "
+                "which is gone")
 
 
 def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
@@ -225,6 +240,12 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
     saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, logger.level,
              getattr(ctx, "use_datasource_v2", False))
     logger.setLevel(logging.WARNING)  # no per-dataset INFO lines in the run's output
+    # Nothing of Ray Data's on the terminal: a failure is our one sentence (its traceback stays in the Ray
+    # Data log file, whose handler is not a console stream).
+    console = [h for h in logger.handlers
+               if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    for h in console:
+        h.addFilter(_silent)
     ctx.use_datasource_v2 = False  # its parquet listing step costs seconds per dataset; v1 reads the same rows
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
@@ -253,12 +274,20 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars, _, ctx.use_datasource_v2 = saved
         logger.setLevel(saved[2])
+        for h in console:
+            h.removeFilter(_silent)
+
+
+def _silent(record) -> bool:
+    """A logging filter that drops every record (Ray Data's console lines while we tokenize)."""
+    return False
 
 
 def _located(e: BaseException, p: DataPlan) -> MegatrainError:
     """A failed tokenization as one sentence, naming the file and line of the record it failed on
     where a record is to blame (:mod:`megatrain_ray.data.locate`): a row the pool refused, or JSON
     that Ray Data could not parse."""
+    fingerprint(p)  # a file that went away meanwhile is said as such
     refused = isinstance(e, DataError) and getattr(e, "cause", None) is None
     if refused or (p.kind in ("jsonl", "json") and "JSON" in str(e)):
         encode = TokenizeBatch(p.format, p.tokenizer, p.text_key, p.kind).encode if refused else None

@@ -13,6 +13,7 @@ import json
 import os
 
 from .checkpoint import META_FILE, CheckpointError, check_model, problem, read_meta, step_dirs, stray_steps
+from . import run_lock
 from .hf_io import load_train_config
 
 
@@ -55,6 +56,7 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
     else it provides (the model's config, the tokenizer), and ``--set runtime.init_from=null`` drops it.
     A different model shape is an error.
     """
+    run_lock.check(run_lock.run_of(path), "resuming")
     directory = os.path.abspath(find(path, log))
     meta = read_meta(directory)
     base = json.loads(json.dumps(meta.get("config") or {}))

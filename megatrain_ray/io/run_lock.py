@@ -15,11 +15,21 @@ import os
 from ..errors import CheckpointError
 
 
-def run_of(checkpoint: str) -> str:
-    """The run directory of a checkpoint (``runs/<id>`` of ``runs/<id>/checkpoints/step-N``), or the
-    checkpoint directory itself where it is not inside a run's ``checkpoints/``."""
-    parent = os.path.dirname(os.path.abspath(checkpoint))
-    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else os.path.abspath(checkpoint)
+def run_of(path: str) -> str:
+    """The run directory of a path given to ``--resume``: ``runs/<id>`` of ``runs/<id>/checkpoints/step-N``
+    and of ``runs/<id>/checkpoints``; a run directory, or a checkpoint outside a run, itself."""
+    path = os.path.abspath(path)
+    if os.path.basename(path) == "checkpoints":
+        return os.path.dirname(path)
+    parent = os.path.dirname(path)
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else path
+
+
+def check(directory: str, doing: str) -> None:
+    """Refuse (as :func:`hold`) if another process holds ``directory``, holding nothing: said before a
+    checkpoint of a run that another process trains, and may be pruning, is read."""
+    if os.path.isdir(directory):
+        release(hold(directory, doing))
 
 
 def hold(directory: str, doing: str) -> int:

@@ -66,7 +66,8 @@ def ray_logs() -> str:
             return os.path.join(_global_node.get_session_dir_path(), "logs")
     except Exception:  # noqa: BLE001 (a private API: fall back to the documented place)
         pass
-    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp/ray", "session_latest", "logs")
+    tmp = os.environ.get("RAY_TMPDIR")
+    return os.path.join(os.path.join(tmp, "ray") if tmp else "/tmp/ray", "session_latest", "logs")
 
 
 def _raised_in_constructor(text: str) -> MegatrainError | None:
