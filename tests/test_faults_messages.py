@@ -218,7 +218,20 @@ def test_resume_with_another_init_from_names_init_from(hf_dir, tmp_path, capsys,
 
 
 @pytest.mark.slow  # a private Ray in a subprocess
-def test_the_ray_log_directory_named_honours_ray_tmpdir(tmp_path):
+def test_the_ray_log_directory_named_honours_ray_tmpdir():
+    import shutil
+    import tempfile
+
+    from pathlib import Path
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="mt-rt-", dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        _logs_under(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _logs_under(tmp_path):
     code = ("import ray\nray.init(num_cpus=1, include_dashboard=False)\n"
             "from megatrain_ray.orchestration.calls import ray_logs\nprint(ray_logs())\nray.shutdown()\n")
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": str(tmp_path / "raytmp"),

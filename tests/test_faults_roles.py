@@ -53,9 +53,23 @@ def _kill_at(prefix: str, cls: str, lines: list):
     def log(line):
         lines.append(line)
         if line.startswith(prefix) and "killed" not in lines:
-            os.kill(_role_pid(cls), signal.SIGKILL)
+            os.kill(_started(cls), signal.SIGKILL)
             lines.append("killed")
     return log
+
+
+def _started(cls: str, within: float = 120.0) -> int:
+    """The process of the ``cls`` actor once it runs as that actor (an actor spawned a moment ago may
+    still be a starting worker process)."""
+    import time
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return _role_pid(cls)
+        except AssertionError:
+            assert time.monotonic() < deadline, f"no {cls} actor within {within} s"
+            time.sleep(0.1)
 
 
 @pytest.mark.slow  # kills roles of a pipeline that is starting
