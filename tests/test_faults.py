@@ -242,7 +242,7 @@ def test_a_kill_is_reported_as_a_kill_and_a_kernel_oom_kill_as_one():
     message = str(calls.actor_error(err, "store"))
     assert message == ("the store actor died (its process was killed by a signal or crashed, not for lack of memory "
                        "(the kernel's OOM-kill count did not change)); see its log in the Ray dashboard or "
-                       "/tmp/ray/session_latest/logs.")
+                       f"{calls.ray_logs()}.")  # the session's own log directory, under RAY_TMPDIR where set
     calls._OOM_KILLS[0] = calls.oom_kills() - 2  # as if the kernel had killed two processes meanwhile
     message = str(calls.actor_error(err, "store"))
     assert message.startswith("the store actor died (its process was killed, and the kernel's OOM killer ended 2 "
