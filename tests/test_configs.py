@@ -223,6 +223,8 @@ def test_moe_sparse_layers_are_never_planned_kept_whole(user_files, capsys):
     after the last sparse one (none in tiny-moe), and asking to keep more is one error naming the key."""
     status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200)
     assert re.search(r"^activations \(chosen by the planner .*\): 0 layers kept whole", out, re.M), out
+    # and the layer's working set is a sparse layer's: its 8 x 64 tokens x top-2 dispatched rows
+    assert "one layer's working set (one micro-batch; a sparse layer: 1024 dispatched rows)" in out
     dense = preflight.activation_placement(load_config(_path("qwen2.5-7b"), _replacements("qwen2.5-7b", user_files)),
                                            "cuda", 141 * GiB)
     assert dense.count("keep") > 0  # the same planner keeps a dense model's layers on that GPU

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import ARCHS, dtype_kwarg, read_tensors, save_model, save_tokenizer  # noqa: E402
+from artifacts import ARCHS, dtype_kwarg, import_store, read_tensors, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
@@ -40,11 +40,6 @@ from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.precision import resolve_precision  # noqa: E402
 
 
-def _store(directory, shm_dir, master_dtype="float32") -> ParameterStore:
-    cfg, _ = hf_io.read_config(str(directory))
-    precision = resolve_precision(RuntimeSection(master_dtype=master_dtype, shm_dir=shm_dir), "cpu")
-    spec = StoreSpec(cfg, precision, shm_dir, os.getpid(), "t" + os.urandom(3).hex())
-    return ParameterStore(spec, seed=0, init_from=str(directory))
 
 
 def _ids(vocab=96, batch=2, seq=24, seed=0):
@@ -57,7 +52,7 @@ def _ids(vocab=96, batch=2, seq=24, seed=0):
 def test_imported_logits_match_transformers(arch, tmp_path, shm_dir):
     model = save_model(arch, tmp_path / "hf")
     assert len([n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]) > 2
-    store = _store(tmp_path / "hf", shm_dir)
+    store = import_store(tmp_path / "hf", shm_dir)
     try:
         assert store.spec.model.model_type == model.config.model_type
         ids = _ids()
@@ -74,7 +69,7 @@ def test_imported_logits_match_transformers(arch, tmp_path, shm_dir):
 def test_bf16_checkpoint_is_upcast_into_fp32_master(tmp_path, shm_dir):
     model = save_model("qwen3", tmp_path / "hf")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    store = _store(tmp_path / "bf16", shm_dir)
+    store = import_store(tmp_path / "bf16", shm_dir)
     try:
         ours = store.state_dict()
         for name, ref in model.state_dict().items():
@@ -92,7 +87,7 @@ def test_missing_tensor_is_named(tmp_path, shm_dir):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight"):
-        _store(tmp_path / "hf", shm_dir)
+        import_store(tmp_path / "hf", shm_dir)
     assert os.listdir(shm_dir) == []  # the failed store removed its segments
 
 
@@ -103,7 +98,7 @@ def test_foreign_tensors_are_named(tmp_path, shm_dir):
     cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"q_norm\.weight.*not a supported variant"):
-        _store(tmp_path / "hf", shm_dir)
+        import_store(tmp_path / "hf", shm_dir)
 
 
 @pytest.mark.parametrize("edit,named", [
@@ -161,7 +156,7 @@ def _as_transformers4(raw: dict) -> None:
 
 def test_llama31_rope_scaling_logits_match_transformers(tmp_path, shm_dir):
     model = _llama31(tmp_path / "hf")
-    store = _store(tmp_path / "hf", shm_dir)
+    store = import_store(tmp_path / "hf", shm_dir)
     try:
         cfg = store.spec.model
         assert cfg.rope_scaling == LLAMA31_ROPE and cfg.rope_theta == 500000.0
@@ -240,7 +235,7 @@ def test_rope_scaling_through_set_names_the_bad_key(rope, message):
 def test_import_then_export_without_training_is_bit_identical(tmp_path, shm_dir):
     model = save_model("qwen2", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
-    store = _store(tmp_path / "hf", shm_dir)
+    store = import_store(tmp_path / "hf", shm_dir)
     try:
         store.save_hf(str(tmp_path / "final"), shard_bytes=30_000)
     finally:
@@ -445,7 +440,7 @@ def test_an_init_from_run_keeps_the_source_token_ids(tmp_path, shm_dir):
     """Llama 2's config.json names bos 1 / eos 2: kept in final/ and in an export, whatever the tokenizer."""
     hf_tok = save_tokenizer(tmp_path / "tok")
     save_model("llama2", tmp_path / "hf", vocab_size=len(hf_tok))
-    store = _store(tmp_path / "hf", shm_dir)
+    store = import_store(tmp_path / "hf", shm_dir)
     try:
         store.save_hf(str(tmp_path / "final"), tokenizer=str(tmp_path / "tok"))
     finally:

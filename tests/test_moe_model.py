@@ -24,25 +24,18 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import MOE_ARCHS, make_model, read_tensors, save_model  # noqa: E402
+from artifacts import MOE_ARCHS, import_store, make_model, read_tensors, save_model  # noqa: E402
 
-from megatrain_ray.config import ModelConfig, RuntimeSection  # noqa: E402
-from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
 from megatrain_ray.model import flops, moe  # noqa: E402
-from megatrain_ray.model.precision import resolve_precision  # noqa: E402
 from megatrain_ray.model.transformer import routed_layer, rms_norm, rope_cache, unit_names, unit_params  # noqa: E402
 
 SPARSE = {"qwen3_moe": (0, 2), "mixtral": (0, 1), "qwen2_moe": (1, 3)}
 
 
-def _store(directory, shm_dir) -> ParameterStore:
-    cfg, _ = hf_io.read_config(str(directory))
-    precision = resolve_precision(RuntimeSection(master_dtype="float32", shm_dir=shm_dir), "cpu")
-    spec = StoreSpec(cfg, precision, shm_dir, os.getpid(), "t" + os.urandom(3).hex())
-    return ParameterStore(spec, seed=0, init_from=str(directory))
 
 
 def _ids(batch=2, seq=24, seed=0):
@@ -58,7 +51,7 @@ def _logits(model, ids):
 def test_imported_logits_match_transformers(arch, tmp_path, shm_dir):
     model = save_model(arch, tmp_path / "hf")
     assert len([n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]) > 2
-    store = _store(tmp_path / "hf", shm_dir)
+    store = import_store(tmp_path / "hf", shm_dir)
     try:
         cfg = store.spec.model
         assert cfg.model_type == arch and cfg.sparse_layers == SPARSE[arch]
@@ -98,7 +91,7 @@ def _save_stacked(model, directory):
 def test_both_expert_layouts_import_and_export_loads_in_transformers(arch, tmp_path, shm_dir):
     model = save_model(arch, tmp_path / "hub")
     _save_stacked(model, tmp_path / "stacked")
-    hub, stacked = _store(tmp_path / "hub", shm_dir), _store(tmp_path / "stacked", shm_dir)
+    hub, stacked = import_store(tmp_path / "hub", shm_dir), import_store(tmp_path / "stacked", shm_dir)
     try:
         a, b = hub.state_dict(), stacked.state_dict()
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -16,17 +16,15 @@ weight decays, in both: an update that skipped it would leave its weights off by
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import make_model, read_tensors  # noqa: E402
+from artifacts import make_model, parity_run, read_tensors, reference_update  # noqa: E402
 from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # noqa: E402
 
-from megatrain_ray.config import lr_at  # noqa: E402
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.moe import names  # noqa: E402
@@ -91,11 +89,7 @@ def _reference(model, cfg, source, reverse=False):
             chosen = [torch.topk(g.softmax(-1), cfg.model.num_experts_per_tok, -1)[1] for g in out.router_logits]
             mb = torch.stack([torch.bincount(c.reshape(-1), minlength=experts) for c in chosen])
             counts = mb if counts is None else counts + mb
-        torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(o, step, cfg.train.steps)
-        opt.step()
-        opt.zero_grad()
+        reference_update(opt, params, o, step, cfg.train.steps)
         losses.append(total)
         routed.append(counts.tolist())
     return losses, _per_expert({k: v.detach().clone() for k, v in model.state_dict().items()}, cfg.model), routed
@@ -105,17 +99,8 @@ def _reference(model, cfg, source, reverse=False):
 def test_moe_training_matches_transformers_and_adamw(arch, aux, ray_cluster, shm_dir, tmp_path):
     model = _model(arch, aux)
     model.save_pretrained(tmp_path / "init")
-    rng = np.random.default_rng(1)
-    tokens = np.where(rng.random(4000) < 0.1, rng.integers(0, 96, size=4000), (np.arange(4000) * 7) % 96)
-    np.save(tmp_path / "tokens.npy", tokens)
-    cfg = load_train_config(None, [
-        f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-        "runtime.device=cpu", "runtime.compute_dtype=float32", "runtime.loss_chunk_size=24",
-        f"train.steps={STEPS}", "train.seq_len=8", "train.micro_batch_size=1", "train.num_micro_batches=2",
-        "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.1",
-        "optim.max_grad_norm=0.5", "optim.beta2=0.99",
-    ])
+    cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=8", "train.micro_batch_size=1",
+                                   "train.num_micro_batches=2", "optim.warmup_steps=1"])
     assert cfg.model.model_type == arch and cfg.model.output_router_logits == aux
 
     result = train(cfg, log=lambda line: None)

@@ -12,7 +12,6 @@ close to the float64 run as the farther fp32 run is (see float64_truth for how c
 
 import glob
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,11 +19,11 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.config import lr_at  # noqa: E402
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
+from artifacts import parity_run, reference_update  # noqa: E402
 from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # noqa: E402
 
 STEPS = 5
@@ -72,11 +71,7 @@ def _reference(model, cfg, source: BatchSource, reverse: bool = False
                                    ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(o, step, cfg.train.steps)
-        opt.step()
-        opt.zero_grad()
+        reference_update(opt, params, o, step, cfg.train.steps)
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -89,17 +84,10 @@ def _reference(model, cfg, source: BatchSource, reverse: bool = False
 def test_pipeline_matches_transformers_and_adamw(kind, micro_batches, decay_all, ray_cluster, shm_dir, tmp_path):
     model = _hf_model(kind)
     model.save_pretrained(tmp_path / "init", safe_serialization=True)
-    rng = np.random.default_rng(1)  # a learnable stream: a fixed cycle with 10% noise
-    tokens = np.where(rng.random(4000) < 0.1, rng.integers(0, 96, size=4000), (np.arange(4000) * 7) % 96)
-    np.save(tmp_path / "tokens.npy", tokens)
     cfg = load_train_config(None, [
-        f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-        "runtime.device=cpu", "runtime.compute_dtype=float32", "runtime.loss_chunk_size=24",
-        f"train.steps={STEPS}", "train.seq_len=16", "train.micro_batch_size=2",
-        f"train.num_micro_batches={micro_batches}",
-        "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_steps=2", "optim.weight_decay=0.1",
-        "optim.max_grad_norm=0.5", "optim.beta2=0.99", f"optim.decay_norms_and_biases={str(decay_all).lower()}",
+        *parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=16", "train.micro_batch_size=2",
+        f"train.num_micro_batches={micro_batches}", "optim.warmup_steps=2",
+        f"optim.decay_norms_and_biases={str(decay_all).lower()}",
     ])
     assert cfg.model.model_type == kind
 

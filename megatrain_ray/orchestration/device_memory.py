@@ -125,11 +125,22 @@ def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) 
     gradients) and q, k, v with the attention output and their gradients; the MLP: 5
     [tokens, intermediate] tensors (see the module docstring), for one chunk when tiled, where the
     attention half's output and its gradient are one more [tokens, hidden] held across the chunks;
-    and the layer's fp32 gradient with a compute-dtype weight gradient.
+    and the layer's fp32 gradient with a compute-dtype weight gradient. A sparse layer (never tiled)
+    instead: its tokens x top-k dispatched rows through the experts (the gathered rows, gate/up, the
+    activation, the down projection's output and their gradients: 4 [rows, hidden] and 5
+    [rows, expert width]), the router's fp32 probabilities [tokens, experts] (with their softmax's
+    and top-k's), and the shared expert's 5 [tokens, width]; the larger of the two kinds counts.
     """
     m = cfg.model
     h, inter = m.hidden_size, m.intermediate_size
     q, kv = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
+    if m.sparse_layers:
+        rows = tokens * m.num_experts_per_tok
+        sparse = (rows * (4 * h + 5 * m.expert_size) * c + tokens * m.num_experts * 4 * 3
+                  + tokens * 5 * m.shared_expert_intermediate_size * c)
+        if sparse > tokens * 5 * inter * c or len(m.sparse_layers) == m.num_hidden_layers:
+            return Row(f"one layer's working set (one micro-batch; a sparse layer: {rows} dispatched rows)", "device",
+                       tokens * (4 * h + 2 * q + 2 * kv) * c + sparse + layer_numel * (4 + c), "layer")
     mlp_chunk = cfg.runtime.mlp_chunk_size_for(cfg.train.seq_len)
     if 0 < mlp_chunk < cfg.train.seq_len:
         rows = tokens // cfg.train.seq_len * mlp_chunk  # the micro-batch's sequences, one chunk each
