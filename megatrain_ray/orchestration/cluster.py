@@ -282,3 +282,35 @@ def connect_ray(cfg) -> None:
     check_num_workers(cfg)
     connect(cfg.runtime)
     check_num_workers(cfg)
+
+
+def lost() -> str | None:
+    """What of Ray this process stands on has stopped accepting connections — the cluster's GCS, or
+    this node's raylet (their process was killed, or the head node went away) — as the words that
+    name it; None while both accept one, or where this process is not connected. Only a refused
+    connection counts: a slow answer on a busy machine is not a death."""
+    import ray
+
+    try:
+        from ray._private.worker import global_worker
+
+        node = global_worker.node if ray.is_initialized() else None
+        targets = [("GCS", node.gcs_address), ("raylet", f"{node.node_ip_address}:{node.node_manager_port}")]
+    except Exception:  # noqa: BLE001 (not connected, or a Ray without these attributes: nothing to tell)
+        return None
+    for what, address in targets:
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2.0).close()
+        except (ConnectionRefusedError, ConnectionResetError):
+            return f"Ray's {what} at {address}"
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def lost_error(what: str) -> PipelineError:
+    """The sentence for :func:`lost`: nothing of the run can go on, and how to go on from its checkpoint."""
+    return PipelineError(f"{what} stopped accepting connections (its process died, or its node went away), so the "
+                         "run cannot go on; start Ray again (`ray start --head`) and resume the run.")
+

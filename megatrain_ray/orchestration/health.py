@@ -32,6 +32,7 @@ import time
 import ray
 
 from ..errors import ActorDied
+from . import cluster
 from .calls import get as _get
 from .calls import ray_logs
 
@@ -45,6 +46,9 @@ class Health:
     """See the module docstring. ``idle``/``busy``: role name -> actor handle (the queue hosts are idle roles)."""
 
     INTERVAL_S = 0.5
+    PROBE_S = 2.0
+    """How often the GCS and the raylet are asked for a connection (:func:`~megatrain_ray.orchestration.cluster.lost`)."""
+    probed = 0.0
 
     def __init__(self, idle: dict, busy: dict, timeout_s: float, start_timeout_s: float,
                  stall_s: float | None = None, hosts: set[str] = frozenset()):
@@ -70,6 +74,11 @@ class Health:
     def check(self) -> None:
         """Raise ActorDied naming the first role found dead or hung; else send the pings that are due."""
         now = time.monotonic()
+        if now - self.probed >= self.PROBE_S:  # Ray itself: its GCS and this node's raylet
+            self.probed = now
+            gone = cluster.lost()
+            if gone:
+                raise cluster.lost_error(gone)
         for name, (ref, sent) in list(self.pings.items()):
             done, _ = ray.wait([ref], timeout=0)
             if done:

@@ -45,7 +45,7 @@ import ray
 from ..config import TrainConfig
 from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
-from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError  # noqa: F401  (Interrupted: raised by the driver)
+from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
 from ..model.precision import resolve_device
 from . import calls, cluster, preflight
@@ -67,10 +67,27 @@ class _Active:
     def __init__(self) -> None:
         self.spawner: RaySpawner | None = None
 
+    def dead(self, within: float = 3.0) -> MegatrainError | None:
+        """The error of the first role found dead (an ActorDied naming it), every role asked at once;
+        None if every one answers (or has not within ``within`` seconds: not known to be dead)."""
+        handles = dict(self.spawner.handles) if self.spawner is not None else {}
+        refs = {h.__ray_call__.remote(_answer): name for name, h in handles.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=within) if refs else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return calls.actor_error(e, refs[ref])
+        return None
+
     def kill(self) -> None:
-        if self.spawner is not None:
+        if self.spawner is not None and cluster.lost() is None:  # a Ray that is gone took the actors along
             self.spawner.kill()
-            self.spawner = None
+        self.spawner = None
+
+
+def _answer(actor) -> None:
+    """What a role is asked to run (through ``__ray_call__``) to tell whether it lives."""
 
 
 def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
@@ -180,9 +197,17 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
     for attempt in range(cfg.runtime.max_restarts + 1):
         try:
             return _run(run, spec, run_dir, roles, log, loader, start, resume, plan, val_batch, result)
-        except ActorDied as e:
-            if attempt == cfg.runtime.max_restarts:
+        except PipelineError as failure:
+            # A failure that followed from a death (a collective whose peer's node was lost, a fetch that a
+            # dead queue host cut short) is that death: found by asking every role, and restarted like it.
+            e = failure if isinstance(failure, ActorDied) else roles.dead()
+            if not isinstance(e, ActorDied):
                 raise
+            gone = cluster.lost()
+            if gone:  # the role died with Ray itself: nothing to restart on
+                raise cluster.lost_error(gone) from None
+            if attempt == cfg.runtime.max_restarts:
+                raise e from None
             roles.kill()
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
             resume = checkpoint.latest(plan.directory, missing_ok=True) or resume
