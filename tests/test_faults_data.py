@@ -9,6 +9,9 @@
   that says how to start afresh; random windows (read straight from a .txt) likewise, and a restart
   of a windows run whose file changed is refused rather than trained on other text.
 - The token cache removed under a running run: its restart says so in one sentence.
+- A file gone while it is tokenized, an interrupt during tokenization, a tokenizer actor killed as
+  it starts: one sentence (or the interrupt), and no cache left; the unfinished cache of a process
+  killed while it tokenized is removed by the next run, with a line.
 """
 
 import json
@@ -260,3 +263,42 @@ def test_a_resume_after_the_tokenizer_files_changed_is_refused(ray_cluster, shm_
         f"data.tokenizer '{tmp_path / 'tok'}' changed since"), str(info.value)
     assert os.listdir(shm_dir) == []
 
+
+@pytest.mark.slow  # tokenizes 120k rows on an actor pool and kills one of its actors
+def test_a_tokenizer_actor_killed_as_it_starts_is_one_sentence_and_leaves_no_cache(ray_cluster, tmp_path):
+    import threading
+    import time
+
+    import psutil
+
+    from test_faults import _cmdline
+
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 120_000)
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={data}", "data.format=text", "data.val_fraction=0.01",
+               "data.num_workers=2")
+    killed, stop = [], threading.Event()
+
+    def kill_the_first_tokenizer():  # as soon as a pool actor's process is there: it waits for its first block
+        while not stop.is_set() and not killed:
+            for p in psutil.Process().children(recursive=True):
+                if _cmdline(p).startswith("ray::MapWorker(MapBatches(TokenizeBatch))"):
+                    p.kill()
+                    killed.append(p.pid)
+                    break
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_first_tokenizer)
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DataError) as info:
+            corpus_ref(cfg, log=lambda line: None)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no tokenizer actor was seen"
+    message = str(info.value)
+    assert message.startswith(f"a tokenizer actor of data.path '{data}' died ("), message
+    assert "\n" not in message and time.monotonic() - started < 300
+    assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one

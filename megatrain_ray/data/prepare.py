@@ -301,6 +301,11 @@ def _unwrap(e: BaseException, where: str) -> MegatrainError:
     """A Ray Data failure as one sentence (user errors of the pool actors arrive as rows, not here)."""
     if isinstance(e, MegatrainError) and getattr(e, "cause", None) is None:
         return e
+    import ray.exceptions
+
+    if isinstance(e, ray.exceptions.RayActorError):  # one of the pool's actors was killed or crashed
+        return DataError(f"a tokenizer actor of {where} died (its process was killed or crashed) while it "
+                         "tokenized, so nothing was cached; train again, which tokenizes the data anew.")
     lines = [ln for ln in str(getattr(e, "cause", None) or e).splitlines() if ln.strip()]
     return DataError(f"reading and tokenizing {where} failed ({type(e).__name__}: "
                      f"{lines[0] if lines else 'no message'}); see the Ray Data log for the traceback.")
