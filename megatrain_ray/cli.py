@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", type=float, metavar="GIB",
                       help="GPU memory to plan for, in GiB (default: what is free on GPU 0 now, if visible, "
                            "as a run would find it)")
+    plan.add_argument("--host-memory", type=float, metavar="GIB",
+                      help="host RAM available to plan for, in GiB (default: what this machine has available)")
     plan.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
                       help="the GPU's bf16 dense rate for the expected step time, e.g. one measured by "
                            "`megatrain-ray bench` (default: nominal, by the GPU's name)")
@@ -147,8 +149,9 @@ def _plan(args) -> int:
 
     cfg = load_train_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
+    host = None if args.host_memory is None else int(args.host_memory * 2**30)
     run = resolve(cfg, Facts.here(cfg, args.device, gpu, starts_ray=cluster_to_join(cfg.runtime)[0] is None,
-                                  device_tflops=args.gpu_tflops))
+                                  device_tflops=args.gpu_tflops, host_bytes=host))
     print(run.describe())
     problems = run.memory.problems()
     if problems:

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
-from megatrain_ray.engine.activations import GPU, HOST, KEEP, kept_bytes_per_token, layer_modes
+from megatrain_ray.engine.activations import GPU, HOST, KEEP, kept_bytes_per_token, layer_modes, recompute_spans
 from megatrain_ray.engine.attention import sdpa_backend
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
@@ -157,7 +157,7 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     ParameterStore(spec, cfg.train.seed)
     depth = rt.buffer_depth_on("cpu")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
-    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
+    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s, recompute_spans(placement))
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     settings = dataclasses.replace(resolve(cfg, Facts("cpu")).compute, activations=placement,
@@ -322,14 +322,17 @@ def test_runtime_activations_settings_and_their_errors():
     def counts(*extra, device="cuda"):
         return load_config(None, SMALL + list(extra)).runtime.activation_counts(device, 3)
 
-    assert counts() is None and counts(device="cpu") == (0, 0)  # auto: the planner's on cuda, recompute on cpu
-    assert counts("runtime.activations=recompute") == (0, 0)
-    assert counts("runtime.activations=offload") == (0, 3) == counts("runtime.offload_activations=true")
-    assert counts("runtime.activations=keep") == (3, 0)
-    assert counts("runtime.activations=keep=2,host=1") == (2, 1) and counts("runtime.activations=host=2") == (0, 2)
+    assert counts() is None and counts(device="cpu") == (0, 0, 0)  # auto: the planner's on cuda, recompute on cpu
+    assert counts("runtime.activations=recompute") == (0, 0, 0)
+    assert counts("runtime.activations=offload") == (0, 3, 0) == counts("runtime.offload_activations=true")
+    assert counts("runtime.activations=keep") == (3, 0, 0)
+    assert counts("runtime.activations=keep=2,host=1") == (2, 1, 0) and counts("runtime.activations=host=2") == (0, 2, 0)
+    assert counts("runtime.activations=host=1,span=1") == (0, 1, 1)
     for bad, key in (("runtime.activations=some", "runtime.activations"),
                      ("runtime.activations=keep=x", "runtime.activations"),
                      ("runtime.activations=keep=3,host=1", "runtime.activations"),
+                     ("runtime.activations=host=2,span=2", "runtime.activations"),
+                     ("runtime.activations=keep=1,span=2", "runtime.activations"),
                      ("runtime.attention_backend=fast", "runtime.attention_backend")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, SMALL + [bad])
@@ -371,7 +374,7 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     assert plan.total("device") == device_total(keep, 0)
     assert f"{keep} layers kept whole on the GPU" in plan.table()
 
-    run = resolve(cfg, Facts("cuda", 24 * gib))
+    run = resolve(cfg, Facts("cuda", 24 * gib, host_bytes=120 * gib))  # a 128 GiB box's host RAM: room to offload
     assert run.resident == "none"  # what it would hold on the GPU would push checkpoints out
     resident = ()
     small = run.compute.activations  # not even every checkpoint fits

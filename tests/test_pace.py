@@ -25,7 +25,7 @@ from megatrain_ray.orchestration import pace
 from megatrain_ray.orchestration.health import Health
 from megatrain_ray.orchestration.queues import LocalQueue, QueueClient, QueueHost
 
-H200 = ["--device", "cuda", "--gpu-memory", "141"]
+H200 = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]  # the H200 box's
 LONG_7B = ["model.model_type=qwen2", "model.vocab_size=152064", "model.hidden_size=3584",
            "model.intermediate_size=18944", "model.num_hidden_layers=28", "model.num_attention_heads=28",
            "model.num_key_value_heads=4", "model.max_position_embeddings=524288", "train.seq_len=524288",

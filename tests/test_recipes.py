@@ -82,6 +82,17 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
 
 
 @pytest.mark.slow
+def test_long_context_smoke(ray_cluster, tmp_path):
+    """long_context.sh's 512k part: configs/long-context-512k.yaml trained as written at a tiny shape
+    (its data paths replaced by a .npy), then collected: the row says done, with the plan beside it."""
+    _smoke("long_context.sh", tmp_path, "run", "512k")
+    table = _smoke("long_context.sh", tmp_path, "collect")
+    row = re.search(r"^512k\s+done\s+([\d.]+)\s+([\d,]+)\s.*  ~[\d.]+ m?s, ", table, re.M)
+    assert row and float(row.group(1)) > 0, table
+    assert "metrics.jsonl" in str(list((tmp_path / "512k" / "runs").glob("*/metrics.jsonl")))
+
+
+@pytest.mark.slow
 def test_side_by_side_smoke(ray_cluster, tmp_path):
     printed = _smoke("side_by_side.sh", tmp_path, "a:", "b:--set runtime.buffer_depth=3")
     assert _bench(tmp_path, "b")["buffer_depth"] == 3 and _bench(tmp_path, "a")["buffer_depth"] == 2

@@ -43,15 +43,15 @@ smaller chunks of logits."""
 _ACTIVATION_MODES = ("auto", "recompute", "offload", "keep")
 
 
-def parse_activation_counts(text: str) -> tuple[int, int] | None:
-    """``"keep=K,host=H"`` (either part may be left out) -> (K, H); None if it is not of that form."""
-    counts = {"keep": 0, "host": 0}
+def parse_activation_counts(text: str) -> tuple[int, int, int] | None:
+    """``"keep=K,host=H,span=P"`` (any part may be left out) -> (K, H, P); None if it is not of that form."""
+    counts = {"keep": 0, "host": 0, "span": 0}
     for part in str(text).replace(" ", "").split(","):
         key, _, value = part.partition("=")
         if key not in counts or not value.isdigit():
             return None
         counts[key] = int(value)
-    return counts["keep"], counts["host"]
+    return counts["keep"], counts["host"], counts["span"]
 
 
 @dataclass
@@ -121,11 +121,14 @@ class RuntimeSection:
     megatrain_ray.engine.activations): auto (default) = on cuda, chosen by the planner from the GPU's
     memory: as many layers as fit keep their whole forward graph on the GPU (no recompute in the
     backward: ~25% less GEMM work for those layers), the rest keep their input checkpoint on the GPU,
-    and where even those do not fit, the first layers' checkpoints go to pinned host memory; on cpu,
+    and where even those do not fit, the first layers' checkpoints go to pinned host memory, and
+    where host RAM cannot take those either, some layers have no checkpoint of their own and are
+    recomputed within a span from the checkpoint before them (one more layer forward each); on cpu,
     recompute. recompute = every layer's checkpoint on the device, recomputed in the backward;
     offload = every checkpoint in host memory; keep = every layer's graph kept; or counts
-    "keep=K,host=H": the last K layers kept whole, the first H offloaded, the rest checkpointed on
-    the device. ``megatrain-ray plan`` shows the choice and the memory of each."""
+    "keep=K,host=H,span=P": the last K layers kept whole, P of the others in recompute spans, the
+    first H checkpoints offloaded, the rest checkpointed on the device. ``megatrain-ray plan`` shows
+    the choice and the memory of each."""
     cpu_affinity: bool = True
     """Pin each compute worker's threads to 4 CPUs local to its GPU (its NUMA node, as the machine's
     sysfs reports it) and the gradient sink's AdamW threads to the node's other CPUs; where the
@@ -224,19 +227,20 @@ class RuntimeSection:
         """Tokens per loss chunk on the resolved ``device`` (see ``loss_chunk_size``)."""
         return self.loss_chunk_size or AUTO_LOSS_CHUNK_SIZE[device]
 
-    def activation_counts(self, device: str, n_layers: int) -> tuple[int, int] | None:
-        """(layers kept whole, layers offloaded) as set by ``activations`` (and ``offload_activations``)
-        on the resolved ``device``, or None where the planner chooses (auto on cuda)."""
+    def activation_counts(self, device: str, n_layers: int) -> tuple[int, int, int] | None:
+        """(layers kept whole, checkpoints offloaded, layers in recompute spans) as set by
+        ``activations`` (and ``offload_activations``) on the resolved ``device``, or None where the
+        planner chooses (auto on cuda)."""
         setting = "offload" if self.offload_activations else self.activations
         if setting == "auto":
-            return None if device == "cuda" else (0, 0)
-        return {"recompute": (0, 0), "offload": (0, n_layers), "keep": (n_layers, 0)}.get(setting) \
+            return None if device == "cuda" else (0, 0, 0)
+        return {"recompute": (0, 0, 0), "offload": (0, n_layers, 0), "keep": (n_layers, 0, 0)}.get(setting) \
             or parse_activation_counts(setting)
 
     def validate(self) -> None:
         _require(self.activations in _ACTIVATION_MODES or parse_activation_counts(self.activations) is not None,
-                 "runtime.activations", "must be auto, recompute, offload, keep or counts like \"keep=4,host=2\" "
-                 f"(layers kept whole, layers offloaded), got {self.activations!r}")
+                 "runtime.activations", "must be auto, recompute, offload, keep or counts like \"keep=4,host=2,span=2\" "
+                 f"(layers kept whole, checkpoints offloaded, layers in recompute spans), got {self.activations!r}")
         _require(not self.offload_activations or self.activations in ("auto", "offload"), "runtime.offload_activations",
                  f"(true) contradicts runtime.activations={self.activations!r}; drop runtime.offload_activations "
                  "(runtime.activations: offload says the same)")

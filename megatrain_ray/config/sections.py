@@ -228,8 +228,11 @@ class TrainConfig:
                  "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
         counts = parse_activation_counts(self.runtime.activations)
         _require(counts is None or sum(counts) <= self.model.num_hidden_layers, "runtime.activations",
-                 f"({self.runtime.activations!r}) keeps and offloads more layers than the model has "
+                 f"({self.runtime.activations!r}) keeps, offloads and spans more layers than the model has "
                  f"({self.model.num_hidden_layers})")
+        _require(counts is None or not counts[2] or counts[0] + counts[2] < self.model.num_hidden_layers,
+                 "runtime.activations", f"({self.runtime.activations!r}) leaves no checkpoint for a recompute span to "
+                 "start from; keep or span fewer layers")
         workers = self.runtime.compute_workers * self.runtime.nodes
         _require(self.train.num_micro_batches % workers == 0, "train.num_micro_batches",
                  f"({self.train.num_micro_batches}) must be a multiple of the compute workers of all nodes "

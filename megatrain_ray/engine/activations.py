@@ -1,4 +1,4 @@
-"""Where each decoder layer's activations wait for its backward, one of three placements per layer.
+"""Where each decoder layer's activations wait for its backward, one of four placements per layer.
 
 - :data:`KEEP`: the layer's whole autograd graph from the forward stays on the device (its forward
   runs with gradients on, against a device copy of its weights, since the weight slot is reused),
@@ -9,12 +9,21 @@
 - :data:`HOST`: the checkpoint is copied to a pinned host buffer (on the copy-out stream,
   overlapping the next layer's forward) as soon as the forward has used it, and copied back (on
   the copy-in stream) one layer ahead of the backward that recomputes from it.
+- :data:`SPAN`: no checkpoint of its own. The layer belongs to a *recompute span*: the checkpointed
+  layer before it and the span layers that follow (:func:`recompute_spans`). When the backward
+  reaches a span's last layer, the forward of the span's layers before it is run again from the
+  span's checkpoint (their weights streamed once more, in forward order), their inputs held on the
+  device until each one's backward has used them. Same function on the same values as the first
+  forward, so the same inputs bit for bit and the same gradients; what it costs is one more
+  forward of every span layer but the last, and the weights fetched again for it.
 
-Per layer, :func:`layer_modes` lays a placement out as the first ``host`` layers offloaded (their
-backwards come last, so their copies back have the most time), the last ``keep`` layers kept whole,
-the rest checkpointed on the device; the planner (:mod:`megatrain_ray.orchestration.preflight`) picks
-the counts from free device memory. The three give the same values: the kept graph is the one the
-recompute would rebuild, from the same input with the same weights, run by the same function.
+Per layer, :func:`layer_modes` lays a placement out as the first ``host`` checkpoints offloaded
+(their backwards come last, so their copies back have the most time), the last ``keep`` layers
+kept whole, the rest checkpointed on the device, ``span`` layers spread over the non-kept ones as
+evenly as possible; the planner (:mod:`megatrain_ray.orchestration.device_memory`) picks the
+counts from free device memory (and, for spans, host memory). The placements give the same values:
+the kept graph is the one the recompute would rebuild, from the same input with the same weights,
+run by the same function, and a span's inputs are those its forward computed.
 
 With offloading, the compute thread enqueues work far ahead of the device; memory that waits for a
 copy is only reused once the copy has run, so the thread is held to at most :data:`LEAD` layers
@@ -33,22 +42,44 @@ import torch
 
 LEAD = 2
 """Layers the compute thread may run ahead of the device while activations are offloaded."""
-KEEP, GPU, HOST = "keep", "gpu", "host"
+KEEP, GPU, HOST, SPAN = "keep", "gpu", "host", "span"
 """A layer's placement: whole graph kept on the device, input checkpoint on the device, input
-checkpoint in pinned host memory."""
+checkpoint in pinned host memory, no checkpoint (recomputed within its span)."""
 
 
-def layer_modes(n_layers: int, keep: int, host: int) -> tuple[str, ...]:
-    """The placement of layers 0..n_layers-1: the first ``host`` offloaded, the last ``keep`` kept whole."""
-    if keep < 0 or host < 0 or keep + host > n_layers:
-        raise ValueError(f"cannot keep {keep} and offload {host} of {n_layers} layers")
-    return (HOST,) * host + (GPU,) * (n_layers - keep - host) + (KEEP,) * keep
+def layer_modes(n_layers: int, keep: int, host: int, span: int = 0) -> tuple[str, ...]:
+    """The placement of layers 0..n_layers-1: the last ``keep`` kept whole; the others in
+    ``n_layers - keep - span`` groups of sizes as even as possible (the longer first), each a
+    checkpointed layer followed by its span layers; the first ``host`` groups' checkpoints offloaded."""
+    rest = n_layers - keep
+    groups = rest - span
+    if min(keep, host, span) < 0 or keep + span > n_layers or host > groups or (span and groups < 1):
+        raise ValueError(f"cannot keep {keep}, offload {host} and span {span} of {n_layers} layers")
+    modes: list[str] = []
+    for g in range(groups):
+        size = rest // groups + (g < rest % groups)
+        modes += [HOST if g < host else GPU] + [SPAN] * (size - 1)
+    return (*modes, *(KEEP,) * keep)
 
 
-def recomputed_layers(modes: Sequence[str]) -> int:
-    """Decoder-layer forwards the backward runs again under placement ``modes``: one per layer
-    without a kept graph."""
-    return sum(mode != KEEP for mode in modes)
+def recompute_spans(modes: Sequence[str]) -> tuple[tuple[int, int], ...]:
+    """(first, last) decoder layer of every recompute span in ``modes``: a checkpointed layer and the
+    :data:`SPAN` layers after it (two layers or more)."""
+    spans, first = [], None
+    for layer, mode in enumerate((*modes, None)):
+        if mode == SPAN:
+            continue
+        if first is not None and layer - 1 > first:
+            spans.append((first, layer - 1))
+        first = layer if mode in (GPU, HOST) else None
+    return tuple(spans)
+
+
+def recomputed_layers(modes: Sequence[str]) -> tuple[int, int]:
+    """(decoder-layer forwards the backward recomputes from a checkpoint, up to the down projection:
+    one per layer without a kept graph; whole forwards run again within recompute spans: every
+    span layer but the last) under placement ``modes``."""
+    return sum(mode != KEEP for mode in modes), sum(last - first for first, last in recompute_spans(modes))
 
 
 LEAN_PARTITIONER = {"ban_recompute_used_far_apart": False, "ban_recompute_long_fusible_chains": False,
@@ -176,6 +207,7 @@ class ActivationStore:
     def __init__(self, backend, modes: Sequence[str]):
         self.backend = backend
         self.modes = tuple(modes)
+        self.spans = recompute_spans(self.modes)
         self._kept: dict[int, list[torch.Tensor] | KeptGraph] = {}
         self._stashed: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._fetched: dict[int, list[tuple[torch.Tensor, object]]] = {}
@@ -198,7 +230,10 @@ class ActivationStore:
         self._kept[layer] = graph
 
     def put(self, layer: int, xs: list[torch.Tensor]) -> None:
-        """xs: M x [B, S, H], the input of ``layer`` for every micro-batch, no longer needed by the forward."""
+        """xs: M x [B, S, H], the input of ``layer`` for every micro-batch, no longer needed by the
+        forward (a :data:`SPAN` layer's is dropped: its span's forward brings it back)."""
+        if self.mode(layer) == SPAN:
+            return
         if self.mode(layer) != HOST:
             self._kept[layer] = xs
             return
@@ -217,9 +252,22 @@ class ActivationStore:
             self._fetched[layer] = [self.backend.unstash(host, done, f"inputs of layers.{layer}")
                                     for host, done in self._stashed.pop(layer)]
 
+    def hold(self, layer: int, xs: list[torch.Tensor]) -> None:
+        """Hold ``layer``'s inputs (M x [B, S, H]) on the device for its backward, whatever its
+        placement: the inputs of a recompute span, brought back for the span's backward."""
+        self._kept[layer] = xs
+
+    def span_of(self, layer: int) -> tuple[int, int] | None:
+        """(first, last) layer of the recompute span that ends at ``layer``, or None."""
+        return next(((a, b) for a, b in self.spans if b == layer), None)
+
+    def source(self, layer: int) -> int:
+        """The layer whose stored checkpoint ``layer``'s backward starts from: its own, or its span's first."""
+        return next((a for a, b in self.spans if a <= layer <= b), layer)
+
     def take(self, layer: int) -> list[torch.Tensor] | KeptGraph:
         """``layer``'s kept graph, or its inputs on the device ready for the compute stream; forgets them here."""
-        if self.mode(layer) != HOST:
+        if layer in self._kept:
             return self._kept.pop(layer)
         self._hold_back()
         self.prefetch(layer)

@@ -344,9 +344,11 @@ class ComputeWorker:
         [V*H] holds the head's part with tied embeddings)."""
         templates, acts, dev = self.layout.templates, self.activations, self.backend.device
         for unit in reversed(self.layout.layers):
+            if acts.span_of(unit.layer) is not None:  # a recompute span's last layer: its inputs come back first
+                self._span_forward(step, mb, *acts.span_of(unit.layer))
             ticket, flat = self._take(unit.index, step)
             inputs = acts.take(unit.layer)
-            acts.prefetch(unit.layer - 1)  # the next backward's inputs come in while this one computes
+            acts.prefetch(acts.source(unit.layer - 1))  # the next backward's checkpoint comes in while this one computes
             template = templates[unit.index]
             with self.backend.compute(unit.name + " bwd"):
                 grad = torch.zeros(template.numel, dtype=torch.float32, device=dev)
@@ -368,6 +370,23 @@ class ComputeWorker:
                 for s in range(0, rows.shape[0], self.chunk):
                     add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
         self.grads_out.send(self.layout.embed.index, step, embed_grad)
+
+    @torch.no_grad()
+    def _span_forward(self, step: int, mb: MicroBatches, first: int, last: int) -> None:
+        """Layers first..last-1 forward again from ``first``'s checkpoint, each output held as the next
+        layer's input for its backward (a recompute span, :mod:`megatrain_ray.engine.activations`)."""
+        acts, templates = self.activations, self.layout.templates
+        xs = acts.take(first)
+        acts.hold(first, xs)
+        for unit in [u for u in self.layout.layers if first <= u.layer < last]:
+            ticket, flat = self._take(unit.index, step)
+            with self.backend.compute(unit.name + " span fwd"):
+                p = templates[unit.index].bind(flat, fused=True)
+                run = (lambda x, c: self.runner.forward_routed(p, x, c, self.cfg)[0]) if self.cfg.is_sparse(unit.layer) \
+                    else (lambda x, c: self.runner.forward(p, x, c, self.cfg))  # routed: the first forward's statistics
+                xs = [run(x, mb.ctx[m]) for m, x in enumerate(xs)]
+            self._release(ticket)
+            acts.hold(unit.layer + 1, xs)
 
     def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting,
                 aux) -> dict[str, Any]:

@@ -27,10 +27,13 @@ class Prefetcher:
     doing: tuple[int, int] | None = None
     """(step, unit) of the fetch ticket being issued: what the dashboard shows (orchestration.labels)."""
 
-    def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float):
+    def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float,
+                 spans: tuple[tuple[int, int], ...] = ()):
+        """``spans``: the recompute spans of the compute worker's activation placement
+        (:func:`~megatrain_ray.engine.activations.recompute_spans`), whose layers it fetches again."""
         self.store = HostStore(spec)
         self.units = self.store.layout.units
-        self.order = Schedule.build(self.store.layout, spec.model.tie_word_embeddings, spec.resident).fetch
+        self.order = Schedule.build(self.store.layout, spec.model.tie_word_embeddings, spec.resident, spans).fetch
         self.depth = buffer_depth
         self.fetch_q, self.release_q = fetch_q, release_q
         self.timeout_s = timeout_s

@@ -25,19 +25,24 @@ class Schedule:
     fetch: tuple[int, ...]
     """Units in the order one step streams their weights to the device: embedding, layers forward,
     head (with the embedding again when tied), layers backward. Every decoder layer appears exactly
-    twice, whatever the number of micro-batches; resident units never."""
+    twice, whatever the number of micro-batches (a recompute span's layers but its last once more,
+    in forward order, just before the span's backward); resident units never."""
     update: tuple[int, ...]
     """Every unit, in the order the next step's forward needs them: embedding, layers, head."""
     resident: tuple[int, ...] = ()
     """Units resident on the compute worker's device, updated there (see :mod:`megatrain_ray.engine.resident`)."""
 
     @classmethod
-    def build(cls, layout: StoreLayout, tied: bool, resident: tuple[int, ...] = ()) -> Schedule:
+    def build(cls, layout: StoreLayout, tied: bool, resident: tuple[int, ...] = (),
+              spans: tuple[tuple[int, int], ...] = ()) -> Schedule:
+        """``spans``: (first, last) decoder layer of each recompute span
+        (:func:`~megatrain_ray.engine.activations.recompute_spans`)."""
         layers = sorted({u.layer for u in layout.layers})
         group = {i: [u.index for u in layout.records if u.layer == i] for i in layers}
         embed, head = layout.embed.index, layout.head.index
         forward = [embed, *(u for i in layers for u in group[i]), head, *([embed] if tied else [])]
-        backward = [u for i in reversed(layers) for u in group[i]]
+        again = {last: range(first, last) for first, last in spans}  # layers run forward again before `last`
+        backward = [u for i in reversed(layers) for j in (*again.get(i, ()), i) for u in group[j]]
         fetch = tuple(u for u in forward + backward if u not in resident)
         return cls(fetch, tuple(u.index for u in layout.records), tuple(resident))
 

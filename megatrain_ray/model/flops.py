@@ -75,16 +75,17 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
     return 12 * model.num_hidden_layers * seq_len * model.num_attention_heads * model.head_size
 
 
-def recompute_flops(model: ModelConfig, seq_len: int, tokens: int, layers: float) -> float:
-    """Forward FLOPs the backward runs again for ``layers`` decoder layers recomputed from a
-    checkpoint, over ``tokens`` in sequences of ``seq_len``, in PaLM's convention: per token and layer
-    2 x the layer's projections up to the down projection (the recompute stops before it, see
+def recompute_flops(model: ModelConfig, seq_len: int, tokens: int, layers: float, reforwards: float = 0) -> float:
+    """Forward FLOPs the backward runs again over ``tokens`` in sequences of ``seq_len``, in PaLM's
+    convention: for each of ``layers`` decoder layers recomputed from a checkpoint, per token 2 x the
+    layer's projections up to the down projection (the recompute stops before it, see
     :mod:`megatrain_ray.engine.sequence`) plus 4 S d for the attention scores and values (a third of
-    :func:`attention_flops_per_token`'s per layer)."""
+    :func:`attention_flops_per_token`'s per layer); for each of ``reforwards`` whole layer forwards
+    run again within recompute spans (:mod:`megatrain_ray.engine.activations`), the down projection too."""
     h, inter = model.hidden_size, model.intermediate_size
     q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
-    to_down = h * q + 2 * h * kv + q * h + 2 * h * inter
-    return (2.0 * to_down + 4.0 * seq_len * q) * tokens * layers
+    to_down = 2.0 * (h * q + 2 * h * kv + q * h + 2 * h * inter) + 4.0 * seq_len * q
+    return (to_down * (layers + reforwards) + 2.0 * h * inter * reforwards) * tokens
 
 
 def flops_6nt(model: ModelConfig, tokens: int) -> float:

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from ..engine.activations import kept_bytes_per_token, layer_modes
+from ..engine.activations import kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers
 from ..engine.store import StoreSpec, largest_streamed, resident_units
 from ..errors import ConfigError
+from ..model.flops import recompute_flops
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 
@@ -55,12 +56,13 @@ def device_total(rows: list[Row]) -> int:
 
 
 def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None = None,
-                resident: tuple[int, ...] | None = None) -> list[Row]:
+                resident: tuple[int, ...] | None = None, host_bytes: int | None = None) -> list[Row]:
     """The device-memory components of one step at ``micro_batch_size`` (see the module docstring),
-    with the activations placed as :func:`activation_counts` chooses for a device of ``device_bytes``."""
+    with the activations placed as :func:`activation_counts` chooses for a device of ``device_bytes``
+    and ``host_bytes`` of host RAM free for offloaded checkpoints."""
     fixed = _fixed_device_rows(cfg, device, micro_batch_size, resident)
-    keep, host = activation_counts(cfg, device, micro_batch_size, device_bytes, device_total(fixed))
-    return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, keep, host) + fixed[1:]
+    counts = activation_counts(cfg, device, micro_batch_size, device_bytes, device_total(fixed), host_bytes)
+    return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, *counts) + fixed[1:]
 
 
 def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int, int]:
@@ -161,15 +163,18 @@ def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> t
 
 
 def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None,
-                      fixed_bytes: int) -> tuple[int, int]:
-    """(decoder layers kept whole, layers offloaded) as runtime.activations sets or, on auto, as fits.
+                      fixed_bytes: int, host_bytes: int | None = None) -> tuple[int, int, int]:
+    """(decoder layers kept whole, checkpoints offloaded, layers in recompute spans without a
+    checkpoint of their own) as runtime.activations sets or, on auto, as fits.
 
     auto (on cuda, with the GPU's size known): the device memory the plan allows (GPU_USABLE of it)
     minus everything else (``fixed_bytes``) goes first to every layer's checkpoint and then, layer
     by layer, to keeping whole graphs instead (each saves that layer's recompute); if not even the
     checkpoints fit, the fewest layers are offloaded that make them fit (with the 3 layers' worth
-    that offloading keeps in flight on the device). With the size unknown, nothing is kept or offloaded.
-    A mixture of experts' sparse layers are always recomputed, so only the dense layers after the
+    that offloading keeps in flight on the device). If the host RAM free for them (``host_bytes``,
+    None: unlimited) cannot take that many either, as many as it can take are offloaded, as many
+    as fit stay on the GPU, and the other layers join recompute spans (:func:`span_counts`). With
+    the GPU's size unknown, nothing is kept or offloaded. A mixture of experts' sparse layers are always recomputed, so only the dense layers after the
     last sparse one can be kept whole.
     """
     n = cfg.model.num_hidden_layers
@@ -182,20 +187,46 @@ def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, devi
                               f"most {keepable} (e.g. \"keep={keepable}\") or leave it auto.")
         return counts
     if device_bytes is None or n == 0:
-        return 0, 0
+        return 0, 0, 0
     budget = int(device_bytes * GPU_USABLE) - fixed_bytes
-    ck, kept, _ = _activation_bytes(cfg, device, micro_batch_size)
+    ck, kept, pinned = _activation_bytes(cfg, device, micro_batch_size)
     budget -= ck  # the last layer's output, the head's input, is on the device whatever the placement
     if n * ck <= budget:
-        return min(keepable, (budget - n * ck) // max(1, kept - ck)), 0
-    return 0, min(n, -(-(n * ck + 3 * ck - budget) // ck))
+        return min(keepable, (budget - n * ck) // max(1, kept - ck)), 0, 0
+    host = min(n, -(-(n * ck + 3 * ck - budget) // ck))
+    room = n if host_bytes is None else max(0, host_bytes) // pinned
+    if host <= room:
+        return 0, host, 0
+    return span_counts(n, ck, budget, min(n, room)) or (0, host, 0)
 
 
-def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep: int, host: int) -> list[Row]:
+def span_counts(n: int, ck: int, budget: int, host: int) -> tuple[int, int, int] | None:
+    """(0, ``host``, span layers) for ``n`` layers of ``ck`` checkpoint bytes each, ``host`` of their
+    checkpoints offloaded and ``budget`` device bytes for the rest: the most checkpoints on the device
+    (the fewest span layers, each costing one more layer forward) such that they, the 3 offloaded
+    ones in flight and a span's inputs while its backward runs (its length less one) fit; None if
+    none do."""
+    for on_device in range(n - host, -1, -1):
+        ckpts = on_device + host
+        if ckpts == 0:
+            break
+        longest = -(-n // ckpts)
+        if (on_device + (3 if host else 0) + longest - 1) * ck <= budget:
+            return 0, host, n - ckpts
+    return None
+
+
+def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep: int, host: int,
+                     span: int = 0) -> list[Row]:
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
     ck, kept, pinned = _activation_bytes(cfg, device, micro_batch_size)
-    on_device = cfg.model.num_hidden_layers - keep - host + 1  # + the last layer's output
+    n = cfg.model.num_hidden_layers
+    on_device = n - keep - host - span + 1  # + the last layer's output
     rows = [Row(f"activation checkpoints ({on_device} x {mbs} x {tokens} tokens x {h})", "device", on_device * ck)]
+    if span:
+        longest = -(-(n - keep) // (n - keep - span))
+        rows.append(Row(f"recompute spans: {span} layers without a checkpoint, a span's inputs during its backward "
+                        f"({longest - 1} x {mbs} x {tokens} tokens x {h})", "device", (longest - 1) * ck))
     if keep:
         per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
         rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x {per_token} B, "
@@ -231,14 +262,14 @@ def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) ->
 
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None,
-                         resident: tuple[int, ...] | None = None) -> tuple[str, ...]:
+                         resident: tuple[int, ...] | None = None, host_bytes: int | None = None) -> tuple[str, ...]:
     """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
     for the run's micro-batch on a device of ``device_bytes`` (None: unknown; nothing is kept or
-    offloaded then unless runtime.activations says so)."""
+    offloaded then unless runtime.activations says so), with ``host_bytes`` of host RAM free for
+    offloaded checkpoints (None: unlimited)."""
     mbs = cfg.train.micro_batch_size
     fixed = device_total(_fixed_device_rows(cfg, device, mbs, resident))
-    keep, host = activation_counts(cfg, device, mbs, device_bytes, fixed)
-    return layer_modes(cfg.model.num_hidden_layers, keep, host)
+    return layer_modes(cfg.model.num_hidden_layers, *activation_counts(cfg, device, mbs, device_bytes, fixed, host_bytes))
 
 
 def _pinned_size(nbytes: int) -> int:
@@ -248,10 +279,55 @@ def _pinned_size(nbytes: int) -> int:
 
 
 
+def span_note(cfg: TrainConfig, modes: tuple[str, ...], step_flops: float) -> str:
+    """What the recompute spans of ``modes`` cost, for the plan's activation line: the layer forwards
+    they run again, in FLOPs and as a share of the rest of the step's ``step_flops`` (with them)."""
+    spans = recompute_spans(modes)
+    again = recomputed_layers(modes)[1]
+    t, rt = cfg.train, cfg.runtime
+    extra = recompute_flops(cfg.model, t.seq_len, t.seq_len * t.micro_batch_size * t.num_micro_batches /
+                            (rt.compute_workers * rt.nodes), 0, again)
+    return (f"; {modes.count('span')} more have no checkpoint of their own, neither the GPU nor host RAM holding "
+            f"every layer's: {len(spans)} recompute spans of up to {max(b - a + 1 for a, b in spans)} layers rerun "
+            f"{again} layer forwards in the backward (+{extra / 1e15:,.1f} PFLOP, "
+            f"+{extra / (step_flops - extra):.0%} of the step's)")
+
+
+def activation_note(cfg: TrainConfig, device: str, result) -> str:
+    """The activation placement the run gets, one line (layers kept whole / checkpointed on the
+    device / offloaded / in recompute spans, and what each takes) of a
+    :class:`~megatrain_ray.orchestration.preflight.Plan`."""
+    rows = [r for r in result.rows if r.component.startswith("activation")]
+    keep = sum(r.nbytes for r in rows if "kept whole" in r.component)
+    host = sum(r.nbytes for r in rows if r.where == "host")
+    modes = result.placement
+    n_keep, n_host, n_span = modes.count("keep"), modes.count("host"), modes.count("span")
+    n_gpu = len(modes) - n_keep - n_host - n_span
+    where = "GPU" if device == "cuda" else "device"
+    ckpt = sum(r.nbytes for r in rows if r.where == "device" and "kept whole" not in r.component)
+    how = ("chosen by the planner from the GPU's memory" if cfg.runtime.activation_counts(device, len(modes)) is None
+           else f"as runtime.activations={cfg.runtime.activations!r}"
+           + (" (runtime.offload_activations)" if cfg.runtime.offload_activations else "") + " sets")
+    return (f"activations ({how}): {n_keep} layers kept whole on the {where} ({fmt(keep)}, not recomputed), "
+            f"{n_gpu} checkpointed on the {where} ({fmt(ckpt)} with the last layer's output"
+            f"{' and those in flight' if n_host else ''}), {n_host} offloaded to host RAM ({fmt(host)})"
+            + (span_note(cfg, modes, result.pace.palm + result.pace.recompute) if n_span else ""))
+
+
+def fmt(n: float) -> str:
+    """Bytes in binary units: 512 B, 3.0 KiB, ..., 1.2 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
 def placement_line(modes: tuple[str, ...], device: str, setting: str) -> str:
     """The line a run logs at start: how many decoder layers keep their graph, their checkpoint on
     the device, or their checkpoint in host memory (``setting``: runtime.activations)."""
-    keep, host = modes.count("keep"), modes.count("host")
+    keep, host, span = modes.count("keep"), modes.count("host"), modes.count("span")
     where = "GPU" if device == "cuda" else "device"
     return (f"activations (runtime.activations={setting}): {keep} of {len(modes)} layers kept whole on the {where}, "
-            f"{len(modes) - keep - host} checkpointed there, {host} offloaded to host memory")
+            f"{len(modes) - keep - host - span} checkpointed there, {host} offloaded to host memory"
+            + (f", {span} recomputed within spans from the checkpoint before them" if span else ""))

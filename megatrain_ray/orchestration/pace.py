@@ -2,8 +2,8 @@
 
 The step time is the step's FLOPs per GPU over the rate the GPU reaches: the model FLOPs in PaLM's
 convention (attention's S x S work counted, :mod:`megatrain_ray.model.flops`) plus the forward the
-backward recomputes for every layer that has no kept graph (:func:`~megatrain_ray.model.flops.recompute_flops`,
-more for a layer recomputed within a span, see :func:`~megatrain_ray.engine.activations.recomputed_layers`),
+backward recomputes for every layer that has no kept graph (:func:`~megatrain_ray.model.flops.recompute_flops`;
+more within recompute spans, see :func:`~megatrain_ray.engine.activations.recomputed_layers`),
 at :data:`ACHIEVED` of the GPU's nominal bf16 dense rate (by its name, :data:`NOMINAL_TFLOPS`; or
 the rate ``megatrain-ray plan --gpu-tflops`` gives, e.g. one measured by ``megatrain-ray bench``).
 On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core. It is an estimate to plan by (measured
@@ -69,10 +69,12 @@ class Pace:
                 f"{_flop(self.recompute)} recomputed in the backward, at {_flop(self.tflops * 1e12)}/s: {self.rate_note})")
 
 
-def expected_pace(cfg: TrainConfig, device: str, recomputed: float, tflops: float | None = None,
+def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: int = 0, tflops: float | None = None,
                   gpu_name: str | None = None) -> Pace:
     """The pace of ``cfg`` on ``device`` with ``recomputed`` decoder layers' forwards run again in
-    the backward; ``tflops``: the device's rate (default: nominal, by ``gpu_name`` on cuda)."""
+    the backward and ``reforwarded`` more within recompute spans (see
+    :func:`~megatrain_ray.engine.activations.recomputed_layers`); ``tflops``: the device's rate
+    (default: nominal, by ``gpu_name`` on cuda)."""
     t, rt = cfg.train, cfg.runtime
     tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / (rt.compute_workers * rt.nodes)
     if tflops is not None:
@@ -91,7 +93,7 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: float, tflops: floa
         rate, note = nominal * ACHIEVED, f"{ACHIEVED:.0%} of {what} nominal {nominal:,.0f} bf16"
     m = cfg.model
     return Pace(palm_model_flops(m, t.seq_len, tokens), flops_6nt(m, tokens),
-                recompute_flops(m, t.seq_len, tokens, recomputed), rate, note)
+                recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note)
 
 
 def stall_s(pace: Pace, floor: float) -> float:

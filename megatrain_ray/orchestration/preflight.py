@@ -54,8 +54,8 @@ from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
-                            _pinned_size, activation_counts, activation_placement, device_rows, device_total,
-                            resolve_resident)
+                            _pinned_size, activation_counts, activation_note, activation_placement, device_rows,
+                            device_total, fmt, resolve_resident)
 from .pace import Pace, expected_pace, timeout_line
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
 from .machine import (gpu_memory, gpu_name, guess_device, host_available, ray_monitor_margin, ray_threshold,
@@ -103,6 +103,10 @@ class Plan:
     """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`)."""
     resident: tuple[int, ...] = ()
     """The units resident on the device that the plan counts (runtime.device_adamw, resolved)."""
+    activation_host_bytes: int | None = None
+    """Host RAM left for offloaded activation checkpoints once everything else is counted."""
+    placement: tuple[str, ...] = ()
+    """Each decoder layer's activation placement in this plan (:func:`activation_placement`)."""
 
     def total(self, where: str) -> int:
         """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
@@ -166,15 +170,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def fmt(n: float) -> str:
-    """Bytes in binary units: 512 B, 3.0 KiB, ..., 1.2 TiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
 # ---------------------------------------------------------------------------------------------
 # What the run needs.
 
@@ -204,13 +199,15 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     if device != "cpu" and base.device_bytes is None:
         return None
     step = 1024
-    here = device_rows(cfg, device, cfg.train.micro_batch_size, base.device_bytes, base.resident)  # in base: what changes with the length
+    here = device_rows(cfg, device, cfg.train.micro_batch_size, base.device_bytes, base.resident,
+                       base.activation_host_bytes)  # in base: what changes with the length
     fixed_host = base.total("host") - sum(r.nbytes for r in here if r.where == "host") - (
         device_total(here) if device == "cpu" else 0)
 
     def fits(seq_len: int) -> bool:
         c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
-        rows = device_rows(c, device, cfg.train.micro_batch_size, base.device_bytes, base.resident)  # as it would be
+        rows = device_rows(c, device, cfg.train.micro_batch_size, base.device_bytes, base.resident,
+                           base.activation_host_bytes)  # as it would be
         dev = device_total(rows)
         host = fixed_host + sum(r.nbytes for r in rows if r.where == "host") + (dev if device == "cpu" else 0)
         base.context_limit = "host RAM" if host > base.host_available else (
@@ -229,7 +226,7 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
     return lo * step
 def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
          starts_ray: bool | None = None, device_tflops: float | None = None,
-         resident: tuple[int, ...] | None = None) -> Plan:
+         resident: tuple[int, ...] | None = None, host_memory: int | None = None) -> Plan:
     """The memory plan of ``cfg`` on this machine (nothing is allocated); a run's is part of its
     :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`.
 
@@ -239,7 +236,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`); ``device_tflops``: the GPU's
     bf16 dense rate for the expected step time (default: nominal, see :mod:`.pace`); ``resident``:
     the units resident on the device (default: runtime.device_adamw as :func:`resolve_resident`
-    resolves it here).
+    resolves it here); ``host_memory``: host RAM available to plan for (default: what this machine
+    has available now), which also bounds the offloaded activation checkpoints.
     """
     device = device or guess_device(cfg)
     if device == "cuda" and device_bytes is None:
@@ -280,9 +278,10 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if cfg.train.save_final:
         rows.append(Row("one shard of the final export", "host",
                         min(EXPORT_SHARD_BYTES, layout.num_params * precision.master.itemsize)))
-    rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident)
+    host = host_available() if host_memory is None else host_memory
+    room = host - sum(r.nbytes for r in rows)  # what offloaded checkpoints may take
+    rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident, room)
     shm_free = shutil.disk_usage(rt.shm_dir).free
-    host = host_available()
     n_params = layout.num_params
     experts = (f", {_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
@@ -293,37 +292,18 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
              + (f"; per node of {rt.nodes}, {rt.compute_workers} GPU(s) each taking 1/{rt.compute_workers * rt.nodes} "
                 "of the micro-batches (device rows: per GPU)" if rt.compute_workers * rt.nodes > 1 else ""))
     result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
-                  resident=resident)
+                  resident=resident, activation_host_bytes=room)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
-    result.notes.append(_activation_note(cfg, device, result))
-    modes = activation_placement(cfg, device, result.device_bytes, result.resident)
-    result.pace = expected_pace(cfg, device, recomputed_layers(modes), device_tflops,
-                                gpu_name() if device == "cuda" else None)
-    result.notes += [result.pace.line(), timeout_line(result.pace, rt.actor_timeout_s)]
+    result.placement = activation_placement(cfg, device, result.device_bytes, result.resident, room)
+    result.pace = expected_pace(cfg, device, *recomputed_layers(result.placement), tflops=device_tflops,
+                                gpu_name=gpu_name() if device == "cuda" else None)
+    result.notes += [activation_note(cfg, device, result), result.pace.line(),
+                     timeout_line(result.pace, rt.actor_timeout_s)]
     state_bytes = sum(spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
     result.notes.append(_checkpoint_note(cfg, n_params * precision.master.itemsize + state_bytes))
     result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()), resident)
     return result
-
-
-def _activation_note(cfg: TrainConfig, device: str, result: Plan) -> str:
-    """The activation placement the run gets, one line (layers kept whole / checkpointed on the
-    device / offloaded, and what each takes)."""
-    rows = [r for r in result.rows if r.component.startswith("activation")]
-    keep = sum(r.nbytes for r in rows if "kept whole" in r.component)
-    host = sum(r.nbytes for r in rows if r.where == "host")
-    modes = activation_placement(cfg, device, result.device_bytes, result.resident)
-    n_keep, n_host = modes.count("keep"), modes.count("host")
-    n_gpu = len(modes) - n_keep - n_host
-    where = "GPU" if device == "cuda" else "device"
-    ckpt = sum(r.nbytes for r in rows if r.where == "device" and "kept whole" not in r.component)
-    how = ("chosen by the planner from the GPU's memory" if cfg.runtime.activation_counts(device, len(modes)) is None
-           else f"as runtime.activations={cfg.runtime.activations!r}"
-           + (" (runtime.offload_activations)" if cfg.runtime.offload_activations else "") + " sets")
-    return (f"activations ({how}): {n_keep} layers kept whole on the {where} ({fmt(keep)}, not recomputed), "
-            f"{n_gpu} checkpointed on the {where} ({fmt(ckpt)} with the last layer's output"
-            f"{' and those in flight' if n_host else ''}), {n_host} offloaded to host RAM ({fmt(host)})")
 
 
 def _scale_kinds(spec: StoreSpec) -> tuple[str, ...]:
@@ -388,7 +368,8 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
         budget = int(base.device_bytes * GPU_USABLE)
 
     def fits(b: int) -> bool:
-        return device_total(device_rows(cfg, device, b, base.device_bytes, base.resident)) <= budget
+        return device_total(device_rows(cfg, device, b, base.device_bytes, base.resident,
+                                        base.activation_host_bytes)) <= budget
 
     if not fits(1):
         return 0

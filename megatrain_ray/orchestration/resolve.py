@@ -33,7 +33,8 @@ from ..engine.store import StoreSpec, resident_units
 from ..model.layout import StoreLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
-from .device_memory import activation_placement, resolve_resident
+from ..engine.activations import recompute_spans
+from .device_memory import resolve_resident
 from .machine import gpu_free_memory, guess_device
 from .pace import Pace, role_wait_s
 
@@ -50,16 +51,19 @@ class Facts:
     """Whether this process starts a private Ray (whose object store the memory plan then counts)."""
     device_tflops: float | None = None
     """The GPU's bf16 dense rate for the expected step time (None: nominal, by the GPU's name)."""
+    host_bytes: int | None = None
+    """Host RAM available to the run (None: what this machine has available when it is planned),
+    which also bounds the activation checkpoints it may offload."""
 
     @classmethod
     def here(cls, cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
-             starts_ray: bool = False, device_tflops: float | None = None) -> Facts:
+             starts_ray: bool = False, device_tflops: float | None = None, host_bytes: int | None = None) -> Facts:
         """The facts of this machine: ``device`` (default: runtime.device, auto = cuda where this
         process sees a GPU) and ``device_bytes`` (default: what is free on GPU 0 now)."""
         device = device or guess_device(cfg)
         if device == "cuda" and device_bytes is None:
             device_bytes = gpu_free_memory()
-        return cls(device, device_bytes if device == "cuda" else None, starts_ray, device_tflops)
+        return cls(device, device_bytes if device == "cuda" else None, starts_ray, device_tflops, host_bytes)
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class ResolvedRun:
             f"  resident on the device: {resident} (runtime.device_adamw={how})",
             f"  gradients: {grads}",
             f"  activations, layer by layer: {_runs(c.activations)} (host: checkpoint offloaded, gpu: checkpoint "
-            "on the device, keep: whole graph kept)",
+            "on the device, keep: whole graph kept, span: recomputed from the checkpoint before it)",
             f"  compute: {c.buffer_depth} weight slots, loss chunks of {c.loss_chunk_size} tokens, "
             f"MLP {'in chunks of %d tokens' % c.mlp_chunk_size if c.mlp_chunk_size else 'untiled'}, "
             f"compile {'on' if c.compile else 'off'}, attention {c.attention_backend}"
@@ -176,9 +180,11 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     layout = StoreLayout.build(cfg.model)
     setting = resolve_resident(cfg, device, facts.device_bytes)
     resident = resident_units(cfg.model, setting)
-    schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
-    memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident)
+    memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident,
+                            facts.host_bytes)
+    activations = memory.placement  # every GPU alike: the same share of the micro-batches
+    schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident, recompute_spans(activations))
     wait = role_wait_s(memory.pace, rt.actor_timeout_s)  # a role's wait for its next message
     host_sum = rt.grad_reduce == "host" and rt.compute_workers > 1
     # Two passes where the updates wait for the norm and one optimizer has the node's whole gradient
@@ -190,7 +196,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         device=device, buffer_depth=rt.buffer_depth_on(device), loss_chunk_size=rt.loss_chunk_size_on(device),
         mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len), compile=rt.compile_on(device),
         compile_threads=rt.compile_threads, attention_backend=rt.attention_backend,
-        activations=activation_placement(cfg, device, facts.device_bytes, resident),  # every GPU alike
+        activations=activations,
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
         total_steps=cfg.train.steps, policies=policies)
     sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
@@ -224,7 +230,7 @@ def check(run: ResolvedRun, log=print) -> preflight.Plan:
         time.sleep(RELEASE_POLL_S)
         waited += RELEASE_POLL_S
         again = preflight.plan(cfg, facts.device, facts.device_bytes, facts.starts_ray, facts.device_tflops,
-                               run.schedule.resident)
+                               run.schedule.resident, facts.host_bytes)
         growing = again.shm_free > result.shm_free or again.host_available > result.host_available
         if waited == RELEASE_POLL_S and growing:
             log("waiting for the memory of a run that just ended to be released")
