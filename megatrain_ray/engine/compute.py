@@ -375,18 +375,15 @@ class ComputeWorker:
     def _span_forward(self, step: int, mb: MicroBatches, first: int, last: int) -> None:
         """Layers first..last-1 forward again from ``first``'s checkpoint, each output held as the next
         layer's input for its backward (a recompute span, :mod:`megatrain_ray.engine.activations`)."""
-        acts, templates = self.activations, self.layout.templates
-        xs = acts.take(first)
-        acts.hold(first, xs)
+        xs = self.activations.take(first)
+        self.activations.hold(first, xs)
         for unit in [u for u in self.layout.layers if first <= u.layer < last]:
             ticket, flat = self._take(unit.index, step)
             with self.backend.compute(unit.name + " span fwd"):
-                p = templates[unit.index].bind(flat, fused=True)
-                run = (lambda x, c: self.runner.forward_routed(p, x, c, self.cfg)[0]) if self.cfg.is_sparse(unit.layer) \
-                    else (lambda x, c: self.runner.forward(p, x, c, self.cfg))  # routed: the first forward's statistics
-                xs = [run(x, mb.ctx[m]) for m, x in enumerate(xs)]
+                p, sparse = self.layout.templates[unit.index].bind(flat, fused=True), self.cfg.is_sparse(unit.layer)
+                xs = [self.runner.output(p, x, mb.ctx[m], self.cfg, sparse) for m, x in enumerate(xs)]
             self._release(ticket)
-            acts.hold(unit.layer + 1, xs)
+            self.activations.hold(unit.layer + 1, xs)
 
     def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting,
                 aux) -> dict[str, Any]:
