@@ -43,11 +43,12 @@ from .orchestration.preflight import guess_device
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
-    runtime (its runtime.init_from's shape, with random weights); or an HF directory's config.json."""
+    runtime (its runtime.init_from's shape, with random weights; its data section is not read: the
+    benchmark trains on random tokens); or an HF directory's config.json."""
     if sum(x is not None for x in (preset, config, model_dir)) > 1:
         raise ConfigError("give one of --preset, --config and --model, not several.")
     if config is not None:
-        cfg = load_train_config(config)
+        cfg = load_train_config(config, skip=("data",))
         base = {"model": dataclasses.asdict(cfg.model), "optim": dataclasses.asdict(cfg.optim),
                 "runtime": {**dataclasses.asdict(cfg.runtime), "init_from": None}}
     elif model_dir is not None:

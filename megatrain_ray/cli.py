@@ -22,6 +22,7 @@ import argparse
 import sys
 
 from .errors import MegatrainError
+from .orchestration.console import say
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,19 +125,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
         return 0
     except MegatrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except KeyboardInterrupt as e:
         saved = getattr(e, "checkpoint", None)
         if saved:
             from .io.checkpoint import advice
 
-            print(f"interrupted: the run was stopped after saving a checkpoint to {saved} ({advice(saved)}) "
-                  "and its shared memory removed.", file=sys.stderr)
+            say(f"interrupted: the run was stopped after saving a checkpoint to {saved} ({advice(saved)}) "
+                "and its shared memory removed.")
         else:
             why = getattr(e, "note", "")
-            print(f"interrupted: the run was stopped{f' without a checkpoint ({why})' if why else ''} "
-                  "and its shared memory removed.", file=sys.stderr)
+            say(f"interrupted: the run was stopped{f' without a checkpoint ({why})' if why else ''} "
+                "and its shared memory removed.")
         return 130
 
 

@@ -8,8 +8,11 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from benchmarks import compare
 from megatrain_ray import bench, cli
@@ -76,19 +79,22 @@ SMALL_STEP = ["--tokens", "512", "--seq-len", "64", "--micro-batches", "2", "--s
 def test_bench_a_run_config_with_set_overrides(ray_cluster, tmp_path, shm_dir):
     """--config takes a run config's model (its train section is the bench's own: 2 steps, not 1000;
     the output is named after the file); --set model.* then changes the parameter count reported
-    and the vocabulary the random tokens are drawn from (ids past it would fail the run). One bench
-    run for both, since each run spawns the whole pipeline."""
+    and the vocabulary the random tokens are drawn from (ids past it would fail the run), and
+    --set runtime.* the config's runtime; its data section, which the bench never reads (random
+    tokens), is not validated (a placeholder path as the shipped configs have). One bench run for
+    all, since each run spawns the whole pipeline."""
     config = tmp_path / "my-run.yaml"
     config.write_text("model: {model_type: qwen2, hidden_size: 96, intermediate_size: 256, num_hidden_layers: 2,\n"
                       "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 500}\n"
-                      f"runtime: {{device: cpu, shm_dir: {shm_dir}, master_dtype: bfloat16}}\n"
+                      f"runtime: {{device: cuda, shm_dir: {shm_dir}, master_dtype: bfloat16}}\n"
+                      "data: {path: /path/to/corpus, tokenizer: /path/to/tokenizer}\n"
                       "train: {steps: 1000}\n")
     out = tmp_path / "out"
-    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out),
+    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out), "--set", "runtime.device=cpu",
                      "--set", "model.vocab_size=300", "--set", "model.num_hidden_layers=3"]) == 0
     report = json.loads((out / "bench-my-run.json").read_text())  # named after the config
     assert report["preset"] is None and report["model"]["hidden_size"] == 96
-    model = load_config(str(config)).model
+    model = load_config(str(config), skip=("data",)).model
     assert report["params"] == StoreLayout.build(dataclasses.replace(model, vocab_size=300, num_hidden_layers=3)
                                                  ).num_params != StoreLayout.build(model).num_params
     assert report["layers"] == 3 and report["model"]["vocab_size"] == 300
@@ -96,6 +102,22 @@ def test_bench_a_run_config_with_set_overrides(ray_cluster, tmp_path, shm_dir):
     assert len(losses) == 2  # the bench's steps, not the config's
     assert abs(losses[0] - math.log(300)) < 0.2  # uniform tokens of the final vocabulary
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a CPU-only machine")
+def test_the_readme_bench_command_on_a_cpu_machine_fails_on_the_device_alone(tmp_path):
+    """``megatrain-ray bench --config configs/qwen2.5-7b.yaml --out bench-out`` as the README writes it
+    (a new process, as a user runs it): its placeholder data path is not read; on a machine without a
+    GPU its runtime.device=cuda is the one error, said before any Ray starts (no dashboard line)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "bench", "--config", "configs/qwen2.5-7b.yaml",
+                           "--out", str(tmp_path / "bench-out")], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("error: runtime.device is cuda but no CUDA GPU is visible; set runtime.device=cpu "
+                                   "or auto.")
+    assert "Ray dashboard" not in proc.stdout
 
 
 def test_bench_model_from_an_hf_directory_and_what_is_refused(tmp_path, capsys):

@@ -170,7 +170,7 @@ def test_documented_job_command_writes_the_run_under_home(head, shm_dir):
     (run,) = [name for name in os.listdir(runs) if name != "data-cache"]
     assert re.search(r"^ray job: runtime.run_dir 'runs' is taken from ~/megatrain-ray, not from Ray's temporary "
                      rf"copy of the working directory: {re.escape(runs)} ", logs, re.M), logs[-4000:]
-    assert f"config, metrics, checkpoints and weights go to {os.path.join(runs, run)}" in logs
+    assert f"config, metrics, log, checkpoints and weights go to {os.path.join(runs, run)}" in logs
     assert [json.loads(line)["step"] for line in open(os.path.join(runs, run, "metrics.jsonl"))] == [0, 1, 2]
     assert os.path.isfile(os.path.join(runs, run, "final", "model.safetensors.index.json"))
     for noise in RAY_NOISE:

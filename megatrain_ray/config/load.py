@@ -51,8 +51,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
-                model_from: Callable[[str, dict], ModelConfig] | None = None) -> TrainConfig:
+                model_from: Callable[[str, dict], ModelConfig] | None = None,
+                skip: tuple[str, ...] = ()) -> TrainConfig:
     """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
+
+    ``skip``: sections of the file left out (their defaults apply), for a caller that uses none of
+    their settings: the benchmark's data section (it trains on random tokens).
 
     When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape:
     ``model_from(init_from, given)`` reads it and checks ``given`` (the model.* values the configuration
@@ -77,6 +81,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
             raise ConfigError(f"config file {path!r} must hold a mapping of sections, "
                               f"got {type(loaded).__name__}.")
         for name, section in (loaded or {}).items():
+            if name in skip:
+                continue
             if isinstance(section, dict) and isinstance(data.get(name), dict):
                 data[name] = {**data[name], **section}
             else:

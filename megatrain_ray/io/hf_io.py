@@ -68,10 +68,11 @@ def read_config(directory: str, what: str = "the checkpoint") -> tuple[ModelConf
     return ModelConfig.from_hf_dict(raw), raw
 
 
-def load_train_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+def load_train_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
+                      skip: tuple[str, ...] = ()) -> TrainConfig:
     """:func:`megatrain_ray.config.load_config`, with ``runtime.init_from``'s config.json as the model
     shape; a model.* value the configuration sets that disagrees with it is a ConfigError naming the key."""
-    return load_config(path, overrides, base, model_from=_init_from_model)
+    return load_config(path, overrides, base, model_from=_init_from_model, skip=skip)
 
 
 def _init_from_model(directory: str, given: dict) -> ModelConfig:

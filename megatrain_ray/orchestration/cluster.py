@@ -19,8 +19,14 @@ A private Ray starts its dashboard on 127.0.0.1 (``runtime.dashboard``, on by de
 at start says where it is and where the node's metrics endpoint is (:func:`endpoints_line`), so the
 pipeline's gauges can be scraped and its roles seen from the first run.
 
-Ray's own lines that the user cannot act on are dropped (:func:`quiet_ray_logs`); its other
-warnings and errors still show.
+A private Ray's processes (GCS, raylet, workers, dashboard) run in a session of their own
+(:func:`ray_in_own_session`): a signal sent to the driver's whole process group (GNU ``timeout``,
+Slurm, systemd) reaches the driver alone, which then still has its actors to save a checkpoint with.
+They stay tied to the driver's life (Ray's kernel fate-sharing kills them when it exits).
+
+Ray's own lines that the user cannot act on go to the run's log file only
+(:func:`megatrain_ray.orchestration.console.quiet`); its other warnings and errors still show, and
+the Grafana provisioning path is written there too.
 
 A Ray job runs its entry point in a temporary copy of the uploaded working directory, deleted with
 the session. So in a job, relative output paths (``runtime.run_dir``, the bench's ``--out``) are
@@ -29,13 +35,14 @@ taken from ``~/megatrain-ray`` on the node that runs the job's driver (:func:`jo
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import os
 import socket
+import sys
 
 from ..errors import ConfigError, PipelineError
-from . import grafana
+from . import console, grafana
 
 DASHBOARD_HOST = "127.0.0.1"
 """Where a private Ray's dashboard listens: this machine only (reach it from elsewhere through an SSH
@@ -47,41 +54,6 @@ default in Ray 2.60)."""
 
 JOB_OUTPUT_ROOT = "~/megatrain-ray"
 """Where a Ray job's relative output paths are taken from (see :func:`job_path`)."""
-
-_QUIET = (
-    # Ray turns token authentication on by default and says so on every start; it stays on.
-    ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this Ray cluster"),
-    # ray.init's progress lines; connect() prints its own line when it joins a running cluster.
-    ("ray._private.worker", "Started a local Ray instance"),
-    ("ray._private.worker", "Connecting to existing Ray cluster at address"),
-    ("ray._private.worker", "Connected to Ray cluster"),
-    # It guesses a crashed cluster; connect() raises one error saying what failed instead.
-    ("ray._private.worker", "Failed to connect to the default Ray cluster address"),
-    # megatrain_ray.datasets turns Ray Data's progress bars off (the data step logs its own line).
-    ("ray.data._internal.progress", "Progress bars disabled"),
-)
-"""(logger, message prefix) of the Ray log lines that are dropped."""
-
-
-class _DropLines(logging.Filter):
-    def __init__(self, prefixes: tuple[str, ...]):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
-
-
-def quiet_ray_logs() -> None:
-    """Drop the Ray log lines listed in ``_QUIET`` (idempotent); every other line still shows."""
-    by_logger: dict[str, tuple[str, ...]] = {}
-    for name, prefix in _QUIET:
-        by_logger[name] = by_logger.get(name, ()) + (prefix,)
-    for name, prefixes in by_logger.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropLines) for f in logger.filters):
-            logger.addFilter(_DropLines(prefixes))
-
 
 def running_local_cluster() -> str | None:
     """The GCS address of the cluster ``ray start --head`` runs on this machine, or None.
@@ -148,7 +120,7 @@ def connect(rt, log=print) -> None:
 
     if ray.is_initialized():
         return
-    quiet_ray_logs()
+    console.quiet()
     address, found = cluster_to_join(rt)
     if address is not None and not found:
         _check_reachable(address)
@@ -158,9 +130,10 @@ def connect(rt, log=print) -> None:
             if missing:
                 log(f"Ray dashboard: not started, its packages are missing ({missing}); install ray[default] "
                     "for it, or set runtime.dashboard=false to skip it")
-            ctx = ray.init(address="local", object_store_memory=rt.object_store_memory,
-                           include_dashboard=rt.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
-                           log_to_driver=True)
+            with ray_in_own_session():
+                ctx = ray.init(address="local", object_store_memory=rt.object_store_memory,
+                               include_dashboard=rt.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
+                               log_to_driver=True)
         elif found:
             log(f"joining the Ray cluster already running at {address}; set runtime.ray_address=local to "
                 "start a private one")
@@ -177,10 +150,36 @@ def connect(rt, log=print) -> None:
                             "private Ray.") from None
     dashboard_url = getattr(ctx, "dashboard_url", None)  # a ray:// client's context may lack one
     log(endpoints_line(dashboard_url, address is None and not rt.dashboard))
+    console.quiet()  # again: ray.init installed the handler of the lines its processes print
     installed = grafana.install(_session_dir()) if dashboard_url else None
     if installed:
-        log(f"Grafana: the pipeline's dashboard is provisioned next to Ray's in {installed} (start Grafana with "
+        console.keep(log, f"Grafana: the pipeline's dashboard is provisioned next to Ray's in {installed} (start Grafana with "
             f"--config {os.path.dirname(os.path.dirname(installed))}/grafana.ini; see the README)")
+
+
+@contextlib.contextmanager
+def ray_in_own_session():
+    """Within the block, the processes a private Ray starts (all through Ray's ``ConsolePopen``) begin
+    a session of their own, out of the driver's process group, so a signal to that group leaves them
+    running (their workers, children of the raylet, follow it). Only where Ray ties its processes to
+    the driver's life by the kernel (Linux): elsewhere its reaper kills them through the group."""
+    from ray._private import services
+    from ray._private.utils import detect_fate_sharing_support
+
+    if sys.platform == "win32" or not detect_fate_sharing_support():
+        yield
+        return
+    original = services.ConsolePopen
+
+    class OwnSession(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "start_new_session": True})
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def _dashboard_missing() -> str:

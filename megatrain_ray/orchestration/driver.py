@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,9 @@ class Driver:
         self.stats: dict[int, dict] = {}
         self.tokens = 0
         self.clock = time.perf_counter()
+        self.step_s: float | None = None
+        """Wall time of the last step logged, and of the last checkpoint save (for the interrupt's estimate)."""
+        self.save_s: float | None = None
         self.steady: tuple[float, int] | None = None
         """(time, steps done) at the end of the first step this driver logged: the ETA is timed from
         there, leaving out the first step's compile and warm-up."""
@@ -218,6 +222,7 @@ class Driver:
         """Record sink messages: checkpoint notices, and step stats (logged once the step's output is in)."""
         for st in items:
             if "checkpoint" in st:
+                self.save_s = st["save_s"] + st.get("stall_s", 0.0)
                 self.result.checkpoints.append(st["checkpoint"])
                 self.gauges.checkpoint(st["step"])
                 self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s "
@@ -255,6 +260,7 @@ class Driver:
                **({"val_loss": out["val_loss"]} if "val_loss" in out else {}),
                **{k: out[k] for k in ROUTING_KEYS if k in out},
                **({"workers": out["workers"]} if "workers" in out else {})}
+        self.step_s = out["step_s"]
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         fetch = {f"fetch{f'-{w}' if w else ''}": q for w, q in enumerate(self.head.fetch_qs)}
@@ -263,6 +269,16 @@ class Driver:
             val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
                      f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}")
+
+    def _expected(self, boundary: int) -> str:
+        """How long the interrupt takes: the steps still to finish at the pace of the last, and a save as
+        long as the last one; "" before any step was timed."""
+        if self.step_s is None:
+            return ""
+        steps = max(1.0, max(1, boundary - self.result.start_step - len(self.result.losses)) * self.step_s)
+        if self.save_s is None:
+            return f" (the steps in about {_duration(steps)}, then the first save)"
+        return f" (about {_duration(steps + self.save_s)})"
 
     def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
         """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
@@ -275,8 +291,9 @@ class Driver:
         boundary = max(self.submitted, default=done - 1) + 1
         if boundary <= start:
             return None, "no step had finished"
-        self.log(f"interrupted: finishing the steps up to {boundary} and saving a checkpoint "
-                 "(interrupt again to stop without one)")
+        _ignore_sigterm()  # a scheduler's repeated SIGTERM waits for the save (its SIGKILL follows anyway)
+        self.log(f"interrupted: finishing the steps up to {boundary} and saving a checkpoint{self._expected(boundary)} "
+                 "(Ctrl-C again to stop without one)")
         try:
             for step in sorted(self.submitted):
                 out = _combine([_get(r, "compute", self.timeout) for r in self.submitted.pop(step)])
@@ -306,6 +323,12 @@ class Driver:
 ROUTING_KEYS = ("aux_loss", "expert_tokens")
 """A mixture of experts' step outputs in metrics.jsonl: the load-balancing loss's part of the loss
 (coef x its mean over micro-batches) and the tokens each expert received, per sparse layer."""
+
+
+def _ignore_sigterm() -> None:
+    """SIGTERM ignored from now on in this process (the run's end restores its handler)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _combine(outs: list[dict]) -> dict:

@@ -41,6 +41,7 @@ import uuid
 from typing import Any
 
 import ray
+import torch
 
 from ..config import TrainConfig
 from ..data.loader import check_resume_data, run_data, source_from_config
@@ -48,7 +49,7 @@ from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
 from ..model.precision import resolve_device
-from . import calls, cluster, preflight
+from . import calls, cluster, console, preflight
 from .calls import get as _get
 from .cluster import connect_ray
 from .device_memory import placement_line
@@ -99,19 +100,23 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     logged). Ctrl-C and SIGTERM save a checkpoint, then raise :class:`Interrupted`. The run
     directory, and the one resumed from, are held for the process while it trains
     (:mod:`megatrain_ray.io.run_lock`): another process that would train or resume them is refused.
+    Every line logged also goes to the run's log file (:mod:`megatrain_ray.orchestration.console`).
     """
     held = run_lock.hold(run_lock.run_of(resume), "resuming") if resume is not None else None
     try:
-        return _train(cfg, log, resume)
+        with console.console(log) as out:
+            return _train(cfg, out, resume)
     finally:
         run_lock.release(held)
 
 
-def _train(cfg: TrainConfig, log, resume: str | None) -> RunResult:
+def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunResult:
     if cfg.lora.enabled:
         raise ConfigError(f"lora.rank ({cfg.lora.rank}) asks for adapter training, which the training pipeline "
                           "does not run yet; set lora.rank to 0 to train every parameter.")
     start_step, schedule_note = 0, None
+    if cluster.starts_ray(cfg.runtime):  # a private Ray has this machine's GPUs: none is refused before it starts
+        resolve_device(cfg.runtime, torch.cuda.device_count())
     if resume is not None:  # nothing to resume is refused before the data is read
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
@@ -152,7 +157,8 @@ def _train(cfg: TrainConfig, log, resume: str | None) -> RunResult:
         run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
         os.makedirs(run_dir, exist_ok=True)
         own = run_lock.hold(run_dir, "training")
-        log(f"run {run_id}: config, metrics, checkpoints and weights go to {run_dir}")
+        log.attach(run_dir)
+        log(f"run {run_id}: config, metrics, log, checkpoints and weights go to {run_dir}")
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), "device": device, "resolved": {"runtime.device_adamw": run.resident},
                        **({"resumed_from": resume} if resume else {})}, f, indent=2)

@@ -1,0 +1,250 @@
+"""What a run shows on the terminal, and its log file (``runs/<id>/train.log``) that keeps everything.
+
+:class:`Console` is the ``log`` callback of a run: each line goes to the terminal (stdout, or the
+caller's callback) and to the run's log file. Writing to the terminal never raises: when stdout is
+a pipe whose reader is gone (``... | tee`` and tee killed by the same Ctrl-C) or a terminal that
+hung up, the console falls silent (the stream is pointed at ``/dev/null``, so neither Ray's threads
+nor Python's exit flush fail on it either) and the file keeps the lines; so a line logged while the
+interrupt checkpoint is saved can never abort the save. Lines logged before the run's directory
+exists are held and written first when the file is opened (:meth:`Console.attach`).
+
+Output that the user cannot act on goes to the active console's file only (:func:`quiet`):
+
+- Python log records of Ray listed in :data:`QUIET_RECORDS` (dropped when no run is active);
+- lines Ray forwards from its processes (``(pid=...) ...``) that match :data:`QUIET_LINES`;
+- warnings listed in :data:`QUIET_WARNINGS`.
+
+Every other line Ray prints still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+
+LOG_FILE = "train.log"
+"""The run's log file, in its run directory."""
+
+QUIET_RECORDS = (
+    # Ray turns token authentication on by default and says so on every start; it stays on.
+    ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this Ray cluster"),
+    # ray.init's progress lines; connect() prints its own line when it joins a running cluster.
+    ("ray._private.worker", "Started a local Ray instance"),
+    ("ray._private.worker", "Connecting to existing Ray cluster at address"),
+    ("ray._private.worker", "Connected to Ray cluster"),
+    # It guesses a crashed cluster; connect() raises one error saying what failed instead.
+    ("ray._private.worker", "Failed to connect to the default Ray cluster address"),
+    # megatrain_ray.datasets turns Ray Data's progress bars off (the data step logs its own line).
+    ("ray.data._internal.progress", "Progress bars disabled"),
+    # Calls still pending on the actors a run's teardown kills (ray.kill) once it ended or was
+    # interrupted: their results are not wanted.
+    ("ray._private.worker", "Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::", "ray.kill"),
+)
+"""(logger, message prefix[, a text the message must also hold]) of the Ray log records kept out of
+the terminal."""
+
+QUIET_LINES = (
+    # Ray Data's JSON reader tries pyarrow first, which reads JSON lines only; a JSON array (an
+    # Alpaca file) is then read by json.load, as it should be. The line after it is pyarrow's error.
+    ("Falling back to native json.load()", 1),
+    # The GCS reports actors of an ended run that were already gone when the teardown killed them.
+    ("Failed to kill actor", 0),
+)
+"""(text, lines that follow it) of the lines forwarded from Ray's processes kept out of the terminal."""
+
+QUIET_WARNINGS = (
+    # Ray Data's actor pool (the tokenizers, data.num_workers of them) was given fewer blocks than
+    # actors: a small corpus, tokenized in less time than another block split would take.
+    "The minimum number of concurrent actors",
+)
+"""Message prefixes of the warnings kept out of the terminal."""
+
+_active: list[Console] = []
+"""The console of the run in progress (the newest last)."""
+
+
+class Console:
+    """A run's ``log`` callback: see the module docstring. ``show``: where the terminal's lines go
+    (default: print to stdout)."""
+
+    def __init__(self, show=None):
+        self.show_line = show
+        self.silent = False
+        self.file = None
+        self.held: list[str] = []
+        self.lock = threading.Lock()
+        self.depth = 0
+
+    def __call__(self, line: str) -> None:
+        self.keep(line)
+        self.show(line)
+
+    def show(self, line: str) -> None:
+        """The line on the terminal, unless it is gone (then nothing, from now on)."""
+        if self.silent:
+            return
+        try:
+            if self.show_line is None:
+                print(line, flush=True)
+            else:
+                self.show_line(line)
+        except (OSError, ValueError):  # a closed pipe (EPIPE), a hung-up terminal (EIO), a closed file
+            self.silent = True
+            if self.show_line is None:
+                silence(sys.stdout)
+
+    def keep(self, line: str) -> None:
+        """The line in the run's log file (held until it is opened)."""
+        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        with self.lock:
+            if self.file is None:
+                self.held.append(stamped)
+                return
+            try:
+                self.file.write(stamped + "\n")
+                self.file.flush()
+            except (OSError, ValueError):  # a full disk must not stop the run either
+                pass
+
+    def attach(self, run_dir: str) -> str:
+        """Open ``run_dir``'s log file (appending) and write the lines held so far; its path."""
+        path = os.path.join(run_dir, LOG_FILE)
+        with self.lock:
+            if self.file is None:
+                self.file = open(path, "a")
+                self.file.writelines(line + "\n" for line in self.held)
+                self.file.flush()
+                self.held = []
+        return path
+
+    def close(self) -> None:
+        with self.lock:
+            if self.file is not None:
+                self.file.close()
+                self.file = None
+
+    def __enter__(self) -> Console:
+        """While the block runs, this is the console whose file the quiet output goes to."""
+        self.depth += 1
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.remove(self)
+        self.depth -= 1
+        if not self.depth:
+            self.close()
+
+
+def console(log=None) -> Console:
+    """``log`` as a :class:`Console` (itself if it is one; print to stdout if None or ``print``)."""
+    if isinstance(log, Console):
+        return log
+    return Console(None if log in (None, print) else log)
+
+
+def keep(log, line: str) -> None:
+    """``line`` in the run's log file only: ``log``'s if it is a :class:`Console`, else the active run's."""
+    if isinstance(log, Console):
+        log.keep(line)
+    else:
+        _keep_only(line)
+
+
+def say(text: str, stream=None) -> None:
+    """Print ``text`` to ``stream`` (stderr by default), silently nothing if it is a closed pipe."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):
+        silence(stream)
+
+
+def silence(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (a pipe whose reader is gone stays writable,
+    and what is buffered for it flushes there)."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _keep_only(line: str) -> None:
+    if _active:
+        _active[-1].keep(line)
+
+
+class _QuietRecords(logging.Filter):
+    def __init__(self, rules: tuple[tuple[str, ...], ...]):
+        super().__init__()
+        self.rules = rules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        for prefix, *also in self.rules:
+            if msg.startswith(prefix) and all(text in msg for text in also):
+                _keep_only(f"[{record.name}] {record.getMessage()}")
+                return False
+        return True
+
+
+class _QuietLines:
+    """Ray's handler of lines forwarded from its processes, minus :data:`QUIET_LINES` (kept in the
+    run's file, with every line shown)."""
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def __call__(self, data: dict) -> None:
+        lines, shown, skip = data.get("lines") or [], [], 0
+        who = f"({data.get('actor_name') or data.get('task_name') or ''} pid={data.get('pid')})"
+        for line in lines:
+            _keep_only(f"{who} {line}")
+            if skip:
+                skip -= 1
+                continue
+            rule = next((follow for text, follow in QUIET_LINES if text in line), None)
+            if rule is None:
+                shown.append(line)
+            else:
+                skip = rule
+        if shown or not lines:
+            self.handler({**data, "lines": shown})
+
+
+_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    if str(message).startswith(QUIET_WARNINGS):
+        _keep_only(f"[{category.__name__}] {message}")
+        return
+    _showwarning(message, category, filename, lineno, file, line)
+
+
+def quiet() -> None:
+    """Keep the output listed in the module docstring out of the terminal (idempotent; call again
+    after ``ray.init``, which installs the handler of forwarded lines)."""
+    global _showwarning
+    by_logger: dict[str, tuple] = {}
+    for name, *rule in QUIET_RECORDS:
+        by_logger[name] = by_logger.get(name, ()) + (tuple(rule),)
+    for name, rules in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietRecords) for f in logger.filters):
+            logger.addFilter(_QuietRecords(rules))
+    if warnings.showwarning is not _show_warning:
+        _showwarning, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # another Ray version: its lines all show
+        return
+    dispatcher.handlers = [(name, _QuietLines(h) if name == "ray_print_logs" and not isinstance(h, _QuietLines)
+                            else h) for name, h in dispatcher.handlers]
