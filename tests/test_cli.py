@@ -110,6 +110,12 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     run_dirs = list((tmp_path / "runs").iterdir())
     assert len(run_dirs) == 1
     run_dir = run_dirs[0]
+    # The dashboard's address is shown once; the Grafana provisioning path only in the run's log file,
+    # which also keeps every line shown.
+    assert out.count("Ray dashboard: http") == 1 and "Grafana" not in out + err
+    log = (run_dir / "train.log").read_text()
+    assert "Grafana: the pipeline's dashboard is provisioned" in log
+    assert all(line in log for line in out.splitlines() if line.startswith(("step", "done:")))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(total))
     assert [round(r["loss"], 4) for r in rows] == pytest.approx(losses, abs=1e-4)

@@ -11,6 +11,9 @@ from .fields import require as _require
 from .host import unwritable, usable_cpus
 
 
+LOGGERS = ("tensorboard", "mlflow", "wandb")
+"""Values in runtime.loggers (the trackers of megatrain_ray.orchestration.trackers)."""
+
 GRAD_REDUCE = ("allreduce", "host")
 """Values of runtime.grad_reduce."""
 
@@ -169,6 +172,12 @@ class RuntimeSection:
     whose working directory is Ray's temporary copy: there from ~/megatrain-ray on the job's node."""
     shm_dir: str = "/dev/shm"
     """Directory (a tmpfs) holding the host parameter store's shared-memory segments."""
+    loggers: tuple[str, ...] = ()
+    """Experiment trackers that get every step's metrics (the Ray gauges' names) besides
+    metrics.jsonl: any of tensorboard, mlflow (a local SQLite store), wandb (offline unless
+    WANDB_MODE says otherwise), all writing into the run's directory; e.g. ``[tensorboard, mlflow]``.
+    Their libraries are optional: ``pip install 'megatrain-ray[trackers]'``. See
+    megatrain_ray.orchestration.trackers."""
     ray_address: str | None = None
     """Which Ray the run uses: None (default) = the job's cluster under ``ray job submit``, else the
     cluster ``ray start --head`` runs on this machine if there is one (a line says so), else a private
@@ -238,6 +247,10 @@ class RuntimeSection:
             or parse_activation_counts(setting)
 
     def validate(self) -> None:
+        _require(isinstance(self.loggers, tuple) and all(name in LOGGERS for name in self.loggers)
+                 and len(set(self.loggers)) == len(self.loggers), "runtime.loggers",
+                 f"must be a list of distinct names of {', '.join(LOGGERS)} (e.g. [tensorboard, mlflow]), "
+                 f"got {list(self.loggers)!r}")
         _require(self.activations in _ACTIVATION_MODES or parse_activation_counts(self.activations) is not None,
                  "runtime.activations", "must be auto, recompute, offload, keep or counts like \"keep=4,host=2,span=2\" "
                  f"(layers kept whole, checkpoints offloaded, layers in recompute spans), got {self.activations!r}")

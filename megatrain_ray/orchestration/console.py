@@ -42,10 +42,13 @@ QUIET_RECORDS = (
     ("ray.data._internal.progress", "Progress bars disabled"),
     # Calls still pending on the actors a run's teardown kills (ray.kill) once it ended or was
     # interrupted: their results are not wanted.
-    ("ray._private.worker", "Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::", "ray.kill"),
+    ("ray._private.worker", "Unhandled error", "killed by `ray.kill`"),
+    # MLflow creating its local store (runtime.loggers: mlflow), and the migrations that make it.
+    ("mlflow.store.db.utils", ""),
+    ("alembic.runtime.migration", ""),
 )
-"""(logger, message prefix[, a text the message must also hold]) of the Ray log records kept out of
-the terminal."""
+"""(logger, message prefix[, a text the message must also hold]) of the log records (Ray's, and
+the trackers' libraries') kept out of the terminal."""
 
 QUIET_LINES = (
     # Ray Data's JSON reader tries pyarrow first, which reads JSON lines only; a JSON array (an

@@ -30,6 +30,8 @@ expert_imbalance{layer}     max / mean of those per sparse layer (1: balanced)
 
 :data:`megatrain_ray.orchestration.gauges.UNITS` gives each gauge's unit, the one ``megatrain-ray
 plot`` labels its axes with and the Grafana dashboard (``megatrain_ray/dashboards/megatrain.json``) shows.
+The experiment trackers of ``runtime.loggers`` (:mod:`megatrain_ray.orchestration.trackers`) get
+the same values under the same names (:attr:`RunMetrics.scalars`).
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ from .gauges import STAGE_ROLE, STAGES, UNITS  # noqa: F401  (UNITS: the units o
 class RunMetrics:
     """The gauges of one run (create in the driver after ray.init)."""
 
-    def __init__(self, run_id: str, model: ModelConfig, seq_len: int, store_bytes: int):
+    def __init__(self, run_id: str, model: ModelConfig, seq_len: int, store_bytes: int, trackers=None):
         from ray.util.metrics import Gauge
 
         self.tags = {"run_id": run_id}
+        self.trackers = trackers
+        """A :class:`~megatrain_ray.orchestration.trackers.Trackers` given every step's scalars, or None."""
+        self.checkpoint_step: int | None = None
+        self.scalars: dict[str, float] = {}
+        """What the last step set: {gauge name, then its tags' values after a slash (``stage_busy_s/h2d``,
+        ``worker_busy_fraction/0/compute``): value}, the names the trackers log."""
         self.model, self.seq_len = model, seq_len
         self.store_bytes = store_bytes
 
@@ -107,41 +115,57 @@ class RunMetrics:
         }
         if "val_loss" in row:
             values["val_loss"] = row["val_loss"]
+        self.scalars = {}
         for name, value in values.items():
-            self.g[name].set(float(value), tags=self.tags)
+            self._set(self.g[name], name, value)
         for stage in STAGES:
             busy = row.get("update_busy_s" if stage == "adamw" else f"{stage}_busy_s", 0.0)
-            tags = {**self.tags, "stage": stage, "role": STAGE_ROLE[stage]}
-            self.stage_busy.set(busy, tags=tags)
-            self.stage_fraction.set(busy / step_s, tags=tags)
+            tags = {"stage": stage, "role": STAGE_ROLE[stage]}
+            self._set(self.stage_busy, "stage_busy_s", busy, tags)
+            self._set(self.stage_fraction, "stage_busy_fraction", busy / step_s, tags)
         for direction in ("h2d", "d2h"):
             busy = row.get(f"{direction}_busy_s", 0.0)
             if busy > 0:
-                self.link.set(row.get(f"{direction}_bytes", 0) / busy / 1e9, tags={**self.tags, "direction": direction})
+                self._set(self.link, "link_gbps", row.get(f"{direction}_bytes", 0) / busy / 1e9, {"direction": direction})
         for name, depth in (queue_depths or {}).items():
             if depth is not None:
-                self.queue.set(depth, tags={**self.tags, "queue": name})
+                self._set(self.queue, "queue_depth", depth, {"queue": name})
         if "expert_tokens" in row:
             self._experts(row)
         for w, worker in enumerate(row.get("workers") or (row,)):  # each GPU's own lanes (rank order)
-            tags = {**self.tags, "worker": str(w)}
             for lane in ("compute", "h2d", "d2h", "wait"):
-                self.worker_fraction.set(worker.get(f"{lane}_busy_s", 0.0) / step_s, tags={**tags, "stage": lane})
+                self._set(self.worker_fraction, "worker_busy_fraction", worker.get(f"{lane}_busy_s", 0.0) / step_s,
+                          {"worker": str(w), "stage": lane})
             for direction in ("h2d", "d2h"):
                 busy = worker.get(f"{direction}_busy_s", 0.0)
                 if busy > 0:
-                    self.worker_link.set(worker.get(f"{direction}_bytes", 0) / busy / 1e9,
-                                         tags={**tags, "direction": direction})
+                    self._set(self.worker_link, "worker_link_gbps", worker.get(f"{direction}_bytes", 0) / busy / 1e9,
+                              {"worker": str(w), "direction": direction})
+        if self.checkpoint_step is not None:
+            self.scalars["checkpoint_step"] = float(self.checkpoint_step)
+        if self.trackers is not None:
+            self.trackers.log(self.scalars, row["step"] + 1)
+
+    def _set(self, gauge, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        """Set ``gauge`` (tagged with the run id and ``tags``) and record it in :attr:`scalars`, under the
+        gauge's name, then the values of ``tags`` (in the gauge's tag order, the stage's role left out)."""
+        gauge.set(float(value), tags={**self.tags, **(tags or {})})
+        parts = [v for k, v in (tags or {}).items() if k != "role"]
+        self.scalars["/".join([name, *parts])] = float(value)
 
     def _experts(self, row: dict) -> None:
         """A mixture of experts' gauges: aux_loss, and per sparse layer (its decoder layer index) the
         tokens of each expert and their imbalance."""
-        self.aux.set(row["aux_loss"], tags=self.tags)
+        self._set(self.aux, "aux_loss", row["aux_loss"])
         for layer, counts in zip(self.model.sparse_layers, row["expert_tokens"]):
-            tags = {**self.tags, "layer": str(layer)}
             for e, n in enumerate(counts):
-                self.expert_tokens.set(n, tags={**tags, "expert": str(e)})
-            self.imbalance.set(max(counts) / max(sum(counts) / len(counts), 1e-9), tags=tags)
+                self._set(self.expert_tokens, "expert_tokens", n, {"layer": str(layer), "expert": str(e)})
+            self._set(self.imbalance, "expert_imbalance", max(counts) / max(sum(counts) / len(counts), 1e-9),
+                      {"layer": str(layer)})
 
     def checkpoint(self, step: int) -> None:
+        """The newest checkpoint's step: on its gauge now, to the trackers with the next step's scalars
+        (a tracker may take steps in increasing order only, and this notice can come before the rows of
+        the steps it holds)."""
         self.g["checkpoint_step"].set(step, tags=self.tags)
+        self.checkpoint_step = step

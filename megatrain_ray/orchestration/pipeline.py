@@ -49,7 +49,7 @@ from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
 from ..model.precision import resolve_device
-from . import calls, cluster, console, preflight
+from . import calls, cluster, console, preflight, trackers
 from .calls import get as _get
 from .cluster import connect_ray
 from .device_memory import placement_line
@@ -60,13 +60,22 @@ from .metrics import RunMetrics
 from .pace import stall_s
 from .resolve import Facts, ResolvedRun, check, resolve
 from .roles import RaySpawner, place_cpus, spawn_roles
+from .trackers import Trackers
 
 
 class _Active:
-    """The spawner of the pipeline now running, so that every exit path can tear it down."""
+    """The spawner of the pipeline now running and the run's trackers, so that every exit path can
+    tear them down (the trackers' runs end FINISHED, KILLED when interrupted, else FAILED)."""
 
     def __init__(self) -> None:
         self.spawner: RaySpawner | None = None
+        self.trackers: Trackers | None = None
+        self.status = "FAILED"
+
+    def close_trackers(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close(self.status)
+            self.trackers = None
 
     def dead(self, within: float = 3.0) -> MegatrainError | None:
         """The error of the first role found dead (an ActorDied naming it), every role asked at once;
@@ -137,6 +146,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
     cluster.check_num_workers(cfg)
     run = resolve(cfg, Facts.here(cfg, starts_ray=cluster.starts_ray(cfg.runtime)))
     check(run, log)
+    trackers.check(cfg.runtime.loggers)  # a tracker's library missing: said before Ray starts
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     roles, spec, plan, lease, own = _Active(), None, None, None, None
@@ -170,7 +180,14 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
                 log(schedule_note)
-        return _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, loader, val_batch)
+        if cfg.runtime.loggers:
+            roles.trackers = Trackers(cfg.runtime.loggers, run_dir, run_id, {**cfg.to_dict(), "device": device}, log)
+        result = _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, loader, val_batch)
+        roles.status = "FINISHED"
+        return result
+    except KeyboardInterrupt:
+        roles.status = "KILLED"
+        raise
     except MegatrainError as e:
         last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
         if last is None or plan is None or last in str(e):
@@ -179,6 +196,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
                       f"({checkpoint.advice(last)}).") from None
     finally:
         roles.kill()
+        roles.close_trackers()
         if spec is not None:
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
         if lease is not None:
@@ -308,6 +326,6 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
     if result is None:
         result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
-    gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes())
+    gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes(), active.trackers)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends (after _rewind)
         return Driver(cfg, roles, loops, plan, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)

@@ -1,0 +1,138 @@
+"""What a run shows and what its log file keeps (megatrain_ray.orchestration.console): a closed
+pipe silences the terminal and never raises; Ray's output the user cannot act on (the teardown's
+unhandled errors of killed actors, Ray Data's JSON fallback line, its actor-pool warning) goes to
+the run's log file only, everything else still shows."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from megatrain_ray.orchestration import console
+
+
+def test_lines_go_to_the_terminal_and_the_file_and_a_closed_pipe_silences_only_the_terminal(tmp_path):
+    shown = []
+    out = console.Console(shown.append)
+    out("before the run directory exists")
+    out.attach(str(tmp_path))
+    out("after")
+
+    def gone(line):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    out.show_line = gone
+    out("into a closed pipe")  # no exception
+    out.show_line = shown.append
+    out("later")  # the terminal stays silent once it failed
+    out.close()
+    kept = [line.split(" ", 1)[1] for line in (tmp_path / console.LOG_FILE).read_text().splitlines()]
+    assert kept == ["before the run directory exists", "after", "into a closed pipe", "later"]
+    assert shown == ["before the run directory exists", "after"]
+
+
+def test_print_into_a_pipe_whose_reader_is_gone_falls_silent_and_exits_cleanly(tmp_path):
+    """The default console (print to stdout) in a process whose stdout reader has gone: no
+    exception, no 'Exception ignored' at exit (stdout is pointed at /dev/null), status 0."""
+    code = ("import sys, time; from megatrain_ray.orchestration import console\n"
+            "c = console.Console(); c.attach(sys.argv[1])\n"
+            "c('first'); sys.stdin.readline()\n"
+            "for i in range(100): c(f'line {i}')\n"
+            "c.close(); console.say('done', sys.stdout)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "first\n"
+    proc.stdout.close()  # the reader is gone
+    proc.stdin.write("go\n")
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    assert proc.stderr.read() == ""
+    assert (tmp_path / console.LOG_FILE).read_text().count("line ") == 100
+
+
+def test_unhandled_errors_of_actors_the_teardown_killed_go_to_the_file_only(ray_cluster, tmp_path, caplog):
+    """Ray reports a result nobody read of a call on an actor that ray.kill ended (the teardown's
+    kill) through its worker logger: that record goes to the file; another error still shows."""
+    console.quiet()
+
+    @ray.remote
+    class Sleeper:
+        def wait(self):
+            time.sleep(600)
+
+    actor = Sleeper.remote()
+    ref = actor.wait.remote()
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.ActorDiedError) as info:
+        ray.get(ref, timeout=120)
+    with console.Console(lambda line: None) as out:
+        out.attach(str(tmp_path))
+        ray._private.worker._unhandled_error_handler(info.value)  # what Ray calls for an unread error
+        ray._private.worker._unhandled_error_handler(ValueError("a real problem"))
+    shown = "\n".join(r.getMessage() for r in caplog.records)  # what reached the handlers (Ray's: stderr)
+    assert "ray.kill" not in shown and "a real problem" in shown
+    kept = (tmp_path / console.LOG_FILE).read_text()
+    assert "Unhandled error" in kept and "ray.kill" in kept
+
+
+_READ_ALPACA = """
+import json, sys, time, warnings
+import ray
+from megatrain_ray.orchestration import console
+
+ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=True)
+console.quiet()
+with console.Console() as out:
+    out.attach(sys.argv[2])
+    rows = ray.data.read_json([sys.argv[1]], lines=False).take_all()
+    deadline = time.monotonic() + 60  # the read task's lines reach the driver a little later
+    while "Falling back" not in open(out.file.name).read() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    warnings.warn("The minimum number of concurrent actors for 'x' is set to 2", UserWarning)
+    warnings.warn("something else", UserWarning)
+    out(f"rows {len(rows)}")
+ray.shutdown()
+"""
+
+
+def test_ray_data_json_fallback_line_and_actor_pool_warning_go_to_the_file_only(tmp_path):
+    """A JSON array (an Alpaca file) read by Ray Data: pyarrow's attempt fails and Ray Data says it
+    falls back to json.load, in a read task whose lines Ray forwards to the driver (printed with
+    colours); that line and pyarrow's error after it go to the file. Ray Data's warning of an actor
+    pool given fewer blocks than actors too; other warnings show. A process of its own, with Ray's
+    forwarding of its processes' lines on (the tests' Ray has it off)."""
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps([{"instruction": "say hi", "input": "", "output": "hi"}] * 20))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", _READ_ALPACA, str(path), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows 20" in proc.stdout
+    kept = (tmp_path / console.LOG_FILE).read_text()
+    assert "Falling back to native json.load()" in kept and "JSON parse error" in kept
+    shown = proc.stdout + proc.stderr
+    assert "Falling back" not in shown and "JSON parse error" not in shown
+    assert "The minimum number of concurrent actors" not in shown and "something else" in shown
+    assert "The minimum number of concurrent actors" in kept
+
+
+def test_the_gcs_lines_of_actors_already_gone_go_to_the_file_only(tmp_path):
+    """A batch of lines as Ray's log monitor forwards it from the GCS after a teardown (its shape as
+    Ray 2.60 emits it): the "Failed to kill actor" line goes to the file, the other line shows."""
+    printed = []
+    handler = console._QuietLines(printed.append)
+    data = {"ip": "10.0.0.1", "localhost": "10.0.0.1", "pid": "gcs_server", "job": "", "is_err": True,
+            "actor_name": "", "task_name": "",
+            "lines": ["[2026-01-01 00:00:00,000 W 1 2] gcs_actor_manager.cc:1: Failed to kill actor 0123, "
+                      "status: RpcError: RPC Error message: Socket closed; RPC Error details:",
+                      "something the user should see"]}
+    with console.Console(lambda line: None) as out:
+        out.attach(str(tmp_path))
+        handler(data)
+    assert [d["lines"] for d in printed] == [["something the user should see"]]
+    kept = (tmp_path / console.LOG_FILE).read_text()
+    assert "(pid=gcs_server)" in kept and "Failed to kill actor 0123" in kept
