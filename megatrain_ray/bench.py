@@ -39,7 +39,7 @@ from .model import flops as model_flops
 from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
 from .hostmem import HostMemoryPeak
-from .orchestration.preflight import guess_device
+from .orchestration.preflight import fmt_count, guess_device
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
@@ -117,8 +117,12 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     t0 = time.perf_counter()
     placement: list[str] = []  # its lines on where threads run (runtime.cpu_affinity) and activations wait
     with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
-        result = train(cfg, log=lambda line: placement.append(line) if line.startswith(("cpu placement",
-                                                                                         "activations")) else None)
+        def log(line: str) -> None:  # the run's lines as its progress; where threads and activations went kept
+            print(f"  {line}", flush=True)
+            if line.startswith(("cpu placement", "activations")):
+                placement.append(line)
+
+        result = train(cfg, log=log)
     wall_s = time.perf_counter() - t0
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -182,9 +186,11 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--model", metavar="HF_MODEL_DIR", help="a Hugging Face model directory: its config.json's shape")
     ap.add_argument("--layers", type=int, default=None, help="override the model's number of decoder layers")
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: 1024)")
+    ap.add_argument("--micro-batches", type=int, default=4,
+                    help="micro-batches per step, each of --tokens / (--seq-len x this) sequences (default: 4)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="optimizer steps to time; the first ones warm up and are left out (default: 5)")
     ap.add_argument("--gpus", default="1", metavar="N[,N...]",
                     help="compute workers (GPUs) per run, comma-separated to compare counts in one run (e.g. 1,2): "
                          "each GPU takes --tokens and --micro-batches of its own (weak scaling); the first count "
@@ -290,7 +296,7 @@ def finish(b: Bench, cfg: TrainConfig, systems: dict, tokens_of: dict) -> int:
     with open(os.path.join(args.out, f"bench-{b.name}.json"), "w") as f:
         json.dump(report, f, indent=2)
     ours, counts = systems["megatrain_ray"], b.counts
-    print(f"\n{b.name}: {report['params'] / 1e9:.2f} B params ({report['layers']} layers, vocabulary "
+    print(f"\n{b.name}: {fmt_count(report['params'])} params ({report['layers']} layers, vocabulary "
           f"{b.model.vocab_size}), {args.tokens} tokens/step{' per GPU' if max(counts) > 1 else ''}, {report['device']}")
     print(format_systems(systems))
     for n in counts[1:]:

@@ -25,10 +25,37 @@ from .errors import MegatrainError
 from .orchestration.console import say
 
 
+DESCRIPTION = ("Train Hugging Face language models through a pipeline of Ray actors: parameters and AdamW state in "
+               "host RAM, one GPU streaming one layer at a time. Run `megatrain-ray COMMAND --help` for a command's "
+               "options.")
+
+
+def parse_size(text: str) -> int:
+    """``2147483648``, ``500MB``, ``2GiB``, ``1.5G`` -> bytes (K/M/G/T: powers of 1000 with B, 1024 with iB or
+    alone)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, re.I)
+    if not m or (m.group(3).lower() == "i"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes or a size like 500MB or 2GiB")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    base = 1000 if m.group(3).upper() == "B" and power else 1024
+    size = int(float(m.group(1)) * base ** power)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return size
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatrain-ray", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model through the Ray actor pipeline")
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="megatrain-ray", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"megatrain-ray {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a model through the Ray actor pipeline",
+                           description="Train a model through the Ray actor pipeline: the built-in tiny preset with "
+                                       "no options, else a YAML config with --set overrides; Ctrl-C or SIGTERM saves "
+                                       "a checkpoint first.")
     train.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config field, e.g. --set optim.lr=1e-3 (repeatable)")
@@ -36,7 +63,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="continue from a checkpoint (a run directory: its newest one); its config is the "
                             "base that --config and --set override")
     plan = sub.add_parser("plan", help="print the run a config resolves to on this machine: its settings and the "
-                                       "host RAM, /dev/shm and GPU memory it needs")
+                                       "host RAM, /dev/shm and GPU memory it needs",
+                          description="Print the run a config resolves to on this machine (its settings, and the "
+                                      "host RAM, /dev/shm and GPU memory it needs) and whether it fits (exit status "
+                                      "2 if not), without starting anything.")
     plan.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override one config field (repeatable)")
@@ -50,18 +80,28 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
                       help="the GPU's bf16 dense rate for the expected step time, e.g. one measured by "
                            "`megatrain-ray bench` (default: nominal, by the GPU's name)")
-    plot = sub.add_parser("plot", help="write PNG plots (loss, throughput, stage busy time) of a run")
+    plot = sub.add_parser("plot", help="write PNG plots (loss, throughput, stage busy time) of a run",
+                          description="Write PNG plots (loss, throughput, stage busy time) of a run's metrics.jsonl.")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run id>) with a metrics.jsonl")
     plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR/plots)")
     export = sub.add_parser("export", help="write a run's (or checkpoint's) weights as a Hugging Face model "
-                            "directory: sharded safetensors, config.json, tokenizer")
-    export.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT")
-    export.add_argument("--out", required=True, help="new directory to write")
+                            "directory: sharded safetensors, config.json, tokenizer",
+                            description="Write a run's (or checkpoint's) weights as a Hugging Face model directory "
+                                        "(sharded safetensors, config.json, generation_config.json, tokenizer) that "
+                                        "transformers' from_pretrained loads.")
+    export.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run directory (its final weights, else its newest checkpoint) or a checkpoint directory")
+    export.add_argument("--out", required=True, help="new directory to write (a relative path is taken from the "
+                        "current directory; the path written is printed)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast (default: as stored)")
-    export.add_argument("--shard-size", type=int, default=2 * 2**30, metavar="BYTES", help="bytes per shard")
+    export.add_argument("--shard-size", type=parse_size, default=2 * 2**30, metavar="SIZE",
+                        help="largest shard file: bytes, or a size like 500MB or 2GiB (default: 2GiB)")
     export.add_argument("--tokenizer", help="tokenizer directory to include (default: the run's)")
-    ev = sub.add_parser("eval", help="loss and perplexity of a run's (or checkpoint's) weights on held-out data")
-    ev.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT")
+    ev = sub.add_parser("eval", help="loss and perplexity of a run's (or checkpoint's) weights on held-out data",
+                        description="Loss and perplexity of a run's (or checkpoint's) weights on its held-out data "
+                                    "(or the data --config/--set name).")
+    ev.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT",
+                    help="a run directory (its final weights, else its newest checkpoint) or a checkpoint directory")
     ev.add_argument("--config", help="YAML file overriding the run's data settings")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config field, e.g. --set data.val_path=held_out.jsonl (repeatable)")
@@ -69,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     ev.add_argument("--max-batches", type=int, help="stop after this many batches (default: all)")
     for name, help_line in _FORWARDED.items():
-        sub.add_parser(name, help=help_line, add_help=False)
+        sub.add_parser(name, help=help_line, add_help=False)  # its own parser describes its options
     return parser
 
 

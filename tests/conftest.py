@@ -5,9 +5,33 @@ import contextlib
 import os
 import re
 import subprocess
+import threading
+import time
 
 import pytest
 import ray
+
+
+def _ours(thread: threading.Thread) -> bool:
+    """Whether a thread runs code of this project (the package or a test), not a library's own."""
+    target = getattr(thread, "_target", None)
+    module = getattr(target, "__module__", None) or getattr(getattr(target, "__func__", None), "__module__", "") or ""
+    return module.startswith(("megatrain_ray", "test_", "tests.", "conftest"))
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    """Every test stops the threads it started: one of the project's still running 10 s after the
+    test ended fails it (left running, it would fail another test later, or hold a store)."""
+    before = set(threading.enumerate())
+    yield
+    left = [t for t in threading.enumerate() if t not in before and _ours(t)]
+    deadline = time.monotonic() + 10
+    for thread in left:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [f"{t.name} ({getattr(t._target, '__qualname__', t._target)})" for t in left if t.is_alive()]
+    if alive:
+        pytest.fail(f"the test left threads running: {', '.join(alive)}")
 
 
 @pytest.fixture(scope="session")

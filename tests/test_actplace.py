@@ -178,8 +178,19 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:
         worker.close()
-    thread.join(timeout=30)
+        _finish(prefetcher, thread, fetch_q, release_q)
     return result, step_grads(spec, grad_q)
+
+
+def _finish(prefetcher, thread, fetch_q, release_q) -> None:
+    """Let the prefetcher's thread end: after a step that failed part-way it waits for slots the
+    worker will never release, so hand each ticket it issues straight back (step 0 waits on no update)."""
+    while thread.is_alive():
+        try:
+            release_q.put(fetch_q.get(timeout=0.1).slot)
+        except queue.Empty:
+            pass
+    thread.join()
 
 
 def step_grads(spec, grad_q) -> dict[int, dict[str, torch.Tensor]]:

@@ -22,6 +22,7 @@ from megatrain_ray.engine.store import StoreSpec, grad_slots_for
 from megatrain_ray.model import presets
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
+from megatrain_ray.orchestration.preflight import fmt_count
 
 
 def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
@@ -58,6 +59,10 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert os.listdir(shm_dir) == []
     printed = capsys.readouterr().out
     assert "ours, " + ours["activations"] in printed
+    # progress while it runs (the run's own step lines), and the size in the unit that fits
+    assert "  step     1/3 | loss" in printed
+    assert f"tiny: {fmt_count(report['params'])} params (2 layers" in printed
+    assert fmt_count(4_999_424) == "5.0M" and fmt_count(7.62e9) == "7.6B" and fmt_count(950) == "950"
     assert "megatrain_ray" in printed and "peak RSS + shm" in printed and "as PaLM's model FLOPs" in printed
 
 

@@ -416,7 +416,18 @@ _CRASH_SCRIPT = textwrap.dedent("""
     for i in range(len(ps.store.layout.units)):
         ps.store.block("master", i).add_(1.0)
         ps.store.set_version(i, 2)
-    writer.save(ps.store, root, 2, {}, "crash")  # the parent kills this process while it writes
+    # The parent kills this process while it writes step 2: from the third tensor on, each waits for
+    # a line on stdin that never comes, once this says so (some shard bytes are on disk by then).
+    tensor, served = writer.CheckpointWriter._tensor, []
+    def paused(self, *args):
+        served.append(1)
+        if len(served) == 3:
+            print("mid-save", flush=True)
+        if len(served) >= 3:
+            sys.stdin.readline()
+        return tensor(self, *args)
+    writer.CheckpointWriter._tensor = paused
+    writer.save(ps.store, root, 2, {}, "crash")
     print("the save of step 2 finished before the kill", flush=True)
 """)
 
@@ -426,14 +437,11 @@ def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
     store_dir = tmp_path / "store"  # the killed process cannot clean up: keep its store out of /dev/shm
     store_dir.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", _CRASH_SCRIPT, str(store_dir), str(root)],
-                            stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "saved"
         good = read_tensors(root / "step-000001")
-        deadline = time.monotonic() + 60
-        while not any(n.startswith(".step-000002.tmp-") for n in os.listdir(root)):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.001)
+        assert proc.stdout.readline().strip() == "mid-save"  # it waits there until killed
         os.kill(proc.pid, signal.SIGKILL)  # a real crash, in the middle of writing step 2
         proc.wait()
     finally:
@@ -443,6 +451,7 @@ def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
     names = sorted(os.listdir(root))
     temps = [n for n in names if n.startswith(".step-000002.tmp-")]
     assert temps, names
+    assert sum(f.stat().st_size for f in (root / temps[0]).iterdir()) > 0  # it had begun writing tensors
     assert not os.path.isfile(root / temps[0] / "meta.json")  # the partial save is not a checkpoint
     # Readers see step 1, bit for bit as it was saved, and it loads.
     assert resume.find(str(root)) == str(root / "step-000001")

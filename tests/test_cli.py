@@ -143,3 +143,41 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"megatrain-{proc.pid}-")] \
         if os.path.isdir("/dev/shm") else []
     assert leftovers == []
+
+
+def test_help_describes_every_command_and_argument_and_version_is_printed(capsys):
+    """--help in plain words (no reStructuredText markup), a description for every command and a help
+    line for every argument, positional ones included; --version."""
+    import argparse
+
+    from megatrain_ray import __version__, cli
+
+    parser = cli._parser()
+    assert "``" not in parser.format_help() and ":mod:" not in parser.format_help()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        if name in cli._FORWARDED:
+            continue
+        assert sub.description, name
+        for action in sub._actions:
+            assert action.help, (name, action.dest)
+    from megatrain_ray import bench
+
+    assert all(action.help for action in bench.parser()._actions), [a.dest for a in bench.parser()._actions
+                                                                     if not a.help]
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"megatrain-ray {__version__}"
+
+
+def test_export_shard_size_takes_units():
+    from megatrain_ray.cli import parse_size
+
+    assert [parse_size(t) for t in ("10MB", "2GiB", "1.5G", "123", "500M", "1KiB")] == [
+        10_000_000, 2 * 2**30, int(1.5 * 2**30), 123, 500 * 2**20, 1024]
+    args = __import__("megatrain_ray.cli", fromlist=["_parser"])._parser().parse_args(
+        ["export", "runs/x", "--out", "m", "--shard-size", "10MB"])
+    assert args.shard_size == 10_000_000
+    for bad in ("10XB", "0", "-5MB", "MB"):
+        with pytest.raises(Exception):
+            parse_size(bad)

@@ -450,3 +450,30 @@ def test_an_init_from_run_keeps_the_source_token_ids(tmp_path, shm_dir):
         saved = json.loads((directory / "config.json").read_text())
         assert (saved["bos_token_id"], saved["eos_token_id"]) == (1, 2) != (None, hf_tok.eos_token_id)
         assert (directory / "tokenizer.json").is_file()
+
+
+def test_a_chat_fine_tune_stops_generating_at_the_templates_end_of_turn(tmp_path, shm_dir):
+    """The final weights of a run whose tokenizer has a ChatML template (Qwen's layout): the base's
+    generation_config.json names only <|endoftext|>, the model ends each reply with <|im_end|>; the
+    written generation_config.json (as transformers reads it) names both, so generate stops at the
+    end of the turn. Without a base file, one is written with both; byte-level runs need none."""
+    tok_dir, base = tmp_path / "tok", tmp_path / "base"
+    hf_tok = save_tokenizer(tok_dir)
+    endoftext, im_end = hf_tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert endoftext != im_end
+    base.mkdir()
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": endoftext, "do_sample": True}))
+    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"model.vocab_size={len(hf_tok)}"])
+    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "g" + os.urandom(3).hex()), seed=0)
+    try:
+        hf_io.save_store(store.store, str(tmp_path / "final"), source=str(base), tokenizer=str(tok_dir))
+        hf_io.save_store(store.store, str(tmp_path / "no-base"), tokenizer=str(tok_dir))
+        hf_io.save_store(store.store, str(tmp_path / "bytes"), tokenizer=None)
+    finally:
+        store.close()
+    for directory in ("final", "no-base"):
+        generation = transformers.GenerationConfig.from_pretrained(tmp_path / directory)
+        assert generation.eos_token_id == [endoftext, im_end], directory
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "final").do_sample is True  # the rest kept
+    assert not (tmp_path / "bytes" / "generation_config.json").exists()

@@ -272,6 +272,13 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
            "memory)" in plan.table()
     plan.host_available = 2**30  # not even the store: no context fits, and the host is why
     assert P.longest_context(cfg, "cuda", plan) == 0 and plan.context_limit == "host RAM"
+    plan.longest_context = 0
+    assert "longest context that fits: none (even 1,024 tokens per sequence exceed the host RAM)" in plan.table()
+    # Memory beyond the model's positions: the table offers max_position_embeddings, and says what memory allows.
+    plan.longest_context, plan.max_positions = 558_080, 2048
+    assert ("longest context that fits: 2,048 tokens per sequence, the model's model.max_position_embeddings (its "
+            "memory at micro-batch 1 would allow 558,080: raise max_position_embeddings, with RoPE scaling, to use "
+            "it)") in plan.table()
 
 
 def test_sft_rows_are_packed_whole_by_the_loader(tmp_path):

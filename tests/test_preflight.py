@@ -104,8 +104,9 @@ def test_train_refuses_an_absurd_model_before_starting_anything(shm_dir, tmp_pat
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr  # no Ray start-up lines: refused before Ray
-    assert re.match(r"error: the run needs [0-9.]+ TiB in runtime.shm_dir but only [0-9.]+ \wiB is free there; "
-                    r"use a smaller model", lines[0]), lines[0]
+    assert re.match(r"error: the run needs [0-9.]+ TiB in runtime.shm_dir \(the weights and AdamW state\) but only "
+                    r"[0-9.]+ \wiB is free there; use a smaller model", lines[0]), lines[0]
+    assert "micro_batch_size" not in lines[0]  # that memory is weights and optimizer state, not activations
     assert "total /dev/shm" in proc.stdout and "DOES NOT FIT" in proc.stdout
     assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []
 

@@ -90,6 +90,10 @@ class ByteTokenizer:
         """[n + 1] int32: the bytes, then EOS."""
         return np.append(encode_bytes(text), np.int32(EOS_ID)).astype(np.int32)
 
+    def end_of_turn_ids(self) -> list[int]:
+        """The ids that end an assistant turn: EOS (see :meth:`HFTokenizer.end_of_turn_ids`)."""
+        return [EOS_ID]
+
     def encode_chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         """DEFAULT_CHAT_TEMPLATE with EOS as the id 256; returns ids [n] int32 and mask [n] uint8."""
         ids, mask = [], []
@@ -146,6 +150,20 @@ class HFTokenizer:
             return ""
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                            chat_template=self.template)
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The special tokens the chat template puts right after an assistant's response (Qwen's
+        ``<|im_end|>``, Llama 3's ``<|eot_id|>``), else EOS: where a fine-tuned model's turn ends, so
+        ``generate`` must stop there."""
+        reply = "megatrain-end-of-turn-probe"
+        try:
+            text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}], False)
+        except Exception:  # noqa: BLE001 (a template that cannot render this: EOS alone)
+            return [self.eos_id]
+        after = text[text.rfind(reply) + len(reply):] if reply in text else ""
+        special = set(self.hf.all_special_ids) | {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        ids = [i for i in self.hf(after, add_special_tokens=False)["input_ids"] if i in special][:1]
+        return ids or [self.eos_id]
 
     def encode_chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         full = self._render(messages, False)

@@ -252,6 +252,35 @@ def token_ids(tokenizer: str | None) -> dict:
     return {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
 
 
+def write_generation_config(src: str | None, out: str, tokenizer: str | None) -> list[str]:
+    """``src``'s generation_config.json in ``out`` (if it has one), its eos_token_id widened to every id
+    that ends a turn: the tokenizer's EOS and the end-of-turn token of its chat template (a chat
+    fine-tune ends its replies with ``<|im_end|>``, whose base config often names only
+    ``<|endoftext|>``); one is written where ``src`` has none and the template's end differs from
+    EOS. Returns the file name written, if any."""
+    name = EXTRA_FILES[0]
+    path = os.path.join(src, name) if src is not None else None
+    config = {}
+    if path is not None and os.path.isfile(path) and os.path.abspath(src) != os.path.abspath(out):
+        with open(path) as f:
+            config = json.load(f)
+    eos_id, ends = None, []
+    if tokenizer is not None:
+        try:
+            tok = load_tokenizer(tokenizer)
+            eos_id, ends = tok.eos_id, [tok.eos_id, *tok.end_of_turn_ids()]
+        except DataError:
+            pass
+    given = config.get("eos_token_id")
+    eos = list(dict.fromkeys([*(given if isinstance(given, list) else [] if given is None else [given]), *ends]))
+    if not config and set(eos) <= {eos_id}:
+        return []  # nothing to keep, nothing beyond the EOS config.json already names
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    write_json(os.path.join(out, name), config)
+    return [name]
+
+
 def write_tokenizer(tokenizer: str | None, out: str) -> list[str]:
     """Put a run's tokenizer into ``out``: a directory's files copied, BYTE_LEVEL written as a Hugging
     Face tokenizer, nothing for None; returns the file names."""
@@ -308,7 +337,7 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
     with atomic_dir(directory, "the final weights", sum(t.nbytes for t in tensors)) as tmp:
         mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base, tokenizer))
-        copy_side_files(source, tmp, EXTRA_FILES)
+        write_generation_config(source, tmp, tokenizer)
         write_tokenizer(tokenizer, tmp)
     return sorted(set(mapping.values()))
 
@@ -432,7 +461,7 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     with atomic_dir(out, "--out", nbytes) as tmp:
         new_map, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, target, raw, tok))
-        copied = copy_side_files(ckpt.weights_dir, tmp, EXTRA_FILES)
+        copied = write_generation_config(ckpt.weights_dir, tmp, tok)
         copied += write_tokenizer(tok, tmp)
     return {"out": out, "source": ckpt.weights_dir, "tensors": len(tensors),
             "shards": len(set(new_map.values())), "bytes": nbytes,

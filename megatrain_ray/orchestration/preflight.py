@@ -99,6 +99,8 @@ class Plan:
     """The longest train.seq_len that fits (device and host), at train.micro_batch_size; None: unknown."""
     context_limit: str = ""
     """What a longer context would not fit: GPU memory or host RAM."""
+    max_positions: int = 2**62
+    """model.max_position_embeddings: the longest context the table offers (memory may allow more)."""
     pace: Pace | None = None
     """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`)."""
     resident: tuple[int, ...] = ()
@@ -121,14 +123,13 @@ class Plan:
         """One sentence per resource the run does not fit (host RAM, /dev/shm); empty if it fits."""
         out = []
         shm, host = self.total("shm"), self.total("host")
-        fix = ("use a smaller model, optim.state=8bit or runtime.master_dtype=bfloat16, a smaller train.micro_batch_size, "
-               "or a machine with more memory")
+        fix = "use a smaller model, optim.state=8bit or runtime.master_dtype=bfloat16"  # the weights and AdamW state
         if shm > self.shm_free:
-            out.append(f"the run needs {fmt(shm)} in runtime.shm_dir but only {fmt(self.shm_free)} is free there; "
-                       f"{fix}, or enlarge /dev/shm.")
+            out.append(f"the run needs {fmt(shm)} in runtime.shm_dir (the weights and AdamW state) but only "
+                       f"{fmt(self.shm_free)} is free there; {fix}, enlarge /dev/shm, or use a machine with more memory.")
         if host > self.host_available:
             out.append(f"the run needs {fmt(host)} of host RAM but only {fmt(self.host_available)} is available; "
-                       f"{fix}.")
+                       f"{fix}, a smaller train.micro_batch_size, or a machine with more memory.")
         return out
 
     def device_fits(self) -> bool | None:
@@ -160,12 +161,17 @@ class Plan:
         else:
             lines.append(f"largest micro-batch that fits: {self.largest_micro_batch} "
                          f"(train.micro_batch_size is {self.micro_batch_size})")
-        if self.longest_context is not None:
+        if self.longest_context == 0:
+            lines.append(f"longest context that fits: none (even {CONTEXT_STEP:,} tokens per sequence exceed the "
+                         f"{self.context_limit or 'memory'})")
+        elif self.longest_context is not None and self.longest_context > self.max_positions:
+            lines.append(f"longest context that fits: {self.max_positions:,} tokens per sequence, the model's "
+                         f"model.max_position_embeddings (its memory at micro-batch {self.micro_batch_size} would "
+                         f"allow {self.longest_context:,}: raise max_position_embeddings, with RoPE scaling, to use it)")
+        elif self.longest_context is not None:
             lines.append(f"longest context that fits: {self.longest_context:,} tokens per sequence at "
-                         f"micro-batch {self.micro_batch_size}" if self.longest_context else
-                         "longest context that fits: none")
-            if self.context_limit:
-                lines[-1] += f" (longer ones exceed the {self.context_limit})"
+                         f"micro-batch {self.micro_batch_size}"
+                         + (f" (longer ones exceed the {self.context_limit})" if self.context_limit else ""))
         lines += self.notes
         return "\n".join(lines)
 
@@ -188,6 +194,10 @@ def _tokens_in_data(path: str | None) -> int:
         except (OSError, ValueError):
             return os.path.getsize(path) // 8
     return os.path.getsize(path)
+
+
+CONTEXT_STEP = 1024
+"""The longest context is searched in multiples of this many tokens."""
 
 
 def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
@@ -283,9 +293,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident, room)
     shm_free = shutil.disk_usage(rt.shm_dir).free
     n_params = layout.num_params
-    experts = (f", {_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
+    experts = (f", {fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
-    title = (f"preflight: {m.model_type}, {_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
+    title = (f"preflight: {m.model_type}, {fmt_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
@@ -295,6 +305,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
                   resident=resident, activation_host_bytes=room)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
+    result.max_positions = cfg.model.max_position_embeddings
     result.placement = activation_placement(cfg, device, result.device_bytes, result.resident, room)
     result.pace = expected_pace(cfg, device, *recomputed_layers(result.placement), tflops=device_tflops,
                                 gpu_name=gpu_name() if device == "cuda" else None)
@@ -330,7 +341,7 @@ def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, 
     for state, master, label in MODES:
         per = bytes_per_param(cfg, device, state, master, resident)
         fits = int(max(0, budget) / per)
-        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {_count(fits)} parameters{_layers_note(cfg.model, fits)}")
+        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
     return lines
 
 
@@ -341,7 +352,7 @@ def _layers_note(model, fits: int) -> str:
     one, two = (flops.num_params(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
     layers = max(0, (fits - (2 * one - two)) // (two - one))
     cut = dataclasses.replace(model, num_hidden_layers=layers, mlp_only_layers=[])
-    return f" ({layers} layer(s) of this shape: {_count(flops.active_params(cut))} active)" if layers else ""
+    return f" ({layers} layer(s) of this shape: {fmt_count(flops.active_params(cut))} active)" if layers else ""
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
@@ -382,11 +393,12 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
     return lo
 
 
-def _count(n: int) -> str:
+def fmt_count(n: float) -> str:
+    """A count in the unit that fits: 950, 12.3K, 5.0M, 7.6B."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
-    return str(n)
+    return f"{n:.0f}"
 
 
 def check_init_from(cfg: TrainConfig) -> None:
