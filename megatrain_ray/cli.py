@@ -19,6 +19,7 @@ exits with 130 after cleaning up.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import MegatrainError
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             from .io.hf_io import export
 
             out = export(args.src, args.out, args.shard_size, args.dtype, args.tokenizer)
-            print(f"exported {out['source']} to {out['out']}: {out['tensors']} tensors, {out['shards']} shard(s), "
+            print(f"exported {out['source']} to {os.path.abspath(out['out'])}: {out['tensors']} tensors, {out['shards']} shard(s), "
                   f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; tokenizer and config files: "
                   f"{', '.join(out['copied']) or 'none'}")
         elif args.command == "eval":

@@ -207,7 +207,8 @@ class _QuietLines:
 
     def __call__(self, data: dict) -> None:
         lines, shown, skip = data.get("lines") or [], [], 0
-        who = f"({data.get('actor_name') or data.get('task_name') or ''} pid={data.get('pid')})"
+        name = data.get("actor_name") or data.get("task_name")
+        who = f"({name + ' ' if name else ''}pid={data.get('pid')})"
         for line in lines:
             _keep_only(f"{who} {line}")
             if skip:

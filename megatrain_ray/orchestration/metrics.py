@@ -6,7 +6,8 @@ to the dashboard's Grafana panels) as ``ray_megatrain_<name>``, tagged with the 
 FLOPs conventions are defined in :mod:`megatrain_ray.model.flops`):
 
 ==========================  ========================================================================
-tokens_per_s                tokens trained per second over the last step
+tokens_per_s                tokens trained per second over the last step (those the loss counts:
+                            in SFT the response tokens only)
 tflops_6nt                  model TFLOP/s counted as 6 x every parameter x tokens (6NT)
 tflops_palm                 model TFLOP/s counted as PaLM does: 6 x matmul parameters + attention, per token
 step_time_s                 wall time of the last step on the compute worker
