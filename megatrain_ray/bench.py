@@ -39,7 +39,7 @@ from .model import flops as model_flops
 from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
 from .hostmem import HostMemoryPeak
-from .orchestration.preflight import fmt_count, guess_device
+from .orchestration.preflight import guess_device
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
@@ -296,7 +296,7 @@ def finish(b: Bench, cfg: TrainConfig, systems: dict, tokens_of: dict) -> int:
     with open(os.path.join(args.out, f"bench-{b.name}.json"), "w") as f:
         json.dump(report, f, indent=2)
     ours, counts = systems["megatrain_ray"], b.counts
-    print(f"\n{b.name}: {fmt_count(report['params'])} params ({report['layers']} layers, vocabulary "
+    print(f"\n{b.name}: {model_flops.fmt_count(report['params'])} params ({report['layers']} layers, vocabulary "
           f"{b.model.vocab_size}), {args.tokens} tokens/step{' per GPU' if max(counts) > 1 else ''}, {report['device']}")
     print(format_systems(systems))
     for n in counts[1:]:

@@ -22,7 +22,7 @@ from megatrain_ray.engine.store import StoreSpec, grad_slots_for
 from megatrain_ray.model import presets
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
-from megatrain_ray.orchestration.preflight import fmt_count
+from megatrain_ray.model.flops import fmt_count
 
 
 def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):

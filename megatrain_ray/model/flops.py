@@ -105,3 +105,11 @@ def tflops(model: ModelConfig, seq_len: int, tokens: int, seconds: float) -> dic
     seconds = max(seconds, 1e-9)
     return {TFLOPS_KEYS["6nt"]: flops_6nt(model, tokens) / seconds / 1e12,
             TFLOPS_KEYS["palm"]: palm_model_flops(model, seq_len, tokens) / seconds / 1e12}
+
+
+def fmt_count(n: float) -> str:
+    """A count in the unit that fits: 950, 12.3K, 5.0M, 7.6B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"

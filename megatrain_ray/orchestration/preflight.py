@@ -126,7 +126,7 @@ class Plan:
         fix = "use a smaller model, optim.state=8bit or runtime.master_dtype=bfloat16"  # the weights and AdamW state
         if shm > self.shm_free:
             out.append(f"the run needs {fmt(shm)} in runtime.shm_dir (the weights and AdamW state) but only "
-                       f"{fmt(self.shm_free)} is free there; {fix}, enlarge /dev/shm, or use a machine with more memory.")
+                       f"{fmt(self.shm_free)} is free there; {fix}, enlarge /dev/shm, or use a bigger machine.")
         if host > self.host_available:
             out.append(f"the run needs {fmt(host)} of host RAM but only {fmt(self.host_available)} is available; "
                        f"{fix}, a smaller train.micro_batch_size, or a machine with more memory.")
@@ -162,12 +162,12 @@ class Plan:
             lines.append(f"largest micro-batch that fits: {self.largest_micro_batch} "
                          f"(train.micro_batch_size is {self.micro_batch_size})")
         if self.longest_context == 0:
-            lines.append(f"longest context that fits: none (even {CONTEXT_STEP:,} tokens per sequence exceed the "
+            lines.append(f"longest context that fits: none (even 1,024 tokens per sequence exceed the "
                          f"{self.context_limit or 'memory'})")
         elif self.longest_context is not None and self.longest_context > self.max_positions:
             lines.append(f"longest context that fits: {self.max_positions:,} tokens per sequence, the model's "
-                         f"model.max_position_embeddings (its memory at micro-batch {self.micro_batch_size} would "
-                         f"allow {self.longest_context:,}: raise max_position_embeddings, with RoPE scaling, to use it)")
+                         f"model.max_position_embeddings (its memory at micro-batch {self.micro_batch_size} would allow "
+                         f"{self.longest_context:,}: raise max_position_embeddings, with RoPE scaling, to use it)")
         elif self.longest_context is not None:
             lines.append(f"longest context that fits: {self.longest_context:,} tokens per sequence at "
                          f"micro-batch {self.micro_batch_size}"
@@ -194,10 +194,6 @@ def _tokens_in_data(path: str | None) -> int:
         except (OSError, ValueError):
             return os.path.getsize(path) // 8
     return os.path.getsize(path)
-
-
-CONTEXT_STEP = 1024
-"""The longest context is searched in multiples of this many tokens."""
 
 
 def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
@@ -293,9 +289,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident, room)
     shm_free = shutil.disk_usage(rt.shm_dir).free
     n_params = layout.num_params
-    experts = (f", {fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
+    experts = (f", {flops.fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
-    title = (f"preflight: {m.model_type}, {fmt_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
+    title = (f"preflight: {m.model_type}, {flops.fmt_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
@@ -341,7 +337,7 @@ def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, 
     for state, master, label in MODES:
         per = bytes_per_param(cfg, device, state, master, resident)
         fits = int(max(0, budget) / per)
-        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
+        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {flops.fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
     return lines
 
 
@@ -352,7 +348,7 @@ def _layers_note(model, fits: int) -> str:
     one, two = (flops.num_params(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
     layers = max(0, (fits - (2 * one - two)) // (two - one))
     cut = dataclasses.replace(model, num_hidden_layers=layers, mlp_only_layers=[])
-    return f" ({layers} layer(s) of this shape: {fmt_count(flops.active_params(cut))} active)" if layers else ""
+    return f" ({layers} layer(s) of this shape: {flops.fmt_count(flops.active_params(cut))} active)" if layers else ""
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
@@ -391,14 +387,6 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def fmt_count(n: float) -> str:
-    """A count in the unit that fits: 950, 12.3K, 5.0M, 7.6B."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n:.0f}"
 
 
 def check_init_from(cfg: TrainConfig) -> None:
