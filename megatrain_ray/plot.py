@@ -55,7 +55,38 @@ def tflops(row: dict, name: str) -> float | None:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl, one per step (the last row wins if a step repeats)."""
+    """The rows of RUN_DIR/metrics.jsonl, one per step (the last row wins if a step repeats), after
+    those of the runs it resumed: a resumed run writes a directory of its own, whose config.json
+    names the checkpoint it began from (``resumed_from``); the steps before it are that run's rows
+    (and so on back), so a plot shows the whole history."""
+    rows = _read_rows(run_dir)
+    seen = {os.path.realpath(run_dir)}
+    while True:
+        earlier = _resumed_run(run_dir)
+        if earlier is None or os.path.realpath(earlier) in seen:
+            return rows
+        seen.add(os.path.realpath(earlier))
+        try:
+            before = [r for r in _read_rows(earlier) if r["step"] < rows[0]["step"]]
+        except ConfigError:  # that run's metrics are gone: this run's alone
+            return rows
+        rows, run_dir = before + rows, earlier
+
+
+def _resumed_run(run_dir: str) -> str | None:
+    """The run directory of the checkpoint ``run_dir`` resumed from (``<run>/checkpoints/step-N``), or None."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            start = json.load(f).get("resumed_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not start:
+        return None
+    run = os.path.dirname(os.path.dirname(os.path.normpath(start)))
+    return run if os.path.isfile(os.path.join(run, "metrics.jsonl")) else None
+
+
+def _read_rows(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir!r} has no metrics.jsonl; pass a run directory (runs/<run id>).")

@@ -288,3 +288,28 @@ def test_the_shipped_grafana_file_is_what_the_builder_writes():
     with open(grafana.SHIPPED) as f:
         assert f.read() == grafana.render()
     assert grafana.metric_names() == set(UNITS) == grafana_metrics()
+
+
+def test_plot_of_a_resumed_run_reads_the_steps_before_it_from_the_run_it_resumed(tmp_path):
+    """A resumed run's directory holds the steps it trained; its config.json names the checkpoint it
+    began from (resumed_from), whose run holds the steps before: read_metrics joins them (the resumed
+    run's rows win from its first step on), following resumed_from back through every resume."""
+    from megatrain_ray.plot import read_metrics
+
+    def run(name, steps, resumed_from=None):
+        d = tmp_path / name
+        (d / "checkpoints").mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 10.0 - s, "run": name}) + "\n"
+                                                 for s in steps))
+        (d / "config.json").write_text(json.dumps({"resumed_from": resumed_from} if resumed_from else {}))
+        return d
+
+    a = run("a", range(0, 6))                                        # interrupted after step 6
+    b = run("b", range(4, 9), str(a / "checkpoints" / "step-000004"))  # resumed from step 4 of a
+    c = run("c", range(9, 12), str(b / "checkpoints" / "step-000009"))
+    rows = read_metrics(str(c))
+    assert [(r["step"], r["run"]) for r in rows] == [*((s, "a") for s in range(4)), *((s, "b") for s in range(4, 9)),
+                                                    *((s, "c") for s in range(9, 12))]
+    assert [r["step"] for r in read_metrics(str(a))] == list(range(6))
+    (a / "metrics.jsonl").unlink()  # the earlier run is gone: the resumed one's rows alone
+    assert [r["step"] for r in read_metrics(str(b))] == list(range(4, 9))
