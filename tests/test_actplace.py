@@ -7,6 +7,7 @@ deterministic), an offloaded checkpoint comes back with the same bytes. So losse
 must agree bit for bit, not to a tolerance.
 """
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -184,13 +185,15 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
 
 def _finish(prefetcher, thread, fetch_q, release_q) -> None:
     """Let the prefetcher's thread end: after a step that failed part-way it waits for slots the
-    worker will never release, so hand each ticket it issues straight back (step 0 waits on no update)."""
+    closed worker will never release or for room on the fetch queue, so take its tickets and give it
+    slots (any id serves: nothing reads the slots now) until it has issued the step (step 0 waits on
+    no update)."""
     while thread.is_alive():
-        try:
-            release_q.put(fetch_q.get(timeout=0.1).slot)
-        except queue.Empty:
-            pass
-    thread.join()
+        with contextlib.suppress(queue.Empty):
+            fetch_q.get_nowait()
+        with contextlib.suppress(queue.Full):
+            release_q.put_nowait(0)
+        thread.join(timeout=0.01)
 
 
 def step_grads(spec, grad_q) -> dict[int, dict[str, torch.Tensor]]:

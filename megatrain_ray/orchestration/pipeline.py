@@ -282,6 +282,9 @@ def _data_state(source) -> dict:
 
 
 def _raise_interrupt(signum, frame):
+    # A repeated SIGTERM (GNU timeout signals the driver and then its group; a scheduler may repeat
+    # it) waits for the interrupt's checkpoint; the run's end restores the handler.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
