@@ -161,24 +161,26 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s, recompute_spans(placement))
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
-    settings = dataclasses.replace(resolve(cfg, Facts("cpu")).compute, activations=placement,
-                                   attention_backend=attention_backend, threads=None)
-    worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
-    if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with runtime.compile
-        worker.runner = LayerRunner(0, wrap)
-    if calls is not None:  # count the layer's forward runs (forward, and recompute up to the down projection)
-        def counting(inner):
-            def counted(*args):
-                calls.append(1)
-                if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
-                return inner(*args)
-            return counted
-        worker.runner.layer, worker.runner.to_down = counting(worker.runner.layer), counting(worker.runner.to_down)
-    try:
+    worker = None
+    try:  # the thread ends whatever happens, a worker that cannot be built included
+        settings = dataclasses.replace(resolve(cfg, Facts("cpu")).compute, activations=placement,
+                                       attention_backend=attention_backend, threads=None)
+        worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
+        if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with runtime.compile
+            worker.runner = LayerRunner(0, wrap)
+        if calls is not None:  # count the layer's forward runs (forward, and recompute up to the down projection)
+            def counting(inner):
+                def counted(*args):
+                    calls.append(1)
+                    if len(calls) == fail_at:  # as torch raises when the device's memory is exhausted
+                        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+                    return inner(*args)
+                return counted
+            worker.runner.layer, worker.runner.to_down = counting(worker.runner.layer), counting(worker.runner.to_down)
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
         _finish(prefetcher, thread, fetch_q, release_q)
     return result, step_grads(spec, grad_q)
 
