@@ -39,6 +39,7 @@ from ..model.transformer import hf_name
 from . import checkpoint
 from .experts import read_source, source_shapes, sources
 from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
+from .generation import write_generation_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -250,35 +251,6 @@ def token_ids(tokenizer: str | None) -> dict:
     except DataError:
         return {}
     return {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
-
-
-def write_generation_config(src: str | None, out: str, tokenizer: str | None) -> list[str]:
-    """``src``'s generation_config.json in ``out`` (if it has one), its eos_token_id widened to every id
-    that ends a turn: the tokenizer's EOS and the end-of-turn token of its chat template (a chat
-    fine-tune ends its replies with ``<|im_end|>``, whose base config often names only
-    ``<|endoftext|>``); one is written where ``src`` has none and the template's end differs from
-    EOS. Returns the file name written, if any."""
-    name = EXTRA_FILES[0]
-    path = os.path.join(src, name) if src is not None else None
-    config = {}
-    if path is not None and os.path.isfile(path) and os.path.abspath(src) != os.path.abspath(out):
-        with open(path) as f:
-            config = json.load(f)
-    eos_id, ends = None, []
-    if tokenizer is not None:
-        try:
-            tok = load_tokenizer(tokenizer)
-            eos_id, ends = tok.eos_id, [tok.eos_id, *tok.end_of_turn_ids()]
-        except DataError:
-            pass
-    given = config.get("eos_token_id")
-    eos = list(dict.fromkeys([*(given if isinstance(given, list) else [] if given is None else [given]), *ends]))
-    if not config and set(eos) <= {eos_id}:
-        return []  # nothing to keep, nothing beyond the EOS config.json already names
-    if eos:
-        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    write_json(os.path.join(out, name), config)
-    return [name]
 
 
 def write_tokenizer(tokenizer: str | None, out: str) -> list[str]:
