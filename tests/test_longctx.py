@@ -86,10 +86,12 @@ def test_tiled_mlp_equals_untiled_forward_and_gradients(packed):
 
 def test_runner_wraps_both_halves_when_tiled():
     """With compiling on, the tiled runner compiles attention_block and mlp_block separately (and the
-    recomputes, which stop before the down projection: the layer's and the MLP chunk's)."""
+    recomputes, which stop before the down projection: the layer's and the MLP chunk's; and a sparse
+    layer's forward, which the mixture-of-experts layers run whole)."""
     wrapped = []
     LayerRunner(128, wrap=lambda fn: wrapped.append(fn.__name__) or fn)
-    assert wrapped == ["decoder_layer", "layer_to_down", "attention_block", "mlp_block", "mlp_activation"]
+    assert wrapped == ["decoder_layer", "layer_to_down", "attention_block", "mlp_block", "mlp_activation",
+                       "routed_layer"]
 
 
 def _hf_llama():
