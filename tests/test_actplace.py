@@ -181,11 +181,11 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     finally:
         if worker is not None:
             worker.close()
-        _finish(prefetcher, thread, fetch_q, release_q)
+        finish_prefetch(prefetcher, thread, fetch_q, release_q)
     return result, step_grads(spec, grad_q)
 
 
-def _finish(prefetcher, thread, fetch_q, release_q) -> None:
+def finish_prefetch(prefetcher, thread, fetch_q, release_q) -> None:
     """Let the prefetcher's thread end: after a step that failed part-way it waits for slots the
     closed worker will never release or for room on the fetch queue, so take its tickets and give it
     slots (any id serves: nothing reads the slots now) until it has issued the step (step 0 waits on

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import torch
-from test_actplace import step_grads
+from test_actplace import finish_prefetch, step_grads
 from test_gpu import _config  # noqa: F401  (the shape and data of tests/test_gpu.py)
 
 from megatrain_ray.data.loader import source_from_config
@@ -37,19 +37,21 @@ def _step(cfg, placement, compile_layers=False, attention_backend="auto"):
     ParameterStore(spec, cfg.train.seed)
     depth = rt.buffer_depth_on("cuda")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
-    thread = threading.Thread(target=Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s).run,
-                              args=(0, 1), daemon=True)
+    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
+    thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     gc.collect()
     torch.cuda.reset_peak_memory_stats()
-    settings = dataclasses.replace(resolve(cfg, Facts("cuda")).compute, compile=compile_layers, activations=placement,
-                                   attention_backend=attention_backend, mlp_chunk_size=0)
-    worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
-    try:
+    worker = None
+    try:  # the prefetcher's thread ends whatever happens (a backend this GPU lacks fails the step part-way)
+        settings = dataclasses.replace(resolve(cfg, Facts("cuda")).compute, compile=compile_layers,
+                                       activations=placement, attention_backend=attention_backend, mlp_chunk_size=0)
+        worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
         result = worker.run_step(0, source_from_config(cfg).batch(0))
     finally:
-        worker.close()
-    thread.join(timeout=30)
+        if worker is not None:
+            worker.close()
+        finish_prefetch(prefetcher, thread, fetch_q, release_q)
     return result, step_grads(spec, grad_q)
 
 
