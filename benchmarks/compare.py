@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 
             b.report["gemm_tflops"] = gemm_tflops()
         cfg = b.config(data, tmp)
+        if cfg.lora.enabled and (args.baseline or args.baseline_compiled or args.peers):
+            raise ConfigError("--baseline, --baseline-compiled and --peers train every parameter, so they do not "
+                              f"compare with lora.rank {cfg.lora.rank}; run benchmarks/lora_resident.py beside it.")
         if args.probe:
             from benchmarks.probes import adamw_probe, layer_probe
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -81,6 +82,20 @@ def _run(args, layers: int) -> dict:
             "config": dataclasses.asdict(cfg)}
 
 
+def fit_layers(run, args) -> dict | None:
+    """``run(args, layers)`` with ``args.layers`` decoder layers, then one fewer while the GPU runs out of
+    memory, down to one; the first result, or None when not one layer fits."""
+    for layers in range(args.layers, 0, -1):
+        try:
+            return run(args, layers)
+        except torch.OutOfMemoryError:
+            print(f"{layers} layers do not fit the GPU; trying {layers - 1}", flush=True)
+        gc.collect()  # the failed attempt's model and states, once its traceback is gone
+        torch.cuda.empty_cache()
+    print("not one layer fits the GPU")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", required=True)
@@ -94,15 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     tag = args.tag or f"{args.preset}-{args.tokens}"
-    for layers in range(args.layers, 0, -1):
-        try:
-            result = _run(args, layers)
-            break
-        except torch.OutOfMemoryError:
-            print(f"{layers} layers do not fit the GPU; trying {layers - 1}", flush=True)
-            torch.cuda.empty_cache()
-    else:
-        print("not one layer fits the GPU")
+    result = fit_layers(_run, args)
+    if result is None:
         return 1
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"resident-{tag}.json"), "w") as f:

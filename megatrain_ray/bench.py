@@ -288,7 +288,8 @@ def finish(b: Bench, cfg: TrainConfig, systems: dict, tokens_of: dict) -> int:
         r.setdefault("step_s", float("nan"))
         r["tokens_per_step"] = tokens
         r["tokens_per_s"] = tokens / r["step_s"]
-        r.update(model_flops.tflops(cfg.model, args.seq_len, tokens, r["step_s"]))  # tflops_6nt, _palm
+        lora = cfg.lora if key.startswith("megatrain_ray") else None  # ours: a LoRA run's FLOPs as it runs them
+        r.update(model_flops.tflops(cfg.model, args.seq_len, tokens, r["step_s"], lora))  # tflops_6nt, _palm
         if "gemm_tflops" in report:  # per GPU: against one GPU's GEMM times the GPUs the run used
             gpus = tokens // args.tokens if key.startswith("megatrain_ray") else 1
             r["mfu"] = r["tflops_palm"] / (report["gemm_tflops"] * gpus)

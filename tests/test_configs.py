@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +33,10 @@ from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
-NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "qwen2.5-7b", "long-context", "long-context-512k"]
+NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "lora-sft", "qwen2.5-7b", "long-context",
+         "long-context-512k"]
+SFT = ("alpaca-sft", "lora-sft")
+"""The examples that fine-tune an HF model (runtime.init_from) on alpaca rows."""
 BIG = {"qwen2.5-7b", "long-context", "long-context-512k"}
 H200 = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]  # a 128 GiB box has ~120 available
 GiB = 2**30
@@ -77,12 +81,12 @@ def user_files(tmp_path_factory):
 def _replacements(name: str, files: dict) -> list[str]:
     """--set overrides for the REPLACE paths of one example (exactly those keys)."""
     values = {"data.tokenizer": files["tokenizer"], "model.vocab_size": files["vocab"]}
-    values["data.path"] = files["alpaca"] if name == "alpaca-sft" else files["corpus"]
-    if name == "alpaca-sft":
+    values["data.path"] = files["alpaca"] if name in SFT else files["corpus"]
+    if name in SFT:
         values["runtime.init_from"] = files["hf"]
         values["data.tokenizer"] = files["tokenizer"]
     keys = _replaced_keys(name)
-    if name == "alpaca-sft":
+    if name in SFT:
         keys.add("data.tokenizer")  # not in the file: init_from's tokenizer; see user_files
     return [f"{k}={values[k]}" for k in sorted(keys)]
 
@@ -90,7 +94,7 @@ def _replacements(name: str, files: dict) -> list[str]:
 def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
     assert _replaced_keys("tiny") == _replaced_keys("tiny-moe") == set()
     assert _replaced_keys("text-pretrain") == {"data.path", "data.tokenizer", "model.vocab_size"}
-    assert _replaced_keys("alpaca-sft") == {"data.path", "runtime.init_from"}
+    assert _replaced_keys("alpaca-sft") == _replaced_keys("lora-sft") == {"data.path", "runtime.init_from"}
     assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == _replaced_keys("long-context-512k") == {
         "data.path", "data.tokenizer"}
     assert sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".yaml")) == sorted(NAMES)
@@ -291,6 +295,24 @@ def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user
     assert sorted(result.val_losses) == [0]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(result.final_dir)
     assert type(loaded).__name__ == "Qwen2ForCausalLM"
+
+
+@pytest.mark.slow  # a Ray run from an HF model
+def test_lora_sft_trains_adapters_that_peft_loads(tmp_path, ray_cluster, shm_dir, user_files):
+    peft = pytest.importorskip("peft")
+    cfg = load_config(_path("lora-sft"), [
+        *_replacements("lora-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
+        "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
+        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    assert cfg.lora.rank == 16 and cfg.lora.scaling == 2.0
+    result, _ = _train_small(cfg, tmp_path)
+    assert sorted(result.val_losses) == [0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(user_files["hf"])
+    tuned = peft.PeftModel.from_pretrained(base, os.path.join(result.run_dir, "adapter"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(result.final_dir)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def _readme_sample() -> str:

@@ -233,3 +233,39 @@ def test_adapter_directory_loads_with_peft(arch, full, tmp_path):
     for key, value in reference.state_dict().items():
         if key in merged.state_dict():
             torch.testing.assert_close(merged.state_dict()[key], value, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of a LoRA run.
+
+def test_plan_of_a_lora_run_counts_a_frozen_base_and_the_adapters_on_the_gpu(capsys):
+    """At the Qwen2.5-32B shape: the store is the base in bf16 alone (2 B/param, no moments or
+    gradients), the GPU holds the adapters with their AdamW state (16 B each + a bf16 copy) and no
+    embedding/head gradient, checkpoints are the adapters', the LoRA mode's line says how large a
+    base the host holds; the step's FLOPs are 4 per frozen parameter and token."""
+    from megatrain_ray import cli
+    from megatrain_ray.model import flops
+    from megatrain_ray.model.presets import preset_shape
+
+    shape = [f"model.{k}={v}" for k, v in preset_shape("32b").items()]
+    sets = [*shape, "lora.rank=16", "lora.alpha=32", "train.seq_len=1024", "train.micro_batch_size=4",
+            "train.num_micro_batches=16"]
+    capsys.readouterr()
+    cli.main(["plan", "--device", "cuda", "--gpu-memory", "141", *sum((["--set", s] for s in sets), [])])
+    out = capsys.readouterr().out
+    cfg = load_config(None, sets)
+    n, adapters = flops.num_params(cfg.model), AdapterLayout.build(cfg.model, cfg.lora).num_params
+    assert adapters == 64 * 16 * (2 * (5120 + 5120) + 2 * (5120 + 1024) + 3 * (5120 + 27648))
+    assert "134.2M adapter parameters, the base frozen" in out.splitlines()[0] and "master bfloat16" in out
+    rows = {line.split("  ")[0]: line for line in out.splitlines()}
+    store = [line for line in out.splitlines() if line.startswith("master weights (bfloat16)")]
+    assert len(store) == 1 and not any(line.startswith(("AdamW", "exp_avg", "gradient")) for line in out.splitlines())
+    assert f"{n * 2 / 2**30:.1f} GiB" in store[0]
+    (gpu,) = [line for line in rows if line.startswith("LoRA adapters (rank 16, 134,217,728 parameters)")]
+    assert f"{adapters * 18 / 2**30:.1f} GiB" in rows[gpu] and "embedding + head gradients" not in out
+    assert f"checkpoints: {adapters * 12 / 2**30:.1f} GiB each" in out
+    (mode,) = [line for line in out.splitlines() if line.startswith("  LoRA")]
+    assert " 2.00 B/param" in mode and "layer(s) of this shape" in mode
+    six, palm = flops.lora_flops(cfg.model, cfg.lora, 1024, 65536)
+    assert six == (4 * n + 6 * adapters) * 65536 and palm < flops.palm_model_flops(cfg.model, 1024, 65536)
+    assert f"6NT: {six / 1e15:.1f} PFLOP" in out

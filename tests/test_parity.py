@@ -59,7 +59,16 @@ def _reference(model, cfg, source: BatchSource, reverse: bool = False
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    losses = []
+    losses = train_steps(model, params, opt, cfg, source, reverse)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_steps(model, params: list[torch.Tensor], opt, cfg, source: BatchSource, reverse: bool = False
+                ) -> list[float]:
+    """cfg.train.steps steps of the training loop as users write it: each micro-batch's summed
+    cross-entropy over the step's counted tokens, backward (the micro-batches in reverse order if
+    asked), ``params``' norm clipped, the schedule's lr, ``opt``'s step; returns per-step losses."""
+    o, losses = cfg.optim, []
     for step in range(cfg.train.steps):
         batch = source.batch(step)
         ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
@@ -73,7 +82,7 @@ def _reference(model, cfg, source: BatchSource, reverse: bool = False
             total += loss.item()
         reference_update(opt, params, o, step, cfg.train.steps)
         losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses
 
 
 @pytest.mark.parametrize("kind,micro_batches,decay_all", [

@@ -68,6 +68,7 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
     ("largest_model.sh", ["largest-8bit"]),
     ("activation_placement.sh", ["activations-recompute", "activations-auto"]),
     ("moe.sh", ["moe-tiny"]),
+    ("lora.sh", ["lora-tiny"]),
 ])
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)
@@ -78,6 +79,9 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
         assert systems["megatrain_ray"]["losses"] == systems["single_process"]["losses"]
     if recipe == "moe.sh":  # and the resident transformers run beside it
         assert json.loads((tmp_path / "resident-tiny.json").read_text())["layers"] == 1
+    if recipe == "lora.sh":  # the resident transformers + peft run beside it, and the plan's LoRA line
+        assert json.loads((tmp_path / "resident-lora-tiny.json").read_text())["layers"] == 1
+        assert re.search(r"^  LoRA .* B/param", (tmp_path / "log_plan-lora-tiny.txt").read_text(), re.M)
     assert printed.strip().splitlines()[-1].endswith("done")
 
 

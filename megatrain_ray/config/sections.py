@@ -251,9 +251,29 @@ class TrainConfig:
         _require(not (self.lora.train_head and self.model.tie_word_embeddings), "lora.train_head",
                  "cannot be set for a model with tied embeddings (model.tie_word_embeddings), whose LM head is the "
                  "embedding: set lora.train_embedding to train both")
+        if self.lora.enabled:
+            self._validate_lora(workers)
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self
+
+    def _validate_lora(self, workers: int) -> None:
+        """What a LoRA run (lora.rank > 0) does not combine with yet, each named by its key."""
+        rank = self.lora.rank
+        _require(not (self.lora.train_embedding or self.lora.train_head),
+                 "lora.train_embedding" if self.lora.train_embedding else "lora.train_head",
+                 f"is not trained yet with adapters (lora.rank {rank}); set it to false")
+        _require(workers == 1, "runtime.compute_workers",
+                 f"must be 1 in the whole run with lora.rank {rank} (got {self.runtime.compute_workers} x "
+                 f"{self.runtime.nodes}): the adapters live on one compute worker's device")
+        _require(self.runtime.device_adamw in ("auto", "none"), "runtime.device_adamw",
+                 f"must be none with lora.rank {rank}: the frozen base has no optimizer, the adapters train on "
+                 "the device anyway")
+        _require(self.optim.state == "fp32", "optim.state",
+                 f"must be fp32 with lora.rank {rank}: the adapters' AdamW state is exact fp32 on the device")
+        _require(not self.model.sparse_layers, "lora.rank",
+                 f"({rank}) cannot be combined with a mixture of experts (model.num_experts "
+                 f"{self.model.num_experts}) yet: adapters on the experts' projections are not built; set lora.rank 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -168,25 +168,30 @@ def graph_backward(leaves: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Te
     gradient lands straight in its place in the flat buffer rather than being assembled into a
     whole-layer gradient first.
     """
-    *gws, dx = torch.autograd.grad(y, [*leaves.values(), x], dy, allow_unused=True)
-    for name, gw in zip(leaves, gws):
+    names = [name for name, w in leaves.items() if w.requires_grad]  # a LoRA run's base: frozen, no gradient
+    *gws, dx = torch.autograd.grad(y, [*(leaves[n] for n in names), x], dy, allow_unused=True)
+    for name, gw in zip(names, gws):
         if gw is not None:  # the parts of a fused projection get theirs through the fused view
             grads[name].add_(gw)
     return dx
 
 
 def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Tensor], contexts: list[tuple],
-                       cfg) -> KeptGraph:
+                       cfg, adapters: dict[str, torch.Tensor] | None = None) -> KeptGraph:
     """One layer's forward for every micro-batch (xs: M x [B, S, H]) with its graph kept for the backward.
 
     flat: the layer's weights in their slot, copied first, since the slot is reused before the
     backward and the graph saves the weights it multiplied by. The same function on the same values
     as the recompute of :func:`~megatrain_ray.engine.sequence.layer_backward`, so the backward of the kept graph is that of the
     recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
-    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`.
+    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`. adapters: a
+    LoRA run's adapters of the layer (resident, not copied), the leaves that train, its base then frozen.
     """
     weights = flat.clone()
-    leaves = {name: w.detach().requires_grad_(True) for name, w in template.bind(weights, fused=True).items()}
+    frozen = adapters is not None
+    leaves = {name: w.detach().requires_grad_(not frozen) for name, w in template.bind(weights, fused=True).items()}
+    leaves.update({name: w.detach().requires_grad_(".lora_" in name and name.endswith(".weight"))
+                   for name, w in (adapters or {}).items()})
     inputs = [x.detach().requires_grad_(True) for x in xs]
     with torch.enable_grad():
         outputs = [layer_fn(leaves, x, rope, cfg, mask) for x, (rope, mask) in zip(inputs, contexts)]

@@ -25,7 +25,7 @@ with the step. An expert that received no token gets an exactly zero gradient in
 
 Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
-updated here at the end of the step.
+updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.adapters`).
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
@@ -56,6 +56,7 @@ from ..model.layout import DECODER_LAYER
 from ..model.transformer import embed
 from . import affinity
 from .activations import KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
+from .adapters import DeviceAdapters
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
@@ -74,10 +75,11 @@ from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 class ComputeWorker:
     """Plain class; made a Ray actor (with a GPU when there is one) at spawn."""
 
-    def __init__(self, spec: StoreSpec, settings: ComputeSettings, fetch_q, grad_q, release_q, grad_slot_q=None):
+    def __init__(self, spec: StoreSpec, settings: ComputeSettings, fetch_q, grad_q, release_q, grad_slot_q=None,
+                 checkpoint=None, resume_from: str | None = None):
         """spec: the node's store; settings: this worker's part of the run; fetch_q, release_q: its
         prefetcher's queues (weights ready in a slot, slots freed); grad_q: to the gradient sink;
-        grad_slot_q: free slots of the store's gradient ring, from the sink (None without a ring)."""
+        grad_slot_q: the store's free gradient-ring slots (None: no ring); checkpoint, resume_from: LoRA's."""
         self.settings = s = settings
         if s.threads:
             torch.set_num_threads(s.threads)
@@ -115,7 +117,10 @@ class ComputeWorker:
                 self.backend.register_host(self.store.arrays[kind])
         self.resident = ResidentUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
                                 pinned) if spec.resident else None
-        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, s.policies)
+        self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
+                                       checkpoint, resume_from) if spec.lora.enabled else None
+        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, s.policies,
+                                 self.adapters)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
@@ -278,8 +283,8 @@ class ComputeWorker:
         evaluation = None if eval_batch is None else self._batch(eval_batch, mb.ids.shape[2])
         routing = StepRouting(self.cfg, len(batch["input_ids"]))
         xs, es = self._forward(step, mb, evaluation, routing)
-        embed_grad = torch.zeros(self.layout.templates[self.layout.embed.index].numel, dtype=torch.float32,
-                                 device=self.backend.device)
+        embed_grad = None if self.adapters else torch.zeros(  # a LoRA run: no embedding or head gradient
+            self.layout.templates[self.layout.embed.index].numel, dtype=torch.float32, device=self.backend.device)
         loss, dx, val_loss = self._head(step, xs, mb.labels, mb.n_tokens, embed_grad,
                                         None if evaluation is None else (es, evaluation.labels))
         xs = es = None  # the head has used the last hidden states
@@ -289,7 +294,8 @@ class ComputeWorker:
         self._backward(step, mb, dx, embed_grad, routing)
         embed_grad = None
         self.grads_out.end_step(step, sync, hold)
-        return self._report(step, start, loss, mb.n_tokens, val_loss, routing, aux)
+        saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if self.adapters and hold else {}  # LoRA's
+        return {**self._report(step, start, loss, mb.n_tokens, val_loss, routing, aux), **saved}
 
     def _batch(self, batch: dict[str, Any], seq: int | None = None) -> MicroBatches:
         """The step's micro-batches on the device (this worker's share, in a data-parallel group);
@@ -316,13 +322,14 @@ class ComputeWorker:
             sparse = self.cfg.is_sparse(unit.layer)  # recomputed from its checkpoint, never kept whole
             template, kept = templates[unit.index], acts.mode(unit.layer) == KEEP and not sparse
             with self.backend.compute(unit.name):
-                p = template.bind(flat, fused=True)
+                adapters = self.adapters.params(unit.name) if self.adapters else None  # a LoRA run's, resident
+                p = {**template.bind(flat, fused=True), **(adapters or {})}
                 if sparse:
                     ys, stats = zip(*(self.runner.forward_routed(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)))
                     ys = list(ys)
                     routing.record(unit.layer, list(stats))
                 elif kept:  # the graph stays for the backward: nothing to recompute
-                    graph = layer_forward_kept(self.runner.layer, template, flat, xs, mb.ctx, self.cfg)
+                    graph = layer_forward_kept(self.runner.layer, template, flat, xs, mb.ctx, self.cfg, adapters)
                     ys = [y.detach() for y in graph.outputs]
                 else:
                     ys = [self.runner.forward(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)]
@@ -350,25 +357,27 @@ class ComputeWorker:
             inputs = acts.take(unit.layer)
             acts.prefetch(acts.source(unit.layer - 1))  # the next backward's checkpoint comes in while this one computes
             template = templates[unit.index]
-            with self.backend.compute(unit.name + " bwd"):
-                grad = torch.zeros(template.numel, dtype=torch.float32, device=dev)
+            with self.backend.compute(unit.name + " bwd"):  # a LoRA run: only its adapters' gradient, resident
+                grad = None if self.adapters else torch.zeros(template.numel, dtype=torch.float32, device=dev)
+                grads = self.adapters.grad(unit.name) if self.adapters else template.bind(grad, fused=True)
                 if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
-                    kept_backward(inputs, template.bind(grad, fused=True), dx)
+                    kept_backward(inputs, grads, dx)
                 elif self.cfg.is_sparse(unit.layer):
-                    routed_backward(self.runner, template.bind(flat, fused=True), template.bind(grad, fused=True),
-                                    inputs, dx, mb.ctx, self.cfg, routing)
+                    routed_backward(self.runner, template.bind(flat, fused=True), grads, inputs, dx, mb.ctx,
+                                    self.cfg, routing)
                 else:
-                    layer_backward(self.runner, template.bind(flat, fused=True), template.bind(grad, fused=True),
-                                   inputs, dx, mb.ctx, self.cfg)
+                    p = {**template.bind(flat, fused=True), **(self.adapters.params(unit.name) if self.adapters else {})}
+                    layer_backward(self.runner, p, grads, inputs, dx, mb.ctx, self.cfg)
             del inputs
             self._release(ticket)
             self.grads_out.send(unit.index, step, grad)
-        with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
-            table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
-            for m in range(len(dx)):  # in a fixed order, unlike index_add_'s atomics on CUDA
-                rows, grads = mb.ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
-                for s in range(0, rows.shape[0], self.chunk):
-                    add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
+        if embed_grad is not None:
+            with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
+                table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
+                for m in range(len(dx)):  # in a fixed order, unlike index_add_'s atomics on CUDA
+                    rows, grads = mb.ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
+                    for s in range(0, rows.shape[0], self.chunk):
+                        add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
         self.grads_out.send(self.layout.embed.index, step, embed_grad)
 
     @torch.no_grad()
@@ -426,13 +435,18 @@ class ComputeWorker:
             we = flat_e
         with self.backend.compute("head"):
             loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout, self.chunk, wh, we, hidden,
-                                                         labels, n_tokens, embed_grad, self.head_loss_fn)
+                                                         labels, n_tokens, embed_grad, self.head_loss_fn,
+                                                         frozen=self.adapters is not None)
             val_loss = None if evaluation is None else head_loss(self.cfg, self.layout, self.chunk,
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:
             self._release(t)
         self.grads_out.send(unit, step, head_grad)
         return loss, dxs, val_loss
+
+    def lora(self, call: str, *args):
+        """A LoRA run's adapters' ``export`` or ``checkpoint`` (:mod:`megatrain_ray.engine.adapters`)."""
+        return getattr(self.adapters, call)(*args)
 
     def sync_resident(self) -> None:
         """Bring the host store's copy of the resident units up to date (an interrupt's checkpoint)."""
@@ -442,6 +456,8 @@ class ComputeWorker:
     def close(self) -> None:
         if self.resident is not None:
             self.resident.close()
+        if self.adapters is not None:
+            self.adapters.close()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)

@@ -34,14 +34,16 @@ class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
     def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, resident: ResidentUnits | None = None,
-                 policies: tuple[UnitPolicy, ...] = ()):
+                 policies: tuple[UnitPolicy, ...] = (), adapters=None):
         """policies: each unit's (:mod:`megatrain_ray.engine.policy`); the gradients of units whose
-        policy has none (frozen units) are never sent."""
+        policy has none (frozen units) are never sent; adapters: a LoRA run's
+        (:class:`~megatrain_ray.engine.adapters.DeviceAdapters`), updated at the end of each step."""
         self.store, self.backend = store, backend
         self.layout = store.layout
         self.grad_q, self.grad_slot_q = grad_q, grad_slot_q  # grad_slot_q: free ring slots, from the sink
         self.timeout_s = timeout_s
         self.resident = resident
+        self.adapters = adapters
         self.frozen = {u for u, p in enumerate(policies) if p.gradient == NONE}
         self.reducer = None
         """The worker's data-parallel group (set when it joins one), or None."""
@@ -61,12 +63,15 @@ class GradOut:
                 slot, handle, step_sq = handle()
             self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq), timeout=self.timeout_s)
 
-    def send(self, unit: int, step: int, grad: torch.Tensor) -> None:
-        """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink.
+    def send(self, unit: int, step: int, grad: torch.Tensor | None) -> None:
+        """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink;
+        None: a LoRA run's frozen unit, whose ticket carries its adapters' squared norm (:meth:`send_norm`).
 
         With a data-parallel group, the gradient is first summed over all workers, and this worker
         sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
         gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
+        if grad is None:
+            return self.send_norm(unit, step, self.adapters.sq_norm(self.layout.units[unit]))
         if unit in self.frozen:
             return
         if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
@@ -90,6 +95,12 @@ class GradOut:
         handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
         self.outbox.put((unit, step, slot, handle, -1.0))
 
+    def send_norm(self, unit: int, step: int, sq_norm: torch.Tensor) -> None:
+        """The ticket of a LoRA run's frozen unit: no gradient leaves the device, only ``sq_norm`` (a
+        device scalar: the squared norm of the unit's adapters' gradient, 0 without) for the step's norm."""
+        self._sq_norms.append(sq_norm)
+        self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0))
+
     def end_step(self, step: int, sync: bool, hold: bool = False) -> None:
         """After the last gradient of step ``step``: send the held ones, or update the resident units
         (and with ``sync`` copy them to the host store, ``hold``: for a checkpoint; see
@@ -102,6 +113,10 @@ class GradOut:
                 self.resident.update(step, step_sq_norm(norms))
             if sync:
                 self.resident.sync(hold)
+        if self.adapters is not None:  # summed as the sink sums the tickets' norms: the same float
+            norms, self._sq_norms = self._sq_norms, []
+            with self.backend.compute("adamw (adapters)"):
+                self.adapters.update(step, step_sq_norm(norms))
 
     def _send_held(self, step: int) -> None:
         """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order

@@ -37,7 +37,8 @@ def chunk_loss_sum(norm_weight: torch.Tensor, w: torch.Tensor, x: torch.Tensor, 
 
 def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.Tensor | None,
                           hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor,
-                          loss_fn: Callable = chunk_loss_sum) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                          loss_fn: Callable = chunk_loss_sum, frozen: bool = False
+                          ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
     """Loss and gradients of the head for the step's micro-batches.
 
     cfg: the model config; layout: its :class:`~megatrain_ray.model.layout.StoreLayout`; wh: the head unit's flat weights
@@ -45,7 +46,8 @@ def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.T
     M x [B, S, H]; labels: [M, B, S]; n_tokens: the step's counted tokens (the loss is their mean);
     loss_fn: :func:`chunk_loss_sum` or its compiled form. Returns (loss, M x [B, S, H] input
     gradients, the head's fp32 gradient [numel]); with tied embeddings the LM-head part is added
-    into ``embed_grad`` [V*H] fp32.
+    into ``embed_grad`` [V*H] fp32. ``frozen`` (a LoRA run's head): input gradients only, no weight
+    gradient computed (the [V, H] GEMM of each chunk skipped), None for the head's.
 
     The autograd leaves are the parameters' views (the norm weight, the [V, H] matrix), not the flat
     buffers: the gradient of a view of a flat leaf is a zero-filled [numel] tensor per view and chunk
@@ -53,14 +55,15 @@ def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.T
     """
     head_t, embed_t = layout.templates[layout.head.index], layout.templates[layout.embed.index]
     tied = we is not None
-    head_grad = torch.zeros(head_t.numel, dtype=torch.float32, device=wh.device)
     embed = embed_t.bind(we.detach()) if tied else None
     head = head_t.bind(wh.detach())
-    norm_w = head["norm.weight"].requires_grad_(True)
-    w = lm_head_weight(head, embed).requires_grad_(True)
-    grads = head_t.bind(head_grad)
-    norm_grad = grads["norm.weight"]
-    w_grad = lm_head_weight(grads, embed_t.bind(embed_grad) if tied else None)
+    norm_w = head["norm.weight"].requires_grad_(not frozen)
+    w = lm_head_weight(head, embed).requires_grad_(not frozen)
+    head_grad = None if frozen else torch.zeros(head_t.numel, dtype=torch.float32, device=wh.device)
+    if not frozen:
+        grads = head_t.bind(head_grad)
+        norm_grad = grads["norm.weight"]
+        w_grad = lm_head_weight(grads, embed_t.bind(embed_grad) if tied else None)
     loss = torch.zeros((), dtype=torch.float32, device=wh.device)
     dxs = []
     for m, x in enumerate(hidden):
@@ -71,9 +74,12 @@ def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.T
             xc = flat_x[s:s + chunk].requires_grad_(True)
             with torch.enable_grad():
                 part = loss_fn(norm_w, w, xc, flat_labels[s:s + chunk], cfg) / n_tokens
-            dx[s:s + chunk], gn, gw = torch.autograd.grad(part, (xc, norm_w, w))
-            norm_grad += gn
-            w_grad += gw
+            if frozen:
+                dx[s:s + chunk], = torch.autograd.grad(part, (xc,))
+            else:
+                dx[s:s + chunk], gn, gw = torch.autograd.grad(part, (xc, norm_w, w))
+                norm_grad += gn
+                w_grad += gw
             loss += part.detach()
         dxs.append(dx.view_as(x))
     return loss, dxs, head_grad

@@ -52,9 +52,18 @@ class UnitPolicy:
         return f"weights {self.weights}, gradient {self.gradient}, optimizer {self.optimizer}"
 
 
-def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str) -> tuple[UnitPolicy, ...]:
+FROZEN = UnitPolicy(STREAMED, DEVICE, NONE)
+"""A LoRA run's base unit (:mod:`megatrain_ray.engine.adapters`): streamed, never updated; the gradient
+that stays on the device is its adapters', whose squared norm goes to the sink."""
+
+
+def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str,
+                    frozen: bool = False) -> tuple[UnitPolicy, ...]:
     """Each of ``units`` units' policy: the ``resident`` ones on the device (weights, gradient and
-    AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``."""
+    AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``;
+    ``frozen`` (a LoRA run): every unit :data:`FROZEN`."""
+    if frozen:
+        return (FROZEN,) * units
     on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
     return tuple(on_device if u in resident else on_host for u in range(units))
 

@@ -40,10 +40,11 @@ import torch
 
 from ..errors import PipelineError
 from ..model.transformer import (IGNORE_INDEX, attention_block, decoder_layer, document_ids, document_mask,
-                                 mlp_activation, mlp_block, rope_at, rope_cache, routed_layer)
+                                 low_rank, mlp_activation, mlp_block, rope_at, rope_cache, routed_layer)
 from .activations import lean_partitioner
 
-DOWN = "mlp.down_proj.weight"
+DOWN_PROJ = "mlp.down_proj"
+DOWN = f"{DOWN_PROJ}.weight"
 """The layer's last GEMM, whose backward :func:`down_backward` runs by hand."""
 
 
@@ -57,10 +58,28 @@ def layer_to_down(p, x: torch.Tensor, rope, cfg, mask=None) -> tuple[torch.Tenso
 def down_backward(leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], a: torch.Tensor,
                   dy: torch.Tensor) -> torch.Tensor:
     """The backward of y = h + a @ W^T through W (the down projection) alone, as autograd computes it:
-    W's gradient dy^T a added into ``grads`` (fp32), and returns a's gradient dy W.
-    a: [B, S, I] (no graph needed), dy: [B, S, H] -> [B, S, I]."""
-    grads[DOWN].add_(dy.reshape(-1, dy.shape[-1]).t().mm(a.reshape(-1, a.shape[-1])))
+    W's gradient dy^T a added into ``grads`` (fp32; not computed for a frozen W, absent from
+    ``grads``), and returns a's gradient dy W. a: [B, S, I] (no graph needed), dy: [B, S, H] -> [B, S, I].
+    An adapter of the down projection is differentiated with the rest (:func:`down_adapter`)."""
+    if DOWN in grads:
+        grads[DOWN].add_(dy.reshape(-1, dy.shape[-1]).t().mm(a.reshape(-1, a.shape[-1])))
     return dy.matmul(leaves[DOWN])
+
+
+def down_adapter(leaves: dict[str, torch.Tensor], act: torch.Tensor, dy: torch.Tensor
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The down projection's adapter term of a recompute, with its graph from ``act`` [B, S, I] (the
+    activation as recomputed, with its graph), as (outputs, their gradients) to add to the
+    backward's: ([scaling * B (A act)], [dy]); ([], []) when the down projection has no adapter."""
+    with torch.enable_grad():
+        extra = low_rank(leaves, DOWN_PROJ, act)
+    return ([], []) if extra is None else ([extra], [dy])
+
+
+def trainable_leaves(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter as its own autograd leaf, requiring a gradient only where ``grads`` has a
+    buffer for it: the frozen base of a LoRA run gets none, so its weight-gradient GEMMs never run."""
+    return {name: w.detach().requires_grad_(name in grads) for name, w in params.items()}
 
 
 class LayerRunner:
@@ -98,7 +117,8 @@ class LayerRunner:
         conventions as :meth:`backward`; returns dx: [B, S, H]."""
         rope, mask = context
         x = x.detach().requires_grad_(True)
-        names, weights = list(leaves), list(leaves.values())
+        names = [name for name, w in leaves.items() if w.requires_grad]
+        weights = [leaves[name] for name in names]
         with torch.enable_grad():
             y, stats = self.routed(leaves, x, rope, cfg, mask)
         outputs, grads_out = ([y], [dy]) if dprobs is None else ([y, stats.prob_sum], [dy, dprobs])
@@ -140,12 +160,14 @@ class LayerRunner:
         """
         rope, mask = context
         x = x.detach().requires_grad_(True)
-        names, weights = list(leaves), list(leaves.values())
+        names = [name for name, w in leaves.items() if w.requires_grad]
+        weights = [leaves[name] for name in names]
         if not self.tiles(x):
             with torch.enable_grad():
                 h, act = self.to_down(leaves, x, rope, cfg, mask)
             da = down_backward(leaves, grads, act.detach(), dy)
-            *gws, dx = torch.autograd.grad([h, act], [*weights, x], [dy, da], allow_unused=True)
+            extra, d_extra = down_adapter(leaves, act, dy)
+            *gws, dx = torch.autograd.grad([h, act, *extra], [*weights, x], [dy, da, *d_extra], allow_unused=True)
             _accumulate(grads, names, gws)
             return dx
         with torch.enable_grad():
@@ -156,7 +178,8 @@ class LayerRunner:
             with torch.enable_grad():
                 act = self.mlp_act(leaves, hc, cfg)
             da = down_backward(leaves, grads, act.detach(), dy[:, a:b])
-            *gws, dhc = torch.autograd.grad(act, [*weights, hc], da, allow_unused=True)
+            extra, d_extra = down_adapter(leaves, act, dy[:, a:b])
+            *gws, dhc = torch.autograd.grad([act, *extra], [*weights, hc], [da, *d_extra], allow_unused=True)
             dh[:, a:b] = dhc + dy[:, a:b]  # and the residual's share
             del act, da, dhc
             _accumulate(grads, names, gws)
@@ -170,13 +193,14 @@ def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: 
     """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
 
     runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.sequence`);
-    params: the layer's views into its device slot; grads: the same views into its fp32 gradient
-    buffer, accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
+    params: the layer's views into its device slot (and, in a LoRA run, its adapters beside them);
+    grads: views into the fp32 gradient buffer of what trains (the same names; a LoRA run's adapters
+    only), accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
     replaced by the input gradients; contexts: M x (rope, mask). Each parameter is its own autograd
     leaf (a view of the slot, no copy), so its gradient is added straight into its place in the flat
     buffer rather than assembled into a whole-layer gradient first.
     """
-    leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
+    leaves = trainable_leaves(params, grads)
     for m, x in enumerate(inputs):
         dx[m] = runner.backward(leaves, grads, x, dx[m], contexts[m], cfg)
 

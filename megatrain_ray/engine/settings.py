@@ -45,6 +45,8 @@ class ComputeSettings:
     """The run's steps (train.steps), for the learning-rate schedule of the resident units."""
     policies: tuple[UnitPolicy, ...] = ()
     """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): as ``StoreSpec.resident`` says."""
+    seed: int = 0
+    """train.seed: a LoRA run's adapters are initialised from it (:mod:`megatrain_ray.engine.adapters`)."""
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from . import affinity
 from .checkpointing import SinkCheckpoints
 from .grad_reduce import sum_copies
 from .optim import AdamWRunner, clip_coefficient
-from .policy import DEVICE, EXACT, NONE, policies_of_run
+from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
 from .schedule import Schedule
 from .settings import SinkSettings
 from .shards import OptimizerShards
@@ -86,6 +86,9 @@ class GradientSink:
         self.order = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
                       if self.policies[u].optimizer not in (DEVICE, NONE)]
         """The units this sink updates, in update order."""
+        self.frozen = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
+                       if self.policies[u] == FROZEN]
+        """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
         self.after_norm = self.optim.max_grad_norm > 0 or settings.sharded
         """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
         update order, after the last gradient), unless it comes with the tickets (held gradients)."""
@@ -140,6 +143,8 @@ class GradientSink:
             coef = clip_coefficient(norm, self.optim.max_grad_norm)
             for unit in (u for u in self.order if u in waiting):
                 self._update(unit, step, coef)
+            for unit in self.frozen:  # never updated: the next step may stream it
+                self.store.set_version(unit, step + 1)
             if self.sharding is not None:
                 self.sharding.end_step()
             self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,

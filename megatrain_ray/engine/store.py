@@ -41,7 +41,9 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
-from ..config import ModelConfig, TrainConfig
+import dataclasses
+
+from ..config import LoraSection, ModelConfig, TrainConfig
 from ..config.runtime import device_adamw_layers
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
@@ -138,6 +140,10 @@ class StoreSpec:
     """Units the compute worker owns (runtime.device_adamw): it keeps their weights and AdamW states on
     its device and updates them there; none is fetched or updated by the sink, and their blocks here
     are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.resident`)."""
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+    """A LoRA run's adapters (lora.rank > 0): the base is frozen, stored as its master weights alone, in
+    the compute dtype (no moments, no gradients, no stream copy); the adapters live on the compute
+    worker's device (:mod:`megatrain_ray.engine.adapters`)."""
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str,
@@ -148,6 +154,9 @@ class StoreSpec:
         after the last gradient, from whole-model gradient blocks; held gradients need a single
         compute worker in the whole run)."""
         rt, clip = cfg.runtime, cfg.optim.max_grad_norm
+        if cfg.lora.enabled:  # a frozen base: its weights alone, as the GPU reads them
+            return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), rt.shm_dir, owner_pid,
+                       run_id, lora=cfg.lora)
         sharded = rt.sharded_optimizer
         hold = not sharded and not resident and holds_grads(precision, clip, rt.compute_workers * rt.nodes,
                                                          rt.hold_grads_on(device))
@@ -171,6 +180,8 @@ class StoreSpec:
 
     def kinds(self) -> tuple[str, ...]:
         p = self.precision
+        if self.lora.enabled:
+            return ("master",)
         return tuple(k for k in WEIGHT_KINDS if not (k == "stream" and not p.separate_stream_copy
                                                       or k == "grad" and p.grad_in_stream_block
                                                       or k == "peer_grad" and not self.peer_grads)) + (
@@ -312,12 +323,14 @@ class ParameterStore:
                 reaper.start(shm.run_segments(spec.shm_dir, spec.owner_pid, spec.run_id), [os.getpid()])
             for array in self.store.arrays.values():  # fault every page in now, not during step 1
                 array.zero_()
-            if resume_from is not None:
+            if resume_from is not None and not spec.lora.enabled:
                 self.load_checkpoint(resume_from)
             elif init_from is None:
                 self._init_random(seed)
             else:
                 self._load_hf(init_from)
+            if resume_from is not None and spec.lora.enabled:  # its checkpoint holds the adapters alone: the
+                self._frozen_at(resume_from)  # base, loaded as at the start, is at the checkpoint's step
         except BaseException:
             self.close()
             raise
@@ -377,6 +390,15 @@ class ParameterStore:
         if tokenizer is None and is_tokenizer_dir(self.init_from):
             tokenizer = self.init_from
         return hf_io.save_store(self.store, directory, shard_bytes, source=self.init_from, tokenizer=tokenizer)
+
+    def _frozen_at(self, directory: str) -> None:
+        """Mark a LoRA run's frozen base as at the step of its checkpoint ``directory``: a frozen unit's
+        version counts the steps done (its update is none)."""
+        from ..io import checkpoint
+
+        step = checkpoint.read_meta(directory)["step"]
+        for i in range(len(self.store.layout.units)):
+            self.store.set_version(i, step)
 
     def load_checkpoint(self, directory: str) -> int:
         """Master weights, AdamW states and unit versions from a training checkpoint; returns its step

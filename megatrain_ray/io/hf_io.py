@@ -300,13 +300,22 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
     :func:`megatrain_ray.io.files.atomic_dir`): a full disk removes what was written and raises one
     WriteError naming it and the space needed. Tensors are written straight from the store's memory.
     """
-    cfg, dtype = store.spec.model, store.spec.precision.master
     tensors = [TensorSource.of(hf_name(unit, name), store.params("master", i)[name])
                for i, unit in enumerate(store.layout.units) for name, _, _ in store.layout.templates[i].params]
+    return write_model_dir(directory, "the final weights", store.spec.model, store.spec.precision.master, tensors,
+                           shard_bytes, source, tokenizer)
+
+
+def write_model_dir(directory: str, what: str, cfg: ModelConfig, dtype: torch.dtype, tensors: list[TensorSource],
+                    shard_bytes: int = DEFAULT_SHARD_BYTES, source: str | None = None,
+                    tokenizer: str | None = None) -> list[str]:
+    """An HF model directory of ``tensors`` (in ``dtype``) with config.json for ``cfg``, ``source``'s
+    other config.json fields and generation config, and ``tokenizer`` (see :func:`save_store`),
+    appearing whole or not at all (``what``: how its user knows it, for errors); its shard files."""
     base = None
     if source is not None and os.path.isfile(os.path.join(source, "config.json")):
         base = read_config(source, "runtime.init_from")[1]
-    with atomic_dir(directory, "the final weights", sum(t.nbytes for t in tensors)) as tmp:
+    with atomic_dir(directory, what, sum(t.nbytes for t in tensors)) as tmp:
         mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base, tokenizer))
         write_generation_config(source, tmp, tokenizer)

@@ -22,9 +22,8 @@ import torch
 from ..config import LoraSection, ModelConfig
 from ..model.lora import PEFT_PREFIX, AdapterLayout, merged_weight, peft_name
 from ..model.transformer import hf_name, unit_names, unit_params
-from .files import TensorSource, atomic_dir, write_json, write_safetensors, write_shards
-from .hf_io import (DEFAULT_SHARD_BYTES, EXTRA_FILES, INDEX_FILE, copy_side_files, hf_config, read_config,
-                    write_tokenizer)
+from .files import TensorSource, atomic_dir, write_json, write_safetensors
+from .hf_io import DEFAULT_SHARD_BYTES, write_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -109,12 +108,4 @@ def save_merged(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[st
 
     tensors = [TensorSource(hf_name(unit, name), tuple(shape), dtype, reader(unit, name))
                for unit in unit_names(cfg) for name, shape in unit_params(cfg, unit)]
-    base_cfg = None
-    if source is not None and os.path.isfile(os.path.join(source, "config.json")):
-        base_cfg = read_config(source, "runtime.init_from")[1]
-    with atomic_dir(out, "the merged weights", sum(t.nbytes for t in tensors)) as tmp:
-        mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
-        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base_cfg, tokenizer))
-        copy_side_files(source, tmp, EXTRA_FILES)
-        write_tokenizer(tokenizer, tmp)
-    return sorted(set(mapping.values()))
+    return write_model_dir(out, "the merged weights", cfg, dtype, tensors, shard_bytes, source, tokenizer)

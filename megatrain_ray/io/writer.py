@@ -308,34 +308,41 @@ class CheckpointWriter:
 
     def _meta(self, step: int) -> dict:
         """meta.json of the boundary ``step`` (its ``files`` added once they are written)."""
-        store, plan = self.store, self.plan
+        store = self.store
         spec, units = store.spec, store.layout.units
-        run_config = plan.run_config
-        train = run_config.get("train", {})
-        sequences = train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0)
-        data_state = dict(plan.data_state or {})
-        order = data_state.pop("order", None)
-        return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "versions": {u: store.state_version(i) for i, u in enumerate(units)},
-            "adamw_step": step,
-            "data": {**data_state, "next_step": step, "path": run_config.get("data", {}).get("path"),
-                     "sequences_consumed": step * sequences,
-                     "tokens_consumed": step * sequences * train.get("seq_len", 0)},
-            "rng": {"seed": train.get("seed"),
-                    "data_order": order or "unknown (the data loader recorded none)",
-                    "torch": "not used after initialisation: the model has no dropout and the initial weights "
-                             "are drawn per unit from torch.Generator(seed * 1000003 + unit index)",
-                    "draws_after_init": 0},
-            "precision": {"master": str(spec.precision.master).removeprefix("torch."),
-                          "optim_state": optim_state_name(store)},
-            "model": spec.model.to_hf_dict(),
-            "config": run_config,
-            "run_id": plan.run_id,
-            "saved_at": time.time(),
-        }
+        return step_meta(self.plan, step, {u: store.state_version(i) for i, u in enumerate(units)}, spec.model,
+                         {"master": str(spec.precision.master).removeprefix("torch."),
+                          "optim_state": optim_state_name(store)})
+
+
+def step_meta(plan: CheckpointPlan, step: int, versions: dict[str, int], model, precision: dict) -> dict:
+    """meta.json of a checkpoint of ``plan``'s run at boundary ``step`` (its ``files`` added once they
+    are written): versions {unit: updates}, model (a ModelConfig), precision {master, optim_state}."""
+    run_config = plan.run_config
+    train = run_config.get("train", {})
+    sequences = train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0)
+    data_state = dict(plan.data_state or {})
+    order = data_state.pop("order", None)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "versions": versions,
+        "adamw_step": step,
+        "data": {**data_state, "next_step": step, "path": run_config.get("data", {}).get("path"),
+                 "sequences_consumed": step * sequences,
+                 "tokens_consumed": step * sequences * train.get("seq_len", 0)},
+        "rng": {"seed": train.get("seed"),
+                "data_order": order or "unknown (the data loader recorded none)",
+                "torch": "not used after initialisation: the model has no dropout and the initial weights "
+                         "are drawn per unit from torch.Generator(seed * 1000003 + unit index)",
+                "draws_after_init": 0},
+        "precision": precision,
+        "model": model.to_hf_dict(),
+        "config": run_config,
+        "run_id": plan.run_id,
+        "saved_at": time.time(),
+    }
 
 
 def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_state: dict | None = None,

@@ -14,6 +14,11 @@ routed experts, so 6NT's N is :func:`active_params` (every parameter less the E 
 a token skips, per sparse layer) and PaLM's matmul parameters count k routed experts, the router
 and the shared expert (with its gate) of each sparse layer. For a dense model both are as before.
 
+A LoRA run (lora.rank > 0) counts the FLOPs its step runs: the frozen base's weight-gradient GEMMs
+are never run, so each base matmul parameter costs 4 FLOPs per token (2 forward, 2 for the input
+gradient) instead of 6, and each adapter parameter 6 (:func:`lora_flops`): 6NT becomes
+(4 N + 6 N_adapters) T, PaLM's (4 x matmul parameters + 6 N_adapters) T plus the same attention term.
+
 Neither counts the recomputation of the forward in the backward pass (the usual MFU convention),
 so both are *model* FLOPs, not the hardware FLOPs executed; :func:`recompute_flops` counts that
 recomputation apart, in PaLM's convention (the expected step time of
@@ -23,7 +28,8 @@ of :data:`TFLOPS_KEYS` (metrics.jsonl, the Ray gauges, the benchmark's JSON).
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import LoraSection, ModelConfig
+from .lora import AdapterLayout
 from .transformer import unit_names, unit_params
 
 TFLOPS_KEYS = {"6nt": "tflops_6nt", "palm": "tflops_palm"}
@@ -100,13 +106,24 @@ def palm_model_flops(model: ModelConfig, seq_len: int, tokens: int) -> float:
     return (6.0 * matmul_params(model) + attention_flops_per_token(model, seq_len)) * tokens
 
 
-def tflops(model: ModelConfig, seq_len: int, tokens: int, seconds: float) -> dict[str, float]:
-    """Both conventions' TFLOP/s for ``tokens`` trained in ``seconds``, under :data:`TFLOPS_KEYS`."""
+def lora_flops(model: ModelConfig, lora: LoraSection, seq_len: int, tokens: int) -> tuple[float, float]:
+    """(6NT's, PaLM's) FLOPs of ``tokens`` trained by a LoRA run: a frozen base parameter costs 4
+    per token (no weight gradient), an adapter parameter 6 (see the module docstring)."""
+    adapters = AdapterLayout.build(model, lora).num_params
+    return ((4.0 * active_params(model) + 6.0 * adapters) * tokens,
+            (4.0 * matmul_params(model) + 6.0 * adapters + attention_flops_per_token(model, seq_len)) * tokens)
+
+
+def tflops(model: ModelConfig, seq_len: int, tokens: int, seconds: float,
+           lora: LoraSection | None = None) -> dict[str, float]:
+    """Both conventions' TFLOP/s for ``tokens`` trained in ``seconds``, under :data:`TFLOPS_KEYS`;
+    ``lora``: a LoRA run's section (its FLOPs are :func:`lora_flops`)."""
     seconds = max(seconds, 1e-9)
-    return {TFLOPS_KEYS["6nt"]: flops_6nt(model, tokens) / seconds / 1e12,
-            TFLOPS_KEYS["palm"]: palm_model_flops(model, seq_len, tokens) / seconds / 1e12}
-
-
+    if lora is not None and lora.enabled:
+        six, palm = lora_flops(model, lora, seq_len, tokens)
+    else:
+        six, palm = flops_6nt(model, tokens), palm_model_flops(model, seq_len, tokens)
+    return {TFLOPS_KEYS["6nt"]: six / seconds / 1e12, TFLOPS_KEYS["palm"]: palm / seconds / 1e12}
 def fmt_count(n: float) -> str:
     """A count in the unit that fits: 950, 12.3K, 5.0M, 7.6B."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):

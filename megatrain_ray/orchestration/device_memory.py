@@ -18,6 +18,7 @@ from ..engine.store import StoreSpec, largest_streamed, resident_units
 from ..errors import ConfigError
 from ..model.flops import recompute_flops
 from ..model.layout import StoreLayout
+from ..model.lora import AdapterLayout
 from ..model.precision import resolve_precision
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
@@ -90,14 +91,18 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
     resident = configured_resident(cfg, resident)
     resident_numel = sum(layout.templates[i].numel for i in resident)
+    lora = cfg.lora
+    adapters = AdapterLayout.build(m, lora).num_params
     rows = [
         Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
             depth * largest_streamed(layout, resident) * c),
         *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
                "(runtime.device_adamw)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
-        _layer_working_set(cfg, tokens, c, layer_numel),
-        Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
+        _layer_working_set(cfg, tokens, c, 0 if lora.enabled else layer_numel),  # LoRA: no base gradient
+        Row(f"LoRA adapters (rank {lora.rank}, {adapters:,} parameters): fp32 master, AdamW moments and gradient"
+            f"{', compute copy' if c != 4 else ''}", "device", adapters * (16 + (c if c != 4 else 0)))
+        if lora.enabled else Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
@@ -127,7 +132,8 @@ def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) 
     gradients) and q, k, v with the attention output and their gradients; the MLP: 5
     [tokens, intermediate] tensors (see the module docstring), for one chunk when tiled, where the
     attention half's output and its gradient are one more [tokens, hidden] held across the chunks;
-    and the layer's fp32 gradient with a compute-dtype weight gradient. A sparse layer (never tiled)
+    and the layer's fp32 gradient with a compute-dtype weight gradient (``layer_numel`` elements; 0: a
+    LoRA run's frozen base, which has none). A sparse layer (never tiled)
     instead: its tokens x top-k dispatched rows through the experts (the gathered rows, gate/up, the
     activation, the down projection's output and their gradients: 4 [rows, hidden] and 5
     [rows, expert width]), the router's fp32 probabilities [tokens, experts] (with their softmax's
@@ -246,13 +252,14 @@ def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) ->
     :data:`AUTO_DEVICE_ADAMW` with which the plan fits the GPU with every activation checkpoint on
     it (none offloaded to host memory). Measured at 7B on an H200: the host update of the embedding,
     layer 0 and the head is ~0.2 s a step that the GPU waits at the step boundary, more than the two
-    kept layers' recompute the resident states take the memory of. Else none.
+    kept layers' recompute the resident states take the memory of. Else (a LoRA run among them: its
+    base has no optimizer) none.
     """
     rt = cfg.runtime
     if rt.device_adamw != "auto":
         return rt.device_adamw
-    if (device == "cuda" and rt.compute_workers * rt.nodes == 1 and rt.master_dtype == "float32"
-            and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0 and device_bytes):
+    if (device == "cuda" and not cfg.lora.enabled and rt.compute_workers * rt.nodes == 1 and device_bytes
+            and rt.master_dtype == "float32" and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
         for setting in AUTO_DEVICE_ADAMW:
             rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident_units(cfg.model, setting))
             offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory

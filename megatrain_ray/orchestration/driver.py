@@ -121,18 +121,25 @@ class Driver:
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
         if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
             tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
-            if self.plan is not None and not self.plan.every:  # the weights on disk before the export
+            if self.cfg.lora.enabled:  # the adapters (PEFT's format) and the merged model, from the compute worker
+                adapter_dir = os.path.join(r.run_dir, "adapter")
+                _get(self.roles.computes[0].lora.remote("export", adapter_dir, r.final_dir, tokenizer,
+                                                        self.cfg.runtime.init_from), "compute", self.timeout)
+            elif self.plan is not None and not self.plan.every:  # the weights on disk before the export
                 try:
                     r.checkpoints.append(_get(self.head.store.save_checkpoint.remote(self.plan, self.steps), "store",
                                               self.timeout))
                     self.log(f"checkpoint: step {self.steps} saved to {r.checkpoints[-1]}")
                 except MegatrainError as e:  # it needs 3x the export's space: the export may still fit
                     self.log(f"warning: {str(e).rstrip('.')}; exporting the final weights without it")
-            _get(self.head.store.save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
+            if not self.cfg.lora.enabled:
+                _get(self.head.store.save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
         saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
+        if self.cfg.lora.enabled and self.cfg.train.save_final:
+            saved = f"adapters saved to {os.path.join(r.run_dir, 'adapter')}, merged into {r.final_dir}"
         again = (f" (after {r.restarts} restart{'s' if r.restarts > 1 else ''}, which trained {r.repeated_steps} "
                  f"step{'' if r.repeated_steps == 1 else 's'} twice)") if r.restarts else ""
         self.log(f"done: {self.steps - r.start_step} steps{again}, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
@@ -176,6 +183,8 @@ class Driver:
         self.result.losses.append(out["loss"])
         self.result.fetches.append(out["fetches"])
         self.outputs[step] = out
+        if "checkpoint" in out:  # a LoRA run's, written by the compute worker (engine.adapters)
+            self._handle([out.pop("checkpoint")])
 
     def _salvage(self, within: float = 2.0) -> None:
         """After a role died: record what finished before it did, so the restart can resume from the
@@ -225,8 +234,10 @@ class Driver:
                 self.save_s = st["save_s"] + st.get("stall_s", 0.0)
                 self.result.checkpoints.append(st["checkpoint"])
                 self.gauges.checkpoint(st["step"])
+                waited = ("the compute worker paused for it" if st.get("by") == "compute" else
+                          f"the sink waited {st.get('stall_s', 0.0):.2f} s for it")
                 self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s "
-                         f"(the sink waited {st.get('stall_s', 0.0):.2f} s for it)")
+                         f"({waited})")
             else:
                 self.stats[st["step"]] = st
         for step in sorted(s for s in self.stats if s in self.outputs):
@@ -301,9 +312,13 @@ class Driver:
                     return None, f"the loss of step {step + 1} is {out['loss']}"
                 self._record(step, out)
             # The store actor waits until the sink has applied every submitted step's update; the
-            # compute worker's own units (runtime.device_adamw) it copies in first.
-            _get(self.roles.computes[0].sync_resident.remote(), "compute", self.timeout)
-            save = self.head.store.save_checkpoint.remote(self.plan, boundary)
+            # compute worker's own units (runtime.device_adamw) it copies in first. A LoRA run's
+            # checkpoint is the adapters', which the compute worker writes itself.
+            if self.cfg.lora.enabled:
+                save = self.roles.computes[0].lora.remote("checkpoint", boundary)
+            else:
+                _get(self.roles.computes[0].sync_resident.remote(), "compute", self.timeout)
+                save = self.head.store.save_checkpoint.remote(self.plan, boundary)
             while True:
                 ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)
                 if save in ready:
@@ -312,6 +327,7 @@ class Driver:
                     _get(r, self.loops.pop(r), self.timeout)
                 self._handle(self.head.stats_q.drain())
             path = _get(save, "store", self.timeout)
+            path = path["checkpoint"] if self.cfg.lora.enabled else path  # a LoRA run's: the compute worker's notice
             self._handle(self.head.stats_q.drain())
         except MegatrainError as e:
             return None, f"no checkpoint could be saved ({e})"

@@ -47,7 +47,8 @@ from .gauges import STAGE_ROLE, STAGES, UNITS  # noqa: F401  (UNITS: the units o
 class RunMetrics:
     """The gauges of one run (create in the driver after ray.init)."""
 
-    def __init__(self, run_id: str, model: ModelConfig, seq_len: int, store_bytes: int, trackers=None):
+    def __init__(self, run_id: str, model: ModelConfig, seq_len: int, store_bytes: int, trackers=None, lora=None):
+        """lora: a LoRA run's section (its FLOPs are counted as it runs them, see megatrain_ray.model.flops)."""
         from ray.util.metrics import Gauge
 
         self.tags = {"run_id": run_id}
@@ -57,7 +58,7 @@ class RunMetrics:
         self.scalars: dict[str, float] = {}
         """What the last step set: {gauge name, then its tags' values after a slash (``stage_busy_s/h2d``,
         ``worker_busy_fraction/0/compute``): value}, the names the trackers log."""
-        self.model, self.seq_len = model, seq_len
+        self.model, self.seq_len, self.lora = model, seq_len, lora
         self.store_bytes = store_bytes
 
         def gauge(name: str, description: str, extra: tuple[str, ...] = ()) -> Gauge:
@@ -96,7 +97,7 @@ class RunMetrics:
 
     def tflops(self, tokens: int, step_s: float) -> dict[str, float]:
         """The metrics.jsonl entries of a step's model TFLOP/s, one per convention (tflops_6nt, tflops_palm)."""
-        return flops.tflops(self.model, self.seq_len, tokens, step_s)
+        return flops.tflops(self.model, self.seq_len, tokens, step_s, self.lora)
 
     def step(self, row: dict, queue_depths: dict[str, int | None] | None = None) -> None:
         """Record one metrics.jsonl row (see :meth:`megatrain_ray.orchestration.driver.Driver._log_step`)

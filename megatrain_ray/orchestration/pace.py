@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig, usable_cpus
-from ..model.flops import flops_6nt, palm_model_flops, recompute_flops
+from ..model.flops import flops_6nt, lora_flops, palm_model_flops, recompute_flops
 
 ACHIEVED = 0.85
 """Share of the nominal rate a step's FLOPs (model + recompute, PaLM's convention) run at. Measured
@@ -92,8 +92,11 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
             what = f"the {gpu_name}'s"
         rate, note = nominal * ACHIEVED, f"{ACHIEVED:.0%} of {what} nominal {nominal:,.0f} bf16"
     m = cfg.model
-    return Pace(palm_model_flops(m, t.seq_len, tokens), flops_6nt(m, tokens),
-                recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note)
+    if cfg.lora.enabled:  # no weight-gradient GEMMs for the frozen base (megatrain_ray.model.flops)
+        six, palm = lora_flops(m, cfg.lora, t.seq_len, int(tokens))
+    else:
+        six, palm = flops_6nt(m, tokens), palm_model_flops(m, t.seq_len, tokens)
+    return Pace(palm, six, recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note)
 
 
 def stall_s(pace: Pace, floor: float) -> float:

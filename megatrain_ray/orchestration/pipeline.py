@@ -120,9 +120,6 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
 
 
 def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunResult:
-    if cfg.lora.enabled:
-        raise ConfigError(f"lora.rank ({cfg.lora.rank}) asks for adapter training, which the training pipeline "
-                          "does not run yet; set lora.rank to 0 to train every parameter.")
     start_step, schedule_note = 0, None
     if cluster.starts_ray(cfg.runtime):  # a private Ray has this machine's GPUs: none is refused before it starts
         resolve_device(cfg.runtime, torch.cuda.device_count())
@@ -329,6 +326,6 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     run_id = os.path.basename(run_dir)  # spec.run_id carries a -rN suffix after a restart
     if result is None:
         result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
-    gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes(), active.trackers)
+    gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes(), active.trackers, cfg.lora)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends (after _rewind)
         return Driver(cfg, roles, loops, plan, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)

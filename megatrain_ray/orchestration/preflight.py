@@ -45,12 +45,13 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
-from ..config import TrainConfig
+from ..config import LoraSection, TrainConfig
 from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords, resident_units
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
 from ..model import flops
 from ..model.layout import StoreLayout
+from ..model.lora import AdapterLayout
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
@@ -253,8 +254,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if starts_ray is None:
         starts_ray = cluster_to_join(cfg.runtime)[0] is None
     rt, m = cfg.runtime, cfg.model
-    precision = resolve_precision(rt, device, cfg.optim.state)
-    spec = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
+    spec = StoreSpec.of_run(cfg, resolve_precision(rt, device, cfg.optim.state), device, 0, "plan", resident)
+    precision = spec.precision  # as the store keeps it (a LoRA run's base: in the compute dtype)
     layout = StoreLayout.build(m)
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
@@ -291,6 +292,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     n_params = layout.num_params
     experts = (f", {flops.fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
+    if cfg.lora.enabled:
+        experts += (f"; LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}: "
+                    f"{flops.fmt_count(AdapterLayout.build(m, cfg.lora).num_params)} adapter parameters, the base frozen")
     title = (f"preflight: {m.model_type}, {flops.fmt_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
@@ -307,8 +311,12 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
                                 gpu_name=gpu_name() if device == "cuda" else None)
     result.notes += [activation_note(cfg, device, result), result.pace.line(),
                      timeout_line(result.pace, rt.actor_timeout_s)]
-    state_bytes = sum(spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
-    result.notes.append(_checkpoint_note(cfg, n_params * precision.master.itemsize + state_bytes))
+    if cfg.lora.enabled:  # the adapters' fp32 master and moments; the frozen base is not written
+        checkpoint_bytes = 12 * AdapterLayout.build(m, cfg.lora).num_params
+    else:
+        checkpoint_bytes = n_params * precision.master.itemsize + sum(
+            spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
+    result.notes.append(_checkpoint_note(cfg, checkpoint_bytes))
     result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()), resident)
     return result
 
@@ -330,23 +338,37 @@ def bytes_per_param(cfg: TrainConfig, device: str, state: str, master_dtype: str
 
 def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, ...] = ()) -> list[str]:
     """One line per optimizer mode: its bytes per parameter and about the largest model whose store fits
-    ``budget`` (the host RAM left once everything but the store is counted), at this model's shape."""
+    ``budget`` (the host RAM left once everything but the store is counted), at this model's shape, and
+    for a dense model the LoRA mode's (a frozen base; the rank does not change the store)."""
     clip = "with clipping" if cfg.optim.max_grad_norm > 0 else "without clipping"
     lines = [f"optimizer modes ({clip}, {device}): host-store bytes per parameter and the largest model "
              f"whose store fits the {fmt(max(0, budget))} of host RAM left for it"]
     for state, master, label in MODES:
-        per = bytes_per_param(cfg, device, state, master, resident)
+        per = bytes_per_param(dataclasses.replace(cfg, lora=LoraSection()), device, state, master, resident)
         fits = int(max(0, budget) / per)
         lines.append(f"  {label:<46}{per:6.2f} B/param  -> {flops.fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
+    if cfg.model.sparse_layers:  # adapters on the experts are not built
+        return lines
+    lora = cfg.lora if cfg.lora.enabled else LoraSection(rank=16)  # its store does not depend on the rank
+    per = bytes_per_param(dataclasses.replace(cfg, lora=lora), device, cfg.optim.state, cfg.runtime.master_dtype)
+    fits = int(max(0, budget) / per)
+    lines.append(f"  {'LoRA (lora.rank > 0: a frozen base)':<46}{per:6.2f} B/param  -> "
+                 f"{flops.fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
     return lines
 
 
-def _layers_note(model, fits: int) -> str:
-    """A mixture of experts' layers of this shape that ``fits`` parameters hold, and their active ones."""
-    if not model.is_moe:
-        return ""
+def _dense_layers(model, fits: int) -> int:
+    """Decoder layers of ``model``'s shape (its embedding and head included) that ``fits`` parameters hold."""
     one, two = (flops.num_params(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
-    layers = max(0, (fits - (2 * one - two)) // (two - one))
+    return max(0, (fits - (2 * one - two)) // (two - one))
+
+
+def _layers_note(model, fits: int) -> str:
+    """The layers of this shape that ``fits`` parameters hold (:func:`_dense_layers`), and a mixture of
+    experts' active parameters in them."""
+    layers = _dense_layers(model, fits)
+    if not model.is_moe:
+        return f" ({layers} layer(s) of this shape)"
     cut = dataclasses.replace(model, num_hidden_layers=layers, mlp_only_layers=[])
     return f" ({layers} layer(s) of this shape: {flops.fmt_count(flops.active_params(cut))} active)" if layers else ""
 

@@ -191,14 +191,14 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     # (no host sum, no shards, no gradients held on the device), from fp32 master weights to a stream copy.
     splits = (rt.split_update and cfg.optim.max_grad_norm > 0 and not rt.sharded_optimizer and not host_sum
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
-    policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits))
+    policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits), cfg.lora.enabled)
     compute = ComputeSettings(
         device=device, buffer_depth=rt.buffer_depth_on(device), loss_chunk_size=rt.loss_chunk_size_on(device),
         mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len), compile=rt.compile_on(device),
         compile_threads=rt.compile_threads, attention_backend=rt.attention_backend,
         activations=activations,
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
-        total_steps=cfg.train.steps, policies=policies)
+        total_steps=cfg.train.steps, policies=policies, seed=cfg.train.seed)
     sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
                         threads=rt.adamw_threads(), workers=rt.compute_workers, host_sum=rt.grad_reduce == "host",
                         sharded=rt.sharded_optimizer, policies=policies)

@@ -137,10 +137,11 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
                 spec, depth, fetch_q, release_q, wait, recompute_spans(run.compute.activations)))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
-                spec, run.compute, fetch_q, grad_q, release_q, grad_slot_q))
+                spec, run.compute, fetch_q, grad_q, release_q, grad_slot_q,
+                **({"checkpoint": plan, "resume_from": resume} if cfg.lora.enabled else {})))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
-            spec, run.sink, grad_q, stats_q, grad_slot_q, checkpoint=plan if k == 0 or sharded else None,
-            writes_checkpoints=k == 0)
+            spec, run.sink, grad_q, stats_q, grad_slot_q,  # a LoRA run's checkpoints: the compute worker's
+            checkpoint=plan if (k == 0 or sharded) and not cfg.lora.enabled else None, writes_checkpoints=k == 0)
         nodes.append(roles)
     loaders = []
     if loader is not None:

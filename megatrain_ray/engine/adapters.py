@@ -1,0 +1,146 @@
+"""The adapters of a LoRA run (lora.rank > 0): resident on the compute worker's device with their AdamW.
+
+The base model is frozen: its weights stream through the device slots as in full fine-tuning, but no
+weight gradient is computed for them (their tensors are no autograd leaves, so the backward runs
+only the input-gradient GEMMs), none leaves the device and the sink updates nothing. What trains
+is each decoder layer's adapter unit (:class:`~megatrain_ray.model.lora.AdapterLayout`): its fp32
+master, AdamW moments and fp32 gradient live here for the whole run, with a compute-dtype copy
+that the forward binds beside the layer's streamed weights. The gradient norm that clips them is
+theirs alone (the frozen base has none): each layer's squared norm goes to the sink in that
+layer's ticket (0 for the embedding and the head), which sums them in arrival order for the step's
+stats, and this worker sums the same floats in the same order for the clipping factor
+(:func:`~megatrain_ray.engine.resident.step_sq_norm`), then updates every adapter at the end of the
+step's backward through the optimizer protocol of the device-side units of runtime.device_adamw
+(:class:`~megatrain_ray.engine.resident.DeviceAdamW`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..config import OptimConfig
+from ..errors import PipelineError
+from ..io import lora_checkpoint, peft_io
+from ..model.lora import AdapterLayout
+from ..model.transformer import Params
+from .optim import AdamWRunner, clip_coefficient
+from .resident import DeviceAdamW
+
+
+class DeviceAdapters:
+    """Every adapter unit's weights, AdamW state and gradient on ``device`` (see the module docstring)."""
+
+    def __init__(self, store, seed: int, device: torch.device, optim: OptimConfig, total_steps: int, threads: int = 1,
+                 plan=None, resume_from: str | None = None):
+        """store: the compute worker's :class:`~megatrain_ray.engine.store.HostStore` (its spec's model,
+        lora section and compute dtype; its base, for the merged export); seed: of the adapters'
+        initialisation; plan: the run's
+        :class:`~megatrain_ray.io.checkpoint.CheckpointPlan` (None: no checkpoints); resume_from: a LoRA
+        checkpoint whose state the adapters take instead (:meth:`resume`)."""
+        self.store, self.cfg, self.lora = store, store.spec.model, store.spec.lora
+        cfg, lora, compute_dtype = self.cfg, self.lora, store.spec.precision.compute
+        self.layout = AdapterLayout.build(cfg, lora)
+        self.optim, self.total_steps = optim, total_steps
+        self.runner = AdamWRunner(threads) if device.type == "cpu" else None
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        """unit -> master, exp_avg, exp_avg_sq ([numel] fp32) and weights (the master in the compute dtype)."""
+        for unit in self.layout.units:
+            master = self.layout.init(unit, seed).to(device)
+            self.state[unit] = {"master": master, "exp_avg": torch.zeros_like(master),
+                                "exp_avg_sq": torch.zeros_like(master),
+                                "weights": master if compute_dtype == torch.float32 else master.to(compute_dtype)}
+        self.optimizer = DeviceAdamW({i: self.state[u] for i, u in enumerate(self.layout.units)}, self.runner, optim,
+                                     total_steps, self.layout)
+        """The device units' optimizer protocol (:class:`~megatrain_ray.engine.resident.DeviceAdamW`), by index."""
+        self.grads: dict[str, torch.Tensor] = {}
+        """unit -> this step's gradient [numel] fp32, accumulated over the micro-batches, until the update."""
+        self.version = 0
+        """Updates applied."""
+        self.plan = plan
+        if resume_from is not None:
+            self.resume(resume_from)
+
+    def params(self, unit: str) -> Params:
+        """``unit``'s adapters in the compute dtype, to bind beside its base weights; {} for a unit without."""
+        if unit not in self.state:
+            return {}
+        return self.layout.bind(unit, self.state[unit]["weights"])
+
+    def grad(self, unit: str) -> Params:
+        """Views of ``unit``'s fp32 gradient buffer (zeroed at its first use in a step), by adapter name."""
+        if unit not in self.state:
+            return {}
+        if unit not in self.grads:
+            self.grads[unit] = torch.zeros_like(self.state[unit]["master"])
+        return self.layout.template(unit).bind(self.grads[unit])
+
+    def sq_norm(self, unit: str) -> torch.Tensor:
+        """The squared norm of ``unit``'s gradient of this step (a device scalar; 0 for a unit without adapters)."""
+        grad = self.grads.get(unit)
+        if grad is None:
+            return torch.zeros((), dtype=torch.float32, device=next(iter(self.state.values()))["master"].device)
+        return torch.dot(grad, grad)
+
+    def update(self, step: int, sq_norm: float) -> None:
+        """Apply step ``step``'s AdamW update to every adapter, clipped by the step's squared gradient
+        norm ``sq_norm``; a norm that is not finite raises (nothing is applied)."""
+        grads, self.grads = self.grads, {}
+        norm = math.sqrt(sq_norm)
+        if not math.isfinite(norm):
+            raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, lower optim.lr "
+                                "or check the data.")
+        if self.version != step:
+            raise PipelineError(f"the adapters have {self.version} updates but step {step} updates them.")
+        coef = clip_coefficient(norm, self.optim.max_grad_norm)
+        for i, unit in enumerate(self.layout.units):
+            if unit not in grads:
+                raise PipelineError(f"the adapters of {unit} got no gradient in step {step}.")
+            self.optimizer.update(i, grads[unit], coef, step)  # the gradient: fp32, scaled in place
+        self.version = step + 1
+
+    def masters(self) -> dict[str, torch.Tensor]:
+        """unit -> its adapters' fp32 master [numel], copied to the CPU."""
+        return {unit: s["master"].cpu() for unit, s in self.state.items()}
+
+    def host_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """unit -> {master, exp_avg, exp_avg_sq}: copies on the CPU (for a checkpoint)."""
+        return {unit: {k: s[k].to("cpu", copy=True) for k in lora_checkpoint.STATE_KINDS}
+                for unit, s in self.state.items()}
+
+    def resume(self, directory: str) -> None:
+        """Take the state of the LoRA checkpoint ``directory`` bit for bit (:mod:`megatrain_ray.io.lora_checkpoint`)."""
+        self.version, states = lora_checkpoint.load(directory, self.cfg, self.lora)
+        for unit, s in self.state.items():
+            for kind in lora_checkpoint.STATE_KINDS:
+                s[kind].copy_(states[unit][kind])
+            if s["weights"] is not s["master"]:
+                s["weights"].copy_(s["master"])
+
+    def checkpoint(self, step: int) -> dict:
+        """Write the plan's checkpoint of boundary ``step`` from the adapters, which must have had
+        ``step`` updates; returns its notice for the driver {checkpoint, step, save_s, by}."""
+        if self.version != step:
+            raise PipelineError(f"the adapters have {self.version} updates, so the checkpoint of step {step} cannot "
+                                "be written from them.")
+        began = time.time()
+        path = lora_checkpoint.save(self.plan, step, self.cfg, self.lora, self.host_states())
+        return {"checkpoint": path, "step": step, "save_s": time.time() - began, "by": "compute"}
+
+    def export(self, adapter_dir: str, merged_dir: str | None, tokenizer: str | None = None,
+               source: str | None = None) -> None:
+        """Write the adapters as a PEFT adapter directory, and (``merged_dir``) the store's base with
+        them merged in as an HF model directory; ``source``: the base's directory."""
+        store, masters = self.store, self.masters()
+        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, base_model=source)
+        if merged_dir is not None:
+            units = store.layout.units
+            peft_io.save_merged(merged_dir, self.cfg, self.lora, masters,
+                                lambda unit, name: store.params("master", units.index(unit))[name],
+                                store.spec.precision.master, source=source, tokenizer=tokenizer)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
