@@ -16,9 +16,7 @@ Writes OUT/resident-lora-<tag>.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -28,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.moe_resident import _model, fit_layers  # noqa: E402
+from benchmarks.moe_resident import _model, parser, run_and_write  # noqa: E402
 
 
 def _run(args, layers: int) -> dict:
@@ -75,25 +73,12 @@ def _run(args, layers: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", required=True)
-    ap.add_argument("--layers", type=int, required=True, help="decoder layers to try first (then fewer until it fits)")
+    ap = parser(__doc__.splitlines()[0], 65536, 1024)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--micro-batches", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
-    tag = args.tag or f"{args.preset}-{args.tokens}"
-    result = fit_layers(_run, args)
+    tag, result = run_and_write(_run, args, "resident-lora")
     if result is None:
         return 1
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"resident-lora-{tag}.json"), "w") as f:
-        json.dump(result, f, indent=1)
     print(f"resident-lora {tag}: {result['layers']} layers, rank {args.rank}, {result['step_s']:.3f} s/step, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['tflops_6nt']:.1f} TFLOPS as LoRA's 6·N·T, "
           f"{result['tflops_palm']:.1f} PaLM")

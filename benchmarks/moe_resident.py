@@ -96,25 +96,38 @@ def fit_layers(run, args) -> dict | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str, tokens: int, seq_len: int) -> argparse.ArgumentParser:
+    """The options of a resident baseline: the preset, the layers to try first, the step's shape
+    (``tokens`` and ``seq_len`` by default), the device, the tag and output folder."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", required=True)
     ap.add_argument("--layers", type=int, required=True, help="decoder layers to try first (then fewer until it fits)")
-    ap.add_argument("--tokens", type=int, default=262144)
-    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--micro-batches", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=".")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run_and_write(run, args, prefix: str) -> tuple[str, dict | None]:
+    """(tag, result) of :func:`fit_layers`, the result written as OUT/<prefix>-<tag>.json."""
     tag = args.tag or f"{args.preset}-{args.tokens}"
-    result = fit_layers(_run, args)
+    result = fit_layers(run, args)
+    if result is not None:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{prefix}-{tag}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return tag, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser(__doc__.splitlines()[0], 262144, 4096).parse_args(argv)
+    tag, result = run_and_write(_run, args, "resident")
     if result is None:
         return 1
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"resident-{tag}.json"), "w") as f:
-        json.dump(result, f, indent=1)
     print(f"resident {tag}: {result['layers']} layers, {result['step_s']:.3f} s/step, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['tflops_6nt']:.1f} TFLOPS as 6·N_active·T, "
           f"{result['tflops_palm']:.1f} PaLM")
