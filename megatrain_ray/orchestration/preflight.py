@@ -294,7 +294,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
     if cfg.lora.enabled:
         experts += (f"; LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}: "
-                    f"{flops.fmt_count(AdapterLayout.build(m, cfg.lora).num_params)} adapter parameters, the base frozen")
+                    f"{flops.fmt_count(AdapterLayout.build(m, cfg.lora).num_params)} adapter parameters, the base "
+                    "frozen")
     title = (f"preflight: {m.model_type}, {flops.fmt_count(n_params)} parameters ({m.num_hidden_layers} layers{experts}, "
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
