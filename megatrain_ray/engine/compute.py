@@ -43,7 +43,6 @@ complete before sending its ticket to the sink (:mod:`megatrain_ray.engine.grad_
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import threading
 import time
@@ -54,14 +53,12 @@ import torch
 from ..errors import ConfigError, MegatrainError, PipelineError
 from ..model.layout import DECODER_LAYER
 from ..model.transformer import embed
-from . import affinity
 from .activations import KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
 from .adapters import DeviceAdapters
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_out import GradOut
-from .grad_reduce import GradReducer
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .resident import ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
@@ -70,9 +67,10 @@ from .sequence import layer_backward, routed_backward
 from .settings import ComputeSettings
 from .store import HostStore, StoreSpec, largest_streamed
 from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
+from .worker_group import GroupMember
 
 
-class ComputeWorker:
+class ComputeWorker(GroupMember):
     """Plain class; made a Ray actor (with a GPU when there is one) at spawn."""
 
     def __init__(self, spec: StoreSpec, settings: ComputeSettings, fetch_q, grad_q, release_q, grad_slot_q=None,
@@ -98,8 +96,7 @@ class ComputeWorker:
         self.timeout_s = timeout_s = s.timeout_s
         self.fetch_q, self.release_q = fetch_q, release_q
         self.device_name = device = s.device
-        self.reducer: GradReducer | None = None
-        """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
+        self.reducer = None  # this worker's data-parallel group, once it joins one (GroupMember.join_group)
         self.backend = make_backend(device, s.buffer_depth, largest_streamed(self.layout, spec.resident), self.dtype)
         placement = s.activations
         if len(placement) != self.cfg.num_hidden_layers:
@@ -131,37 +128,6 @@ class ComputeWorker:
         self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in loops]
         for t in self._threads:
             t.start()
-
-    def rendezvous(self) -> tuple[str, int]:
-        """(this node's IP, a free port on it): where the data-parallel group meets (rank 0's)."""
-        import ray
-
-        from .grad_reduce import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
-
-    def cpu_topology(self) -> dict[str, Any]:
-        """Where this worker's GPU sits: its PCI address, NUMA node and local CPUs (None where the
-        machine does not say), and the CPUs this process may run on (see :mod:`.affinity`)."""
-        pci = affinity.gpu_pci_address(self.backend.device.index or 0) if self.device_name == "cuda" else None
-        node, cpus = affinity.local_cpus(pci)
-        return {"pci": pci, "numa_node": node, "local_cpus": cpus, "usable": sorted(os.sched_getaffinity(0))}
-
-    def pin_cpus(self, cpus: list[int]) -> int:
-        """Run every thread of this worker on ``cpus`` from now on; returns the threads pinned."""
-        return affinity.pin_process(cpus)
-
-    def join_group(self, rank: int, world: int, local_rank: int, local_world: int, address: str, port: int,
-                   timeout_s: float, mode: str = "allreduce") -> int:
-        """Form the data-parallel group with the other workers (all call this at once); returns rank.
-        ``mode``: runtime.grad_reduce (with host, this worker's own host gradient copy is pinned)."""
-        self.reducer = self.grads_out.reducer = GradReducer(rank, world, local_rank, local_world, address, port,
-                                                            self.device_name, timeout_s, mode)
-        if self.reducer.copy:
-            total = self.layout.total
-            self.backend.register_host(self.store.arrays["peer_grad"][(self.reducer.copy - 1) * total:
-                                                                      self.reducer.copy * total])
-        return rank
 
     # -- helper threads ----------------------------------------------------------------------
 

@@ -41,6 +41,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous() -> tuple[str, int]:
+    """(this node's IP, a free port on it): where a group of actors meets (its first member's)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
 def shard_bounds(numel: int, shards: int, index: int, align: int = 1024) -> tuple[int, int]:
     """[lo, hi) of shard ``index`` of ``shards`` over a flat block of ``numel`` elements, cut at
     multiples of ``align`` elements (the last shard takes the rest; shards may be empty)."""

@@ -50,7 +50,7 @@ from ..config import lr_at
 from ..errors import PipelineError
 from . import affinity
 from .checkpointing import SinkCheckpoints
-from .grad_reduce import sum_copies
+from .grad_reduce import rendezvous, sum_copies
 from .optim import AdamWRunner, clip_coefficient
 from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
 from .schedule import Schedule
@@ -191,11 +191,7 @@ class GradientSink:
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): where the sinks' group meets (the first node's)."""
-        import ray
-
-        from .grad_reduce import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
+        return rendezvous()
 
     def join_shards(self, node: int, nodes: int, address: str, port: int) -> int:
         """Join the other nodes' sinks as a sharded optimizer (all call this at once); returns node."""
