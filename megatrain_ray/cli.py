@@ -41,10 +41,7 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes or a size like 500MB or 2GiB")
     power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
     base = 1000 if m.group(3).upper() == "B" and power else 1024
-    size = int(float(m.group(1)) * base ** power)
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return size
+    return int(float(m.group(1)) * base ** power)  # 0 is refused by the export, in its own sentence
 
 
 def _parser() -> argparse.ArgumentParser:

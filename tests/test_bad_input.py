@@ -348,7 +348,7 @@ def test_disk_full_during_the_final_export_keeps_the_weights_in_a_checkpoint(ray
     assert "nothing was left behind" in line and f"the last good checkpoint is {end}" in line
     assert f"export its weights with `megatrain-ray export {end} --out DIR`" in line
     assert "--resume" not in line.split("export its weights")[0]  # no advice to resume a finished run
-    assert sorted(os.listdir(small_disk / run)) == ["checkpoints", "config.json", "metrics.jsonl"]
+    assert sorted(os.listdir(small_disk / run)) == ["checkpoints", "config.json", "metrics.jsonl", "train.log"]
     checkpoint.check_files(str(end))
     assert os.listdir(shm_dir) == []
     capsys.readouterr()
