@@ -276,8 +276,8 @@ def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_clu
         f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
     result, lines = _train_small(cfg, tmp_path)
     assert sorted(result.val_losses) == [0, 2]
-    assert re.search(r"^data: tokenized data.path .* train tokens, [1-9][\d,]* val tokens\)$", capsys.readouterr().out,
-                     re.M)
+    said = "\n".join(lines) + "\n" + capsys.readouterr().out  # the run's log, or the console where it printed
+    assert re.search(r"^data: tokenized data.path .* train tokens, [1-9][\d,]* val tokens\)$", said, re.M), said
     final = json.load(open(os.path.join(result.final_dir, "config.json")))
     tok = transformers.AutoTokenizer.from_pretrained(user_files["tokenizer"])
     assert final["eos_token_id"] == tok.eos_token_id
