@@ -111,7 +111,8 @@ def _interrupt_cli(sig, shm_dir, work_dir):
         with open(out_path, "w") as out, open(err_path, "w") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"runtime.shm_dir={shm_dir}",
-                 "--set", "train.steps=100000", "--set", f"runtime.run_dir={work_dir / 'runs'}"],
+                 "--set", "train.steps=100000", "--set", f"runtime.run_dir={work_dir / 'runs'}",
+                 "--set", "runtime.ray_address=local"],  # its own Ray, never another test's `ray start --head`
                 cwd=work_dir, env=env, stdout=out, stderr=err)
     finally:
         signal.signal(signal.SIGINT, previous)
