@@ -13,7 +13,7 @@ if smoke; then
   run plan 120 python3 -m megatrain_ray.cli plan --set runtime.device=cpu || rc=$?
 else
   common=(--preset 7b --steps 5); probe=(--probe)
-  shape=$(python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('7b').items()))")
+  shape=$(shape_args 7b)
   # shellcheck disable=SC2086  # the settings are words
   run plan 120 python3 -m megatrain_ray.cli plan --device cuda $shape --set train.seq_len=1024 \
     --set train.micro_batch_size=16 --set train.num_micro_batches=4 || rc=$?

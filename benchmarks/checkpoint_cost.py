@@ -1,10 +1,11 @@
 """What a checkpoint costs: CRC-32 and copy rates, the write rate, and the sink's stall behind a background save.
 
-    python benchmarks/checkpoint_cost.py OUT                      # ~0.6 GB checkpoint, written under OUT
+    python benchmarks/checkpoint_cost.py OUT                      # a 3.5 GB checkpoint, written under OUT
     python benchmarks/checkpoint_cost.py OUT --layers 4 --dir /nvme/ckpt --step-s 6.5
+    python benchmarks/checkpoint_cost.py OUT --preset tiny --layers 2 --step-s 0.2   # a smoke run, ~70 MB
 
-The store is a real shared-memory store of the 7B (Qwen2.5-7B) shape cut to ``--layers`` decoder
-layers and ``--vocab`` tokens; the checkpoint is written by the run's writer
+The store is a real shared-memory store of a preset's shape (``--preset``, default the 7B:
+Qwen2.5-7B) cut to ``--layers`` decoder layers and ``--vocab`` tokens; the checkpoint is written by the run's writer
 (:class:`megatrain_ray.io.writer.CheckpointWriter`) to ``--dir`` (default: OUT/ckpt). Measured:
 
 - ``crc32``: zlib.crc32 over the store's master array in 64 MiB chunks, one thread (what the
@@ -28,6 +29,7 @@ table is printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -39,12 +41,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.checkpoint import CheckpointPlan  # noqa: E402
 from megatrain_ray.io.writer import CheckpointWriter, checkpoint_bytes  # noqa: E402
 from megatrain_ray.model.precision import Precision  # noqa: E402
-from megatrain_ray.model.presets import PRESETS  # noqa: E402
+from megatrain_ray.model.presets import PRESETS, preset_model  # noqa: E402
 
 PARAMS_7B = 7.62e9
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
@@ -58,11 +59,13 @@ def rate(nbytes: int, seconds: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=1, help="decoder layers of the 7B shape (233M parameters each)")
+    ap.add_argument("--preset", default="7b", choices=sorted(PRESETS), help="the shape of the measured store")
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers of the shape (the 7B's: 233M parameters each)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary (the 7B's 152064 adds 545M parameters)")
     ap.add_argument("--dir", help="where the checkpoints are written (default OUT/ckpt)")
     ap.add_argument("--shm-dir", default="/dev/shm")
-    ap.add_argument("--step-s", type=float, default=6.5, help="step time (7B on one H200: 6.5 s)")
+    ap.add_argument("--step-s", type=float, default=5.4,
+                    help="step time (the 7B defaults on one H200: 5.43 s, results/2026-12-01_h200_defaults-7b)")
     ap.add_argument("--adamw-gbs", type=float, default=PARAMS_7B * 12 / ADAMW_7B_S / 1e9,
                     help="GB/s of optimizer state the sink's AdamW goes through (7B: 91 GB in 1.5 s)")
     ap.add_argument("--every", type=int, default=50, help="train.checkpoint_every of the extrapolation")
@@ -71,12 +74,10 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     where = args.dir or os.path.join(args.out, "ckpt")
-    shape = {**PRESETS["7b"], "num_hidden_layers": args.layers, "vocab_size": args.vocab}
-    model = load_config(None, [f"model.model_type={shape['model_type']}"]
-                        + [f"model.{k}={v}" for k, v in shape.items() if k != "model_type"]).model
+    model = dataclasses.replace(preset_model(args.preset, args.layers), vocab_size=args.vocab)
     ps = ParameterStore(StoreSpec(model, Precision(torch.float32, torch.bfloat16), args.shm_dir, os.getpid(),
                                   "ckptcost"), 0)
-    report: dict = {"layers": args.layers, "vocab": args.vocab, "dir": where, "threads": torch.get_num_threads()}
+    report: dict = {"preset": args.preset, "layers": args.layers, "vocab": args.vocab, "dir": where, "threads": torch.get_num_threads()}
     try:
         store = ps.store
         nbytes = checkpoint_bytes(store)
@@ -142,7 +143,7 @@ def main() -> None:
         json.dump(report, f, indent=2)
     r7 = report["7b"]
     rows = [
-        ("checkpoint measured", f"{nbytes / 1e9:.2f} GB ({args.layers} layers of the 7B shape, vocab {args.vocab})"),
+        ("checkpoint measured", f"{nbytes / 1e9:.2f} GB ({args.layers} layers of the {args.preset} shape, vocab {args.vocab})"),
         ("CRC-32, one thread",
          f"{report['crc32_gbs']:.2f} GB/s of CPU time ({report['crc32_wall_gbs']:.2f} GB/s wall)"),
         ("copy (torch copy_)", f"{report['copy_gbs']:.2f} GB/s on {report['threads']} threads"),

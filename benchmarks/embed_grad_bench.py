@@ -14,19 +14,10 @@ import sys
 
 import torch
 
-from megatrain_ray.engine.embed_grad import add_embedding_grad
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _time(fn, repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+from benchmarks.probes import cuda_ms  # noqa: E402
+from megatrain_ray.engine.embed_grad import add_embedding_grad  # noqa: E402
 
 
 def case(vocab: int, hidden: int, tokens: int) -> dict:
@@ -47,7 +38,7 @@ def case(vocab: int, hidden: int, tokens: int) -> dict:
 
     row = {"vocab": vocab, "hidden": hidden, "tokens": tokens}
     for name, fn in (("index_add", old), ("fixed_order", new)):
-        row[f"{name}_ms"] = _time(fn)
+        row[f"{name}_ms"] = cuda_ms(fn, reps=10)
         seen = set()
         for _ in range(10):
             fn()

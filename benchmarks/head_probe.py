@@ -1,4 +1,4 @@
-"""The 7B LM head's step time, eager vs compiled (issue 16), on one CUDA GPU.
+"""The 7B LM head's step time, eager vs compiled, on one CUDA GPU.
 
 Times :func:`~megatrain_ray.engine.head.head_forward_backward` (final norm, LM head, fp32
 cross-entropy, forward and backward over loss chunks) at the Qwen2.5-7B head (vocabulary 152,064,
@@ -8,7 +8,7 @@ runtime.compile on; and the same chunks' three GEMMs alone (logits, input and we
 floor. Prints ms per head (mean of 5 after a warm-up, which compiles) and the peak memory above the
 inputs, and how far the compiled loss and gradient are from the eager ones.
 
-    python3 benchmarks/h200_head_probe.py [--reps 5]
+    python3 benchmarks/head_probe.py [--reps 5]
 """
 
 from __future__ import annotations

@@ -1,21 +1,29 @@
-"""Issue 16 on the GPU: one compiled Qwen2.5-7B layer kept whole for 4 micro-batches of [4, 4096]
-tokens (64k, bf16), partitioned with CompiledLayer's lean settings, with torch's own, and with
+"""How many bytes does a kept layer graph hold under each partitioner, on one CUDA GPU?
+
+One compiled Qwen2.5-7B layer kept whole for 4 micro-batches of [4, 4096] tokens (64k, bf16),
+partitioned with CompiledLayer's lean settings, with torch's own, and with
 activation_memory_budget=0.9 (which should save what lean does): bytes per token the kept graph
 holds (torch.cuda memory, against kept_bytes_per_token), the forward's and the whole step's peak
 above it, GEMMs and attention forwards in the backward graph, and kept forward + backward ms.
 
-Run on the GPU box from the repository root: python benchmarks/h200_kept_probe.py
+    python3 benchmarks/kept_graph_probe.py    # on a CUDA GPU, from the repository root
 """
+
+import os
+import sys
 
 import torch
 from torch._functorch import config as functorch_config
 from torch._inductor import compile_fx
 
-from megatrain_ray.engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
-from megatrain_ray.engine.sequence import CompiledLayer
-from megatrain_ray.model import transformer as M
-from megatrain_ray.model.layout import LayerTemplate
-from megatrain_ray.model.presets import preset_model
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.probes import cuda_ms  # noqa: E402
+from megatrain_ray.engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept  # noqa: E402
+from megatrain_ray.engine.sequence import CompiledLayer  # noqa: E402
+from megatrain_ray.model import transformer as M  # noqa: E402
+from megatrain_ray.model.layout import LayerTemplate  # noqa: E402
+from megatrain_ray.model.presets import preset_model  # noqa: E402
 
 partition, backward_ops = compile_fx.min_cut_rematerialization_partition, []
 
@@ -60,12 +68,7 @@ for name, setting, lean in (("lean", "lean", True), ("torch default", None, Fals
     kept_backward(graph, grads, list(dys))
     step_peak = (torch.cuda.max_memory_allocated() - base - weights) / tokens
     del graph
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(3):
-        kept()
-    b.record()
-    torch.cuda.synchronize()
+    kept_ms = cuda_ms(kept, reps=3, warmup=0)
     print(f"{name:14s} kept {held:9.1f} B/token (formula {kept_bytes_per_token(cfg, 2, compiled=True, lean=lean)}), "
-          f"fwd peak {fwd_peak:9.1f}, fwd+bwd peak {step_peak:9.1f}; kept fwd+bwd {a.elapsed_time(b) / 3:7.1f} ms; "
+          f"fwd peak {fwd_peak:9.1f}, fwd+bwd peak {step_peak:9.1f}; kept fwd+bwd {kept_ms:7.1f} ms; "
           f"backward graph: (GEMMs, attention forwards) {backward_ops}; failure {layer.failure}", flush=True)

@@ -16,7 +16,7 @@ if smoke; then
   run compact-rate 120 python3 benchmarks/compact_rate.py --threads 1 --numel 1048576 --out "$out" || rc=$?
 else
   l8=${2:-38}; l16=${3:-44}
-  shape=$(python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('32b', $l8).items()))")
+  shape=$(shape_args 32b "$l8")
   # shellcheck disable=SC2086  # the settings are words
   run plan 120 python3 -m megatrain_ray.cli plan --device cuda $shape --set optim.state=8bit --set train.seq_len=1024 \
     --set train.micro_batch_size=16 --set train.num_micro_batches=4 || rc=$?

@@ -27,3 +27,13 @@ run() {
   (( rc == 0 )) || { echo "$tag failed (rc=$rc): see $out/log_$tag.txt"; tail -5 "$out/log_$tag.txt"; }
   return $rc
 }
+# bench TAG TIMEOUT ARGS...: one megatrain-ray bench run (a failure's status into rc), then its table
+bench() {
+  local tag=$1 limit=$2; shift 2
+  run "$tag" "$limit" python3 -m megatrain_ray.cli bench "$@" --tag "$tag" --out "$out" || rc=$?
+  grep -A3 "^system" "$out/log_$tag.txt" 2>/dev/null
+}
+# shape_args PRESET [LAYERS]: the --set model.* words of a preset's shape (cut to LAYERS decoder layers)
+shape_args() {
+  python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('$1', ${2:-None}).items()))"
+}

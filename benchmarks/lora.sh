@@ -14,14 +14,6 @@ source "$(dirname "$0")/lib.sh"
 parts=${2:-plan lora full resident largest}
 rc=0
 LORA=(--set lora.rank=16 --set lora.alpha=32)
-bench() {  # TAG LIMIT ARGS...: one megatrain-ray bench run
-  local tag=$1 limit=$2; shift 2
-  run "$tag" "$limit" python3 -m megatrain_ray.cli bench "$@" --tag "$tag" --out "$out" || rc=$?
-  grep -A3 "^system" "$out/log_$tag.txt" 2>/dev/null
-}
-shape_args() {  # PRESET LAYERS: --set model.* of a preset's shape cut to LAYERS
-  python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('$1', $2).items()))"
-}
 if smoke; then
   bench lora-tiny 300 "${SMOKE_ARGS[@]}" --set lora.rank=4
   run plan-lora-tiny 120 python3 -m megatrain_ray.cli plan --device cpu $(shape_args tiny 2) --set lora.rank=4 || rc=$?

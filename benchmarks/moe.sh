@@ -11,11 +11,6 @@
 source "$(dirname "$0")/lib.sh"
 parts=${2:-qwen3 qwen3-8bit mixtral resident}
 rc=0
-bench() {  # TAG LIMIT ARGS...: one megatrain-ray bench run
-  local tag=$1 limit=$2; shift 2
-  run "$tag" "$limit" python3 -m megatrain_ray.cli bench "$@" --tag "$tag" --out "$out" || rc=$?
-  grep -A3 "^system" "$out/log_$tag.txt" 2>/dev/null
-}
 if smoke; then
   bench moe-tiny 300 --preset tiny-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
     --set runtime.device=cpu
@@ -33,7 +28,7 @@ for tokens in 262144 65536; do
   esac
   case " $parts " in *" qwen3-8bit "*)
     run plan-qwen3-8bit 120 python3 -m megatrain_ray.cli plan --device cuda --set optim.state=8bit \
-      $(python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('qwen3-30b-a3b', 12).items()))") \
+      $(shape_args qwen3-30b-a3b 12) \
       --set train.seq_len=4096 --set train.micro_batch_size=4 --set "train.num_micro_batches=$mbs"
     cp "$out/log_plan-qwen3-8bit.txt" "$out/plan-qwen3-8bit.txt"
     fits=$(sed -n 's/^  compact (optim.state 8bit).*(\([0-9]*\) layer(s) of this shape.*/\1/p' "$out/plan-qwen3-8bit.txt")

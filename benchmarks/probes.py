@@ -9,18 +9,25 @@ import time
 import torch
 
 
-def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
+def cuda_ms(fn, reps: int = 3, warmup: int = 1) -> float:
+    """Milliseconds of one call of ``fn`` on the GPU: the mean of ``reps`` calls between two CUDA
+    events, after ``warmup`` calls (compiles, caches)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        a @ b
+        fn()
     end.record()
     torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    return start.elapsed_time(end) / reps
+
+
+def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / (cuda_ms(lambda: a @ b, reps, warmup=3) / 1e3) / 1e12
 
 
 def layer_probe(cfg, micro_batches: int) -> dict:
@@ -32,8 +39,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     each SDPA backend."""
     from megatrain_ray.engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
     from megatrain_ray.engine.attention import sdpa_backend
-    from megatrain_ray.engine.sequence import layer_backward
-    from megatrain_ray.engine.sequence import CompiledLayer, LayerRunner
+    from megatrain_ray.engine.sequence import CompiledLayer, LayerRunner, layer_backward
     from megatrain_ray.model import transformer as M
     from megatrain_ray.model.layout import LayerTemplate
 
@@ -45,17 +51,6 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     xs = [torch.randn(mb, cfg.train.seq_len, mc.hidden_size, device="cuda", dtype=torch.bfloat16)
           for _ in range(micro_batches)]
     rope = M.rope_cache(mc, cfg.train.seq_len, torch.device("cuda"), torch.bfloat16)
-
-    def timed(fn, reps=3):
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / reps
 
     def fwd(runner):
         with torch.no_grad():
@@ -76,8 +71,8 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     bwd(compiled)
     out = {"compile_s": time.perf_counter() - start}
     for name, runner in (("eager", eager), ("compiled", compiled)):
-        out[f"fwd_{name}_ms"] = timed(lambda: fwd(runner))
-        out[f"bwd_{name}_ms"] = timed(lambda: bwd(runner))
+        out[f"fwd_{name}_ms"] = cuda_ms(lambda: fwd(runner))
+        out[f"bwd_{name}_ms"] = cuda_ms(lambda: bwd(runner))
     from torch.profiler import ProfilerActivity, profile
 
     tokens = mb * cfg.train.seq_len * micro_batches
@@ -89,7 +84,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     out["kept_bytes_per_token_formula_eager"] = kept_bytes_per_token(mc, 2)
     out["kept_bytes_per_token_formula_compiled"] = kept_bytes_per_token(mc, 2, compiled=True)
     for name, fn in (("eager", M.decoder_layer), ("compiled", compiled.layer)):
-        out[f"kept_fwd_bwd_{name}_ms"] = timed(lambda: kept(fn))
+        out[f"kept_fwd_bwd_{name}_ms"] = cuda_ms(lambda: kept(fn))
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         graph = layer_forward_kept(fn, t, flat, xs, [(rope, None)] * len(xs), mc)
@@ -100,7 +95,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     for backend in ("flash", "cudnn", "efficient", "math"):  # eager: a compiled graph keeps its first kernel
         try:
             with sdpa_backend(backend):
-                out[f"fwd_bwd_eager_{backend}_ms"] = timed(lambda: (fwd(eager), bwd(eager)))
+                out[f"fwd_bwd_eager_{backend}_ms"] = cuda_ms(lambda: (fwd(eager), bwd(eager)))
         except RuntimeError:  # no such kernel for this shape / GPU / build
             out[f"fwd_bwd_eager_{backend}_ms"] = float("nan")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -118,7 +113,7 @@ def layer_probe(cfg, micro_batches: int) -> dict:
 def adamw_probe(numel: int, threads: int) -> dict:
     """CPU rates (G params/s) of torch's fused AdamW alone (fp32 gradient, all threads on one op) and
     of our per-unit update (bf16 gradient in, clip factor, stream copy out) with torch's kernels and
-    with the native one-pass kernel on an :class:`~megatrain_ray.optim.AdamWRunner` pool of n threads."""
+    with the native one-pass kernel on an :class:`~megatrain_ray.engine.optim.AdamWRunner` pool of n threads."""
     from megatrain_ray.config import OptimConfig
     from megatrain_ray.engine import optim
 

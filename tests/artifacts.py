@@ -101,6 +101,41 @@ def import_store(directory, shm_dir, master_dtype: str = "float32"):
     return ParameterStore(spec, seed=0, init_from=str(directory))
 
 
+def token_ids(vocab: int = 96, batch: int = 2, seq: int = 24, seed: int = 0) -> torch.Tensor:
+    """Random token ids [batch, seq] below ``vocab`` (the tiny models' 96 by default), the same for a seed."""
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits [batch, seq, vocab] of ``ids``, without autograd."""
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def imported_logits_match(arch: str, directory, shm_dir):
+    """Save a tiny random ``arch`` model to ``directory`` in several shards, import it into a store
+    and check that the store's logits equal transformers' (the same fp32 ops on the CPU: 1e-5) for a
+    model whose logits are not degenerate. Returns (model, store, ids, transformers' logits); the
+    caller closes the store."""
+    from megatrain_ray.io.evaluate import forward_logits, store_reader
+
+    model = save_model(arch, directory)
+    assert len([n for n in os.listdir(directory) if n.endswith(".safetensors")]) > 2
+    store = import_store(directory, shm_dir)
+    try:
+        assert store.spec.model.model_type == model.config.model_type
+        ids = token_ids()
+        ours = forward_logits(store.spec.model, store_reader(store.store), ids)
+        theirs = hf_logits(model, ids)
+        assert ours.shape == theirs.shape == (2, 24, 96)
+        assert theirs.std() > 0.1
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    except BaseException:
+        store.close()
+        raise
+    return model, store, ids, theirs
+
+
 def parity_run(tmp_path, shm_dir, steps: int) -> list[str]:
     """The --set overrides the parity tests train with: runtime.init_from at ``tmp_path/init`` (the
     caller saves the model there), a learnable token stream written here (a fixed cycle with 10%

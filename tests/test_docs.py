@@ -165,6 +165,7 @@ NARRATION = [
     (r"\bcall [A-F1-9]\b", "a numbered device call"), (r"\btoday'?s\b", "'today'"),
     (r"\bthe earlier table\b|\bprevious session\b|\bbefore this change\b", "a past state"),
     (r"\bh200_s\d|h200x2_s\d|h200_session", "a dated one-off script"),
+    (r"\bwe (tried|found|decided)\b|\bfirst (try|version)\b|\bwhat changed (since|before)\b", "a story of the work"),
 ]
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 
@@ -196,10 +197,41 @@ def test_no_document_narrates_past_states_of_the_work():
     assert not problems, "documents narrating past states:\n" + "\n".join(problems)
 
 
+NOTES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*", "NOTES.md")))
+CITED_SCRIPT = re.compile(r"git show [0-9a-f]{7,40}:\S+")
+
+
+def _full_history() -> bool:
+    """Whether this checkout has the repository's whole history (not a shallow clone or an archive)."""
+    proc = subprocess.run(["git", "-C", ROOT, "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    return proc.returncode == 0 and proc.stdout.strip() == "false"
+
+
+def test_no_result_notes_narrate_the_work():
+    """A result's NOTES.md says what was measured, with which command on which machine at which commit,
+    and what it shows: no sessions, issues, numbered calls or story. A script that no longer exists
+    is named only as `git show COMMIT:PATH`, which a checkout with the history can show; dates are the
+    results' own."""
+    assert NOTES
+    problems = []
+    for name in NOTES:
+        text = CITED_SCRIPT.sub("git show", _text(name))
+        for pattern, what in NARRATION:
+            for m in re.finditer(pattern, text, re.I):
+                problems.append(f"{name}: {what}: {text[max(0, m.start() - 30):m.end() + 30]!r}")
+        for field in ("**Machine", "**Code**", "**Command"):
+            if field not in text:
+                problems.append(f"{name}: no {field.strip('*')} line")
+        for cited in re.findall(r"git show ([0-9a-f]{7,40}:[^`\s]+)", _text(name)) if _full_history() else []:
+            if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", cited], capture_output=True).returncode:
+                problems.append(f"{name}: no {cited} in this repository's history")
+    assert not problems, "result notes narrating the work:\n" + "\n".join(problems)
+
+
 def test_the_narration_check_catches_what_it_should():
     """The patterns above find each kind of narration they are for (so the test can fail)."""
     samples = ["Session 7's table", "issue 16", "see #12", "round 2", "call B", "Today's defaults",
-               "The earlier table", "bash benchmarks/h200_s9c.sh OUT"]
+               "The earlier table", "bash benchmarks/h200_s9c.sh OUT", "A first try, torch's kernels"]
     for sample, (pattern, _) in zip(samples, NARRATION):
         assert re.search(pattern, sample, re.I), (sample, pattern)
     assert _check_words(["megatrain-ray", "bench", "--peers", "x"], _subparsers(), set()) == ["no option --peers"]

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import ARCHS, dtype_kwarg, import_store, read_tensors, save_model, save_tokenizer  # noqa: E402
+from artifacts import (ARCHS, dtype_kwarg, import_store, imported_logits_match, read_tensors, save_model,  # noqa: E402
+                       save_tokenizer, token_ids)
 
 from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
@@ -40,30 +41,9 @@ from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.precision import resolve_precision  # noqa: E402
 
 
-
-
-def _ids(vocab=96, batch=2, seq=24, seed=0):
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_imported_logits_match_transformers(arch, tmp_path, shm_dir):
-    model = save_model(arch, tmp_path / "hf")
-    assert len([n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]) > 2
-    store = import_store(tmp_path / "hf", shm_dir)
-    try:
-        assert store.spec.model.model_type == model.config.model_type
-        ids = _ids()
-        ours = forward_logits(store.spec.model, store_reader(store.store), ids)
-        with torch.no_grad():
-            theirs = model(input_ids=ids).logits.float()
-        assert ours.shape == theirs.shape == (2, 24, 96)
-        assert theirs.std() > 0.1  # not a degenerate model
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    finally:
-        store.close()
+    imported_logits_match(arch, tmp_path / "hf", shm_dir)[1].close()
 
 
 def test_bf16_checkpoint_is_upcast_into_fp32_master(tmp_path, shm_dir):
@@ -160,7 +140,7 @@ def test_llama31_rope_scaling_logits_match_transformers(tmp_path, shm_dir):
     try:
         cfg = store.spec.model
         assert cfg.rope_scaling == LLAMA31_ROPE and cfg.rope_theta == 500000.0
-        ids = _ids(seq=128)
+        ids = token_ids(seq=128)
         ours = forward_logits(cfg, store_reader(store.store), ids)
         with torch.no_grad():
             theirs = model(input_ids=ids).logits.float()
@@ -189,7 +169,7 @@ def test_llama31_rope_scaling_survives_export(tmp_path, form):
     assert cfg.rope_scaling == LLAMA31_ROPE and cfg.rope_theta == 500000.0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert loaded.config.rope_scaling["rope_type"] == "llama3"
-    ids = _ids(seq=128)
+    ids = token_ids(seq=128)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
@@ -249,7 +229,7 @@ def test_import_then_export_without_training_is_bit_identical(tmp_path, shm_dir)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+        assert torch.equal(loaded(input_ids=token_ids()).logits, model(input_ids=token_ids()).logits)
 
 
 def test_export_casts_to_bf16_on_request(tmp_path):
@@ -302,7 +282,7 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", **dtype_kwarg(torch.float32)).eval()
     assert type(loaded).__name__ == "Qwen3ForCausalLM"
-    ids = _ids(vocab=len(hf_tok), seq=16)
+    ids = token_ids(vocab=len(hf_tok), seq=16)
     with torch.no_grad():
         theirs = loaded(input_ids=ids).logits
         before = init(input_ids=ids).logits

@@ -16,7 +16,6 @@
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -24,7 +23,8 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import MOE_ARCHS, import_store, make_model, read_tensors, save_model  # noqa: E402
+from artifacts import (MOE_ARCHS, hf_logits, import_store, imported_logits_match, make_model,  # noqa: E402
+                       read_tensors, save_model, token_ids)
 
 from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
@@ -36,30 +36,12 @@ from megatrain_ray.model.transformer import routed_layer, rms_norm, rope_cache, 
 SPARSE = {"qwen3_moe": (0, 2), "mixtral": (0, 1), "qwen2_moe": (1, 3)}
 
 
-
-
-def _ids(batch=2, seq=24, seed=0):
-    return torch.randint(0, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
-
-
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
 def test_imported_logits_match_transformers(arch, tmp_path, shm_dir):
-    model = save_model(arch, tmp_path / "hf")
-    assert len([n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]) > 2
-    store = import_store(tmp_path / "hf", shm_dir)
+    model, store, ids, theirs = imported_logits_match(arch, tmp_path / "hf", shm_dir)
     try:
         cfg = store.spec.model
-        assert cfg.model_type == arch and cfg.sparse_layers == SPARSE[arch]
-        ids = _ids()
-        ours = forward_logits(cfg, store_reader(store.store), ids)
-        theirs = _logits(model, ids)
-        assert theirs.std() > 0.1
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        assert cfg.sparse_layers == SPARSE[arch]
         # The experts matter: one expert's weights changed moves the logits.
         unit = f"layers.{cfg.sparse_layers[0]}"
         p = store.store.params("master", store.store.layout.units.index(unit))
@@ -108,8 +90,8 @@ def test_both_expert_layouts_import_and_export_loads_in_transformers(arch, tmp_p
     assert all(torch.equal(v, read_tensors(tmp_path / "hub")[k]) for k, v in written.items())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     assert type(loaded) is type(model)
-    ids = _ids()
-    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
+    ids = token_ids()
+    torch.testing.assert_close(hf_logits(loaded, ids), hf_logits(model, ids), rtol=0, atol=0)
     prompt = ids[:1, :5]
     assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False),
                        model.generate(prompt, max_new_tokens=8, do_sample=False))
@@ -125,7 +107,7 @@ def test_aux_loss_and_its_layerwise_gradient_match_transformers(arch, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     cfg, _ = hf_io.read_config(str(tmp_path / "hf"))
     mapping = hf_io.check_weights(cfg, str(tmp_path / "hf"), "the checkpoint")
-    ids = _ids(batch=2, seq=16)
+    ids = token_ids(batch=2, seq=16)
     with torch.no_grad():
         theirs = model(input_ids=ids).aux_loss
     units = {u: hf_io.read_unit(str(tmp_path / "hf"), mapping, cfg, u) for u in unit_names(cfg)}

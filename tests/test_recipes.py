@@ -131,3 +131,20 @@ def test_convergence_smoke(tmp_path):
     # same first batch: the first losses agree far inside that rounding's scale
     assert ours["losses"][0] == pytest.approx(compact["losses"][0], rel=2**-9)
     assert "megatrain_ray_8bit" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_checkpoint_cost_smoke(tmp_path):
+    """benchmarks/checkpoint_cost.py at the tiny preset: a real store's checkpoint written paused and in
+    the background by the run's writer, every rate measured, the 7B extrapolation, the table last."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "checkpoint_cost.py"), str(tmp_path), "--preset", "tiny",
+                           "--layers", "2", "--step-s", "0.2"], env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "checkpoint_cost.json").read_text())
+    assert report["preset"] == "tiny" and report["checkpoint_bytes"] > 0
+    for key in ("crc32_gbs", "copy_gbs", "paused_gbs", "background_save_s"):
+        assert report[key] > 0, key
+    assert report["background_stall_s"] >= 0 and report["7b"]["checkpoint_bytes"] == 7.62e9 * 12
+    assert not (tmp_path / "ckpt").exists()  # the checkpoints are removed after the measurement
+    assert proc.stdout.strip().splitlines()[-1].startswith("write rate for <= 5% at 7B")
