@@ -180,3 +180,58 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_bit_for_bit(ray_cluster, 
         assert ours.keys() == adapters.keys() and all(torch.equal(ours[k], adapters[k]) for k in ours)
         final, straight_final = read_tensors(run.final_dir), read_tensors(straight.final_dir)
         assert all(torch.equal(final[k], straight_final[k]) for k in straight_final)
+
+
+def test_frozen_units_compute_no_weight_gradient(shm_dir, tmp_path):
+    """A LoRA step runs no weight-gradient GEMM of the frozen base (every unit's policy is frozen):
+    every 2-D matrix product of the compute worker's step (forward, recompute, backward, head; the
+    single-process driver runs it on this thread) is recorded by its output's shape, and none has
+    the shape of a base weight ([out, in] of a projection, fused or not, the LM head), while the
+    adapters' gradients ([r, in], [out, r]) are there. The same step training every parameter
+    produces every base weight's shape, so the recording sees the weight gradients where they exist.
+    The shapes are chosen so that no token count (a micro-batch's 32 tokens, loss chunks of 20 and
+    12) is a weight dimension."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatrain_ray.model.layout import LayerTemplate
+    from megatrain_ray.model.transformer import unit_names
+    from megatrain_ray.orchestration.local import train_local
+
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in gemms:
+                self.shapes.add(tuple(out.shape))
+            return out
+
+    np.save(tmp_path / "tokens.npy", (np.arange(2000) * 5) % 96)
+
+    def products(lora: list[str]) -> tuple[set, object]:
+        cfg = load_train_config(None, [
+            "model.hidden_size=48", "model.intermediate_size=80", "model.num_hidden_layers=2",
+            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=96",
+            f"data.path={tmp_path / 'tokens.npy'}", f"runtime.shm_dir={shm_dir}", "runtime.device=cpu",
+            "runtime.compute_dtype=float32", "runtime.loss_chunk_size=20", "train.steps=1", "train.seq_len=16",
+            "train.micro_batch_size=2", "train.num_micro_batches=2", "train.checkpoint_every=0", *lora])
+        with Products() as mode:
+            train_local(cfg, 0)
+        return mode.shapes, cfg
+
+    lora, cfg = products(["lora.rank=4", "lora.target_modules=q_proj,v_proj,gate_proj,down_proj"])
+    full, _ = products([])
+
+    templates = [LayerTemplate.build(cfg.model, unit) for unit in unit_names(cfg.model)]
+    base = {tuple(w.shape) for t in templates for w in t.bind(torch.zeros(t.numel), fused=True).values()
+            if w.dim() == 2}  # every projection, and the fused q/k/v and gate/up views
+    members = {(24, 48), (80, 48)}  # k/v and gate/up: their gradients come through their fused views
+    assert {(96, 48), (48, 48), (160, 48), (48, 80)} | members <= base
+    assert base - members <= full  # full fine-tuning computes every weight's gradient: the recording sees them
+    assert not base & lora, sorted(base & lora)
+    adapters = {(4, 48), (48, 4), (24, 4), (80, 4), (4, 80)}  # dA of q/v/gate, dB of q, v, gate; dA/dB of down
+    assert adapters <= lora

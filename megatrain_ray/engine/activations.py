@@ -177,7 +177,7 @@ def graph_backward(leaves: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Te
 
 
 def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Tensor], contexts: list[tuple],
-                       cfg, adapters: dict[str, torch.Tensor] | None = None) -> KeptGraph:
+                       cfg, adapters: dict[str, torch.Tensor] | None = None, frozen: bool = False) -> KeptGraph:
     """One layer's forward for every micro-batch (xs: M x [B, S, H]) with its graph kept for the backward.
 
     flat: the layer's weights in their slot, copied first, since the slot is reused before the
@@ -185,10 +185,10 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
     as the recompute of :func:`~megatrain_ray.engine.sequence.layer_backward`, so the backward of the kept graph is that of the
     recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
     contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`. adapters: a
-    LoRA run's adapters of the layer (resident, not copied), the leaves that train, its base then frozen.
+    LoRA run's adapters of the layer (resident, not copied), leaves that train; frozen: the layer's
+    own weights do not (its policy), so the graph's backward computes no gradient for them.
     """
     weights = flat.clone()
-    frozen = adapters is not None
     leaves = {name: w.detach().requires_grad_(not frozen) for name, w in template.bind(weights, fused=True).items()}
     leaves.update({name: w.detach().requires_grad_(".lora_" in name and name.endswith(".weight"))
                    for name, w in (adapters or {}).items()})

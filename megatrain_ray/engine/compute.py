@@ -59,6 +59,7 @@ from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_out import GradOut
+from .policy import EXACT, policies_of_run
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .resident import ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
@@ -116,7 +117,10 @@ class ComputeWorker(GroupMember):
                                 pinned) if spec.resident else None
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
                                        checkpoint, resume_from) if spec.lora.enabled else None
-        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, s.policies,
+        self.policies = s.policies or policies_of_run(len(self.layout.units), spec.resident, EXACT, spec.lora.enabled)
+        """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
+        gets no weight gradient computed, only its input gradient (and its adapters')."""
+        self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, self.policies,
                                  self.adapters)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
@@ -249,8 +253,7 @@ class ComputeWorker(GroupMember):
         evaluation = None if eval_batch is None else self._batch(eval_batch, mb.ids.shape[2])
         routing = StepRouting(self.cfg, len(batch["input_ids"]))
         xs, es = self._forward(step, mb, evaluation, routing)
-        embed_grad = None if self.adapters else torch.zeros(  # a LoRA run: no embedding or head gradient
-            self.layout.templates[self.layout.embed.index].numel, dtype=torch.float32, device=self.backend.device)
+        embed_grad = self._weight_grad(self.layout.embed.index)
         loss, dx, val_loss = self._head(step, xs, mb.labels, mb.n_tokens, embed_grad,
                                         None if evaluation is None else (es, evaluation.labels))
         xs = es = None  # the head has used the last hidden states
@@ -288,14 +291,15 @@ class ComputeWorker(GroupMember):
             sparse = self.cfg.is_sparse(unit.layer)  # recomputed from its checkpoint, never kept whole
             template, kept = templates[unit.index], acts.mode(unit.layer) == KEEP and not sparse
             with self.backend.compute(unit.name):
-                adapters = self.adapters.params(unit.name) if self.adapters else None  # a LoRA run's, resident
-                p = {**template.bind(flat, fused=True), **(adapters or {})}
+                adapters = self._adapters(unit.name)
+                p = {**template.bind(flat, fused=True), **adapters}
                 if sparse:
                     ys, stats = zip(*(self.runner.forward_routed(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)))
                     ys = list(ys)
                     routing.record(unit.layer, list(stats))
                 elif kept:  # the graph stays for the backward: nothing to recompute
-                    graph = layer_forward_kept(self.runner.layer, template, flat, xs, mb.ctx, self.cfg, adapters)
+                    graph = layer_forward_kept(self.runner.layer, template, flat, xs, mb.ctx, self.cfg, adapters,
+                                               frozen=not self.policies[unit.index].trains)
                     ys = [y.detach() for y in graph.outputs]
                 else:
                     ys = [self.runner.forward(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)]
@@ -315,7 +319,7 @@ class ComputeWorker(GroupMember):
         layer by layer), recomputing each from its checkpoint or differentiating its kept graph, then
         the embedding's; each unit's fp32 gradient goes out as soon as it is done (``embed_grad``
         [V*H] holds the head's part with tied embeddings)."""
-        templates, acts, dev = self.layout.templates, self.activations, self.backend.device
+        templates, acts = self.layout.templates, self.activations
         for unit in reversed(self.layout.layers):
             if acts.span_of(unit.layer) is not None:  # a recompute span's last layer: its inputs come back first
                 self._span_forward(step, mb, *acts.span_of(unit.layer))
@@ -323,17 +327,18 @@ class ComputeWorker(GroupMember):
             inputs = acts.take(unit.layer)
             acts.prefetch(acts.source(unit.layer - 1))  # the next backward's checkpoint comes in while this one computes
             template = templates[unit.index]
-            with self.backend.compute(unit.name + " bwd"):  # a LoRA run: only its adapters' gradient, resident
-                grad = None if self.adapters else torch.zeros(template.numel, dtype=torch.float32, device=dev)
-                grads = self.adapters.grad(unit.name) if self.adapters else template.bind(grad, fused=True)
+            with self.backend.compute(unit.name + " bwd"):
+                grad = self._weight_grad(unit.index)  # None: a frozen unit, whose weights get no gradient
+                grads = {**({} if grad is None else template.bind(grad, fused=True)),
+                         **(self.adapters.grad(unit.name) if self.adapters else {})}  # what trains: views to add into
                 if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
                     kept_backward(inputs, grads, dx)
-                elif self.cfg.is_sparse(unit.layer):
-                    routed_backward(self.runner, template.bind(flat, fused=True), grads, inputs, dx, mb.ctx,
-                                    self.cfg, routing)
                 else:
-                    p = {**template.bind(flat, fused=True), **(self.adapters.params(unit.name) if self.adapters else {})}
-                    layer_backward(self.runner, p, grads, inputs, dx, mb.ctx, self.cfg)
+                    p = {**template.bind(flat, fused=True), **self._adapters(unit.name)}
+                    if self.cfg.is_sparse(unit.layer):
+                        routed_backward(self.runner, p, grads, inputs, dx, mb.ctx, self.cfg, routing)
+                    else:
+                        layer_backward(self.runner, p, grads, inputs, dx, mb.ctx, self.cfg)
             del inputs
             self._release(ticket)
             self.grads_out.send(unit.index, step, grad)
@@ -359,6 +364,17 @@ class ComputeWorker(GroupMember):
                 xs = [self.runner.output(p, x, mb.ctx[m], self.cfg, sparse) for m, x in enumerate(xs)]
             self._release(ticket)
             self.activations.hold(unit.layer + 1, xs)
+
+    def _weight_grad(self, unit: int) -> torch.Tensor | None:
+        """A zeroed fp32 gradient buffer [numel] for ``unit``'s weights, or None for a unit that does
+        not train (its policy), whose backward then computes no weight gradient at all."""
+        if not self.policies[unit].trains:
+            return None
+        return torch.zeros(self.layout.templates[unit].numel, dtype=torch.float32, device=self.backend.device)
+
+    def _adapters(self, unit: str) -> dict[str, torch.Tensor]:
+        """``unit``'s adapters (a LoRA run's, resident on the device) to bind beside its weights; {} without."""
+        return self.adapters.params(unit) if self.adapters else {}
 
     def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting,
                 aux) -> dict[str, Any]:
@@ -402,7 +418,7 @@ class ComputeWorker(GroupMember):
         with self.backend.compute("head"):
             loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout, self.chunk, wh, we, hidden,
                                                          labels, n_tokens, embed_grad, self.head_loss_fn,
-                                                         frozen=self.adapters is not None)
+                                                         frozen=not self.policies[unit].trains)
             val_loss = None if evaluation is None else head_loss(self.cfg, self.layout, self.chunk,
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:

@@ -51,10 +51,18 @@ class UnitPolicy:
     def __str__(self) -> str:
         return f"weights {self.weights}, gradient {self.gradient}, optimizer {self.optimizer}"
 
+    @property
+    def trains(self) -> bool:
+        """Whether the unit's own weights are trained: only then does its backward compute their
+        gradient (a frozen unit's weights are no autograd leaves that require one, so its backward
+        runs only the input-gradient GEMMs, and its adapters' where it has some)."""
+        return self.optimizer != NONE
+
 
 FROZEN = UnitPolicy(STREAMED, DEVICE, NONE)
-"""A LoRA run's base unit (:mod:`megatrain_ray.engine.adapters`): streamed, never updated; the gradient
-that stays on the device is its adapters', whose squared norm goes to the sink."""
+"""A LoRA run's base unit (:mod:`megatrain_ray.engine.adapters`): streamed, never updated, so no
+gradient of its weights is computed (:attr:`UnitPolicy.trains`); the gradient that stays on the
+device is its adapters', whose squared norm goes to the sink."""
 
 
 def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str,

@@ -210,7 +210,7 @@ def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads:
     """:func:`layer_backward` for a sparse layer; routing: the step's
     :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
     load-balancing loss with respect to the router probabilities."""
-    leaves = {name: w.detach().requires_grad_(True) for name, w in params.items()}
+    leaves = trainable_leaves(params, grads)
     for m, x in enumerate(inputs):
         dx[m] = runner.backward_routed(leaves, grads, x, dx[m], contexts[m], cfg, routing.prob_grad(m))
 
