@@ -26,11 +26,12 @@ from megatrain_ray.engine.activations import GPU, HOST, KEEP, kept_bytes_per_tok
 from megatrain_ray.engine.attention import sdpa_backend
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.schedule import Schedule
 from megatrain_ray.engine.sequence import LayerRunner
 from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model import transformer as M
-from megatrain_ray.model.layout import LayerTemplate
+from megatrain_ray.model.layout import LayerTemplate, StoreLayout
 from megatrain_ray.model.precision import resolve_precision
 from megatrain_ray.orchestration import preflight
 from megatrain_ray.orchestration.resolve import Facts, resolve
@@ -158,7 +159,8 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
     ParameterStore(spec, cfg.train.seed)
     depth = rt.buffer_depth_on("cpu")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
-    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s, recompute_spans(placement))
+    prefetcher = Prefetcher(spec, Schedule.build(StoreLayout.build(cfg.model), cfg.model.tie_word_embeddings, (),
+                                              recompute_spans(placement)), depth, fetch_q, release_q, rt.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     worker = None

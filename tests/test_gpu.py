@@ -22,7 +22,9 @@ from megatrain_ray.engine.activations import GPU, HOST
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
 from benchmarks.reference import ResidentModel
+from megatrain_ray.engine.schedule import Schedule
 from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
 from megatrain_ray.orchestration.resolve import Facts, resolve
 
@@ -47,7 +49,8 @@ def _streamed_step(cfg, compile_layers: bool, offload: bool = False, mlp_chunk: 
     ParameterStore(spec, cfg.train.seed)
     depth = rt.buffer_depth_on("cuda")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
-    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
+    prefetcher = Prefetcher(spec, Schedule.build(StoreLayout.build(cfg.model), cfg.model.tie_word_embeddings), depth,
+                            fetch_q, release_q, rt.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     settings = dataclasses.replace(resolve(cfg, Facts("cuda")).compute, compile=compile_layers,

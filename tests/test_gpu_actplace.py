@@ -22,6 +22,7 @@ from megatrain_ray.data.loader import source_from_config
 from megatrain_ray.engine.activations import GPU, KEEP, kept_bytes_per_token, layer_modes
 from megatrain_ray.engine.compute import ComputeWorker
 from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.schedule import Schedule
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
@@ -37,7 +38,8 @@ def _step(cfg, placement, compile_layers=False, attention_backend="auto"):
     ParameterStore(spec, cfg.train.seed)
     depth = rt.buffer_depth_on("cuda")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
-    prefetcher = Prefetcher(spec, depth, fetch_q, release_q, rt.actor_timeout_s)
+    prefetcher = Prefetcher(spec, Schedule.build(StoreLayout.build(cfg.model), cfg.model.tie_word_embeddings), depth,
+                            fetch_q, release_q, rt.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     gc.collect()

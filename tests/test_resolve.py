@@ -44,6 +44,7 @@ def test_the_spawned_roles_hold_what_the_run_resolved(shm_dir, tmp_path):
         compute, prefetcher, sink = roles.computes[0], roles.prefetchers[0], roles.sink
         assert compute.settings == run.compute and sink.settings == run.sink
         assert compute.activations.modes == run.compute.activations == ("host", GPU, KEEP)
+        assert [type(p).__name__ for p in compute.passes] == ["Recomputed", "Recomputed", "Kept"]
         assert compute.store.spec == sink.store.spec == prefetcher.store.spec == spec
         assert spec.resident == run.schedule.resident and compute.resident.units == run.schedule.resident
         assert tuple(prefetcher.order) == run.schedule.fetch and tuple(sink.order) == run.schedule.sink_updates

@@ -51,20 +51,20 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, MegatrainError, PipelineError
-from ..model.layout import DECODER_LAYER
+from ..model.layout import DECODER_LAYER, Unit
 from ..model.transformer import embed
-from .activations import KEEP, ActivationStore, KeptGraph, kept_backward, layer_forward_kept
+from .activations import KEEP, ActivationStore
 from .adapters import DeviceAdapters
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .grad_out import GradOut
+from .passes import LayerWeights, StepLayers, layer_passes
 from .policy import EXACT, policies_of_run
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .resident import ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
 from .routing import StepRouting
-from .sequence import layer_backward, routed_backward
 from .settings import ComputeSettings
 from .store import HostStore, StoreSpec, largest_streamed
 from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
@@ -104,6 +104,8 @@ class ComputeWorker(GroupMember):
             raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
                               f"{self.cfg.num_hidden_layers}; check runtime.activations.")
         self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
+        self.passes = layer_passes(self.cfg, placement)
+        """Each decoder layer's pass (:mod:`megatrain_ray.engine.passes`): kept, recomputed or routed."""
         offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
         if s.attention_backend not in offered:
             raise ConfigError(f"runtime.attention_backend {s.attention_backend!r} is not available on {device}; "
@@ -252,7 +254,8 @@ class ComputeWorker(GroupMember):
         mb = self._batch(batch)
         evaluation = None if eval_batch is None else self._batch(eval_batch, mb.ids.shape[2])
         routing = StepRouting(self.cfg, len(batch["input_ids"]))
-        xs, es = self._forward(step, mb, evaluation, routing)
+        layers = StepLayers(self.runner, self.cfg, mb, self.activations, routing)
+        xs, es = self._forward(step, layers, evaluation)
         embed_grad = self._weight_grad(self.layout.embed.index)
         loss, dx, val_loss = self._head(step, xs, mb.labels, mb.n_tokens, embed_grad,
                                         None if evaluation is None else (es, evaluation.labels))
@@ -260,7 +263,7 @@ class ComputeWorker(GroupMember):
         aux = routing.aux_loss()
         if aux is not None:
             loss = loss + aux
-        self._backward(step, mb, dx, embed_grad, routing)
+        self._backward(step, layers, dx, embed_grad)
         embed_grad = None
         self.grads_out.end_step(step, sync, hold)
         saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if self.adapters and hold else {}  # LoRA's
@@ -273,72 +276,46 @@ class ComputeWorker(GroupMember):
         return MicroBatches.of(self.cfg, batch, self.backend.device, self.dtype, share, seq)
 
     @torch.no_grad()
-    def _forward(self, step: int, mb: MicroBatches, evaluation: MicroBatches | None, routing: StepRouting
+    def _forward(self, step: int, s: StepLayers, evaluation: MicroBatches | None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Embedding and every decoder layer forward, for every micro-batch (and the validation
-        sequences alongside: no extra weight traffic), each layer's activations kept for its backward
-        as placed (:mod:`megatrain_ray.engine.activations`; a sparse layer's router statistics into
-        ``routing``). Returns the last hidden states of both."""
-        templates, acts = self.layout.templates, self.activations
-        first = self.layout.embed.index
-        ticket, flat = self._take(first, step)
+        sequences alongside: no extra weight traffic), each layer leaving for its backward what its
+        pass says (:mod:`megatrain_ray.engine.passes`; a sparse layer's router statistics into
+        ``s.routing``). Returns the last hidden states of both."""
+        template = self.layout.templates[self.layout.embed.index]
+        ticket, flat = self._take(self.layout.embed.index, step)
         with self.backend.compute("embed"):
-            xs = [embed(templates[first].bind(flat), ids) for ids in mb.ids]
-            es = [] if evaluation is None else [embed(templates[first].bind(flat), e) for e in evaluation.ids]
+            xs = [embed(template.bind(flat), ids) for ids in s.mb.ids]
+            es = [] if evaluation is None else [embed(template.bind(flat), e) for e in evaluation.ids]
         self._release(ticket)
         for unit in self.layout.layers:
-            ticket, flat = self._take(unit.index, step)
-            sparse = self.cfg.is_sparse(unit.layer)  # recomputed from its checkpoint, never kept whole
-            template, kept = templates[unit.index], acts.mode(unit.layer) == KEEP and not sparse
+            ticket, w = self._weights(unit, step)
+            layer = self.passes[unit.layer]
             with self.backend.compute(unit.name):
-                adapters = self._adapters(unit.name)
-                p = {**template.bind(flat, fused=True), **adapters}
-                if sparse:
-                    ys, stats = zip(*(self.runner.forward_routed(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)))
-                    ys = list(ys)
-                    routing.record(unit.layer, list(stats))
-                elif kept:  # the graph stays for the backward: nothing to recompute
-                    graph = layer_forward_kept(self.runner.layer, template, flat, xs, mb.ctx, self.cfg, adapters,
-                                               frozen=not self.policies[unit.index].trains)
-                    ys = [y.detach() for y in graph.outputs]
-                else:
-                    ys = [self.runner.forward(p, x, mb.ctx[m], self.cfg) for m, x in enumerate(xs)]
-                es = [self.runner.forward(p, e, evaluation.ctx[m], self.cfg) for m, e in enumerate(es)]
-            if kept:
-                acts.keep(unit.layer, graph)
-                graph = None
-            else:
-                acts.put(unit.layer, xs)  # the layer's inputs: the checkpoint its backward recomputes from
+                ys = layer.forward(s, unit.layer, w, xs)
+                es = [self.runner.forward(w.params, e, evaluation.ctx[m], self.cfg) for m, e in enumerate(es)]
+            layer.leave(s, unit.layer, xs)
             xs = ys
             self._release(ticket)
         return xs, es
 
-    def _backward(self, step: int, mb: MicroBatches, dx: list[torch.Tensor], embed_grad: torch.Tensor,
-                  routing: StepRouting) -> None:
+    def _backward(self, step: int, s: StepLayers, dx: list[torch.Tensor], embed_grad: torch.Tensor | None) -> None:
         """Every decoder layer backward from the head's input gradients ``dx`` (M x [B, S, H], replaced
-        layer by layer), recomputing each from its checkpoint or differentiating its kept graph, then
+        layer by layer), as its pass runs it (recomputed from its checkpoint, or its kept graph), then
         the embedding's; each unit's fp32 gradient goes out as soon as it is done (``embed_grad``
-        [V*H] holds the head's part with tied embeddings)."""
-        templates, acts = self.layout.templates, self.activations
+        [V*H] holds the head's part with tied embeddings; None: a frozen embedding)."""
+        acts = self.activations
         for unit in reversed(self.layout.layers):
             if acts.span_of(unit.layer) is not None:  # a recompute span's last layer: its inputs come back first
-                self._span_forward(step, mb, *acts.span_of(unit.layer))
-            ticket, flat = self._take(unit.index, step)
+                self._span_forward(step, s, *acts.span_of(unit.layer))
+            ticket, w = self._weights(unit, step)
             inputs = acts.take(unit.layer)
             acts.prefetch(acts.source(unit.layer - 1))  # the next backward's checkpoint comes in while this one computes
-            template = templates[unit.index]
             with self.backend.compute(unit.name + " bwd"):
                 grad = self._weight_grad(unit.index)  # None: a frozen unit, whose weights get no gradient
-                grads = {**({} if grad is None else template.bind(grad, fused=True)),
+                grads = {**({} if grad is None else w.template.bind(grad, fused=True)),
                          **(self.adapters.grad(unit.name) if self.adapters else {})}  # what trains: views to add into
-                if isinstance(inputs, KeptGraph):  # its weights came again only to keep the fetch order
-                    kept_backward(inputs, grads, dx)
-                else:
-                    p = {**template.bind(flat, fused=True), **self._adapters(unit.name)}
-                    if self.cfg.is_sparse(unit.layer):
-                        routed_backward(self.runner, p, grads, inputs, dx, mb.ctx, self.cfg, routing)
-                    else:
-                        layer_backward(self.runner, p, grads, inputs, dx, mb.ctx, self.cfg)
+                self.passes[unit.layer].backward(s, w, grads, inputs, dx)
             del inputs
             self._release(ticket)
             self.grads_out.send(unit.index, step, grad)
@@ -346,24 +323,30 @@ class ComputeWorker(GroupMember):
             with self.backend.compute("embed bwd"):  # in token chunks: no fp32 copy of a whole [S, H] gradient
                 table = embed_grad.view(self.cfg.vocab_size, self.cfg.hidden_size)
                 for m in range(len(dx)):  # in a fixed order, unlike index_add_'s atomics on CUDA
-                    rows, grads = mb.ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
-                    for s in range(0, rows.shape[0], self.chunk):
-                        add_embedding_grad(table, rows[s:s + self.chunk], grads[s:s + self.chunk])
+                    rows, grads = s.mb.ids[m].reshape(-1), dx[m].reshape(-1, self.cfg.hidden_size)
+                    for a in range(0, rows.shape[0], self.chunk):
+                        add_embedding_grad(table, rows[a:a + self.chunk], grads[a:a + self.chunk])
         self.grads_out.send(self.layout.embed.index, step, embed_grad)
 
     @torch.no_grad()
-    def _span_forward(self, step: int, mb: MicroBatches, first: int, last: int) -> None:
+    def _span_forward(self, step: int, s: StepLayers, first: int, last: int) -> None:
         """Layers first..last-1 forward again from ``first``'s checkpoint, each output held as the next
         layer's input for its backward (a recompute span, :mod:`megatrain_ray.engine.activations`)."""
         xs = self.activations.take(first)
         self.activations.hold(first, xs)
         for unit in [u for u in self.layout.layers if first <= u.layer < last]:
-            ticket, flat = self._take(unit.index, step)
+            ticket, w = self._weights(unit, step)
             with self.backend.compute(unit.name + " span fwd"):
-                p, sparse = self.layout.templates[unit.index].bind(flat, fused=True), self.cfg.is_sparse(unit.layer)
-                xs = [self.runner.output(p, x, mb.ctx[m], self.cfg, sparse) for m, x in enumerate(xs)]
+                xs = self.passes[unit.layer].again(s, w, xs)
             self._release(ticket)
             self.activations.hold(unit.layer + 1, xs)
+
+    def _weights(self, unit: Unit, step: int) -> tuple[FetchTicket | None, LayerWeights]:
+        """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters
+        and whether its own weights are frozen (its policy)."""
+        ticket, flat = self._take(unit.index, step)
+        return ticket, LayerWeights(self.layout.templates[unit.index], flat, self._adapters(unit.name),
+                                    not self.policies[unit.index].trains)
 
     def _weight_grad(self, unit: int) -> torch.Tensor | None:
         """A zeroed fp32 gradient buffer [numel] for ``unit``'s weights, or None for a unit that does

@@ -1,7 +1,7 @@
 """The prefetcher: decides which unit's weights go into which device slot, and when.
 
-One loop over the run: for every step, for every unit in the schedule's fetch order
-(:class:`~megatrain_ray.engine.schedule.Schedule`),
+One loop over the run: for every step, for every unit in the resolved run's fetch order
+(:attr:`~megatrain_ray.engine.schedule.Schedule.fetch`),
 take a free slot (slots come back from the compute worker on the release queue; there are
 ``buffer_depth`` of them, so it never runs more than that far ahead), wait until the unit's
 version in the store equals the step (its previous update is complete), and put a
@@ -27,13 +27,12 @@ class Prefetcher:
     doing: tuple[int, int] | None = None
     """(step, unit) of the fetch ticket being issued: what the dashboard shows (orchestration.labels)."""
 
-    def __init__(self, spec: StoreSpec, buffer_depth: int, fetch_q, release_q, timeout_s: float,
-                 spans: tuple[tuple[int, int], ...] = ()):
-        """``spans``: the recompute spans of the compute worker's activation placement
-        (:func:`~megatrain_ray.engine.activations.recompute_spans`), whose layers it fetches again."""
+    def __init__(self, spec: StoreSpec, schedule: Schedule, buffer_depth: int, fetch_q, release_q, timeout_s: float):
+        """schedule: the run's (:attr:`~megatrain_ray.orchestration.resolve.ResolvedRun.schedule`), whose
+        fetch order it issues every step."""
         self.store = HostStore(spec)
         self.units = self.store.layout.units
-        self.order = Schedule.build(self.store.layout, spec.model.tie_word_embeddings, spec.resident, spans).fetch
+        self.order = schedule.fetch
         self.depth = buffer_depth
         self.fetch_q, self.release_q = fetch_q, release_q
         self.timeout_s = timeout_s

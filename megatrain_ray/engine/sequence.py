@@ -145,11 +145,6 @@ class LayerRunner:
             out[:, a:b] = self.mlp(p, h[:, a:b], cfg)
         return out
 
-    def output(self, p, x: torch.Tensor, context: tuple, cfg, sparse: bool = False) -> torch.Tensor:
-        """:meth:`forward`, or for a sparse layer :meth:`forward_routed` without its router statistics
-        (a recompute span's forward again, whose statistics are the first forward's)."""
-        return self.forward_routed(p, x, context, cfg)[0] if sparse else self.forward(p, x, context, cfg)
-
     def backward(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
                  dy: torch.Tensor, context: tuple, cfg) -> torch.Tensor:
         """Recompute the layer from its input x: [B, S, H] and backpropagate dy: [B, S, H].

@@ -29,7 +29,6 @@ from typing import Any
 
 from ..config import TrainConfig, usable_cpus
 from ..engine.compute import ComputeWorker
-from ..engine.activations import recompute_spans
 from ..engine.prefetch import Prefetcher
 from ..engine.sink import GradientSink
 from ..engine.store import ParameterStore, StoreSpec
@@ -135,7 +134,7 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
             fetch_q, release_q = spawner.queue(depth, f"fetch-{w}"), spawner.queue(depth, f"release-{w}")
             roles.fetch_qs.append(fetch_q)
             roles.prefetchers.append(spawner.actor(Prefetcher, "prefetch")(
-                spec, depth, fetch_q, release_q, wait, recompute_spans(run.compute.activations)))
+                spec, run.schedule, depth, fetch_q, release_q, wait))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
                 spec, run.compute, fetch_q, grad_q, release_q, grad_slot_q,
                 **({"checkpoint": plan, "resume_from": resume} if cfg.lora.enabled else {})))
