@@ -23,10 +23,6 @@ def encode_bytes(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
 
-def decode_bytes(ids) -> str:
-    return bytes(int(i) for i in ids if int(i) < BYTE_VOCAB).decode("utf-8", errors="replace")
-
-
 _SUBJECTS = ["the engineer", "a small model", "the optimizer", "our pipeline", "the host store",
              "every layer", "the scheduler", "a patient reader", "the gradient", "the data loader"]
 _VERBS = ["streams", "updates", "checks", "measures", "loads", "writes", "trains", "compares", "moves"]
