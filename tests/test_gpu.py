@@ -159,3 +159,20 @@ def test_packed_documents_flex_attention_matches_the_dense_mask(compiled):
     for runner in (LayerRunner(0, wrap), LayerRunner(512, wrap)):
         for g, w in zip(run(runner, flex_ctx), want):
             assert float((g - w).norm() / w.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("chunk", [0, 512])
+def test_packed_documents_flex_attention_is_each_document_alone_through_sdpa(compiled, chunk):
+    """Packed documents through FlexAttention (its BlockMask) against each document run alone
+    through plain causal SDPA, both in bf16 and both measured against the per-document run in
+    float64 (tests/test_longctx.py, packed_against_each_document): the packed path may deviate by
+    at most twice what the per-document bf16 run itself deviates (the two kernels block and sum
+    differently; a wrong mask or position is an O(1) error). The CPU runs it with the dense mask."""
+    from megatrain_ray.engine.compute import CompiledLayer
+    from test_longctx import packed_against_each_document
+
+    wrap = (lambda fn: CompiledLayer(fn=fn)) if compiled else None
+    packed, alone, ctx = packed_against_each_document("cuda", torch.bfloat16, chunk, wrap)
+    assert not isinstance(ctx[1], torch.Tensor)  # a BlockMask
+    assert alone < 0.1 and packed <= 2 * alone, (packed, alone)

@@ -57,6 +57,58 @@ def _forward_backward(runner, t, flat, x, dy, ctx):
     return y, dx, grad
 
 
+def packed_against_each_document(device: str, dtype: torch.dtype, chunk: int = 0, wrap=None):
+    """One layer over three documents packed into a 2048-token sequence (the packed path: step_contexts'
+    mask, a FlexAttention BlockMask on CUDA, dense on the CPU) and over each document alone (its
+    positions from 0, plain causal SDPA), both in ``dtype``, against the per-document run in float64.
+
+    Returns (packed error, per-document error): the largest relative errors (max |got - want| over
+    max |want|) of the output, the input gradient and the weight gradient (the documents' summed).
+    The per-document run in ``dtype`` is the trusted path's own rounding, what the packed one may
+    deviate by (up to a small factor: its kernel blocks and sums differently)."""
+    cfg = load_config(None, ["model.hidden_size=256", "model.intermediate_size=704", "model.num_attention_heads=8",
+                             "model.num_key_value_heads=2", "model.max_position_embeddings=4096"]).model
+    t, flat = _layer(cfg)
+    lengths, s = (700, 1000, 348), 2048
+    g = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(1, s, cfg.hidden_size, generator=g, dtype=torch.float64).to(device) for _ in range(2))
+    flat = flat.double().to(device)
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None, None]
+
+    def layer(runner, w, x, dy, ctx):
+        with torch.no_grad():
+            y = runner.forward(t.bind(w, fused=True), x, ctx, cfg)
+        grad = torch.zeros(t.numel, device=device, dtype=torch.float32 if w.dtype != torch.float64 else w.dtype)
+        leaves = {k: v.detach().requires_grad_(True) for k, v in t.bind(w, fused=True).items()}
+        return y, runner.backward(leaves, t.bind(grad, fused=True), x, dy, ctx, cfg), grad
+
+    def per_document(w, x, dy):
+        ys, dxs, grad, at = [], [], 0, 0
+        for n in lengths:
+            ctx = (M.rope_cache(cfg, n, torch.device(device), x.dtype), None)
+            y, dx, gw = layer(LayerRunner(0), w, x[:, at:at + n], dy[:, at:at + n], ctx)
+            ys, dxs, grad, at = ys + [y], dxs + [dx], grad + gw.double(), at + n
+        return torch.cat(ys, 1), torch.cat(dxs, 1), grad
+
+    want = per_document(flat, x, dy)
+    ctx = step_contexts(cfg, pos, 1, s, torch.device(device), dtype)[0]
+    packed = layer(LayerRunner(chunk, wrap), flat.to(dtype), x.to(dtype), dy.to(dtype), ctx)
+    alone = per_document(flat.to(dtype), x.to(dtype), dy.to(dtype))
+
+    def err(got):
+        return max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+
+    return err(packed), err(alone), ctx
+
+
+@pytest.mark.parametrize("chunk", [0, 512])
+def test_the_packed_layer_is_each_document_alone_on_the_cpu(chunk):
+    """packed_against_each_document on the CPU (the dense mask), fp32: both within a few fp32 ulps
+    (1e-5, see the module docstring) of the float64 per-document run."""
+    packed, alone, ctx = packed_against_each_document("cpu", torch.float32, chunk)
+    assert isinstance(ctx[1], torch.Tensor) and packed < 1e-5 and alone < 1e-5, (packed, alone)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_tiled_mlp_equals_untiled_forward_and_gradients(packed):
     """A 1536-token sequence (x2) in chunks of 400 (the last one short): the layer's output, its

@@ -183,6 +183,48 @@ class LayerRunner:
         return dx
 
 
+ATTENTION_SCRATCH_DEVICES = ("cuda",)
+"""Devices whose attention backward kernel takes the scratch :func:`tiled_backward_bytes` counts."""
+
+
+def tiled_backward_bytes(cfg, tokens: int, rows: int, itemsize: int, compiled: bool, device: str) -> int:
+    """Peak bytes of :meth:`LayerRunner.backward` for a tiled dense layer over one micro-batch of
+    ``tokens`` tokens in MLP chunks of ``rows`` rows (all its sequences' chunks), compute dtype of
+    ``itemsize`` bytes, eager or ``compiled``: beside the layer's input, its output gradient dy, its
+    weights and their fp32 gradient buffer, which are counted elsewhere. The largest of its moments:
+
+    - an MLP chunk's backward: the attention half's graph (what its autograd saves: the fused q/k/v
+      output, the rotated q and k, the attention output, the log-sum-exp per head, and the input
+      norm's, eager its fp32 upcast of a 16-bit input, normalised value and product with the weight,
+      compiled its reciprocal RMS only, and its output too where the lean partitioner is absent),
+      the half's output h and its gradient dh, and per chunk row the post-attention norm's (4H +
+      2cH) and the MLP's seven [rows, intermediate] tensors (gate/up, silu(gate), the activation,
+      its gradient from the down projection, the gradients of silu(gate) and up, gate/up's);
+    - the attention's backward: the graph, h and dh, the gradient of the attention output, those of
+      q, k and v and, on CUDA, the kernel's scratch: FlashAttention-2's (torch's choice on an H200;
+      counted whatever the backend) holds an fp32 dq accumulator and an fp32 row sum per query head,
+      and with grouped-query attention dk and dv for every query head before they are summed per
+      group, ``heads x (4d + 4 + 2cd)`` bytes per token: the 28.11 GiB a 1,048,576-token backward
+      at the Qwen2.5-7B width asked for on the H200;
+    - eager, the input norm's backward, the attention's graph freed: h, dh and six fp32 [S, H]
+      temporaries (five where the input is fp32, its upcast being itself).
+
+    tests/test_plan_working_set.py checks the figure against every tensor the CPU run allocates.
+    """
+    c, h, inter = itemsize, cfg.hidden_size, cfg.intermediate_size
+    heads, d = cfg.num_attention_heads, cfg.head_size
+    q, kv = heads * d, cfg.num_key_value_heads * d
+    lean = compiled and lean_partitioner() is not None
+    norm = 4 + (0 if lean else c * h) if compiled else (4 * h if c < 4 else 0) + 2 * c * h + 4
+    graph = tokens * (c * (q + 2 * kv) + c * (q + kv) + c * q + 4 * heads + norm)
+    held = tokens * 2 * c * h
+    mlp = rows * ((4 * h if c < 4 else 0) + 2 * c * h + 7 * c * inter)
+    scratch = heads * (4 * d + 4 + (2 * c * d if kv != q else 0)) if device in ATTENTION_SCRATCH_DEVICES else 0
+    attention = tokens * (c * q + c * (q + 2 * kv) + scratch)
+    norm_backward = 0 if compiled else tokens * (6 if c < 4 else 5) * 4 * h
+    return max(graph + held + max(mlp, attention), held + norm_backward)
+
+
 def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                    inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg) -> None:
     """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..config import TrainConfig
 from ..engine.activations import kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers
+from ..engine.sequence import tiled_backward_bytes
 from ..engine.store import StoreSpec, largest_streamed, resident_units
 from ..errors import ConfigError
 from ..model.flops import recompute_flops
@@ -99,7 +100,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
                "(runtime.device_adamw)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
-        _layer_working_set(cfg, tokens, c, 0 if lora.enabled else layer_numel),  # LoRA: no base gradient
+        _layer_working_set(cfg, device, tokens, c, 0 if lora.enabled else layer_numel),  # LoRA: no base gradient
         Row(f"LoRA adapters (rank {lora.rank}, {adapters:,} parameters): fp32 master, AdamW moments and gradient"
             f"{', compute copy' if c != 4 else ''}", "device", adapters * (16 + (c if c != 4 else 0)))
         if lora.enabled else Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
@@ -125,15 +126,16 @@ def _logit_bytes(c: int, compiled: bool) -> int:
     return 2 * c if compiled else 3 * 4 + c
 
 
-def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) -> Row:
+def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer_numel: int) -> Row:
     """One layer's recompute + backward for one micro-batch of ``tokens`` (compute dtype: ``c`` bytes).
 
-    Attention half and residual stream: ~4 [tokens, hidden] tensors (normed input, output, their
-    gradients) and q, k, v with the attention output and their gradients; the MLP: 5
-    [tokens, intermediate] tensors (see the module docstring), for one chunk when tiled, where the
-    attention half's output and its gradient are one more [tokens, hidden] held across the chunks;
-    and the layer's fp32 gradient with a compute-dtype weight gradient (``layer_numel`` elements; 0: a
-    LoRA run's frozen base, which has none). A sparse layer (never tiled)
+    Untiled: attention half and residual stream: ~4 [tokens, hidden] tensors (normed input, output,
+    their gradients) and q, k, v with the attention output and their gradients; the MLP: 5
+    [tokens, intermediate] tensors (see the module docstring). Tiled (runtime.mlp_chunk_size, the
+    long-context path): the peak of its moments as
+    :func:`~megatrain_ray.engine.sequence.tiled_backward_bytes` counts them, the attention kernel's
+    scratch on CUDA among them. Both: the layer's fp32 gradient with a compute-dtype weight gradient
+    (``layer_numel`` elements; 0: a LoRA run's frozen base, which has none). A sparse layer (never tiled)
     instead: its tokens x top-k dispatched rows through the experts (the gathered rows, gate/up, the
     activation, the down projection's output and their gradients: 4 [rows, hidden] and 5
     [rows, expert width]), the router's fp32 probabilities [tokens, experts] (with their softmax's
@@ -153,7 +155,8 @@ def _layer_working_set(cfg: TrainConfig, tokens: int, c: int, layer_numel: int) 
     if 0 < mlp_chunk < cfg.train.seq_len:
         rows = tokens // cfg.train.seq_len * mlp_chunk  # the micro-batch's sequences, one chunk each
         return Row(f"one layer's working set (one micro-batch, MLP in chunks of {mlp_chunk} tokens)", "device",
-                   tokens * (5 * h + 2 * q + 2 * kv) * c + rows * 5 * inter * c + layer_numel * (4 + c), "layer")
+                   tiled_backward_bytes(m, tokens, rows, c, cfg.runtime.compile_on(device), device)
+                   + layer_numel * (4 + c), "layer")
     return Row("one layer's working set (one micro-batch)", "device",
                tokens * (4 * h + 2 * q + 2 * kv + 5 * inter) * c + layer_numel * (4 + c), "layer")
 
