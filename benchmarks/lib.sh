@@ -33,6 +33,9 @@ bench() {
   run "$tag" "$limit" python3 -m megatrain_ray.cli bench "$@" --tag "$tag" --out "$out" || rc=$?
   grep -A3 "^system" "$out/log_$tag.txt" 2>/dev/null
 }
+# plan_layers FILE MODE: how many layers of the planned shape the plan printed in FILE says MODE fits
+# (MODE: the start of its row, e.g. "compact (optim.state 8bit)" or "LoRA"); empty if it has no such row
+plan_layers() { sed -n "s/^  $2.*(\([0-9]*\) layer(s) of this shape.*/\1/p" "$1"; }
 # shape_args PRESET [LAYERS]: the --set model.* words of a preset's shape (cut to LAYERS decoder layers)
 shape_args() {
   python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('$1', ${2:-None}).items()))"

@@ -36,7 +36,7 @@ case " $parts " in *" full "*)
   run plan-full-32b-8bit 120 python3 -m megatrain_ray.cli plan --device cuda $(shape_args 32b 64) \
     --set optim.state=8bit "${plan_set[@]}" || rc=$?
   cp "$out/log_plan-full-32b-8bit.txt" "$out/plan-full-32b-8bit.txt"
-  fits=$(sed -n 's/^  compact (optim.state 8bit).*(\([0-9]*\) layer(s) of this shape.*/\1/p' "$out/plan-full-32b-8bit.txt")
+  fits=$(plan_layers "$out/plan-full-32b-8bit.txt" "compact (optim.state 8bit)")
   layers=$(( ${fits:-48} < 64 ? ${fits:-48} : 64 ))
   echo "optim.state=8bit: the plan fits ${fits:-?} layers of the Qwen2.5-32B shape; running $layers"
   bench "full-32b-${layers}l-8bit-65536" "$(left 600)" --preset 32b --layers "$layers" "${step[@]}" \
@@ -48,7 +48,7 @@ case " $parts " in *" resident "*)
   grep "^resident-lora" "$out/log_resident-lora-32b.txt" ;;
 esac
 case " $parts " in *" largest "*)  # the largest LoRA base of the 32B width the plan says this host holds
-  fits=$(sed -n 's/^  LoRA.*(\([0-9]*\) layer(s) of this shape.*/\1/p' "$out/plan-lora-32b.txt")
+  fits=$(plan_layers "$out/plan-lora-32b.txt" LoRA)
   layers=$(( ${fits:-96} - 2 ))
   echo "LoRA: the plan fits ${fits:-?} layers of the 32B width; running $layers"
   bench "lora-32bw-${layers}l-r16-65536" "$(left 600)" --preset 32b --layers "$layers" "${step[@]}" "${LORA[@]}" ;;

@@ -31,7 +31,7 @@ for tokens in 262144 65536; do
       $(shape_args qwen3-30b-a3b 12) \
       --set train.seq_len=4096 --set train.micro_batch_size=4 --set "train.num_micro_batches=$mbs"
     cp "$out/log_plan-qwen3-8bit.txt" "$out/plan-qwen3-8bit.txt"
-    fits=$(sed -n 's/^  compact (optim.state 8bit).*(\([0-9]*\) layer(s) of this shape.*/\1/p' "$out/plan-qwen3-8bit.txt")
+    fits=$(plan_layers "$out/plan-qwen3-8bit.txt" "compact (optim.state 8bit)")
     layers=$(( ${fits:-40} < 40 ? ${fits:-40} : 40 ))
     echo "optim.state=8bit: the plan fits $fits layers of the Qwen3-30B-A3B shape; running $layers"
     bench "qwen3-30b-a3b-${layers}l-8bit-$tokens" "$(left 600)" --preset qwen3-30b-a3b --layers "$layers" \
