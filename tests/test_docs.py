@@ -228,6 +228,22 @@ def test_no_result_notes_narrate_the_work():
     assert not problems, "result notes narrating the work:\n" + "\n".join(problems)
 
 
+def test_every_readme_figure_names_its_result_folder_and_commit():
+    """benchmarks/README.md maps each row of the README's performance table to a recipe, a result folder
+    and the commit measured; the folder exists, its NOTES.md names that commit, and the README's row
+    carries the same commit."""
+    table = re.search(r"^\| README row \|.*?\n\n", _text("benchmarks/README.md"), re.S | re.M).group()
+    readme_rows = [r for r in _text("README.md").splitlines() if r.startswith("| ") and "benchmarks/" in r]
+    mapped = 0
+    for row in filter(None, table.splitlines()[2:]):
+        folder, commit = re.search(r"`results/([\w.-]+)/`.*\| `([0-9a-f]{7})` \|$", row).groups()
+        notes = _text(f"benchmarks/results/{folder}/NOTES.md")
+        assert commit in notes, f"{folder}/NOTES.md does not name {commit}"
+        assert any(commit in r for r in readme_rows), f"no README row measured at {commit}"
+        mapped += 1
+    assert mapped == len(readme_rows), (mapped, len(readme_rows))
+
+
 def test_the_narration_check_catches_what_it_should():
     """The patterns above find each kind of narration they are for (so the test can fail)."""
     samples = ["Session 7's table", "issue 16", "see #12", "round 2", "call B", "Today's defaults",
