@@ -20,7 +20,8 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
   head gradients; and, never at the same time (so the device total counts the larger, see
   :func:`device_total`), one layer's working set while it is recomputed and differentiated for
   one micro-batch (its activations and their gradients, its fp32 gradient accumulator; with
-  runtime.mlp_chunk_size, the [tokens, intermediate] terms for one chunk) or the head's: one loss
+  runtime.mlp_chunk_size, the [tokens, intermediate] terms for one chunk and, at the attention's
+  backward, the kernel's scratch: ``tiled_backward_bytes``) or the head's: one loss
   chunk of logits, with their fp32 log-softmax and gradient when eager, in the compute dtype when
   compiled (``buffer_depth``, ``loss_chunk_size``, ``mlp_chunk_size`` and ``compile`` as resolved
   for the run, see RuntimeSection).
