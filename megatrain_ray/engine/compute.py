@@ -16,12 +16,13 @@ and the slot is released as soon as the unit is done. One step, as one loop:
 5. embedding gradient (the input gradients added into their ids' rows in a fixed order, see
    :mod:`megatrain_ray.engine.embed_grad`; plus the head's when tied) goes out.
 
-A mixture of experts' sparse layers (whole units today: attention, router and every expert) run
-through :meth:`~megatrain_ray.engine.sequence.LayerRunner.forward_routed`, their router statistics
-gathered by a :class:`~megatrain_ray.engine.routing.StepRouting`: the load-balancing loss joins the
-step's loss, its gradient joins each sparse layer's recompute-backward (a sparse layer is always
-recomputed from its checkpoint, never kept whole), and the tokens each expert received are returned
-with the step. An expert that received no token gets an exactly zero gradient in its unit's buffer.
+A mixture of experts' sparse layers (units with parts: attention and router, shared expert, each
+routed expert) run through :meth:`~megatrain_ray.engine.sequence.LayerRunner.forward_routed`, their
+router statistics gathered by a :class:`~megatrain_ray.engine.routing.StepRouting`: the
+load-balancing loss joins the step's loss, its gradient joins each sparse layer's recompute-backward
+(a sparse layer is always recomputed from its checkpoint, never kept whole), and the tokens each
+expert received are returned with the step. An expert that received no token has an exactly zero
+gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.engine.experts`).
 
 Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
@@ -58,6 +59,7 @@ from .adapters import DeviceAdapters
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
+from .experts import ExpertTraffic
 from .grad_out import GradOut
 from .passes import LayerWeights, StepLayers, layer_passes
 from .policy import EXACT, policies_of_run
@@ -122,13 +124,14 @@ class ComputeWorker(GroupMember):
         self.policies = s.policies or policies_of_run(len(self.layout.units), spec.resident, EXACT, spec.lora.enabled)
         """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
         gets no weight gradient computed, only its input gradient (and its adapters')."""
+        self._stop = threading.Event()
+        self.traffic = ExpertTraffic(self.layout, self.backend, self._stop)
         self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, self.policies,
-                                 self.adapters)
+                                 self.adapters, self.traffic)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._stop = threading.Event()
         loops = ((self._load_loop, "loader"), (self._release_loop, "releaser"),
                  (lambda: self.grads_out.run(self._drain), "grad-sender"))
         self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in loops]
@@ -159,8 +162,9 @@ class ComputeWorker(GroupMember):
                 ticket: FetchTicket = self.fetch_q.get(timeout=0.2)
             except queue.Empty:
                 continue
+            ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.routed)  # a sparse layer's: routed
             handle = self.backend.load(ticket.slot, self.store.block("stream", ticket.unit),
-                                       self.layout.units[ticket.unit])
+                                       self.layout.units[ticket.unit], ranges)
             self._arrived.put((ticket, handle))
 
     def _drain(self, inbox: queue.Queue):
@@ -248,13 +252,14 @@ class ComputeWorker(GroupMember):
         if self._error is not None:
             raise self._thread_error()
         self.backend.begin_step()
+        self.traffic.begin_step(step)
         start = time.time()
         self.fetches.clear()
         self.activations.clear()  # anything a failed step left
         mb = self._batch(batch)
         evaluation = None if eval_batch is None else self._batch(eval_batch, mb.ids.shape[2])
         routing = StepRouting(self.cfg, len(batch["input_ids"]))
-        layers = StepLayers(self.runner, self.cfg, mb, self.activations, routing)
+        layers = StepLayers(self.runner, self.cfg, mb, self.activations, routing, self.traffic, step)
         xs, es = self._forward(step, layers, evaluation)
         embed_grad = self._weight_grad(self.layout.embed.index)
         loss, dx, val_loss = self._head(step, xs, mb.labels, mb.n_tokens, embed_grad,
@@ -374,6 +379,7 @@ class ComputeWorker(GroupMember):
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
+        extra.update(self.traffic.report(step))
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
                 "start": start, "step_s": time.time() - start, **busy, **moved, "spans": spans,
                 "device_peak_bytes": self.backend.peak_bytes(), **extra}

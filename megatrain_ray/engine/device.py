@@ -2,11 +2,13 @@
 
 A backend owns the device weight slots and the two copy directions:
 
-- ``load(slot, host_block)``: start copying a unit's streamed weights into a slot; returns a
-  handle that ``wait`` turns into "the compute may read the slot now";
+- ``load(slot, host_block, label, ranges)``: start copying a unit's streamed weights into a slot
+  (all of them, or only the (start, end) element ``ranges``: the parts of a sparse layer the
+  step's routing uses, one copy per range); returns a handle that ``wait`` turns into "the compute
+  may read the slot now";
 - ``release(slot)``: the compute is done reading the slot (a later load may overwrite it);
-- ``store(dev, host_block, scalar)``: start copying a device tensor (a gradient) to the host,
-  with a device scalar (its squared norm); returns a handle whose ``result()`` blocks until the
+- ``store(dev, host_block, scalar, label, ranges)``: start copying a device tensor (a gradient, or
+  its ``ranges``) to the host, with a device scalar (its squared norm); returns a handle whose ``result()`` blocks until the
   host bytes are complete and returns the scalar as a float; ``scalar(value)``: the same for a
   device scalar alone;
 - ``compute(label)``: a context around one unit's compute;
@@ -89,10 +91,12 @@ class CpuBackend:
     def register_host(self, tensor: torch.Tensor) -> None:
         """Nothing to pin on the CPU."""
 
-    def load(self, slot: int, host: torch.Tensor, label: str = "") -> None:
+    def load(self, slot: int, host: torch.Tensor, label: str = "", ranges=None) -> None:
         t0 = time.time()
-        self.slots[slot][:host.numel()].copy_(host)
-        self._spans.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
+        pairs = _pieces(self.slots[slot], host, ranges)
+        for dev, src in pairs:
+            dev.copy_(src)
+        self._spans.add("h2d", label, t0, time.time(), _nbytes(pairs))
 
     def wait(self, handle: None) -> None:
         pass
@@ -100,8 +104,13 @@ class CpuBackend:
     def release(self, slot: int) -> None:
         pass
 
-    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_Done":
-        self.stash(dev, host, label)
+    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "",
+              ranges=None) -> "_Done":
+        t0 = time.time()
+        pairs = _pieces(dev, host, ranges)
+        for src, dst in pairs:
+            dst.copy_(src)
+        self._spans.add("d2h", label, t0, time.time(), _nbytes(pairs))
         return _Done(float(scalar))
 
     def scalar(self, value: torch.Tensor) -> "_Done":
@@ -156,6 +165,17 @@ class CpuBackend:
         pass
 
 
+def _pieces(a: torch.Tensor, b: torch.Tensor, ranges) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a's, b's) views of each (start, end) element range of ``ranges`` (None: b's elements, whole)."""
+    if ranges is None:
+        return [(a[:b.numel()], b)]
+    return [(a[lo:hi], b[lo:hi]) for lo, hi in ranges]
+
+
+def _nbytes(pairs) -> int:
+    return sum(t.numel() * t.element_size() for _, t in pairs)
+
+
 class _Done:
     def __init__(self, value: float):
         self.value = value
@@ -203,14 +223,16 @@ class CudaBackend:
         self._registered += pin_in_pieces(tensor.data_ptr(), tensor.numel() * tensor.element_size(), register,
                                           lambda ptr: cudart.cudaHostUnregister(ptr), piece_bytes)
 
-    def load(self, slot: int, host: torch.Tensor, label: str = "") -> torch.cuda.Event:
+    def load(self, slot: int, host: torch.Tensor, label: str = "", ranges=None) -> torch.cuda.Event:
+        pairs = _pieces(self.slots[slot], host, ranges)
         with torch.cuda.stream(self.h2d):
             if self._slot_free[slot] is not None:
                 self.h2d.wait_event(self._slot_free[slot])
             start = self._event()
-            self.slots[slot][:host.numel()].copy_(host, non_blocking=True)
+            for dev, src in pairs:
+                dev.copy_(src, non_blocking=True)
             ready = self._event()
-        self._spans.add("h2d", label, start, ready, host.numel() * host.element_size())
+        self._spans.add("h2d", label, start, ready, _nbytes(pairs))
         return ready
 
     def wait(self, handle: torch.cuda.Event) -> None:
@@ -219,9 +241,11 @@ class CudaBackend:
     def release(self, slot: int) -> None:
         self._slot_free[slot] = self._event()
 
-    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "") -> "_EventDone":
+    def store(self, dev: torch.Tensor, host: torch.Tensor, scalar: torch.Tensor, label: str = "",
+              ranges=None) -> "_EventDone":
         value = torch.empty((), dtype=scalar.dtype, pin_memory=True)
-        return _EventDone(self._copy_out([(dev, host), (scalar, value)], label), value)
+        pairs = _pieces(dev, host, ranges)
+        return _EventDone(self._copy_out([*pairs, (scalar, value)], label, _nbytes(pairs)), value)
 
     def scalar(self, value: torch.Tensor) -> "_EventDone":
         """Start copying a device scalar to the host after the compute enqueued so far; the handle's
@@ -243,10 +267,11 @@ class CudaBackend:
         enqueued so far; the device tensor's memory is reused only once the copy is done."""
         return self._copy_out([(dev, host)], label)
 
-    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], label: str | None = None) -> torch.cuda.Event:
+    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], label: str | None = None,
+                  nbytes: int | None = None) -> torch.cuda.Event:
         """Copy each (device, host) pair on the copy-out stream after the compute enqueued so far;
         device memory is reused only once its copy is done. Returns the (host-waitable) done event;
-        the span (none without a ``label``) counts the first pair's bytes."""
+        the span (none without a ``label``) counts ``nbytes`` (None: the first pair's bytes)."""
         computed = self._event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(computed)
@@ -256,8 +281,7 @@ class CudaBackend:
                 dev.record_stream(self.d2h)
             done = self._event(blocking=True)
         if label is not None:
-            host = pairs[0][1]
-            self._spans.add("d2h", label, start, done, host.numel() * host.element_size())
+            self._spans.add("d2h", label, start, done, _nbytes(pairs[:1]) if nbytes is None else nbytes)
         return done
 
     def unstash(self, host: torch.Tensor, done: torch.cuda.Event, label: str = "") -> tuple[torch.Tensor, torch.cuda.Event]:

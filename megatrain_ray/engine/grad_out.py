@@ -5,7 +5,8 @@ moment its backward is done (:meth:`GradOut.send`): summed over the data-paralle
 there is one (this worker then sends its shard, see :mod:`megatrain_ray.engine.grad_reduce`), copied
 to the unit's host grad block (or a slot of the store's gradient ring) on the copy-out stream, and a
 :class:`~megatrain_ray.engine.tickets.GradTicket` with its squared norm goes to the sink once the copy
-is complete. The waits for copies and ring slots are the worker's *grad-sender* thread's
+is complete; a sparse layer's, only for the parts the step's routing used, with the ticket naming
+the others (:mod:`megatrain_ray.engine.experts`). The waits for copies and ring slots are the worker's *grad-sender* thread's
 (:meth:`GradOut.run`), so the compute never blocks on them. Two variants end the step
 (:meth:`GradOut.end_step`):
 
@@ -24,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import PipelineError
+from .experts import ExpertTraffic
 from .resident import ResidentUnits, step_sq_norm
 from .policy import NONE, UnitPolicy
 from .schedule import Schedule
@@ -34,10 +36,12 @@ class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
     def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, resident: ResidentUnits | None = None,
-                 policies: tuple[UnitPolicy, ...] = (), adapters=None):
+                 policies: tuple[UnitPolicy, ...] = (), adapters=None, traffic: ExpertTraffic | None = None):
         """policies: each unit's (:mod:`megatrain_ray.engine.policy`); the gradients of units whose
         policy has none (frozen units) are never sent; adapters: a LoRA run's
-        (:class:`~megatrain_ray.engine.adapters.DeviceAdapters`), updated at the end of each step."""
+        (:class:`~megatrain_ray.engine.adapters.DeviceAdapters`), updated at the end of each step;
+        traffic: the worker's record of its sparse layers' routing, which says what of their
+        gradients crosses (None: all of every gradient)."""
         self.store, self.backend = store, backend
         self.layout = store.layout
         self.grad_q, self.grad_slot_q = grad_q, grad_slot_q  # grad_slot_q: free ring slots, from the sink
@@ -45,11 +49,13 @@ class GradOut:
         self.resident = resident
         self.adapters = adapters
         self.frozen = {u for u, p in enumerate(policies) if p.gradient == NONE}
+        self.policies = policies or (UnitPolicy(),) * len(self.layout.units)
+        self.traffic = traffic
         self.reducer = None
         """The worker's data-parallel group (set when it joins one), or None."""
         self.outbox: queue.Queue = queue.Queue()
-        """(unit, step, slot, handle, step's squared norm) for the grad-sender thread; a callable handle
-        takes its slot and starts its copy there (held gradients)."""
+        """(unit, step, slot, handle, step's squared norm, parts skipped) for the grad-sender thread; a
+        callable handle takes its slot and starts its copy there (held gradients)."""
         self._held: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(unit, gradient [numel] on the device, its squared norm) of this step, with ``hold_grads``."""
         self._sq_norms: list[torch.Tensor] = []
@@ -58,10 +64,10 @@ class GradOut:
     def run(self, drain: Callable[[queue.Queue], Iterator]) -> None:
         """The grad-sender thread: each ticket goes out once its copy to the host store is complete
         (``drain``: the worker's items of a local queue until it stops)."""
-        for unit, step, slot, handle, step_sq in drain(self.outbox):
+        for unit, step, slot, handle, step_sq, skipped in drain(self.outbox):
             if callable(handle):  # a held gradient (_send_held): its slot and copy are taken here
                 slot, handle, step_sq = handle()
-            self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq), timeout=self.timeout_s)
+            self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq, skipped), timeout=self.timeout_s)
 
     def send(self, unit: int, step: int, grad: torch.Tensor | None) -> None:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink;
@@ -83,23 +89,32 @@ class GradOut:
             self._sq_norms.append(sq_norm)
             if unit in self.resident.units:  # updated on the device at the end of the step: the sink needs its norm
                 self.resident.hold(unit, grad)
-                self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0))
+                self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0, ()))
                 return
         slot = self._free_slot(unit) if self.store.spec.grad_slots else -1
         host = self.store.grad_block(unit, slot, self.reducer.copy if self.reducer is not None else 0)
+        ranges, skipped = None, ()
         if self.reducer is not None:
             lo, hi = self.reducer.reduce(grad)
             grad, host = grad[lo:hi], host[lo:hi]
+        else:
+            ranges, skipped = self._ranges(unit, step, host)
         if sq_norm is None:
             sq_norm = torch.dot(grad, grad)
-        handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit])
-        self.outbox.put((unit, step, slot, handle, -1.0))
+        handle = self.backend.store(grad.to(host.dtype), host, sq_norm, self.layout.units[unit], ranges)
+        self.outbox.put((unit, step, slot, handle, -1.0, skipped))
+
+    def _ranges(self, unit: int, step: int, host: torch.Tensor) -> tuple[list | None, tuple[int, ...]]:
+        """What of ``unit``'s gradient crosses to ``host`` (:meth:`~megatrain_ray.engine.experts.ExpertTraffic.grad_ranges`)."""
+        if self.traffic is None:
+            return None, ()
+        return self.traffic.grad_ranges(unit, step, self.policies[unit], host.element_size())
 
     def send_norm(self, unit: int, step: int, sq_norm: torch.Tensor) -> None:
         """The ticket of a LoRA run's frozen unit: no gradient leaves the device, only ``sq_norm`` (a
         device scalar: the squared norm of the unit's adapters' gradient, 0 without) for the step's norm."""
         self._sq_norms.append(sq_norm)
-        self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0))
+        self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0, ()))
 
     def end_step(self, step: int, sync: bool, hold: bool = False) -> None:
         """After the last gradient of step ``step``: send the held ones, or update the resident units
@@ -135,16 +150,18 @@ class GradOut:
                     total[0] += float(sq_norm)
             return total[0]
 
-        def send(unit: int, grad: torch.Tensor, sq_norm: torch.Tensor):
+        def send(unit: int, grad: torch.Tensor, sq_norm: torch.Tensor, ranges):
             slot = self._free_slot(unit)
-            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit])
+            handle = self.backend.store(grad, self.store.grad_block(unit, slot), sq_norm, self.layout.units[unit], ranges)
             return slot, handle, step_sq()
 
         by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
         for unit in (u for u in Schedule.build(self.layout, self.store.spec.model.tie_word_embeddings).update
                      if u in by_unit):
             grad, sq_norm = by_unit.pop(unit)
-            self.outbox.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm: send(u, g, s), -1.0))
+            ranges, skipped = self._ranges(unit, step, grad)
+            self.outbox.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm, r=ranges: send(u, g, s, r), -1.0,
+                             skipped))
 
     def _free_slot(self, unit: int) -> int:
         """A slot of the gradient ring that the sink has finished with (waits for one)."""

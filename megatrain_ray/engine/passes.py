@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from .activations import KEEP, ActivationStore, kept_backward, layer_forward_kept
+from .experts import ExpertTraffic
 from .routing import StepRouting
 from .sequence import LayerRunner, MicroBatches, layer_backward, routed_backward
 
@@ -54,6 +55,9 @@ class StepLayers:
     mb: MicroBatches
     acts: ActivationStore
     routing: StepRouting
+    traffic: ExpertTraffic | None = None
+    """The worker's record of its sparse layers' routing (:mod:`megatrain_ray.engine.experts`)."""
+    step: int = 0
 
 
 class Recomputed:
@@ -84,6 +88,8 @@ class Routed(Recomputed):
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         ys, stats = zip(*(s.runner.forward_routed(w.params, x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)))
         s.routing.record(layer, list(stats))
+        if s.traffic is not None:  # the later fetches of its weights move only the experts it chose
+            s.traffic.record(s.step, layer, s.routing.counts(layer))
         return list(ys)
 
     def again(self, s: StepLayers, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -92,7 +98,9 @@ class Routed(Recomputed):
 
     def backward(self, s: StepLayers, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
-        routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, s.routing)
+        counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, s.routing)
+        if s.traffic is not None:  # its weights came without the experts the forward did not choose
+            s.traffic.check(s.step, layer, counts)
 
 
 class Kept:

@@ -8,6 +8,10 @@ A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.
 - ``gradient``: ``host`` (its gradient crosses to the host store and a ticket tells the sink),
   ``device`` (it stays on the device, and only its squared norm goes to the sink, which counts it
   in the step's norm), or ``none`` (it has no gradient: a frozen unit);
+- ``experts``: for a unit with routed experts (a sparse layer, :class:`~megatrain_ray.model.layout.Part`),
+  ``routed`` (an expert that no token of the step chose sends no gradient back: its gradient is
+  zero, implicitly, and its update still applies it) or ``all`` (every expert's gradient crosses:
+  data-parallel workers each see only their share of the step's routing); "" for a unit without;
 - ``optimizer``: which update it gets, by whom: ``exact`` (AdamW on the host in one pass),
   ``split`` (the same update in two passes, the stream copy first, see :mod:`megatrain_ray.engine.sink`),
   ``compact`` (8-bit moments, :mod:`megatrain_ray.engine.compact`), ``device`` (AdamW on the compute
@@ -28,7 +32,10 @@ STREAMED, RESIDENT = "streamed", "resident"
 HOST, DEVICE, NONE = "host", "device", "none"
 EXACT, SPLIT, COMPACT = "exact", "split", "compact"
 """The optimizers of the host (``device`` and ``none`` as above)."""
+ROUTED, ALL = "routed", "all"
+"""Which of a sparse unit's routed experts send a gradient: those the step's routing chose, or all."""
 WEIGHTS, GRADIENTS, OPTIMIZERS = (STREAMED, RESIDENT), (HOST, DEVICE, NONE), (EXACT, SPLIT, COMPACT, DEVICE, NONE)
+EXPERTS = ("", ROUTED, ALL)
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,11 @@ class UnitPolicy:
     weights: str = STREAMED
     gradient: str = HOST
     optimizer: str = EXACT
+    experts: str = ""
 
     def __post_init__(self) -> None:
         for value, allowed, what in ((self.weights, WEIGHTS, "weights"), (self.gradient, GRADIENTS, "gradient"),
-                                     (self.optimizer, OPTIMIZERS, "optimizer")):
+                                     (self.optimizer, OPTIMIZERS, "optimizer"), (self.experts, EXPERTS, "experts")):
             if value not in allowed:
                 raise ValueError(f"a unit policy's {what} must be one of {', '.join(allowed)}, got {value!r}")
         if (self.optimizer == DEVICE) != (self.weights == RESIDENT and self.gradient == DEVICE):
@@ -49,7 +57,8 @@ class UnitPolicy:
                              f"gradient stays there, got {self}")
 
     def __str__(self) -> str:
-        return f"weights {self.weights}, gradient {self.gradient}, optimizer {self.optimizer}"
+        experts = f", experts {self.experts}" if self.experts else ""
+        return f"weights {self.weights}, gradient {self.gradient}{experts}, optimizer {self.optimizer}"
 
     @property
     def trains(self) -> bool:
@@ -65,15 +74,17 @@ gradient of its weights is computed (:attr:`UnitPolicy.trains`); the gradient th
 device is its adapters', whose squared norm goes to the sink."""
 
 
-def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str,
-                    frozen: bool = False) -> tuple[UnitPolicy, ...]:
+def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str, frozen: bool = False,
+                    sparse: tuple[int, ...] = (), experts: str = ROUTED) -> tuple[UnitPolicy, ...]:
     """Each of ``units`` units' policy: the ``resident`` ones on the device (weights, gradient and
-    AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``;
-    ``frozen`` (a LoRA run): every unit :data:`FROZEN`."""
+    AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``,
+    the ``sparse`` ones' (units with routed experts) sending their experts' gradients as ``experts``
+    says; ``frozen`` (a LoRA run): every unit :data:`FROZEN`."""
     if frozen:
         return (FROZEN,) * units
     on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
-    return tuple(on_device if u in resident else on_host for u in range(units))
+    routed = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
+    return tuple(on_device if u in resident else routed if u in sparse else on_host for u in range(units))
 
 
 def host_optimizer(compact: bool, splits: bool) -> str:

@@ -32,10 +32,11 @@ class StepRouting:
         self.cfg = cfg
         self.scale = cfg.router_aux_loss_coef / step_micro_batches if cfg.output_router_logits else 0.0
         self.stats: dict[int, list[RouterStats]] = {}
+        """Each sparse layer's statistics, by decoder layer."""
 
-    def record(self, unit: int, stats: list[RouterStats]) -> None:
-        """The forward's statistics of sparse unit ``unit``, one per micro-batch (no graph)."""
-        self.stats[unit] = stats
+    def record(self, layer: int, stats: list[RouterStats]) -> None:
+        """The forward's statistics of sparse layer ``layer``, one per micro-batch (no graph)."""
+        self.stats[layer] = stats
 
     def _totals(self, m: int) -> tuple[torch.Tensor, int]:
         """Micro-batch m's expert counts over every sparse layer [E], and its rows (tokens x layers)."""
@@ -61,6 +62,10 @@ class StepRouting:
         counts, rows = self._totals(m)
         return self.scale * self.cfg.num_experts * counts / (rows * rows)
 
+    def counts(self, layer: int) -> torch.Tensor:
+        """Tokens each expert of sparse layer ``layer`` received in this step on this worker: [E] fp32."""
+        return torch.stack([s.counts for s in self.stats[layer]]).sum(0)
+
     def expert_tokens(self) -> list[list[int]]:
         """Tokens each expert received in this step on this worker, per sparse layer (in layer order)."""
-        return [torch.stack([s.counts for s in self.stats[u]]).sum(0).long().tolist() for u in sorted(self.stats)]
+        return [self.counts(layer).long().tolist() for layer in sorted(self.stats)]

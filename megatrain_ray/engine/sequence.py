@@ -111,10 +111,11 @@ class LayerRunner:
         return self.routed(p, x, rope, cfg, mask)
 
     def backward_routed(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
-                        dy: torch.Tensor, context: tuple, cfg, dprobs: torch.Tensor | None) -> torch.Tensor:
+                        dy: torch.Tensor, context: tuple, cfg, dprobs: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute a sparse layer from x: [B, S, H] and backpropagate dy: [B, S, H] and, unless None,
         dprobs [E], the loss's gradient with respect to its router's probability sums. Same
-        conventions as :meth:`backward`; returns dx: [B, S, H]."""
+        conventions as :meth:`backward`; returns (dx: [B, S, H], the recompute's tokens per expert [E])."""
         rope, mask = context
         x = x.detach().requires_grad_(True)
         names = [name for name, w in leaves.items() if w.requires_grad]
@@ -124,7 +125,7 @@ class LayerRunner:
         outputs, grads_out = ([y], [dy]) if dprobs is None else ([y, stats.prob_sum], [dy, dprobs])
         *gws, dx = torch.autograd.grad(outputs, [*weights, x], grads_out, allow_unused=True)
         _accumulate(grads, names, gws)
-        return dx
+        return dx, stats.counts
 
     def tiles(self, x: torch.Tensor) -> bool:
         """Whether a [B, S, H] input runs tiled (chunking on and S longer than one chunk)."""
@@ -243,13 +244,18 @@ def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: 
 
 
 def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-                    inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing) -> None:
+                    inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing
+                    ) -> torch.Tensor:
     """:func:`layer_backward` for a sparse layer; routing: the step's
     :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
-    load-balancing loss with respect to the router probabilities."""
+    load-balancing loss with respect to the router probabilities. Returns the recompute's tokens per
+    expert over the micro-batches [E] (fp32, summed as :meth:`StepRouting.counts` sums the forward's)."""
     leaves = trainable_leaves(params, grads)
+    counts = []
     for m, x in enumerate(inputs):
-        dx[m] = runner.backward_routed(leaves, grads, x, dx[m], contexts[m], cfg, routing.prob_grad(m))
+        dx[m], c = runner.backward_routed(leaves, grads, x, dx[m], contexts[m], cfg, routing.prob_grad(m))
+        counts.append(c)
+    return torch.stack(counts).sum(0)
 
 
 class CompiledLayer:

@@ -35,7 +35,9 @@ Each unit's update is its policy's (:mod:`megatrain_ray.engine.policy`): a host 
 one protocol of :mod:`megatrain_ray.engine.updates` (exact, split, compact), or none here for the
 units resident on the compute worker's device, whose tickets carry only their norms. So the loop
 reads: take the step's tickets -> the norm -> the clipping factor -> for each unit in update
-order, its optimizer's update. Checkpoints are started at step boundaries and written beside the
+order, its optimizer's update. A sparse layer's ticket may name parts whose gradient did not cross
+(routed experts no token chose): their ranges of the gradient block are zeroed first, so the update
+is that of their zero gradient (:mod:`megatrain_ray.engine.experts`). Checkpoints are started at step boundaries and written beside the
 updates (:mod:`megatrain_ray.engine.checkpointing`).
 """
 
@@ -50,6 +52,7 @@ from ..config import lr_at
 from ..errors import PipelineError
 from . import affinity
 from .checkpointing import SinkCheckpoints
+from .experts import zero_skipped
 from .grad_reduce import rendezvous, sum_copies
 from .optim import AdamWRunner, clip_coefficient
 from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
@@ -127,6 +130,9 @@ class GradientSink:
             lr = lr_at(self.optim, step, self.settings.total_steps)
             waiting, held = set(), None
             for ticket in self._tickets(step):
+                if ticket.skipped:  # a sparse layer's experts without a token: their zero gradient did not cross
+                    zero_skipped(self.store.grad_block(ticket.unit, ticket.slot), self.layout.records[ticket.unit],
+                                 ticket.skipped)
                 held = ticket.step_sq_norm if ticket.step_sq_norm != -1.0 else None  # the step's, with held gradients
                 if held is not None and not math.isfinite(held):
                     self._diverged(step, math.sqrt(held))

@@ -50,6 +50,9 @@ class FetchTicket:
     unit: int
     step: int
     slot: int
+    routed: bool = False
+    """Not the unit's first fetch of the step (:attr:`~megatrain_ray.engine.schedule.Schedule.routed`):
+    a sparse layer's copy moves only the parts the step's routing uses."""
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,7 @@ class GradTicket:
     """With gradients held on the device (``StoreSpec.hold_grads``): the squared norm of the whole step's
     gradient, summed in the order the units' gradients were computed, so the sink can clip and update
     at once; else -1."""
+    skipped: tuple[int, ...] = ()
+    """Indices into the unit's :attr:`~megatrain_ray.model.layout.Unit.parts` whose gradient was not
+    sent: routed experts no token of the step chose, whose gradient is zero; the sink zeroes their
+    ranges of the gradient block before the update (:mod:`megatrain_ray.engine.experts`)."""

@@ -9,8 +9,18 @@ per-layer mappings want.
 
 Each unit is also a :class:`Unit` record (its position in the store, name, kind and decoder layer),
 so the rest of the code asks ``layout.embed`` or ``unit.kind`` instead of reading meaning into a
-position; a kind of unit the model gains (a layer's experts, an adapter) is a new ``kind`` with its
-``layer`` and ``part``, and the engine's schedule and policies take it from there.
+position; a kind of unit the model gains (an adapter) is a new ``kind`` with its ``layer`` and
+``part``, and the engine's schedule and policies take it from there.
+
+A sparse layer of a mixture of experts is one unit with *parts* (:class:`Part`): its attention with
+the router and the norms, its shared expert (Qwen2-MoE) and each routed expert, each with its own
+element ranges inside the unit's block (an expert's gate and up weights, and its down weight: two
+ranges, since the stacked views below want every expert's gate/up back to back, then every down).
+The parts' ranges tile the block (alignment padding goes with the parameter before it), so the
+ranges of any set of parts merged where they touch (:meth:`Unit.ranges`) are the fewest contiguous
+copies that move those parts, and the ranges of all parts are the whole block: one copy, as for a
+dense unit. The engine streams a sparse layer whole for its forward, and for its backward, and
+sends gradients back, only for the parts the step's routing used (:mod:`megatrain_ray.engine.experts`).
 
 A :class:`LayerTemplate` is the stateless view of one unit: given any flat tensor holding that
 unit (a host block, a device slot), ``bind`` returns the parameter dict of views into it, with no
@@ -32,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .moe import MIXTRAL_NAMES, QWEN_NAMES
+from .moe import ATTENTION, EXPERT, MIXTRAL_NAMES, QWEN_NAMES, part_of
 from .transformer import PROJECTION_GROUPS, unit_names, unit_params
 
 UNIT_ALIGN = 4096
@@ -44,6 +54,25 @@ PARAM_ALIGN = 64
 EMBEDDING, DECODER_LAYER, HEAD = "embedding", "decoder_layer", "head"
 """The kinds of unit of a dense decoder: the token embedding, one decoder layer, the final norm with
 the LM head. A model with other parts (mixture-of-experts layers, adapters) adds kinds of its own."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a unit that is split by what the step's routing uses (a sparse layer's)."""
+
+    name: str
+    """``attention`` (attention, router, norms, biases), ``shared_expert`` or ``experts.j``."""
+    kind: str
+    """:data:`~megatrain_ray.model.moe.ATTENTION`, ``SHARED_EXPERT`` or ``EXPERT``."""
+    ranges: tuple[tuple[int, int], ...]
+    """(start, end) element ranges inside the unit's block, ascending, padding included."""
+    expert: int | None = None
+    """The routed expert's index, for an ``experts.j`` part."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of its ranges."""
+        return sum(b - a for a, b in self.ranges)
 
 
 @dataclass(frozen=True)
@@ -59,16 +88,52 @@ class Unit:
     layer: int | None = None
     """The decoder layer it belongs to (0-based), or None for the embedding and the head."""
     part: str = ""
-    """Which part of its layer it is, where a layer is split into several units (e.g. one routed
-    expert); "" for a whole layer."""
+    """Which part of its layer it is, where a layer is split into several units; "" for a whole layer."""
+    parts: tuple[Part, ...] = ()
+    """Its parts by routing (a sparse layer's; see the module docstring), () for a unit used whole."""
+
+    @property
+    def experts(self) -> tuple[Part, ...]:
+        """Its routed experts' parts, in expert order."""
+        return tuple(p for p in self.parts if p.kind == EXPERT)
+
+    def ranges(self, parts) -> list[tuple[int, int]]:
+        """The (start, end) element ranges of ``parts`` (some of :attr:`parts`), merged where they touch:
+        the fewest contiguous copies that move them."""
+        out: list[list[int]] = []
+        for a, b in sorted(r for p in parts for r in p.ranges):
+            if out and out[-1][1] == a:
+                out[-1][1] = b
+            else:
+                out.append([a, b])
+        return [(a, b) for a, b in out]
 
 
-def _unit_record(index: int, name: str) -> Unit:
+def _unit_record(index: int, name: str, template: LayerTemplate) -> Unit:
     if name == "embed":
         return Unit(index, name, EMBEDDING)
     if name == "head":
         return Unit(index, name, HEAD)
-    return Unit(index, name, DECODER_LAYER, int(name.split(".")[1]))
+    return Unit(index, name, DECODER_LAYER, int(name.split(".")[1]), parts=_parts(template))
+
+
+def _parts(template: LayerTemplate) -> tuple[Part, ...]:
+    """A sparse layer's parts (see the module docstring), () for a dense one: each parameter's extent
+    (its offset to the next parameter's, or to the unit's end) goes to its part."""
+    by_offset = sorted(template.params, key=lambda e: e[2])
+    owners = [part_of(name) for name, _, _ in by_offset]
+    if not any(kind == EXPERT for kind, _ in owners):
+        return ()
+    ranges: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
+    for j, ((_, _, offset), owner) in enumerate(zip(by_offset, owners)):
+        end = by_offset[j + 1][2] if j + 1 < len(by_offset) else template.numel
+        spans = ranges.setdefault(owner, [])
+        if spans and spans[-1][1] == offset:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((offset, end))
+    order = sorted(ranges, key=lambda o: (o[0] != ATTENTION, o[0] == EXPERT, o[1] or 0))
+    return tuple(Part(kind if e is None else f"experts.{e}", kind, tuple(ranges[(kind, e)]), e) for kind, e in order)
 
 
 def _round_up(n: int, k: int) -> int:
@@ -198,7 +263,8 @@ class StoreLayout:
         for t in templates:
             offsets.append(pos)
             pos += _round_up(t.numel, UNIT_ALIGN)
-        return cls(units, templates, tuple(offsets), pos, tuple(_unit_record(i, u) for i, u in enumerate(units)))
+        return cls(units, templates, tuple(offsets), pos,
+                   tuple(_unit_record(i, u, t) for i, (u, t) in enumerate(zip(units, templates))))
 
     def index(self, unit: str) -> int:
         return self.units.index(unit)

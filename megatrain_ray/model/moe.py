@@ -62,6 +62,10 @@ from ..config import ModelConfig
 
 Params = dict[str, torch.Tensor]
 
+ATTENTION, SHARED_EXPERT, EXPERT = "attention", "shared_expert", "expert"
+"""What a sparse layer's parameter belongs to (:func:`part_of`): the part every token uses (attention,
+router, norms), the shared expert (with its gate), or one routed expert."""
+
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 """The router weight's name (Qwen's, Mixtral's): its presence in a layer's params makes the MLP sparse."""
 
@@ -101,6 +105,18 @@ def names(cfg: ModelConfig) -> Names:
 def is_sparse(p: Params) -> bool:
     """Whether a layer's params describe a sparse MLP (they hold a router)."""
     return any(r in p for r in ROUTERS)
+
+
+def part_of(name: str) -> tuple[str, int | None]:
+    """(:data:`ATTENTION`, None), (:data:`SHARED_EXPERT`, None) or (:data:`EXPERT`, e) for a layer's
+    parameter ``name`` (relative to the layer, per expert as on the Hub)."""
+    if name.startswith("mlp.shared_expert"):
+        return SHARED_EXPERT, None
+    for block in (QWEN_NAMES.block, MIXTRAL_NAMES.block):
+        head = f"{block}.experts."
+        if name.startswith(head) and name[len(head):].split(".")[0].isdigit():
+            return EXPERT, int(name[len(head):].split(".")[0])
+    return ATTENTION, None
 
 
 def sparse_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

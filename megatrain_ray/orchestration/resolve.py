@@ -26,7 +26,7 @@ import torch
 
 from ..config import TrainConfig, usable_cpus
 from ..errors import PreflightError
-from ..engine.policy import UnitPolicy, host_optimizer, policies_of_run
+from ..engine.policy import ALL, ROUTED, UnitPolicy, host_optimizer, policies_of_run
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store import StoreSpec, resident_units
@@ -191,7 +191,9 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     # (no host sum, no shards, no gradients held on the device), from fp32 master weights to a stream copy.
     splits = (rt.split_update and cfg.optim.max_grad_norm > 0 and not rt.sharded_optimizer and not host_sum
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
-    policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits), cfg.lora.enabled)
+    sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
+    policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits), cfg.lora.enabled,
+                               sparse, ALL if rt.compute_workers * rt.nodes > 1 else ROUTED)
     compute = ComputeSettings(
         device=device, buffer_depth=rt.buffer_depth_on(device), loss_chunk_size=rt.loss_chunk_size_on(device),
         mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len), compile=rt.compile_on(device),
