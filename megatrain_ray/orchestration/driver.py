@@ -336,9 +336,11 @@ class Driver:
         return path, ""
 
 
-ROUTING_KEYS = ("aux_loss", "expert_tokens")
+ROUTING_KEYS = ("aux_loss", "expert_tokens", "expert_refetches", "expert_grad_bytes")
 """A mixture of experts' step outputs in metrics.jsonl: the load-balancing loss's part of the loss
-(coef x its mean over micro-batches) and the tokens each expert received, per sparse layer."""
+(coef x its mean over micro-batches), and per sparse layer and expert the tokens it received, its
+fetches after the forward's routing (the backward's, a recompute span's) and the bytes of its
+gradient sent to the host (:mod:`megatrain_ray.engine.experts`)."""
 
 
 def _ignore_sigterm() -> None:
@@ -358,7 +360,8 @@ def _combine(outs: list[dict]) -> dict:
     routing = {}
     if "expert_tokens" in outs[0]:
         routing = {"aux_loss": sum(o["aux_loss"] for o in outs),
-                   "expert_tokens": [[sum(c) for c in zip(*layers)] for layers in zip(*(o["expert_tokens"] for o in outs))]}
+                   **{key: [[sum(c) for c in zip(*layers)] for layers in zip(*(o[key] for o in outs))]
+                      for key in ROUTING_KEYS[1:] if key in outs[0]}}
     return {**outs[0], "loss": sum(o["loss"] for o in outs), "step_s": max(o["step_s"] for o in outs),
             **routing, "workers": per_worker}
 
