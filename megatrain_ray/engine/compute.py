@@ -320,7 +320,7 @@ class ComputeWorker(GroupMember):
                 grad = self._weight_grad(unit.index)  # None: a frozen unit, whose weights get no gradient
                 grads = {**({} if grad is None else w.template.bind(grad, fused=True)),
                          **(self.adapters.grad(unit.name) if self.adapters else {})}  # what trains: views to add into
-                self.passes[unit.layer].backward(s, w, grads, inputs, dx)
+                self.passes[unit.layer].backward(s, unit.layer, w, grads, inputs, dx)
             del inputs
             self._release(ticket)
             self.grads_out.send(unit.index, step, grad)

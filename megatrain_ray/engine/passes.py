@@ -75,7 +75,7 @@ class Recomputed:
         """The forward run again within a recompute span (its outputs, the next layer's inputs)."""
         return [s.runner.forward(w.params, x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)]
 
-    def backward(self, s: StepLayers, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
+    def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
         """From the layer's checkpoint ``inputs`` (M x [B, S, H]) and output gradients dx (replaced by
         the input gradients), the gradients of what trains added into ``grads``."""
@@ -96,7 +96,7 @@ class Routed(Recomputed):
         """Its forward again; the statistics are the first forward's."""
         return [s.runner.forward_routed(w.params, x, s.mb.ctx[m], s.cfg)[0] for m, x in enumerate(xs)]
 
-    def backward(self, s: StepLayers, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
+    def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
         counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, s.routing)
         if s.traffic is not None:  # its weights came without the experts the forward did not choose
@@ -114,7 +114,7 @@ class Kept:
     def leave(self, s: StepLayers, layer: int, xs: list[torch.Tensor]) -> None:
         """Nothing more: the kept graph holds its inputs."""
 
-    def backward(self, s: StepLayers, w: LayerWeights, grads: dict[str, torch.Tensor], graph,
+    def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], graph,
                  dx: list[torch.Tensor]) -> None:
         """Its weights came again only to keep the fetch order: the graph saved those it used."""
         kept_backward(graph, grads, dx)
