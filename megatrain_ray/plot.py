@@ -55,7 +55,8 @@ def tflops(row: dict, name: str) -> float | None:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl, one per step (the last row wins if a step repeats), after
+    """The rows of RUN_DIR/metrics.jsonl, one per step (the last row wins if a step repeats; a row's
+    ``step`` is the updates done, 1 after the first, as the log and the checkpoints count them), after
     those of the runs it resumed: a resumed run writes a directory of its own, whose config.json
     names the checkpoint it began from (``resumed_from``); the steps before it are that run's rows
     (and so on back), so a plot shows the whole history."""
@@ -102,6 +103,8 @@ def _read_rows(run_dir: str) -> list[dict]:
                 raise ConfigError(f"line {n} of {path} is not a metrics row (JSON with a step).") from None
     if not rows:
         raise ConfigError(f"{path} has no rows yet: the run has not finished a step.")
+    if 0 in rows:  # written when a row's step counted from 0: read as the updates done, as rows are now
+        rows = {s + 1: {**row, "step": s + 1} for s, row in rows.items()}
     return [rows[s] for s in sorted(rows)]
 
 
@@ -133,13 +136,13 @@ def figures(run_dir: str) -> dict:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    steps = [r["step"] + 1 for r in rows]
+    steps = [r["step"] for r in rows]
     labels = stage_labels(run_device(run_dir))
     out = {}
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="loss")
-    val = [(r["step"] + 1, r["val_loss"]) for r in rows if "val_loss" in r]  # on its step, as the loss
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]  # on its step, as the loss
     if val:
         ax.plot(*zip(*val), "o-", color="tab:green", label="validation loss")
     ax.set_xlabel("step")
@@ -180,7 +183,7 @@ def figures(run_dir: str) -> dict:
     _legend_below(ax, ax.get_lines())
     out["stages.png"] = fig
 
-    routed = [(r["step"] + 1, r["expert_tokens"]) for r in rows if r.get("expert_tokens")]
+    routed = [(r["step"], r["expert_tokens"]) for r in rows if r.get("expert_tokens")]
     if routed:
         out["experts.png"] = _experts_figure(plt, routed)
 

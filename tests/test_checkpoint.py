@@ -521,29 +521,59 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
-    # C: 3 steps + `megatrain-ray train --resume B/checkpoints/step-000003` + 9 steps.
+    # C: `megatrain-ray train --resume B` continues B in its own directory from its newest checkpoint (the
+    # boundary): one run, one history, bit for bit A's (weights, AdamW states, every step's row).
+    b_log_before = open(os.path.join(b_run, "train.log")).read()
+    assert cli.main(["train", "--resume", b_run]) == 0
+    assert glob.glob(str(tmp_path / "b" / "*")) == [b_run]
+    b_config = json.load(open(os.path.join(b_run, "config.json")))
+    assert b_config["resumed"] == [{"checkpoint": saved, "step": boundary}] and "resumed_from" not in b_config
+    b_log = open(os.path.join(b_run, "train.log")).read()
+    assert b_log.startswith(b_log_before) and f"resuming from {saved} at step {boundary}" in b_log[len(b_log_before):]
+    assert sorted(os.listdir(os.path.join(b_run, "checkpoints")))[-1] == f"step-{STEPS:06d}"
+    rows_a, rows_b = _metrics(a.run_dir), _metrics(b_run)
+    assert [r["step"] for r in rows_b] == [r["step"] for r in rows_a] == list(range(1, STEPS + 1))
+    assert [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_b] == [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_a]
+    final_a, end_a = read_tensors(a.final_dir), read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}"))
+    for ours, theirs in ((os.path.join(b_run, "final"), final_a),
+                         (os.path.join(b_run, "checkpoints", f"step-{STEPS:06d}"), end_a)):
+        ours = read_tensors(ours)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    # D: `--resume B/checkpoints/step-000003`, older than B's newest: B's later checkpoints stay as they are,
+    # and the resumed run writes a run directory of its own, naming the checkpoint (resumed_from).
     step3 = os.path.join(b_run, "checkpoints", "step-000003")
     assert cli.main(["train", "--resume", step3]) == 0
     c_run = [d for d in glob.glob(str(tmp_path / "b" / "*")) if d != b_run]
     assert len(c_run) == 1
     c_run = c_run[0]
     assert json.load(open(os.path.join(c_run, "config.json")))["resumed_from"] == step3
+    assert _metrics(b_run) == rows_b
 
-    final_a, final_c = read_tensors(a.final_dir), read_tensors(os.path.join(c_run, "final"))
+    final_c = read_tensors(os.path.join(c_run, "final"))
     assert final_a.keys() == final_c.keys()
     assert all(torch.equal(final_a[k], final_c[k]) for k in final_a)
     # AdamW states too, and the per-step loss and learning rate of the resumed steps.
-    end_a, end_c = read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")), \
-        read_tensors(os.path.join(c_run, "checkpoints", f"step-{STEPS:06d}"))
+    end_c = read_tensors(os.path.join(c_run, "checkpoints", f"step-{STEPS:06d}"))
     assert all(torch.equal(end_a[k], end_c[k]) for k in end_a)
-    rows_a, rows_c = _metrics(a.run_dir), _metrics(c_run)
-    assert [r["step"] for r in rows_c] == list(range(3, STEPS))
+    rows_c = _metrics(c_run)
+    assert [r["step"] for r in rows_c] == list(range(4, STEPS + 1))
     assert [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_c] == \
         [(r["loss"], r["lr"], r["grad_norm"]) for r in rows_a[3:]]
     # The weights really moved over the resumed steps.
     start = read_tensors(step3)
     key = hf_name("layers.0", "mlp.up_proj.weight")
     assert not torch.equal(start[key], final_c[key])
+
+    # E: B, finished, extended in place by two steps: its rows go on, its final weights are replaced.
+    assert cli.main(["train", "--resume", b_run, "--set", f"train.steps={STEPS + 2}"]) == 0
+    assert [r["step"] for r in _metrics(b_run)] == list(range(1, STEPS + 3))
+    assert _metrics(b_run)[:STEPS] == rows_b
+    final_e = read_tensors(os.path.join(b_run, "final"))
+    assert not torch.equal(final_e[key], final_a[key])
+    assert torch.equal(final_e[key], read_tensors(os.path.join(b_run, "checkpoints", f"step-{STEPS + 2:06d}"))[key])
+    assert sorted(os.listdir(b_run)) == sorted({"checkpoints", "config.json", "final", "metrics.jsonl", "timeline.json",
+                                               "train.log"} | ({"plots"} & set(os.listdir(b_run))))
     assert os.listdir(shm_dir) == []
 
 
@@ -575,7 +605,7 @@ def test_a_finished_run_is_extended_only_explicitly_with_its_schedule_recomputed
            f"steps, so step {STEPS + 1} runs at lr {new_next:.2e} (step {STEPS}, the last one trained, ran at " \
            f"{old_last:.2e})" in lines
     rows = _metrics(result.run_dir)
-    assert [r["step"] for r in rows] == list(range(STEPS, longer))
+    assert [r["step"] for r in rows] == list(range(STEPS + 1, longer + 1))
     assert [r["lr"] for r in rows] == pytest.approx([lr_at(cfg.optim, s, longer) for s in range(STEPS, longer)])
     assert _metrics(a.run_dir)[-1]["lr"] == pytest.approx(old_last)
     assert os.listdir(shm_dir) == []

@@ -117,7 +117,7 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     assert "Grafana: the pipeline's dashboard is provisioned" in log
     assert all(line in log for line in out.splitlines() if line.startswith(("step", "done:")))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(total))
+    assert [r["step"] for r in rows] == list(range(1, total + 1))  # the log's count
     assert [round(r["loss"], 4) for r in rows] == pytest.approx(losses, abs=1e-4)
     assert all(r["grad_norm"] > 0 and r["lr"] > 0 and r["tokens"] > 0 for r in rows)
     saved = json.loads((run_dir / "config.json").read_text())

@@ -254,7 +254,7 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
 
     from megatrain_ray.plot import expert_load, figures
 
-    load, imbalance = expert_load([(r["step"] + 1, r["expert_tokens"]) for r in rows])
+    load, imbalance = expert_load([(r["step"], r["expert_tokens"]) for r in rows])
     first = rows[0]["expert_tokens"][0]
     assert imbalance[0][0] == pytest.approx(max(first) / (sum(first) / 8))
     assert all(sum(layer) == pytest.approx(8) for layer in load) and all(i >= 1 for step in imbalance for i in step)

@@ -92,7 +92,7 @@ def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray
     assert done.startswith(f"done: {steps} steps (after 1 restart, which trained {repeated} "
                            f"step{'' if repeated == 1 else 's'} twice), final loss "), done
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["loss"] for r in rows] == result.losses and len(result.grad_norms) == steps
     assert os.listdir(shm_dir) == []
 
@@ -256,19 +256,20 @@ def test_a_kill_is_reported_as_a_kill_and_a_kernel_oom_kill_as_one():
 
 
 def test_a_restart_from_a_checkpoint_ahead_of_the_rows_keeps_the_trained_steps_and_names_the_unreported(tmp_path):
-    # Steps 0-5 collected, rows (and grad norms) written for 0-3; the sink had saved boundary 6 when the
-    # queue host died with the stats of steps 4 and 5: restart from 6, keep what is known, leave no row made up.
+    # Steps 0-5 collected, rows (and grad norms) written for 0-3 (rows 1-4: a row counts the updates done);
+    # the sink had saved boundary 6 when the queue host died with the stats of steps 4 and 5: restart from
+    # 6, keep what is known, leave no row made up.
     result = RunResult(run_id="r", run_dir=str(tmp_path), final_dir="", losses=[5.0, 4.0, 3.0, 2.0, 1.5, 1.25],
                        grad_norms=[1.0, 0.9, 0.8, 0.7], fetches=[{"h2d": k} for k in range(6)])
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
     assert _rewind(result, 6) == [4, 5]
     assert result.losses == [5.0, 4.0, 3.0, 2.0, 1.5, 1.25] and result.fetches[5] == {"h2d": 5}
     assert result.grad_norms[:4] == [1.0, 0.9, 0.8, 0.7] and all(math.isnan(g) for g in result.grad_norms[4:])
-    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert (result.restarts, result.repeated_steps) == (1, 0)
     # Behind the rows (the usual case): steps 4 and 5 are trained again, and forgotten until then.
     assert _rewind(result, 2) == [] and result.losses == [5.0, 4.0] and result.grad_norms == [1.0, 0.9]
-    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2]
     assert (result.restarts, result.repeated_steps) == (2, 4)
 
 
@@ -303,4 +304,4 @@ def test_after_a_death_the_driver_records_the_finished_steps_and_the_stats_left_
     ray.kill(host, no_restart=True)
     assert result.losses == [3.0, 2.9, 2.8, 2.7, 1.6] and result.grad_norms == [1.0, 1.1, 1.2, 4.0, 5.0]
     assert result.checkpoints == ["ckpt/step-000005"] and sorted(driver.submitted) == [5, 6]  # 6: after 5, unread
-    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [3, 4]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [4, 5]

@@ -6,6 +6,7 @@ this process, or a subprocess where the terminal itself is checked).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -73,6 +74,58 @@ def test_a_malformed_chat_row_is_named_by_its_line(fmt, row, named, tmp_path, ra
         source_from_config(cfg, log=lambda line: None)
     assert str(info.value) == f"data.path '{tmp_path / 'chat.jsonl'}' line 3: {named}"
     assert not list((tmp_path / "cache").glob("*/meta.json"))
+
+
+def _arrow(path, rows, chunk=100) -> None:
+    """An Arrow IPC file of ``rows`` in record batches of ``chunk`` rows."""
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(rows)
+    with pa.ipc.new_file(str(path), table.schema) as w:
+        for batch in table.to_batches(max_chunksize=chunk):
+            w.write_batch(batch)
+
+
+@pytest.mark.parametrize("fmt,rows,bad,named", [
+    ("tokens", [{"input_ids": list(range(1, 40))}] * 300, {"input_ids": [1, 2, -5, 4]},
+     "input_ids must be non-negative 32-bit token ids, got -5..4."),
+    ("alpaca", [{"instruction": "say hi", "input": "", "output": "hi"}] * 300,
+     {"instruction": "say hi", "input": "", "output": None},
+     "an alpaca row needs text in instruction and output, but its output is null."),
+])
+def test_a_bad_arrow_row_is_named_by_its_row(fmt, rows, bad, named, tmp_path):
+    """An .arrow file (read batch by batch in this process, no Ray Data): the row refused is named by
+    its number across record batches, as a .jsonl file's line is; one file of several, by its name too."""
+    rows = list(rows)
+    rows[237] = bad  # in the third record batch
+    _arrow(tmp_path / "rows.arrow", rows)
+    cfg = _data_cfg(tmp_path, f"data.path={tmp_path / 'rows.arrow'}", f"data.format={fmt}")
+    with pytest.raises(DataError) as info:
+        source_from_config(cfg, log=lambda line: None)
+    assert str(info.value) == f"data.path '{tmp_path / 'rows.arrow'}' row 238: {named}"
+    (tmp_path / "dir").mkdir()
+    _arrow(tmp_path / "dir" / "a.arrow", rows[:1])
+    os.replace(tmp_path / "rows.arrow", tmp_path / "dir" / "b.arrow")
+    cfg = _data_cfg(tmp_path, f"data.path={tmp_path / 'dir'}", f"data.format={fmt}")
+    with pytest.raises(DataError) as info:
+        source_from_config(cfg, log=lambda line: None)
+    assert str(info.value) == f"data.path '{tmp_path / 'dir'}': 'b.arrow' row 238: {named}"
+    assert not list((tmp_path / "cache").glob("*/meta.json")) and not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+def test_an_arrow_file_of_text_rows_is_tokenized(tmp_path):
+    """.arrow rows of text are tokenized (not taken for token rows): the corpus holds the documents'
+    bytes (the byte-level tokenizer), each once."""
+    _arrow(tmp_path / "text.arrow", [{"text": f"document {i} of the arrow file"} for i in range(250)])
+    lines = []
+    source = source_from_config(_data_cfg(tmp_path, f"data.path={tmp_path / 'text.arrow'}", "data.format=text"),
+                                log=lines.append)
+    (tokenized,) = [line for line in lines if line.startswith("data: tokenized")]
+    counts = re.search(r"\(([\d,]+) train tokens, ([\d,]+) val tokens\)", tokenized)
+    assert source is not None and counts, tokenized
+    # every document's bytes and its EOS, in the train or the validation split
+    assert sum(int(c.replace(",", "")) for c in counts.groups()) == sum(
+        len(f"document {i} of the arrow file".encode()) + 1 for i in range(250))
 
 
 def test_an_empty_text_file_is_named_at_once(tmp_path, shm_dir, capsys, monkeypatch):

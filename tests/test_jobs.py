@@ -152,7 +152,7 @@ def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_pat
     assert _status(head, "megatrain-ok") == "SUCCEEDED"
     (run,) = os.listdir(tmp_path)
     rows = [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert os.path.isfile(tmp_path / run / "final" / "model.safetensors.index.json")
     assert os.listdir(shm_dir) == []
 
@@ -171,7 +171,7 @@ def test_documented_job_command_writes_the_run_under_home(head, shm_dir):
     assert re.search(r"^ray job: runtime.run_dir 'runs' is taken from ~/megatrain-ray, not from Ray's temporary "
                      rf"copy of the working directory: {re.escape(runs)} ", logs, re.M), logs[-4000:]
     assert f"config, metrics, log, checkpoints and weights go to {os.path.join(runs, run)}" in logs
-    assert [json.loads(line)["step"] for line in open(os.path.join(runs, run, "metrics.jsonl"))] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in open(os.path.join(runs, run, "metrics.jsonl"))] == [1, 2, 3]
     assert os.path.isfile(os.path.join(runs, run, "final", "model.safetensors.index.json"))
     for noise in RAY_NOISE:
         assert noise not in logs, logs[-4000:]
@@ -209,7 +209,7 @@ def test_train_joins_the_running_head(head, tmp_path, shm_dir):
     for noise in RAY_NOISE:
         assert noise not in out, out[-4000:]
     (run,) = [p for p in (tmp_path / "runs").iterdir() if p.name != "data-cache"]
-    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2, 3]
     assert os.listdir(shm_dir) == []
 
 

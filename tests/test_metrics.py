@@ -147,7 +147,7 @@ def test_stage_gauges_name_their_role(finished_run):
 def test_metrics_file_and_console_line(finished_run):
     _, result, lines = finished_run
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == result.losses
     for r in rows:
         assert r["compute_busy_s"] > 0 and r["update_busy_s"] > 0 and r["tokens_per_s"] > 0
@@ -288,15 +288,25 @@ def test_plot_of_a_resumed_run_reads_the_steps_before_it_from_the_run_it_resumed
         (d / "config.json").write_text(json.dumps({"resumed_from": resumed_from} if resumed_from else {}))
         return d
 
-    a = run("a", range(0, 6))                                        # interrupted after step 6
-    b = run("b", range(4, 9), str(a / "checkpoints" / "step-000004"))  # resumed from step 4 of a
-    c = run("c", range(9, 12), str(b / "checkpoints" / "step-000009"))
+    # A row's step counts the updates done (1 after the first), as the checkpoints' names do.
+    a = run("a", range(1, 7))                                         # interrupted after step 6
+    b = run("b", range(5, 10), str(a / "checkpoints" / "step-000004"))  # resumed from step 4 of a
+    c = run("c", range(10, 13), str(b / "checkpoints" / "step-000009"))
     rows = read_metrics(str(c))
-    assert [(r["step"], r["run"]) for r in rows] == [*((s, "a") for s in range(4)), *((s, "b") for s in range(4, 9)),
-                                                    *((s, "c") for s in range(9, 12))]
-    assert [r["step"] for r in read_metrics(str(a))] == list(range(6))
+    assert [(r["step"], r["run"]) for r in rows] == [*((s, "a") for s in range(1, 5)), *((s, "b") for s in range(5, 10)),
+                                                    *((s, "c") for s in range(10, 13))]
+    assert [r["step"] for r in read_metrics(str(a))] == list(range(1, 7))
     (a / "metrics.jsonl").unlink()  # the earlier run is gone: the resumed one's rows alone
-    assert [r["step"] for r in read_metrics(str(b))] == list(range(4, 9))
+    assert [r["step"] for r in read_metrics(str(b))] == list(range(5, 10))
+
+
+def test_a_metrics_file_whose_steps_count_from_0_is_read_as_the_updates_done(tmp_path):
+    """metrics.jsonl written when a row's step counted from 0 (step 0: after the first update) is read
+    as rows are written now, step 1 after the first update, so old and new runs plot alike."""
+    from megatrain_ray.plot import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(3)))
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [(1, 9.0), (2, 8.0), (3, 7.0)]
 
 
 def test_moe_gauges_are_exported(ray_cluster, tmp_path, shm_dir):

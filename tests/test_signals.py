@@ -82,7 +82,7 @@ def test_ctrl_c_into_a_closed_pipe_still_saves_the_checkpoint(shm_dir, tmp_path)
     assert "BrokenPipeError" not in log and "Traceback" not in log
     # Every step the checkpoint holds has its metrics row.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(step))
+    assert [r["step"] for r in rows] == list(range(1, step + 1))
     assert os.listdir(shm_dir) == []
 
 

@@ -76,7 +76,7 @@ def test_tensorboard_event_files_hold_every_step(tracked_run):
     _names_are_gauges(scalars)
     assert {"loss", "learning_rate", "grad_norm", "tokens_per_s", "stage_busy_s/adamw", "step_time_s"} <= set(scalars)
     loss = events.Scalars("loss")
-    assert [e.step for e in loss] == [r["step"] + 1 for r in rows] == [1, 2, 3]
+    assert [e.step for e in loss] == [r["step"] for r in rows] == [1, 2, 3]
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)  # float32 in the file
     assert [e.value for e in events.Scalars("learning_rate")] == pytest.approx([r["lr"] for r in rows], rel=1e-6)
 
@@ -93,7 +93,7 @@ def test_mlflow_store_holds_the_run_its_params_and_every_step(tracked_run):
         ["tensorboard", "mlflow", "wandb"])
     _names_are_gauges(run.data.metrics)
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert [(m.step, m.value) for m in history] == [(r["step"] + 1, r["loss"]) for r in rows]
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["loss"]) for r in rows]
     assert [m.value for m in client.get_metric_history(run.info.run_id, "grad_norm")] == [r["grad_norm"] for r in rows]
 
 

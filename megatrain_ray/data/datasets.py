@@ -143,6 +143,7 @@ def columns(path: str, kind: str) -> list[str]:
 
 
 def arrow_reader(path: str):
+    """A reader of an Arrow IPC file, in the file format or the stream format."""
     import pyarrow as pa
 
     source = pa.memory_map(path, "r")
@@ -151,6 +152,14 @@ def arrow_reader(path: str):
     except pa.ArrowInvalid:
         source.seek(0)
         return pa.ipc.open_stream(source)
+
+
+def arrow_batches(path: str):
+    """The record batches of an Arrow IPC file, in order."""
+    reader = arrow_reader(path)
+    if hasattr(reader, "num_record_batches"):
+        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return iter(reader)
 
 
 def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str, val_fraction: float = 0.0) -> str:

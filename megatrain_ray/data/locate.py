@@ -56,11 +56,14 @@ def _records(path: str, kind: str) -> Iterator[tuple[int, dict | None, str | Non
             data = json.load(f)
         for n, row in enumerate(data if isinstance(data, list) else [data], 1):
             yield n, row, None
-    elif kind == "parquet":
+    elif kind in ("parquet", "arrow"):
         import pyarrow.parquet as pq
 
+        from .datasets import arrow_batches
+
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024) if kind == "parquet" else arrow_batches(path)
         n = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for batch in batches:
             for row in batch.to_pylist():
                 n += 1
                 yield n, row, None

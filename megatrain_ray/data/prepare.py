@@ -4,8 +4,8 @@ local files with Ray Data, tokenize in a pool of CPU actors, write the cache.
 Tokenization runs as ``map_batches`` over an actor pool of ``data.num_workers`` actors (each
 loads the tokenizer once) with Ray Data's streaming executor, whose bounded queues give
 backpressure from the cache writer back to the file readers; the built-in corpus (~110 KB) is
-tokenized in the calling process, pre-tokenized ``.arrow`` files are copied without a pool, and a
-``.npy`` array is used in place. Order is preserved, so the corpus depends only on the files and the
+tokenized in the calling process, so are ``.arrow`` files (Arrow IPC, which Ray Data does not read;
+token rows are copied), and a ``.npy`` array is used in place. Order is preserved, so the corpus depends only on the files and the
 tokenizer, never on the pool size. The corpus lives in ``<cache root>/<fingerprint>/``, keyed by
 the files' paths, sizes and mtimes, the format, the tokenizer's files and the split
 (:func:`~megatrain_ray.data.datasets.fingerprint`), and is written to a temporary directory and
@@ -26,7 +26,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..errors import DataError, MegatrainError
-from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_reader, fingerprint, is_val
+from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_batches, fingerprint, is_val
 from .locate import first_bad_record
 from .tokenizer import as_token_ids, load_tokenizer, messages_from_row
 
@@ -198,16 +198,21 @@ def _remove_unfinished(cache_root: str, log) -> None:
 
 
 def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
-    """Pre-tokenized .arrow files: record batches straight into the cache (nothing to tokenize)."""
-    work = TokenizeBatch("tokens", None, p.text_key, "arrow")
-    for path in p.files:
-        import pyarrow as pa
+    """.arrow files (Arrow IPC, which Ray Data does not read), batch by batch in this process: token
+    rows copied into the cache, text or chat rows tokenized. A row refused is named by its number
+    (:func:`~megatrain_ray.data.locate.first_bad_record`), as a .jsonl file's line is."""
+    import pyarrow as pa
 
-        reader = arrow_reader(path)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if hasattr(
-            reader, "num_record_batches") else reader
-        for batch in batches:
-            _write_table(writer, work(pa.Table.from_batches([batch])))
+    work = TokenizeBatch(p.format, p.tokenizer, p.text_key, "arrow")
+    try:
+        for path in p.files:
+            for batch in arrow_batches(path):
+                _write_table(writer, work(pa.Table.from_batches([batch])))
+    except DataError:
+        found = first_bad_record(p.where, p.files, "arrow", work.encode)
+        if found is None:
+            raise
+        raise DataError(found if found.endswith(".") else f"{found}.") from None
 
 
 def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:

@@ -235,6 +235,28 @@ def atomic_dir(out: str, what: str, nbytes: int):
         raise
 
 
+@contextlib.contextmanager
+def replacing(*dirs: str):
+    """``with replacing(d, ...):`` write directories anew where earlier ones may be (a resumed run's
+    final weights): each existing ``d`` is moved aside first, removed once the block completes, and
+    put back if the block raises, so a failed write never leaves the run without them."""
+    aside = {}
+    for d in dirs:
+        if os.path.exists(d):
+            aside[d] = f"{d}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(d, aside[d])
+    try:
+        yield
+    except BaseException:
+        for d, old in aside.items():
+            if os.path.exists(d):
+                shutil.rmtree(d, ignore_errors=True)
+            os.rename(old, d)
+        raise
+    for old in aside.values():
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

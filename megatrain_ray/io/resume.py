@@ -5,6 +5,13 @@ the run is refused, naming the file. Or it is a run directory (or its ``checkpoi
 checkpoint that passes every check, checksums included, is used, and each newer one that fails (a
 shard cut short, a meta.json empty or garbled, a changed byte) is named in a line with the reason
 it was skipped; if none passes, the error names them all.
+
+A resumed run continues its own run directory, as one run with one history
+(:func:`continued_run`): its metrics.jsonl and train.log are appended to, its checkpoints and final
+weights written in place. It writes a run directory of its own (whose config.json names the
+checkpoint, ``resumed_from``) only when continuing in place would change what is there: the
+checkpoint is not the run's newest (the newer ones stay as they are), or ``runtime.run_dir`` was set
+to another folder.
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
     top (e.g. more ``train.steps``, see :func:`megatrain_ray.io.checkpoint.check_resume`; another
     ``runtime.run_dir``). The weights come from the checkpoint; ``runtime.init_from`` is kept for what
     else it provides (the model's config, the tokenizer), and ``--set runtime.init_from=null`` drops it.
-    A different model shape is an error.
+    A different model shape is an error. Unless ``runtime.run_dir`` is set anew, it is the folder
+    that holds the checkpoint's run, so the run continues where it is (:func:`continued_run`) from
+    whatever directory the command runs in.
     """
     run_lock.check(run_lock.run_of(path), "resuming")
     directory = os.path.abspath(find(path, log))
@@ -71,4 +80,25 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
     else:
         cfg = load_train_config(config_file, overrides, base=base)
     check_model(meta, cfg.model, directory)
+    run = run_lock.run_of(directory)
+    if cfg.runtime.run_dir == base["runtime"].get("run_dir") and run != directory:
+        cfg.runtime.run_dir = os.path.dirname(run)
     return cfg, directory, meta
+
+
+def continued_run(directory: str, runs_dir: str) -> tuple[str | None, str]:
+    """(the run directory a run resumed from checkpoint ``directory`` continues in place, "") or
+    (None, why it writes a run directory of its own in ``runs_dir``; "" for a checkpoint outside any
+    run). In place only when ``runs_dir`` is the folder that holds the checkpoint's run and no
+    checkpoint of that run is newer: those would be overwritten as the run reaches their steps again."""
+    run = run_lock.run_of(directory)
+    if run == os.path.abspath(directory) or not os.path.isfile(os.path.join(run, "config.json")):
+        return None, ""
+    if os.path.abspath(runs_dir) != os.path.dirname(run):
+        return None, f"runtime.run_dir ({runs_dir}) is not the folder that holds {run}"
+    step = read_meta(directory)["step"]
+    later = [os.path.basename(p) for s, p in step_dirs(os.path.join(run, "checkpoints")) if s > step]
+    if later:
+        return None, (f"{run} has checkpoints after it ({', '.join(later)}), which stay as they are; resume "
+                      f"the run directory itself to continue it in place")
+    return run, ""

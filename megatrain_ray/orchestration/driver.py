@@ -26,6 +26,7 @@ from ..data.datasets import run_tokenizer
 from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..engine.resident import checkpoint_due, sync_due
 from ..io import checkpoint
+from ..io.files import replacing
 from .calls import get as _get
 from .labels import step_task
 from .metrics import RunMetrics
@@ -119,10 +120,27 @@ class Driver:
             raise
         r = self.result
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
-        if self.cfg.train.save_final:  # with the tokenizer the data was read with, for generate()
+        if self.cfg.train.save_final:
+            self._save_final()
+        with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
+            json.dump(r.timeline, f)
+        loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
+        saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
+        if self.cfg.lora.enabled and self.cfg.train.save_final:
+            saved = f"adapters saved to {os.path.join(r.run_dir, 'adapter')}, merged into {r.final_dir}"
+        again = (f" (after {r.restarts} restart{'s' if r.restarts > 1 else ''}, which trained {r.repeated_steps} "
+                 f"step{'' if r.repeated_steps == 1 else 's'} twice)") if r.restarts else ""
+        self.log(f"done: {self.steps - r.start_step} steps{again}, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
+        return r
+
+    def _save_final(self) -> None:
+        """The final weights (and a LoRA run's adapters), replacing those of an earlier session of a
+        resumed run, with the tokenizer the data was read with (for generate())."""
+        r = self.result
+        adapter_dir = os.path.join(r.run_dir, "adapter")
+        with replacing(r.final_dir, *((adapter_dir,) if self.cfg.lora.enabled else ())):
             tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
             if self.cfg.lora.enabled:  # the adapters (PEFT's format) and the merged model, from the compute worker
-                adapter_dir = os.path.join(r.run_dir, "adapter")
                 _get(self.roles.computes[0].lora.remote("export", adapter_dir, r.final_dir, tokenizer,
                                                         self.cfg.runtime.init_from), "compute", self.timeout)
             elif self.plan is not None and not self.plan.every:  # the weights on disk before the export
@@ -134,16 +152,6 @@ class Driver:
                     self.log(f"warning: {str(e).rstrip('.')}; exporting the final weights without it")
             if not self.cfg.lora.enabled:
                 _get(self.head.store.save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
-        with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
-            json.dump(r.timeline, f)
-        loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
-        saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
-        if self.cfg.lora.enabled and self.cfg.train.save_final:
-            saved = f"adapters saved to {os.path.join(r.run_dir, 'adapter')}, merged into {r.final_dir}"
-        again = (f" (after {r.restarts} restart{'s' if r.restarts > 1 else ''}, which trained {r.repeated_steps} "
-                 f"step{'' if r.repeated_steps == 1 else 's'} twice)") if r.restarts else ""
-        self.log(f"done: {self.steps - r.start_step} steps{again}, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
-        return r
 
     def _submit(self, step: int, batch_ref) -> None:
         with _signals_deferred():
@@ -262,7 +270,7 @@ class Driver:
             eta = (now - since) / (done - steady_done) * left  # at the pace of the steps since the first
         else:
             eta = None  # the first step's compile and warm-up say nothing of the pace to come
-        row = {"step": step, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+        row = {"step": step + 1, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
                "tokens_per_s": out["tokens"] / max(out["step_s"], 1e-9),

@@ -110,7 +110,7 @@ class RunMetrics:
             "loss": row["loss"],
             "learning_rate": row["lr"],
             "grad_norm": row["grad_norm"],
-            "step": row["step"] + 1,
+            "step": row["step"],
             "host_store_bytes": self.store_bytes,
             "host_memory_used_bytes": psutil.virtual_memory().used,
             "device_peak_bytes": row.get("device_peak_bytes") or 0,
@@ -146,7 +146,7 @@ class RunMetrics:
         if self.checkpoint_step is not None:
             self.scalars["checkpoint_step"] = float(self.checkpoint_step)
         if self.trackers is not None:
-            self.trackers.log(self.scalars, row["step"] + 1)
+            self.trackers.log(self.scalars, row["step"])
 
     def _set(self, gauge, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         """Set ``gauge`` (tagged with the run id and ``tags``) and record it in :attr:`scalars`, under the

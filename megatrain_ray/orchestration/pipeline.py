@@ -48,6 +48,7 @@ from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
+from ..io.resume import continued_run
 from ..model.precision import resolve_device
 from . import calls, cluster, console, preflight, trackers
 from .calls import get as _get
@@ -154,21 +155,31 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         if device != run.device:  # a cluster joined offers a device this process does not see
             run = resolve(cfg, Facts.here(cfg, device))
             check(run, log)
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        # A resumed run continues its own directory (io.resume.continued_run), held by train() already.
+        run_dir, branch = continued_run(resume, cfg.runtime.run_dir) if resume is not None else (None, "")
+        in_place = run_dir is not None
+        run_id = os.path.basename(run_dir) if run_dir else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         spec = run.store_spec(os.getpid(), run_id)
         for path in shm.remove_stale(cfg.runtime.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
         lease = reaper.start([shm.segment_path(spec.shm_dir, spec.owner_pid, run_id, "*")], [os.getpid()],
                              until_gone=False, lease=True)
-        run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
-        os.makedirs(run_dir, exist_ok=True)
-        own = run_lock.hold(run_dir, "training")
-        log.attach(run_dir)
-        log(f"run {run_id}: config, metrics, log, checkpoints and weights go to {run_dir}")
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), "device": device, "resolved": {"runtime.device_adamw": run.resident},
-                       **({"resumed_from": resume} if resume else {})}, f, indent=2)
+        if run_dir is None:
+            run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
+            os.makedirs(run_dir, exist_ok=True)
+            own = run_lock.hold(run_dir, "training")
+            log.attach(run_dir)
+            log(f"run {run_id}: config, metrics, log, checkpoints and weights go to {run_dir}")
+            if branch:
+                log(f"resume: this run writes a run directory of its own, since {branch}; its config.json names "
+                    f"the checkpoint (resumed_from), which `megatrain-ray plot` follows back")
+        else:
+            log.attach(run_dir)
+            log(f"run {run_id}: continuing in {run_dir} (metrics, log and checkpoints go on where they are)")
+            _drop_rows(run_dir, start_step)  # steps past the checkpoint are trained again
+        _write_run_config(run_dir, {**cfg.to_dict(), "device": device, "resolved": {"runtime.device_adamw": run.resident}},
+                          resume, start_step, in_place)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
                                          _data_state(source), wait_s=cfg.runtime.actor_timeout_s,
@@ -262,14 +273,41 @@ def _rewind(result: RunResult, step: int) -> list[int]:
         del values[keep:]
         values.extend([blank] * (keep - len(values)))
     result.val_losses = {s: v for s, v in result.val_losses.items() if s < step}
-    path = os.path.join(result.run_dir, "metrics.jsonl")
+    _drop_rows(result.run_dir, step)
+    return unreported
+
+
+def _drop_rows(run_dir: str, step: int) -> None:
+    """Remove the rows of ``run_dir``'s metrics.jsonl after ``step`` (updates done), which are trained
+    again; a file whose rows counted steps from 0 (an older run resumed in place) is renumbered first."""
+    path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         with open(path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] < step]
+            rows = [json.loads(line) for line in f if line.strip()]
+        shift = 1 if any(r["step"] == 0 for r in rows) else 0
         with open(path + ".tmp", "w") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps({**r, "step": r["step"] + shift}) + "\n" for r in rows if r["step"] + shift <= step)
         os.replace(path + ".tmp", path)
-    return unreported
+
+
+def _write_run_config(run_dir: str, config: dict, resume: str | None, step: int, in_place: bool) -> None:
+    """runs/<id>/config.json: the run's config as this process trains it; a run resumed in place lists
+    every resume (``resumed``: checkpoint and step), one resumed into a directory of its own names its
+    checkpoint (``resumed_from``)."""
+    path = os.path.join(run_dir, "config.json")
+    earlier = {}
+    if in_place:
+        try:
+            with open(path) as f:
+                earlier = json.load(f)
+        except (OSError, ValueError):  # unreadable: this process's config, with this resume alone
+            earlier = {}
+    elif resume is not None:
+        earlier = {"resumed_from": resume}
+    kept = {k: earlier[k] for k in ("resumed_from",) if k in earlier}
+    resumed = [*(earlier.get("resumed") or []), *([{"checkpoint": resume, "step": step}] if in_place else [])]
+    with open(path, "w") as f:
+        json.dump({**config, **kept, **({"resumed": resumed} if resumed else {})}, f, indent=2)
 
 
 def _data_state(source) -> dict:
