@@ -79,6 +79,38 @@ def test_unhandled_errors_of_actors_the_teardown_killed_go_to_the_file_only(ray_
     assert "Unhandled error" in kept and "ray.kill" in kept
 
 
+def test_lines_of_rays_daemons_and_of_gloo_go_to_the_file_only(tmp_path):
+    """What Ray forwards when a node or a worker dies (the raylet's account, gloo's error on the
+    surviving peer) goes to the run's file; an actor's own line still shows."""
+    shown = []
+    forward = console._QuietLines(lambda data: shown.extend(data["lines"]))
+    with console.Console(lambda line: None) as out:
+        out.attach(str(tmp_path))
+        forward({"pid": "raylet", "lines": ["Raylet is terminated. Termination is unexpected.",
+                                            "    [state-dump] NodeManager.GCTaskFailureReason - 1 total"]})
+        forward({"pid": 123, "actor_name": "GradientSink", "lines": [
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [192.0.2.2]:4711",
+            "a line of the sink's own"]})
+    assert shown == ["a line of the sink's own"]
+    kept = (tmp_path / console.LOG_FILE).read_text()
+    assert "Raylet is terminated" in kept and "[state-dump]" in kept
+    assert "(GradientSink pid=123) [../third_party/gloo" in kept
+
+
+def test_unhandled_errors_after_a_role_died_go_to_the_file_only(ray_cluster, tmp_path, caplog):
+    """Once the run had a role die (a restart follows, or the run's error), Ray's reports of the errors
+    of the failed attempt's calls that nobody reads go to the file; before that, one shows."""
+    console.quiet()
+    with console.Console(lambda line: None) as out:
+        out.attach(str(tmp_path))
+        ray._private.worker._unhandled_error_handler(ValueError("before any death"))
+        console.failed(out)
+        ray._private.worker._unhandled_error_handler(ValueError("PipelineError: fetch out of order"))
+    shown = "\n".join(r.getMessage() for r in caplog.records)
+    assert "before any death" in shown and "fetch out of order" not in shown
+    assert "fetch out of order" in (tmp_path / console.LOG_FILE).read_text()
+
+
 _READ_ALPACA = """
 import json, sys, time, warnings
 import ray
@@ -122,17 +154,18 @@ def test_ray_data_json_fallback_line_and_actor_pool_warning_go_to_the_file_only(
 
 def test_the_gcs_lines_of_actors_already_gone_go_to_the_file_only(tmp_path):
     """A batch of lines as Ray's log monitor forwards it from the GCS after a teardown (its shape as
-    Ray 2.60 emits it): the "Failed to kill actor" line goes to the file, the other line shows."""
+    Ray 2.60 emits it): every line of the GCS goes to the file (its accounts of actors, workers and
+    nodes that died are what the run says in its own sentence)."""
     printed = []
     handler = console._QuietLines(printed.append)
     data = {"ip": "10.0.0.1", "localhost": "10.0.0.1", "pid": "gcs_server", "job": "", "is_err": True,
             "actor_name": "", "task_name": "",
             "lines": ["[2026-01-01 00:00:00,000 W 1 2] gcs_actor_manager.cc:1: Failed to kill actor 0123, "
                       "status: RpcError: RPC Error message: Socket closed; RPC Error details:",
-                      "something the user should see"]}
+                      "gcs_placement_group_scheduler.cc:273: Failed to remove 4 bundle(s) for placement group 07"]}
     with console.Console(lambda line: None) as out:
         out.attach(str(tmp_path))
         handler(data)
-    assert [d["lines"] for d in printed] == [["something the user should see"]]
+    assert printed == []
     kept = (tmp_path / console.LOG_FILE).read_text()
-    assert "(pid=gcs_server)" in kept and "Failed to kill actor 0123" in kept
+    assert "(pid=gcs_server)" in kept and "Failed to kill actor 0123" in kept and "Failed to remove 4 bundle(s)" in kept

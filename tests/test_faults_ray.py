@@ -5,7 +5,9 @@ Ray went away and how to go on — not Ray's "Failed to connect to GCS within 60
 
 A node of a two-node cluster (``ray.cluster_utils``) lost mid-run, a replacement joining: the
 failures it causes on the other node (a collective whose peer is gone, a fetch cut short) are
-traced to the role that died with it, and the run restarts from its newest checkpoint.
+traced to the role that died with it, and the run restarts from its newest checkpoint; the
+terminal shows the run's lines and that one restart sentence, Ray's and gloo's accounts of the loss
+are in the run's log file.
 """
 
 import os
@@ -123,10 +125,11 @@ from megatrain_ray.orchestration.pipeline import train
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False,
                                                        "object_store_memory": 100 * 2**20})
 second = cluster.add_node(num_cpus=3, object_store_memory=100 * 2**20)
-ray.init(address=cluster.address, log_to_driver=False)
+ray.init(address=cluster.address)  # the lines of Ray's processes forwarded to this terminal, as for a user
 lines = []
 
 def log(line):
+    print(line, flush=True)  # the run's terminal
     lines.append(line)
     if re.match(r"step\s+3/", line) and "lost" not in lines:
         cluster.remove_node(second, allow_graceful=False)  # the node and every process on it, at once
@@ -135,7 +138,8 @@ def log(line):
 
 try:
     result = train(load_config(None, json.loads(sys.argv[1])), log=log)
-    print(json.dumps({"lines": lines, "steps": len(result.losses), "restarts": result.restarts}))
+    print("RESULT " + json.dumps({"lines": lines, "steps": len(result.losses), "restarts": result.restarts,
+                                  "run_dir": result.run_dir}))
 finally:
     ray.shutdown()
     cluster.shutdown()
@@ -151,11 +155,21 @@ def test_a_lost_node_of_two_restarts_the_run_on_its_replacement(shm_dir, tmp_pat
                  "train.micro_batch_size=2", "train.checkpoint_every=2", "runtime.max_restarts=1",
                  "runtime.actor_timeout_s=300"]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", LOSE_A_NODE, json.dumps(overrides)], capture_output=True, text=True,
-                         timeout=900, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", LOSE_A_NODE, json.dumps(overrides)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:]
+    (result,) = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     (restart,) = [line for line in result["lines"] if line.startswith("restart ")]
     assert re.match(r"restart 1 of 1: the \S+@1 actor died \(", restart), restart
     assert result["restarts"] == 1 and result["steps"] == 8
+    # The terminal: the run's lines, one sentence for the loss (the restart), none of Ray's or gloo's
+    # accounts of it; those are in the run's log file.
+    terminal = [line for line in out.stdout.splitlines() if not line.startswith("RESULT ")]
+    first = next(i for i, line in enumerate(terminal) if line in result["lines"])  # after the script's ray.init
+    ours = [line for line in terminal[first:] if line in result["lines"]]
+    others = [line for line in terminal[first:] if line not in result["lines"]]
+    assert not others, "\n".join(others)[-3000:]
+    assert [line for line in ours if "died" in line or "lost" in line] == [restart]
+    log = open(os.path.join(result["run_dir"], "train.log")).read()
+    assert "(pid=raylet)" in log, log[-3000:]
     assert os.listdir(shm_dir) == []

@@ -27,7 +27,10 @@ def _env() -> dict[str, str]:
 
 
 def _train_args(shm_dir, work_dir) -> list[str]:
-    return [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"runtime.shm_dir={shm_dir}",
+    """The run's own private Ray (runtime.ray_address=local): never a cluster that another test, or
+    another user of the machine, started with ``ray start --head``."""
+    return [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "runtime.ray_address=local",
+            "--set", f"runtime.shm_dir={shm_dir}",
             "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
             "--set", f"runtime.run_dir={work_dir / 'runs'}"]
 
@@ -37,7 +40,7 @@ def _default_sigint():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _wait_for_step(read_line, step: int, proc, deadline_s: float = 240) -> list[str]:
+def _wait_for_step(read_line, step: int, proc, deadline_s: float = 300) -> list[str]:
     """Lines read until the progress line of ``step``."""
     lines, deadline = [], time.monotonic() + deadline_s
     while time.monotonic() < deadline:

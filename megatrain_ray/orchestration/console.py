@@ -10,8 +10,14 @@ exists are held and written first when the file is opened (:meth:`Console.attach
 
 Output that the user cannot act on goes to the active console's file only (:func:`quiet`):
 
-- Python log records of Ray listed in :data:`QUIET_RECORDS` (dropped when no run is active);
-- lines Ray forwards from its processes (``(pid=...) ...``) that match :data:`QUIET_LINES`;
+- Python log records of Ray listed in :data:`QUIET_RECORDS` (dropped when no run is active), and
+  once a role of the run died (:meth:`Console.failed`), every "Unhandled error" of Ray's: the error
+  of a call of the attempt that failed, whose result no one asked for any more (the run says what
+  died in its own sentence);
+- lines Ray forwards from its processes (``(pid=...) ...``) that match :data:`QUIET_LINES`, and
+  every line of Ray's own daemons (:data:`QUIET_DAEMONS`: the raylet, the GCS), whose accounts of a
+  worker, an actor or a node that died the run gives in its own sentence (the role that died, Ray
+  or a node gone: :mod:`megatrain_ray.orchestration.calls`, :mod:`megatrain_ray.orchestration.cluster`);
 - warnings listed in :data:`QUIET_WARNINGS`.
 
 Every other line Ray prints still shows.
@@ -50,14 +56,24 @@ QUIET_RECORDS = (
 """(logger, message prefix[, a text the message must also hold]) of the log records (Ray's, and
 the trackers' libraries') kept out of the terminal."""
 
+UNHANDLED = ("ray._private.worker", "Unhandled error")
+"""Ray's record of an error of a call whose result nobody read (once the run failed: the file only)."""
+
 QUIET_LINES = (
     # Ray Data's JSON reader tries pyarrow first, which reads JSON lines only; a JSON array (an
     # Alpaca file) is then read by json.load, as it should be. The line after it is pyarrow's error.
     ("Falling back to native json.load()", 1),
     # The GCS reports actors of an ended run that were already gone when the teardown killed them.
     ("Failed to kill actor", 0),
+    # gloo (the collectives of runtime.nodes > 1) on a node whose peer's node went away: the role
+    # that died with that node is named by the run (a restart, or the error).
+    ("Connection closed by peer", 0),
+    ("gloo/transport", 0),
 )
 """(text, lines that follow it) of the lines forwarded from Ray's processes kept out of the terminal."""
+
+QUIET_DAEMONS = ("raylet", "gcs_server", "autoscaler")
+"""The ``pid`` Ray forwards the lines of its own daemons under; all of them go to the run's file only."""
 
 QUIET_WARNINGS = (
     # Ray Data's actor pool (the tokenizers, data.num_workers of them) was given fewer blocks than
@@ -81,6 +97,8 @@ class Console:
         self.held: list[str] = []
         self.lock = threading.Lock()
         self.depth = 0
+        self.failing = False
+        """Set once a role of the run died (:meth:`failed`)."""
 
     def __call__(self, line: str) -> None:
         self.keep(line)
@@ -112,6 +130,11 @@ class Console:
                 self.file.flush()
             except (OSError, ValueError):  # a full disk must not stop the run either
                 pass
+
+    def failed(self) -> None:
+        """A role of the run died: from now on Ray's reports of the errors of calls nobody reads go
+        to the file only (see the module docstring)."""
+        self.failing = True
 
     def attach(self, run_dir: str) -> str:
         """Open ``run_dir``'s log file (appending) and write the lines held so far; its path."""
@@ -158,6 +181,13 @@ def keep(log, line: str) -> None:
         _keep_only(line)
 
 
+def failed(log) -> None:
+    """``log``'s run (or the active one) had a role die: see :meth:`Console.failed`."""
+    target = log if isinstance(log, Console) else (_active[-1] if _active else None)
+    if target is not None:
+        target.failed()
+
+
 def say(text: str, stream=None) -> None:
     """Print ``text`` to ``stream`` (stderr by default), silently nothing if it is a closed pipe."""
     stream = sys.stderr if stream is None else stream
@@ -191,7 +221,10 @@ class _QuietRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        for prefix, *also in self.rules:
+        rules = self.rules
+        if _active and _active[-1].failing and record.name == UNHANDLED[0]:
+            rules = ((UNHANDLED[1],), *rules)
+        for prefix, *also in rules:
             if msg.startswith(prefix) and all(text in msg for text in also):
                 _keep_only(f"[{record.name}] {record.getMessage()}")
                 return False
@@ -199,8 +232,8 @@ class _QuietRecords(logging.Filter):
 
 
 class _QuietLines:
-    """Ray's handler of lines forwarded from its processes, minus :data:`QUIET_LINES` (kept in the
-    run's file, with every line shown)."""
+    """Ray's handler of lines forwarded from its processes, minus :data:`QUIET_LINES` and the lines of
+    :data:`QUIET_DAEMONS` (kept in the run's file, with every line shown)."""
 
     def __init__(self, handler):
         self.handler = handler
@@ -209,8 +242,11 @@ class _QuietLines:
         lines, shown, skip = data.get("lines") or [], [], 0
         name = data.get("actor_name") or data.get("task_name")
         who = f"({name + ' ' if name else ''}pid={data.get('pid')})"
+        daemon = data.get("pid") in QUIET_DAEMONS
         for line in lines:
             _keep_only(f"{who} {line}")
+            if daemon:
+                continue
             if skip:
                 skip -= 1
                 continue

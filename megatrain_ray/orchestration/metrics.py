@@ -33,6 +33,10 @@ expert_imbalance{layer}     max / mean of those per sparse layer (1: balanced)
 plot`` labels its axes with and the Grafana dashboard (``megatrain_ray/dashboards/megatrain.json``) shows.
 The experiment trackers of ``runtime.loggers`` (:mod:`megatrain_ray.orchestration.trackers`) get
 the same values under the same names (:attr:`RunMetrics.scalars`).
+
+Ray's metrics agent drops the metrics of a process that has not reported for ``RAY_WORKER_TIMEOUT_S``
+(120 s): a run's gauges leave the endpoint about two minutes after the run ended (its roles' processes
+are gone, and the driver sets none), a scraping Prometheus keeps their history.
 """
 
 from __future__ import annotations
