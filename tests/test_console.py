@@ -97,6 +97,22 @@ def test_lines_of_rays_daemons_and_of_gloo_go_to_the_file_only(tmp_path):
     assert "(GradientSink pid=123) [../third_party/gloo" in kept
 
 
+def test_errors_the_gcs_publishes_as_the_raylets_go_to_the_file_only(tmp_path, capfd):
+    """The errors the GCS publishes to the driver (a raylet that died, a node marked dead), which Ray's
+    error listener prints as lines of the raylet: to the file; a worker's line printed the same way shows."""
+    from ray._private import worker
+
+    console.quiet()
+    with console.Console(lambda line: None) as out:
+        out.attach(str(tmp_path))
+        worker.print_to_stdstream({"lines": ["Raylet is terminated. Termination is unexpected."], "pid": "raylet",
+                                   "is_err": False}, ignore_prefix=False)  # as listen_error_messages calls it
+        worker.print_to_stdstream({"lines": ["a worker's own line"], "pid": 4711, "is_err": False}, ignore_prefix=False)
+    printed = capfd.readouterr().out
+    assert "Raylet is terminated" not in printed and "a worker's own line" in printed
+    assert "(pid=raylet) Raylet is terminated" in (tmp_path / console.LOG_FILE).read_text()
+
+
 def test_unhandled_errors_after_a_role_died_go_to_the_file_only(ray_cluster, tmp_path, caplog):
     """Once the run had a role die (a restart follows, or the run's error), Ray's reports of the errors
     of the failed attempt's calls that nobody reads go to the file; before that, one shows."""

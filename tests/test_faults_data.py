@@ -302,3 +302,72 @@ def test_a_tokenizer_actor_killed_as_it_starts_is_one_sentence_and_leaves_no_cac
     assert message.startswith(f"a tokenizer actor of data.path '{data}' died ("), message
     assert "\n" not in message and time.monotonic() - started < 300
     assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one
+
+
+@pytest.mark.slow  # a private Ray in a subprocess, 120k rows tokenized on an actor pool, one of its actors killed
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sentence(sig, tmp_path):
+    """``megatrain-ray train`` as a user runs it; once the cache has its first tokens, a tokenizer actor of
+    the pool is killed (kill -9, or SIGTERM): the command ends with status 2 and one line, naming what
+    died and what to do; nothing of Ray's (not the raylet's account of the worker) on the terminal; no
+    cache, no temporary one, no run directory; none of its processes left."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import psutil
+
+    from test_faults import _cmdline
+
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 120_000)
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "runtime.ray_address=local",
+                             "--set", "runtime.device=cpu", "--set", f"data.path={data}", "--set", "data.format=text",
+                             "--set", "data.num_workers=2", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+                             "--set", f"runtime.run_dir={tmp_path / 'runs'}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed, family = [], {}
+
+    def tokens_written() -> bool:
+        bins = (tmp_path / "cache").glob("*.tmp-*/train.tokens.bin")
+        return any(b.stat().st_size > 0 for b in bins if b.exists())
+
+    def kill_a_tokenizer_once_tokens_are_written():
+        while proc.poll() is None and not killed:
+            try:
+                children = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                return
+            family.update({p.pid: p for p in children})
+            if tokens_written():
+                for p in children:
+                    if _cmdline(p).startswith("ray::MapWorker(MapBatches(TokenizeBatch))"):
+                        p.send_signal(sig)
+                        killed.append(p.pid)
+                        return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_a_tokenizer_once_tokens_are_written)
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        killer.join()
+    assert killed, out[-3000:]
+    assert proc.returncode == 2, out[-3000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1] == (f"error: a tokenizer actor of data.path '{data}' died (its process was killed or crashed) "
+                         "while it tokenized, so nothing was cached; train again, which tokenizes the data anew."), \
+        out[-3000:]
+    assert [line for line in lines if "error" in line.lower() or "died" in line] == [lines[-1]], out[-3000:]
+    assert "Traceback" not in out and "raylet" not in out and "(pid=" not in out, out[-3000:]
+    assert os.listdir(tmp_path / "cache") == [] and not list(tmp_path.glob("runs/*/config.json"))
+    gone, alive = psutil.wait_procs(list(family.values()), timeout=60)
+    assert not alive, [_cmdline(p)[:80] for p in alive]
+

@@ -238,7 +238,7 @@ class _QuietLines:
     def __init__(self, handler):
         self.handler = handler
 
-    def __call__(self, data: dict) -> None:
+    def __call__(self, data: dict, *args, **kwargs) -> None:
         lines, shown, skip = data.get("lines") or [], [], 0
         name = data.get("actor_name") or data.get("task_name")
         who = f"({name + ' ' if name else ''}pid={data.get('pid')})"
@@ -256,7 +256,7 @@ class _QuietLines:
             else:
                 skip = rule
         if shown or not lines:
-            self.handler({**data, "lines": shown})
+            self.handler({**data, "lines": shown}, *args, **kwargs)
 
 
 _showwarning = warnings.showwarning
@@ -283,8 +283,14 @@ def quiet() -> None:
     if warnings.showwarning is not _show_warning:
         _showwarning, warnings.showwarning = warnings.showwarning, _show_warning
     try:
+        from ray._private import worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:  # another Ray version: its lines all show
         return
     dispatcher.handlers = [(name, _QuietLines(h) if name == "ray_print_logs" and not isinstance(h, _QuietLines)
                             else h) for name, h in dispatcher.handlers]
+    # The errors the GCS publishes to the driver (a raylet that died, a node marked dead) are printed
+    # by Ray's error listener straight through this function, as lines of the raylet.
+    if not isinstance(getattr(worker, "print_to_stdstream", None), _QuietLines):
+        printer = worker.print_to_stdstream
+        worker.print_to_stdstream = _QuietLines(lambda data, ignore_prefix=False: printer(data, ignore_prefix))
