@@ -371,3 +371,64 @@ def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sente
     gone, alive = psutil.wait_procs(list(family.values()), timeout=60)
     assert not alive, [_cmdline(p)[:80] for p in alive]
 
+
+def _arrow_text(path, docs: int, stream: bool = False) -> None:
+    """An Arrow IPC file (the file format, or the stream format) of ``docs`` text rows, 500 a batch."""
+    import pyarrow as pa
+
+    table = pa.table({"text": [DOC.format(i=i) for i in range(docs)]})
+    with (pa.ipc.new_stream if stream else pa.ipc.new_file)(str(path), table.schema) as w:
+        for batch in table.to_batches(max_chunksize=500):
+            w.write_batch(batch)
+
+
+def test_an_arrow_file_cut_short_is_named_with_the_rows_read_and_leaves_no_cache(tmp_path):
+    """An .arrow stream whose copy did not finish: its first batches read, then one sentence naming the
+    file, the rows it held before it broke off and what to do; no cache, no temporary one."""
+    whole = tmp_path / "whole.arrow"
+    _arrow_text(whole, 3000, stream=True)
+    data = tmp_path / "docs.arrow"
+    data.write_bytes(whole.read_bytes()[: int(whole.stat().st_size * 0.7)])
+    with pytest.raises(DataError) as info:
+        corpus_ref(_cfg(tmp_path, "/dev/shm", f"data.path={data}", "data.format=text"), log=lambda line: None)
+    message = str(info.value)
+    assert re.fullmatch(rf"data.path '{re.escape(str(data))}' cannot be read after its row (\d+) \(.+\); it is cut "
+                        r"short or damaged: copy it again\.", message), message
+    assert 0 < int(re.search(r"row (\d+)", message).group(1)) < 3000
+    assert os.listdir(tmp_path / "cache") == []
+
+
+TOKENIZE = """
+import json, sys
+from megatrain_ray.config import load_config
+from megatrain_ray.data.loader import corpus_ref
+lines = []
+ref = corpus_ref(load_config(None, sys.argv[1:]), log=lines.append)
+print(json.dumps({"path": ref.path, "lines": lines}))
+"""
+
+
+def test_two_runs_tokenizing_the_same_data_into_one_cache_at_once_both_get_it_whole(tmp_path):
+    """Two processes (two runs started together on the same data and data.cache_dir) tokenize the same
+    .arrow file at the same time: each writes its own temporary cache, the first to finish renames it
+    into place and the other takes that one; both read the same complete cache, none is left half-written.
+    (Whether they overlap or one finds the other's finished cache, the outcome is the same.)"""
+    import subprocess
+    import sys
+
+    data = tmp_path / "docs.arrow"
+    _arrow_text(data, 20_000)
+    args = [f"data.path={data}", "data.format=text", f"data.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    procs = [subprocess.Popen([sys.executable, "-c", TOKENIZE, *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert results[0]["path"] == results[1]["path"]
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(results[0]["path"])]  # no temporary one left
+    meta = json.load(open(os.path.join(results[0]["path"], "meta.json")))
+    tokenized = [line for r in results for line in r["lines"] if line.startswith("data: tokenized")]
+    assert 1 <= len(tokenized) <= 2 and len(set(tokenized)) == 1
+    assert f"{meta['splits']['train']['tokens']:,} train tokens" in tokenized[0]
+

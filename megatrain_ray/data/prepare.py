@@ -200,19 +200,38 @@ def _remove_unfinished(cache_root: str, log) -> None:
 def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
     """.arrow files (Arrow IPC, which Ray Data does not read), batch by batch in this process: token
     rows copied into the cache, text or chat rows tokenized. A row refused is named by its number
-    (:func:`~megatrain_ray.data.locate.first_bad_record`), as a .jsonl file's line is."""
+    (:func:`~megatrain_ray.data.locate.first_bad_record`), as a .jsonl file's line is; a file cut
+    short or damaged, by the rows read before it broke off."""
     import pyarrow as pa
 
     work = TokenizeBatch(p.format, p.tokenizer, p.text_key, "arrow")
-    try:
-        for path in p.files:
-            for batch in arrow_batches(path):
+    for path in p.files:
+        for batch in _readable_batches(p, path):
+            try:
                 _write_table(writer, work(pa.Table.from_batches([batch])))
-    except DataError:
-        found = first_bad_record(p.where, p.files, "arrow", work.encode)
-        if found is None:
-            raise
-        raise DataError(found if found.endswith(".") else f"{found}.") from None
+            except DataError:
+                found = first_bad_record(p.where, p.files, "arrow", work.encode)
+                if found is None:
+                    raise
+                raise DataError(found if found.endswith(".") else f"{found}.") from None
+
+
+def _readable_batches(p: DataPlan, path: str):
+    """The record batches of the .arrow file ``path`` of ``p``; one that cannot be read is a DataError."""
+    import pyarrow as pa
+
+    rows, batches = 0, arrow_batches(path)
+    name = f"{p.where}: {os.path.basename(path)!r}" if len(p.files) > 1 else p.where
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as e:  # cut short (a copy that did not finish) or damaged
+            raise DataError(f"{name} cannot be read after its row {rows} ({e}); it is cut short or damaged: "
+                            "copy it again.") from None
+        if batch is None:
+            return
+        yield batch
+        rows += batch.num_rows
 
 
 def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:
