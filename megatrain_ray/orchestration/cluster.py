@@ -118,7 +118,8 @@ def connect(rt, log=print) -> None:
     """Connect this process to the Ray chosen by ``rt.ray_address`` (a RuntimeSection), once."""
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # the caller's Ray: its output during the run is quieted all the same
+        console.quiet()
         return
     console.quiet()
     address, found = cluster_to_join(rt)
