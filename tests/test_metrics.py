@@ -52,23 +52,27 @@ def finished_run(ray_cluster, tmp_path_factory, shm_dirs):
     # Scraped once, at once: Ray's metrics agent drops the metrics of a process that has not reported for
     # RAY_WORKER_TIMEOUT_S (120 s), the run's roles' (gone) and the driver's once it sets no gauge; so
     # whatever the tests run before them, the tests read what the endpoint showed as the run ended.
-    return cfg, result, lines, _scrape(result.run_id, STEPS)
+    text = []
+    return cfg, result, lines, _scrape(result.run_id, STEPS, text=text), text[-1]
 
 
-def _scrape(run_id: str, final_step: int, timeout: float = 90.0, wanted: set[str] | None = None
-            ) -> dict[tuple[str, tuple], float]:
+def _scrape(run_id: str, final_step: int, timeout: float = 90.0, wanted: set[str] | None = None,
+            text: list | None = None) -> dict[tuple[str, tuple], float]:
     """{(metric name, sorted extra tags): value} of this run's ray_megatrain_* samples on the node,
     once the exporter shows every gauge at the run's final step (it exports every few seconds);
-    wanted: the gauges to wait for (default: every gauge a dense run sets and the dashboard reads)."""
+    wanted: the gauges to wait for (default: every gauge a dense run sets and the dashboard reads);
+    text: a list left holding the endpoint's last page."""
     wanted = (set(GAUGES) | grafana_metrics()) - set(MOE_GAUGES) if wanted is None else wanted
     node = next(n for n in ray.nodes() if n["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     deadline = time.monotonic() + timeout
     found: dict[tuple[str, tuple], float] = {}
     while time.monotonic() < deadline:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        if text is not None:
+            text[:] = [page]
         found = {}
-        for m in re.finditer(r'^ray_megatrain_(\w+)\{([^}]*)\} (\S+)$', text, re.M):
+        for m in re.finditer(r'^ray_megatrain_(\w+)\{([^}]*)\} (\S+)$', page, re.M):
             tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             if tags.get("run_id") == run_id:
                 keys = ("role",) if m.group(1).startswith("role_") else ("stage", "direction", "queue", "worker",
@@ -83,7 +87,7 @@ def _scrape(run_id: str, final_step: int, timeout: float = 90.0, wanted: set[str
 
 
 def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
-    cfg, result, _, found = finished_run
+    cfg, result, _, found, _ = finished_run
     assert {name for name, _ in found} >= set(GAUGES), sorted(found)
     assert set(GAUGES) | set(MOE_GAUGES) == set(UNITS)  # every gauge has its unit; this test or the MoE one checks it
     missing = grafana_metrics() - set(MOE_GAUGES) - {name for name, _ in found}
@@ -151,10 +155,7 @@ def test_moe_gauges_are_exported(ray_cluster, tmp_path, shm_dir):
 
 def test_stage_gauges_name_their_role(finished_run):
     """stage_busy_* carry the role each stage belongs to, as the Grafana panel "per role" shows them."""
-    _, result, _, _ = finished_run
-    node = next(n for n in ray.nodes() if n["Alive"])
-    text = urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
-                                  timeout=10).read().decode()
+    _, result, _, _, text = finished_run
     roles = {}
     for m in re.finditer(r'^ray_megatrain_stage_busy_fraction\{([^}]*)\}', text, re.M):
         tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
@@ -165,7 +166,7 @@ def test_stage_gauges_name_their_role(finished_run):
 
 
 def test_metrics_file_and_console_line(finished_run):
-    _, result, lines, _ = finished_run
+    _, result, lines, _, _ = finished_run
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == result.losses
@@ -192,7 +193,7 @@ def test_metrics_file_and_console_line(finished_run):
 def test_plot_writes_pngs(finished_run, capsys):
     from PIL import Image
 
-    _, result, _, _ = finished_run
+    _, result, _, _, _ = finished_run
     assert cli.main(["plot", result.run_dir]) == 0
     written = capsys.readouterr().out.split()
     names = sorted(os.path.basename(p) for p in written)
@@ -213,7 +214,7 @@ def test_plots_name_the_cpu_copy_lanes_and_keep_legends_off_the_data(finished_ru
 
     from megatrain_ray.plot import figures, run_device
 
-    _, result, _, _ = finished_run
+    _, result, _, _, _ = finished_run
     assert run_device(result.run_dir) == "cpu"
     figs = figures(result.run_dir)
     try:
@@ -251,7 +252,7 @@ def test_plot_and_dashboard_agree_on_names_units_and_values(finished_run):
     from megatrain_ray.plot import GAUGES as PLOTTED
     from megatrain_ray.plot import figures, stage_labels
 
-    _, result, _, found = finished_run
+    _, result, _, found, _ = finished_run
     with open(grafana.SHIPPED) as f:
         board = json.load(f)
     panel_unit = {m: panel["fieldConfig"]["defaults"]["unit"] for panel in board["panels"]
