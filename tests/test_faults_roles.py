@@ -111,3 +111,26 @@ def test_the_store_killed_before_the_final_export_restarts_and_exports(ray_clust
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k].float(), saved[k].float()) for k in saved)  # the weights of step 8
     assert os.listdir(shm_dir) == []
+
+
+def test_an_interrupt_while_the_final_weights_are_written_names_the_final_checkpoint(ray_cluster, shm_dir, tmp_path):
+    """Ctrl-C (or SIGTERM) after the last step, while the run writes its final weights (here: as the
+    final checkpoint is reported, just before the export): every step is trained and in that
+    checkpoint, and the interrupt says so and where it is (the command then prints how to export it);
+    no half-written final directory, nothing left in shared memory."""
+    from conftest import interrupt_after_checkpoint
+    from megatrain_ray.errors import Interrupted
+    from megatrain_ray.io import checkpoint
+
+    lines = []
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(shm_dir, tmp_path, "train.steps=3", "train.checkpoint_every=0"),
+              log=interrupt_after_checkpoint(3, lines))
+    assert any(line.startswith("step     3/3") for line in lines), lines
+    saved = info.value.checkpoint
+    assert saved is not None and checkpoint.read_meta(saved)["step"] == 3, (saved, lines[-5:])
+    checkpoint.check_files(saved)
+    run_dir = os.path.dirname(os.path.dirname(saved))
+    assert not [n for n in os.listdir(run_dir) if n.startswith("final")]  # neither final/ nor its temporary
+    assert "export its weights" in checkpoint.advice(saved)
+    assert os.listdir(shm_dir) == []

@@ -121,7 +121,11 @@ class Driver:
         r = self.result
         r.tokens_per_s = self.tokens / (time.perf_counter() - self.clock)
         if self.cfg.train.save_final:
-            self._save_final()
+            try:
+                self._save_final()
+            except KeyboardInterrupt:  # every step is trained and in the last checkpoint: say where it is
+                raise Interrupted(r.checkpoints[-1] if r.checkpoints else None,
+                                  "" if r.checkpoints else "it came as the final weights were written") from None
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
