@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What does keeping whole layer graphs on the GPU (runtime.activations=auto, the default) save over
+# What does keeping whole layer graphs on the GPU (memory.activations=auto, the default) save over
 # recomputing every layer, at the 7B shape? Side by side in one call, then the layer probe: a kept
 # layer against a recomputed one, the bytes per token a kept graph holds (against the planner's
 # formula), the eager layer under each SDPA backend.
@@ -10,7 +10,7 @@ source "$(dirname "$0")/lib.sh"
 rc=0
 if smoke; then
   common=("${SMOKE_ARGS[@]}"); probe=()
-  run plan 120 python3 -m megatrain_ray.cli plan --set runtime.device=cpu || rc=$?
+  run plan 120 python3 -m megatrain_ray.cli plan --set compute.device=cpu || rc=$?
 else
   common=(--preset 7b --steps 5); probe=(--probe)
   shape=$(shape_args 7b)
@@ -20,7 +20,7 @@ else
 fi
 cp "$out/log_plan.txt" "$out/plan.txt"; grep -E "^activation" -A1 "$out/plan.txt"
 run activations-recompute "$(left 200)" python3 benchmarks/compare.py "${common[@]}" \
-  --set runtime.activations=recompute --tag activations-recompute --out "$out" || rc=$?
+  --set memory.activations=recompute --tag activations-recompute --out "$out" || rc=$?
 run activations-auto "$(left 300)" python3 benchmarks/compare.py "${common[@]}" "${probe[@]}" \
   --tag activations-auto --out "$out" || rc=$?
 python3 benchmarks/bench_table.py "$out" activations-recompute activations-auto

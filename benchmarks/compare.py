@@ -3,7 +3,7 @@ the comparisons a benchmark recipe needs.
 
     python benchmarks/compare.py --preset 7b --steps 6 --baseline-compiled --out OUT
     python benchmarks/compare.py --preset 7b --steps 4 --peers deepspeed,fsdp2 --out OUT
-    python benchmarks/compare.py --preset tiny --steps 3 --single-process --set runtime.device=cpu --out OUT
+    python benchmarks/compare.py --preset tiny --steps 3 --single-process --set compute.device=cpu --out OUT
 
 Every option of ``megatrain-ray bench`` (:mod:`megatrain_ray.bench`), and, in the same table and
 JSON (``OUT/bench-<name>.json``): the same model trained GPU-resident (:mod:`benchmarks.reference`:

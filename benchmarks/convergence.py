@@ -8,11 +8,11 @@ by transformers and saved as an HF checkpoint; every variant starts from it and 
 batches in the same order:
 
 - ``megatrain_ray``: the pipeline with its defaults (bf16 compute, gradients to the host in bf16);
-- ``megatrain_ray_fp32_grads``: the same with ``runtime.grad_dtype=float32``;
+- ``megatrain_ray_fp32_grads``: the same with ``precision.grad_dtype=float32``;
 - ``gpu_resident``: :class:`benchmarks.reference.ResidentTrainer` (fp32 weights on the GPU,
   bf16 autocast, fp32 gradients, torch AdamW);
 - ``megatrain_ray_8bit``: the compact optimizer state (``optim.state=8bit``: 8-bit moments, bf16 master,
-  stochastic rounding); ``megatrain_ray_bf16_master``: ``runtime.master_dtype=bfloat16`` (fp32 moments).
+  stochastic rounding); ``megatrain_ray_bf16_master``: ``precision.master_dtype=bfloat16`` (fp32 moments).
 
 ``--ref`` names the variant the others' final losses are compared with (default gpu_resident). On a
 machine without a GPU, ``--device cpu`` with a small shape (``--hidden``, ``--layers``) runs the same
@@ -155,7 +155,7 @@ def run_ours(cfg) -> dict:
 
 def run_resident(cfg) -> dict:
     t0 = time.perf_counter()
-    model = ResidentModel.from_reader(cfg.model, checkpoint_reader(cfg.runtime.init_from)[1], "cuda",
+    model = ResidentModel.from_reader(cfg.model, checkpoint_reader(cfg.train.init_from)[1], "cuda",
                                       autocast=torch.bfloat16)
     trainer = ResidentTrainer(model, cfg.optim, cfg.train.steps)
     source = source_from_config(cfg, connect=connect_ray)
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ref", default="gpu_resident", help="the variant the others are compared with")
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--device", default="auto", help="runtime.device of our runs (auto, cuda, cpu)")
+    ap.add_argument("--device", default="auto", help="compute.device of our runs (auto, cuda, cpu)")
     ap.add_argument("--data-workers", type=int, default=8, help="data.num_workers (at most the CPUs Ray has)")
     ap.add_argument("--local", action="store_true",
                     help="run our variants in one process without Ray, on the corpus tokenized into one .npy stream "
@@ -224,21 +224,21 @@ def main(argv=None) -> int:
     init_checkpoint(os.path.join(work, "init"), report["vocab"], args.seq_len, args.hidden, args.layers)
     print("corpus:", report["corpus"]["bytes"] / 2**20, "MiB,", report["corpus"]["documents"], "documents; vocab",
           report["vocab"], flush=True)
-    base = [f"runtime.init_from={work}/init", f"data.path={corpus}", "data.format=text",
+    base = [f"train.init_from={work}/init", f"data.path={corpus}", "data.format=text",
             f"data.tokenizer={work}/tokenizer", "data.val_fraction=0.01", f"data.cache_dir={work}/cache",
-            f"data.num_workers={args.data_workers}", f"runtime.run_dir={work}/runs", "runtime.ray_address=local", f"train.steps={args.steps}",
+            f"data.num_workers={args.data_workers}", f"train.run_dir={work}/runs", "cluster.ray_address=local", f"train.steps={args.steps}",
             f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch_size}",
             f"train.num_micro_batches={args.micro_batches}", f"train.eval_every={max(1, args.steps // 10)}",
             "train.log_every=25", "train.checkpoint_every=0", "optim.lr=1e-3", "optim.min_lr=1e-4",
             f"optim.warmup_steps={max(1, args.steps // 10)}", "optim.weight_decay=0.1", "optim.max_grad_norm=1.0",
-            f"runtime.device={args.device}"]
+            f"compute.device={args.device}"]
     if args.local:
         tokens = tokenize_corpus(corpus, os.path.join(work, "tokenizer"), os.path.join(work, "tokens.npy"))
         base = [o for o in base if not o.startswith(("data.", "train.eval_every"))] + [
             f"data.path={tokens}", "data.format=windows", "train.eval_every=0"]
-    variants = {"megatrain_ray": ("ours", []), "megatrain_ray_fp32_grads": ("ours", ["runtime.grad_dtype=float32"]),
+    variants = {"megatrain_ray": ("ours", []), "megatrain_ray_fp32_grads": ("ours", ["precision.grad_dtype=float32"]),
                 "gpu_resident": ("resident", []), "megatrain_ray_8bit": ("ours", ["optim.state=8bit"]),
-                "megatrain_ray_bf16_master": ("ours", ["runtime.master_dtype=bfloat16"])}
+                "megatrain_ray_bf16_master": ("ours", ["precision.master_dtype=bfloat16"])}
     results = {}
     for name in args.variants.split(","):
         kind, extra = variants[name]

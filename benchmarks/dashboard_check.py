@@ -43,8 +43,8 @@ def main(argv: list[str]) -> int:
     out, overrides = argv[0], argv[1:]
     os.makedirs(out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    args = ["--set", "runtime.ray_address=local", "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
-            "--set", "train.save_final=false", "--set", f"runtime.run_dir={os.path.join(out, 'runs')}", *overrides]
+    args = ["--set", "cluster.ray_address=local", "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
+            "--set", "train.save_final=false", "--set", f"train.run_dir={os.path.join(out, 'runs')}", *overrides]
     proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

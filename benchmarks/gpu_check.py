@@ -38,11 +38,11 @@ METRICS = ("weights", "loss", "norm")
 
 def resident_run(cfg: TrainConfig, autocast: torch.dtype | None, split: int = 1,
                  compiled: bool = False) -> tuple[list, list, dict]:
-    """(losses, grad norms, final weights by HF name) of cfg trained GPU-resident from runtime.init_from."""
+    """(losses, grad norms, final weights by HF name) of cfg trained GPU-resident from train.init_from."""
     from megatrain_ray.model.transformer import decoder_layer
 
     layer_fn = torch.compile(decoder_layer, dynamic=False) if compiled else decoder_layer
-    model = ResidentModel.from_reader(cfg.model, checkpoint_reader(cfg.runtime.init_from)[1], "cuda",
+    model = ResidentModel.from_reader(cfg.model, checkpoint_reader(cfg.train.init_from)[1], "cuda",
                                       autocast=autocast, layer_fn=layer_fn)
     trainer = ResidentTrainer(model, cfg.optim, cfg.train.steps)
     source = source_from_config(cfg, log=lambda line: None, connect=connect_ray)
@@ -86,7 +86,7 @@ def compare(cfg: TrainConfig, losses: list[float], norms: list[float], weights: 
     bound = {k: 2 * max(y[k] for y in yardsticks.values()) for k in METRICS}
     seen = distances(losses, norms, weights)
     init = {hf_name(u, k): v for u in StoreLayout.build(cfg.model).units
-            for k, v in checkpoint_reader(cfg.runtime.init_from)[1](u).items()}
+            for k, v in checkpoint_reader(cfg.train.init_from)[1](u).items()}
     moved = distance(init, r_w)
     checks = {"clipping active": max(norms) > cfg.optim.max_grad_norm > 0,
               "loss fell by 10x its tolerance": losses[0] - losses[-1] > 10 * bound["loss"],
@@ -115,7 +115,7 @@ def check_config(directory: str, steps: int = 24, extra: list[str] = ()) -> Trai
     init, tokens = os.path.join(directory, "init"), os.path.join(directory, "tokens.npy")
     if not os.path.isdir(init):
         cfg = load_config(None, MODEL)
-        spec = StoreSpec(cfg.model, resolve_precision(cfg.runtime, "cpu", cfg.optim.state), cfg.runtime.shm_dir, os.getpid(),
+        spec = StoreSpec(cfg.model, resolve_precision(cfg.precision, "cpu", cfg.optim.state), cfg.memory.shm_dir, os.getpid(),
                          "check-init")
         store = ParameterStore(spec, seed=0)
         try:
@@ -126,8 +126,8 @@ def check_config(directory: str, steps: int = 24, extra: list[str] = ()) -> Trai
         np.save(tokens, np.where(rng.random(200_000) < 0.1, rng.integers(0, 512, size=200_000),
                                  (np.arange(200_000) * 7) % 512))
     return load_train_config(None, [
-        f"runtime.init_from={init}", f"data.path={tokens}", f"runtime.run_dir={os.path.join(directory, 'runs')}",
-        "runtime.device=cuda", "train.checkpoint_every=0", f"train.steps={steps}", "train.seq_len=128",
+        f"train.init_from={init}", f"data.path={tokens}", f"train.run_dir={os.path.join(directory, 'runs')}",
+        "compute.device=cuda", "train.checkpoint_every=0", f"train.steps={steps}", "train.seq_len=128",
         "train.micro_batch_size=4", "train.num_micro_batches=3", "optim.lr=3e-3", "optim.min_lr=3e-4",
         "optim.warmup_steps=4", "optim.weight_decay=0.1", "optim.max_grad_norm=1.0", *extra])
 

@@ -4,7 +4,7 @@ Times :func:`~megatrain_ray.engine.head.head_forward_backward` (final norm, LM h
 cross-entropy, forward and backward over loss chunks) at the Qwen2.5-7B head (vocabulary 152,064,
 hidden 3,584, untied, bf16) over 65,536 tokens (4 micro-batches of 16 x 1,024) in chunks of 8,192,
 eagerly and with the chunk loss through torch.compile as the compute worker runs it with
-runtime.compile on; and the same chunks' three GEMMs alone (logits, input and weight gradients), the
+compute.compile on; and the same chunks' three GEMMs alone (logits, input and weight gradients), the
 floor. Prints ms per head (mean of 5 after a warm-up, which compiles) and the peak memory above the
 inputs, and how far the compiled loss and gradient are from the eager ones.
 

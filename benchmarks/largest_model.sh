@@ -10,7 +10,7 @@
 source "$(dirname "$0")/lib.sh"
 rc=0
 if smoke; then
-  run plan 120 python3 -m megatrain_ray.cli plan --set runtime.device=cpu || rc=$?
+  run plan 120 python3 -m megatrain_ray.cli plan --set compute.device=cpu || rc=$?
   run largest-8bit 300 python3 -m megatrain_ray.cli bench "${SMOKE_ARGS[@]}" --set optim.state=8bit \
     --tag largest-8bit --out "$out" || rc=$?
   run compact-rate 120 python3 benchmarks/compact_rate.py --threads 1 --numel 1048576 --out "$out" || rc=$?

@@ -10,7 +10,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 left() { local l=$(( ${BUDGET:-570} - ($(date +%s) - t0) )); (( l > $1 )) && l=$1; (( l < 10 )) && l=10; echo $l; }
 smoke() { [ "${SMOKE:-0}" = 1 ]; }
 # The step shape and device of a smoke run: a 2-layer tiny model on the CPU, 1,024 tokens a step.
-SMOKE_ARGS=(--preset tiny --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 --set runtime.device=cpu)
+SMOKE_ARGS=(--preset tiny --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 --set compute.device=cpu)
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"

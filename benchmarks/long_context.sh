@@ -23,12 +23,12 @@ dir="$out/$part"
 
 tiny=(--set model.hidden_size=64 --set model.intermediate_size=176 --set model.num_hidden_layers=2
       --set model.num_attention_heads=4 --set model.num_key_value_heads=2 --set model.vocab_size=512
-      --set train.seq_len=2048 --set model.max_position_embeddings=2048 --set runtime.mlp_chunk_size=512
-      --set runtime.loss_chunk_size=512 --set runtime.device=cpu)
+      --set train.seq_len=2048 --set model.max_position_embeddings=2048 --set memory.mlp_chunk_size=512
+      --set memory.loss_chunk_size=512 --set compute.device=cpu)
 shape_1m=(--set model.model_type=qwen2 --set model.vocab_size=152064 --set model.hidden_size=3584
           --set model.intermediate_size=18944 --set model.num_hidden_layers=4 --set model.num_attention_heads=28
           --set model.num_key_value_heads=4 --set model.rope_theta=1000000.0 --set train.seq_len=1048576
-          --set train.micro_batch_size=1 --set train.num_micro_batches=1 --set runtime.mlp_chunk_size=16384
+          --set train.micro_batch_size=1 --set train.num_micro_batches=1 --set memory.mlp_chunk_size=16384
           --set model.max_position_embeddings=1048576 --set train.save_final=false)
 
 sample_memory() {  # host used (MemTotal - MemAvailable) and GPU used, every 5 s, until the run ends
@@ -48,7 +48,7 @@ run_512k() {
     "$dir/tokens.npy"
   local data=(--set "data.path=$dir/tokens.npy" --set data.format=auto --set data.tokenizer=null
               --set train.steps=1 --set optim.warmup_steps=0 --set train.checkpoint_every=0 --set train.save_final=false
-              --set "runtime.run_dir=$dir/runs")
+              --set "train.run_dir=$dir/runs")
   smoke && data+=("${tiny[@]}")
   python3 -m megatrain_ray.cli plan --config configs/long-context-512k.yaml "${data[@]}" > "$dir/plan.txt" 2>&1
   python3 -m megatrain_ray.cli train --config configs/long-context-512k.yaml "${data[@]}" > "$dir/log.txt" 2>&1
@@ -56,7 +56,7 @@ run_512k() {
 
 run_1m() {
   local args=(--preset 7b --layers 4 --tokens 1048576 --seq-len 1048576 --micro-batches 1 --steps 2
-              --set runtime.mlp_chunk_size=16384 --set model.max_position_embeddings=1048576)
+              --set memory.mlp_chunk_size=16384 --set model.max_position_embeddings=1048576)
   smoke && args=("${SMOKE_ARGS[@]}")
   local plan_args=("${shape_1m[@]}")
   smoke && plan_args=("${tiny[@]}")

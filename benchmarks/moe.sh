@@ -16,7 +16,7 @@ parts=${2:-link qwen3 qwen3-8bit mixtral resident}
 rc=0
 if smoke; then
   bench moe-tiny 300 --preset tiny-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
-    --set runtime.device=cpu
+    --set compute.device=cpu
   run resident-tiny 300 python3 benchmarks/moe_resident.py --preset tiny-moe --layers 1 --tokens 1024 --seq-len 128 \
     --micro-batches 2 --steps 2 --device cpu --tag tiny --out "$out" || rc=$?
   grep "^resident" "$out/log_resident-tiny.txt"

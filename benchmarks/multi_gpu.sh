@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What do more GPUs of one host give, from one host store? 1 and 2 GPUs side by side (65,536 tokens
-# per GPU per step), then the two ways of summing gradients (runtime.grad_reduce allreduce vs host)
-# and CPU pinning off (runtime.cpu_affinity=false), at the 7B shape.
+# per GPU per step), then the two ways of summing gradients (experimental.grad_reduce allreduce vs host)
+# and CPU pinning off (experimental.cpu_affinity=false), at the 7B shape.
 #   bash benchmarks/multi_gpu.sh OUT               # two H200s: ~8 minutes
 #   SMOKE=1 bash benchmarks/multi_gpu.sh OUT       # two compute workers on the CPU, a tiny model
 # Writes OUT/bench-<variant>.json and prints: variant, GPUs, s/step, tok/s, x 1 GPU, host GiB.
@@ -13,7 +13,7 @@ from megatrain_ray import bench; sys.exit(bench.main(sys.argv[1:]))")
 else
   bench=(python3 -m megatrain_ray.cli bench)
   common=(--preset 7b --steps 5)
-  variants=("gpus-1-2:1,2" "grad-reduce-host:2:--set runtime.grad_reduce=host" "no-affinity:2:--set runtime.cpu_affinity=false")
+  variants=("gpus-1-2:1,2" "grad-reduce-host:2:--set experimental.grad_reduce=host" "no-affinity:2:--set experimental.cpu_affinity=false")
   nvidia-smi topo -m > "$out/topo.txt" 2>&1
 fi
 rc=0; tags=()

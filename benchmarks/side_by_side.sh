@@ -2,8 +2,8 @@
 # How do these settings compare at the 7B shape? Several bench runs in one call, then their table:
 # each argument is TAG:SETTINGS, passed to `megatrain-ray bench --preset 7b --steps 6` as they are
 # (empty: the defaults). Each run gets at most 280 s of the BUDGET seconds (default 570) left.
-#   bash benchmarks/side_by_side.sh OUT "host:--set runtime.device_adamw=none" "edges:--set runtime.device_adamw=edges"
-#   SMOKE=1 bash benchmarks/side_by_side.sh OUT "a:" "b:--set runtime.buffer_depth=3"
+#   bash benchmarks/side_by_side.sh OUT "host:--set memory.resident=none" "embed-head:--set memory.resident=embed_head"
+#   SMOKE=1 bash benchmarks/side_by_side.sh OUT "a:" "b:--set memory.buffer_depth=3"
 source "$(dirname "$0")/lib.sh"
 shift
 if smoke; then common=("${SMOKE_ARGS[@]}"); else common=(--preset 7b --steps 6); fi

@@ -6,7 +6,7 @@
     ray job submit --working-dir . -- python jobs/train.py --config my_run.yaml --set train.steps=100
 
 Under ``ray job submit`` RAY_ADDRESS is set, so the run joins that cluster instead of starting one.
-The job runs in Ray's temporary copy of the working directory, so a relative runtime.run_dir is
+The job runs in Ray's temporary copy of the working directory, so a relative train.run_dir is
 taken from ~/megatrain-ray on the node of the job's driver (it says where; see
 :func:`megatrain_ray.orchestration.cluster.job_path`).
 """

@@ -1,11 +1,11 @@
 """Benchmark: what a run of this model does on this machine (s/step, tokens/s, TFLOPS, memory).
 
     megatrain-ray bench --preset 7b --steps 5 --out OUT
-    megatrain-ray bench --config run.yaml --steps 5 --out OUT      # the model and runtime of a run config
+    megatrain-ray bench --config run.yaml --steps 5 --out OUT      # the model and execution sections of a run config
     megatrain-ray bench --model path/to/hf_model --set model.num_hidden_layers=8 --out OUT
     megatrain-ray bench --preset 7b --gpus 1,2 --out OUT           # 1 and 2 GPUs in one call
 
-The model is a preset, a run config's (its model, optim and runtime sections; random weights) or
+The model is a preset, a run config's (its model, optim and execution sections; random weights) or
 a Hugging Face config.json's, then ``--layers`` and ``--set`` overrides; the parameter count and
 the random tokens' vocabulary are those of the final config. Runtime settings not given keep the
 library's defaults, so ``train`` with the same config runs what the benchmark measured.
@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from .config import TrainConfig, load_config
+from .config import EXECUTION_SECTIONS, TrainConfig, load_config
 from .errors import ConfigError
 from .io.hf_io import load_train_config, read_config
 from .model import flops as model_flops
@@ -43,14 +43,13 @@ from .orchestration.preflight import guess_device
 
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
-    runtime (its runtime.init_from's shape, with random weights; its data section is not read: the
-    benchmark trains on random tokens); or an HF directory's config.json."""
+    the sections of how it executes (its train.init_from's shape, with random weights; its train and
+    data sections are not read: the benchmark trains on random tokens); or an HF directory's config.json."""
     if sum(x is not None for x in (preset, config, model_dir)) > 1:
         raise ConfigError("give one of --preset, --config and --model, not several.")
     if config is not None:
         cfg = load_train_config(config, skip=("data",))
-        base = {"model": dataclasses.asdict(cfg.model), "optim": dataclasses.asdict(cfg.optim),
-                "runtime": {**dataclasses.asdict(cfg.runtime), "init_from": None}}
+        base = {name: dataclasses.asdict(getattr(cfg, name)) for name in EXECUTION_SECTIONS + ("model", "optim")}
     elif model_dir is not None:
         base = {"model": dataclasses.asdict(read_config(model_dir, "--model")[0])}
     else:
@@ -64,7 +63,7 @@ def bench_config(base: dict, tokens: int, seq_len: int, micro_batches: int, step
                  extra: list[str]) -> TrainConfig:
     """The run the benchmark trains: ``base`` (see :func:`base_sections`) with the step shape, random
     tokens at ``data`` (None: the built-in corpus, to learn the final model before drawing them),
-    no checkpoints, then ``extra`` (``--set``) overrides; runtime settings not set stay the library's."""
+    no checkpoints, then ``extra`` (``--set``) overrides; execution settings not set stay the library's."""
     mbs = tokens // (seq_len * micro_batches)
     return load_config(None, [
         f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}", f"train.num_micro_batches={micro_batches}",
@@ -83,7 +82,7 @@ def _with_workers(base: dict, shape: tuple, data: str, extra: list[str], tmp: st
     """The benchmark's run on ``n`` compute workers, each with the step shape of one (weak scaling)."""
     tokens, seq_len, micro_batches, steps = shape
     return bench_config(base, tokens * n, seq_len, micro_batches * n, steps, data,
-                        [*extra, f"runtime.run_dir={tmp}/runs", f"runtime.compute_workers={n}"])
+                        [*extra, f"train.run_dir={tmp}/runs", f"parallel.compute_workers={n}"])
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -115,8 +114,8 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     from .orchestration.pipeline import train
 
     t0 = time.perf_counter()
-    placement: list[str] = []  # its lines on where threads run (runtime.cpu_affinity) and activations wait
-    with HostMemoryPeak(shm_dir=cfg.runtime.shm_dir) as mem:
+    placement: list[str] = []  # its lines on where threads run (experimental.cpu_affinity) and activations wait
+    with HostMemoryPeak(shm_dir=cfg.memory.shm_dir) as mem:
         def log(line: str) -> None:  # the run's lines as its progress; where threads and activations went kept
             print(f"  {line}", flush=True)
             if line.startswith(("cpu placement", "activations")):
@@ -182,7 +181,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatrain-ray bench", description=__doc__.split("\n")[0])
     what = ap.add_argument_group("what to benchmark (one of; default --preset 1b)")
     what.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model shape")
-    what.add_argument("--config", help="a run config (YAML): its model, optim and runtime sections, random weights")
+    what.add_argument("--config", help="a run config (YAML): its model, optim and execution sections, random weights")
     what.add_argument("--model", metavar="HF_MODEL_DIR", help="a Hugging Face model directory: its config.json's shape")
     ap.add_argument("--layers", type=int, default=None, help="override the model's number of decoder layers")
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")
@@ -195,11 +194,11 @@ def parser() -> argparse.ArgumentParser:
                     help="compute workers (GPUs) per run, comma-separated to compare counts in one run (e.g. 1,2): "
                          "each GPU takes --tokens and --micro-batches of its own (weak scaling); the first count "
                          "is the 'megatrain_ray' row")
-    ap.add_argument("--buffer-depth", type=int, default=None, help="runtime.buffer_depth (default: the library's)")
-    ap.add_argument("--master-dtype", default=None, help="runtime.master_dtype (default: the library's)")
+    ap.add_argument("--buffer-depth", type=int, default=None, help="memory.buffer_depth (default: the library's)")
+    ap.add_argument("--master-dtype", default=None, help="precision.master_dtype (default: the library's)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="optim.max_grad_norm (default: the library's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for our runs (repeatable), e.g. runtime.compile=false or model.vocab_size=32000")
+                    help="config override for our runs (repeatable), e.g. compute.compile=false or model.vocab_size=32000")
     ap.add_argument("--tag", default=None, help="name of this run's output files (default: the preset, config or model name)")
     ap.add_argument("--out", default=".", help="directory for bench-<name>.json and the timeline PNG")
     return ap
@@ -225,7 +224,7 @@ class Bench:
     def config(self, data: str, tmp: str, workers: int = 1) -> TrainConfig:
         """The run on ``workers`` compute workers, each with the step shape of one (weak scaling)."""
         if workers == 1:
-            return bench_config(self.base, *self.shape, data, [*self.extra, f"runtime.run_dir={tmp}/runs"])
+            return bench_config(self.base, *self.shape, data, [*self.extra, f"train.run_dir={tmp}/runs"])
         return _with_workers(self.base, self.shape, data, self.extra, tmp, workers)
 
 
@@ -234,8 +233,8 @@ def setup(args: argparse.Namespace) -> Bench:
     from .orchestration.cluster import job_path
 
     base = base_sections(args.preset, args.config, args.model, args.layers)
-    extra = [*([f"runtime.buffer_depth={args.buffer_depth}"] if args.buffer_depth else []),
-             *([f"runtime.master_dtype={args.master_dtype}"] if args.master_dtype else []),
+    extra = [*([f"memory.buffer_depth={args.buffer_depth}"] if args.buffer_depth else []),
+             *([f"precision.master_dtype={args.master_dtype}"] if args.master_dtype else []),
              *([f"optim.max_grad_norm={args.max_grad_norm}"] if args.max_grad_norm is not None else []), *args.set]
     shape = (args.tokens, args.seq_len, args.micro_batches, args.steps)
     model = bench_config(base, *shape, None, extra).model
@@ -255,9 +254,9 @@ def run_ours(b: Bench, cfg: TrainConfig, data: str, tmp: str) -> tuple[dict, dic
     the first count's rows and timeline go into the report (and its PNG next to the JSON)."""
     os.makedirs(b.args.out, exist_ok=True)
     device = guess_device(cfg)  # as the driver resolves it on a one-node cluster
-    b.report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.runtime.buffer_depth_on(device),
-                    loss_chunk_size=cfg.runtime.loss_chunk_size_on(device), master_dtype=cfg.runtime.master_dtype,
-                    optim_state=cfg.optim.state, hold_grads=cfg.runtime.hold_grads_on(device))
+    b.report.update(max_grad_norm=cfg.optim.max_grad_norm, buffer_depth=cfg.memory.buffer_depth_on(device),
+                    loss_chunk_size=cfg.memory.loss_chunk_size_on(device), master_dtype=cfg.precision.master_dtype,
+                    optim_state=cfg.optim.state, hold_grads=cfg.experimental.hold_grads_on(device))
     counts, tokens = b.counts, b.args.tokens
     systems, tokens_of = {}, {"megatrain_ray": tokens * counts[0]}
     systems["megatrain_ray"], timeline = run_pipeline(cfg if counts[0] == 1 else b.config(data, tmp, counts[0]))

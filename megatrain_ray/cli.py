@@ -11,7 +11,7 @@ systems (GPU-resident PyTorch, DeepSpeed, FSDP2) are a harness outside the packa
 
 With no arguments, ``train`` runs the built-in tiny preset (a 2-layer byte-level model on the
 generated corpus) on the Ray cluster running on this machine, or on a private one started for it
-(:mod:`megatrain_ray.orchestration.cluster`); as a Ray job, a relative runtime.run_dir is taken from
+(:mod:`megatrain_ray.orchestration.cluster`); as a Ray job, a relative train.run_dir is taken from
 ~/megatrain-ray. User errors print one ``error:`` line and exit with status 2; an interrupted run
 exits with 130 after cleaning up.
 """
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                            description="Train a model through the Ray actor pipeline: the built-in tiny preset with "
                                        "no options, else a YAML config with --set overrides; Ctrl-C or SIGTERM saves "
                                        "a checkpoint first.")
-    train.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
+    train.add_argument("--config", help="YAML file of a run's sections (model, optim, train, data, memory, ...)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config field, e.g. --set optim.lr=1e-3 (repeatable)")
     train.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
@@ -65,10 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                           description="Print the run a config resolves to on this machine (its settings, and the "
                                       "host RAM, /dev/shm and GPU memory it needs) and whether it fits (exit status "
                                       "2 if not), without starting anything.")
-    plan.add_argument("--config", help="YAML file with model/optim/train/data/runtime sections")
+    plan.add_argument("--config", help="YAML file of a run's sections (model, optim, train, data, memory, ...)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override one config field (repeatable)")
-    plan.add_argument("--device", choices=("cpu", "cuda"), help="plan for this device (default: runtime.device, "
+    plan.add_argument("--device", choices=("cpu", "cuda"), help="plan for this device (default: compute.device, "
                       "auto meaning cuda when a GPU is visible)")
     plan.add_argument("--gpu-memory", type=float, metavar="GIB",
                       help="GPU memory to plan for, in GiB (default: what is free on GPU 0 now, if visible, "
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
             else:
                 cfg = load_train_config(args.config, args.overrides)
-            cfg.runtime.run_dir = job_path(cfg.runtime.run_dir, "runtime.run_dir")
+            cfg.train.run_dir = job_path(cfg.train.run_dir, "train.run_dir")
             train(cfg, resume=resume)
         elif args.command == "plan":
             return _plan(args)
@@ -189,7 +189,7 @@ def _plan(args) -> int:
     cfg = load_train_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
     host = None if args.host_memory is None else int(args.host_memory * 2**30)
-    run = resolve(cfg, Facts.here(cfg, args.device, gpu, starts_ray=cluster_to_join(cfg.runtime)[0] is None,
+    run = resolve(cfg, Facts.here(cfg, args.device, gpu, starts_ray=cluster_to_join(cfg.cluster)[0] is None,
                                   device_tflops=args.gpu_tflops, host_bytes=host))
     print(run.describe())
     problems = run.memory.problems()

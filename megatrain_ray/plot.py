@@ -115,7 +115,7 @@ def run_device(run_dir: str) -> str | None:
             saved = json.load(f)
     except (OSError, ValueError):
         return None
-    device = saved.get("device") or (saved.get("runtime") or {}).get("device")
+    device = saved.get("device") or (saved.get("compute") or saved.get("runtime") or {}).get("device")
     return device if device in ("cpu", "cuda") else None
 
 

@@ -90,13 +90,13 @@ def save_model(arch: str, directory, seed: int = 0, shard: str = "40KB", **overr
 def import_store(directory, shm_dir, master_dtype: str = "float32"):
     """A real shared-memory ParameterStore holding the HF checkpoint ``directory`` (fp32 master by
     default; the caller closes it)."""
-    from megatrain_ray.config import RuntimeSection
+    from megatrain_ray.config import PrecisionSection
     from megatrain_ray.engine.store import ParameterStore, StoreSpec
     from megatrain_ray.io import hf_io
     from megatrain_ray.model.precision import resolve_precision
 
     cfg, _ = hf_io.read_config(str(directory))
-    precision = resolve_precision(RuntimeSection(master_dtype=master_dtype, shm_dir=shm_dir), "cpu")
+    precision = resolve_precision(PrecisionSection(master_dtype=master_dtype), "cpu")
     spec = StoreSpec(cfg, precision, shm_dir, os.getpid(), "t" + os.urandom(3).hex())
     return ParameterStore(spec, seed=0, init_from=str(directory))
 
@@ -137,7 +137,7 @@ def imported_logits_match(arch: str, directory, shm_dir):
 
 
 def parity_run(tmp_path, shm_dir, steps: int) -> list[str]:
-    """The --set overrides the parity tests train with: runtime.init_from at ``tmp_path/init`` (the
+    """The --set overrides the parity tests train with: train.init_from at ``tmp_path/init`` (the
     caller saves the model there), a learnable token stream written here (a fixed cycle with 10%
     noise, below 96), the CPU in fp32, and the optimizer's schedule, clipping and decay."""
     import numpy as np
@@ -145,9 +145,9 @@ def parity_run(tmp_path, shm_dir, steps: int) -> list[str]:
     rng = np.random.default_rng(1)
     tokens = np.where(rng.random(4000) < 0.1, rng.integers(0, 96, size=4000), (np.arange(4000) * 7) % 96)
     np.save(tmp_path / "tokens.npy", tokens)
-    return [f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-            f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-            "runtime.device=cpu", "runtime.compute_dtype=float32", "runtime.loss_chunk_size=24", f"train.steps={steps}",
+    return [f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
+            f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+            "compute.device=cpu", "precision.compute_dtype=float32", "memory.loss_chunk_size=24", f"train.steps={steps}",
             "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.weight_decay=0.1", "optim.max_grad_norm=0.5", "optim.beta2=0.99"]
 
 

@@ -14,7 +14,7 @@ import sys
 import torch  # noqa: F401  (imported before the baseline)
 from safetensors import safe_open  # noqa: F401
 
-from megatrain_ray.config import RuntimeSection
+from megatrain_ray.config import PrecisionSection
 from megatrain_ray.engine.store import ParameterStore, StoreSpec
 from megatrain_ray.io import hf_io
 from megatrain_ray.model.precision import resolve_precision
@@ -30,7 +30,7 @@ def status_kib(field: str) -> int:
 
 def main(hf_dir: str, shm_dir: str) -> None:
     cfg, _ = hf_io.read_config(hf_dir)
-    spec = StoreSpec(cfg, resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu"), shm_dir, os.getpid(), "mem")
+    spec = StoreSpec(cfg, resolve_precision(PrecisionSection(), "cpu"), shm_dir, os.getpid(), "mem")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     baseline = status_kib("VmRSS")

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import queue
+import re
 import threading
 import uuid
 
@@ -154,13 +155,12 @@ def _min_cut_backend(backward_graphs=None):
 
 def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fail_at=None, wrap=None):
     """One step through store + prefetcher + compute worker on the CPU; returns (loss, {unit: grads}, result)."""
-    rt = cfg.runtime
-    spec = StoreSpec(cfg.model, resolve_precision(rt, "cpu"), shm_dir, os.getpid(), "ap-" + uuid.uuid4().hex[:6])
+    spec = StoreSpec(cfg.model, resolve_precision(cfg.precision, "cpu"), shm_dir, os.getpid(), "ap-" + uuid.uuid4().hex[:6])
     ParameterStore(spec, cfg.train.seed)
-    depth = rt.buffer_depth_on("cpu")
+    depth = cfg.memory.buffer_depth_on("cpu")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
     prefetcher = Prefetcher(spec, Schedule.build(StoreLayout.build(cfg.model), cfg.model.tie_word_embeddings, (),
-                                              recompute_spans(placement)), depth, fetch_q, release_q, rt.actor_timeout_s)
+                                              recompute_spans(placement)), depth, fetch_q, release_q, cfg.cluster.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     worker = None
@@ -168,7 +168,7 @@ def _cpu_step(cfg, shm_dir, placement, attention_backend="auto", calls=None, fai
         settings = dataclasses.replace(resolve(cfg, Facts("cpu")).compute, activations=placement,
                                        attention_backend=attention_backend, threads=None)
         worker = ComputeWorker(spec, settings, fetch_q, grad_q, release_q)
-        if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with runtime.compile
+        if wrap is not None:  # the layer's functions wrapped (compiled) as the worker does with compute.compile
             worker.runner = LayerRunner(0, wrap)
         if calls is not None:  # count the layer's forward runs (forward, and recompute up to the down projection)
             def counting(inner):
@@ -216,8 +216,8 @@ def _config(tmp_path, shm_dir, *extra):
     if not data.exists():
         np.save(data, np.random.default_rng(0).integers(0, 512, size=20_000))
     return load_config(None, SMALL + ["train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=3",
-                                      "train.steps=1", f"data.path={data}", "runtime.device=cpu",
-                                      f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}", *extra])
+                                      "train.steps=1", f"data.path={data}", "compute.device=cpu",
+                                      f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}", *extra])
 
 
 def test_every_placement_gives_the_recompute_path_s_loss_and_gradients_bit_for_bit(tmp_path, shm_dir):
@@ -249,8 +249,8 @@ def test_running_out_of_device_memory_with_kept_graphs_says_what_to_set(tmp_path
     from megatrain_ray.errors import PipelineError
 
     cfg = _config(tmp_path, shm_dir)
-    with pytest.raises(PipelineError, match=r'with 2 layers\' activations kept whole; set runtime.activations to '
-                                            r'keep fewer \(e.g. "keep=1"\) or to recompute'):
+    with pytest.raises(PipelineError, match=r'with 2 layers\' activations kept whole; keep fewer \(memory.activations: '
+                                            r'counts, memory.kept_layers: 1\) or set memory.activations to recompute'):
         _cpu_step(cfg, shm_dir, layer_modes(3, 2, 0), calls=[], fail_at=7)
     with pytest.raises(torch.OutOfMemoryError):  # nothing kept: torch's own error stands
         _cpu_step(cfg, shm_dir, (GPU,) * 3, calls=[], fail_at=7)
@@ -332,30 +332,39 @@ def test_attention_backend_is_honoured_and_keeps_the_math(tmp_path, shm_dir):
             losses[name] = _cpu_step(run, shm_dir, (GPU,) * 3, attention_backend=name)[0]["loss"]
         assert ("aten._scaled_dot_product_flash_attention_for_cpu" in rec.ops) == (name == "auto"), name
     assert losses["math"] == pytest.approx(losses["auto"], rel=1e-5)
-    with pytest.raises(ConfigError, match="runtime.attention_backend 'cudnn' is not available on cpu"):
+    with pytest.raises(ConfigError, match="compute.attention_backend 'cudnn' is not available on cpu"):
         _cpu_step(run, shm_dir, (GPU,) * 3, attention_backend="cudnn")
 
 
-def test_runtime_activations_settings_and_their_errors():
+def test_memory_activations_settings_and_their_errors():
     def counts(*extra, device="cuda"):
-        return load_config(None, SMALL + list(extra)).runtime.activation_counts(device, 3)
+        return load_config(None, SMALL + list(extra)).memory.activation_counts(device, 3)
 
     assert counts() is None and counts(device="cpu") == (0, 0, 0)  # auto: the planner's on cuda, recompute on cpu
-    assert counts("runtime.activations=recompute") == (0, 0, 0)
-    assert counts("runtime.activations=offload") == (0, 3, 0) == counts("runtime.offload_activations=true")
-    assert counts("runtime.activations=keep") == (3, 0, 0)
-    assert counts("runtime.activations=keep=2,host=1") == (2, 1, 0) and counts("runtime.activations=host=2") == (0, 2, 0)
-    assert counts("runtime.activations=host=1,span=1") == (0, 1, 1)
-    for bad, key in (("runtime.activations=some", "runtime.activations"),
-                     ("runtime.activations=keep=x", "runtime.activations"),
-                     ("runtime.activations=keep=3,host=1", "runtime.activations"),
-                     ("runtime.activations=host=2,span=2", "runtime.activations"),
-                     ("runtime.activations=keep=1,span=2", "runtime.activations"),
-                     ("runtime.attention_backend=fast", "runtime.attention_backend")):
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_config(None, SMALL + [bad])
-    with pytest.raises(ConfigError, match=r"runtime\.offload_activations \(true\) contradicts runtime\.activations"):
-        load_config(None, SMALL + ["runtime.offload_activations=true", "runtime.activations=keep"])
+    assert counts("memory.activations=recompute") == (0, 0, 0)
+    assert counts("memory.activations=offload") == (0, 3, 0)
+    assert counts("memory.activations=keep") == (3, 0, 0)
+    counted = "memory.activations=counts"
+    assert counts(counted, "memory.kept_layers=2", "memory.offloaded_layers=1") == (2, 1, 0)
+    assert counts(counted, "memory.offloaded_layers=2") == (0, 2, 0) and counts(counted) == (0, 0, 0)
+    assert counts(counted, "memory.offloaded_layers=1", "memory.spanned_layers=1") == (0, 1, 1)
+    for bad, says in ((["memory.activations=some"], "memory.activations must be auto, recompute, offload, "
+                                                    "keep or counts, got 'some'"),
+                      (["memory.kept_layers=x"], "memory.kept_layers must be an integer, got 'x'"),
+                      ([counted, "memory.kept_layers=-1"], "memory.kept_layers must be >= 0, got -1"),
+                      (["memory.kept_layers=2"], "memory.kept_layers (2) is read only with memory.activations counts "
+                                                 "(got 'auto')"),
+                      (["memory.activations=keep", "memory.offloaded_layers=1"], "memory.offloaded_layers (1) is "
+                                                                                 "read only with memory.activations"),
+                      ([counted, "memory.kept_layers=3", "memory.offloaded_layers=1"],
+                       "memory.activations (counts: 3 kept, 1 offloaded, 0 spanned) places more layers than the "
+                       "model has (3)"),
+                      ([counted, "memory.offloaded_layers=2", "memory.spanned_layers=2"], "memory.activations (counts"),
+                      ([counted, "memory.kept_layers=1", "memory.spanned_layers=2"],
+                       "memory.spanned_layers (2) leaves no checkpoint for a recompute span to start from"),
+                      (["compute.attention_backend=fast"], "compute.attention_backend")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, SMALL + bad)
 
 
 def _seven_b(tokens_per_mb: int, micro_batches: int, *extra):
@@ -372,10 +381,10 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     """auto fills the usable GPU memory: every checkpoint first, then whole graphs layer by layer
     while one more fits; where the checkpoints do not fit, the fewest layers go to host memory."""
     gib = 2**30
-    # the benchmark's 7B step (64k tokens), its runtime.device_adamw (auto) resolved as a run resolves it
+    # the benchmark's 7B step (64k tokens), its memory.resident (auto) resolved as a run resolves it
     cfg = _seven_b(16384, 4)
     run = resolve(cfg, Facts("cuda", 140 * gib))
-    assert run.resident == "edges+1"
+    assert run.resident_layers == 1
     resident = run.schedule.resident
     modes = run.compute.activations
     assert modes == preflight.activation_placement(cfg, "cuda", 140 * gib, resident)
@@ -393,7 +402,7 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     assert f"{keep} layers kept whole on the GPU" in plan.table()
 
     run = resolve(cfg, Facts("cuda", 24 * gib, host_bytes=120 * gib))  # a 128 GiB box's host RAM: room to offload
-    assert run.resident == "none"  # what it would hold on the GPU would push checkpoints out
+    assert run.resident_layers is None  # what it would hold on the GPU would push checkpoints out
     resident = ()
     small = run.compute.activations  # not even every checkpoint fits
     host = small.count(HOST)
@@ -401,7 +410,7 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     assert device_total(0, host) <= 24 * gib * preflight.GPU_USABLE < device_total(0, host - 1)
     assert preflight.activation_placement(cfg, "cuda", 10_000 * gib) == (KEEP,) * 28
     assert preflight.activation_placement(cfg, "cpu", None) == (GPU,) * 28  # auto on the CPU: recompute
-    explicit = _seven_b(16384, 4, "runtime.activations=keep=3,host=5")
+    explicit = _seven_b(16384, 4, "memory.activations=counts", "memory.kept_layers=3", "memory.offloaded_layers=5")
     assert preflight.activation_placement(explicit, "cuda", 48 * gib) == layer_modes(28, 3, 5)
 
 
@@ -412,9 +421,10 @@ def test_plan_prints_the_placement(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert "4 layers kept whole on the GPU" in out and "activations kept whole (4 layers" in out
     assert cli.main(["plan", "--device", "cuda", "--gpu-memory", "140", "--set", "model.num_hidden_layers=4",
-                     "--set", "runtime.activations=keep=1,host=2"]) in (0, 2)
+                     "--set", "memory.activations=counts", "--set", "memory.kept_layers=1",
+                     "--set", "memory.offloaded_layers=2"]) in (0, 2)
     out = capsys.readouterr().out
-    assert ("activations (as runtime.activations='keep=1,host=2' sets): 1 layers kept whole on the GPU" in out
+    assert ("activations (as memory.activations='counts' sets): 1 layers kept whole on the GPU" in out
             and "1 checkpointed on the GPU" in out and "2 offloaded to host RAM" in out)
 
 
@@ -427,10 +437,10 @@ def test_two_workers_with_kept_and_offloaded_layers_train_what_one_recomputing_w
     from megatrain_ray.orchestration.pipeline import train
 
     base = SMALL + ["train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=4", "train.steps=3",
-                    "runtime.device=cpu", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-                    "train.checkpoint_every=0", "train.save_final=false", "runtime.actor_timeout_s=120"]
-    one = train(load_config(None, base + ["runtime.activations=recompute"]), log=lambda line: None)
-    two = train(load_config(None, base + ["runtime.compute_workers=2", "runtime.activations=keep=1,host=1"]),
+                    "compute.device=cpu", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+                    "train.checkpoint_every=0", "train.save_final=false", "cluster.actor_timeout_s=120"]
+    one = train(load_config(None, base + ["memory.activations=recompute"]), log=lambda line: None)
+    two = train(load_config(None, base + ["parallel.compute_workers=2", "memory.activations=counts", "memory.kept_layers=1", "memory.offloaded_layers=1"]),
                 log=lambda line: None)
     np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
     np.testing.assert_allclose(two.grad_norms, one.grad_norms, rtol=1e-5)

@@ -70,8 +70,8 @@ def run_with_checkpoint(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
     shm_dir = base / "shm"
     shm_dir.mkdir()
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={base / 'runs'}", "train.steps=4",
-                             "runtime.device=cpu"])
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={base / 'runs'}", "train.steps=4",
+                             "compute.device=cpu"])
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), str(shm_dir), os.getpid(), "bad-input")
     ps = ParameterStore(spec, 0)
     try:
@@ -124,7 +124,7 @@ def test_zero_or_negative_sizes(key, tmp_path, capsys, monkeypatch):
 
 
 def test_seq_len_above_the_checkpoint_max_positions(hf_dir, tmp_path, capsys, monkeypatch):
-    line = _run(["train", "--set", f"runtime.init_from={hf_dir}", "--set", "train.seq_len=256"], tmp_path,
+    line = _run(["train", "--set", f"train.init_from={hf_dir}", "--set", "train.seq_len=256"], tmp_path,
                 capsys, monkeypatch)
     assert "train.seq_len (256) exceeds model.max_position_embeddings (128)" in line
     assert os.listdir(tmp_path) == []
@@ -137,13 +137,13 @@ def _init_from(tmp_path, capsys, monkeypatch, config: str, weights: bytes | None
     (model / "config.json").write_text(config)
     if weights is not None:
         (model / "model.safetensors").write_bytes(weights)
-    return _run(["train", "--set", f"runtime.init_from={model}", "--set", "train.seq_len=32"], tmp_path,
+    return _run(["train", "--set", f"train.init_from={model}", "--set", "train.seq_len=32"], tmp_path,
                 capsys, monkeypatch)
 
 
 def test_init_from_without_safetensors(hf_dir, tmp_path, capsys, monkeypatch):
     line = _init_from(tmp_path, capsys, monkeypatch, (hf_dir / "config.json").read_text(), None)
-    assert "runtime.init_from" in line and "model.safetensors" in line
+    assert "train.init_from" in line and "model.safetensors" in line
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
@@ -201,8 +201,8 @@ def test_dataset_shorter_than_one_sequence(tmp_path, capsys, monkeypatch):
 
 def test_run_dir_that_is_a_file(tmp_path, capsys, monkeypatch):
     (tmp_path / "runs").write_text("not a directory")
-    line = _run(["train", "--set", "runtime.run_dir=runs"], tmp_path, capsys, monkeypatch)
-    assert "runtime.run_dir" in line
+    line = _run(["train", "--set", "train.run_dir=runs"], tmp_path, capsys, monkeypatch)
+    assert "train.run_dir" in line
     assert (tmp_path / "runs").read_text() == "not a directory"
 
 
@@ -272,7 +272,7 @@ def test_ray_address_unreachable(tmp_path):
     """Its own process: the test session's Ray must not be the one it connects to."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", "--set",
-                           "runtime.ray_address=127.0.0.1:1"], cwd=tmp_path, env=env, capture_output=True,
+                           "cluster.ray_address=127.0.0.1:1"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -281,22 +281,22 @@ def test_ray_address_unreachable(tmp_path):
 
 
 def test_cuda_requested_without_a_gpu(ray_cluster, shm_dir, tmp_path, capsys, monkeypatch):
-    line = _run(["train", "--set", "runtime.device=cuda", "--set", f"runtime.shm_dir={shm_dir}"], tmp_path,
+    line = _run(["train", "--set", "compute.device=cuda", "--set", f"memory.shm_dir={shm_dir}"], tmp_path,
                 capsys, monkeypatch)
-    assert "runtime.device is cuda but no CUDA GPU is visible" in line
+    assert "compute.device is cuda but no CUDA GPU is visible" in line
     assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []
 
 
 # ---------------------------------------------------------------------------------------------
 # During a run: the last good checkpoint survives.
 
-@pytest.mark.parametrize("device_adamw", ["none", "edges"])  # edges: the compute worker updates its units too
-def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(device_adamw, ray_cluster, shm_dir, tmp_path, capsys,
+@pytest.mark.parametrize("resident", ["none", "embed_head"])  # embed_head: the compute worker updates its units too
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(resident, ray_cluster, shm_dir, tmp_path, capsys,
                                                                  monkeypatch):
     # lr 1e30: step 1 is finite, its update blows the weights up, step 2's loss is not finite.
-    line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", "runtime.device=cpu",
+    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "compute.device=cpu",
                  "--set", "optim.lr=1e30", "--set", "train.steps=6", "--set", "train.checkpoint_every=1",
-                 "--set", "runtime.actor_timeout_s=120", "--set", f"runtime.device_adamw={device_adamw}"],
+                 "--set", "cluster.actor_timeout_s=120", "--set", f"memory.resident={resident}"],
                 tmp_path, capsys, monkeypatch)
     runs = os.listdir(tmp_path / "runs")
     ckpts = tmp_path / "runs" / runs[0] / "checkpoints"
@@ -319,9 +319,9 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(device_adamw, r
 
 def test_disk_full_while_checkpointing_keeps_the_last_good_checkpoint(ray_cluster, shm_dir, small_disk, tmp_path,
                                                                       capsys, monkeypatch):
-    line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={small_disk}",
-                 "--set", "runtime.device=cpu", "--set", "train.steps=6", "--set", "train.checkpoint_every=1",
-                 "--set", "runtime.actor_timeout_s=120"], tmp_path, capsys, monkeypatch)
+    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", f"train.run_dir={small_disk}",
+                 "--set", "compute.device=cpu", "--set", "train.steps=6", "--set", "train.checkpoint_every=1",
+                 "--set", "cluster.actor_timeout_s=120"], tmp_path, capsys, monkeypatch)
     (run,) = os.listdir(small_disk)
     ckpts = small_disk / run / "checkpoints"
     good = ckpts / "step-000001"
@@ -338,9 +338,9 @@ def test_disk_full_during_the_final_export_keeps_the_weights_in_a_checkpoint(ray
     """train.checkpoint_every=0 on a 2 MiB disk: the final checkpoint (1.6 MB) fits, the export after
     it does not. The error names final/ and the space; no partial final/ is left; the checkpoint is
     whole and the advice (export it, not --resume it: it is the end of the run) works as written."""
-    line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={small_disk}",
-                 "--set", "runtime.device=cpu", "--set", "train.steps=3", "--set", "train.checkpoint_every=0",
-                 "--set", "runtime.actor_timeout_s=120"], tmp_path, capsys, monkeypatch)
+    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", f"train.run_dir={small_disk}",
+                 "--set", "compute.device=cpu", "--set", "train.steps=3", "--set", "train.checkpoint_every=0",
+                 "--set", "cluster.actor_timeout_s=120"], tmp_path, capsys, monkeypatch)
     (run,) = os.listdir(small_disk)
     final, end = small_disk / run / "final", small_disk / run / "checkpoints" / "step-000003"
     assert line.startswith(f"error: could not write the final weights to {final} (No space left on device); "

@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def _train(tmp_path, capsys, monkeypatch, shm_dir, *sets: str) -> str:
-    """The error line of ``megatrain-ray train --set runtime.shm_dir=SHM --set ...`` in tmp_path."""
-    argv = ["train", "--set", f"runtime.shm_dir={shm_dir}"]
+    """The error line of ``megatrain-ray train --set memory.shm_dir=SHM --set ...`` in tmp_path."""
+    argv = ["train", "--set", f"memory.shm_dir={shm_dir}"]
     for s in sets:
         argv += ["--set", s]
     return _run(argv, tmp_path, capsys, monkeypatch)
@@ -46,15 +46,15 @@ def test_a_negative_id_in_a_token_stream_is_the_one_named(tmp_path, shm_dir, cap
 
 
 def test_run_dir_on_a_read_only_path(tmp_path, shm_dir, read_only_dir, capsys, monkeypatch):
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, f"runtime.run_dir={read_only_dir / 'runs'}")
-    assert line == (f"error: runtime.run_dir '{read_only_dir / 'runs'}' cannot be written to (a read-only file "
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, f"train.run_dir={read_only_dir / 'runs'}")
+    assert line == (f"error: train.run_dir '{read_only_dir / 'runs'}' cannot be written to (a read-only file "
                     "system).")
     assert os.listdir(read_only_dir) == [] and os.listdir(shm_dir) == []
 
 
 def test_shm_dir_read_only_leaves_no_run_directory(tmp_path, read_only_dir, capsys, monkeypatch):
     line = _train(tmp_path, capsys, monkeypatch, read_only_dir)
-    assert line == f"error: runtime.shm_dir '{read_only_dir}' cannot be written to (a read-only file system)."
+    assert line == f"error: memory.shm_dir '{read_only_dir}' cannot be written to (a read-only file system)."
     assert os.listdir(tmp_path) == ["ro"]  # no runs/<id>/config.json
 
 
@@ -73,7 +73,7 @@ def test_a_garbage_tokenizer_json_is_named_before_the_tokenizer_pool_starts(tmp_
     (tmp_path / "docs.txt").write_text("One document.\n\nAnother one.\n")
     start = time.monotonic()
     line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=docs.txt", "data.format=text",
-                  "data.tokenizer=tok", "runtime.ray_address=127.0.0.1:1")  # no Ray may be reached for it
+                  "data.tokenizer=tok", "cluster.ray_address=127.0.0.1:1")  # no Ray may be reached for it
     assert line.startswith(f"error: data.tokenizer '{tmp_path / 'tok'}' is not a loadable Hugging Face tokenizer ")
     assert "\x1b[" not in line and time.monotonic() - start < 30
     assert sorted(os.listdir(tmp_path)) == ["docs.txt", "tok"] and os.listdir(shm_dir) == []  # no data cache
@@ -81,14 +81,14 @@ def test_a_garbage_tokenizer_json_is_named_before_the_tokenizer_pool_starts(tmp_
 
 def test_jsonl_input_ids_given_as_strings(tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "ids.jsonl").write_text('{"input_ids": "1 2 3 4"}\n{"input_ids": [5, 6]}\n')
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=ids.jsonl", "runtime.ray_address=127.0.0.1:1")
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=ids.jsonl", "cluster.ray_address=127.0.0.1:1")
     assert line == ("error: data.path 'ids.jsonl': the first row's input_ids must be a list of integer token ids, "
                     "got '1 2 3 4'.")
     assert os.listdir(tmp_path) == ["ids.jsonl"] and os.listdir(shm_dir) == []
 
 
 def test_more_loader_workers_than_cpus(tmp_path, shm_dir, capsys, monkeypatch):
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.num_workers=1000", "runtime.ray_address=local")
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.num_workers=1000", "cluster.ray_address=local")
     assert line.startswith("error: data.num_workers (1000) exceeds the ") and "set it to at most" in line
     assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []
 
@@ -99,20 +99,20 @@ def test_more_loader_workers_than_cpus(tmp_path, shm_dir, capsys, monkeypatch):
 ])
 def test_a_key_or_section_given_twice_in_yaml(text, named, tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "run.yaml").write_text(text)
-    line = _run(["train", "--config", "run.yaml", "--set", f"runtime.shm_dir={shm_dir}"], tmp_path, capsys,
+    line = _run(["train", "--config", "run.yaml", "--set", f"memory.shm_dir={shm_dir}"], tmp_path, capsys,
                 monkeypatch)
     assert line == f"error: config file 'run.yaml' sets {named}; YAML would keep only the last, so remove one."
     assert os.listdir(tmp_path) == ["run.yaml"] and os.listdir(shm_dir) == []
 
 
 def test_a_model_section_that_disagrees_with_init_from(hf_dir, tmp_path, shm_dir, capsys, monkeypatch):
-    (tmp_path / "run.yaml").write_text(f"model:\n  hidden_size: 32\n  num_hidden_layers: 4\nruntime:\n"
-                                       f"  init_from: {hf_dir}\ntrain:\n  seq_len: 32\n")
-    line = _run(["train", "--config", "run.yaml", "--set", f"runtime.shm_dir={shm_dir}"], tmp_path, capsys,
+    (tmp_path / "run.yaml").write_text(f"model:\n  hidden_size: 32\n  num_hidden_layers: 4\ntrain:\n"
+                                       f"  init_from: {hf_dir}\n  seq_len: 32\n")
+    line = _run(["train", "--config", "run.yaml", "--set", f"memory.shm_dir={shm_dir}"], tmp_path, capsys,
                 monkeypatch)
-    assert line == (f"error: model.num_hidden_layers (4) disagrees with runtime.init_from's config.json ({hf_dir}: 2), "
+    assert line == (f"error: model.num_hidden_layers (4) disagrees with train.init_from's config.json ({hf_dir}: 2), "
                     "which defines the model; remove model.num_hidden_layers from the configuration, or point "
-                    "runtime.init_from at the model meant.")  # hidden_size 32 agrees, so it is not named
+                    "train.init_from at the model meant.")  # hidden_size 32 agrees, so it is not named
     assert os.listdir(tmp_path) == ["run.yaml"] and os.listdir(shm_dir) == []
 
 
@@ -143,7 +143,7 @@ def test_resume_of_a_checkpoint_whose_bytes_changed_but_not_its_size(run_with_ch
                                                                      monkeypatch):
     shards = []
     run, step, before = _damaged(run_with_checkpoint, tmp_path, lambda d: shards.append(_flip_bit(d)))
-    line = _run(["train", "--resume", step, "--set", f"runtime.shm_dir={shm_dir}"], tmp_path, capsys, monkeypatch)
+    line = _run(["train", "--resume", step, "--set", f"memory.shm_dir={shm_dir}"], tmp_path, capsys, monkeypatch)
     assert line.startswith(f"error: checkpoint {step} is corrupt: {shards[0]} does not match the checksum written "
                            "with it (crc32 ")
     assert line.endswith("although its size does: its bytes changed on disk; use an earlier checkpoint of the run.")
@@ -160,7 +160,7 @@ def test_resume_of_a_checkpoint_whose_bytes_changed_but_not_its_size(run_with_ch
 def test_resume_of_a_run_whose_only_checkpoint_is_broken_names_it(damage, named, run_with_checkpoint, tmp_path,
                                                                   shm_dir, capsys, monkeypatch):
     run, step, before = _damaged(run_with_checkpoint, tmp_path, damage)
-    line = _run(["train", "--resume", run, "--set", f"runtime.shm_dir={shm_dir}"], tmp_path, capsys, monkeypatch)
+    line = _run(["train", "--resume", run, "--set", f"memory.shm_dir={shm_dir}"], tmp_path, capsys, monkeypatch)
     assert line.startswith(f"error: --resume '{run}' holds no valid checkpoint: {step} is corrupt ({named}")
     assert _snapshot(run) == before and sorted(os.listdir(tmp_path)) == ["copied-run"]
     assert os.listdir(shm_dir) == []
@@ -213,8 +213,8 @@ def test_init_from_with_one_shard_of_several_cut_short(tmp_path, shm_dir, capsys
     shards = sorted(n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors"))
     assert len(shards) > 1
     (tmp_path / "hf" / shards[1]).write_bytes((tmp_path / "hf" / shards[1]).read_bytes()[:1000])
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, f"runtime.init_from={tmp_path / 'hf'}", "train.seq_len=32")
-    assert line.startswith(f"error: runtime.init_from's {shards[1]} in '{tmp_path / 'hf'}' is missing or corrupt (")
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, f"train.init_from={tmp_path / 'hf'}", "train.seq_len=32")
+    assert line.startswith(f"error: train.init_from's {shards[1]} in '{tmp_path / 'hf'}' is missing or corrupt (")
     assert sorted(os.listdir(tmp_path)) == ["hf"] and os.listdir(shm_dir) == []
 
 
@@ -247,7 +247,7 @@ def test_export_with_a_shard_size_of_zero(run_with_checkpoint, tmp_path, capsys,
 ])
 def test_jsonl_input_ids_that_are_not_integers(row, shown, tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "ids.jsonl").write_text(row + "\n")
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=ids.jsonl", "runtime.ray_address=127.0.0.1:1")
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=ids.jsonl", "cluster.ray_address=127.0.0.1:1")
     assert line == (f"error: data.path 'ids.jsonl': the first row's input_ids must be a list of integer token ids, "
                     f"got {shown}.")
     assert os.listdir(tmp_path) == ["ids.jsonl"] and os.listdir(shm_dir) == []
@@ -258,7 +258,7 @@ def test_parquet_input_ids_stored_as_text(tmp_path, shm_dir, capsys, monkeypatch
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"input_ids": ["1 2 3", "4 5 6"]}), tmp_path / "ids.parquet")
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=ids.parquet", "runtime.ray_address=127.0.0.1:1")
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "data.path=ids.parquet", "cluster.ray_address=127.0.0.1:1")
     assert line == ("error: data.path 'ids.parquet': the first row's input_ids must be a list of integer token ids, "
                     "but the column is string.")
     assert os.listdir(tmp_path) == ["ids.parquet"] and os.listdir(shm_dir) == []
@@ -280,7 +280,7 @@ def test_npy_arrays_of_the_wrong_shape_or_values(array, expected, tmp_path, shm_
 def test_a_key_given_twice_deep_inside_a_section(tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "run.yaml").write_text("model:\n  rope_scaling:\n    rope_type: llama3\n    factor: 8.0\n"
                                        "    factor: 32.0\n")
-    line = _run(["train", "--config", "run.yaml", "--set", f"runtime.shm_dir={shm_dir}"], tmp_path, capsys,
+    line = _run(["train", "--config", "run.yaml", "--set", f"memory.shm_dir={shm_dir}"], tmp_path, capsys,
                 monkeypatch)
     assert line == ("error: config file 'run.yaml' sets the key model.rope_scaling.factor twice (lines 4 and 5); "
                     "YAML would keep only the last, so remove one.")
@@ -298,6 +298,6 @@ def test_a_key_given_twice_in_the_config_of_a_resume(run_with_checkpoint, tmp_pa
 
 def test_run_dir_below_a_file(tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "notes.txt").write_text("a file where a directory would go")
-    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "runtime.run_dir=notes.txt/runs")
-    assert line == f"error: runtime.run_dir 'notes.txt/runs' cannot be written to ({tmp_path / 'notes.txt'} is a file)."
+    line = _train(tmp_path, capsys, monkeypatch, shm_dir, "train.run_dir=notes.txt/runs")
+    assert line == f"error: train.run_dir 'notes.txt/runs' cannot be written to ({tmp_path / 'notes.txt'} is a file)."
     assert os.listdir(tmp_path) == ["notes.txt"] and os.listdir(shm_dir) == []

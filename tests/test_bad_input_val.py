@@ -1,7 +1,7 @@
 """A bad validation file (data.val_path with train.eval_every) is one sentence naming data.val_path,
 given before Ray is reached or any actor starts, like bad training data (issue 14).
 
-Every case runs ``megatrain-ray train`` with ``runtime.ray_address=127.0.0.1:1``, an address where no
+Every case runs ``megatrain-ray train`` with ``cluster.ray_address=127.0.0.1:1``, an address where no
 Ray answers: reaching for Ray would end in a different error. Nothing may be left behind: no run
 directory, no data cache, no shared-memory segment.
 """
@@ -59,7 +59,7 @@ def test_a_bad_validation_file_is_one_sentence_before_ray(name, expected, tmp_pa
     _write(tmp_path, name)
     before = sorted(os.listdir(tmp_path))
     line = _run(["train", "--set", "train.eval_every=2", "--set", f"data.val_path={name}",
-                 "--set", "runtime.ray_address=127.0.0.1:1", "--set", f"runtime.shm_dir={shm_dir}"],
+                 "--set", "cluster.ray_address=127.0.0.1:1", "--set", f"memory.shm_dir={shm_dir}"],
                 tmp_path, capsys, monkeypatch)
     assert "data.val_path" in line and "Ray" not in line, line
     assert line == expected if expected.startswith("error: ") else line.endswith(expected), line

@@ -29,7 +29,7 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     out = tmp_path / "out"
     rc = compare.main(["--preset", "tiny", "--layers", "2", "--tokens", "1024", "--seq-len", "128",
                        "--micro-batches", "2", "--steps", "3", "--single-process", "--out", str(out),
-                       "--set", f"runtime.shm_dir={shm_dir}"])
+                       "--set", f"memory.shm_dir={shm_dir}"])
     assert rc == 0
     report = json.loads((out / "bench-tiny.json").read_text())
     ours, local = report["systems"]["megatrain_ray"], report["systems"]["single_process"]
@@ -47,11 +47,11 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     assert ours["tflops_palm"] * ours["step_s"] * 1e12 == pytest.approx((6 * matmuls + attention) * 1024)
     assert "mfu" not in ours  # no GEMM to measure against on the CPU
     # what the defaults did with the activations (on the CPU, auto recomputes every layer), also printed
-    assert ours["activations"] == ("activations (runtime.activations=auto): 0 of 2 layers kept whole on the device, "
+    assert ours["activations"] == ("activations (memory.activations=auto): 0 of 2 layers kept whole on the device, "
                                    "2 checkpointed there, 0 offloaded to host memory")
     # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in presets.preset_shape("tiny", 2).items()])
-    precision = resolve_precision(cfg.runtime, "cpu")
+    precision = resolve_precision(cfg.precision, "cpu")
     store_bytes = StoreSpec(cfg.model, precision, shm_dir, 0, "x", grad_slots=grad_slots_for(precision, 1.0)).nbytes()
     assert abs(ours["host_accounted_shm_gib"] * 2**30 - store_bytes) <= 0.01 * store_bytes + 2**20
     assert ours["host_accounted_processes_gib"] > 0.1  # the driver and the Ray actors with torch loaded
@@ -85,17 +85,17 @@ def test_bench_a_run_config_with_set_overrides(ray_cluster, tmp_path, shm_dir):
     """--config takes a run config's model (its train section is the bench's own: 2 steps, not 1000;
     the output is named after the file); --set model.* then changes the parameter count reported
     and the vocabulary the random tokens are drawn from (ids past it would fail the run), and
-    --set runtime.* the config's runtime; its data section, which the bench never reads (random
+    --set overrides the config's compute device; its data section, which the bench never reads (random
     tokens), is not validated (a placeholder path as the shipped configs have). One bench run for
     all, since each run spawns the whole pipeline."""
     config = tmp_path / "my-run.yaml"
     config.write_text("model: {model_type: qwen2, hidden_size: 96, intermediate_size: 256, num_hidden_layers: 2,\n"
                       "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 500}\n"
-                      f"runtime: {{device: cuda, shm_dir: {shm_dir}, master_dtype: bfloat16}}\n"
+                      f"compute: {{device: cuda}}\nmemory: {{shm_dir: {shm_dir}}}\nprecision: {{master_dtype: bfloat16}}\n"
                       "data: {path: /path/to/corpus, tokenizer: /path/to/tokenizer}\n"
                       "train: {steps: 1000}\n")
     out = tmp_path / "out"
-    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out), "--set", "runtime.device=cpu",
+    assert cli.main(["bench", "--config", str(config), *SMALL_STEP, "--out", str(out), "--set", "compute.device=cpu",
                      "--set", "model.vocab_size=300", "--set", "model.num_hidden_layers=3"]) == 0
     report = json.loads((out / "bench-my-run.json").read_text())  # named after the config
     assert report["preset"] is None and report["model"]["hidden_size"] == 96
@@ -113,14 +113,14 @@ def test_bench_a_run_config_with_set_overrides(ray_cluster, tmp_path, shm_dir):
 def test_the_readme_bench_command_on_a_cpu_machine_fails_on_the_device_alone(tmp_path):
     """``megatrain-ray bench --config configs/qwen2.5-7b.yaml --out bench-out`` as the README writes it
     (a new process, as a user runs it): its placeholder data path is not read; on a machine without a
-    GPU its runtime.device=cuda is the one error, said before any Ray starts (no dashboard line)."""
+    GPU its compute.device=cuda is the one error, said before any Ray starts (no dashboard line)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "bench", "--config", "configs/qwen2.5-7b.yaml",
                            "--out", str(tmp_path / "bench-out")], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip() == ("error: runtime.device is cuda but no CUDA GPU is visible; set runtime.device=cpu "
+    assert proc.stderr.strip() == ("error: compute.device is cuda but no CUDA GPU is visible; set compute.device=cpu "
                                    "or auto.")
     assert "Ray dashboard" not in proc.stdout
 

@@ -470,9 +470,9 @@ STEPS = 12
 
 
 def _cfg(shm_dir, run_dir, *extra):
-    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+    return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "compute.device=cpu",
                               f"train.steps={STEPS}", "train.seq_len=32", "train.micro_batch_size=4",
-                              "optim.warmup_steps=2", "optim.weight_decay=0.1", "runtime.actor_timeout_s=120",
+                              "optim.warmup_steps=2", "optim.weight_decay=0.1", "cluster.actor_timeout_s=120",
                               *extra])
 
 
@@ -586,7 +586,7 @@ def test_a_finished_run_is_extended_only_explicitly_with_its_schedule_recomputed
 
     a = straight_run
     end = os.path.join(a.run_dir, "checkpoints", f"step-{STEPS:06d}")
-    here = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}"]
+    here = [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}"]
     capsys.readouterr()
     assert cli.main(["train", "--resume", a.run_dir, *sum((["--set", s] for s in here), [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -633,7 +633,7 @@ def test_killed_actors_are_replaced_and_the_weights_are_identical(straight_run, 
     lines = []
     roles = ["data-0", "compute", "grad-sink", "prefetch"]
     result = train(_cfg(shm_dir, tmp_path, "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}",
-                        "runtime.max_restarts=4"), log=kill_in_turn(roles, lines))
+                        "cluster.max_restarts=4"), log=kill_in_turn(roles, lines))
     killed = [ln for ln in lines if ln.startswith("killed ")]
     restarts = [ln for ln in lines if ln.startswith("restart ")]
     assert [re.match(r"killed (data-0|compute|grad-sink|prefetch)-", k).group(1) for k in killed] == roles, killed

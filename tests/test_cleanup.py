@@ -18,8 +18,8 @@ KINDS = {"master", "exp_avg", "exp_avg_sq", "grad", "versions"}  # cpu + float32
 
 
 def _tiny_cfg(shm_dir, run_dir, steps=2):
-    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}",
-                              f"train.steps={steps}", "runtime.device=cpu", "runtime.actor_timeout_s=120"])
+    return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}",
+                              f"train.steps={steps}", "compute.device=cpu", "cluster.actor_timeout_s=120"])
 
 
 def _kind(name: str, owner_pid: int, run_id: str) -> str:
@@ -110,9 +110,9 @@ def _interrupt_cli(sig, shm_dir, work_dir):
     try:
         with open(out_path, "w") as out, open(err_path, "w") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"runtime.shm_dir={shm_dir}",
-                 "--set", "train.steps=100000", "--set", f"runtime.run_dir={work_dir / 'runs'}",
-                 "--set", "runtime.ray_address=local"],  # its own Ray, never another test's `ray start --head`
+                [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"memory.shm_dir={shm_dir}",
+                 "--set", "train.steps=100000", "--set", f"train.run_dir={work_dir / 'runs'}",
+                 "--set", "cluster.ray_address=local"],  # its own Ray, never another test's `ray start --head`
                 cwd=work_dir, env=env, stdout=out, stderr=err)
     finally:
         signal.signal(signal.SIGINT, previous)

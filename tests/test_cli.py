@@ -139,7 +139,7 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     assert ex.returncode == 0, ex.stderr
     assert "tokenizer.json" in ex.stdout and (tmp_path / "my-model" / "tokenizer.json").is_file()
 
-    # The run removed its shared-memory segments from the default runtime.shm_dir.
+    # The run removed its shared-memory segments from the default memory.shm_dir.
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"megatrain-{proc.pid}-")] \
         if os.path.isdir("/dev/shm") else []
     assert leftovers == []

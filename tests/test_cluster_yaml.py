@@ -20,7 +20,7 @@ def test_cluster_yaml_is_valid_for_ray():
 
 def test_multinode_cluster_yaml_is_valid_for_ray():
     """The several-node example: Ray's schema accepts it, and it brings up as many nodes as it says
-    runtime.nodes may ask for, each with the store's /dev/shm and pinning limits."""
+    parallel.nodes may ask for, each with the store's /dev/shm and pinning limits."""
     with open(os.path.join(ROOT, "cluster-multinode.yaml")) as f:
         config = yaml.safe_load(f)
     validate_config(prepare_config(config))

@@ -164,9 +164,9 @@ def test_compact_steps_stay_within_the_argued_bound_of_exact_adamw():
 
 
 def _cfg(shm_dir, run_dir, *extra):
-    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+    return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "compute.device=cpu",
                               "train.steps=6", "train.seq_len=32", "train.micro_batch_size=4", "optim.warmup_steps=2",
-                              "optim.weight_decay=0.1", "optim.state=8bit", "runtime.actor_timeout_s=120", *extra])
+                              "optim.weight_decay=0.1", "optim.state=8bit", "cluster.actor_timeout_s=120", *extra])
 
 
 def test_store_bytes_per_parameter_of_each_mode():
@@ -256,21 +256,21 @@ def test_optim_state_is_validated_with_the_key_named():
 
 @pytest.mark.parametrize("state", ["fp32", "8bit"])
 def test_gradients_held_for_the_norm_train_exactly_as_the_host_gradient_array(state, shm_dir, tmp_path):
-    """bf16 master (or the compact state) with clipping: runtime.hold_grads keeps the step's gradients on
+    """bf16 master (or the compact state) with clipping: experimental.hold_grads keeps the step's gradients on
     the device until the norm is known and sends them through a ring of 3 unit slots in update order,
     instead of a whole-model host gradient array. The same gradients, the same norm (summed in the same
     order) and the same updates: losses and norms bit for bit; the store is 2 bytes per parameter smaller."""
     from megatrain_ray.orchestration.local import train_local
     from megatrain_ray.orchestration.preflight import plan
 
-    base = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}", "train.steps=4", "runtime.device=cpu",
-            "runtime.compute_dtype=bfloat16", "runtime.master_dtype=bfloat16", f"optim.state={state}",
+    base = [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}", "train.steps=4", "compute.device=cpu",
+            "precision.compute_dtype=bfloat16", "precision.master_dtype=bfloat16", f"optim.state={state}",
             "model.num_hidden_layers=3"]
-    runs = {hold: train_local(load_config(None, base + [f"runtime.hold_grads={hold}"]), 0) for hold in ("false", "true")}
+    runs = {hold: train_local(load_config(None, base + [f"experimental.hold_grads={hold}"]), 0) for hold in ("false", "true")}
     got = {hold: [(r["loss"], r["grad_norm"]) for r in rows] for hold, rows in runs.items()}
     assert got["true"] == got["false"]
     assert min(n for _, n in got["true"]) > 1.0  # clipping was active (optim.max_grad_norm 1)
-    plans = {hold: plan(load_config(None, base + [f"runtime.hold_grads={hold}"]), "cpu", starts_ray=False)
+    plans = {hold: plan(load_config(None, base + [f"experimental.hold_grads={hold}"]), "cpu", starts_ray=False)
              for hold in ("false", "true")}
     n = StoreLayout.build(load_config(None, base).model).num_params
     grads = {h: sum(r.nbytes for r in p.rows if r.component.startswith("gradients (host side)")) for h, p in plans.items()}
@@ -298,7 +298,7 @@ def test_plan_shows_bytes_per_parameter_and_the_largest_model_of_each_mode(capsy
 
 @native_only
 def test_bf16_master_is_rounded_stochastically_the_same_way_by_both_kernels():
-    """optim.state fp32 with runtime.master_dtype bfloat16: the fp32 update of AdamW, then the weight is
+    """optim.state fp32 with precision.master_dtype bfloat16: the fp32 update of AdamW, then the weight is
     one of the two bf16 neighbours of the exact result (one ulp apart), chosen by the same random bits
     in the C kernel and in the torch fallback: bit for bit the same."""
     n, cfg = 5000, OptimConfig(lr=1e-2, weight_decay=0.1)

@@ -1,7 +1,7 @@
 """Configuration loading and validation: bad input fails early with a ConfigError naming the key.
 
 No Ray here: everything goes through ``load_config(path, overrides)`` (``load_train_config`` where
-runtime.init_from's config.json defines the model) and ``ModelConfig.from_hf_dict``.
+train.init_from's config.json defines the model) and ``ModelConfig.from_hf_dict``.
 """
 
 import json
@@ -140,8 +140,8 @@ def test_seq_len_equal_to_max_position_embeddings_is_fine():
 
 @pytest.mark.parametrize("depth", [1, 0])
 def test_buffer_depth_below_two_is_rejected(depth):
-    msg = _error(overrides=[f"runtime.buffer_depth={depth}"])
-    assert "runtime.buffer_depth" in msg
+    msg = _error(overrides=[f"memory.buffer_depth={depth}"])
+    assert "memory.buffer_depth" in msg
     assert ">= 2" in msg
 
 
@@ -208,21 +208,21 @@ def test_set_with_unknown_section_is_named():
 
 
 # ---------------------------------------------------------------------------------------------
-# runtime.init_from (Hugging Face config.json).
+# train.init_from (Hugging Face config.json).
 
 def test_init_from_without_config_json_is_rejected(tmp_path):
     empty = tmp_path / "model"
     empty.mkdir()
-    msg = _error(overrides=[f"runtime.init_from={empty}"], load=load_train_config)
-    assert "runtime.init_from" in msg
+    msg = _error(overrides=[f"train.init_from={empty}"], load=load_train_config)
+    assert "train.init_from" in msg
     assert "config.json" in msg
 
 
 def test_init_from_is_read_by_io_not_by_the_config_layer(tmp_path):
-    """config.load_config reads no model files: with runtime.init_from it names the loader that does."""
+    """config.load_config reads no model files: with train.init_from it names the loader that does."""
     (tmp_path / "config.json").write_text("{}")
-    msg = _error(overrides=[f"runtime.init_from={tmp_path}"])
-    assert "runtime.init_from" in msg and "load_train_config" in msg
+    msg = _error(overrides=[f"train.init_from={tmp_path}"])
+    assert "train.init_from" in msg and "load_train_config" in msg
 
 
 def test_init_from_unsupported_model_type_is_rejected(tmp_path):
@@ -231,7 +231,7 @@ def test_init_from_unsupported_model_type_is_rejected(tmp_path):
     hf = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300).to_dict()
     assert hf["model_type"] == "gpt2"
     (model_dir / "config.json").write_text(json.dumps(hf))
-    msg = _error(overrides=[f"runtime.init_from={model_dir}"], load=load_train_config)
+    msg = _error(overrides=[f"train.init_from={model_dir}"], load=load_train_config)
     assert "model_type" in msg
     assert "'gpt2'" in msg
 
@@ -244,11 +244,11 @@ def test_init_from_config_json_defines_the_model(tmp_path):
                                   max_position_embeddings=256).to_dict()
     (model_dir / "config.json").write_text(json.dumps(hf))
     # model.* values that agree with the checkpoint are accepted; one that does not is refused, not dropped.
-    cfg = load_train_config(None, [f"runtime.init_from={model_dir}", "model.hidden_size=32", "train.seq_len=32"])
+    cfg = load_train_config(None, [f"train.init_from={model_dir}", "model.hidden_size=32", "train.seq_len=32"])
     assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size) == (32, 3, 300)
-    msg = _error(overrides=[f"runtime.init_from={model_dir}", "model.hidden_size=128"], load=load_train_config)
-    assert msg == (f"model.hidden_size (128) disagrees with runtime.init_from's config.json ({model_dir}: 32), which "
-                   "defines the model; remove model.hidden_size from the configuration, or point runtime.init_from at "
+    msg = _error(overrides=[f"train.init_from={model_dir}", "model.hidden_size=128"], load=load_train_config)
+    assert msg == (f"model.hidden_size (128) disagrees with train.init_from's config.json ({model_dir}: 32), which "
+                   "defines the model; remove model.hidden_size from the configuration, or point train.init_from at "
                    "the model meant.")
     assert cfg.model.num_key_value_heads == 2
     assert cfg.model.attention_bias is False
@@ -259,7 +259,7 @@ def test_init_from_config_json_that_is_not_json_is_a_config_error(tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{not json")
     with pytest.raises(ConfigError) as info:
-        load_train_config(None, [f"runtime.init_from={model_dir}"])
+        load_train_config(None, [f"train.init_from={model_dir}"])
     assert "config.json" in str(info.value)
 
 
@@ -279,24 +279,24 @@ def test_yaml_sections_and_set_overrides(tmp_path):
         "train:\n"
         "  steps: 10\n"
         "  seq_len: 32\n"
-        "runtime:\n"
+        "memory:\n"
         "  buffer_depth: 3\n"
     ))
     cfg = load_config(path, ["optim.lr=2e-2", "train.steps=20", "model.rope_theta=500000",
-                             "runtime.master_dtype=bfloat16"])
+                             "precision.master_dtype=bfloat16"])
     # Overrides win over the file.
     assert cfg.optim.lr == pytest.approx(0.02)
     assert isinstance(cfg.optim.lr, float)
     assert cfg.train.steps == 20 and isinstance(cfg.train.steps, int)
     assert cfg.model.rope_theta == 500000.0 and isinstance(cfg.model.rope_theta, float)
-    assert cfg.runtime.master_dtype == "bfloat16"
+    assert cfg.precision.master_dtype == "bfloat16"
     # File values that were not overridden are kept.
     assert cfg.model.hidden_size == 32
     assert cfg.model.num_key_value_heads == 2
     assert cfg.model.head_size == 8
     assert cfg.optim.weight_decay == pytest.approx(0.1)
     assert cfg.train.seq_len == 32
-    assert cfg.runtime.buffer_depth == 3
+    assert cfg.memory.buffer_depth == 3
     # Everything else keeps its default.
     assert cfg.optim.beta2 == OptimConfig().beta2
     assert cfg.train.micro_batch_size == TrainSection().micro_batch_size
@@ -371,21 +371,21 @@ def test_from_hf_dict_rejects_mlp_bias():
 
 
 def test_compile_threads_below_one_is_rejected():
-    msg = _error(overrides=["runtime.compile_threads=0"])
-    assert "runtime.compile_threads" in msg and "got 0" in msg
-    assert load_config(None, []).runtime.compile_threads == 1  # default: no compile worker pool
+    msg = _error(overrides=["compute.compile_threads=0"])
+    assert "compute.compile_threads" in msg and "got 0" in msg
+    assert load_config(None, []).compute.compile_threads == 1  # default: no compile worker pool
 
 
 def test_buffer_depth_and_loss_chunk_default_to_the_benchmarks_settings_per_device(tmp_path):
-    """Left null, runtime.buffer_depth and runtime.loss_chunk_size are what the benchmark runs with on
+    """Left null, memory.buffer_depth and memory.loss_chunk_size are what the benchmark runs with on
     the resolved device (3 and 8192 on cuda, 2 and 1024 on cpu); set, they win on both."""
-    rt = load_config(None, []).runtime
+    rt = load_config(None, []).memory
     assert (rt.buffer_depth, rt.loss_chunk_size) == (None, None)
     assert (rt.buffer_depth_on("cuda"), rt.loss_chunk_size_on("cuda")) == (3, 8192)
     assert (rt.buffer_depth_on("cpu"), rt.loss_chunk_size_on("cpu")) == (2, 1024)
-    rt = load_config(None, ["runtime.buffer_depth=5", "runtime.loss_chunk_size=300"]).runtime
+    rt = load_config(None, ["memory.buffer_depth=5", "memory.loss_chunk_size=300"]).memory
     for device in ("cuda", "cpu"):
         assert (rt.buffer_depth_on(device), rt.loss_chunk_size_on(device)) == (5, 300)
-    rt = load_config(_write(tmp_path, "c.yaml", "runtime:\n  buffer_depth: null\n  loss_chunk_size: null\n")).runtime
+    rt = load_config(_write(tmp_path, "c.yaml", "memory:\n  buffer_depth: null\n  loss_chunk_size: null\n")).memory
     assert rt.buffer_depth_on("cuda") == 3
-    assert "runtime.loss_chunk_size" in _error(overrides=["runtime.loss_chunk_size=0"])
+    assert "memory.loss_chunk_size" in _error(overrides=["memory.loss_chunk_size=0"])

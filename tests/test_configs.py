@@ -27,7 +27,7 @@ from artifacts import CORPUS, save_model, save_tokenizer  # noqa: E402
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.orchestration import preflight  # noqa: E402
 from megatrain_ray.orchestration.resolve import Facts, resolve  # noqa: E402
-from megatrain_ray.io.hf_io import load_train_config as load_config  # noqa: E402  (configs may name runtime.init_from)
+from megatrain_ray.io.hf_io import load_train_config as load_config  # noqa: E402  (configs may name train.init_from)
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
@@ -36,7 +36,7 @@ CONFIGS = os.path.join(ROOT, "configs")
 NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "lora-sft", "qwen2.5-7b", "long-context",
          "long-context-512k"]
 SFT = ("alpaca-sft", "lora-sft")
-"""The examples that fine-tune an HF model (runtime.init_from) on alpaca rows."""
+"""The examples that fine-tune an HF model (train.init_from) on alpaca rows."""
 BIG = {"qwen2.5-7b", "long-context", "long-context-512k"}
 H200 = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]  # a 128 GiB box has ~120 available
 GiB = 2**30
@@ -83,7 +83,7 @@ def _replacements(name: str, files: dict) -> list[str]:
     values = {"data.tokenizer": files["tokenizer"], "model.vocab_size": files["vocab"]}
     values["data.path"] = files["alpaca"] if name in SFT else files["corpus"]
     if name in SFT:
-        values["runtime.init_from"] = files["hf"]
+        values["train.init_from"] = files["hf"]
         values["data.tokenizer"] = files["tokenizer"]
     keys = _replaced_keys(name)
     if name in SFT:
@@ -94,7 +94,7 @@ def _replacements(name: str, files: dict) -> list[str]:
 def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
     assert _replaced_keys("tiny") == _replaced_keys("tiny-moe") == set()
     assert _replaced_keys("text-pretrain") == {"data.path", "data.tokenizer", "model.vocab_size"}
-    assert _replaced_keys("alpaca-sft") == _replaced_keys("lora-sft") == {"data.path", "runtime.init_from"}
+    assert _replaced_keys("alpaca-sft") == _replaced_keys("lora-sft") == {"data.path", "train.init_from"}
     assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == _replaced_keys("long-context-512k") == {
         "data.path", "data.tokenizer"}
     assert sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".yaml")) == sorted(NAMES)
@@ -136,8 +136,8 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_
     n = StoreLayout.build(cfg.model).num_params
     assert n == params and cfg.model.num_hidden_layers == layers and cfg.model.hidden_size == 3584
     assert cfg.train.seq_len * cfg.train.micro_batch_size * cfg.train.num_micro_batches == tokens
-    assert cfg.runtime.buffer_depth == 3 and cfg.runtime.loss_chunk_size == 8192
-    assert cfg.runtime.offload_activations == (name == "long-context")
+    assert cfg.memory.buffer_depth == 3 and cfg.memory.loss_chunk_size == 8192
+    assert (cfg.memory.activations == "offload") == (name == "long-context")
     title = out.splitlines()[0]
     master, size = ("bfloat16", 2) if cfg.optim.state == "8bit" else ("float32", 4)  # 8-bit state: bf16 master
     assert f"{params / 1e9:.1f}B parameters ({layers} layers, hidden 3584), device cuda, master {master}, " \
@@ -150,7 +150,7 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_
     assert gpu, out
     assert 20 < float(gpu.group(1)) <= float(usable)  # the GPU side fits an H200 (auto fills it with kept graphs)
     kept = int(re.search(r"^activations \(.*\): (\d+) layers kept whole", out, re.M).group(1))
-    run = resolve(cfg, Facts("cuda", 141 * GiB))  # auto: edges+1 where it fits, as the plan has it
+    run = resolve(cfg, Facts("cuda", 141 * GiB))  # auto: embed_head and layer 0 where they fit, as the plan has it
     assert kept == (0 if name == "long-context" else run.compute.activations.count("keep"))
     largest = int(re.search(r"^largest micro-batch that fits: (\d+)", out, re.M).group(1))
     assert largest >= cfg.train.micro_batch_size
@@ -165,15 +165,15 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_
     if name == "long-context-512k":
         _check_512k(cfg, out)
     if status != 0:  # only host RAM or /dev/shm can be short here, never the GPU
-        assert re.fullmatch(r"error: the run needs [0-9.]+ GiB (in runtime.shm_dir|of host RAM)( \([^)]*\))? but only .*\n", err), err
+        assert re.fullmatch(r"error: the run needs [0-9.]+ GiB (in memory.shm_dir|of host RAM)( \([^)]*\))? but only .*\n", err), err
 
 
 def _check_512k(cfg, out: str) -> None:
     """The whole 7B at 524,288 tokens as measured on the H200 box (configs/long-context-512k.yaml):
     the settings of that run, every checkpoint placed (on the GPU or in host RAM, none kept whole),
     and the expected step time of ~9 minutes (532 s measured) with the stall check following it."""
-    assert (cfg.optim.state, cfg.runtime.mlp_chunk_size, cfg.model.max_position_embeddings) == ("8bit", 16384, 524288)
-    assert cfg.runtime.init_from is None and cfg.train.micro_batch_size == cfg.train.num_micro_batches == 1
+    assert (cfg.optim.state, cfg.memory.mlp_chunk_size, cfg.model.max_position_embeddings) == ("8bit", 16384, 524288)
+    assert cfg.train.init_from is None and cfg.train.micro_batch_size == cfg.train.num_micro_batches == 1
     on_gpu, off = (re.search(rf"^activations \(chosen by the planner .*\): 0 layers kept whole on the GPU .*, (\d+) "
                              rf"checkpointed on the GPU .*, (\d+) offloaded to host RAM", out, re.M).groups())
     assert int(on_gpu) + int(off) == 28 and 14 <= int(on_gpu) <= 20, out  # measured: 17 and 11
@@ -191,12 +191,12 @@ def _train_small(cfg, tmp_path):
     return result, lines
 
 
-COMMON = ["runtime.device=cpu", "train.checkpoint_every=0", "runtime.actor_timeout_s=120", "optim.warmup_steps=1"]
+COMMON = ["compute.device=cpu", "train.checkpoint_every=0", "cluster.actor_timeout_s=120", "optim.warmup_steps=1"]
 
 
 def test_tiny_trains(tmp_path, ray_cluster, shm_dir):
-    cfg = load_config(_path("tiny"), [*COMMON, "train.steps=4", f"runtime.run_dir={tmp_path / 'runs'}",
-                                       f"runtime.shm_dir={shm_dir}"])
+    cfg = load_config(_path("tiny"), [*COMMON, "train.steps=4", f"train.run_dir={tmp_path / 'runs'}",
+                                       f"memory.shm_dir={shm_dir}"])
     result, lines = _train_small(cfg, tmp_path)
     assert result.losses[-1] < result.losses[0]
     assert os.listdir(shm_dir) == []
@@ -233,13 +233,14 @@ def test_moe_sparse_layers_are_never_planned_kept_whole(user_files, capsys):
     dense = preflight.activation_placement(load_config(_path("qwen2.5-7b"), _replacements("qwen2.5-7b", user_files)),
                                            "cuda", 141 * GiB)
     assert dense.count("keep") > 0  # the same planner keeps a dense model's layers on that GPU
-    status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200, "--set", "runtime.activations=keep=2")
-    assert status != 0 and "runtime.activations keeps 2 layers whole" in err and "keep at most 0" in err
+    status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200, "--set", "memory.activations=counts",
+                                    "--set", "memory.kept_layers=2")
+    assert status != 0 and "memory.activations keeps 2 layers whole" in err and "keep at most 0" in err
 
 
 def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir):
-    cfg = load_config(_path("tiny-moe"), [*COMMON, "train.steps=4", f"runtime.run_dir={tmp_path / 'runs'}",
-                                           f"runtime.shm_dir={shm_dir}"])
+    cfg = load_config(_path("tiny-moe"), [*COMMON, "train.steps=4", f"train.run_dir={tmp_path / 'runs'}",
+                                           f"memory.shm_dir={shm_dir}"])
     assert cfg.model.sparse_layers == (1, 2, 3)
     result, _ = _train_small(cfg, tmp_path)
     assert result.losses[-1] < result.losses[0]
@@ -273,7 +274,7 @@ def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_clu
     cfg = load_config(_path("text-pretrain"), [
         *_replacements("text-pretrain", user_files), *COMMON, "train.steps=3", "train.eval_every=2",
         "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
-        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+        f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     result, lines = _train_small(cfg, tmp_path)
     assert sorted(result.val_losses) == [0, 2]
     said = "\n".join(lines) + "\n" + capsys.readouterr().out  # the run's log, or the console where it printed
@@ -289,7 +290,7 @@ def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user
     cfg = load_config(_path("alpaca-sft"), [
         *_replacements("alpaca-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
         "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
-        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+        f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     assert cfg.model.model_type == "qwen2" and cfg.model.vocab_size == user_files["vocab"]  # from init_from
     result, _ = _train_small(cfg, tmp_path)
     assert sorted(result.val_losses) == [0]
@@ -303,7 +304,7 @@ def test_lora_sft_trains_adapters_that_peft_loads(tmp_path, ray_cluster, shm_dir
     cfg = load_config(_path("lora-sft"), [
         *_replacements("lora-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
         "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
-        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+        f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     assert cfg.lora.rank == 16 and cfg.lora.scaling == 2.0
     result, _ = _train_small(cfg, tmp_path)
     assert sorted(result.val_losses) == [0]
@@ -326,7 +327,7 @@ def test_the_readme_sample_works_as_written(tmp_path, ray_cluster, shm_dir, caps
     (tmp_path / "run.yaml").write_text(_readme_sample())
     monkeypatch.chdir(tmp_path)
     assert cli.main(["plan", "--config", "run.yaml"]) == 0, capsys.readouterr()
-    cfg = load_config("run.yaml", [*COMMON, "train.steps=3", "train.eval_every=2", f"runtime.shm_dir={shm_dir}"])
+    cfg = load_config("run.yaml", [*COMMON, "train.steps=3", "train.eval_every=2", f"memory.shm_dir={shm_dir}"])
     assert cfg.data.path is None and cfg.model.num_hidden_layers == 4
     result, lines = _train_small(cfg, tmp_path)
     assert sorted(result.val_losses) == [0, 2]  # the built-in corpus's own held-out documents

@@ -5,7 +5,7 @@ One ``megatrain-ray train`` in a subprocess starts its private Ray with the dash
 API and (where a Chromium and selenium are installed) the dashboard's actors page in a headless
 browser; then SIGTERM stops it, as ``ray job stop`` would. The session's shared Ray cluster stays
 without a dashboard: starting one costs seconds and a few hundred MiB for every other test. Also:
-the runtime.dashboard setting, and the Grafana file copied into Ray's provisioning folder.
+the cluster.dashboard setting, and the Grafana file copied into Ray's provisioning folder.
 """
 
 import json
@@ -75,8 +75,8 @@ def live_run(tmp_path_factory, shm_dirs):
     """(dashboard URL, run id, the run) of a run that is training now."""
     base = tmp_path_factory.mktemp("dashboard")
     with shm_dirs() as shm_dir:
-        run = _Run(["--set", "runtime.ray_address=local", "--set", "runtime.device=cpu", "--set",
-                    f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={base / 'runs'}", "--set",
+        run = _Run(["--set", "cluster.ray_address=local", "--set", "compute.device=cpu", "--set",
+                    f"memory.shm_dir={shm_dir}", "--set", f"train.run_dir={base / 'runs'}", "--set",
                     f"train.steps={STEPS}", "--set", "train.checkpoint_every=0", "--set", "train.save_final=false"],
                    base)
         try:
@@ -228,19 +228,19 @@ def test_the_dashboards_actors_page_lists_the_roles(live_run, tmp_path):
 
 
 def test_the_dashboard_setting_is_validated_and_said_when_off(ray_cluster):
-    """runtime.dashboard takes true/false (an error naming the key otherwise); the start line says
+    """cluster.dashboard takes true/false (an error naming the key otherwise); the start line says
     when it is off or when the cluster joined has none, and still names the metrics endpoint."""
     from megatrain_ray.config import load_config
     from megatrain_ray.errors import ConfigError
     from megatrain_ray.orchestration.cluster import endpoints_line, metrics_endpoint
 
-    assert load_config(None, []).runtime.dashboard is True  # on by default
-    assert load_config(None, ["runtime.dashboard=false"]).runtime.dashboard is False
+    assert load_config(None, []).cluster.dashboard is True  # on by default
+    assert load_config(None, ["cluster.dashboard=false"]).cluster.dashboard is False
     with pytest.raises(ConfigError, match=r"^runtime\.dashboard must be true or false, got 'maybe'"):
-        load_config(None, ["runtime.dashboard=maybe"])
+        load_config(None, ["cluster.dashboard=maybe"])
     endpoint = metrics_endpoint()
     assert re.fullmatch(r"http://[\d.]+:\d+/metrics", endpoint)
-    assert endpoints_line("", True) == f"Ray dashboard: off (runtime.dashboard=false); metrics: {endpoint}"
+    assert endpoints_line("", True) == f"Ray dashboard: off (cluster.dashboard=false); metrics: {endpoint}"
     assert endpoints_line("", False) == f"Ray dashboard: none on this cluster; metrics: {endpoint}"
 
 

@@ -7,7 +7,7 @@ rounding of those sums. Tolerance: 1e-5 relative — fp32 reordering errors are 
 few steps of AdamW keep them within two orders of magnitude for a model without a degenerate
 parameter (Llama, no q/k/v biases; see the parity test for the k-bias), while a lost or doubled
 micro-batch or shard moves the loss by percent. The same holds with the gradients summed on the
-host (runtime.grad_reduce=host) instead of by the all-reduce. Also: each worker fetches every layer exactly twice
+host (experimental.grad_reduce=host) instead of by the all-reduce. Also: each worker fetches every layer exactly twice
 per step; two simulated nodes of one Ray cluster (ray.cluster_utils, each node its own store)
 train what one node does; killing one compute worker mid-run restarts the pipeline from the
 newest checkpoint and ends with identical weights.
@@ -36,10 +36,10 @@ _weights, _rel = final_weights, distance
 
 
 def _overrides(tmp, shm_dir, *extra) -> list[str]:
-    return [f"data.path={tmp / 'tokens.npy'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp / 'runs'}",
-            "runtime.device=cpu", "runtime.compute_dtype=float32", f"train.steps={STEPS}", "train.seq_len=32",
+    return [f"data.path={tmp / 'tokens.npy'}", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp / 'runs'}",
+            "compute.device=cpu", "precision.compute_dtype=float32", f"train.steps={STEPS}", "train.seq_len=32",
             "train.micro_batch_size=2", "train.num_micro_batches=4", "optim.warmup_steps=1", "optim.weight_decay=0.1",
-            "optim.max_grad_norm=0.5", "runtime.actor_timeout_s=120", "model.num_hidden_layers=3", *extra]
+            "optim.max_grad_norm=0.5", "cluster.actor_timeout_s=120", "model.num_hidden_layers=3", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def one_worker(ray_cluster, tmp_path_factory, shm_dirs):
 
 def test_two_workers_train_what_one_does(one_worker, shm_dir):
     tmp, one = one_worker
-    two = train(load_config(None, _overrides(tmp, shm_dir, "runtime.compute_workers=2")), log=lambda line: None)
+    two = train(load_config(None, _overrides(tmp, shm_dir, "parallel.compute_workers=2")), log=lambda line: None)
     assert max(one.grad_norms) > 0.5  # clipping was active
     np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
     np.testing.assert_allclose(two.grad_norms, one.grad_norms, rtol=1e-5)
@@ -70,10 +70,10 @@ def test_two_workers_train_what_one_does(one_worker, shm_dir):
 
 
 def test_two_workers_summed_on_the_host_train_what_one_does(one_worker, shm_dir):
-    """runtime.grad_reduce=host: no collective; each worker's whole gradient goes to its own host
+    """experimental.grad_reduce=host: no collective; each worker's whole gradient goes to its own host
     copy and the sink sums them. Same math, another summation order: the same 1e-5 bound."""
     tmp, one = one_worker
-    two = train(load_config(None, _overrides(tmp, shm_dir, "runtime.compute_workers=2", "runtime.grad_reduce=host")),
+    two = train(load_config(None, _overrides(tmp, shm_dir, "parallel.compute_workers=2", "experimental.grad_reduce=host")),
                 log=lambda line: None)
     np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
     np.testing.assert_allclose(two.grad_norms, one.grad_norms, rtol=1e-5)
@@ -86,7 +86,7 @@ def test_micro_batches_must_divide_among_workers(one_worker, shm_dir):
     tmp_path = one_worker[0]
     with pytest.raises(ConfigError, match=r"train.num_micro_batches \(4\) must be a multiple of the compute workers "
                                           r"of all nodes \(3 x 1\)"):
-        load_config(None, _overrides(tmp_path, shm_dir, "runtime.compute_workers=3"))
+        load_config(None, _overrides(tmp_path, shm_dir, "parallel.compute_workers=3"))
 
 
 def test_a_killed_worker_restarts_the_pipeline_with_identical_weights(one_worker, shm_dir):
@@ -103,7 +103,7 @@ def test_a_killed_worker_restarts_the_pipeline_with_identical_weights(one_worker
             ray.kill(ray.get_actor(name), no_restart=True)
             lines.append(f"killed {name}")
 
-    result = train(load_config(None, _overrides(tmp, shm_dir, "runtime.compute_workers=2", "runtime.max_restarts=1",
+    result = train(load_config(None, _overrides(tmp, shm_dir, "parallel.compute_workers=2", "cluster.max_restarts=1",
                                                 "train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}")),
                    log=log)
     assert any(ln.startswith("killed compute-1-") for ln in lines), lines
@@ -150,8 +150,8 @@ def test_two_simulated_nodes_train_what_one_does(one_worker, shm_dir):
     the 5 units, and its checkpoint holds the AdamW states of all of them (gathered from the owners),
     equal to one node's."""
     tmp, one = one_worker
-    base = _overrides(tmp, shm_dir, "runtime.nodes=2", "runtime.ray_address=local")
-    runs = [base, [*base, "runtime.optimizer_sharding=sharded", "train.checkpoint_every=2"]]
+    base = _overrides(tmp, shm_dir, "parallel.nodes=2", "cluster.ray_address=local")
+    runs = [base, [*base, "parallel.optimizer_sharding=sharded", "train.checkpoint_every=2"]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", TWO_NODES, json.dumps(runs)], capture_output=True, text=True,
                          timeout=600, env=env)

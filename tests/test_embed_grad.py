@@ -131,8 +131,8 @@ def test_three_steps_resume_three_steps_equal_six_straight_on_the_gpu(ray_cluste
             "model.hidden_size=256", "model.intermediate_size=704", "model.num_hidden_layers=4",
             "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.vocab_size=512",
             "train.seq_len=256", "train.micro_batch_size=4", "train.num_micro_batches=3", "train.steps=6",
-            "train.checkpoint_every=3", "train.keep_checkpoints=6", f"data.path={data}", "runtime.device=cuda",
-            f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}"])
+            "train.checkpoint_every=3", "train.keep_checkpoints=6", f"data.path={data}", "compute.device=cuda",
+            f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}"])
 
     straight = train(cfg(tmp_path / "a"), log=lambda line: None)
     step3 = os.path.join(straight.run_dir, "checkpoints", "step-000003")

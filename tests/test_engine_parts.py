@@ -144,7 +144,7 @@ def test_unit_update_matches_torch_adamw(master_dtype, native, decay_all, monkey
 
 
 def test_whole_span_update_of_owned_units_matches_torch_adamw():
-    """adamw_unit as the compute worker runs it on a GPU for the units it owns (runtime.device_adamw):
+    """adamw_unit as the compute worker runs it on a GPU for the units it owns (memory.resident):
     one call per decay span, an fp32 gradient scaled in place, the compute-dtype copy refreshed; the
     same tolerance and argument as the piecewise update above."""
     n, decay = 5000, 3100
@@ -197,11 +197,12 @@ def test_split_update_is_the_one_pass_update_bit_for_bit(grad_dtype, monkeypatch
 
 
 def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypatch):
-    """runtime.split_update through the single-process driver (fp32 master, bf16 stream copy,
-    clipping): the same losses, and the same master weights and moments in the store at the end
-    (read just before the run removes it), bit for bit; and the second passes really ran."""
+    """The two-pass update through the single-process driver (fp32 master, bf16 stream copy,
+    clipping: where the resolved run chooses it) against the same run with the one-pass optimizer
+    put in its place: the same losses, and the same master weights and moments in the store at the
+    end (read just before the run removes it), bit for bit; and the second passes really ran."""
     from megatrain_ray.engine import shm
-    from megatrain_ray.orchestration import local
+    from megatrain_ray.orchestration import local, resolve
 
     if adamw_native.kernel() is None:
         pytest.skip("no C compiler: the native AdamW kernel cannot be built here")
@@ -216,14 +217,16 @@ def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypa
         return remove(shm_dir, owner_pid, run_id)
 
     monkeypatch.setattr(local.shm, "remove_run", remove_run)
+    chosen = resolve.host_optimizer
     losses = {}
     for split in ("true", "false"):
+        monkeypatch.setattr(resolve, "host_optimizer", chosen if split == "true" else
+                            lambda compact, splits: chosen(compact, False))
         cfg = load_config(None, [
             *SMALL_MODEL,
             "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=4",
-            f"data.path={data}", "runtime.device=cpu", "runtime.compute_dtype=bfloat16", "optim.weight_decay=0.1",
-            "optim.max_grad_norm=0.05", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}",
-            f"runtime.split_update={split}"])
+            f"data.path={data}", "compute.device=cpu", "precision.compute_dtype=bfloat16", "optim.weight_decay=0.1",
+            "optim.max_grad_norm=0.05", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}"])
         rows = local.train_local(cfg, 0)
         masters = sum(1 for r in rows for lane, label, *_ in r["spans"] if lane == "adamw" and label.endswith("master"))
         assert masters == (3 * (3 + 2) if split == "true" else 0)  # steps 1-3's, reported with the next step
@@ -255,14 +258,14 @@ def _local_losses(overrides: list[str], shm_dir: str, run_dir) -> list[float]:
     Ray run, without Ray: the precision modes are the engine's, not the orchestration's)."""
     from megatrain_ray.orchestration.local import train_local
 
-    base = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "train.steps=4", "runtime.device=cpu"]
+    base = [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "train.steps=4", "compute.device=cpu"]
     return [row["loss"] for row in train_local(load_config(None, base + overrides), 0)]
 
 
 @pytest.mark.parametrize("overrides", [
-    ["runtime.compute_dtype=bfloat16"],
-    ["runtime.master_dtype=bfloat16"],
-    ["runtime.compute_dtype=bfloat16", "runtime.master_dtype=bfloat16", "optim.max_grad_norm=0"],
+    ["precision.compute_dtype=bfloat16"],
+    ["precision.master_dtype=bfloat16"],
+    ["precision.compute_dtype=bfloat16", "precision.master_dtype=bfloat16", "optim.max_grad_norm=0"],
 ])
 def test_bf16_modes_track_the_fp32_run(overrides, fp32_losses, shm_dir, tmp_path):
     ref = fp32_losses([o for o in overrides if o.startswith("optim.")])
@@ -273,7 +276,7 @@ def test_bf16_modes_track_the_fp32_run(overrides, fp32_losses, shm_dir, tmp_path
 
 
 def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
-    """runtime.offload_activations moves each layer's checkpoint out and back through the backend's
+    """memory.activations offload moves each layer's checkpoint out and back through the backend's
     copy paths (real copies on the CPU backend): the same losses, bit for bit, step after step."""
     from megatrain_ray.orchestration.local import train_local
 
@@ -284,8 +287,8 @@ def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
         cfg = load_config(None, [
             *SMALL_MODEL,
             "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=3", "train.steps=3",
-            f"data.path={data}", "runtime.device=cpu", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}",
-            f"runtime.offload_activations={offload}"])
+            f"data.path={data}", "compute.device=cpu", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}",
+            f"memory.activations={'offload' if offload == 'true' else 'recompute'}"])
         rows = train_local(cfg, 0)
         results[offload] = [r["loss"] for r in rows]
         moved = sum(n for r in rows for lane, label, _, _, n in r["spans"] if lane == "d2h" and "inputs" in label)
@@ -307,8 +310,8 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     overrides = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=4",
                  "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
                  "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=3",
-                 f"data.path={data}", "runtime.device=cpu", f"runtime.shm_dir={shm_dir}",
-                 f"runtime.run_dir={tmp_path}", "optim.max_grad_norm=0", "optim.weight_decay=0.1"]
+                 f"data.path={data}", "compute.device=cpu", f"memory.shm_dir={shm_dir}",
+                 f"train.run_dir={tmp_path}", "optim.max_grad_norm=0", "optim.weight_decay=0.1"]
     fp32 = Precision(torch.float32, torch.float32)
     assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
     assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
@@ -377,5 +380,5 @@ def test_ray_memory_monitor_kill_becomes_one_sentence_naming_the_fix():
                 ray.exceptions.RayTaskError("run", "traceback", ray.exceptions.OutOfMemoryError(ray_text))):
         msg = str(_actor_error(err, "grad-sink"))
         assert msg.startswith("the machine ran out of host memory") and "grad-sink" in msg
-        assert "megatrain-ray plan" in msg and "runtime.master_dtype=bfloat16" in msg and "\n" not in msg
+        assert "megatrain-ray plan" in msg and "precision.master_dtype=bfloat16" in msg and "\n" not in msg
         assert not isinstance(_actor_error(err, "grad-sink"), ActorDied)  # no restart into the same wall

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from artifacts import dtype_kwarg, save_model, save_tokenizer  # noqa: E402
 
-from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
+from megatrain_ray.config import PrecisionSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader, run_eval  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
@@ -74,12 +74,12 @@ def test_eval_of_a_run_dir_matches_transformers(tmp_path, shm_dir):
     val = rng.integers(0, 96, 150)
     np.save(tmp_path / "val.npy", val)
     run = tmp_path / "runs" / "r1"
-    cfg = load_train_config(None, [f"runtime.init_from={tmp_path / 'hf'}", f"data.path={tmp_path / 'train.npy'}",
+    cfg = load_train_config(None, [f"train.init_from={tmp_path / 'hf'}", f"data.path={tmp_path / 'train.npy'}",
                              f"data.val_path={tmp_path / 'val.npy'}", "train.seq_len=16",
-                             f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+                             f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     os.makedirs(run)
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    precision = resolve_precision(PrecisionSection(), "cpu")
     store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "ev"), 0, str(tmp_path / "hf"))
     try:
         store.save_hf(str(run / "final"))
@@ -164,11 +164,11 @@ def test_eval_of_the_default_run_reads_the_built_in_held_out_documents(tmp_path,
     from megatrain_ray.data.builtin import builtin_documents
     from megatrain_ray.data.tokenizer import BYTE_LEVEL
 
-    cfg = load_config(None, [f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+    cfg = load_config(None, [f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     run = tmp_path / "runs" / "r1"
     os.makedirs(run)
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    precision = resolve_precision(PrecisionSection(), "cpu")
     store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "ev"), 3)
     try:
         store.save_hf(str(run / "final"), tokenizer=BYTE_LEVEL)
@@ -210,8 +210,8 @@ def test_validation_loss_during_training_is_the_loss_of_the_checkpoint_at_that_s
         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=128",
         f"data.path={tmp_path / 'train.npy'}", f"data.val_path={tmp_path / 'val.npy'}", "data.num_workers=1",
         "train.seq_len=16", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=3",
-        "train.eval_every=2", "train.checkpoint_every=2", "optim.lr=1e-2", "runtime.device=cpu",
-        f"runtime.run_dir={tmp_path / 'runs'}", f"runtime.shm_dir={shm_dir}"])
+        "train.eval_every=2", "train.checkpoint_every=2", "optim.lr=1e-2", "compute.device=cpu",
+        f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     lines = []
     result = train(cfg, log=lines.append)
     assert sorted(result.val_losses) == [0, 2]
@@ -244,8 +244,8 @@ def test_packed_documents_are_evaluated_each_within_itself(shm_dir):
     it is not (the second document would attend to the first)."""
     from megatrain_ray.io.evaluate import evaluate, loss_sum, store_reader
 
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "model.num_hidden_layers=2"])
-    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "model.num_hidden_layers=2"])
+    precision = resolve_precision(PrecisionSection(), "cpu")
     store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "pack"), 5)
     try:
         read, model = store_reader(store.store), cfg.model

@@ -5,7 +5,7 @@
   the run restarts from its newest checkpoint; the restart counts right afterwards: "done: N steps"
   counts the run's steps once, metrics.jsonl holds each step once, and the reason given for a
   ``kill -9`` is a kill, not Ray's paragraph guessing at the OOM killer.
-- A role whose process is frozen (SIGSTOP) is noticed within runtime.health_timeout_s (idle roles)
+- A role whose process is frozen (SIGSTOP) is noticed within cluster.health_timeout_s (idle roles)
   or the next health check (busy ones on this node), not after a queue timeout of minutes.
 - ``kill -9`` of a real driver: the run's shared-memory segments are gone within seconds and so are
   the role processes (the reapers of :mod:`megatrain_ray.engine.reaper`).
@@ -36,9 +36,9 @@ from megatrain_ray.orchestration.queues import QueueClient, QueueHost
 
 
 def _cfg(shm_dir, run_dir, *extra):
-    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+    return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "compute.device=cpu",
                               "train.steps=8", "train.seq_len=32", "train.micro_batch_size=2",
-                              "runtime.actor_timeout_s=300", *extra])
+                              "cluster.actor_timeout_s=300", *extra])
 
 
 def _role_pid(cls: str) -> int:
@@ -71,14 +71,14 @@ def _signal_at_step(step: int, cls: str, sig: int, lines: list, events: dict):
 def test_a_store_killed_mid_run_restarts_within_seconds_and_is_reported_once(ray_cluster, shm_dir, tmp_path):
     lines, events = [], {}
     steps = 30
-    result = train(_cfg(shm_dir, tmp_path, "train.checkpoint_every=2", "runtime.max_restarts=1", f"train.steps={steps}"),
+    result = train(_cfg(shm_dir, tmp_path, "train.checkpoint_every=2", "cluster.max_restarts=1", f"train.steps={steps}"),
                    log=_signal_at_step(3, "ParameterStore", signal.SIGKILL, lines, events))
     text = [line for _, line in lines]
     (restart,) = [(t, line) for t, line in lines if line.startswith("restart ")]
     assert restart[1].startswith("restart 1 of 1: the store actor died (its process was killed by a signal or "
                                  "crashed, not for lack of memory (the kernel's OOM-kill count did not change)); ")
     assert "OOM killer due to" not in restart[1] and "Some common causes" not in restart[1]
-    # Seconds, teardown of the old pipeline included (a queue timeout would be runtime.actor_timeout_s, 300 s).
+    # Seconds, teardown of the old pipeline included (a queue timeout would be cluster.actor_timeout_s, 300 s).
     assert restart[0] - events["sent"] < 30, "the store's death was not noticed within seconds"
     # Noticed within seconds: the driver stopped logging steps within 5 s of the kill (this tiny model's
     # steps take ~0.2 s, so a few still finished meanwhile: a ping a second, and Ray's notice of the death).
@@ -104,7 +104,7 @@ def test_a_frozen_role_is_noticed_within_the_health_timeout(cls, role, timeout, 
     started = time.monotonic()
     try:
         with pytest.raises(ActorDied) as info:
-            train(_cfg(shm_dir, tmp_path, f"runtime.health_timeout_s={timeout}", "train.steps=100000"),
+            train(_cfg(shm_dir, tmp_path, f"cluster.health_timeout_s={timeout}", "train.steps=100000"),
                   log=_signal_at_step(2, cls, signal.SIGSTOP, lines, events))
     finally:
         if "pid" in events:
@@ -191,9 +191,9 @@ def test_a_driver_killed_with_minus_9_leaves_no_segment_and_no_role(shm_dir, tmp
     """The CLI with a private Ray, killed with SIGKILL once every role is stepping."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = open(tmp_path / "out.txt", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"runtime.shm_dir={shm_dir}",
-                             "--set", "train.steps=100000", "--set", f"runtime.run_dir={tmp_path / 'runs'}",
-                             "--set", "runtime.ray_address=local"], cwd=tmp_path, env=env, stdout=out,
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", f"memory.shm_dir={shm_dir}",
+                             "--set", "train.steps=100000", "--set", f"train.run_dir={tmp_path / 'runs'}",
+                             "--set", "cluster.ray_address=local"], cwd=tmp_path, env=env, stdout=out,
                             stderr=subprocess.STDOUT)
     roles = []
     try:

@@ -38,9 +38,9 @@ def _jsonl(path, start: int, count: int, mode: str = "w") -> None:
 
 
 def _cfg(tmp_path, shm_dir, *extra):
-    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-                              "runtime.device=cpu", "train.seq_len=32", "train.micro_batch_size=2",
-                              "runtime.actor_timeout_s=300", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+                              "compute.device=cpu", "train.seq_len=32", "train.micro_batch_size=2",
+                              "cluster.actor_timeout_s=300", f"data.cache_dir={tmp_path / 'cache'}", *extra])
 
 
 def _step_losses(lines):
@@ -63,7 +63,7 @@ def _append_and_kill_at(step: int, cls: str, change, lines: list):
 def _restartable(tmp_path, shm_dir, data):
     """A 10-step run on the text rows of ``data`` that checkpoints every 2 steps and restarts once."""
     return _cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "train.steps=10",
-                "train.checkpoint_every=2", "runtime.max_restarts=1")
+                "train.checkpoint_every=2", "cluster.max_restarts=1")
 
 
 @pytest.mark.slow  # kills a compute worker mid-run and restarts the pipeline
@@ -124,7 +124,7 @@ def test_a_resume_against_a_changed_source_is_refused_before_tokenizing(ray_clus
     assert str(info.value) == (f"cannot resume from {ckpt}: it was trained on other data (the files of data.path "
                                f"'{data}' changed since (a size or a modification time is not what it was)); restore "
                                "the data it was trained on, or start afresh from its weights with `megatrain-ray "
-                               f"train --set runtime.init_from={ckpt}` (no --resume).")
+                               f"train --set train.init_from={ckpt}` (no --resume).")
     assert os.listdir(tmp_path / "cache") == caches  # nothing tokenized for it
     # Another setting of the data named as such.
     _jsonl(data, 0, 300)
@@ -132,9 +132,9 @@ def test_a_resume_against_a_changed_source_is_refused_before_tokenizing(ray_clus
         train(_cfg(tmp_path, shm_dir, f"data.path={data}", "data.format=text", "data.val_fraction=0.2",
                    "train.steps=6"), resume=ckpt, log=lambda line: None)
     # The advice works: the checkpoint's weights start a fresh run.
-    fresh = load_config(None, [f"runtime.init_from={ckpt}"], model_from=lambda d, given: _cfg(
+    fresh = load_config(None, [f"train.init_from={ckpt}"], model_from=lambda d, given: _cfg(
         tmp_path, shm_dir).model)
-    assert fresh.runtime.init_from == ckpt
+    assert fresh.train.init_from == ckpt
     assert os.listdir(shm_dir) == []
 
 
@@ -163,7 +163,7 @@ def test_a_restart_of_random_windows_whose_text_changed_is_refused(ray_cluster, 
             f.write("\n\nanother paragraph appended while the run trains")
 
     cfg = _cfg(tmp_path, shm_dir, f"data.path={text}", "train.steps=10", "train.checkpoint_every=2",
-               "runtime.max_restarts=1")
+               "cluster.max_restarts=1")
     with pytest.raises(MegatrainError) as info:
         train(cfg, log=_append_and_kill_at(5, "ComputeWorker", change, lines))
     message = str(info.value)
@@ -324,10 +324,10 @@ def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sente
     _jsonl(data, 0, 120_000)
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "runtime.ray_address=local",
-                             "--set", "runtime.device=cpu", "--set", f"data.path={data}", "--set", "data.format=text",
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "cluster.ray_address=local",
+                             "--set", "compute.device=cpu", "--set", f"data.path={data}", "--set", "data.format=text",
                              "--set", "data.num_workers=2", "--set", f"data.cache_dir={tmp_path / 'cache'}",
-                             "--set", f"runtime.run_dir={tmp_path / 'runs'}"],
+                             "--set", f"train.run_dir={tmp_path / 'runs'}"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed, family = [], {}
 

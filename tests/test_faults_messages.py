@@ -42,7 +42,7 @@ def test_a_broken_jsonl_line_is_named_by_its_line_without_a_ray_data_traceback(t
     _jsonl(tmp_path / "docs.jsonl", rows)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "data.path=docs.jsonl",
-                           "--set", "data.format=text", "--set", "runtime.ray_address=local"], cwd=tmp_path,
+                           "--set", "data.format=text", "--set", "cluster.ray_address=local"], cwd=tmp_path,
                           env={**env, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -130,8 +130,8 @@ def test_an_arrow_file_of_text_rows_is_tokenized(tmp_path):
 
 def test_an_empty_text_file_is_named_at_once(tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "empty.txt").write_text("\n  \n")
-    line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", "data.path=empty.txt",
-                 "--set", "data.format=text", "--set", "runtime.ray_address=127.0.0.1:1"], tmp_path, capsys,
+    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "data.path=empty.txt",
+                 "--set", "data.format=text", "--set", "cluster.ray_address=127.0.0.1:1"], tmp_path, capsys,
                 monkeypatch)  # no Ray may be reached for it
     assert line == ("error: data.path 'empty.txt' is empty: there is no text to train on; point data.path at the "
                     "text meant.")
@@ -145,8 +145,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_named_before_tokenizing(hf_di
             {f"w{i}": i for i in range(400)}, unk_token="w0")), eos_token="w1")
     tok.save_pretrained(tmp_path / "tok")
     (tmp_path / "docs.txt").write_text("w3 w4\n\nw5 w6\n")
-    line = _run(["train", "--set", f"runtime.shm_dir={shm_dir}", "--set", "data.path=docs.txt", "--set",
-                 "data.format=text", "--set", "data.tokenizer=tok", "--set", "runtime.ray_address=127.0.0.1:1"],
+    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "data.path=docs.txt", "--set",
+                 "data.format=text", "--set", "data.tokenizer=tok", "--set", "cluster.ray_address=127.0.0.1:1"],
                 tmp_path, capsys, monkeypatch)
     assert line == (f"error: data.tokenizer '{tmp_path / 'tok'}' has 400 tokens, more than model.vocab_size (260); "
                     "use the model's own tokenizer, or a model whose vocabulary holds at least 400 tokens.")
@@ -168,8 +168,8 @@ def run_with_two(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("two")
     (base / "shm").mkdir()
-    cfg = load_config(None, [f"runtime.shm_dir={base / 'shm'}", f"runtime.run_dir={base / 'runs'}", "train.steps=6",
-                             "runtime.device=cpu"])
+    cfg = load_config(None, [f"memory.shm_dir={base / 'shm'}", f"train.run_dir={base / 'runs'}", "train.steps=6",
+                             "compute.device=cpu"])
     ps = ParameterStore(StoreSpec(cfg.model, Precision(torch.float32, torch.float32), str(base / "shm"), os.getpid(),
                                   "two"), 0)
     run = base / "runs" / "20260101-000000-aaaaaa"
@@ -249,7 +249,7 @@ def test_resume_with_another_init_from_names_init_from(hf_dir, tmp_path, capsys,
 
     from megatrain_ray.io.hf_io import load_train_config
 
-    cfg = load_train_config(None, [f"runtime.shm_dir={tmp_path}", f"runtime.init_from={hf_dir}", "train.steps=4"])
+    cfg = load_train_config(None, [f"memory.shm_dir={tmp_path}", f"train.init_from={hf_dir}", "train.steps=4"])
     ps = ParameterStore(StoreSpec(cfg.model, Precision(torch.float32, torch.float32), str(tmp_path), os.getpid(),
                                   "init"), 0)
     try:
@@ -262,12 +262,12 @@ def test_resume_with_another_init_from_names_init_from(hf_dir, tmp_path, capsys,
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=128)).save_pretrained(other)
-    line = _run(["train", "--resume", ckpt, "--set", f"runtime.init_from={other}"], tmp_path, capsys, monkeypatch)
+    line = _run(["train", "--resume", ckpt, "--set", f"train.init_from={other}"], tmp_path, capsys, monkeypatch)
     assert "model.model_type" not in line
     assert line.startswith(f"error: checkpoint {ckpt} holds a different model than the run's config ("), line
     assert "hidden_size 32 vs 64" in line
-    assert line.endswith("resume without changing model.* or runtime.init_from, or start a new run from its weights "
-                         f"with runtime.init_from={ckpt}.")
+    assert line.endswith("resume without changing model.* or train.init_from, or start a new run from its weights "
+                         f"with train.init_from={ckpt}.")
 
 
 @pytest.mark.slow  # a private Ray in a subprocess

@@ -78,8 +78,8 @@ def test_ray_killed_under_a_running_run_is_one_line_of_ours_within_seconds(shm_d
         daemons = [p for p in cluster if _cmdline(p).split()[0].endswith(("gcs_server", "raylet"))]
         assert len(daemons) == 2, [_cmdline(p)[:80] for p in cluster]
         proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set",
-                                 f"runtime.ray_address=127.0.0.1:{port}", "--set", "train.steps=100000", "--set",
-                                 f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={tmp_path / 'runs'}"],
+                                 f"cluster.ray_address=127.0.0.1:{port}", "--set", "train.steps=100000", "--set",
+                                 f"memory.shm_dir={shm_dir}", "--set", f"train.run_dir={tmp_path / 'runs'}"],
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = []
 
@@ -150,10 +150,10 @@ finally:
 def test_a_lost_node_of_two_restarts_the_run_on_its_replacement(shm_dir, tmp_path):
     import json
 
-    overrides = [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}", "runtime.device=cpu",
-                 "runtime.nodes=2", "runtime.ray_address=local", "train.steps=8", "train.seq_len=32",
-                 "train.micro_batch_size=2", "train.checkpoint_every=2", "runtime.max_restarts=1",
-                 "runtime.actor_timeout_s=300"]
+    overrides = [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}", "compute.device=cpu",
+                 "parallel.nodes=2", "cluster.ray_address=local", "train.steps=8", "train.seq_len=32",
+                 "train.micro_batch_size=2", "train.checkpoint_every=2", "cluster.max_restarts=1",
+                 "cluster.actor_timeout_s=300"]
     env = {**os.environ, "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", LOSE_A_NODE, json.dumps(overrides)], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=900, env=env)

@@ -1,10 +1,10 @@
 """Every role's death is told under its own name, and every role can be restarted: real ``kill -9``
 of the role's process in a running pipeline (the real local Ray of tests/conftest.py).
 
-- With runtime.max_restarts 0 the run ends with one sentence naming the role that died — a data
+- With cluster.max_restarts 0 the run ends with one sentence naming the role that died — a data
   loader (whose batch a compute worker was waiting for), the queue host (which every role calls) —
   not the role that noticed first; nothing is left in shared memory.
-- The queue host killed with runtime.max_restarts 2 is restarted like any other role, and the run
+- The queue host killed with cluster.max_restarts 2 is restarted like any other role, and the run
   finishes with every step reported once.
 """
 
@@ -24,7 +24,7 @@ from test_faults import _cfg, _role_pid, _signal_at_step
 def test_a_dead_role_is_named_as_itself(cls, role, ray_cluster, shm_dir, tmp_path):
     lines, events = [], {}
     with pytest.raises(ActorDied) as info:
-        train(_cfg(shm_dir, tmp_path, "train.steps=100000", "runtime.max_restarts=0"),
+        train(_cfg(shm_dir, tmp_path, "train.steps=100000", "cluster.max_restarts=0"),
               log=_signal_at_step(2, cls, signal.SIGKILL, lines, events))
     message = str(info.value)
     assert message.startswith(f"the {role} actor died (its process was killed by a signal or crashed"), message
@@ -37,7 +37,7 @@ def test_the_queue_host_killed_is_restarted(ray_cluster, shm_dir, tmp_path):
     lines, events = [], {}
     steps = 12
     result = train(_cfg(shm_dir, tmp_path, f"train.steps={steps}", "train.checkpoint_every=2",
-                        "runtime.max_restarts=2"), log=_signal_at_step(3, "QueueHost", signal.SIGKILL, lines, events))
+                        "cluster.max_restarts=2"), log=_signal_at_step(3, "QueueHost", signal.SIGKILL, lines, events))
     text = [line for _, line in lines]
     (restart,) = [line for line in text if line.startswith("restart ")]
     assert restart.startswith("restart 1 of 2: the queues actor died (its process was killed"), restart
@@ -77,8 +77,8 @@ def _started(cls: str, within: float = 120.0) -> int:
                                       ("ParameterStore", "store")])
 def test_a_role_killed_during_start_up_is_restarted(cls, role, ray_cluster, shm_dir, tmp_path):
     lines = []
-    result = train(_cfg(shm_dir, tmp_path, "train.steps=4", "runtime.max_restarts=1"),
-                   log=_kill_at("activations (runtime.activations=", cls, lines))
+    result = train(_cfg(shm_dir, tmp_path, "train.steps=4", "cluster.max_restarts=1"),
+                   log=_kill_at("activations (memory.activations=", cls, lines))
     (restart,) = [line for line in lines if line.startswith("restart ")]
     assert restart.startswith(f"restart 1 of 1: the {role} actor died ("), restart
     assert "restarting the pipeline from the initial weights (step 0)" in restart
@@ -94,7 +94,7 @@ def test_the_store_killed_before_the_final_export_restarts_and_exports(ray_clust
     from megatrain_ray.io import checkpoint
 
     lines = []
-    result = train(_cfg(shm_dir, tmp_path, "train.steps=8", "train.checkpoint_every=4", "runtime.max_restarts=1"),
+    result = train(_cfg(shm_dir, tmp_path, "train.steps=8", "train.checkpoint_every=4", "cluster.max_restarts=1"),
                    log=_kill_at("step     8/8", "ParameterStore", lines))
     (restart,) = [line for line in lines if line.startswith("restart ")]
     assert restart.startswith("restart 1 of 1: the store actor died ("), restart

@@ -57,7 +57,7 @@ def test_resuming_a_run_that_another_process_trains_is_refused(ray_cluster, shm_
             started = time.monotonic()
             seen["proc"] = subprocess.run(
                 [sys.executable, "-m", "megatrain_ray.cli", "train", "--resume", ckpt,
-                 "--set", f"runtime.shm_dir={shm_dir}"], capture_output=True, text=True, timeout=300,
+                 "--set", f"memory.shm_dir={shm_dir}"], capture_output=True, text=True, timeout=300,
                 env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": os.getcwd(),
                      "RAY_ADDRESS": "127.0.0.1:1"})  # no Ray may be reached for the refusal
             seen["s"], seen["ckpt"] = time.monotonic() - started, ckpt

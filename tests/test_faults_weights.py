@@ -36,17 +36,17 @@ def test_a_tied_config_beside_a_separate_head_is_refused_or_trained_untied_as_as
     assert not torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
 
     with pytest.raises(ConfigError) as info:
-        load_train_config(None, [f"runtime.init_from={tmp_path}"])
-    assert str(info.value) == (f"runtime.init_from's config.json ({tmp_path}) sets tie_word_embeddings: true, but its "
+        load_train_config(None, [f"train.init_from={tmp_path}"])
+    assert str(info.value) == (f"train.init_from's config.json ({tmp_path}) sets tie_word_embeddings: true, but its "
                                "weights hold an lm_head.weight unlike model.embed_tokens.weight; set "
                                "model.tie_word_embeddings=false to train that head (transformers loads this "
                                "directory untied too), or remove lm_head.weight from the files to tie it.")
-    cfg = load_train_config(None, [f"runtime.init_from={tmp_path}", "model.tie_word_embeddings=false"])
+    cfg = load_train_config(None, [f"train.init_from={tmp_path}", "model.tie_word_embeddings=false"])
     assert cfg.model.tie_word_embeddings is False
     assert "lm_head.weight" in expected_names(cfg.model)  # the file's head is a parameter that is loaded and trained
 
 
 def test_a_tied_config_beside_a_copy_of_the_embedding_is_tied(tmp_path):
     _llama(tmp_path, tie_in_config=True, same_head=True)
-    cfg = load_train_config(None, [f"runtime.init_from={tmp_path}"])
+    cfg = load_train_config(None, [f"train.init_from={tmp_path}"])
     assert cfg.model.tie_word_embeddings is True  # the copy is the embedding: nothing is lost by tying

@@ -36,7 +36,7 @@ from megatrain_ray.orchestration.local import train_local  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_default.json")
 STEPS = 8
-OVERRIDES = [f"train.steps={STEPS}", "runtime.device=cpu", "runtime.optimizer_threads=1"]
+OVERRIDES = [f"train.steps={STEPS}", "compute.device=cpu", "parallel.optimizer_threads=1"]
 CROSS_MACHINE_ULPS = 16
 """On a machine without an entry, each loss may differ from an entry's by 16 fp32 ulps of the loss
 (16 * 2^-23 * |loss|, 1.9e-6 of it). Another GEMM kernel orders the same sums differently; over
@@ -53,7 +53,7 @@ def run_losses(shm_dir: str) -> list[float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = train_local(load_config(None, [*OVERRIDES, f"runtime.shm_dir={shm_dir}"]), 0)
+        rows = train_local(load_config(None, [*OVERRIDES, f"memory.shm_dir={shm_dir}"]), 0)
     finally:
         torch.set_num_threads(threads)
     return [row["loss"] for row in rows]

@@ -38,19 +38,18 @@ def _config(tmp_path, shm_dir, tied: bool, layers: int = 4):
         "model.hidden_size=256", "model.intermediate_size=704", f"model.num_hidden_layers={layers}",
         "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.vocab_size=4096",
         f"model.tie_word_embeddings={str(tied).lower()}", "train.seq_len=256", "train.micro_batch_size=4",
-        "train.num_micro_batches=3", "train.steps=1", f"data.path={data}", "runtime.device=cuda",
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path}/runs", "runtime.loss_chunk_size=300"])
+        "train.num_micro_batches=3", "train.steps=1", f"data.path={data}", "compute.device=cuda",
+        f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}/runs", "memory.loss_chunk_size=300"])
 
 
 def _streamed_step(cfg, compile_layers: bool, offload: bool = False, mlp_chunk: int = 0):
     """One step through store + prefetcher + compute worker; returns (result, store, spec)."""
-    rt = cfg.runtime
-    spec = StoreSpec(cfg.model, resolve_precision(rt, "cuda"), rt.shm_dir, os.getpid(), "gpu-" + uuid.uuid4().hex[:6])
+    spec = StoreSpec(cfg.model, resolve_precision(cfg.precision, "cuda"), cfg.memory.shm_dir, os.getpid(), "gpu-" + uuid.uuid4().hex[:6])
     ParameterStore(spec, cfg.train.seed)
-    depth = rt.buffer_depth_on("cuda")
+    depth = cfg.memory.buffer_depth_on("cuda")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
     prefetcher = Prefetcher(spec, Schedule.build(StoreLayout.build(cfg.model), cfg.model.tie_word_embeddings), depth,
-                            fetch_q, release_q, rt.actor_timeout_s)
+                            fetch_q, release_q, cfg.cluster.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     settings = dataclasses.replace(resolve(cfg, Facts("cuda")).compute, compile=compile_layers,
@@ -106,7 +105,7 @@ def test_streamed_bf16_step_matches_the_gpu_resident_model(tied, compile_layers,
 
 
 def test_offloaded_activations_keep_device_memory_flat_in_depth(tmp_path, shm_dir):
-    """With runtime.offload_activations the peak device memory of a step does not grow with the
+    """With memory.activations offload the peak device memory of a step does not grow with the
     number of layers; kept on the device, it grows by one checkpoint set per layer."""
     peaks = {}
     for offload in (False, True):

@@ -33,13 +33,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _step(cfg, placement, compile_layers=False, attention_backend="auto"):
     """One step; returns (result, {unit: {name: fp32 grad}})."""
-    rt = cfg.runtime
-    spec = StoreSpec(cfg.model, resolve_precision(rt, "cuda"), rt.shm_dir, os.getpid(), "gap-" + uuid.uuid4().hex[:6])
+    spec = StoreSpec(cfg.model, resolve_precision(cfg.precision, "cuda"), cfg.memory.shm_dir, os.getpid(), "gap-" + uuid.uuid4().hex[:6])
     ParameterStore(spec, cfg.train.seed)
-    depth = rt.buffer_depth_on("cuda")
+    depth = cfg.memory.buffer_depth_on("cuda")
     fetch_q, release_q, grad_q = queue.Queue(depth), queue.Queue(depth), queue.Queue()
     prefetcher = Prefetcher(spec, Schedule.build(StoreLayout.build(cfg.model), cfg.model.tie_word_embeddings), depth,
-                            fetch_q, release_q, rt.actor_timeout_s)
+                            fetch_q, release_q, cfg.cluster.actor_timeout_s)
     thread = threading.Thread(target=prefetcher.run, args=(0, 1), daemon=True)
     thread.start()
     gc.collect()

@@ -1,6 +1,6 @@
 """The compact modes on a GPU, through the real Ray pipeline (skipped without CUDA): the 8-bit optimizer
 state and bf16 master weights, with clipping, train like the exact default; the gradients held on the
-GPU until the step's norm is known (runtime.hold_grads, the default on cuda) train like the
+GPU until the step's norm is known (experimental.hold_grads, the default on cuda) train like the
 whole-model host gradient array."""
 
 import numpy as np
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _run(shm_dir, run_dir, *extra) -> list[tuple[float, float]]:
     cfg = load_config(None, [
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cuda", "runtime.compile=false",
+        f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "compute.device=cuda", "compute.compile=false",
         "model.hidden_size=256", "model.intermediate_size=688", "model.num_hidden_layers=4",
         "model.num_attention_heads=4", "model.num_key_value_heads=2", "train.steps=12", "train.seq_len=128",
         "train.micro_batch_size=8", "train.num_micro_batches=2", "train.save_final=false",
@@ -28,8 +28,8 @@ def test_compact_modes_and_held_gradients_track_the_exact_run(ray_cluster, shm_d
     exact = _run(shm_dir, tmp_path / "exact")
     runs = {name: _run(shm_dir, tmp_path / name, *extra) for name, extra in {
         "8bit": ["optim.state=8bit"],
-        "bf16": ["runtime.master_dtype=bfloat16"],
-        "bf16_host_grads": ["runtime.master_dtype=bfloat16", "runtime.hold_grads=false"],
+        "bf16": ["precision.master_dtype=bfloat16"],
+        "bf16_host_grads": ["precision.master_dtype=bfloat16", "experimental.hold_grads=false"],
     }.items()}
     losses = {name: np.array([loss for loss, _ in r]) for name, r in {"exact": exact, **runs}.items()}
     print({k: np.round(v, 4).tolist() for k, v in losses.items()})

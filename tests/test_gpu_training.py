@@ -10,8 +10,8 @@ and the per-step grad norms. History, on the H200: with the fp32 yardstick alone
 to 1.9x it while weights and losses stayed within 1x; with the summation-order one added, the norm
 still came to 2.2x the larger (0.50 vs 0.23 and 0.17) — until the compiled-layer yardstick showed
 that compiling alone moves the grad norm by 0.38: the fused kernels' roundings, which ours has and
-the eager resident run has not, had not been sampled. With ``runtime.grad_dtype=float32`` the same
-bound holds, and with ``runtime.device_adamw=edges`` (the embedding and head updated on the GPU by
+the eager resident run has not, had not been sampled. With ``precision.grad_dtype=float32`` the same
+bound holds, and with ``memory.resident=embed_head`` (the embedding and head updated on the GPU by
 torch's fused AdamW, the rest on the host: the same formula, other roundings). ``megatrain-ray bench --check`` runs the same comparison. Skipped without CUDA.
 """
 
@@ -33,8 +33,8 @@ def references(directory, ray_cluster):
     return gpu_check.references(gpu_check.check_config(directory))
 
 
-@pytest.mark.parametrize("setting", ["runtime.grad_dtype=auto", "runtime.grad_dtype=float32",
-                                     "runtime.device_adamw=edges"])
+@pytest.mark.parametrize("setting", ["precision.grad_dtype=auto", "precision.grad_dtype=float32",
+                                     "memory.resident=embed_head"])
 def test_streamed_training_tracks_the_gpu_resident_run(setting, directory, references, ray_cluster):
     report = gpu_check.run_check(directory, references, [setting])
     print(f"{setting}: ours vs bf16 resident {report['seen']}; yardsticks {report['yardsticks']}; "

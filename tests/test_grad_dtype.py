@@ -1,4 +1,4 @@
-"""runtime.grad_dtype: gradients cross to the host in the compute dtype (default) or in fp32.
+"""precision.grad_dtype: gradients cross to the host in the compute dtype (default) or in fp32.
 
 What the store holds for each choice (bytes per parameter, where the gradient lives), and a run
 of the engine in one process with bf16 compute on the CPU: the fp32 choice moves exactly twice the
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray.config import RuntimeSection, load_config
+from megatrain_ray.config import PrecisionSection, load_config
 from megatrain_ray.engine.store import GRAD_RING_SLOTS, StoreSpec, grad_slots_for
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model.layout import StoreLayout
@@ -23,8 +23,8 @@ from megatrain_ray.orchestration.local import train_local
     ("float32", 0.0, ("master", "stream", "exp_avg", "exp_avg_sq", "grad"), None),  # a ring of unit slots
 ])
 def test_store_kinds_and_bytes(grad_dtype, clip, kinds, bytes_per_param):
-    cfg = load_config(None, ["model.num_hidden_layers=4", f"runtime.grad_dtype={grad_dtype}"])
-    precision = resolve_precision(cfg.runtime, "cuda")
+    cfg = load_config(None, ["model.num_hidden_layers=4", f"precision.grad_dtype={grad_dtype}"])
+    precision = resolve_precision(cfg.precision, "cuda")
     spec = StoreSpec(cfg.model, precision, "/dev/shm", 0, "t", grad_slots=grad_slots_for(precision, clip))
     layout = StoreLayout.build(cfg.model)
     assert spec.kinds() == kinds
@@ -38,17 +38,17 @@ def test_store_kinds_and_bytes(grad_dtype, clip, kinds, bytes_per_param):
 
 
 def test_grad_dtype_is_validated():
-    with pytest.raises(ConfigError, match="runtime.grad_dtype must be auto, float32 or bfloat16"):
-        RuntimeSection(grad_dtype="fp8").validate()
+    with pytest.raises(ConfigError, match="precision.grad_dtype must be auto, float32 or bfloat16"):
+        PrecisionSection(grad_dtype="fp8").validate()
 
 
 def test_fp32_gradients_double_the_bytes_out_and_train_the_same_first_step(tmp_path, shm_dir):
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 256, size=20_000))
     rows = {}
     for grad_dtype in ("auto", "float32"):
-        cfg = load_config(None, [f"data.path={tmp_path / 'tokens.npy'}", f"runtime.shm_dir={shm_dir}",
-                                 "runtime.device=cpu", "runtime.compute_dtype=bfloat16",
-                                 f"runtime.grad_dtype={grad_dtype}", "train.steps=3", "train.seq_len=32",
+        cfg = load_config(None, [f"data.path={tmp_path / 'tokens.npy'}", f"memory.shm_dir={shm_dir}",
+                                 "compute.device=cpu", "precision.compute_dtype=bfloat16",
+                                 f"precision.grad_dtype={grad_dtype}", "train.steps=3", "train.seq_len=32",
                                  "train.micro_batch_size=2", "train.num_micro_batches=2"])
         rows[grad_dtype] = train_local(cfg, 0)
     bf16, fp32 = rows["auto"], rows["float32"]

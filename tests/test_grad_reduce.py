@@ -1,4 +1,4 @@
-"""The host-side gradient sum of runtime.grad_reduce=host, against float64, and its settings.
+"""The host-side gradient sum of experimental.grad_reduce=host, against float64, and its settings.
 
 ``sum_copies`` adds N workers' host copies of a unit's gradient in fp32 and rounds once into the
 first copy. Bounds: the two fp32 additions are off by at most 2 x 2^-24 of the addends'
@@ -48,8 +48,8 @@ def test_sum_copies_is_the_same_on_any_number_of_threads():
 
 
 def test_peer_grad_copies_in_the_store(shm_dir):
-    cfg = load_config(None, ["model.num_hidden_layers=2", "runtime.device=cpu", f"runtime.shm_dir={shm_dir}"])
-    precision = resolve_precision(cfg.runtime, "cpu")
+    cfg = load_config(None, ["model.num_hidden_layers=2", "compute.device=cpu", f"memory.shm_dir={shm_dir}"])
+    precision = resolve_precision(cfg.precision, "cpu")
     assert peer_grads_for("allreduce", 4) == 0 and peer_grads_for("host", 4) == 3
     spec = StoreSpec(cfg.model, precision, shm_dir, 1, "peers", peer_grads=peer_grads_for("host", 3))
     plain = StoreSpec(cfg.model, precision, shm_dir, 1, "plain")
@@ -71,7 +71,7 @@ def test_peer_grad_copies_in_the_store(shm_dir):
 
 
 def test_grad_reduce_settings_are_checked():
-    with pytest.raises(ConfigError, match="runtime.grad_reduce must be one of allreduce, host, got 'nccl'"):
-        load_config(None, ["runtime.grad_reduce=nccl"])
-    with pytest.raises(ConfigError, match=r"runtime.grad_reduce host needs runtime.nodes=1 \(got 2\)"):
-        load_config(None, ["runtime.grad_reduce=host", "runtime.nodes=2", "train.num_micro_batches=2"])
+    with pytest.raises(ConfigError, match="experimental.grad_reduce must be allreduce or host, got 'nccl'"):
+        load_config(None, ["experimental.grad_reduce=nccl"])
+    with pytest.raises(ConfigError, match=r"experimental.grad_reduce host needs parallel.nodes=1 \(got 2\)"):
+        load_config(None, ["experimental.grad_reduce=host", "parallel.nodes=2", "train.num_micro_batches=2"])

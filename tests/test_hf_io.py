@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 from artifacts import (ARCHS, dtype_kwarg, import_store, imported_logits_match, read_tensors, save_model,  # noqa: E402
                        save_tokenizer, token_ids)
 
-from megatrain_ray.config import RuntimeSection, load_config  # noqa: E402
+from megatrain_ray.config import PrecisionSection, load_config  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
@@ -268,8 +268,8 @@ def test_train_export_load_in_transformers(tmp_path, ray_cluster, shm_dir):
     from megatrain_ray.orchestration.pipeline import train
 
     cfg = load_train_config(None, [
-        f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-        "runtime.device=cpu", "runtime.compute_dtype=float32", "train.steps=3", "train.seq_len=16",
+        f"train.init_from={tmp_path / 'hf'}", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+        "compute.device=cpu", "precision.compute_dtype=float32", "train.steps=3", "train.seq_len=16",
         "train.micro_batch_size=2", "train.num_micro_batches=1", "optim.lr=1e-2", "data.num_workers=1",
         f"data.path={_token_file(tmp_path, len(hf_tok))}",
     ])
@@ -381,11 +381,11 @@ def test_a_byte_level_run_exports_its_tokenizer_and_eos_and_generate_stops_there
     is readable by others as a plain open() would make it."""
     from megatrain_ray.data.tokenizer import BYTE_LEVEL, EOS_ID
 
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}"])
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}"])
     run = tmp_path / "runs" / "r1"
     os.makedirs(run)
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    precision = resolve_precision(PrecisionSection(), "cpu")
     store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "t" + os.urandom(3).hex()), seed=0)
     try:
         store.save_hf(str(run / "final"), tokenizer=BYTE_LEVEL)
@@ -443,8 +443,8 @@ def test_a_chat_fine_tune_stops_generating_at_the_templates_end_of_turn(tmp_path
     assert endoftext != im_end
     base.mkdir()
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": endoftext, "do_sample": True}))
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"model.vocab_size={len(hf_tok)}"])
-    precision = resolve_precision(RuntimeSection(shm_dir=shm_dir), "cpu")
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", f"model.vocab_size={len(hf_tok)}"])
+    precision = resolve_precision(PrecisionSection(), "cpu")
     store = ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), "g" + os.urandom(3).hex()), seed=0)
     try:
         hf_io.save_store(store.store, str(tmp_path / "final"), source=str(base), tokenizer=str(tok_dir))

@@ -132,9 +132,9 @@ def long_job(head, tmp_path_factory, shm_dirs):
     base = tmp_path_factory.mktemp("long-job")
     with shm_dirs() as shm_dir:
         run_dir = base / "runs"
-        proc = _submit(head, "megatrain-stop", "--set", "train.steps=100000", "--set", "runtime.device=cpu",
-                       "--set", "train.checkpoint_every=0", "--set", f"runtime.shm_dir={shm_dir}",
-                       "--set", f"runtime.run_dir={run_dir}", wait=False)
+        proc = _submit(head, "megatrain-stop", "--set", "train.steps=100000", "--set", "compute.device=cpu",
+                       "--set", "train.checkpoint_every=0", "--set", f"memory.shm_dir={shm_dir}",
+                       "--set", f"train.run_dir={run_dir}", wait=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         try:
             yield "megatrain-stop", shm_dir, run_dir
@@ -144,8 +144,8 @@ def long_job(head, tmp_path_factory, shm_dirs):
 
 
 def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_path):
-    proc = _submit(head, "megatrain-ok", "--set", "train.steps=3", "--set", "runtime.device=cpu",
-                   "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={tmp_path}")
+    proc = _submit(head, "megatrain-ok", "--set", "train.steps=3", "--set", "compute.device=cpu",
+                   "--set", f"memory.shm_dir={shm_dir}", "--set", f"train.run_dir={tmp_path}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     logs = proc.stdout + proc.stderr
     assert re.search(r"step\s+3/3 \| loss", logs), logs[-4000:]  # the job's output was streamed
@@ -160,15 +160,15 @@ def test_job_submit_runs_to_succeeded_with_logs(head, long_job, shm_dir, tmp_pat
 def test_documented_job_command_writes_the_run_under_home(head, shm_dir):
     """The README's form (``jobs/train.py --config configs/tiny.yaml``, a path in the uploaded working
     directory), from a shell with RAY_AUTH_MODE=token and the head's token: no --address, no runtime
-    env, a relative runtime.run_dir. The run lands in ~/megatrain-ray/runs (the job's working
+    env, a relative train.run_dir. The run lands in ~/megatrain-ray/runs (the job's working
     directory is Ray's temporary copy), and the job says so first."""
     proc = _ray("job", "submit", "--working-dir", ".", "--", "python", "jobs/train.py", "--config", "configs/tiny.yaml",
-                "--set", "train.steps=3", "--set", "runtime.device=cpu", "--set", f"runtime.shm_dir={shm_dir}")
+                "--set", "train.steps=3", "--set", "compute.device=cpu", "--set", f"memory.shm_dir={shm_dir}")
     logs = proc.stdout + proc.stderr
     assert proc.returncode == 0, logs[-4000:]
     runs = os.path.join(HEAD_ENV["HOME"], "megatrain-ray", "runs")
     (run,) = [name for name in os.listdir(runs) if name != "data-cache"]
-    assert re.search(r"^ray job: runtime.run_dir 'runs' is taken from ~/megatrain-ray, not from Ray's temporary "
+    assert re.search(r"^ray job: train.run_dir 'runs' is taken from ~/megatrain-ray, not from Ray's temporary "
                      rf"copy of the working directory: {re.escape(runs)} ", logs, re.M), logs[-4000:]
     assert f"config, metrics, log, checkpoints and weights go to {os.path.join(runs, run)}" in logs
     assert [json.loads(line)["step"] for line in open(os.path.join(runs, run, "metrics.jsonl"))] == [1, 2, 3]
@@ -189,7 +189,7 @@ def test_train_joins_the_running_head(head, tmp_path, shm_dir):
                               + "\n" for i in range(300)))
     env = {k: v for k, v in _env().items() if k != "RAY_AUTH_MODE"}
     proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "train.steps=3",
-                             "--set", "runtime.device=cpu", "--set", f"runtime.shm_dir={shm_dir}",
+                             "--set", "compute.device=cpu", "--set", f"memory.shm_dir={shm_dir}",
                              "--set", f"data.path={corpus}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -200,7 +200,7 @@ def test_train_joins_the_running_head(head, tmp_path, shm_dir):
             proc.communicate()
     out = stdout + stderr
     assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^joining the Ray cluster already running at (\S+); set runtime.ray_address=local to start a "
+    m = re.search(r"^joining the Ray cluster already running at (\S+); set cluster.ray_address=local to start a "
                   "private one$", stdout, re.M)
     assert m, out[-4000:]
     assert open(os.path.join(HEAD_ENV["RAY_TMPDIR"], "ray", "ray_current_cluster")).read().strip() == m.group(1)
@@ -215,21 +215,21 @@ def test_train_joins_the_running_head(head, tmp_path, shm_dir):
 
 def test_ray_address_chooses_the_cluster(head, monkeypatch):
     """What connect() would do, without connecting: the head found through the Ray temp dir; a
-    private Ray with runtime.ray_address=local; RAY_ADDRESS (a job's) or a given address as is."""
+    private Ray with cluster.ray_address=local; RAY_ADDRESS (a job's) or a given address as is."""
     from megatrain_ray.orchestration import cluster
-    from megatrain_ray.config import RuntimeSection
+    from megatrain_ray.config import ClusterSection
 
     monkeypatch.setenv("RAY_TMPDIR", HEAD_ENV["RAY_TMPDIR"])
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     address = open(os.path.join(HEAD_ENV["RAY_TMPDIR"], "ray", "ray_current_cluster")).read().strip()
-    assert cluster.cluster_to_join(RuntimeSection()) == (address, True)
-    assert cluster.cluster_to_join(RuntimeSection(ray_address="local")) == (None, False)
-    assert cluster.cluster_to_join(RuntimeSection(ray_address="10.0.0.1:6379")) == ("10.0.0.1:6379", False)
+    assert cluster.cluster_to_join(ClusterSection()) == (address, True)
+    assert cluster.cluster_to_join(ClusterSection(ray_address="local")) == (None, False)
+    assert cluster.cluster_to_join(ClusterSection(ray_address="10.0.0.1:6379")) == ("10.0.0.1:6379", False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
-    assert cluster.cluster_to_join(RuntimeSection()) == ("10.0.0.2:6379", False)
+    assert cluster.cluster_to_join(ClusterSection()) == ("10.0.0.2:6379", False)
     monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setenv("RAY_TMPDIR", os.path.join(HEAD_ENV["RAY_TMPDIR"], "elsewhere"))  # no cluster recorded
-    assert cluster.cluster_to_join(RuntimeSection()) == (None, False)
+    assert cluster.cluster_to_join(ClusterSection()) == (None, False)
 
 
 def test_bench_job_joins_the_cluster_and_writes_its_report(head, long_job, shm_dir, tmp_path):
@@ -237,7 +237,7 @@ def test_bench_job_joins_the_cluster_and_writes_its_report(head, long_job, shm_d
     long training job, and its table and JSON come out, under ~/megatrain-ray for a relative --out."""
     proc = _submit(head, "megatrain-bench", "--preset", "tiny", "--layers", "2", "--tokens", "1024",
                    "--seq-len", "128", "--micro-batches", "2", "--steps", "3", "--out", "bench-out",
-                   "--set", f"runtime.shm_dir={shm_dir}", "--set", f"runtime.run_dir={tmp_path}/runs",
+                   "--set", f"memory.shm_dir={shm_dir}", "--set", f"train.run_dir={tmp_path}/runs",
                    script="jobs/bench.py")
     logs = proc.stdout + proc.stderr
     assert proc.returncode == 0, logs[-4000:]

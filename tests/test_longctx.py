@@ -216,10 +216,10 @@ def test_packed_step_loss_through_the_pipeline_matches_per_document_reference(sh
     with pa.ipc.new_file(str(corpus), table.schema) as writer:
         writer.write_table(table)
     cfg = load_train_config(None, [
-        f"runtime.init_from={tmp_path / 'hf'}", f"data.path={corpus}", "data.format=tokens", "data.pack_documents=true",
+        f"train.init_from={tmp_path / 'hf'}", f"data.path={corpus}", "data.format=tokens", "data.pack_documents=true",
         "train.seq_len=96", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=6",
-        "optim.lr=1e-2", "runtime.device=cpu", "runtime.mlp_chunk_size=40", "runtime.loss_chunk_size=50",
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}", "train.save_final=false",
+        "optim.lr=1e-2", "compute.device=cpu", "memory.mlp_chunk_size=40", "memory.loss_chunk_size=50",
+        f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}", "train.save_final=false",
         "train.checkpoint_every=0"])
     batch = source_from_config(cfg).batch(0)
     assert set(batch) == {"input_ids", "labels", "position_ids"}
@@ -277,11 +277,11 @@ def test_cpu_mask_is_dense_and_settings_are_validated(tmp_path):
     assert m.dtype == torch.bool and m[0, 0].tolist() == [
         [True, False, False, False, False], [True, True, False, False, False], [True, True, True, False, False],
         [False, False, False, True, False], [False, False, False, True, True]]
-    with pytest.raises(ConfigError, match="runtime.mlp_chunk_size"):
-        load_config(None, ["runtime.mlp_chunk_size=-1"])
-    rt = load_config(None, []).runtime
+    with pytest.raises(ConfigError, match="memory.mlp_chunk_size"):
+        load_config(None, ["memory.mlp_chunk_size=-1"])
+    rt = load_config(None, []).memory
     assert rt.mlp_chunk_size_for(65536) == 0 and rt.mlp_chunk_size_for(131072) == 16384
-    assert load_config(None, ["runtime.mlp_chunk_size=0"]).runtime.mlp_chunk_size_for(10**6) == 0
+    assert load_config(None, ["memory.mlp_chunk_size=0"]).memory.mlp_chunk_size_for(10**6) == 0
 
 
 def test_pack_documents_refuses_a_stream_without_boundaries(tmp_path):
@@ -305,11 +305,11 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
     shape = ["model.hidden_size=3584", "model.intermediate_size=18944", "model.num_attention_heads=28",
              "model.num_key_value_heads=4", "model.vocab_size=152064", "model.model_type=qwen2",
              "model.num_hidden_layers=4", "train.seq_len=131072", "model.max_position_embeddings=131072",
-             "train.micro_batch_size=1", "train.num_micro_batches=1", "runtime.offload_activations=true"]
+             "train.micro_batch_size=1", "train.num_micro_batches=1", "memory.activations=offload"]
     gpu = int(139.8 * 2**30)
     found = {}
     for tiling in ("null", "0"):
-        cfg = load_config(None, shape + [f"runtime.mlp_chunk_size={tiling}"])
+        cfg = load_config(None, shape + [f"memory.mlp_chunk_size={tiling}"])
         plan = P.plan(cfg, "cuda", device_bytes=gpu, starts_ray=False)
         plan.host_available = 2**50
         longest = found[tiling] = P.longest_context(cfg, "cuda", plan)
@@ -350,7 +350,7 @@ def test_sft_rows_are_packed_whole_by_the_loader(tmp_path):
     with pa.ipc.new_file(str(path), table.schema) as writer:
         writer.write_table(table)
     common = [f"data.path={path}", "data.format=tokens", "train.seq_len=10", "train.micro_batch_size=1",
-              "train.num_micro_batches=1", "model.vocab_size=64", f"runtime.run_dir={tmp_path / 'runs'}"]
+              "train.num_micro_batches=1", "model.vocab_size=64", f"train.run_dir={tmp_path / 'runs'}"]
     packed = source_from_config(load_config(None, common + ["data.pack_documents=true"]))
     assert packed.num_samples == 2  # [5 + 4] and [7 + 3]
     rows = packed.samples(np.arange(2))

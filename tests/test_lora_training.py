@@ -70,7 +70,7 @@ def _reference(model, cfg, source: BatchSource, reverse: bool = False):
     ("qwen2", 3, "q_proj,v_proj,down_proj", []),
     ("qwen3", 4, "k_proj,o_proj,up_proj", []),
     # the other two ways a layer's backward runs: its forward graph kept whole, and the MLP in chunks
-    ("llama2", 4, "q_proj,v_proj,gate_proj,down_proj", ["runtime.activations=keep=1", "runtime.mlp_chunk_size=8"]),
+    ("llama2", 4, "q_proj,v_proj,gate_proj,down_proj", ["memory.activations=counts", "memory.kept_layers=1", "memory.mlp_chunk_size=8"]),
 ], ids=["llama2", "qwen2", "qwen3", "llama2-kept-tiled"])
 def test_lora_training_matches_peft_and_adamw(arch, rank, targets, runtime, ray_cluster, shm_dir, tmp_path):
     make_model(arch).save_pretrained(tmp_path / "init", safe_serialization=True)
@@ -78,9 +78,9 @@ def test_lora_training_matches_peft_and_adamw(arch, rank, targets, runtime, ray_
     tokens = np.where(rng.random(4000) < 0.1, rng.integers(0, 96, size=4000), (np.arange(4000) * 7) % 96)
     np.save(tmp_path / "tokens.npy", tokens)
     cfg = load_train_config(None, [
-        f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-        "runtime.device=cpu", "runtime.compute_dtype=float32", "runtime.loss_chunk_size=24",
+        f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
+        f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+        "compute.device=cpu", "precision.compute_dtype=float32", "memory.loss_chunk_size=24",
         f"train.steps={STEPS}", "train.seq_len=16", "train.micro_batch_size=2", "train.num_micro_batches=3",
         "train.checkpoint_every=0", "train.seed=7",
         "optim.lr=2e-2", "optim.min_lr=1e-3", "optim.warmup_steps=2", "optim.weight_decay=0.1",
@@ -146,9 +146,9 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_bit_for_bit(ray_cluster, 
 
     def config(run: str):
         return load_train_config(None, [
-            f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-            f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / run}", "runtime.device=cpu",
-            "runtime.compute_dtype=float32", f"train.steps={steps}", "train.seq_len=16", "train.micro_batch_size=2",
+            f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
+            f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / run}", "compute.device=cpu",
+            "precision.compute_dtype=float32", f"train.steps={steps}", "train.seq_len=16", "train.micro_batch_size=2",
             "train.num_micro_batches=2", "train.checkpoint_every=2", "train.keep_checkpoints=5",
             "optim.lr=1e-2", "optim.warmup_steps=1", "optim.weight_decay=0.1", "optim.max_grad_norm=0.05",
             "lora.rank=4", "lora.target_modules=q_proj,v_proj,gate_proj,down_proj"])
@@ -216,8 +216,8 @@ def test_frozen_units_compute_no_weight_gradient(shm_dir, tmp_path):
         cfg = load_train_config(None, [
             "model.hidden_size=48", "model.intermediate_size=80", "model.num_hidden_layers=2",
             "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=96",
-            f"data.path={tmp_path / 'tokens.npy'}", f"runtime.shm_dir={shm_dir}", "runtime.device=cpu",
-            "runtime.compute_dtype=float32", "runtime.loss_chunk_size=20", "train.steps=1", "train.seq_len=16",
+            f"data.path={tmp_path / 'tokens.npy'}", f"memory.shm_dir={shm_dir}", "compute.device=cpu",
+            "precision.compute_dtype=float32", "memory.loss_chunk_size=20", "train.steps=1", "train.seq_len=16",
             "train.micro_batch_size=2", "train.num_micro_batches=2", "train.checkpoint_every=0", *lora])
         with Products() as mode:
             train_local(cfg, 0)

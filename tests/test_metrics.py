@@ -43,8 +43,8 @@ def grafana_metrics() -> set[str]:
 def finished_run(ray_cluster, tmp_path_factory, shm_dirs):
     base = tmp_path_factory.mktemp("metrics")
     with shm_dirs() as shm_dir:
-        cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={base / 'runs'}", "runtime.device=cpu",
-                                 f"train.steps={STEPS}", "train.checkpoint_every=2", "runtime.actor_timeout_s=120",
+        cfg = load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={base / 'runs'}", "compute.device=cpu",
+                                 f"train.steps={STEPS}", "train.checkpoint_every=2", "cluster.actor_timeout_s=120",
                                  "train.eval_every=2", "data.val_fraction=0.1", "data.format=text"])
         lines = []
         result = train(cfg, log=lines.append)
@@ -142,8 +142,8 @@ def test_moe_gauges_are_exported(ray_cluster, tmp_path, shm_dir):
     so another run in the same Ray session in between changes nothing they see."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "configs", "tiny-moe.yaml"), [
-        f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}", "runtime.device=cpu", "train.steps=2",
-        "train.checkpoint_every=2", "train.save_final=false", "runtime.actor_timeout_s=120", "optim.warmup_steps=1"])
+        f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}", "compute.device=cpu", "train.steps=2",
+        "train.checkpoint_every=2", "train.save_final=false", "cluster.actor_timeout_s=120", "optim.warmup_steps=1"])
     result = train(cfg, log=lambda line: None)
     found = _scrape(result.run_id, 2, wanted=set(MOE_GAUGES))
     last = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))][-1]

@@ -29,7 +29,7 @@ H200 = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]  # th
 LONG_7B = ["model.model_type=qwen2", "model.vocab_size=152064", "model.hidden_size=3584",
            "model.intermediate_size=18944", "model.num_hidden_layers=28", "model.num_attention_heads=28",
            "model.num_key_value_heads=4", "model.max_position_embeddings=524288", "train.seq_len=524288",
-           "train.micro_batch_size=1", "train.num_micro_batches=1", "optim.state=8bit", "runtime.mlp_chunk_size=16384"]
+           "train.micro_batch_size=1", "train.num_micro_batches=1", "optim.state=8bit", "memory.mlp_chunk_size=16384"]
 
 
 def _plan(capsys, *args) -> str:
@@ -65,7 +65,7 @@ def test_a_short_cpu_step_keeps_the_configured_floor(capsys):
     out = _plan(capsys, "--device", "cpu")
     assert re.search(r"^expected step time: ~\d+ ms \(.* at [\d.]+ GFLOP/s: a nominal 10 GFLOP/s per CPU core x \d+\)$",
                      out, re.M), out
-    assert re.search(r"^stall check: .* for 5 min \(runtime.actor_timeout_s, the floor; 3 x the expected step time is "
+    assert re.search(r"^stall check: .* for 5 min \(cluster.actor_timeout_s, the floor; 3 x the expected step time is "
                      r"\d+ ms\)", out, re.M), out
 
 

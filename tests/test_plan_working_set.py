@@ -31,7 +31,7 @@ NARROW_MLP = ["model.hidden_size=256", "model.intermediate_size=704", "model.num
 SEVEN_B_4L_1M = ["model.model_type=qwen2", "model.vocab_size=152064", "model.hidden_size=3584",
                  "model.intermediate_size=18944", "model.num_hidden_layers=4", "model.num_attention_heads=28",
                  "model.num_key_value_heads=4", "train.seq_len=1048576", "model.max_position_embeddings=1048576",
-                 "train.micro_batch_size=1", "train.num_micro_batches=1", "runtime.mlp_chunk_size=16384"]
+                 "train.micro_batch_size=1", "train.num_micro_batches=1", "memory.mlp_chunk_size=16384"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -69,7 +69,7 @@ def test_the_attention_scratch_is_the_allocation_the_1m_run_lacked_and_the_plan_
     assert f"{scratch / GiB:.2f}" == "28.11"  # torch's message: "Tried to allocate 28.11 GiB"
     # the placement the run had (every checkpoint on the GPU, the edges and layer 0 resident) needs
     # more than the 113.46 GiB it held when it asked for those 28.11 (and the GPU's 139.80 GiB)
-    ran = load_config(None, [*SEVEN_B_4L_1M, "runtime.activations=recompute", "runtime.device_adamw=edges+1"])
+    ran = load_config(None, [*SEVEN_B_4L_1M, "memory.activations=recompute", "memory.resident=edges+1"])
     rows = preflight.device_rows(ran, "cuda", 1, int(139.3 * GiB), preflight.resident_units(ran.model, "edges+1"))
     assert preflight.device_total(rows) > (113.46 + 28.11) * GiB
     # planned by itself, it offloads the checkpoints and keeps no unit resident, and fits

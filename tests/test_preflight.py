@@ -31,7 +31,7 @@ def _bytes(text: str) -> int:
 
 
 def test_store_rows_match_the_segments_a_real_store_creates(shm_dir):
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "model.num_hidden_layers=3"])
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "compute.device=cpu", "model.num_hidden_layers=3"])
     plan = preflight.plan(cfg, "cpu", starts_ray=False)
     store = ParameterStore(StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(),
                                      "plan"), seed=0)
@@ -61,8 +61,8 @@ def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
     assert best and best > 0
 
     run = resolve(cfg, Facts("cuda", 8 * 2**30))  # as the plan resolves it
-    assert run.resident == "edges+1" and run.memory.resident == run.schedule.resident  # auto, on one GPU where it fits
-    assert cfg.runtime.device_adamw == "auto"  # the config is as written
+    assert run.resident_layers == 1 and run.memory.resident == run.schedule.resident  # auto, on one GPU where it fits
+    assert cfg.memory.resident == "auto"  # the config is as written
 
     def device_total(b):  # activations placed by auto for that GPU, as the run would place them
         return preflight.device_total(preflight.device_rows(cfg, "cuda", b, 8 * 2**30, run.schedule.resident))
@@ -74,7 +74,7 @@ def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
 
 def test_plan_prints_the_table_and_fits(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["plan", "--set", "runtime.device=cpu"]) == 0
+    assert cli.main(["plan", "--set", "compute.device=cpu"]) == 0
     out = capsys.readouterr().out
     for component in ("master weights (float32)", "AdamW exp_avg (float32)", "weight slots (2 x largest unit)",
                       "activation checkpoints", "one layer's working set", "loss chunk", "total /dev/shm",
@@ -99,12 +99,12 @@ def test_plan_of_an_absurd_model_says_it_does_not_fit(tmp_path, capsys, monkeypa
 def test_train_refuses_an_absurd_model_before_starting_anything(shm_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", *HUGE, "--set",
-                           f"runtime.shm_dir={shm_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           f"memory.shm_dir={shm_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr  # no Ray start-up lines: refused before Ray
-    assert re.match(r"error: the run needs [0-9.]+ TiB in runtime.shm_dir \(the weights and AdamW state\) but only "
+    assert re.match(r"error: the run needs [0-9.]+ TiB in memory.shm_dir \(the weights and AdamW state\) but only "
                     r"[0-9.]+ \wiB is free there; use a smaller model", lines[0]), lines[0]
     assert "micro_batch_size" not in lines[0]  # that memory is weights and optimizer state, not activations
     assert "total /dev/shm" in proc.stdout and "DOES NOT FIT" in proc.stdout
@@ -121,7 +121,7 @@ def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypa
     fit an idle machine waits while the free memory grows, then starts."""
     import dataclasses
 
-    cfg = load_config(None, [f"runtime.run_dir={tmp_path}"])
+    cfg = load_config(None, [f"train.run_dir={tmp_path}"])
     real = preflight.plan(cfg, "cpu", starts_ray=False)
     need = real.total("shm")
     frees = iter([need // 2, need // 2 + need // 4, need * 2])  # releasing, still short, then enough
@@ -163,7 +163,7 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
     RAM Ray's memory monitor needs free (none when the monitor is off)."""
     base = ["model.hidden_size=1008", "model.num_hidden_layers=6", "model.intermediate_size=2816",
             "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=500",
-            "train.micro_batch_size=3", "train.num_micro_batches=2", "runtime.offload_activations=true"]
+            "train.micro_batch_size=3", "train.num_micro_batches=2", "memory.activations=offload"]
     rows = {r.component: r for r in preflight.plan(load_config(None, base), "cuda", device_bytes=80 * 2**30,
                                                    starts_ray=False).rows}
     assert rows["CUDA context, host side (1 compute worker(s))"].where == "host"
@@ -176,13 +176,13 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
     assert margin.nbytes == int(0.05 * total)
 
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
-    plan = preflight.plan(load_config(None, base + ["runtime.compile_threads=8"]), "cuda",
+    plan = preflight.plan(load_config(None, base + ["compute.compile_threads=8"]), "cuda",
                           device_bytes=80 * 2**30, starts_ray=False)
     names = [r.component for r in plan.rows]
     assert not any(n.startswith("Ray memory monitor") for n in names)
     workers = next(r for r in plan.rows if "compile worker" in r.component)
     assert workers.nbytes == 8 * preflight.COMPILE_WORKER_BYTES
-    cpu_rows = [r.component for r in preflight.plan(load_config(None, base + ["runtime.compile_threads=8"]), "cpu",
+    cpu_rows = [r.component for r in preflight.plan(load_config(None, base + ["compute.compile_threads=8"]), "cpu",
                                                     starts_ray=False).rows]
     assert not any("compile worker" in n or "CUDA context" in n for n in cpu_rows)  # no compile on the CPU
 
@@ -191,23 +191,23 @@ def test_device_rows_use_the_buffer_depth_and_loss_chunk_resolved_for_the_device
     cfg = load_config(None, ["model.hidden_size=256", "model.num_hidden_layers=2", "model.intermediate_size=704",
                              "model.num_attention_heads=4", "model.vocab_size=4096", "train.seq_len=512",
                              "train.micro_batch_size=32",  # 16,384 tokens per micro-batch: more than a chunk
-                             "runtime.device_adamw=none"])  # every unit streamed through the slots
+                             "memory.resident=none"])  # every unit streamed through the slots
     layout = StoreLayout.build(cfg.model)
     for device, depth, chunk, itemsize in (("cuda", 3, 8192, 2), ("cpu", 2, 1024, 4)):
         rows = {r.component: r.nbytes for r in preflight.plan(cfg, device, device_bytes=80 * 2**30,
                                                                starts_ray=False).rows}
         assert rows[f"weight slots ({depth} x largest unit)"] == depth * layout.max_unit_numel * itemsize
         assert f"loss chunk ({chunk} tokens x 4096 logits)" in rows
-    explicit = load_config(None, ["runtime.buffer_depth=5", "runtime.loss_chunk_size=300"])
+    explicit = load_config(None, ["memory.buffer_depth=5", "memory.loss_chunk_size=300"])
     names = [r.component for r in preflight.device_rows(explicit, "cuda", 8)]
     assert "weight slots (5 x largest unit)" in names and "loss chunk (300 tokens x 260 logits)" in names
 
 
 def test_the_object_store_is_counted_only_when_the_run_starts_ray():
-    """runtime.ray_address=local starts a private Ray (its object store is the run's); an address
+    """cluster.ray_address=local starts a private Ray (its object store is the run's); an address
     names a cluster that keeps its own."""
     for address, counted in (("local", True), ("127.0.0.1:1", False)):
-        cfg = load_config(None, [f"runtime.ray_address={address}"])
+        cfg = load_config(None, [f"cluster.ray_address={address}"])
         names = [r.component for r in preflight.plan(cfg, "cpu").rows]
         assert ("Ray object store" in names) == counted
 
@@ -216,8 +216,8 @@ def test_plan_for_several_gpus_counts_each_gpus_share_and_each_worker():
     """With N compute workers per node each GPU holds the checkpoints of 1/N of the micro-batches,
     while the node's host side holds N prefetch + compute processes and N CUDA contexts."""
     base = ["model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8",
-            "train.seq_len=256", "train.micro_batch_size=2", "train.num_micro_batches=4", "runtime.activations=recompute"]
-    one, two = (preflight.plan(load_config(None, base + [f"runtime.compute_workers={n}"]), "cuda",
+            "train.seq_len=256", "train.micro_batch_size=2", "train.num_micro_batches=4", "memory.activations=recompute"]
+    one, two = (preflight.plan(load_config(None, base + [f"parallel.compute_workers={n}"]), "cuda",
                                device_bytes=80 * 2**30, starts_ray=False) for n in (1, 2))
     rows1, rows2 = ({r.component: r for r in p.rows} for p in (one, two))
     assert rows1["activation checkpoints (5 x 4 x 512 tokens x 512)"].nbytes == \

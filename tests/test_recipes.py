@@ -101,7 +101,7 @@ def test_long_context_smoke(ray_cluster, tmp_path):
 
 @pytest.mark.slow
 def test_side_by_side_smoke(ray_cluster, tmp_path):
-    printed = _smoke("side_by_side.sh", tmp_path, "a:", "b:--set runtime.buffer_depth=3")
+    printed = _smoke("side_by_side.sh", tmp_path, "a:", "b:--set memory.buffer_depth=3")
     assert _bench(tmp_path, "b")["buffer_depth"] == 3 and _bench(tmp_path, "a")["buffer_depth"] == 2
     assert re.search(r"^a\s+[\d.]+", printed, re.M) and re.search(r"^b\s+[\d.]+", printed, re.M)
 

@@ -33,8 +33,8 @@ def test_resident_trainer_matches_transformers_and_adamw(tmp_path, shm_dir):
             layer.self_attn.q_proj.bias.normal_(0, 0.1)
     hf.save_pretrained(tmp_path / "init", safe_serialization=True)
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 96, size=3000))
-    cfg = load_train_config(None, [f"runtime.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-                             f"runtime.shm_dir={shm_dir}", "train.steps=3", "train.seq_len=16",
+    cfg = load_train_config(None, [f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
+                             f"memory.shm_dir={shm_dir}", "train.steps=3", "train.seq_len=16",
                              "train.micro_batch_size=2", "train.num_micro_batches=2", "optim.lr=1e-2",
                              "optim.weight_decay=0.1", "optim.max_grad_norm=0.5"])
     source = BatchSource(cfg.data.path, cfg.train.seq_len, cfg.train.micro_batch_size,

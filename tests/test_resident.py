@@ -1,8 +1,8 @@
-"""Units updated on the compute worker's device (runtime.device_adamw, megatrain_ray.engine.resident).
+"""Units updated on the compute worker's device (memory.resident, megatrain_ray.engine.resident).
 
 On the CPU backend the resident units go through the sink's own AdamW kernel on the gradient the sink
 would have read, clipped by the same factor (the same squared norms summed in the same order), so a
-run with ``edges`` must equal the host-updated run bit for bit: losses, grad norms, every weight
+run with ``embed_head`` must equal the host-updated run bit for bit: losses, grad norms, every weight
 and moment of every checkpoint, the exported weights. Any difference is a bug of the protocol
 (a stale copy, a missed sync, a wrong clipping factor or step), not rounding.
 """
@@ -40,9 +40,9 @@ CLIPPED = ("optim.max_grad_norm=0.5", "optim.weight_decay=0.1", "optim.warmup_st
 
 
 def _cfg(shm_dir, run_dir, *extra):
-    return load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "runtime.device=cpu",
+    return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "compute.device=cpu",
                               f"train.steps={STEPS}", "train.seq_len=32", "train.micro_batch_size=2",
-                              "runtime.actor_timeout_s=120", *CLIPPED, *extra])
+                              "cluster.actor_timeout_s=120", *CLIPPED, *extra])
 
 
 
@@ -52,20 +52,22 @@ def _equal(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
 
 
-@pytest.mark.parametrize("mode", ["edges", "edges+1"])
+@pytest.mark.parametrize("layers", [0, 1])
 @pytest.mark.parametrize("tied", [False, True])
-def test_resident_units_on_the_device_give_the_host_update_bit_for_bit(tied, mode, shm_dir, tmp_path):
+def test_resident_units_on_the_device_give_the_host_update_bit_for_bit(tied, layers, shm_dir, tmp_path):
     rows = {}
+    mode = "embed_head"
     for setting in ("none", mode):
-        cfg = _cfg(shm_dir, tmp_path, f"runtime.device_adamw={setting}", f"model.tie_word_embeddings={str(tied).lower()}")
+        resident = [f"memory.resident={setting}", *([f"memory.resident_layers={layers}"] if setting == mode else [])]
+        cfg = _cfg(shm_dir, tmp_path, *resident, f"model.tie_word_embeddings={str(tied).lower()}")
         rows[setting] = train_local(cfg, 0)
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in rows["none"]] == [r[key] for r in rows[mode]], key
     assert all(r["grad_norm"] > 0.5 for r in rows["none"])  # clipped every step
     # Only the other decoder layers are streamed (each twice); the resident units never leave the device.
     assert rows["none"][0]["fetches"]["embed"] == (2 if tied else 1)
-    layers = cfg.model.num_hidden_layers - (1 if mode == "edges+1" else 0)
-    assert rows[mode][0]["fetches"] == {"layers": 2 * layers}
+    streamed = cfg.model.num_hidden_layers - layers
+    assert rows[mode][0]["fetches"] == {"layers": 2 * streamed}
     assert os.listdir(shm_dir) == []
 
 
@@ -78,14 +80,14 @@ def host_run(ray_cluster, tmp_path_factory, shm_dirs):
                      log=lambda line: None)
 
 
-def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host_run(host_run, shm_dir, tmp_path):
+def test_checkpoints_interrupt_resume_and_export_with_resident_embed_head_match_the_host_run(host_run, shm_dir, tmp_path):
     a_ckpts = os.path.join(host_run.run_dir, "checkpoints")
-    # B: edges on the device, a checkpoint every step (the sink waits for the worker's copy before
+    # B: embed_head on the device, a checkpoint every step (the sink waits for the worker's copy before
     # each; the worker's next copy waits until the checkpoint has written the last), interrupted once
     # step 2's is out (the worker copies its units in for the store's save).
     lines = []
     with pytest.raises(Interrupted) as info:
-        train(_cfg(shm_dir, tmp_path / "b", "runtime.device_adamw=edges", "train.checkpoint_every=1",
+        train(_cfg(shm_dir, tmp_path / "b", "memory.resident=embed_head", "train.checkpoint_every=1",
                    f"train.keep_checkpoints={STEPS}"), log=interrupt_after_checkpoint(2, lines))
     boundary = checkpoint.read_meta(info.value.checkpoint)["step"]
     assert 2 <= boundary < STEPS, lines
@@ -98,7 +100,7 @@ def test_checkpoints_interrupt_resume_and_export_with_owned_edges_match_the_host
         assert any("embed_tokens" in k for k in ours) and any("exp_avg" in k for k in ours)
         assert not _equal(ours, theirs), (name, _equal(ours, theirs)[:4])
 
-    # C: resume B (its newest checkpoint, the boundary) in place, with edges on the device (from the host
+    # C: resume B (its newest checkpoint, the boundary) in place, with embed_head on the device (from the host
     # copy the worker synced), to the end.
     assert cli.main(["train", "--resume", b_run]) == 0
     c_run = Path(b_run)
@@ -117,8 +119,8 @@ def test_a_killed_compute_worker_takes_its_units_along_and_the_restart_still_end
     """The compute worker dies with the only current copy of the embedding and head: the restart
     resumes from the last checkpoint, where the worker's synced copy is; then the sink dies."""
     lines = []
-    result = train(_cfg(shm_dir, tmp_path, "runtime.device_adamw=edges", "train.checkpoint_every=2",
-                        f"train.keep_checkpoints={STEPS}", "runtime.max_restarts=2"),
+    result = train(_cfg(shm_dir, tmp_path, "memory.resident=embed_head", "train.checkpoint_every=2",
+                        f"train.keep_checkpoints={STEPS}", "cluster.max_restarts=2"),
                    log=kill_in_turn(["compute", "grad-sink"], lines))
     assert sum(line.startswith("restart ") for line in lines) == 2, "\n".join(lines)
     assert not _equal(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
@@ -128,9 +130,9 @@ def test_a_killed_compute_worker_takes_its_units_along_and_the_restart_still_end
 
 
 def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "runtime.device_adamw=edges"])
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "compute.device=cpu", "memory.resident=embed_head"])
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "held",
-                     resident=resident_units(cfg.model, "edges"))
+                     resident=resident_units(cfg.model, 0))
     ps = ParameterStore(spec, seed=0)
     try:
         resident = ResidentUnits(ps.store, CpuBackend(1, 1, torch.float32), cfg.optim, 10, timeout_s=0.3)
@@ -172,9 +174,9 @@ def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end_and_held_for_check
 def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, tmp_path):
     """With a checkpoint every step the worker reaches its next copy before the sink has started the
     checkpoint of the previous one (the sink may still be writing the one before): that copy waits."""
-    cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", "runtime.device=cpu", "runtime.device_adamw=edges"])
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "compute.device=cpu", "memory.resident=embed_head"])
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), "ahead",
-                     resident=resident_units(cfg.model, "edges"))
+                     resident=resident_units(cfg.model, 0))
     ps = ParameterStore(spec, seed=0)
     store = ps.store
     try:
@@ -212,50 +214,53 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
 
 
 @pytest.mark.parametrize("extra,says", [
-    (("runtime.device_adamw=all",), "runtime.device_adamw must be one of auto, none, edges, edges+K, got 'all'"),
-    (("runtime.device_adamw=edges+x",), "runtime.device_adamw must be one of auto, none, edges, edges+K, got 'edges+x'"),
-    (("runtime.device_adamw=edges+9",), "runtime.device_adamw (edges+9) names more decoder layers than the model "
-     "has"),
-    (("runtime.device_adamw=edges", "runtime.compute_workers=2"), "runtime.device_adamw (edges) needs one compute "
-     "worker in the whole run (got 2 x 1)"),
-    (("runtime.device_adamw=edges", "runtime.master_dtype=bfloat16"), "runtime.device_adamw (edges) needs fp32 "
-     "master weights and moments (runtime.master_dtype bfloat16, optim.state fp32)"),
-    (("runtime.device_adamw=edges", "optim.state=8bit"), "needs fp32 master weights and moments"),
+    (("memory.resident=all",), "memory.resident must be auto, none or embed_head, got 'all'"),
+    (("memory.resident=embed_head", "memory.resident_layers=x"), "memory.resident_layers must be an integer, got 'x'"),
+    (("memory.resident_layers=1",), "memory.resident_layers (1) is read only with memory.resident embed_head (got "
+     "'auto')"),
+    (("memory.resident=embed_head", "memory.resident_layers=9",), "memory.resident_layers (9) names more decoder "
+     "layers than the model has"),
+    (("memory.resident=embed_head", "parallel.compute_workers=2"), "memory.resident (embed_head, 0 layers) needs "
+     "one compute worker in the whole run (got 2 x 1)"),
+    (("memory.resident=embed_head", "precision.master_dtype=bfloat16"), "memory.resident (embed_head, 0 layers) "
+     "needs fp32 master weights and moments (precision.master_dtype bfloat16, optim.state fp32)"),
+    (("memory.resident=embed_head", "optim.state=8bit"), "needs fp32 master weights and moments"),
 ])
 def test_settings_it_cannot_serve_are_refused_by_name(extra, says, shm_dir):
     with pytest.raises(ConfigError, match=re.escape(says)):
-        load_config(None, [f"runtime.shm_dir={shm_dir}", *extra])
+        load_config(None, [f"memory.shm_dir={shm_dir}", *extra])
 
 
-def test_auto_owns_the_edges_and_layer_0_on_one_gpu_where_they_fit_and_nothing_elsewhere():
-    """runtime.device_adamw=auto (the default) as a run resolves it: edges+1 where the plan fits it with
-    every checkpoint on the GPU, else edges, else none; none wherever owning is refused or pointless."""
+def test_auto_makes_the_embedding_head_and_layer_0_resident_on_one_gpu_where_they_fit_and_nothing_elsewhere():
+    """memory.resident=auto (the default) as a run resolves it: embed_head with one layer where the
+    plan fits it with every checkpoint on the GPU, else embed_head, else none; none wherever a
+    resident unit is refused or pointless."""
     shape = [f"model.{k}={v}" for k, v in preset_shape("7b").items()]  # its small default step: 2 x 8 x 64 tokens
 
     def auto(gib, *extra, device="cuda"):
-        cfg = load_config(None, ["runtime.device=cuda", *shape, *extra])
+        cfg = load_config(None, ["compute.device=cuda", *shape, *extra])
         return resolve_resident(cfg, device, gib * 2**30)
 
-    # edges+1 holds 17.3 GiB on the GPU at this shape, edges 14.2: the plan's totals decide
-    assert [auto(g) for g in (140, 27, 24, 20)] == ["edges+1", "edges+1", "edges", "none"]
-    assert auto(140, device="cpu") == "none"  # the CPU's "device" is the host: nothing to gain
-    for extra in (["runtime.compute_workers=2", "train.num_micro_batches=2"], ["runtime.master_dtype=bfloat16"],
-                  ["optim.state=8bit"], ["runtime.activations=keep=3,host=5"]):
-        assert auto(140, *extra) == "none", extra  # several copies; no fp32 state; checkpoints already offloaded
-    assert auto(20, "runtime.device_adamw=edges") == "edges"  # a setting given is kept (the plan then judges it)
+    # embed_head and layer 0 hold 17.3 GiB on the GPU at this shape, embed_head alone 14.2: the plan's totals decide
+    assert [auto(g) for g in (140, 27, 24, 20)] == [1, 1, 0, None]
+    assert auto(140, device="cpu") is None  # the CPU's "device" is the host: nothing to gain
+    for extra in (["parallel.compute_workers=2", "train.num_micro_batches=2"], ["precision.master_dtype=bfloat16"],
+                  ["optim.state=8bit"], ["memory.activations=counts", "memory.kept_layers=3", "memory.offloaded_layers=5"]):
+        assert auto(140, *extra) is None, extra  # several copies; no fp32 state; checkpoints already offloaded
+    assert auto(20, "memory.resident=embed_head") == 0  # a setting given is kept (the plan then judges it)
 
 
 def test_the_plan_counts_the_resident_state_and_streams_smaller_slots():
     shape = [f"model.{k}={v}" for k, v in preset_shape("7b").items()]  # its embedding outweighs a layer
-    base = load_config(None, ["runtime.device=cuda", *shape])
-    edges = load_config(None, ["runtime.device=cuda", "runtime.device_adamw=edges", *shape])
+    base = load_config(None, ["compute.device=cuda", *shape])
+    embed_head = load_config(None, ["compute.device=cuda", "memory.resident=embed_head", *shape])
     rows = {mode: {r.component: r.nbytes for r in _fixed_device_rows(c, "cuda", 1)} for mode, c in
-            (("none", base), ("edges", edges))}
+            (("none", base), ("embed_head", embed_head))}
     m = base.model
-    resident = [k for k in rows["edges"] if k.startswith("embed, head: ")]
+    resident = [k for k in rows["embed_head"] if k.startswith("embed, head: ")]
     assert len(resident) == 1
     head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
-    assert rows["edges"][resident[0]] == (m.vocab_size * m.hidden_size + head) * (12 + 2)
+    assert rows["embed_head"][resident[0]] == (m.vocab_size * m.hidden_size + head) * (12 + 2)
     slots = lambda r: next(v for k, v in r.items() if k.startswith("weight slots"))  # noqa: E731
     layout = StoreLayout.build(base.model)  # the head is the largest unit, then a decoder layer
-    assert slots(rows["edges"]) == 3 * layout.templates[1].numel * 2 < slots(rows["none"]) == 3 * head * 2
+    assert slots(rows["embed_head"]) == 3 * layout.templates[1].numel * 2 < slots(rows["none"]) == 3 * head * 2

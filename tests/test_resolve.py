@@ -22,21 +22,21 @@ def test_plan_prints_the_resolved_run(tmp_path, capsys, monkeypatch):
     # The machine's free memory, fixed: other processes change it between the two resolutions.
     monkeypatch.setattr(preflight, "host_available", lambda: 16 * 2**30)
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 0, 2**39))
-    overrides = [*SMALL, "runtime.device=cpu"]
+    overrides = [*SMALL, "compute.device=cpu"]
     assert cli.main(["plan", *sum((["--set", o] for o in overrides), [])]) == 0
     printed = capsys.readouterr().out
     cfg = load_config(None, overrides)
-    run = resolve(cfg, Facts.here(cfg, starts_ray=cluster_to_join(cfg.runtime)[0] is None))
+    run = resolve(cfg, Facts.here(cfg, starts_ray=cluster_to_join(cfg.cluster)[0] is None))
     assert printed.rstrip("\n") == run.describe()
-    assert "resident on the device: none (runtime.device_adamw=auto: none)" in printed
+    assert "resident on the device: none (memory.resident=auto: none)" in printed
 
 
 def test_the_spawned_roles_hold_what_the_run_resolved(shm_dir, tmp_path):
-    cfg = load_config(None, [*SMALL, "runtime.device=cpu", f"runtime.shm_dir={shm_dir}",
-                             f"runtime.run_dir={tmp_path}", "runtime.activations=keep=1,host=1",
-                             "runtime.device_adamw=edges", "train.steps=2"])
+    cfg = load_config(None, [*SMALL, "compute.device=cpu", f"memory.shm_dir={shm_dir}",
+                             f"train.run_dir={tmp_path}", "memory.activations=counts", "memory.kept_layers=1", "memory.offloaded_layers=1",
+                             "memory.resident=embed_head", "train.steps=2"])
     run = resolve(cfg, Facts.here(cfg))
-    assert run.config is cfg and cfg.runtime.device_adamw == "edges"
+    assert run.config is cfg and cfg.memory.resident == "embed_head"
     assert run.schedule.resident == (0, 4) and run.schedule.fetch == (1, 2, 3, 3, 2, 1)
     spec = run.store_spec(os.getpid(), "resolve-" + uuid.uuid4().hex[:6])
     roles = spawn_roles(run, [spec], LocalSpawner()).head
@@ -48,7 +48,7 @@ def test_the_spawned_roles_hold_what_the_run_resolved(shm_dir, tmp_path):
         assert compute.store.spec == sink.store.spec == prefetcher.store.spec == spec
         assert spec.resident == run.schedule.resident and compute.resident.units == run.schedule.resident
         assert tuple(prefetcher.order) == run.schedule.fetch and tuple(sink.order) == run.schedule.sink_updates
-        assert sink.runner.threads == run.sink.threads == cfg.runtime.adamw_threads()
+        assert sink.runner.threads == run.sink.threads == cfg.parallel.adamw_threads()
         assert sink.policies == compute.settings.policies == run.policies
         assert [str(p) for p in run.policies] == [
             "weights resident, gradient device, optimizer device", *["weights streamed, gradient host, optimizer "
@@ -65,7 +65,7 @@ def test_auto_settings_resolve_from_the_facts_and_the_plan_counts_them():
     cfg = load_config(None, ["model.hidden_size=1024", "model.num_hidden_layers=8", "model.intermediate_size=2816",
                              "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=2048"])
     runs = [resolve(cfg, Facts("cuda", gib * 2**30)) for gib in (80, 8, 3)]
-    assert [r.resident for r in runs] == ["edges+1", "edges+1", "none"]  # as much as fits, by the GPU's memory
+    assert [r.resident_layers for r in runs] == [1, 1, None]  # as much as fits, by the GPU's memory
     assert [r.compute.activations.count(KEEP) for r in runs] == [8, 4, 0]
     assert [r.schedule.resident for r in runs] == [(0, 1, 9), (0, 1, 9), ()]
     assert {str(p) for p in runs[0].policies[2:-1]} == {"weights streamed, gradient host, optimizer split"}
@@ -73,4 +73,4 @@ def test_auto_settings_resolve_from_the_facts_and_the_plan_counts_them():
         kept = [r for r in run.memory.rows if "kept whole" in r.component]
         n_kept = run.compute.activations.count(KEEP)
         assert (kept[0].component.startswith(f"activations kept whole ({n_kept} layers") if n_kept else not kept)
-    assert resolve(cfg, Facts("cpu")).resident == "none" and cfg.runtime.device_adamw == "auto"
+    assert resolve(cfg, Facts("cpu")).resident_layers is None and cfg.memory.resident == "auto"

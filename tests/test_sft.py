@@ -110,8 +110,8 @@ def test_one_pipeline_step_counts_only_response_tokens(word_tok, tmp_path, ray_c
     from megatrain_ray.orchestration.local import train_local
 
     cfg = load_train_config(None, [
-        f"runtime.init_from={tmp_path / 'hf'}", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
-        "runtime.device=cpu", "runtime.compute_dtype=float32", f"data.path={tmp_path / 'sft.jsonl'}",
+        f"train.init_from={tmp_path / 'hf'}", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+        "compute.device=cpu", "precision.compute_dtype=float32", f"data.path={tmp_path / 'sft.jsonl'}",
         "data.num_workers=1", "train.steps=1", "train.seq_len=24", "train.micro_batch_size=2",
         "train.num_micro_batches=1"])
     losses = [row["loss"] for row in train_local(cfg, 0)]

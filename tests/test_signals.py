@@ -27,12 +27,12 @@ def _env() -> dict[str, str]:
 
 
 def _train_args(shm_dir, work_dir) -> list[str]:
-    """The run's own private Ray (runtime.ray_address=local): never a cluster that another test, or
+    """The run's own private Ray (cluster.ray_address=local): never a cluster that another test, or
     another user of the machine, started with ``ray start --head``."""
-    return [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "runtime.ray_address=local",
-            "--set", f"runtime.shm_dir={shm_dir}",
+    return [sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "cluster.ray_address=local",
+            "--set", f"memory.shm_dir={shm_dir}",
             "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
-            "--set", f"runtime.run_dir={work_dir / 'runs'}"]
+            "--set", f"train.run_dir={work_dir / 'runs'}"]
 
 
 def _default_sigint():

@@ -28,6 +28,15 @@ from test_actplace import _config, _cpu_step  # noqa: E402  (the compute worker'
 GiB = 2**30
 
 
+
+def _placement(setting: str) -> list[str]:
+    """``recompute`` or counts written ``"keep=K,host=H,span=P"`` (for short test ids) as memory overrides."""
+    if setting == "recompute":
+        return ["memory.activations=recompute"]
+    names = {"keep": "kept_layers", "host": "offloaded_layers", "span": "spanned_layers"}
+    return ["memory.activations=counts", *(f"memory.{names[k]}={v}" for k, v in
+                                           (part.split("=") for part in setting.split(",")))]
+
 def test_placements_lay_spans_out_evenly_after_a_checkpoint():
     assert layer_modes(3, 0, 0, 1) == (GPU, SPAN, GPU)
     assert layer_modes(3, 0, 0, 2) == (GPU, SPAN, SPAN)
@@ -97,12 +106,12 @@ def test_packed_documents_with_a_tiled_mlp_train_through_spans_as_through_checkp
               "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=96",
               f"data.path={corpus}", "data.format=tokens", "data.pack_documents=true", "train.seq_len=96",
               "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=3", "optim.lr=1e-2",
-              "runtime.device=cpu", "runtime.mlp_chunk_size=40", "runtime.loss_chunk_size=50",
-              f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}", "train.save_final=false",
+              "compute.device=cpu", "memory.mlp_chunk_size=40", "memory.loss_chunk_size=50",
+              f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}", "train.save_final=false",
               "train.checkpoint_every=0"]
     runs = {}
     for setting in ("recompute", "span=3", "host=2", "host=2,span=2", "keep=1", "keep=1,span=2"):
-        rows = train_local(load_config(None, [*common, f"runtime.activations={setting}"]), 0)
+        rows = train_local(load_config(None, [*common, *_placement(setting)]), 0)
         runs[setting] = [(r["loss"], r["grad_norm"]) for r in rows]
     assert runs["recompute"][-1][0] < runs["recompute"][0][0]  # it trains
     # each against the same placement with a checkpoint per layer (a kept layer runs its MLP untiled)
@@ -120,10 +129,10 @@ def test_a_mixture_of_experts_trains_through_spans_as_through_checkpoints(tmp_pa
               "model.num_hidden_layers=3", "model.num_attention_heads=4", "model.num_key_value_heads=2",
               "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=16",
               "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=2",
-              "runtime.device=cpu", f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={tmp_path / 'runs'}",
+              "compute.device=cpu", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
               "train.save_final=false", "train.checkpoint_every=0"]
     runs = {setting: [(r["loss"], r["grad_norm"], r.get("aux_loss")) for r in
-                      train_local(load_config(None, [*common, f"runtime.activations={setting}"]), 0)]
+                      train_local(load_config(None, [*common, *_placement(setting)]), 0)]
             for setting in ("recompute", "span=2")}
     assert runs["span=2"] == runs["recompute"]
 
@@ -132,7 +141,7 @@ H200_BOX = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]
 FULL_7B = ["model.model_type=qwen2", "model.vocab_size=152064", "model.hidden_size=3584",
            "model.intermediate_size=18944", "model.num_hidden_layers=28", "model.num_attention_heads=28",
            "model.num_key_value_heads=4", "train.micro_batch_size=1", "train.num_micro_batches=1",
-           "optim.state=8bit", "runtime.mlp_chunk_size=16384", "data.num_workers=1"]
+           "optim.state=8bit", "memory.mlp_chunk_size=16384", "data.num_workers=1"]
 
 
 def _plan(capsys, tokens: int, *args) -> str:

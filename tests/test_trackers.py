@@ -1,4 +1,4 @@
-"""Experiment trackers (runtime.loggers): one real run logs to TensorBoard, MLflow and W&B (offline)
+"""Experiment trackers (train.loggers): one real run logs to TensorBoard, MLflow and W&B (offline)
 with the real libraries, and each is read back with its own reader: TensorBoard's event
 accumulator, MLflow's client on the run's store, and the records of W&B's offline run file. Every
 tracker holds each step's loss as metrics.jsonl has it, at the step's number, under the Ray
@@ -52,9 +52,9 @@ def _wandb_records(path: str) -> list:
 def tracked_run(ray_cluster, shm_dirs, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tracked")
     with shm_dirs() as shm_dir:
-        cfg = load_config(None, [f"runtime.shm_dir={shm_dir}", f"runtime.run_dir={run_dir}", "train.steps=3",
-                                 "runtime.device=cpu", "train.save_final=false",
-                                 "runtime.loggers=[tensorboard, mlflow, wandb]"])
+        cfg = load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "train.steps=3",
+                                 "compute.device=cpu", "train.save_final=false",
+                                 "train.loggers=[tensorboard, mlflow, wandb]"])
         lines = []
         result = train(cfg, log=lines.append)
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
@@ -89,7 +89,7 @@ def test_mlflow_store_holds_the_run_its_params_and_every_step(tracked_run):
     experiment = client.get_experiment_by_name(trackers.EXPERIMENT)
     (run,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.megatrain_run_id = '{result.run_id}'")
     assert run.info.status == "FINISHED" and run.info.run_name == result.run_id
-    assert run.data.params["train.steps"] == "3" and run.data.params["runtime.loggers"] == json.dumps(
+    assert run.data.params["train.steps"] == "3" and run.data.params["train.loggers"] == json.dumps(
         ["tensorboard", "mlflow", "wandb"])
     _names_are_gauges(run.data.metrics)
     history = client.get_metric_history(run.info.run_id, "loss")
@@ -111,7 +111,7 @@ def test_wandb_offline_run_holds_the_config_and_every_step(tracked_run):
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.run_id == result.run_id and run.display_name == result.run_id
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    assert config["train"]["steps"] == 3 and config["runtime"]["loggers"] == ["tensorboard", "mlflow", "wandb"]
+    assert config["train"]["steps"] == 3 and config["train"]["loggers"] == ["tensorboard", "mlflow", "wandb"]
     assert not any("wandb" in line and "warning" in line for line in lines), lines
 
 
@@ -119,13 +119,13 @@ def test_a_missing_tracker_library_is_one_sentence_naming_the_install(monkeypatc
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as import sees a package that is not installed
     with pytest.raises(ConfigError) as info:
         trackers.check(["tensorboard", "mlflow"])
-    assert str(info.value) == ("runtime.loggers asks for mlflow, whose library is not installed; pip install mlflow "
-                               "(or 'megatrain-ray[trackers]'), or remove it from runtime.loggers.")
+    assert str(info.value) == ("train.loggers asks for mlflow, whose library is not installed; pip install mlflow "
+                               "(or 'megatrain-ray[trackers]'), or remove it from train.loggers.")
 
 
 def test_loggers_are_validated_by_name():
-    assert load_config(None, ["runtime.loggers=tensorboard,wandb"]).runtime.loggers == ("tensorboard", "wandb")
-    assert load_config(None, ["runtime.loggers=[mlflow]"]).runtime.loggers == ("mlflow",)
-    with pytest.raises(ConfigError, match=r"runtime.loggers must be a list of distinct names of tensorboard, mlflow, "
+    assert load_config(None, ["train.loggers=tensorboard,wandb"]).train.loggers == ("tensorboard", "wandb")
+    assert load_config(None, ["train.loggers=[mlflow]"]).train.loggers == ("mlflow",)
+    with pytest.raises(ConfigError, match=r"train.loggers must be a list of distinct names of tensorboard, mlflow, "
                                           r"wandb \(e.g. \[tensorboard, mlflow\]\), got \['neptune'\]"):
-        load_config(None, ["runtime.loggers=[neptune]"])
+        load_config(None, ["train.loggers=[neptune]"])

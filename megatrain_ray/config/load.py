@@ -1,10 +1,11 @@
 """Building a :class:`TrainConfig` from a nested dict, a YAML file and ``--set section.key=value``
-overrides. Reads no model files: a config whose ``runtime.init_from`` names a Hugging Face
+overrides. Reads no model files: a config whose ``train.init_from`` names a Hugging Face
 directory goes through :func:`megatrain_ray.io.hf_io.load_train_config`, which reads its config.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -15,12 +16,11 @@ import yaml
 from ..errors import ConfigError
 from ..yaml_strict import StrictLoader
 from .fields import section_from_dict
-from .lora import LoraSection
 from .model import ModelConfig
-from .sections import DataSection, OptimConfig, RuntimeSection, TrainConfig, TrainSection
+from .moved import refuse_runtime, upgrade_saved
+from .sections import TrainConfig
 
-_SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainSection,
-             "data": DataSection, "runtime": RuntimeSection, "lora": LoraSection}
+_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
@@ -29,6 +29,8 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError(f"the configuration must be a mapping of sections, got {type(data).__name__}.")
     kwargs = {}
     for name, value in data.items():
+        if name == "runtime":
+            refuse_runtime(value)
         if name not in _SECTIONS:
             raise ConfigError(f"{name} is not a known section; use one of {', '.join(_SECTIONS)}.")
         kwargs[name] = section_from_dict(_SECTIONS[name], {} if value is None else value, name)
@@ -56,15 +58,17 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
     """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
 
     ``skip``: sections of the file left out (their defaults apply), for a caller that uses none of
-    their settings: the benchmark's data section (it trains on random tokens).
+    their settings: the benchmark's data section (it trains on random tokens). ``base`` is a run
+    config the program saved (a checkpoint's, a run's config.json); one saved with the former
+    ``runtime`` section is upgraded (:func:`megatrain_ray.config.moved.upgrade_saved`).
 
-    When ``runtime.init_from`` names an HF model directory, its config.json defines the model shape:
+    When ``train.init_from`` names an HF model directory, its config.json defines the model shape:
     ``model_from(init_from, given)`` reads it and checks ``given`` (the model.* values the configuration
     sets) against it. This module reads no model files, so a config with
-    runtime.init_from is loaded through :func:`megatrain_ray.io.hf_io.load_train_config`, which
+    train.init_from is loaded through :func:`megatrain_ray.io.hf_io.load_train_config`, which
     passes it; without ``model_from`` such a config is an error.
     """
-    data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
+    data: dict[str, Any] = upgrade_saved(json.loads(json.dumps(base))) if base else {}
     if path is not None:
         if os.path.isdir(path):
             raise ConfigError(f"config file {path!r} is a directory; pass a YAML file (e.g. configs/tiny.yaml).")
@@ -96,11 +100,11 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
             raise ConfigError(f"{section} must be a mapping of keys to values.")
         current[key] = value
     cfg = config_from_dict(data)
-    if cfg.runtime.init_from is not None:
-        cfg.runtime.validate()
+    if cfg.train.init_from is not None:
+        cfg.train.validate()
         if model_from is None:
-            raise ConfigError("runtime.init_from needs its config.json read for the model shape; load this "
+            raise ConfigError("train.init_from needs its config.json read for the model shape; load this "
                               "configuration with megatrain_ray.io.hf_io.load_train_config.")
         given = {k: getattr(cfg.model, k) for k, v in (data.get("model") or {}).items() if v is not None}
-        cfg.model = model_from(cfg.runtime.init_from, given)  # given: the model.* values set, to check
+        cfg.model = model_from(cfg.train.init_from, given)  # given: the model.* values set, to check
     return cfg.validate()

@@ -1,6 +1,6 @@
-"""The run's sections besides the model: optimizer, steps and batch shape, data (the runtime section is in
-:mod:`.runtime`, the lora section in :mod:`.lora`), and :class:`TrainConfig`, which holds all six and
-checks the rules between them.
+"""The run's sections besides the model: optimizer, steps and batch shape, data (the sections of how
+the run executes are in :mod:`.execution`, the lora section in :mod:`.lora`), and :class:`TrainConfig`,
+which holds them all and checks the rules between them.
 
 Every check raises :class:`~megatrain_ray.errors.ConfigError` with one sentence that names the key.
 """
@@ -17,8 +17,12 @@ from .fields import require as _require
 from .lora import LoraSection
 from .host import unwritable, usable_cpus  # noqa: F401  (re-exported)
 from .model import ModelConfig
-from .runtime import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, AUTO_MLP_CHUNK, GRAD_REDUCE,  # noqa: F401  (re-exported)
-                      RuntimeSection, device_adamw_layers, parse_activation_counts)
+from .execution import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, AUTO_MLP_CHUNK, GRAD_REDUCE,  # noqa: F401  (re-exported)
+                        ClusterSection, ComputeSection, ExperimentalSection, MemorySection, ParallelSection,
+                        PrecisionSection)
+
+LOGGERS = ("tensorboard", "mlflow", "wandb")
+"""Values in train.loggers (the trackers of megatrain_ray.orchestration.trackers)."""
 
 
 @dataclass
@@ -46,9 +50,9 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     state: str = "fp32"
-    """Optimizer state in host memory: fp32 (exact AdamW: fp32 moments, master in runtime.master_dtype)
+    """Optimizer state in host memory: fp32 (exact AdamW: fp32 moments, master in precision.master_dtype)
     or 8bit (compact, ~4 bytes per parameter plus the gradient: block-quantized 8-bit moments and bf16
-    master weights, all rounded stochastically, whatever runtime.master_dtype says; see
+    master weights, all rounded stochastically, whatever precision.master_dtype says; see
     megatrain_ray.engine.compact)."""
 
     def validate(self) -> None:
@@ -81,8 +85,10 @@ def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
 
 @dataclass
 class TrainSection:
-    """How many steps, and the shape of each step's batch."""
+    """What the run starts from, how many steps, the shape of each step's batch, and what it writes."""
 
+    init_from: str | None = None
+    """A Hugging Face model directory (config.json + safetensors) to start from; None = random init."""
     steps: int = 60
     """Number of optimizer steps to run."""
     seq_len: int = 64
@@ -113,6 +119,17 @@ class TrainSection:
     the built-in corpus has its own);
     it rides along the next step's forward, so no weights cross the link for it. 0 = never."""
 
+    run_dir: str = "runs"
+    """Directory where each run writes its config, metrics, checkpoints and final weights (in
+    <run_dir>/<run id>). Relative paths are taken from the current directory, except in a Ray job,
+    whose working directory is Ray's temporary copy: there from ~/megatrain-ray on the job's node."""
+    loggers: tuple[str, ...] = ()
+    """Experiment trackers that get every step's metrics (the Ray gauges' names) besides
+    metrics.jsonl: any of tensorboard, mlflow (a local SQLite store), wandb (offline unless
+    WANDB_MODE says otherwise), all writing into the run's directory; e.g. ``[tensorboard, mlflow]``.
+    Their libraries are optional: ``pip install 'megatrain-ray[trackers]'``. See
+    megatrain_ray.orchestration.trackers."""
+
     def eval_due(self, step: int) -> bool:
         """Whether step ``step`` carries the validation batch (see ``eval_every``)."""
         return self.eval_every > 0 and step % self.eval_every == 0
@@ -126,6 +143,17 @@ class TrainSection:
                  f"must be >= 0 (0 = only on interrupt), got {self.checkpoint_every}")
         _require(self.checkpoint_staging_gib >= 0, "train.checkpoint_staging_gib",
                  f"must be >= 0 (0 = no staging copies), got {self.checkpoint_staging_gib}")
+        _require(isinstance(self.loggers, tuple) and all(name in LOGGERS for name in self.loggers)
+                 and len(set(self.loggers)) == len(self.loggers), "train.loggers",
+                 f"must be a list of distinct names of {', '.join(LOGGERS)} (e.g. [tensorboard, mlflow]), "
+                 f"got {list(self.loggers)!r}")
+        _require(not os.path.exists(self.run_dir) or os.path.isdir(self.run_dir), "train.run_dir",
+                 f"names a file, not a directory: {self.run_dir!r}")
+        why = unwritable(self.run_dir)  # before anything is started or created, not at the first write
+        _require(why is None, "train.run_dir", f"{self.run_dir!r} cannot be written to ({why})")
+        if self.init_from is not None:
+            _require(os.path.isfile(os.path.join(self.init_from, "config.json")), "train.init_from",
+                     f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")
 
 
 @dataclass
@@ -142,7 +170,7 @@ class DataSection:
     .npy, .arrow, .parquet, .jsonl), or auto: windows for the built-in corpus, one .txt or one 1-D .npy
     file (text or tokens instead when data.val_fraction holds part of it out), else by columns."""
     tokenizer: str | None = None
-    """A local Hugging Face tokenizer directory; None uses runtime.init_from's tokenizer when it has
+    """A local Hugging Face tokenizer directory; None uses train.init_from's tokenizer when it has
     one, else byte-level ids (256 bytes + EOS, model.vocab_size >= 260)."""
     text_key: str = "text"
     """The field holding each document's text in .jsonl/.json/.parquet rows (format text)."""
@@ -154,7 +182,7 @@ class DataSection:
     built-in corpus then validates on held-out documents of its own)."""
     cache_dir: str | None = None
     """Where tokenised data is cached, keyed by a fingerprint of files and tokenizer; None uses
-    <runtime.run_dir>/data-cache."""
+    <train.run_dir>/data-cache."""
     num_workers: int = 1
     """Size of the tokenizer actor pool (Ray Data) and number of data-loader actors serving batches."""
     pack_documents: bool = False
@@ -197,24 +225,38 @@ _DATA_FORMATS = ("auto", "windows", "text", "alpaca", "sharegpt", "tokens")
 
 @dataclass
 class TrainConfig:
-    """A whole run: model shape, optimizer, batch shape, data and runtime."""
+    """A whole run: model shape, optimizer, steps and batch shape, data, adapters, and how it executes."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    """Model shape (ignored fields are replaced by runtime.init_from's config.json when set)."""
+    """Model shape (ignored fields are replaced by train.init_from's config.json when set)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
     train: TrainSection = field(default_factory=TrainSection)
-    """Steps and batch shape."""
+    """Starting weights, steps and batch shape, checkpoints and where the run writes."""
     data: DataSection = field(default_factory=DataSection)
     """Training data."""
-    runtime: RuntimeSection = field(default_factory=RuntimeSection)
-    """Device, precision, buffering and Ray."""
     lora: LoraSection = field(default_factory=LoraSection)
     """Low-rank adapters on a frozen base (off unless lora.rank > 0)."""
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    """Dtypes of the computation, the master weights and the gradients."""
+    compute: ComputeSection = field(default_factory=ComputeSection)
+    """Device and kernels."""
+    memory: MemorySection = field(default_factory=MemorySection)
+    """Weight slots, chunks, activations, resident units, the host store's directory."""
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    """Compute workers, nodes and the AdamW work."""
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    """Ray, its dashboard, timeouts and restarts."""
+    experimental: ExperimentalSection = field(default_factory=ExperimentalSection)
+    """Switches kept to measure one choice against another."""
+
+    def sections(self) -> tuple:
+        """Every section, in the order of the fields."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def validate(self) -> "TrainConfig":
         """Check every section and the cross-section rules; return self."""
-        for section in (self.model, self.optim, self.train, self.data, self.runtime, self.lora):
+        for section in self.sections():
             section.validate()
         _require(self.train.seq_len <= self.model.max_position_embeddings, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.max_position_embeddings "
@@ -226,33 +268,36 @@ class TrainConfig:
         _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path
                  or self.data.path is None, "train.eval_every",
                  "needs validation data: set data.val_fraction (held out of data.path) or data.val_path")
-        counts = parse_activation_counts(self.runtime.activations)
-        _require(counts is None or sum(counts) <= self.model.num_hidden_layers, "runtime.activations",
-                 f"({self.runtime.activations!r}) keeps, offloads and spans more layers than the model has "
-                 f"({self.model.num_hidden_layers})")
-        _require(counts is None or not counts[2] or counts[0] + counts[2] < self.model.num_hidden_layers,
-                 "runtime.activations", f"({self.runtime.activations!r}) leaves no checkpoint for a recompute span to "
-                 "start from; keep or span fewer layers")
-        workers = self.runtime.compute_workers * self.runtime.nodes
-        _require(self.train.num_micro_batches % workers == 0, "train.num_micro_batches",
+        mem, par, layers = self.memory, self.parallel, self.model.num_hidden_layers
+        if mem.activations == "counts":
+            counts = (mem.kept_layers, mem.offloaded_layers, mem.spanned_layers)
+            _require(sum(counts) <= layers, "memory.activations",
+                     f"(counts: {mem.kept_layers} kept, {mem.offloaded_layers} offloaded, {mem.spanned_layers} "
+                     f"spanned) places more layers than the model has ({layers})")
+            _require(not mem.spanned_layers or mem.kept_layers + mem.spanned_layers < layers, "memory.spanned_layers",
+                     f"({mem.spanned_layers}) leaves no checkpoint for a recompute span to start from; keep or span "
+                     "fewer layers")
+        _require(self.train.num_micro_batches % par.workers == 0, "train.num_micro_batches",
                  f"({self.train.num_micro_batches}) must be a multiple of the compute workers of all nodes "
-                 f"({self.runtime.compute_workers} x {self.runtime.nodes}), so each takes an equal share")
-        if self.runtime.device_adamw not in ("auto", "none"):
-            _require(workers == 1, "runtime.device_adamw",
-                     f"({self.runtime.device_adamw}) needs one compute worker in the whole run (got "
-                     f"{self.runtime.compute_workers} x {self.runtime.nodes}): each would update its own copy; "
-                     "set it to none")
-            _require(device_adamw_layers(self.runtime.device_adamw) <= self.model.num_hidden_layers,
-                     "runtime.device_adamw", f"({self.runtime.device_adamw}) names more decoder layers than the "
-                     f"model has ({self.model.num_hidden_layers})")
-            _require(self.runtime.master_dtype == "float32" and self.optim.state == "fp32", "runtime.device_adamw",
-                     f"({self.runtime.device_adamw}) needs fp32 master weights and moments (runtime.master_dtype "
-                     f"{self.runtime.master_dtype}, optim.state {self.optim.state}); set it to none")
+                 f"({par.compute_workers} x {par.nodes}), so each takes an equal share")
+        _require(self.experimental.grad_reduce != "host" or par.nodes == 1, "experimental.grad_reduce",
+                 f"host needs parallel.nodes=1 (got {par.nodes}): it sums the gradients of one node's workers in "
+                 "that node's host memory; use allreduce across nodes")
+        if mem.resident == "embed_head":
+            setting = f"embed_head, {mem.resident_layers} layers"
+            _require(par.workers == 1, "memory.resident",
+                     f"({setting}) needs one compute worker in the whole run (got {par.compute_workers} x "
+                     f"{par.nodes}): each would update its own copy; set it to none")
+            _require(mem.resident_layers <= layers, "memory.resident_layers",
+                     f"({mem.resident_layers}) names more decoder layers than the model has ({layers})")
+            _require(self.precision.master_dtype == "float32" and self.optim.state == "fp32", "memory.resident",
+                     f"({setting}) needs fp32 master weights and moments (precision.master_dtype "
+                     f"{self.precision.master_dtype}, optim.state {self.optim.state}); set it to none")
         _require(not (self.lora.train_head and self.model.tie_word_embeddings), "lora.train_head",
                  "cannot be set for a model with tied embeddings (model.tie_word_embeddings), whose LM head is the "
                  "embedding: set lora.train_embedding to train both")
         if self.lora.enabled:
-            self._validate_lora(workers)
+            self._validate_lora(par.workers)
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self
@@ -263,10 +308,10 @@ class TrainConfig:
         _require(not (self.lora.train_embedding or self.lora.train_head),
                  "lora.train_embedding" if self.lora.train_embedding else "lora.train_head",
                  f"is not trained yet with adapters (lora.rank {rank}); set it to false")
-        _require(workers == 1, "runtime.compute_workers",
-                 f"must be 1 in the whole run with lora.rank {rank} (got {self.runtime.compute_workers} x "
-                 f"{self.runtime.nodes}): the adapters live on one compute worker's device")
-        _require(self.runtime.device_adamw in ("auto", "none"), "runtime.device_adamw",
+        _require(workers == 1, "parallel.compute_workers",
+                 f"must be 1 in the whole run with lora.rank {rank} (got {self.parallel.compute_workers} x "
+                 f"{self.parallel.nodes}): the adapters live on one compute worker's device")
+        _require(self.memory.resident in ("auto", "none"), "memory.resident",
                  f"must be none with lora.rank {rank}: the frozen base has no optimizer, the adapters train on "
                  "the device anyway")
         _require(self.optim.state == "fp32", "optim.state",

@@ -123,7 +123,7 @@ class BatchSource:
         if changed == ["fingerprint"]:
             raise DataError("cannot resume: the checkpoint was trained on other tokens (the text of data.path "
                             "changed since, or another file is named); restore the data it was trained on, or "
-                            "start afresh from its weights with runtime.init_from set to the checkpoint (no "
+                            "start afresh from its weights with train.init_from set to the checkpoint (no "
                             "--resume).")
         if changed:
             raise DataError(f"cannot resume: the checkpoint's data position was taken with a different "
@@ -140,7 +140,7 @@ def uses_windows(cfg) -> bool:
     """Whether the config's training data is read by :class:`BatchSource` (random windows)."""
     from .datasets import plan
 
-    return plan(cfg.data, cfg.runtime.init_from, cfg.data.path).format == "windows"
+    return plan(cfg.data, cfg.train.init_from, cfg.data.path).format == "windows"
 
 
 def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = None):
@@ -184,7 +184,7 @@ def check_resume_data(state: dict, saved_data: dict, cfg, checkpoint: str) -> No
             f"the files of {files} changed since ({'a size, a modification time or a tokenizer file' if cfg.data.tokenizer else 'a size or a modification time'} is not what it was)")
     raise DataError(f"cannot resume from {checkpoint}: it was trained on other data ({what}); restore the data it "
                     f"was trained on, or start afresh from its weights with `megatrain-ray train --set "
-                    f"runtime.init_from={checkpoint}` (no --resume).")
+                    f"train.init_from={checkpoint}` (no --resume).")
 
 
 def _corpus_plan(cfg, split: str):
@@ -193,7 +193,7 @@ def _corpus_plan(cfg, split: str):
 
     d = cfg.data
     separate = split == "val" and bool(d.val_path)
-    p = plan(d, cfg.runtime.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
+    p = plan(d, cfg.train.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
     check_first_row(p)
     builtin_val = split == "val" and not separate and not d.val_fraction and p.kind == "builtin"
     if split == "val" and not separate and not d.val_fraction and not builtin_val:
@@ -203,7 +203,7 @@ def _corpus_plan(cfg, split: str):
     if builtin_val:
         p = dataclasses.replace(p, kind="builtin-val", where="the built-in corpus's validation documents")
     p = dataclasses.replace(p, val_fraction=1.0 if separate or builtin_val else d.val_fraction)
-    return p, d.cache_dir or os.path.join(cfg.runtime.run_dir, "data-cache")
+    return p, d.cache_dir or os.path.join(cfg.train.run_dir, "data-cache")
 
 
 def check_vocab(p, vocab_size: int) -> None:

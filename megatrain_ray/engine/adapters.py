@@ -10,7 +10,7 @@ theirs alone (the frozen base has none): each layer's squared norm goes to the s
 layer's ticket (0 for the embedding and the head), which sums them in arrival order for the step's
 stats, and this worker sums the same floats in the same order for the clipping factor
 (:func:`~megatrain_ray.engine.resident.step_sq_norm`), then updates every adapter at the end of the
-step's backward through the optimizer protocol of the device-side units of runtime.device_adamw
+step's backward through the optimizer protocol of the device-side units of memory.resident
 (:class:`~megatrain_ray.engine.resident.DeviceAdamW`).
 """
 

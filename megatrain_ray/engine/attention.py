@@ -1,4 +1,4 @@
-"""The attention kernel of a run (runtime.attention_backend), set around the model's calls.
+"""The attention kernel of a run (compute.attention_backend), set around the model's calls.
 
 The model calls ``scaled_dot_product_attention`` and never says which kernel runs it; the compute
 worker picks one here for the whole step, so the model stays a pure function of its inputs.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
-"""Values of runtime.attention_backend: auto leaves the choice to torch."""
+"""Values of compute.attention_backend: auto leaves the choice to torch."""
 
 
 def sdpa_backend(name: str):

@@ -24,7 +24,7 @@ load-balancing loss joins the step's loss, its gradient joins each sparse layer'
 expert received are returned with the step. An expert that received no token has an exactly zero
 gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.engine.experts`).
 
-Units the worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.resident`) are not fetched:
+Units the worker owns (memory.resident, :mod:`megatrain_ray.engine.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
 updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.adapters`).
 
@@ -32,7 +32,7 @@ With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
 step's token count, and each gradient is summed over all workers before its shard goes out.
 
-Every model call of the step runs under the SDPA backend of ``runtime.attention_backend``
+Every model call of the step runs under the SDPA backend of ``compute.attention_backend``
 (:func:`sdpa_backend`), applied around the model, which stays a pure function.
 
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
@@ -104,13 +104,13 @@ class ComputeWorker(GroupMember):
         placement = s.activations
         if len(placement) != self.cfg.num_hidden_layers:
             raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
-                              f"{self.cfg.num_hidden_layers}; check runtime.activations.")
+                              f"{self.cfg.num_hidden_layers}; check memory.activations.")
         self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
         self.passes = layer_passes(self.cfg, placement)
         """Each decoder layer's pass (:mod:`megatrain_ray.engine.passes`): kept, recomputed or routed."""
         offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
         if s.attention_backend not in offered:
-            raise ConfigError(f"runtime.attention_backend {s.attention_backend!r} is not available on {device}; "
+            raise ConfigError(f"compute.attention_backend {s.attention_backend!r} is not available on {device}; "
                               f"use one of {', '.join(offered)}.")
         self.attention_backend = s.attention_backend
         pinned = ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad")
@@ -244,8 +244,8 @@ class ComputeWorker(GroupMember):
             if not kept:
                 raise
             raise PipelineError(f"the device ran out of memory in step {step} with {kept} layers' activations kept "
-                                f"whole; set runtime.activations to keep fewer (e.g. \"keep={kept // 2}\") or to "
-                                "recompute.") from e
+                                f"whole; keep fewer (memory.activations: counts, memory.kept_layers: {kept // 2}) or set "
+                                "memory.activations to recompute.") from e
 
     def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None,
               sync: bool = False, hold: bool = False) -> dict[str, Any]:

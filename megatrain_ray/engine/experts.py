@@ -109,7 +109,7 @@ class ExpertTraffic:
             if forward is not None and not torch.equal(forward[0], counts):
                 raise PipelineError(f"the backward's recompute of {self.records[unit].name} routed tokens to other "
                                     "experts than its forward did (a nondeterministic kernel); set "
-                                    "runtime.compile=false or report it with the model's config.")
+                                    "compute.compile=false or report it with the model's config.")
         with self._cond:
             refetches = [self._refetches.pop((step, u.index), [0] * len(u.experts)) for u in self.sparse]
             grad_bytes = [self._grad_bytes.pop((step, u.index), [0] * len(u.experts)) for u in self.sparse]

@@ -74,7 +74,7 @@ class GradOut:
         None: a LoRA run's frozen unit, whose ticket carries its adapters' squared norm (:meth:`send_norm`).
 
         With a data-parallel group, the gradient is first summed over all workers, and this worker
-        sends only its shard of the sum; with runtime.grad_reduce=host it sends all of its own
+        sends only its shard of the sum; with experimental.grad_reduce=host it sends all of its own
         gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
         if grad is None:
             return self.send_norm(unit, step, self.adapters.sq_norm(self.layout.units[unit]))

@@ -11,7 +11,7 @@ norm of that shard; the node's gradient sink takes one ticket per shard. Every n
 up with the same summed gradient, so every node's sink applies the same update and the replicas
 stay identical (an all-reduce leaves the same bits on every rank).
 
-The alternative, ``runtime.grad_reduce=host`` (one node only): no collective; each worker copies
+The alternative, ``experimental.grad_reduce=host`` (one node only): no collective; each worker copies
 its whole gradient (its own micro-batches' sum) into a host block of its own (worker 0 into the
 unit's grad block, worker k into copy k of the store's ``peer_grad`` arrays) and the node's sink,
 once it holds every worker's ticket of a unit, sums the copies into the first one on its CPU
@@ -61,7 +61,7 @@ class GradReducer:
     """This worker's membership in the run's data-parallel group.
 
     ``rank``/``world``: over all workers of the run; ``local_rank``/``local_world``: over the
-    workers of this node (those sharing one host store). ``mode``: runtime.grad_reduce; with
+    workers of this node (those sharing one host store). ``mode``: experimental.grad_reduce; with
     ``host`` no process group is formed (the sink sums the workers' copies).
     """
 
@@ -80,7 +80,7 @@ class GradReducer:
     @property
     def copy(self) -> int:
         """Which host copy of a unit's gradient this worker writes (0: the unit's grad block; k:
-        ``peer_grad`` copy k, with runtime.grad_reduce=host)."""
+        ``peer_grad`` copy k, with experimental.grad_reduce=host)."""
         return self.local_rank if self.mode == "host" else 0
 
     def reduce(self, grad: torch.Tensor) -> tuple[int, int]:

@@ -5,7 +5,7 @@ Each chunk's fp32 logits and the norm's fp32 temporaries exist for one chunk of 
 a time, so what grows with the sequence is only the input gradient being filled ([S, H] in the
 compute dtype); the [S, vocabulary] logits never exist whole.
 
-With ``runtime.compile`` on, a chunk's loss (:func:`chunk_loss_sum`) runs through ``torch.compile``
+With ``compute.compile`` on, a chunk's loss (:func:`chunk_loss_sum`) runs through ``torch.compile``
 (:class:`~megatrain_ray.engine.sequence.CompiledLayer`, with its eager fallback): Inductor fuses the
 fp32 upcast, log-softmax and NLL, and in the backward the softmax minus the one-hot and its cast
 back, around the two GEMMs, so that a chunk keeps its bf16 logits for the backward rather than

@@ -125,7 +125,7 @@ def layer_passes(cfg, modes: tuple[str, ...]) -> tuple[Recomputed | Kept, ...]:
     (:func:`~megatrain_ray.engine.activations.layer_modes`)."""
     kept = [layer for layer, mode in enumerate(modes) if mode == KEEP and cfg.is_sparse(layer)]
     if kept:
-        raise ConfigError(f"runtime.activations keeps the graph of layer {kept[0]}, a sparse (mixture-of-experts) "
+        raise ConfigError(f"memory.activations keeps the graph of layer {kept[0]}, a sparse (mixture-of-experts) "
                           "layer, whole; a sparse layer is always recomputed from its checkpoint: keep fewer layers.")
     return tuple(Kept() if mode == KEEP else Routed() if cfg.is_sparse(layer) else Recomputed()
                  for layer, mode in enumerate(modes))

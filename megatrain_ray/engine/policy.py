@@ -4,7 +4,7 @@ A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.
 
 - ``weights``: ``streamed`` (its weights live in the host store and the prefetcher streams them to
   a device slot twice a step) or ``resident`` (they stay on the compute worker's device for the
-  whole run: today the units of runtime.device_adamw);
+  whole run: today the units of memory.resident);
 - ``gradient``: ``host`` (its gradient crosses to the host store and a ticket tells the sink),
   ``device`` (it stays on the device, and only its squared norm goes to the sink, which counts it
   in the step's norm), or ``none`` (it has no gradient: a frozen unit);

@@ -1,4 +1,4 @@
-"""Units the compute worker owns (runtime.device_adamw): their weights and AdamW on its device.
+"""Units resident on the compute worker's device (memory.resident): their weights and AdamW there.
 
 At the step boundary the host pipeline has one wait it cannot reorder away: the clipping factor
 needs every gradient, the embedding's comes last, and the next forward needs the embedding first,
@@ -6,14 +6,14 @@ so the GPU idles while the embedding's gradient goes to the host, the sink updat
 weights come back (~0.15 s a step at the Qwen2.5-7B shape, plus ~0.05 s waiting on the head's
 update at the end of the forward; benchmarks/results/2026-12-01_h200_defaults-7b/NOTES.md).
 
-With ``edges`` the compute worker owns the embedding and the head (``StoreSpec.resident``, see
+With memory.resident embed_head the compute worker holds the embedding and the head (``StoreSpec.resident``, see
 :func:`~megatrain_ray.engine.store.resident_units`): their fp32 master weights and AdamW moments live
 in its device memory for the whole attempt, with a compute-dtype copy of the weights that the
 forward reads, so they are never fetched; their gradients stay on the device, and only a ticket
 with the squared norm goes to the sink, which counts it in the step's norm and updates the rest.
 At the end of the step's backward the worker updates them itself, with the factor the sink
 computes (the same squared norms, summed in the same order), on the fp32 gradient as accumulated
-(it never crosses to the host, so runtime.grad_dtype does not round it): on the CPU backend through
+(it never crosses to the host, so precision.grad_dtype does not round it): on the CPU backend through
 the sink's own kernel (bit for bit the host update where the gradient dtype is fp32, as on the
 CPU), on a GPU through ``torch._fused_adamw_`` in one call per span.
 
@@ -174,7 +174,7 @@ class ResidentUnits:
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
                                 f"{self.store.resident_hold()} to write {', '.join(self.names.values())}: the gradient "
                                 "sink or the checkpoint writer is stalled (a slow disk?); raise "
-                                "runtime.actor_timeout_s if it is just slow.")
+                                "cluster.actor_timeout_s if it is just slow.")
         done = None
         for u in self.units:
             for kind in STATE_KINDS:

@@ -10,7 +10,7 @@ Three things are applied here, around the model's pure functions, never inside t
   autograd. Same math, same ops as differentiating the whole layer; the down projection's forward
   GEMM (~29% of a Qwen2.5-7B layer's forward FLOPs) is not run a second time.
 
-- **Sequence tiling** (``runtime.mlp_chunk_size`` > 0): the MLP half of the layer
+- **Sequence tiling** (``memory.mlp_chunk_size`` > 0): the MLP half of the layer
   (:func:`~megatrain_ray.model.transformer.mlp_block`: post-attention norm, SwiGLU, down
   projection, residual) is position-wise, so it runs over chunks of the sequence one at a time and
   its [S, intermediate] tensors (gate, up, their product, and in the backward their gradients)
@@ -28,7 +28,7 @@ Three things are applied here, around the model's pure functions, never inside t
 - **Packed documents**: the RoPE tables at each token's position in its document and the
   attention mask that keeps tokens within their document (:func:`step_contexts`): a dense
   [B, 1, S, S] boolean mask on the CPU (SDPA), a FlexAttention ``BlockMask`` on CUDA (O(S^2 / 128^2)
-  memory; FlexAttention runs fast only compiled, i.e. with runtime.compile on, the default there).
+  memory; FlexAttention runs fast only compiled, i.e. with compute.compile on, the default there).
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ class CompiledLayer:
                 cause = getattr(e, "inner_exception", None) or e
                 self.warn(f"warning: torch.compile of the {self.what} failed ({type(cause).__name__}: "
                           f"{str(cause).splitlines()[0] if str(cause) else ''}); "
-                          "running it eagerly (set runtime.compile=false to skip the attempt).")
+                          "running it eagerly (set compute.compile=false to skip the attempt).")
         return self.fn(*args)
 
 

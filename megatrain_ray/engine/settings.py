@@ -22,23 +22,23 @@ class ComputeSettings:
     device: str
     """cpu or cuda, resolved."""
     buffer_depth: int
-    """Device weight slots (runtime.buffer_depth, resolved)."""
+    """Device weight slots (memory.buffer_depth, resolved)."""
     loss_chunk_size: int
-    """Tokens per chunk of the LM head and loss (runtime.loss_chunk_size, resolved)."""
+    """Tokens per chunk of the LM head and loss (memory.loss_chunk_size, resolved)."""
     mlp_chunk_size: int
-    """Positions per chunk of the sequence-tiled MLP; 0 = untiled (runtime.mlp_chunk_size, resolved)."""
+    """Positions per chunk of the sequence-tiled MLP; 0 = untiled (memory.mlp_chunk_size, resolved)."""
     compile: bool
-    """torch.compile the decoder layer and the loss chunk (runtime.compile, resolved)."""
+    """torch.compile the decoder layer and the loss chunk (compute.compile, resolved)."""
     compile_threads: int
-    """Parallel compile jobs (runtime.compile_threads)."""
+    """Parallel compile jobs (compute.compile_threads)."""
     attention_backend: str
-    """The SDPA kernel (runtime.attention_backend)."""
+    """The SDPA kernel (compute.attention_backend)."""
     activations: tuple[str, ...]
     """Each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`)."""
     threads: int | None
     """torch's CPU threads in the worker (all usable CPUs on the cpu device); None: torch's default."""
     timeout_s: float
-    """How long it waits on another role (runtime.actor_timeout_s)."""
+    """How long it waits on another role (cluster.actor_timeout_s)."""
     optim: OptimConfig
     """The AdamW settings, for the units resident on its device."""
     total_steps: int
@@ -57,16 +57,16 @@ class SinkSettings:
     total_steps: int
     """The run's steps (train.steps), for the learning-rate schedule."""
     timeout_s: float
-    """How long it waits on another role (runtime.actor_timeout_s)."""
+    """How long it waits on another role (cluster.actor_timeout_s)."""
     threads: int
-    """CPU threads of the AdamW update (runtime.optimizer_threads, resolved)."""
+    """CPU threads of the AdamW update (parallel.optimizer_threads, resolved)."""
     workers: int = 1
     """Compute workers of its node: the tickets per unit and step (see :mod:`megatrain_ray.engine.grad_reduce`)."""
     host_sum: bool = False
     """Each worker sends its whole gradient in a host copy of its own, which the sink sums
-    (runtime.grad_reduce=host with several workers)."""
+    (experimental.grad_reduce=host with several workers)."""
     sharded: bool = False
-    """The nodes' sinks share the AdamW work (runtime.optimizer_sharding=sharded with several nodes)."""
+    """The nodes' sinks share the AdamW work (parallel.optimizer_sharding=sharded with several nodes)."""
     policies: tuple[UnitPolicy, ...] = ()
     """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): every unit streamed and updated here
     exactly, but those the compute worker owns (``StoreSpec.resident``)."""

@@ -1,4 +1,4 @@
-"""The sharded optimizer across nodes (runtime.optimizer_sharding=sharded): each node's AdamW
+"""The sharded optimizer across nodes (parallel.optimizer_sharding=sharded): each node's AdamW
 updates 1/K of the units and broadcasts them to the other nodes.
 
 By default (replicated) every node's gradient sink applies every unit's update to its own replica

@@ -15,7 +15,7 @@ lets the prefetcher stream it for the next step.
 
 **Split updates.** Those deferred updates are what the next forward waits on, layer by layer: at
 7B AdamW moves 28 bytes per parameter (~50 ms a layer on the H200 box's 16 cores) against ~46 ms
-of forward per layer on the GPU. With an fp32 master and a bf16 stream copy (``split_update``) each
+of forward per layer on the GPU. With an fp32 master and a bf16 stream copy (``SplitAdamW``) each
 is run in two passes (:meth:`~megatrain_ray.engine.optim.AdamWRunner.update_stream`, then
 :meth:`~megatrain_ray.engine.optim.AdamWRunner.update_master`): the first writes the moments and
 the stream copy (24 bytes per parameter) and bumps the unit's stream version, which is all the
@@ -26,7 +26,7 @@ backward run, and bumps the unit's state version (what checkpoints wait for, see
 step's gradients land in the stream blocks, which the second pass does not touch.
 
 With several compute workers on the node, a unit is complete once every worker's ticket for it is
-in: each for its shard of the all-reduced gradient, or (runtime.grad_reduce=host) for its own
+in: each for its shard of the all-reduced gradient, or (experimental.grad_reduce=host) for its own
 whole gradient, which the sink then sums (:func:`~megatrain_ray.engine.grad_reduce.sum_copies`).
 With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.shards`) the updates also wait
 for the last gradient, and the sink updates only its own units, receiving the others'.
@@ -98,7 +98,7 @@ class GradientSink:
         self.shards = settings.workers
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
         summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
-        whole gradient in a host copy of its own, which this sink sums (runtime.grad_reduce=host)."""
+        whole gradient in a host copy of its own, which this sink sums (experimental.grad_reduce=host)."""
         self.host_sum = settings.host_sum and self.shards > 1
         self.threads = max(1, settings.threads)
         self.spans: list[tuple] = []

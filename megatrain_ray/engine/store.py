@@ -16,8 +16,8 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   unit-sized slots (handed back by the sink after each update) instead of a
                   whole-model array: 10 instead of 12 bytes per parameter with bf16 master. With
                   clipping the same ring serves when the gradients wait on the device for the
-                  step's norm (``hold_grads``, runtime.hold_grads): 10 with clipping too.
-- ``peer_grad``   with runtime.grad_reduce=host and N compute workers: N-1 more whole-model gradient
+                  step's norm (``hold_grads``, experimental.hold_grads): 10 with clipping too.
+- ``peer_grad``   with experimental.grad_reduce=host and N compute workers: N-1 more whole-model gradient
                   arrays (gradient dtype), one per worker but the first, which writes to ``grad``
                   as above; the gradient sink sums them into it (see :mod:`megatrain_ray.engine.grad_reduce`)
 - ``versions``    int64, two per unit: how many optimizer updates its stream copy has received
@@ -25,7 +25,7 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   have (what a checkpoint waits for); they differ only while the sink's second
                   pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`);
                   then one more: the *resident hold*, set while a checkpoint still reads the host copy
-                  of the units the compute worker owns (runtime.device_adamw, :mod:`megatrain_ray.engine.resident`)
+                  of the units the compute worker owns (memory.resident, :mod:`megatrain_ray.engine.resident`)
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
 it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
@@ -44,7 +44,6 @@ import torch
 import dataclasses
 
 from ..config import LoraSection, ModelConfig, TrainConfig
-from ..config.runtime import device_adamw_layers
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
 from ..model.transformer import hf_name
@@ -68,11 +67,11 @@ def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1,
 
 
 def peer_grads_for(grad_reduce: str, workers: int) -> int:
-    """``StoreSpec.peer_grads`` of a run: with runtime.grad_reduce=host, one gradient array per
+    """``StoreSpec.peer_grads`` of a run: with experimental.grad_reduce=host, one gradient array per
     compute worker of the node but the first; with allreduce none."""
     return workers - 1 if grad_reduce == "host" else 0
 def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> bool:
-    """``StoreSpec.hold_grads`` of a run: runtime.hold_grads (``hold``, resolved) where it saves the
+    """``StoreSpec.hold_grads`` of a run: experimental.hold_grads (``hold``, resolved) where it saves the
     whole-model host gradient array, i.e. with clipping, no stream block and one compute worker."""
     return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
 
@@ -109,10 +108,10 @@ class VersionWords:
         return 2 * self.units + 1
 
 
-def resident_units(model: ModelConfig, device_adamw: str) -> tuple[int, ...]:
-    """The units the compute worker owns under runtime.device_adamw: edges = the embedding and the
-    head (final norm and, untied, the LM head), edges+K also the first K decoder layers; none = none."""
-    layers = device_adamw_layers(device_adamw)
+def resident_units(model: ModelConfig, layers: int | None) -> tuple[int, ...]:
+    """The units resident on the compute worker's device as memory.resident resolves them (see
+    :func:`megatrain_ray.config.execution.describe_resident`): none for None, else the embedding,
+    the head (final norm and, untied, the LM head) and the first ``layers`` decoder layers."""
     if layers is None:
         return ()
     layout = StoreLayout.build(model)
@@ -132,12 +131,12 @@ class StoreSpec:
     grad_slots: int = 0
     """0: a gradient block per unit; n > 0: a ring of n slots of the largest unit (see the module docstring)."""
     peer_grads: int = 0
-    """Whole-model gradient arrays of the workers 1.. of the node (runtime.grad_reduce=host), or 0."""
+    """Whole-model gradient arrays of the workers 1.. of the node (experimental.grad_reduce=host), or 0."""
     hold_grads: bool = False
     """The compute worker keeps the step's gradients on the device until the step's norm is known, then
-    sends them through the ring in update order, each ticket carrying that norm (runtime.hold_grads)."""
+    sends them through the ring in update order, each ticket carrying that norm (experimental.hold_grads)."""
     resident: tuple[int, ...] = ()
-    """Units the compute worker owns (runtime.device_adamw): it keeps their weights and AdamW states on
+    """Units the compute worker owns (memory.resident): it keeps their weights and AdamW states on
     its device and updates them there; none is fetched or updated by the sink, and their blocks here
     are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.resident`)."""
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
@@ -149,20 +148,20 @@ class StoreSpec:
     def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str,
                resident: tuple[int, ...] = ()) -> StoreSpec:
         """The store of one node of a run of ``cfg`` on ``device`` whose compute worker owns the units
-        ``resident`` (as the run resolved runtime.device_adamw): its gradient ring, held gradients and
+        ``resident`` (as the run resolved memory.resident): its gradient ring, held gradients and
         peer gradient copies as the run's settings resolve (a sharded optimizer across nodes updates
         after the last gradient, from whole-model gradient blocks; held gradients need a single
         compute worker in the whole run)."""
-        rt, clip = cfg.runtime, cfg.optim.max_grad_norm
+        clip = cfg.optim.max_grad_norm
         if cfg.lora.enabled:  # a frozen base: its weights alone, as the GPU reads them
-            return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), rt.shm_dir, owner_pid,
+            return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), cfg.memory.shm_dir, owner_pid,
                        run_id, lora=cfg.lora)
-        sharded = rt.sharded_optimizer
-        hold = not sharded and not resident and holds_grads(precision, clip, rt.compute_workers * rt.nodes,
-                                                         rt.hold_grads_on(device))
-        slots = 0 if sharded else grad_slots_for(precision, clip, rt.compute_workers, hold)
-        return cls(cfg.model, precision, rt.shm_dir, owner_pid, run_id, grad_slots=slots,
-                   peer_grads=peer_grads_for(rt.grad_reduce, rt.compute_workers), hold_grads=hold, resident=resident)
+        sharded = cfg.parallel.sharded_optimizer
+        hold = not sharded and not resident and holds_grads(precision, clip, cfg.parallel.compute_workers * cfg.parallel.nodes,
+                                                         cfg.experimental.hold_grads_on(device))
+        slots = 0 if sharded else grad_slots_for(precision, clip, cfg.parallel.compute_workers, hold)
+        return cls(cfg.model, precision, cfg.memory.shm_dir, owner_pid, run_id, grad_slots=slots,
+                   peer_grads=peer_grads_for(cfg.experimental.grad_reduce, cfg.parallel.compute_workers), hold_grads=hold, resident=resident)
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
@@ -237,7 +236,7 @@ class HostStore:
 
     def grad_block(self, i: int, slot: int = -1, copy: int = 0) -> torch.Tensor:
         """Where unit i's gradient is written: its grad (or stream) block, or ring slot ``slot``;
-        ``copy`` k > 0: worker k's own block in ``peer_grad`` (runtime.grad_reduce=host)."""
+        ``copy`` k > 0: worker k's own block in ``peer_grad`` (experimental.grad_reduce=host)."""
         if copy:
             if not 0 < copy <= self.spec.peer_grads:
                 raise ValueError(f"gradient copy {copy} is not one of the store's {self.spec.peer_grads} peer copies")
@@ -382,7 +381,7 @@ class ParameterStore:
 
     def save_hf(self, directory: str, shard_bytes: int = 2 * 2**30, tokenizer: str | None = None) -> list[str]:
         """Write the master weights as a sharded HF safetensors checkpoint plus config.json and the run's
-        ``tokenizer`` (a directory or BYTE_LEVEL; None: runtime.init_from's, if it has one); see
+        ``tokenizer`` (a directory or BYTE_LEVEL; None: train.init_from's, if it has one); see
         :func:`megatrain_ray.io.hf_io.save_store`."""
         from ..data.tokenizer import is_tokenizer_dir
         from ..io import hf_io

@@ -15,7 +15,7 @@ from typing import Any
 
 
 NO_PROGRESS = ("a role makes no progress (see the health check's verdict, the roles' stacks in the Ray dashboard or "
-               "`ray stack`), or raise runtime.actor_timeout_s if a step may pass that long without a message.")
+               "`ray stack`), or raise cluster.actor_timeout_s if a step may pass that long without a message.")
 """The end of the sentence of a role whose wait found no progress anywhere (:func:`wait_while_moving`)."""
 
 

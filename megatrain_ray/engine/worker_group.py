@@ -38,7 +38,7 @@ class GroupMember:
     def join_group(self, rank: int, world: int, local_rank: int, local_world: int, address: str, port: int,
                    timeout_s: float, mode: str = "allreduce") -> int:
         """Form the data-parallel group with the other workers (all call this at once); returns rank.
-        ``mode``: runtime.grad_reduce (with host, this worker's own host gradient copy is pinned)."""
+        ``mode``: experimental.grad_reduce (with host, this worker's own host gradient copy is pinned)."""
         self.reducer = self.grads_out.reducer = GradReducer(rank, world, local_rank, local_world, address, port,
                                                             self.device_name, timeout_s, mode)
         if self.reducer.copy:

@@ -3,7 +3,7 @@
 - :mod:`.files`: the one atomic, fsynced, checksummed file writer (safetensors, JSON, whole
   directories) and the one safetensors header check;
 - :mod:`.hf_io`: HF config.json / safetensors import and export, and loading a run's config with
-  ``runtime.init_from``'s model shape; :mod:`.experts`: the two layouts of a mixture of experts'
+  ``train.init_from``'s model shape; :mod:`.experts`: the two layouts of a mixture of experts'
   routed experts in such a checkpoint (per expert, or stacked in 3-D);
 - :mod:`.peft_io`: LoRA adapters out, as a PEFT adapter directory and as a merged HF model;
 - :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,

@@ -14,7 +14,7 @@ A checkpoint holds everything a run needs to continue bit for bit::
 
 Nothing in it depends on how the store lays units out (padding, alignment, unit order): tensors
 are found by name, so a checkpoint loads into any later layout of the same model, and the weights
-part is itself a Hugging Face checkpoint (usable as ``runtime.init_from`` or by ``transformers``).
+part is itself a Hugging Face checkpoint (usable as ``train.init_from`` or by ``transformers``).
 
 **Consistency.** A checkpoint is taken at a *step boundary*: every unit has received exactly
 ``step`` updates and none has started its next one. One writer writes them all
@@ -300,7 +300,7 @@ def load_into(store, directory: str) -> int:
         raise ConfigError(f"checkpoint {directory} holds the {saved_state} optimizer state but the run has optim.state="
                           f"{'8bit' if store.spec.precision.compact else 'fp32'}; resume with optim.state="
                           f"{'8bit' if saved_state == '8bit' else 'fp32'}, or start a new run from its weights "
-                          f"with runtime.init_from={directory}.")
+                          f"with train.init_from={directory}.")
     wanted = []
     targets = [(hf_name(unit, name), store.params("master", i)[name])
                for i, unit in enumerate(layout.units) for name, _, _ in layout.templates[i].params]
@@ -331,8 +331,8 @@ def check_model(meta: dict, model, directory: str) -> None:
     if diffs:
         raise ConfigError(f"checkpoint {directory} holds a different model than the run's config "
                           f"({'; '.join(diffs[:4])}{' ...' if len(diffs) > 4 else ''}); resume without "
-                          "changing model.* or runtime.init_from, or start a new run from its weights "
-                          f"with runtime.init_from={directory}.")
+                          "changing model.* or train.init_from, or start a new run from its weights "
+                          f"with train.init_from={directory}.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import ModelConfig
+from ..config import EXECUTION_SECTIONS, ModelConfig
 from ..errors import DataError
 from ..model.transformer import IGNORE_INDEX, UnitReader, forward_hidden, token_loss_sum
 from . import hf_io
@@ -92,7 +92,7 @@ def evaluate(cfg: ModelConfig, read: UnitReader, batches: Iterable[dict[str, np.
     return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count, sequences=seqs)
 
 
-SECTIONS = ("model", "optim", "train", "data", "runtime")
+SECTIONS = ("model", "optim", "train", "data", *EXECUTION_SECTIONS)
 
 
 def run_eval(src: str, config: str | None = None, overrides: list[str] = (), split: str = "val",
@@ -117,7 +117,7 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
     model_cfg, read = checkpoint_reader(ckpt.weights_dir)
     base = {k: dict(v) for k, v in (ckpt.run_config or {}).items() if k in SECTIONS and isinstance(v, dict)}
     base.pop("model", None)
-    base.setdefault("runtime", {})["init_from"] = None  # the weights are the checkpoint's
+    base.setdefault("train", {})["init_from"] = None  # the weights are the checkpoint's
     tokenizer = ckpt.tokenizer
     if tokenizer not in (None, BYTE_LEVEL):
         base.setdefault("data", {})["tokenizer"] = tokenizer

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelConfig, TrainConfig, load_config, unwritable
+from ..config.moved import saved_run_config
 from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
@@ -71,16 +72,16 @@ def read_config(directory: str, what: str = "the checkpoint") -> tuple[ModelConf
 
 def load_train_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
                       skip: tuple[str, ...] = ()) -> TrainConfig:
-    """:func:`megatrain_ray.config.load_config`, with ``runtime.init_from``'s config.json as the model
+    """:func:`megatrain_ray.config.load_config`, with ``train.init_from``'s config.json as the model
     shape; a model.* value the configuration sets that disagrees with it is a ConfigError naming the key."""
     return load_config(path, overrides, base, model_from=_init_from_model, skip=skip)
 
 
 def _init_from_model(directory: str, given: dict) -> ModelConfig:
-    model = read_config(directory, "runtime.init_from")[0]
+    model = read_config(directory, "train.init_from")[0]
     if model.tie_word_embeddings and _separate_head(directory):
         if given.get("tie_word_embeddings") is not False:
-            raise ConfigError(f"runtime.init_from's config.json ({directory}) sets tie_word_embeddings: true, but "
+            raise ConfigError(f"train.init_from's config.json ({directory}) sets tie_word_embeddings: true, but "
                               "its weights hold an lm_head.weight unlike model.embed_tokens.weight; set "
                               "model.tie_word_embeddings=false to train that head (transformers loads this "
                               "directory untied too), or remove lm_head.weight from the files to tie it.")
@@ -89,9 +90,9 @@ def _init_from_model(directory: str, given: dict) -> ModelConfig:
     for key, value in given.items():
         theirs = getattr(model, key)
         if value != theirs:
-            raise ConfigError(f"model.{key} ({value!r}) disagrees with runtime.init_from's config.json "
+            raise ConfigError(f"model.{key} ({value!r}) disagrees with train.init_from's config.json "
                               f"({directory}: {theirs!r}), which defines the model; remove model.{key} from the "
-                              "configuration, or point runtime.init_from at the model meant.")
+                              "configuration, or point train.init_from at the model meant.")
     return model
 
 
@@ -100,7 +101,7 @@ def _separate_head(directory: str, rows: int = 4096) -> bool:
     ``rows`` rows of each at a time): a config.json that ties them beside such a file is the wrong one."""
     from safetensors import safe_open
 
-    mapping = weight_map(directory, "runtime.init_from")
+    mapping = weight_map(directory, "train.init_from")
     head, embed = "lm_head.weight", hf_name("embed", "weight")
     if head not in mapping or embed not in mapping:
         return False
@@ -198,7 +199,7 @@ def check_weights(cfg: ModelConfig, directory: str, what: str) -> dict[str, str]
     return mapping
 
 
-def load_into(store, directory: str, what: str = "runtime.init_from") -> None:
+def load_into(store, directory: str, what: str = "train.init_from") -> None:
     """Copy an HF checkpoint into ``store``'s master blocks (a HostStore), then refresh stream copies.
 
     Shards are read in order through safetensors' memory mapping, and each tensor is copied into
@@ -294,7 +295,7 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
                tokenizer: str | None = None) -> list[str]:
     """Write a HostStore's master weights as an HF checkpoint, with config.json and the tokenizer.
 
-    ``source`` is the HF directory the run started from (runtime.init_from) or None: its config.json's
+    ``source`` is the HF directory the run started from (train.init_from) or None: its config.json's
     other fields and its generation_config.json are kept. ``tokenizer`` is the run's (a directory,
     BYTE_LEVEL, or None: none written). The directory appears whole or not at all (see
     :func:`megatrain_ray.io.files.atomic_dir`): a full disk removes what was written and raises one
@@ -314,7 +315,7 @@ def write_model_dir(directory: str, what: str, cfg: ModelConfig, dtype: torch.dt
     appearing whole or not at all (``what``: how its user knows it, for errors); its shard files."""
     base = None
     if source is not None and os.path.isfile(os.path.join(source, "config.json")):
-        base = read_config(source, "runtime.init_from")[1]
+        base = read_config(source, "train.init_from")[1]
     with atomic_dir(directory, what, sum(t.nbytes for t in tensors)) as tmp:
         mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base, tokenizer))
@@ -342,7 +343,7 @@ class Checkpoint:
         from ..data.datasets import run_tokenizer
 
         run = self.run_config
-        named = run and run_tokenizer(run.get("data") or {}, (run.get("runtime") or {}).get("init_from"))
+        named = run and run_tokenizer(run.get("data") or {}, (run.get("train") or {}).get("init_from"))
         if named == BYTE_LEVEL or is_tokenizer_dir(named):
             return named
         return self.weights_dir if is_tokenizer_dir(self.weights_dir) else None
@@ -390,7 +391,7 @@ def _run_config(path: str, key: str | None = None) -> dict | None:
         return None
     if key is not None:
         data = data.get(key) if isinstance(data, dict) else None
-    return data if isinstance(data, dict) and "runtime" in data and "model" in data else None
+    return saved_run_config(data)
 
 
 def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str | None = None,

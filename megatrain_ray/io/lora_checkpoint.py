@@ -1,7 +1,7 @@
 """Checkpoints of a LoRA run: the adapters and their AdamW state, the frozen base left out.
 
 The base of a LoRA run never changes, so a checkpoint need not hold it: resuming loads it again
-from where the run took it (``runtime.init_from``, or train.seed's draw). A checkpoint directory
+from where the run took it (``train.init_from``, or train.seed's draw). A checkpoint directory
 has the layout and checks of every checkpoint (:mod:`.checkpoint`: ``step-NNNNNN``, checksummed
 files, ``meta.json`` last, found by :func:`~megatrain_ray.io.checkpoint.latest` and checked by
 :func:`~megatrain_ray.io.checkpoint.check_files`), with other contents::
@@ -84,7 +84,7 @@ def load(directory: str, cfg: ModelConfig, lora: LoraSection) -> tuple[int, Adap
     saved = meta.get("lora")
     if saved is None:
         raise ConfigError(f"checkpoint {directory} is a full fine-tuning checkpoint, not a LoRA run's; resume it "
-                          f"with lora.rank 0, or start a LoRA run from its weights with runtime.init_from={directory}.")
+                          f"with lora.rank 0, or start a LoRA run from its weights with train.init_from={directory}.")
     ours = dataclasses.asdict(lora)
     diffs = [f"{k} {saved.get(k)!r} vs {v!r}" for k, v in ours.items() if k in saved and
              (list(saved[k]) if isinstance(v, tuple) else saved[k]) != (list(v) if isinstance(v, tuple) else v)]

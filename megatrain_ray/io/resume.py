@@ -10,7 +10,7 @@ A resumed run continues its own run directory, as one run with one history
 (:func:`continued_run`): its metrics.jsonl and train.log are appended to, its checkpoints and final
 weights written in place. It writes a run directory of its own (whose config.json names the
 checkpoint, ``resumed_from``) only when continuing in place would change what is there: the
-checkpoint is not the run's newest (the newer ones stay as they are), or ``runtime.run_dir`` was set
+checkpoint is not the run's newest (the newer ones stay as they are), or ``train.run_dir`` was set
 to another folder.
 """
 
@@ -21,6 +21,7 @@ import os
 
 from .checkpoint import META_FILE, CheckpointError, check_model, problem, read_meta, step_dirs, stray_steps
 from . import run_lock
+from ..config.moved import upgrade_saved
 from .hf_io import load_train_config
 
 
@@ -59,9 +60,9 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
 
     The checkpoint's own run config is the base; a config file and ``--set`` overrides apply on
     top (e.g. more ``train.steps``, see :func:`megatrain_ray.io.checkpoint.check_resume`; another
-    ``runtime.run_dir``). The weights come from the checkpoint; ``runtime.init_from`` is kept for what
-    else it provides (the model's config, the tokenizer), and ``--set runtime.init_from=null`` drops it.
-    A different model shape is an error. Unless ``runtime.run_dir`` is set anew, it is the folder
+    ``train.run_dir``). The weights come from the checkpoint; ``train.init_from`` is kept for what
+    else it provides (the model's config, the tokenizer), and ``--set train.init_from=null`` drops it.
+    A different model shape is an error. Unless ``train.run_dir`` is set anew, it is the folder
     that holds the checkpoint's run, so the run continues where it is (:func:`continued_run`) from
     whatever directory the command runs in.
     """
@@ -69,20 +70,21 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
     directory = os.path.abspath(find(path, log))
     meta = read_meta(directory)
     base = json.loads(json.dumps(meta.get("config") or {}))
-    if not isinstance(base.get("runtime"), dict) or not isinstance(base.get("model"), dict):
+    if not isinstance(base.get("train") or base.get("runtime"), dict) or not isinstance(base.get("model"), dict):
         raise CheckpointError(f"checkpoint {directory} has no run config in its {META_FILE}.")
-    if base["runtime"].get("init_from"):
-        # The model is runtime.init_from's config.json, so the saved model.* are not the user's settings to
+    base = upgrade_saved(base)  # one saved with the former runtime section, in today's sections
+    if (base.get("train") or {}).get("init_from"):
+        # The model is train.init_from's config.json, so the saved model.* are not the user's settings to
         # check against it: another init_from is told apart from the checkpoint by check_model, below.
         cfg = load_train_config(config_file, overrides, base={k: v for k, v in base.items() if k != "model"})
-        if cfg.runtime.init_from is None:  # --set runtime.init_from=null: the model as it was saved
+        if cfg.train.init_from is None:  # --set train.init_from=null: the model as it was saved
             cfg = load_train_config(config_file, overrides, base=base)
     else:
         cfg = load_train_config(config_file, overrides, base=base)
     check_model(meta, cfg.model, directory)
     run = run_lock.run_of(directory)
-    if cfg.runtime.run_dir == base["runtime"].get("run_dir") and run != directory:
-        cfg.runtime.run_dir = os.path.dirname(run)
+    if cfg.train.run_dir == (base.get("train") or {}).get("run_dir") and run != directory:
+        cfg.train.run_dir = os.path.dirname(run)
     return cfg, directory, meta
 
 
@@ -95,7 +97,7 @@ def continued_run(directory: str, runs_dir: str) -> tuple[str | None, str]:
     if run == os.path.abspath(directory) or not os.path.isfile(os.path.join(run, "config.json")):
         return None, ""
     if os.path.abspath(runs_dir) != os.path.dirname(run):
-        return None, f"runtime.run_dir ({runs_dir}) is not the folder that holds {run}"
+        return None, f"train.run_dir ({runs_dir}) is not the folder that holds {run}"
     step = read_meta(directory)["step"]
     later = [os.path.basename(p) for s, p in step_dirs(os.path.join(run, "checkpoints")) if s > step]
     if later:

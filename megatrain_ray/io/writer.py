@@ -294,7 +294,7 @@ class CheckpointWriter:
             kept = f"the last good checkpoint, {last}, is intact" if last else "no earlier checkpoint exists"
             raise CheckpointError(f"could not write the checkpoint of step {step} to {root} "
                                   f"({e.strerror or e}); it needs {fmt_bytes(checkpoint_bytes(store))} and "
-                                  f"{fmt_bytes(free_bytes(root))} is free there: free space or set runtime.run_dir "
+                                  f"{fmt_bytes(free_bytes(root))} is free there: free space or set train.run_dir "
                                   f"to a larger disk; {kept}.") from None
         finally:
             for unit in order:  # whatever happened, the units are free to change now

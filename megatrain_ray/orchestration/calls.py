@@ -44,8 +44,8 @@ def actor_error(e: BaseException, role: str) -> MegatrainError:
         return PipelineError(
             f"the machine ran out of host memory: Ray's memory monitor killed the {role} actor's work "
             f"(it does past {preflight.RAY_MEMORY_THRESHOLD:.0%} of RAM by default); see what the run needs with "
-            "`megatrain-ray plan` and stop other memory users, or lower it (runtime.master_dtype=bfloat16, "
-            "runtime.offload_activations=false, a smaller model or micro-batch).")
+            "`megatrain-ray plan` and stop other memory users, or lower it (precision.master_dtype=bfloat16, "
+            "memory.activations other than offload, a smaller model or micro-batch).")
     if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
         ours = _raised_in_constructor(str(e))
         if ours is not None:  # its own sentence, e.g. a loader's data that changed under the run
@@ -125,6 +125,6 @@ def get(ref, role: str, timeout: float):
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         raise PipelineError(f"the {role} actor did not answer within {timeout:.0f} s "
-                            "(runtime.actor_timeout_s).") from None
+                            "(cluster.actor_timeout_s).") from None
     except (ray.exceptions.RayError, MegatrainError) as e:
         raise actor_error(e, role) from None

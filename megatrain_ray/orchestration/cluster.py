@@ -1,11 +1,11 @@
 """Which Ray a run uses, how it connects (quietly), and where a Ray job writes its outputs.
 
-``runtime.ray_address`` chooses the cluster (:func:`cluster_to_join`):
+``cluster.ray_address`` chooses the cluster (:func:`cluster_to_join`):
 
 - ``null`` (default): under ``ray job submit``, the job's cluster (``RAY_ADDRESS``); else the cluster
   that ``ray start --head`` left running on this machine, found the way ``ray.init()`` finds it (the
   address in ``<Ray temp dir>/ray_current_cluster``, if a raylet of that cluster is alive), with one
-  line saying so; else a private Ray started for this run, with ``runtime.object_store_memory``.
+  line saying so; else a private Ray started for this run, with ``cluster.object_store_memory``.
 - ``local``: always a private Ray for this run.
 - ``auto``: Ray's own ``auto``: the running cluster of this machine, an error if there is none.
 - ``host:port`` or ``ray://host:port``: that cluster.
@@ -15,7 +15,7 @@ and keeps its token in ``~/.ray/auth_token``; joining a cluster found on this ma
 token when it exists, as ``ray.init()`` does; an explicit address needs ``RAY_AUTH_MODE=token`` in
 the environment (a failure to authenticate says so in one sentence).
 
-A private Ray starts its dashboard on 127.0.0.1 (``runtime.dashboard``, on by default); one line
+A private Ray starts its dashboard on 127.0.0.1 (``cluster.dashboard``, on by default); one line
 at start says where it is and where the node's metrics endpoint is (:func:`endpoints_line`), so the
 pipeline's gauges can be scraped and its roles seen from the first run.
 
@@ -29,7 +29,7 @@ Ray's own lines that the user cannot act on go to the run's log file only
 the Grafana provisioning path is written there too.
 
 A Ray job runs its entry point in a temporary copy of the uploaded working directory, deleted with
-the session. So in a job, relative output paths (``runtime.run_dir``, the bench's ``--out``) are
+the session. So in a job, relative output paths (``train.run_dir``, the bench's ``--out``) are
 taken from ``~/megatrain-ray`` on the node that runs the job's driver (:func:`job_path`).
 """
 
@@ -71,34 +71,34 @@ def running_local_cluster() -> str | None:
     return address if address in services.find_gcs_addresses() else None
 
 
-def cluster_to_join(rt) -> tuple[str | None, bool]:
+def cluster_to_join(cluster) -> tuple[str | None, bool]:
     """(address, found): the cluster the run joins (None: it starts a private Ray) and whether that
     address was found running on this machine rather than given (see the module docstring)."""
-    if rt.ray_address == "local":
+    if cluster.ray_address == "local":
         return None, False
-    if rt.ray_address:
-        return rt.ray_address, False
+    if cluster.ray_address:
+        return cluster.ray_address, False
     if os.environ.get("RAY_ADDRESS"):
         return os.environ["RAY_ADDRESS"], False
     found = running_local_cluster()
     return found, found is not None
 
 
-def starts_ray(rt) -> bool:
+def starts_ray(cluster) -> bool:
     """Whether connecting will start a private Ray (and so its object store) in this process."""
     import ray
 
-    return not ray.is_initialized() and cluster_to_join(rt)[0] is None
+    return not ray.is_initialized() and cluster_to_join(cluster)[0] is None
 
 
-def node_cpus(rt) -> float | None:
+def node_cpus(cluster) -> float | None:
     """CPUs of the largest node of the Ray a run uses: the cluster this process is connected to, or
     the private Ray it will start (as many as Ray detects here); None for a cluster not joined yet."""
     import ray
 
     if ray.is_initialized():
         return max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
-    if cluster_to_join(rt)[0] is None:
+    if cluster_to_join(cluster)[0] is None:
         from ray._private.utils import get_num_cpus
 
         return float(get_num_cpus())
@@ -108,35 +108,35 @@ def node_cpus(rt) -> float | None:
 def check_num_workers(cfg) -> None:
     """One ConfigError if data.num_workers exceeds the CPUs of a node of the Ray the run uses: its
     actors all go on one node (one placement group), which could then never be placed."""
-    cpus = node_cpus(cfg.runtime)
+    cpus = node_cpus(cfg.cluster)
     if cpus is not None and cfg.data.num_workers > cpus:
         raise ConfigError(f"data.num_workers ({cfg.data.num_workers}) exceeds the {cpus:g} CPUs of the Ray the run "
                           f"uses (its actors share one node); set it to at most {max(1, int(cpus))}.")
 
 
-def connect(rt, log=print) -> None:
-    """Connect this process to the Ray chosen by ``rt.ray_address`` (a RuntimeSection), once."""
+def connect(cluster, log=print) -> None:
+    """Connect this process to the Ray chosen by ``cluster.ray_address`` (a ClusterSection), once."""
     import ray
 
     if ray.is_initialized():  # the caller's Ray: its output during the run is quieted all the same
         console.quiet()
         return
     console.quiet()
-    address, found = cluster_to_join(rt)
+    address, found = cluster_to_join(cluster)
     if address is not None and not found:
         _check_reachable(address)
     try:
         if address is None:
-            missing = rt.dashboard and _dashboard_missing()
+            missing = cluster.dashboard and _dashboard_missing()
             if missing:
                 log(f"Ray dashboard: not started, its packages are missing ({missing}); install ray[default] "
-                    "for it, or set runtime.dashboard=false to skip it")
+                    "for it, or set cluster.dashboard=false to skip it")
             with ray_in_own_session():
-                ctx = ray.init(address="local", object_store_memory=rt.object_store_memory,
-                               include_dashboard=rt.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
+                ctx = ray.init(address="local", object_store_memory=cluster.object_store_memory,
+                               include_dashboard=cluster.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
                                log_to_driver=True)
         elif found:
-            log(f"joining the Ray cluster already running at {address}; set runtime.ray_address=local to "
+            log(f"joining the Ray cluster already running at {address}; set cluster.ray_address=local to "
                 "start a private one")
             ctx = ray.init(log_to_driver=True)  # as plain ray.init() does: that cluster, with its token if any
         else:
@@ -144,13 +144,13 @@ def connect(rt, log=print) -> None:
     except (ray.exceptions.AuthenticationError, ConnectionError) as e:
         if isinstance(e, ConnectionError) and "InvalidAuthToken" not in str(e.__cause__):
             raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e}); start it with "
-                                "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
+                                "`ray start --head` or fix cluster.ray_address (or RAY_ADDRESS).") from None
         raise PipelineError(f"the Ray cluster at {address} requires token authentication and this process has no "
                             "valid token; export RAY_AUTH_MODE=token and make the cluster's token available "
-                            "(~/.ray/auth_token or RAY_AUTH_TOKEN), or set runtime.ray_address=local to start a "
+                            "(~/.ray/auth_token or RAY_AUTH_TOKEN), or set cluster.ray_address=local to start a "
                             "private Ray.") from None
     dashboard_url = getattr(ctx, "dashboard_url", None)  # a ray:// client's context may lack one
-    log(endpoints_line(dashboard_url, address is None and not rt.dashboard))
+    log(endpoints_line(dashboard_url, address is None and not cluster.dashboard))
     console.quiet()  # again: ray.init installed the handler of the lines its processes print
     installed = grafana.install(_session_dir()) if dashboard_url else None
     if installed:
@@ -231,7 +231,7 @@ def endpoints_line(dashboard_url: str | None, turned_off: bool) -> str:
                  else "")
         dashboard = f"Ray dashboard: {url}{token}"
     elif turned_off:
-        dashboard = "Ray dashboard: off (runtime.dashboard=false)"
+        dashboard = "Ray dashboard: off (cluster.dashboard=false)"
     else:
         dashboard = "Ray dashboard: none on this cluster"
     return f"{dashboard}; metrics: {metrics_endpoint() or 'not exported (Ray reports no metrics port)'}"
@@ -249,7 +249,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e:
         raise PipelineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
-                            "`ray start --head` or fix runtime.ray_address (or RAY_ADDRESS).") from None
+                            "`ray start --head` or fix cluster.ray_address (or RAY_ADDRESS).") from None
 
 
 def in_job_copy() -> bool:
@@ -280,7 +280,7 @@ def connect_ray(cfg) -> None:
     tokenizing (see :data:`megatrain_ray.data.loader.Connect`); data.num_workers (the tokenizer pool's
     size) is checked against the CPUs before Ray starts and, for a cluster joined, once connected."""
     check_num_workers(cfg)
-    connect(cfg.runtime)
+    connect(cfg.cluster)
     check_num_workers(cfg)
 
 

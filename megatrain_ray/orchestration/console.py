@@ -49,7 +49,7 @@ QUIET_RECORDS = (
     # Calls still pending on the actors a run's teardown kills (ray.kill) once it ended or was
     # interrupted: their results are not wanted.
     ("ray._private.worker", "Unhandled error", "killed by `ray.kill`"),
-    # MLflow creating its local store (runtime.loggers: mlflow), and the migrations that make it.
+    # MLflow creating its local store (train.loggers: mlflow), and the migrations that make it.
     ("mlflow.store.db.utils", ""),
     ("alembic.runtime.migration", ""),
 )
@@ -65,7 +65,7 @@ QUIET_LINES = (
     ("Falling back to native json.load()", 1),
     # The GCS reports actors of an ended run that were already gone when the teardown killed them.
     ("Failed to kill actor", 0),
-    # gloo (the collectives of runtime.nodes > 1) on a node whose peer's node went away: the role
+    # gloo (the collectives of parallel.nodes > 1) on a node whose peer's node went away: the role
     # that died with that node is named by the run (a restart, or the error).
     ("Connection closed by peer", 0),
     ("gloo/transport", 0),

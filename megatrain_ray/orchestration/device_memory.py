@@ -1,9 +1,9 @@
 """The device-memory side of the preflight plan: the rows one GPU (or, on a CPU run, host RAM) holds
 during a step, the peak they add up to (:func:`device_total`: phases that never overlap count once),
 and where each decoder layer's activations go (:func:`activation_placement`, chosen from the
-device's memory or set by runtime.activations), and which units are resident on the device
-(:func:`resolve_resident`, runtime.device_adamw). Each takes the resident units as an argument
-(``resident``: unit indices; None = as an explicit runtime.device_adamw names them, none for auto),
+device's memory or set by memory.activations), and which units are resident on the device
+(:func:`resolve_resident`, memory.resident). Each takes the resident units as an argument
+(``resident``: unit indices; None = as an explicit memory.resident names them, none for auto),
 so the plan of a run is computed from what the run resolved, never from a rewritten config. See :mod:`megatrain_ray.orchestration.preflight`
 for what each row stands for and how the estimates were checked on an H200.
 """
@@ -30,8 +30,9 @@ H200 (143,771 MiB; session 9, benchmarks/h200_s9b.sh): the plan's device total c
 above the peak torch allocated in every 7B run (e.g. 132.3 planned, 131.3 allocated), and
 nvidia-smi showed 133.9 GiB used at that peak (context, cuBLAS workspace and cached blocks): a plan
 at 94% of the free memory leaves ~7 GiB of that GPU unused at the peak."""
-AUTO_DEVICE_ADAMW = ("edges+1", "edges")
-"""What runtime.device_adamw=auto tries, in order (see :func:`resolve_resident`)."""
+AUTO_RESIDENT_LAYERS = (1, 0)
+"""What memory.resident=auto tries, in order: embed_head with this many decoder layers (see
+:func:`resolve_resident`)."""
 
 
 @dataclass
@@ -69,27 +70,26 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_byt
 
 def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int, int]:
     """(compute dtype bytes, tokens per micro-batch, micro-batches per GPU, hidden size)."""
-    rt = cfg.runtime
-    c = resolve_precision(rt, device, cfg.optim.state).compute.itemsize
-    return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // (rt.compute_workers * rt.nodes), \
+    c = resolve_precision(cfg.precision, device, cfg.optim.state).compute.itemsize
+    return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // (cfg.parallel.compute_workers * cfg.parallel.nodes), \
         cfg.model.hidden_size
 
 
 def configured_resident(cfg: TrainConfig, resident: tuple[int, ...] | None) -> tuple[int, ...]:
-    """``resident``, or where None the units an explicit runtime.device_adamw names (none for auto)."""
-    return resident_units(cfg.model, cfg.runtime.device_adamw) if resident is None else resident
+    """``resident``, or where None the units an explicit memory.resident names (none for auto)."""
+    return resident_units(cfg.model, cfg.memory.resident_given) if resident is None else resident
 
 
 def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
                        resident: tuple[int, ...] | None = None) -> list[Row]:
     """Every device row but the activations' (the weight slots first)."""
-    m, rt = cfg.model, cfg.runtime
+    m = cfg.model
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
-    precision = resolve_precision(rt, device, cfg.optim.state)
+    precision = resolve_precision(cfg.precision, device, cfg.optim.state)
     layout = StoreLayout.build(m)
     layer_numel = layout.max_layer_numel
     head_numel = layout.templates[layout.head.index].numel
-    chunk, depth = min(rt.loss_chunk_size_on(device), tokens), rt.buffer_depth_on(device)
+    chunk, depth = min(cfg.memory.loss_chunk_size_on(device), tokens), cfg.memory.buffer_depth_on(device)
     resident = configured_resident(cfg, resident)
     resident_numel = sum(layout.templates[i].numel for i in resident)
     lora = cfg.lora
@@ -98,17 +98,17 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
             depth * largest_streamed(layout, resident) * c),
         *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
-               "(runtime.device_adamw)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
+               "(memory.resident)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         _layer_working_set(cfg, device, tokens, c, 0 if lora.enabled else layer_numel),  # LoRA: no base gradient
         Row(f"LoRA adapters (rank {lora.rank}, {adapters:,} parameters): fp32 master, AdamW moments and gradient"
             f"{', compute copy' if c != 4 else ''}", "device", adapters * (16 + (c if c != 4 else 0)))
         if lora.enabled else Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
-               "runtime.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
+               "experimental.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
-            chunk * m.vocab_size * _logit_bytes(c, rt.compile_on(device)) + 3 * chunk * h * 4, "head"),
+            chunk * m.vocab_size * _logit_bytes(c, cfg.compute.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
     if device == "cuda":
         rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
@@ -131,7 +131,7 @@ def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer
 
     Untiled: attention half and residual stream: ~4 [tokens, hidden] tensors (normed input, output,
     their gradients) and q, k, v with the attention output and their gradients; the MLP: 5
-    [tokens, intermediate] tensors (see the module docstring). Tiled (runtime.mlp_chunk_size, the
+    [tokens, intermediate] tensors (see the module docstring). Tiled (memory.mlp_chunk_size, the
     long-context path): the peak of its moments as
     :func:`~megatrain_ray.engine.sequence.tiled_backward_bytes` counts them, the attention kernel's
     scratch on CUDA among them. Both: the layer's fp32 gradient with a compute-dtype weight gradient
@@ -151,11 +151,11 @@ def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer
         if sparse > tokens * 5 * inter * c or len(m.sparse_layers) == m.num_hidden_layers:
             return Row(f"one layer's working set (one micro-batch; a sparse layer: {rows} dispatched rows)", "device",
                        tokens * (4 * h + 2 * q + 2 * kv) * c + sparse + layer_numel * (4 + c), "layer")
-    mlp_chunk = cfg.runtime.mlp_chunk_size_for(cfg.train.seq_len)
+    mlp_chunk = cfg.memory.mlp_chunk_size_for(cfg.train.seq_len)
     if 0 < mlp_chunk < cfg.train.seq_len:
         rows = tokens // cfg.train.seq_len * mlp_chunk  # the micro-batch's sequences, one chunk each
         return Row(f"one layer's working set (one micro-batch, MLP in chunks of {mlp_chunk} tokens)", "device",
-                   tiled_backward_bytes(m, tokens, rows, c, cfg.runtime.compile_on(device), device)
+                   tiled_backward_bytes(m, tokens, rows, c, cfg.compute.compile_on(device), device)
                    + layer_numel * (4 + c), "layer")
     return Row("one layer's working set (one micro-batch)", "device",
                tokens * (4 * h + 2 * q + 2 * kv + 5 * inter) * c + layer_numel * (4 + c), "layer")
@@ -166,7 +166,7 @@ def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> t
     weight copy, pinned host buffers of offloaded checkpoints)."""
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
     layer_numel = StoreLayout.build(cfg.model).max_layer_numel
-    per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+    per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.compute.compile_on(device))
     return (mbs * tokens * h * c, mbs * tokens * per_token + layer_numel * c,
             mbs * _pinned_size(tokens * h * c))
 
@@ -174,7 +174,7 @@ def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> t
 def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, device_bytes: int | None,
                       fixed_bytes: int, host_bytes: int | None = None) -> tuple[int, int, int]:
     """(decoder layers kept whole, checkpoints offloaded, layers in recompute spans without a
-    checkpoint of their own) as runtime.activations sets or, on auto, as fits.
+    checkpoint of their own) as memory.activations sets or, on auto, as fits.
 
     auto (on cuda, with the GPU's size known): the device memory the plan allows (GPU_USABLE of it)
     minus everything else (``fixed_bytes``) goes first to every layer's checkpoint and then, layer
@@ -188,12 +188,12 @@ def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, devi
     """
     n = cfg.model.num_hidden_layers
     keepable = n - 1 - max(cfg.model.sparse_layers, default=-1)
-    counts = cfg.runtime.activation_counts(device, n)
+    counts = cfg.memory.activation_counts(device, n)
     if counts is not None:
         if counts[0] > keepable:
-            raise ConfigError(f"runtime.activations keeps {counts[0]} layers whole, but a sparse (mixture-of-experts) "
+            raise ConfigError(f"memory.activations keeps {counts[0]} layers whole, but a sparse (mixture-of-experts) "
                               f"layer is recomputed, never kept, and only the last {keepable} layers are dense; keep at "
-                              f"most {keepable} (e.g. \"keep={keepable}\") or leave it auto.")
+                              f"most {keepable} (memory.activations: counts, memory.kept_layers: {keepable}) or leave it auto.")
         return counts
     if device_bytes is None or n == 0:
         return 0, 0, 0
@@ -237,7 +237,7 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
         rows.append(Row(f"recompute spans: {span} layers without a checkpoint, a span's inputs during its backward "
                         f"({longest - 1} x {mbs} x {tokens} tokens x {h})", "device", (longest - 1) * ck))
     if keep:
-        per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.runtime.compile_on(device))
+        per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.compute.compile_on(device))
         rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x {per_token} B, "
                         "+ weights): no recompute", "device", keep * kept))
     if host:
@@ -247,35 +247,36 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
     return rows
 
 
-def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) -> str:
-    """runtime.device_adamw as a run on ``device`` with a GPU of ``device_bytes`` resolves it: a given
-    setting as it is; auto made concrete.
+def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) -> int | None:
+    """memory.resident as a run on ``device`` with a GPU of ``device_bytes`` resolves it, as the
+    decoder layers resident besides the embedding and the head (None: no unit resident; see
+    :func:`megatrain_ray.config.execution.describe_resident`): a given setting as it is; auto made
+    concrete.
 
     On one CUDA compute worker with fp32 master weights and moments: the first of
-    :data:`AUTO_DEVICE_ADAMW` with which the plan fits the GPU with every activation checkpoint on
+    :data:`AUTO_RESIDENT_LAYERS` with which the plan fits the GPU with every activation checkpoint on
     it (none offloaded to host memory). Measured at 7B on an H200: the host update of the embedding,
     layer 0 and the head is ~0.2 s a step that the GPU waits at the step boundary, more than the two
     kept layers' recompute the resident states take the memory of. Else (a LoRA run among them: its
     base has no optimizer) none.
     """
-    rt = cfg.runtime
-    if rt.device_adamw != "auto":
-        return rt.device_adamw
-    if (device == "cuda" and not cfg.lora.enabled and rt.compute_workers * rt.nodes == 1 and device_bytes
-            and rt.master_dtype == "float32" and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
-        for setting in AUTO_DEVICE_ADAMW:
-            rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident_units(cfg.model, setting))
+    if cfg.memory.resident != "auto":
+        return cfg.memory.resident_given
+    if (device == "cuda" and not cfg.lora.enabled and cfg.parallel.workers == 1 and device_bytes
+            and cfg.precision.master_dtype == "float32" and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
+        for layers in AUTO_RESIDENT_LAYERS:
+            rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident_units(cfg.model, layers))
             offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory
             if not offloaded and device_total(rows) <= device_bytes * GPU_USABLE:
-                return setting
-    return "none"
+                return layers
+    return None
 
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None,
                          resident: tuple[int, ...] | None = None, host_bytes: int | None = None) -> tuple[str, ...]:
     """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
     for the run's micro-batch on a device of ``device_bytes`` (None: unknown; nothing is kept or
-    offloaded then unless runtime.activations says so), with ``host_bytes`` of host RAM free for
+    offloaded then unless memory.activations says so), with ``host_bytes`` of host RAM free for
     offloaded checkpoints (None: unlimited)."""
     mbs = cfg.train.micro_batch_size
     fixed = device_total(_fixed_device_rows(cfg, device, mbs, resident))
@@ -294,9 +295,9 @@ def span_note(cfg: TrainConfig, modes: tuple[str, ...], step_flops: float) -> st
     they run again, in FLOPs and as a share of the rest of the step's ``step_flops`` (with them)."""
     spans = recompute_spans(modes)
     again = recomputed_layers(modes)[1]
-    t, rt = cfg.train, cfg.runtime
+    t = cfg.train
     extra = recompute_flops(cfg.model, t.seq_len, t.seq_len * t.micro_batch_size * t.num_micro_batches /
-                            (rt.compute_workers * rt.nodes), 0, again)
+                            (cfg.parallel.compute_workers * cfg.parallel.nodes), 0, again)
     return (f"; {modes.count('span')} more have no checkpoint of their own, neither the GPU nor host RAM holding "
             f"every layer's: {len(spans)} recompute spans of up to {max(b - a + 1 for a, b in spans)} layers rerun "
             f"{again} layer forwards in the backward (+{extra / 1e15:,.1f} PFLOP, "
@@ -315,9 +316,8 @@ def activation_note(cfg: TrainConfig, device: str, result) -> str:
     n_gpu = len(modes) - n_keep - n_host - n_span
     where = "GPU" if device == "cuda" else "device"
     ckpt = sum(r.nbytes for r in rows if r.where == "device" and "kept whole" not in r.component)
-    how = ("chosen by the planner from the GPU's memory" if cfg.runtime.activation_counts(device, len(modes)) is None
-           else f"as runtime.activations={cfg.runtime.activations!r}"
-           + (" (runtime.offload_activations)" if cfg.runtime.offload_activations else "") + " sets")
+    how = ("chosen by the planner from the GPU's memory" if cfg.memory.activation_counts(device, len(modes)) is None
+           else f"as memory.activations={cfg.memory.activations!r} sets")
     return (f"activations ({how}): {n_keep} layers kept whole on the {where} ({fmt(keep)}, not recomputed), "
             f"{n_gpu} checkpointed on the {where} ({fmt(ckpt)} with the last layer's output"
             f"{' and those in flight' if n_host else ''}), {n_host} offloaded to host RAM ({fmt(host)})"
@@ -335,9 +335,9 @@ def fmt(n: float) -> str:
 
 def placement_line(modes: tuple[str, ...], device: str, setting: str) -> str:
     """The line a run logs at start: how many decoder layers keep their graph, their checkpoint on
-    the device, or their checkpoint in host memory (``setting``: runtime.activations)."""
+    the device, or their checkpoint in host memory (``setting``: memory.activations)."""
     keep, host, span = modes.count("keep"), modes.count("host"), modes.count("span")
     where = "GPU" if device == "cuda" else "device"
-    return (f"activations (runtime.activations={setting}): {keep} of {len(modes)} layers kept whole on the {where}, "
+    return (f"activations (memory.activations={setting}): {keep} of {len(modes)} layers kept whole on the {where}, "
             f"{len(modes) - keep - host - span} checkpointed there, {host} offloaded to host memory"
             + (f", {span} recomputed within spans from the checkpoint before them" if span else ""))

@@ -55,7 +55,7 @@ class RunResult:
     checkpoints: list[str] = field(default_factory=list)
     """Checkpoint directories saved by this run, oldest first."""
     restarts: int = 0
-    """How many times the pipeline was restarted after an actor died (runtime.max_restarts)."""
+    """How many times the pipeline was restarted after an actor died (cluster.max_restarts)."""
     repeated_steps: int = 0
     """Steps finished before a restart and trained again after it (from the checkpoint restarted from);
     the per-step lists and metrics.jsonl hold each step once, as its last attempt trained it."""
@@ -86,7 +86,7 @@ class Driver:
         """The validation batch (an object ref) that rides along every train.eval_every-th step, or None."""
         self.result, self.metrics_file, self.gauges, self.log = result, metrics_file, gauges, log
         self.steps = cfg.train.steps
-        self.timeout = cfg.runtime.actor_timeout_s
+        self.timeout = cfg.cluster.actor_timeout_s
         self.submitted: dict[int, Any] = {}
         """step -> refs of its run_step calls (one per compute worker), until their results are in."""
         self.outputs: dict[int, dict] = {}
@@ -143,10 +143,10 @@ class Driver:
         r = self.result
         adapter_dir = os.path.join(r.run_dir, "adapter")
         with replacing(r.final_dir, *((adapter_dir,) if self.cfg.lora.enabled else ())):
-            tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.runtime.init_from)
+            tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.train.init_from)
             if self.cfg.lora.enabled:  # the adapters (PEFT's format) and the merged model, from the compute worker
                 _get(self.roles.computes[0].lora.remote("export", adapter_dir, r.final_dir, tokenizer,
-                                                        self.cfg.runtime.init_from), "compute", self.timeout)
+                                                        self.cfg.train.init_from), "compute", self.timeout)
             elif self.plan is not None and not self.plan.every:  # the weights on disk before the export
                 try:
                     r.checkpoints.append(_get(self.head.store.save_checkpoint.remote(self.plan, self.steps), "store",
@@ -307,8 +307,8 @@ class Driver:
         """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
         if self.plan is None:
             return None, "checkpoints are off"
-        if self.cfg.runtime.sharded_optimizer:
-            return None, ("with runtime.optimizer_sharding=sharded each node holds its own units' AdamW states, "
+        if self.cfg.parallel.sharded_optimizer:
+            return None, ("with parallel.optimizer_sharding=sharded each node holds its own units' AdamW states, "
                           "gathered only at train.checkpoint_every boundaries; resume from the last of those")
         done = self.result.start_step + len(self.result.losses)  # the losses of earlier attempts too
         boundary = max(self.submitted, default=done - 1) + 1
@@ -324,7 +324,7 @@ class Driver:
                     return None, f"the loss of step {step + 1} is {out['loss']}"
                 self._record(step, out)
             # The store actor waits until the sink has applied every submitted step's update; the
-            # compute worker's own units (runtime.device_adamw) it copies in first. A LoRA run's
+            # compute worker's own units (memory.resident) it copies in first. A LoRA run's
             # checkpoint is the adapters', which the compute worker writes itself.
             if self.cfg.lora.enabled:
                 save = self.roles.computes[0].lora.remote("checkpoint", boundary)

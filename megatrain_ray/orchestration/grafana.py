@@ -45,7 +45,7 @@ PANELS = [
     ("Stage busy seconds per role", [("stage_busy_s", "{{role}} {{stage}}")],
      "Busy seconds of the last step per stage."),
     ("Busy share per compute worker", [("worker_busy_fraction", "worker {{worker}} {{stage}}")],
-     "Each compute worker's (GPU's) lanes (runtime.compute_workers per node)."),
+     "Each compute worker's (GPU's) lanes (parallel.compute_workers per node)."),
     ("Queue depths", [("queue_depth", "{{queue}}")],
      "Items waiting when the step is logged: gradients for the sink (grad), unit tickets ready for a compute "
      "worker (fetch; 0 means the worker waits for weights)."),

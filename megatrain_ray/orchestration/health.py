@@ -9,11 +9,11 @@ so a death there went unnoticed until the next call (the store's: the final expo
 second after the last answer), and:
 
 - a ping that fails means the role died: :class:`~megatrain_ray.errors.ActorDied`, naming the role
-  (the driver restarts the pipeline from the newest checkpoint, up to runtime.max_restarts times);
-- a ping unanswered for runtime.health_timeout_s means the role hangs (an idle role answers in
+  (the driver restarts the pipeline from the newest checkpoint, up to cluster.max_restarts times);
+- a ping unanswered for cluster.health_timeout_s means the role hangs (an idle role answers in
   milliseconds), and a busy role whose process on this node is stopped (SIGSTOP, a debugger) or a
   zombie hangs too (a debugger's brief tracing stop does not count): also ActorDied, naming the role and its process id, so the run restarts rather
-  than waiting for a queue timeout of minutes (runtime.actor_timeout_s).
+  than waiting for a queue timeout of minutes (cluster.actor_timeout_s).
 
 A role busy in a long call cannot answer a ping (one call at a time), so its liveness is that
 call's; whether it makes progress is told by the queues: each node's queue host is asked, instead
@@ -52,7 +52,7 @@ class Health:
 
     def __init__(self, idle: dict, busy: dict, timeout_s: float, start_timeout_s: float,
                  stall_s: float | None = None, hosts: set[str] = frozenset()):
-        """``start_timeout_s``: how long a role may take to come up and say where it runs (runtime.actor_timeout_s);
+        """``start_timeout_s``: how long a role may take to come up and say where it runs (cluster.actor_timeout_s);
         ``hosts``: the idle roles that are queue hosts, whose queues moving no item for ``stall_s`` is a stall."""
         self.timeout_s = timeout_s
         self.stall_s, self.hosts = stall_s, set(hosts)
@@ -90,7 +90,7 @@ class Health:
             elif now - sent > self.timeout_s:
                 raise ActorDied(f"the {name} actor has not answered a health check for {self.timeout_s:.0f} s, so it "
                                 f"hangs{self._pid(name)}; see its stack in the Ray dashboard, or raise "
-                                "runtime.health_timeout_s if it is only slow.")
+                                "cluster.health_timeout_s if it is only slow.")
         for name in self.busy:
             status = _status(self.pids[name])
             if status == "stopped":  # SIGSTOP, a debugger: alive, but it will not go on
@@ -114,8 +114,8 @@ class Health:
                                      f"{op} on {queue}") for queue, op in waiting) or "no role waits on a queue"
         raise ActorDied(f"the pipeline{f' of node {node}' if node else ''} is stalled: no message moved between its "
                         f"roles for {quiet_s:.0f} s ({self.stall_s:.0f} s is a few times the expected step time, or "
-                        f"runtime.actor_timeout_s; see `megatrain-ray plan`), while {waits}; see the roles' stacks in "
-                        "the Ray dashboard (or `ray stack`), or raise runtime.actor_timeout_s if a step may pass that "
+                        f"cluster.actor_timeout_s; see `megatrain-ray plan`), while {waits}; see the roles' stacks in "
+                        "the Ray dashboard (or `ray stack`), or raise cluster.actor_timeout_s if a step may pass that "
                         "long without one.")
 
     def _pid(self, name: str) -> str:

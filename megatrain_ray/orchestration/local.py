@@ -24,11 +24,11 @@ from .roles import LocalSpawner, spawn_roles
 
 def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     """Run cfg.train.steps steps in this process; returns one row per step (compute output + sink stats)."""
-    rt, steps = cfg.runtime, cfg.train.steps
-    if rt.compute_workers * rt.nodes > 1:
-        raise ConfigError("the single-process driver runs one compute worker; set runtime.compute_workers=1 and "
-                          "runtime.nodes=1 (several run through the Ray pipeline).")
-    run = resolve(cfg, Facts.here(cfg, resolve_device(rt, gpus_available)))
+    steps = cfg.train.steps
+    if cfg.parallel.compute_workers * cfg.parallel.nodes > 1:
+        raise ConfigError("the single-process driver runs one compute worker; set parallel.compute_workers=1 and "
+                          "parallel.nodes=1 (several run through the Ray pipeline).")
+    run = resolve(cfg, Facts.here(cfg, resolve_device(cfg.compute, gpus_available)))
     spec = run.store_spec(os.getpid(), "local-" + uuid.uuid4().hex[:6])
     source = source_from_config(cfg, connect=connect_ray)
     eval_batch = source_from_config(cfg, "val", connect=connect_ray).batch(0) if cfg.train.eval_every else None
@@ -55,11 +55,11 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
             rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None,
                                          sync=sync_due(None, step, 0, steps)))  # the end: the resident units' copy
         for row in rows:
-            stats = roles.stats_q.get(timeout=rt.actor_timeout_s)
+            stats = roles.stats_q.get(timeout=cfg.cluster.actor_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")
             row.update(stats)
         for t in threads:
-            t.join(timeout=rt.actor_timeout_s)
+            t.join(timeout=cfg.cluster.actor_timeout_s)
         if errors:
             raise errors[0]
         return rows

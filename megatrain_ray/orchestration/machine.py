@@ -1,5 +1,5 @@
 """What this machine has, read before Ray starts: RAM a new run can use (cgroup limits included),
-the GPU's memory, the device ``runtime.device: auto`` will get, and the RAM Ray's memory monitor
+the GPU's memory, the device ``compute.device: auto`` will get, and the RAM Ray's memory monitor
 wants left free. :mod:`.preflight` weighs a run's needs against these.
 """
 
@@ -92,9 +92,9 @@ def gpu_name() -> str | None:
 
 
 def guess_device(cfg: TrainConfig) -> str:
-    """runtime.device before Ray is up: auto means cuda when this process sees a GPU."""
-    if cfg.runtime.device != "auto":
-        return cfg.runtime.device
+    """compute.device before Ray is up: auto means cuda when this process sees a GPU."""
+    if cfg.compute.device != "auto":
+        return cfg.compute.device
     return "cuda" if gpu_memory() is not None else "cpu"
 
 

@@ -31,7 +31,7 @@ expert_imbalance{layer}     max / mean of those per sparse layer (1: balanced)
 
 :data:`megatrain_ray.orchestration.gauges.UNITS` gives each gauge's unit, the one ``megatrain-ray
 plot`` labels its axes with and the Grafana dashboard (``megatrain_ray/dashboards/megatrain.json``) shows.
-The experiment trackers of ``runtime.loggers`` (:mod:`megatrain_ray.orchestration.trackers`) get
+The experiment trackers of ``train.loggers`` (:mod:`megatrain_ray.orchestration.trackers`) get
 the same values under the same names (:attr:`RunMetrics.scalars`).
 
 Ray's metrics agent drops the metrics of a process that has not reported for ``RAY_WORKER_TIMEOUT_S``

@@ -13,7 +13,7 @@ every queue of the pipeline carries messages every step, so no wait for the next
 last longer than a step. Whether the run is stalled is the health check's verdict alone
 (:class:`~megatrain_ray.orchestration.health.Health`), from evidence of no progress: no message
 moved on a node's queues for :func:`stall_s` (:data:`WAIT_STEPS` expected step times, never less
-than runtime.actor_timeout_s, the floor: a checkpoint's write pauses the updates, see that field).
+than cluster.actor_timeout_s, the floor: a checkpoint's write pauses the updates, see that field).
 A role's own wait for a message (:func:`role_wait_s`) lasts twice that, and on Ray's queues ends
 only when no message at all moved between the node's roles for that long
 (:class:`~megatrain_ray.orchestration.queues.QueueHost`): a slow run that progresses is not stopped.
@@ -75,8 +75,8 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
     the backward and ``reforwarded`` more within recompute spans (see
     :func:`~megatrain_ray.engine.activations.recomputed_layers`); ``tflops``: the device's rate
     (default: nominal, by ``gpu_name`` on cuda)."""
-    t, rt = cfg.train, cfg.runtime
-    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / (rt.compute_workers * rt.nodes)
+    t = cfg.train
+    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / (cfg.parallel.compute_workers * cfg.parallel.nodes)
     if tflops is not None:
         rate, note = tflops * ACHIEVED, f"{ACHIEVED:.0%} of the {tflops:,.0f} given"
     elif device == "cpu":
@@ -101,7 +101,7 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
 
 def stall_s(pace: Pace, floor: float) -> float:
     """How long no message may move on a node's queues before the health check calls the run
-    stalled: :data:`WAIT_STEPS` expected steps, at least ``floor`` (runtime.actor_timeout_s)."""
+    stalled: :data:`WAIT_STEPS` expected steps, at least ``floor`` (cluster.actor_timeout_s)."""
     return max(floor, WAIT_STEPS * pace.step_s)
 
 
@@ -115,7 +115,7 @@ def timeout_line(pace: Pace, floor: float) -> str:
     """The plan's line on the run's timeouts."""
     stall = stall_s(pace, floor)
     why = (f"{WAIT_STEPS} x the expected step time" if stall > floor else
-           f"runtime.actor_timeout_s, the floor; {WAIT_STEPS} x the expected step time is "
+           f"cluster.actor_timeout_s, the floor; {WAIT_STEPS} x the expected step time is "
            f"{duration(WAIT_STEPS * pace.step_s)}")
     return (f"stall check: the run is called stalled when no message moves between its roles for "
             f"{duration(stall)} ({why}); a slow step that keeps them moving is waited for")

@@ -20,7 +20,7 @@ before :func:`train` returns or raises.
 The Ray it runs on (a running cluster, or a private one) is chosen by :mod:`megatrain_ray.orchestration.cluster`.
 The run is resolved once (:func:`~megatrain_ray.orchestration.resolve.resolve`) before Ray starts,
 and before anything is allocated :mod:`megatrain_ray.orchestration.preflight` checks that it fits
-host RAM and runtime.shm_dir. Checkpoints (:mod:`megatrain_ray.io.checkpoint`) are saved by the sink every
+host RAM and memory.shm_dir. Checkpoints (:mod:`megatrain_ray.io.checkpoint`) are saved by the sink every
 train.checkpoint_every steps and at the end; on Ctrl-C / SIGTERM (``ray job stop``) the driver stops
 submitting steps, lets those in flight finish (a second signal skips this), and has the store
 actor save the boundary they reach. ``train(cfg, resume=checkpoint_dir)`` loads one and runs the
@@ -43,7 +43,7 @@ from typing import Any
 import ray
 import torch
 
-from ..config import TrainConfig
+from ..config import TrainConfig, describe_resident
 from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
@@ -122,8 +122,8 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
 
 def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunResult:
     start_step, schedule_note = 0, None
-    if cluster.starts_ray(cfg.runtime):  # a private Ray has this machine's GPUs: none is refused before it starts
-        resolve_device(cfg.runtime, torch.cuda.device_count())
+    if cluster.starts_ray(cfg.cluster):  # a private Ray has this machine's GPUs: none is refused before it starts
+        resolve_device(cfg.compute, torch.cuda.device_count())
     if resume is not None:  # nothing to resume is refused before the data is read
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
@@ -142,31 +142,31 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         if hasattr(source, "resume_step") and "fingerprint" in meta.get("data", {}):
             source.resume_step(meta["data"])  # the same data, seed and batch shape
     cluster.check_num_workers(cfg)
-    run = resolve(cfg, Facts.here(cfg, starts_ray=cluster.starts_ray(cfg.runtime)))
+    run = resolve(cfg, Facts.here(cfg, starts_ray=cluster.starts_ray(cfg.cluster)))
     check(run, log)
-    trackers.check(cfg.runtime.loggers)  # a tracker's library missing: said before Ray starts
+    trackers.check(cfg.train.loggers)  # a tracker's library missing: said before Ray starts
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     roles, spec, plan, lease, own = _Active(), None, None, None, None
     try:
-        cluster.connect(cfg.runtime, log)
+        cluster.connect(cfg.cluster, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
-        device = resolve_device(cfg.runtime, ray.cluster_resources().get("GPU", 0))
+        device = resolve_device(cfg.compute, ray.cluster_resources().get("GPU", 0))
         if device != run.device:  # a cluster joined offers a device this process does not see
             run = resolve(cfg, Facts.here(cfg, device))
             check(run, log)
         # A resumed run continues its own directory (io.resume.continued_run), held by train() already.
-        run_dir, branch = continued_run(resume, cfg.runtime.run_dir) if resume is not None else (None, "")
+        run_dir, branch = continued_run(resume, cfg.train.run_dir) if resume is not None else (None, "")
         in_place = run_dir is not None
         run_id = os.path.basename(run_dir) if run_dir else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         spec = run.store_spec(os.getpid(), run_id)
-        for path in shm.remove_stale(cfg.runtime.shm_dir):
+        for path in shm.remove_stale(cfg.memory.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
         lease = reaper.start([shm.segment_path(spec.shm_dir, spec.owner_pid, run_id, "*")], [os.getpid()],
                              until_gone=False, lease=True)
         if run_dir is None:
-            run_dir = os.path.abspath(os.path.join(cfg.runtime.run_dir, run_id))
+            run_dir = os.path.abspath(os.path.join(cfg.train.run_dir, run_id))
             os.makedirs(run_dir, exist_ok=True)
             own = run_lock.hold(run_dir, "training")
             log.attach(run_dir)
@@ -178,18 +178,18 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
             log.attach(run_dir)
             log(f"run {run_id}: continuing in {run_dir} (metrics, log and checkpoints go on where they are)")
             _drop_rows(run_dir, start_step)  # steps past the checkpoint are trained again
-        _write_run_config(run_dir, {**cfg.to_dict(), "device": device, "resolved": {"runtime.device_adamw": run.resident}},
+        _write_run_config(run_dir, {**cfg.to_dict(), "device": device, "resolved": {"memory.resident": describe_resident(run.resident_layers)}},
                           resume, start_step, in_place)
         plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
-                                         _data_state(source), wait_s=cfg.runtime.actor_timeout_s,
+                                         _data_state(source), wait_s=cfg.cluster.actor_timeout_s,
                                          staging_bytes=int(cfg.train.checkpoint_staging_gib * 2**30))
         if resume is not None:
             log(f"resuming from {resume} at step {start_step}")
             if schedule_note:
                 log(schedule_note)
-        if cfg.runtime.loggers:
-            roles.trackers = Trackers(cfg.runtime.loggers, run_dir, run_id, {**cfg.to_dict(), "device": device}, log)
+        if cfg.train.loggers:
+            roles.trackers = Trackers(cfg.train.loggers, run_dir, run_id, {**cfg.to_dict(), "device": device}, log)
         result = _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, loader, val_batch)
         roles.status = "FINISHED"
         return result
@@ -216,7 +216,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
 def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: int,
               resume: str | None, plan: checkpoint.CheckpointPlan, loader: tuple,
               val_batch: dict | None = None) -> RunResult:
-    """Run the pipeline; when an actor dies, restart it (up to runtime.max_restarts times) from the
+    """Run the pipeline; when an actor dies, restart it (up to cluster.max_restarts times) from the
     newest checkpoint of the run, or from where the run began if there is none yet.
 
     The store is never trusted after a death (a unit may be half-updated); a checkpoint is a step
@@ -226,7 +226,7 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
     base_id = spec.run_id
     result = RunResult(run_id=os.path.basename(run_dir), run_dir=run_dir, final_dir=os.path.join(run_dir, "final"),
                        start_step=start)
-    for attempt in range(cfg.runtime.max_restarts + 1):
+    for attempt in range(cfg.cluster.max_restarts + 1):
         try:
             return _run(run, spec, run_dir, roles, log, loader, start, resume, plan, val_batch, result)
         except PipelineError as failure:
@@ -239,7 +239,7 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
             gone = cluster.lost()
             if gone:  # the role died with Ray itself: nothing to restart on
                 raise cluster.lost_error(gone) from None
-            if attempt == cfg.runtime.max_restarts:
+            if attempt == cfg.cluster.max_restarts:
                 raise e from None
             roles.kill()
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
@@ -247,7 +247,7 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
             start = checkpoint.read_meta(resume)["step"] if resume else 0
             unreported = _rewind(result, start)
             spec = dataclasses.replace(spec, run_id=f"{base_id}-r{attempt + 1}")
-            log(f"restart {attempt + 1} of {cfg.runtime.max_restarts}: {str(e).rstrip('.')}; restarting the pipeline "
+            log(f"restart {attempt + 1} of {cfg.cluster.max_restarts}: {str(e).rstrip('.')}; restarting the pipeline "
                 f"from {resume or 'the initial weights'} (step {start}).")
             if unreported:
                 which = (f"step {unreported[0] + 1} was" if len(unreported) == 1
@@ -332,21 +332,21 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     ``result``: what earlier attempts recorded (see :func:`_rewind`), added to."""
     cfg, device = run.config, run.device
     calls.mark_oom_kills()
-    nodes = cfg.runtime.nodes
+    nodes = cfg.parallel.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
-    timeout = cfg.runtime.actor_timeout_s
+    timeout = cfg.cluster.actor_timeout_s
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
     roles = spawn_roles(run, specs, spawner, resume, plan, loader)
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(cfg, roles, device, spawner.get, log)
-    log(placement_line(roles.activations, device, cfg.runtime.activations))
+    log(placement_line(roles.activations, device, cfg.memory.activations))
     log(roles.pace.line())
     steps, n_data = cfg.train.steps, cfg.data.num_workers
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
     health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy},
-                    cfg.runtime.health_timeout_s, timeout,  # before the loops start: it asks every role where it runs
+                    cfg.cluster.health_timeout_s, timeout,  # before the loops start: it asks every role where it runs
                     stall_s(roles.pace, timeout), {names[n.queues] for n in roles.nodes if n.queues is not None})
     loops = {h.run.options(name=loop_task(names[h], cls, start, steps)).remote(start, steps): names[h]
              for n in roles.nodes for h, cls in (*((p, "Prefetcher") for p in n.prefetchers), (n.sink, "GradientSink"))}

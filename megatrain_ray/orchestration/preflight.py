@@ -1,7 +1,7 @@
 """Preflight: what a run needs in /dev/shm, host RAM and device memory, before anything is allocated.
 
 ``megatrain-ray plan --config ...`` prints the table; ``train`` computes the same plan and refuses,
-with the table and one sentence, a run that would not fit host RAM or runtime.shm_dir instead of
+with the table and one sentence, a run that would not fit host RAM or memory.shm_dir instead of
 letting the OOM killer end it hours later.
 
 Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
@@ -12,7 +12,7 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
 - **host RAM**: the above, plus one Python process per actor (torch imported), the token stream
   held by every data loader, and one shard of the final Hugging Face export.
 - **device** (the GPU; on a CPU run, host RAM): ``buffer_depth`` weight slots of the largest unit;
-  the activations, placed per layer by :func:`activation_counts` (runtime.activations): a layer's
+  the activations, placed per layer by :func:`activation_counts` (memory.activations): a layer's
   checkpoint (its input, for every micro-batch: tokens per step x hidden), or its whole forward
   graph (:func:`megatrain_ray.engine.activations.kept_bytes_per_token` per token, plus a copy of
   its weights), or its checkpoint in host RAM (leaving ~3 layers' worth in flight on the device),
@@ -20,11 +20,11 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
   head gradients; and, never at the same time (so the device total counts the larger, see
   :func:`device_total`), one layer's working set while it is recomputed and differentiated for
   one micro-batch (its activations and their gradients, its fp32 gradient accumulator; with
-  runtime.mlp_chunk_size, the [tokens, intermediate] terms for one chunk and, at the attention's
+  memory.mlp_chunk_size, the [tokens, intermediate] terms for one chunk and, at the attention's
   backward, the kernel's scratch: ``tiled_backward_bytes``) or the head's: one loss
   chunk of logits, with their fp32 log-softmax and gradient when eager, in the compute dtype when
   compiled (``buffer_depth``, ``loss_chunk_size``, ``mlp_chunk_size`` and ``compile`` as resolved
-  for the run, see RuntimeSection).
+  for the run, see MemorySection and ComputeSection).
 
 The device figures are estimates of the dominant terms, the rest are exact sizes. Checked on an
 H200 (a 0.5B Llama shape, 2 x 2048-token micro-batches, bf16): the device total without the CUDA
@@ -75,12 +75,12 @@ EXPORT_SHARD_BYTES = 2 * 2**30
 _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to the device)",
                 "exp_avg": "AdamW exp_avg", "exp_avg_sq": "AdamW exp_avg_sq",
                 "grad": "gradients (host side)",
-                "peer_grad": "the other workers' gradient copies (runtime.grad_reduce=host)", "exp_avg_scale": "8-bit exp_avg block scales",
+                "peer_grad": "the other workers' gradient copies (experimental.grad_reduce=host)", "exp_avg_scale": "8-bit exp_avg block scales",
                 "exp_avg_sq_scale": "8-bit exp_avg_sq block scales"}
 MODES = (("fp32", "float32", "exact AdamW, fp32 master (optim.state fp32)"),
-         ("fp32", "bfloat16", "bf16 master (runtime.master_dtype bfloat16)"),
+         ("fp32", "bfloat16", "bf16 master (precision.master_dtype bfloat16)"),
          ("8bit", "bfloat16", "compact (optim.state 8bit)"))
-"""(optim.state, runtime.master_dtype, label) of the optimizer modes the plan compares."""
+"""(optim.state, precision.master_dtype, label) of the optimizer modes the plan compares."""
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Plan:
     pace: Pace | None = None
     """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`)."""
     resident: tuple[int, ...] = ()
-    """The units resident on the device that the plan counts (runtime.device_adamw, resolved)."""
+    """The units resident on the device that the plan counts (memory.resident, resolved)."""
     activation_host_bytes: int | None = None
     """Host RAM left for offloaded activation checkpoints once everything else is counted."""
     placement: tuple[str, ...] = ()
@@ -125,9 +125,9 @@ class Plan:
         """One sentence per resource the run does not fit (host RAM, /dev/shm); empty if it fits."""
         out = []
         shm, host = self.total("shm"), self.total("host")
-        fix = "use a smaller model, optim.state=8bit or runtime.master_dtype=bfloat16"  # the weights and AdamW state
+        fix = "use a smaller model, optim.state=8bit or precision.master_dtype=bfloat16"  # the weights and AdamW state
         if shm > self.shm_free:
-            out.append(f"the run needs {fmt(shm)} in runtime.shm_dir (the weights and AdamW state) but only "
+            out.append(f"the run needs {fmt(shm)} in memory.shm_dir (the weights and AdamW state) but only "
                        f"{fmt(self.shm_free)} is free there; {fix}, enlarge /dev/shm, or use a bigger machine.")
         if host > self.host_available:
             out.append(f"the run needs {fmt(host)} of host RAM but only {fmt(self.host_available)} is available; "
@@ -243,7 +243,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     (and so its object store), by default when it would not join a cluster
     (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`); ``device_tflops``: the GPU's
     bf16 dense rate for the expected step time (default: nominal, see :mod:`.pace`); ``resident``:
-    the units resident on the device (default: runtime.device_adamw as :func:`resolve_resident`
+    the units resident on the device (default: memory.resident as :func:`resolve_resident`
     resolves it here); ``host_memory``: host RAM available to plan for (default: what this machine
     has available now), which also bounds the offloaded activation checkpoints.
     """
@@ -253,9 +253,9 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     if resident is None:
         resident = resident_units(cfg.model, resolve_resident(cfg, device, device_bytes))
     if starts_ray is None:
-        starts_ray = cluster_to_join(cfg.runtime)[0] is None
-    rt, m = cfg.runtime, cfg.model
-    spec = StoreSpec.of_run(cfg, resolve_precision(rt, device, cfg.optim.state), device, 0, "plan", resident)
+        starts_ray = cluster_to_join(cfg.cluster)[0] is None
+    m = cfg.model
+    spec = StoreSpec.of_run(cfg, resolve_precision(cfg.precision, device, cfg.optim.state), device, 0, "plan", resident)
     precision = spec.precision  # as the store keeps it (a LoRA run's base: in the compute dtype)
     layout = StoreLayout.build(m)
     rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
@@ -263,17 +263,17 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
             for k in spec.kinds()]
     rows.append(Row("unit versions", "shm", 8 * VersionWords(len(layout.units)).numel))
     if starts_ray:
-        same_fs = same_filesystem(rt.shm_dir, "/dev/shm")
-        rows.append(Row("Ray object store", "shm" if same_fs else "host", rt.object_store_memory))
-    workers = rt.compute_workers
+        same_fs = same_filesystem(cfg.memory.shm_dir, "/dev/shm")
+        rows.append(Row("Ray object store", "shm" if same_fs else "host", cfg.cluster.object_store_memory))
+    workers = cfg.parallel.compute_workers
     n_proc = 3 + 2 * workers + cfg.data.num_workers
     rows.append(Row(f"{n_proc} processes (driver, store, {workers} x prefetch + compute, sink, loaders)", "host",
                     n_proc * PROCESS_BYTES))
     if device == "cuda":
         rows.append(Row(f"CUDA context, host side ({workers} compute worker(s))", "host", workers * CUDA_HOST_BYTES))
-    if rt.compile_on(device) and rt.compile_threads > 1:
-        rows.append(Row(f"{rt.compile_threads} compile worker processes (runtime.compile_threads, first step)",
-                        "host", rt.compile_threads * COMPILE_WORKER_BYTES))
+    if cfg.compute.compile_on(device) and cfg.compute.compile_threads > 1:
+        rows.append(Row(f"{cfg.compute.compile_threads} compile worker processes (compute.compile_threads, first step)",
+                        "host", cfg.compute.compile_threads * COMPILE_WORKER_BYTES))
     margin = ray_monitor_margin()
     if margin:
         rows.append(Row("Ray memory monitor's margin (it kills workers past "
@@ -289,7 +289,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     host = host_available() if host_memory is None else host_memory
     room = host - sum(r.nbytes for r in rows)  # what offloaded checkpoints may take
     rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident, room)
-    shm_free = shutil.disk_usage(rt.shm_dir).free
+    shm_free = shutil.disk_usage(cfg.memory.shm_dir).free
     n_params = layout.num_params
     experts = (f", {flops.fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
@@ -301,8 +301,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
-             + (f"; per node of {rt.nodes}, {rt.compute_workers} GPU(s) each taking 1/{rt.compute_workers * rt.nodes} "
-                "of the micro-batches (device rows: per GPU)" if rt.compute_workers * rt.nodes > 1 else ""))
+             + (f"; per node of {cfg.parallel.nodes}, {cfg.parallel.compute_workers} GPU(s) each taking 1/{cfg.parallel.compute_workers * cfg.parallel.nodes} "
+                "of the micro-batches (device rows: per GPU)" if cfg.parallel.compute_workers * cfg.parallel.nodes > 1 else ""))
     result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
                   resident=resident, activation_host_bytes=room)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
@@ -312,7 +312,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     result.pace = expected_pace(cfg, device, *recomputed_layers(result.placement), tflops=device_tflops,
                                 gpu_name=gpu_name() if device == "cuda" else None)
     result.notes += [activation_note(cfg, device, result), result.pace.line(),
-                     timeout_line(result.pace, rt.actor_timeout_s)]
+                     timeout_line(result.pace, cfg.cluster.actor_timeout_s)]
     if cfg.lora.enabled:  # the adapters' fp32 master and moments; the frozen base is not written
         checkpoint_bytes = 12 * AdapterLayout.build(m, cfg.lora).num_params
     else:
@@ -331,9 +331,9 @@ def bytes_per_param(cfg: TrainConfig, device: str, state: str, master_dtype: str
                     resident: tuple[int, ...] = ()) -> float:
     """Host-store bytes per parameter of ``cfg``'s model in one optimizer mode, with the run's clipping
     and ``resident`` units (a gradient ring of unit slots counts as O(one unit), not per parameter)."""
-    rt = dataclasses.replace(cfg.runtime, master_dtype=master_dtype)
-    precision = resolve_precision(rt, device, state)
-    spec = StoreSpec.of_run(dataclasses.replace(cfg, runtime=rt), precision, device, 0, "plan", resident)
+    given = dataclasses.replace(cfg.precision, master_dtype=master_dtype)
+    precision = resolve_precision(given, device, state)
+    spec = StoreSpec.of_run(dataclasses.replace(cfg, precision=given), precision, device, 0, "plan", resident)
     ring = spec.numel("grad") * spec.dtype("grad").itemsize if spec.grad_slots else 0
     return (spec.nbytes() - ring) / StoreLayout.build(cfg.model).num_params
 
@@ -352,7 +352,7 @@ def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, 
     if cfg.model.sparse_layers:  # adapters on the experts are not built
         return lines
     lora = cfg.lora if cfg.lora.enabled else LoraSection(rank=16)  # its store does not depend on the rank
-    per = bytes_per_param(dataclasses.replace(cfg, lora=lora), device, cfg.optim.state, cfg.runtime.master_dtype)
+    per = bytes_per_param(dataclasses.replace(cfg, lora=lora), device, cfg.optim.state, cfg.precision.master_dtype)
     fits = int(max(0, budget) / per)
     lines.append(f"  {'LoRA (lora.rank > 0: a frozen base)':<46}{per:6.2f} B/param  -> "
                  f"{flops.fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
@@ -376,18 +376,18 @@ def _layers_note(model, fits: int) -> str:
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
-    """Disk a checkpoint takes against what runtime.run_dir has, and the pause it causes."""
-    t, rt = cfg.train, cfg.runtime
-    where = rt.run_dir
+    """Disk a checkpoint takes against what train.run_dir has, and the pause it causes."""
+    t = cfg.train
+    where = cfg.train.run_dir
     while where and not os.path.exists(where):
         where = os.path.dirname(where.rstrip("/")) or "."
     free = shutil.disk_usage(where or ".").free
     keep = (t.keep_checkpoints + 1) * nbytes
     when = f"every {t.checkpoint_every} steps" if t.checkpoint_every else "only when interrupted"
     return (f"checkpoints: {fmt(nbytes)} each ({when}, up to {t.keep_checkpoints} kept + 1 being written = "
-            f"{fmt(keep)}; {fmt(free)} free in runtime.run_dir{'' if keep <= free else ': NOT ENOUGH'}); "
+            f"{fmt(keep)}; {fmt(free)} free in train.run_dir{'' if keep <= free else ': NOT ENOUGH'}); "
             f"it is written while training goes on, but a unit's next update waits until its bytes are written, so "
-            f"runtime.actor_timeout_s ({rt.actor_timeout_s:.0f} s) must exceed its write time")
+            f"cluster.actor_timeout_s ({cfg.cluster.actor_timeout_s:.0f} s) must exceed its write time")
 
 
 def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | None:
@@ -414,12 +414,12 @@ def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | Non
 
 
 def check_init_from(cfg: TrainConfig) -> None:
-    """runtime.init_from's weights: every tensor present, every shard readable, every shape right.
+    """train.init_from's weights: every tensor present, every shard readable, every shape right.
 
     Reads only the safetensors headers, so a missing, truncated or foreign checkpoint fails in
     milliseconds, before Ray starts, instead of in the store actor.
     """
-    if cfg.runtime.init_from is not None:
+    if cfg.train.init_from is not None:
         from ..io import hf_io
 
-        hf_io.check_weights(cfg.model, cfg.runtime.init_from, "runtime.init_from")
+        hf_io.check_weights(cfg.model, cfg.train.init_from, "train.init_from")

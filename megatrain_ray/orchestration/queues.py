@@ -6,9 +6,9 @@ The roles of a node hand each other small items through named queues (see
 ====================  =================================================  ======================
 queue                 items                                              bound
 ====================  =================================================  ======================
-``fetch-W``           :class:`~megatrain_ray.engine.tickets.FetchTicket`  runtime.buffer_depth
+``fetch-W``           :class:`~megatrain_ray.engine.tickets.FetchTicket`  memory.buffer_depth
                       (prefetcher W -> compute worker W)
-``release-W``         device slot ids, ``int`` (compute W -> prefetcher)  runtime.buffer_depth
+``release-W``         device slot ids, ``int`` (compute W -> prefetcher)  memory.buffer_depth
 ``grad``              :class:`~megatrain_ray.engine.tickets.GradTicket`   none
                       (compute workers -> sink)
 ``grad-slots``        free slots of the store's gradient ring, ``int``    none

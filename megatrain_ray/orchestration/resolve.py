@@ -10,7 +10,7 @@ single-process driver) and by ``megatrain-ray plan``, which prints exactly it
 config is never rewritten: what the user wrote stays in ``config``, what it resolved to is here.
 
 The facts (:class:`Facts`) are what the config cannot say: the device the cluster offers, the GPU
-memory free for the run (which decides runtime.device_adamw=auto and runtime.activations=auto), and
+memory free for the run (which decides memory.resident=auto and memory.activations=auto), and
 whether this process will start Ray (its object store then counts in the memory plan).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import TrainConfig, usable_cpus
+from ..config import TrainConfig, describe_resident, usable_cpus
 from ..errors import PreflightError
 from ..engine.policy import ALL, ROUTED, UnitPolicy, host_optimizer, policies_of_run
 from ..engine.schedule import Schedule
@@ -58,7 +58,7 @@ class Facts:
     @classmethod
     def here(cls, cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
              starts_ray: bool = False, device_tflops: float | None = None, host_bytes: int | None = None) -> Facts:
-        """The facts of this machine: ``device`` (default: runtime.device, auto = cuda where this
+        """The facts of this machine: ``device`` (default: compute.device, auto = cuda where this
         process sees a GPU) and ``device_bytes`` (default: what is free on GPU 0 now)."""
         device = device or guess_device(cfg)
         if device == "cuda" and device_bytes is None:
@@ -80,8 +80,10 @@ class ResolvedRun:
     """Fetch order, update order and the units resident on the device."""
     policies: tuple[UnitPolicy, ...]
     """Each unit's policy: where its weights live, where its gradient goes, which optimizer updates it."""
-    resident: str
-    """runtime.device_adamw as resolved: none, edges or edges+K (auto made concrete)."""
+    resident_layers: int | None
+    """memory.resident as resolved (auto made concrete): the decoder layers resident besides the
+    embedding and the head, None for no unit resident (see
+    :func:`~megatrain_ray.config.execution.describe_resident`)."""
     store: StoreSpec
     """The store of every node (its owner and run id filled in by :meth:`store_spec`)."""
     compute: ComputeSettings
@@ -91,7 +93,7 @@ class ResolvedRun:
     expected step time (``memory.pace``, :mod:`megatrain_ray.orchestration.pace`)."""
     wait_s: float
     """How long a role waits for its next message before the run counts it stalled (from the
-    expected step time and runtime.actor_timeout_s, :func:`~megatrain_ray.orchestration.pace.role_wait_s`)."""
+    expected step time and cluster.actor_timeout_s, :func:`~megatrain_ray.orchestration.pace.role_wait_s`)."""
 
     @property
     def pace(self) -> Pace:
@@ -108,7 +110,7 @@ class ResolvedRun:
 
     def describe(self) -> str:
         """What ``megatrain-ray plan`` prints: the memory table, then the settings the roles get."""
-        cfg, rt, s = self.config, self.config.runtime, self.store
+        cfg, s = self.config, self.store
         p = self.precision
 
         def dtype(t) -> str:
@@ -116,7 +118,8 @@ class ResolvedRun:
 
         names = [u.name for u in self.layout.records]
         resident = ", ".join(self.layout.units[u] for u in self.schedule.resident) or "none"
-        how = self.resident if rt.device_adamw == self.resident else f"{rt.device_adamw}: {self.resident}"
+        how = describe_resident(self.resident_layers)
+        how = how if cfg.memory.resident != "auto" else f"auto: {how}"
         c, k = self.compute, self.sink
         if s.hold_grads:
             grads = f"held on the device until the step's norm is known, then through a ring of {s.grad_slots} slots"
@@ -125,7 +128,7 @@ class ResolvedRun:
         else:
             grads = "to a whole-model gradient array in the host store"
         if k.workers > 1:
-            grads += (f"; {k.workers} workers' copies summed by the sink (runtime.grad_reduce=host)" if k.host_sum
+            grads += (f"; {k.workers} workers' copies summed by the sink (experimental.grad_reduce=host)" if k.host_sum
                       else f"; summed over {k.workers} workers by an all-reduce, each sending its shard")
         lines = [
             self.memory.table(),
@@ -136,7 +139,7 @@ class ResolvedRun:
             f"optimizer state {dtype(p.optim_state)}",
             f"  units: {len(names)}, by policy:",
             *(f"    {_names(group)}: {policy}" for policy, group in _by_policy(names, self.policies)),
-            f"  resident on the device: {resident} (runtime.device_adamw={how})",
+            f"  resident on the device: {resident} (memory.resident={how})",
             f"  gradients: {grads}",
             f"  activations, layer by layer: {_runs(c.activations)} (host: checkpoint offloaded, gpu: checkpoint "
             "on the device, keep: whole graph kept, span: recomputed from the checkpoint before it)",
@@ -145,7 +148,7 @@ class ResolvedRun:
             f"compile {'on' if c.compile else 'off'}, attention {c.attention_backend}"
             + (f", {c.threads} CPU threads" if c.threads else ""),
             f"  host optimizer: AdamW on {k.threads} CPU thread{'s' if k.threads > 1 else ''}"
-            + (f", sharded across {rt.nodes} nodes" if rt.sharded_optimizer else ""),
+            + (f", sharded across {cfg.parallel.nodes} nodes" if cfg.parallel.sharded_optimizer else ""),
         ]
         return "\n".join(lines)
 
@@ -175,42 +178,42 @@ def _runs(modes: tuple[str, ...]) -> str:
 
 def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     """The run of ``cfg`` on a machine with these ``facts`` (see the module docstring)."""
-    rt, device = cfg.runtime, facts.device
-    precision = resolve_precision(rt, device, cfg.optim.state)
+    device = facts.device
+    precision = resolve_precision(cfg.precision, device, cfg.optim.state)
     layout = StoreLayout.build(cfg.model)
-    setting = resolve_resident(cfg, device, facts.device_bytes)
-    resident = resident_units(cfg.model, setting)
+    resident_layers = resolve_resident(cfg, device, facts.device_bytes)
+    resident = resident_units(cfg.model, resident_layers)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
     memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident,
                             facts.host_bytes)
     activations = memory.placement  # every GPU alike: the same share of the micro-batches
     schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident, recompute_spans(activations))
-    wait = role_wait_s(memory.pace, rt.actor_timeout_s)  # a role's wait for its next message
-    host_sum = rt.grad_reduce == "host" and rt.compute_workers > 1
+    wait = role_wait_s(memory.pace, cfg.cluster.actor_timeout_s)  # a role's wait for its next message
+    host_sum = cfg.experimental.grad_reduce == "host" and cfg.parallel.compute_workers > 1
     # Two passes where the updates wait for the norm and one optimizer has the node's whole gradient
     # (no host sum, no shards, no gradients held on the device), from fp32 master weights to a stream copy.
-    splits = (rt.split_update and cfg.optim.max_grad_norm > 0 and not rt.sharded_optimizer and not host_sum
+    splits = (cfg.optim.max_grad_norm > 0 and not cfg.parallel.sharded_optimizer and not host_sum
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
     policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits), cfg.lora.enabled,
                                sparse, ALL if rt.compute_workers * rt.nodes > 1 else ROUTED)
     compute = ComputeSettings(
-        device=device, buffer_depth=rt.buffer_depth_on(device), loss_chunk_size=rt.loss_chunk_size_on(device),
-        mlp_chunk_size=rt.mlp_chunk_size_for(cfg.train.seq_len), compile=rt.compile_on(device),
-        compile_threads=rt.compile_threads, attention_backend=rt.attention_backend,
+        device=device, buffer_depth=cfg.memory.buffer_depth_on(device), loss_chunk_size=cfg.memory.loss_chunk_size_on(device),
+        mlp_chunk_size=cfg.memory.mlp_chunk_size_for(cfg.train.seq_len), compile=cfg.compute.compile_on(device),
+        compile_threads=cfg.compute.compile_threads, attention_backend=cfg.compute.attention_backend,
         activations=activations,
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
         total_steps=cfg.train.steps, policies=policies, seed=cfg.train.seed)
     sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
-                        threads=rt.adamw_threads(), workers=rt.compute_workers, host_sum=rt.grad_reduce == "host",
-                        sharded=rt.sharded_optimizer, policies=policies)
-    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, setting, store, compute, sink, memory, wait)
+                        threads=cfg.parallel.adamw_threads(), workers=cfg.parallel.compute_workers, host_sum=cfg.experimental.grad_reduce == "host",
+                        sharded=cfg.parallel.sharded_optimizer, policies=policies)
+    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink, memory, wait)
 
 
 def _fits_an_idle_machine(result: preflight.Plan, cfg: TrainConfig) -> bool:
     """Whether the run would fit this machine with nothing else on it (then waiting may help)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (result.total("shm") <= shutil.disk_usage(cfg.runtime.shm_dir).total
+    return (result.total("shm") <= shutil.disk_usage(cfg.memory.shm_dir).total
             and result.total("host") <= physical)
 
 

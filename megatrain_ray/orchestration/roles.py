@@ -11,7 +11,7 @@ The queues of a node live in one actor of their own, the node's queue host
 (:mod:`megatrain_ray.orchestration.queues`).
 
 Once spawned, :meth:`RaySpawner.form_group` joins the compute workers (the gradient sum),
-:meth:`RaySpawner.form_shards` the nodes' sinks (runtime.optimizer_sharding=sharded), and
+:meth:`RaySpawner.form_shards` the nodes' sinks (parallel.optimizer_sharding=sharded), and
 :func:`place_cpus` pins each node's compute workers near their GPUs and its AdamW on the other CPUs.
 
 Both drivers wire through :func:`spawn_roles`: the Ray driver with :class:`RaySpawner` (actors in
@@ -102,7 +102,7 @@ def node_resources(cfg: TrainConfig, device: str, node: int) -> list[dict[str, f
     gpu = {"GPU": 1} if device == "cuda" else {}
     per_worker = [PREFETCH, {**COMPUTE, **gpu}]
     loaders = [LOADER] * cfg.data.num_workers if node == 0 else []
-    return [STORE, *per_worker * cfg.runtime.compute_workers, SINK, *loaders]
+    return [STORE, *per_worker * cfg.parallel.compute_workers, SINK, *loaders]
 
 
 def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
@@ -114,11 +114,11 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
     ``plan``: the checkpoint plan (the first node's sink writes it); ``loader``: (class, arguments)
     of the data-loader actors, or None where the driver reads batches itself.
     """
-    cfg, rt = run.config, run.config.runtime
+    cfg = run.config
     cpu = usable_cpus()
     depth = run.compute.buffer_depth
-    workers = rt.compute_workers
-    sharded = rt.sharded_optimizer
+    workers = cfg.parallel.compute_workers
+    sharded = cfg.parallel.sharded_optimizer
     device = run.device
     wait = run.wait_s  # a role's wait for its next message (orchestration.pace)
     nodes = []
@@ -126,7 +126,7 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
         spawner.node(k)
         grad_q, stats_q = spawner.queue(0, "grad"), spawner.queue(0, "stats")
         grad_slot_q = spawner.queue(0, "grad-slots") if spec.grad_slots else None
-        store = spawner.actor(ParameterStore, "store")(spec, cfg.train.seed, rt.init_from, cpu, resume_from=resume,
+        store = spawner.actor(ParameterStore, "store")(spec, cfg.train.seed, cfg.train.init_from, cpu, resume_from=resume,
                                                        reap=True)
         spawner.ready(store, "store")
         roles = NodeRoles(store=store, sink=None, grad_q=grad_q, stats_q=stats_q, queues=spawner.queue_host())
@@ -151,13 +151,12 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
 
 def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) -> list[str]:
     """Pin each node's compute workers to CPUs near their GPUs and its sink's AdamW to the rest
-    (runtime.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start;
+    (experimental.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start;
     returns the lines logged, one per node (or one saying why nothing was pinned)."""
     from ..engine.affinity import format_cpulist, plan_cpus
 
-    rt = cfg.runtime
-    if not rt.cpu_affinity or device != "cuda":
-        why = "runtime.cpu_affinity is false" if not rt.cpu_affinity else "no GPU to be near on the cpu device"
+    if not cfg.experimental.cpu_affinity or device != "cuda":
+        why = "experimental.cpu_affinity is false" if not cfg.experimental.cpu_affinity else "no GPU to be near on the cpu device"
         lines = [f"cpu placement: none ({why}); threads run where the OS puts them"]
     else:
         lines = []
@@ -171,7 +170,7 @@ def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) 
                 continue
             get([c.pin_cpus.remote(cpus) for c, cpus in zip(node.computes, picks) if cpus], "compute")
             if rest:
-                get(node.sink.pin_cpus.remote(rest, rt.optimizer_threads or len(rest)), "grad-sink")
+                get(node.sink.pin_cpus.remote(rest, cfg.parallel.optimizer_threads or len(rest)), "grad-sink")
             workers = ", ".join(
                 f"compute-{w} (GPU {t['pci']}, NUMA node {t['numa_node'] if t['numa_node'] is not None else '?'}) "
                 f"on CPUs {format_cpulist(cpus) if cpus else 'any (unknown topology)'}"
@@ -192,7 +191,7 @@ class LocalSpawner:
 
     def node(self, k: int) -> None:
         if k:
-            raise PipelineError("the single-process driver runs one node; set runtime.nodes=1.")
+            raise PipelineError("the single-process driver runs one node; set parallel.nodes=1.")
 
     def queue(self, maxsize: int, name: str) -> LocalQueue:
         return LocalQueue(maxsize, self.moved)
@@ -222,8 +221,8 @@ class RaySpawner:
         self.hosts: dict[int, Any] = {}
         """node -> its queue host."""
         self.pgs: list = []
-        self.resources = [node_resources(cfg, device, k) for k in range(cfg.runtime.nodes)]
-        targets = self._target_nodes(ray, device) if cfg.runtime.nodes > 1 else [None]
+        self.resources = [node_resources(cfg, device, k) for k in range(cfg.parallel.nodes)]
+        targets = self._target_nodes(ray, device) if cfg.parallel.nodes > 1 else [None]
         for k, bundles in enumerate(self.resources):
             self.pgs.append(placement_group(bundles, strategy="STRICT_PACK", name=f"megatrain-{run_id}-n{k}",
                                             _soft_target_node_id=targets[k]))
@@ -232,28 +231,28 @@ class RaySpawner:
             need = self.resources[0]
             raise PipelineError(
                 f"the Ray cluster cannot place the pipeline's actors ({sum(b.get('CPU', 0) for b in need):g} CPUs"
-                f"{f' and {cfg.runtime.compute_workers} GPUs' if device == 'cuda' else ''} on each of "
-                f"{cfg.runtime.nodes} node(s)); free resources, start Ray with more, or lower "
-                "runtime.compute_workers / runtime.nodes / data.num_workers.")
+                f"{f' and {cfg.parallel.compute_workers} GPUs' if device == 'cuda' else ''} on each of "
+                f"{cfg.parallel.nodes} node(s)); free resources, start Ray with more, or lower "
+                "parallel.compute_workers / parallel.nodes / data.num_workers.")
         placed = [set(placement_group_table(pg)["bundles_to_node_id"].values()) for pg in self.pgs]
         if len({n for p in placed for n in p}) < len(self.pgs):
-            raise PipelineError(f"runtime.nodes is {cfg.runtime.nodes} but Ray placed two nodes' roles on one node; "
+            raise PipelineError(f"parallel.nodes is {cfg.parallel.nodes} but Ray placed two nodes' roles on one node; "
                                 "give each node of the cluster the resources of one node's roles.")
         self.k, self.next_bundle, self.counts = 0, [0] * len(self.pgs), {}
 
     def _target_nodes(self, ray, device: str) -> list[str]:
-        """Node ids for runtime.nodes nodes: the driver's first, then other alive ones with the resources."""
+        """Node ids for parallel.nodes nodes: the driver's first, then other alive ones with the resources."""
         need = self.resources[0]
         cpus, gpus = sum(b.get("CPU", 0) for b in need), sum(b.get("GPU", 0) for b in need)
         own = ray.get_runtime_context().get_node_id()
         alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= cpus
                  and n["Resources"].get("GPU", 0) >= gpus]
         alive.sort(key=lambda n: n["NodeID"] != own)
-        if len(alive) < self.cfg.runtime.nodes:
-            raise PipelineError(f"runtime.nodes is {self.cfg.runtime.nodes} but the Ray cluster has {len(alive)} node(s) "
+        if len(alive) < self.cfg.parallel.nodes:
+            raise PipelineError(f"parallel.nodes is {self.cfg.parallel.nodes} but the Ray cluster has {len(alive)} node(s) "
                                 f"with {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''} each; add nodes or "
-                                "lower runtime.nodes.")
-        return [n["NodeID"] for n in alive[:self.cfg.runtime.nodes]]
+                                "lower parallel.nodes.")
+        return [n["NodeID"] for n in alive[:self.cfg.parallel.nodes]]
 
     def _strategy(self, bundle: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -294,7 +293,7 @@ class RaySpawner:
         resources = self.resources[self.k][bundle]
         strategy = self._strategy(bundle)
         i = self.counts[self.k, role] = self.counts.get((self.k, role), -1) + 1
-        many = role in ("prefetch", "compute") and self.cfg.runtime.compute_workers > 1
+        many = role in ("prefetch", "compute") and self.cfg.parallel.compute_workers > 1
         name = f"{role}{f'-{i}' if many else ''}{f'@{self.k}' if len(self.pgs) > 1 else ''}"
 
         def spawn(*args, **kwargs):
@@ -314,15 +313,14 @@ class RaySpawner:
         """Make the compute workers one data-parallel group (nothing to do for one worker)."""
         if len(computes) < 2:
             return
-        rt = self.cfg.runtime
         address, port = self.get(computes[0].rendezvous.remote(), "compute")
-        self.get([c.join_group.remote(rank, len(computes), rank % rt.compute_workers, rt.compute_workers, address,
-                                      port, rt.actor_timeout_s, rt.grad_reduce) for rank, c in enumerate(computes)],
+        self.get([c.join_group.remote(rank, len(computes), rank % self.cfg.parallel.compute_workers, self.cfg.parallel.compute_workers, address,
+                                      port, self.cfg.cluster.actor_timeout_s, self.cfg.experimental.grad_reduce) for rank, c in enumerate(computes)],
                  "compute")
 
     def form_shards(self, sinks: list) -> None:
-        """Make the nodes' sinks one sharded optimizer (runtime.optimizer_sharding=sharded, several nodes)."""
-        if not self.cfg.runtime.sharded_optimizer:
+        """Make the nodes' sinks one sharded optimizer (parallel.optimizer_sharding=sharded, several nodes)."""
+        if not self.cfg.parallel.sharded_optimizer:
             return
         address, port = self.get(sinks[0].rendezvous.remote(), "grad-sink")
         self.get([s.join_shards.remote(k, len(sinks), address, port) for k, s in enumerate(sinks)], "grad-sink")

@@ -1,4 +1,4 @@
-"""Experiment trackers (``runtime.loggers``): every step's metrics, as the Ray gauges name them, to
+"""Experiment trackers (``train.loggers``): every step's metrics, as the Ray gauges name them, to
 TensorBoard, MLflow and Weights & Biases, in the run's directory.
 
 Each tracker gets what :class:`~megatrain_ray.orchestration.metrics.RunMetrics` sets on its gauges,
@@ -26,11 +26,11 @@ import json
 import os
 import time
 
-from ..config.runtime import LOGGERS
+from ..config.sections import LOGGERS
 from ..errors import ConfigError
 
 TRACKERS = dict(zip(LOGGERS, ("tensorboard", "mlflow", "wandb")))
-"""runtime.loggers' names -> the module (and pip package) each needs."""
+"""train.loggers' names -> the module (and pip package) each needs."""
 
 EXPERIMENT = "megatrain_ray"
 """The MLflow experiment and W&B project runs are logged to."""
@@ -41,8 +41,8 @@ def check(names: list[str]) -> None:
     for name in names:
         module = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"runtime.loggers asks for {name}, whose library is not installed; "
-                              f"pip install {module} (or 'megatrain-ray[trackers]'), or remove it from runtime.loggers.")
+            raise ConfigError(f"train.loggers asks for {name}, whose library is not installed; "
+                              f"pip install {module} (or 'megatrain-ray[trackers]'), or remove it from train.loggers.")
 
 
 def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
