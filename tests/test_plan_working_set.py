@@ -67,15 +67,16 @@ def test_the_attention_scratch_is_the_allocation_the_1m_run_lacked_and_the_plan_
     scratch = (tiled_backward_bytes(m, tokens, 16384, 2, True, "cuda")
                - tiled_backward_bytes(m, tokens, 16384, 2, True, "cpu"))
     assert f"{scratch / GiB:.2f}" == "28.11"  # torch's message: "Tried to allocate 28.11 GiB"
-    # the placement the run had (every checkpoint on the GPU, the edges and layer 0 resident) needs
+    # the placement the run had (every checkpoint on the GPU, the embedding, the head and layer 0 resident) needs
     # more than the 113.46 GiB it held when it asked for those 28.11 (and the GPU's 139.80 GiB)
-    ran = load_config(None, [*SEVEN_B_4L_1M, "memory.activations=recompute", "memory.resident=edges+1"])
-    rows = preflight.device_rows(ran, "cuda", 1, int(139.3 * GiB), preflight.resident_units(ran.model, "edges+1"))
+    ran = load_config(None, [*SEVEN_B_4L_1M, "memory.activations=recompute", "memory.resident=embed_head",
+                             "memory.resident_layers=1"])
+    rows = preflight.device_rows(ran, "cuda", 1, int(139.3 * GiB), preflight.resident_units(ran.model, 1))
     assert preflight.device_total(rows) > (113.46 + 28.11) * GiB
     # planned by itself, it offloads the checkpoints and keeps no unit resident, and fits
     modes = preflight.activation_placement(cfg, "cuda", int(139.3 * GiB))
     assert modes == ("host",) * 4
-    assert preflight.resolve_resident(cfg, "cuda", int(139.3 * GiB)) == "none"
+    assert preflight.resolve_resident(cfg, "cuda", int(139.3 * GiB)) is None
     rows = preflight.device_rows(cfg, "cuda", 1, int(139.3 * GiB), ())
     assert preflight.device_total(rows) <= preflight.GPU_USABLE * 139.3 * GiB
 

@@ -71,7 +71,7 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_byt
 def _shape(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int, int]:
     """(compute dtype bytes, tokens per micro-batch, micro-batches per GPU, hidden size)."""
     c = resolve_precision(cfg.precision, device, cfg.optim.state).compute.itemsize
-    return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // (cfg.parallel.compute_workers * cfg.parallel.nodes), \
+    return c, micro_batch_size * cfg.train.seq_len, cfg.train.num_micro_batches // cfg.parallel.workers, \
         cfg.model.hidden_size
 
 
@@ -297,7 +297,7 @@ def span_note(cfg: TrainConfig, modes: tuple[str, ...], step_flops: float) -> st
     again = recomputed_layers(modes)[1]
     t = cfg.train
     extra = recompute_flops(cfg.model, t.seq_len, t.seq_len * t.micro_batch_size * t.num_micro_batches /
-                            (cfg.parallel.compute_workers * cfg.parallel.nodes), 0, again)
+                            cfg.parallel.workers, 0, again)
     return (f"; {modes.count('span')} more have no checkpoint of their own, neither the GPU nor host RAM holding "
             f"every layer's: {len(spans)} recompute spans of up to {max(b - a + 1 for a, b in spans)} layers rerun "
             f"{again} layer forwards in the backward (+{extra / 1e15:,.1f} PFLOP, "

@@ -25,7 +25,7 @@ from .roles import LocalSpawner, spawn_roles
 def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
     """Run cfg.train.steps steps in this process; returns one row per step (compute output + sink stats)."""
     steps = cfg.train.steps
-    if cfg.parallel.compute_workers * cfg.parallel.nodes > 1:
+    if cfg.parallel.workers > 1:
         raise ConfigError("the single-process driver runs one compute worker; set parallel.compute_workers=1 and "
                           "parallel.nodes=1 (several run through the Ray pipeline).")
     run = resolve(cfg, Facts.here(cfg, resolve_device(cfg.compute, gpus_available)))

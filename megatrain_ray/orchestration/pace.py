@@ -76,7 +76,7 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
     :func:`~megatrain_ray.engine.activations.recomputed_layers`); ``tflops``: the device's rate
     (default: nominal, by ``gpu_name`` on cuda)."""
     t = cfg.train
-    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / (cfg.parallel.compute_workers * cfg.parallel.nodes)
+    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers
     if tflops is not None:
         rate, note = tflops * ACHIEVED, f"{ACHIEVED:.0%} of the {tflops:,.0f} given"
     elif device == "cpu":

@@ -301,8 +301,8 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
              f"hidden {m.hidden_size}), device {device}, master {str(precision.master).removeprefix('torch.')}, "
              f"compute {str(precision.compute).removeprefix('torch.')}, {cfg.train.num_micro_batches} x "
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
-             + (f"; per node of {cfg.parallel.nodes}, {cfg.parallel.compute_workers} GPU(s) each taking 1/{cfg.parallel.compute_workers * cfg.parallel.nodes} "
-                "of the micro-batches (device rows: per GPU)" if cfg.parallel.compute_workers * cfg.parallel.nodes > 1 else ""))
+             + (f"; per node of {cfg.parallel.nodes}, {cfg.parallel.compute_workers} GPU(s) each taking 1/{cfg.parallel.workers} "
+                "of the micro-batches (device rows: per GPU)" if cfg.parallel.workers > 1 else ""))
     result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
                   resident=resident, activation_host_bytes=room)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)

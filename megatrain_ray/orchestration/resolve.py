@@ -196,7 +196,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
     policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits), cfg.lora.enabled,
-                               sparse, ALL if rt.compute_workers * rt.nodes > 1 else ROUTED)
+                               sparse, ALL if cfg.parallel.workers > 1 else ROUTED)
     compute = ComputeSettings(
         device=device, buffer_depth=cfg.memory.buffer_depth_on(device), loss_chunk_size=cfg.memory.loss_chunk_size_on(device),
         mlp_chunk_size=cfg.memory.mlp_chunk_size_for(cfg.train.seq_len), compile=cfg.compute.compile_on(device),
