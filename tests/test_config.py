@@ -379,13 +379,13 @@ def test_compile_threads_below_one_is_rejected():
 def test_buffer_depth_and_loss_chunk_default_to_the_benchmarks_settings_per_device(tmp_path):
     """Left null, memory.buffer_depth and memory.loss_chunk_size are what the benchmark runs with on
     the resolved device (3 and 8192 on cuda, 2 and 1024 on cpu); set, they win on both."""
-    rt = load_config(None, []).memory
-    assert (rt.buffer_depth, rt.loss_chunk_size) == (None, None)
-    assert (rt.buffer_depth_on("cuda"), rt.loss_chunk_size_on("cuda")) == (3, 8192)
-    assert (rt.buffer_depth_on("cpu"), rt.loss_chunk_size_on("cpu")) == (2, 1024)
-    rt = load_config(None, ["memory.buffer_depth=5", "memory.loss_chunk_size=300"]).memory
+    mem = load_config(None, []).memory
+    assert (mem.buffer_depth, mem.loss_chunk_size) == (None, None)
+    assert (mem.buffer_depth_on("cuda"), mem.loss_chunk_size_on("cuda")) == (3, 8192)
+    assert (mem.buffer_depth_on("cpu"), mem.loss_chunk_size_on("cpu")) == (2, 1024)
+    mem = load_config(None, ["memory.buffer_depth=5", "memory.loss_chunk_size=300"]).memory
     for device in ("cuda", "cpu"):
-        assert (rt.buffer_depth_on(device), rt.loss_chunk_size_on(device)) == (5, 300)
-    rt = load_config(_write(tmp_path, "c.yaml", "memory:\n  buffer_depth: null\n  loss_chunk_size: null\n")).memory
-    assert rt.buffer_depth_on("cuda") == 3
+        assert (mem.buffer_depth_on(device), mem.loss_chunk_size_on(device)) == (5, 300)
+    mem = load_config(_write(tmp_path, "c.yaml", "memory:\n  buffer_depth: null\n  loss_chunk_size: null\n")).memory
+    assert mem.buffer_depth_on("cuda") == 3
     assert "memory.loss_chunk_size" in _error(overrides=["memory.loss_chunk_size=0"])

@@ -279,8 +279,8 @@ def test_cpu_mask_is_dense_and_settings_are_validated(tmp_path):
         [False, False, False, True, False], [False, False, False, True, True]]
     with pytest.raises(ConfigError, match="memory.mlp_chunk_size"):
         load_config(None, ["memory.mlp_chunk_size=-1"])
-    rt = load_config(None, []).memory
-    assert rt.mlp_chunk_size_for(65536) == 0 and rt.mlp_chunk_size_for(131072) == 16384
+    mem = load_config(None, []).memory
+    assert mem.mlp_chunk_size_for(65536) == 0 and mem.mlp_chunk_size_for(131072) == 16384
     assert load_config(None, ["memory.mlp_chunk_size=0"]).memory.mlp_chunk_size_for(10**6) == 0
 
 
