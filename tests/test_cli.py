@@ -178,6 +178,6 @@ def test_export_shard_size_takes_units():
     args = __import__("megatrain_ray.cli", fromlist=["_parser"])._parser().parse_args(
         ["export", "runs/x", "--out", "m", "--shard-size", "10MB"])
     assert args.shard_size == 10_000_000
-    for bad in ("10XB", "-5MB", "MB"):  # (0 parses: the export refuses it in one sentence, test_bad_input_more)
+    for bad in ("10XB", "-5MB", "MB"):  # (0 parses: the export refuses it in one sentence, test_refused_weights)
         with pytest.raises(Exception):
             parse_size(bad)

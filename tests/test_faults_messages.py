@@ -19,7 +19,7 @@ from megatrain_ray.errors import DataError
 from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.io.resume import find
 from megatrain_ray.model.precision import Precision
-from test_bad_input import _run, _snapshot, hf_dir  # noqa: F401  (hf_dir: a fixture)
+from refusals import hf_dir, refused, snapshot  # noqa: F401  (hf_dir: a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,7 +130,7 @@ def test_an_arrow_file_of_text_rows_is_tokenized(tmp_path):
 
 def test_an_empty_text_file_is_named_at_once(tmp_path, shm_dir, capsys, monkeypatch):
     (tmp_path / "empty.txt").write_text("\n  \n")
-    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "data.path=empty.txt",
+    line = refused(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "data.path=empty.txt",
                  "--set", "data.format=text", "--set", "cluster.ray_address=127.0.0.1:1"], tmp_path, capsys,
                 monkeypatch)  # no Ray may be reached for it
     assert line == ("error: data.path 'empty.txt' is empty: there is no text to train on; point data.path at the "
@@ -145,7 +145,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_named_before_tokenizing(hf_di
             {f"w{i}": i for i in range(400)}, unk_token="w0")), eos_token="w1")
     tok.save_pretrained(tmp_path / "tok")
     (tmp_path / "docs.txt").write_text("w3 w4\n\nw5 w6\n")
-    line = _run(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "data.path=docs.txt", "--set",
+    line = refused(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "data.path=docs.txt", "--set",
                  "data.format=text", "--set", "data.tokenizer=tok", "--set", "cluster.ray_address=127.0.0.1:1"],
                 tmp_path, capsys, monkeypatch)
     assert line == (f"error: data.tokenizer '{tmp_path / 'tok'}' has 400 tokens, more than model.vocab_size (260); "
@@ -157,7 +157,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_named_before_tokenizing(hf_di
 # Paths.
 
 def test_a_directory_given_as_the_config_file(tmp_path, capsys, monkeypatch):
-    line = _run(["train", "--config", "."], tmp_path, capsys, monkeypatch)
+    line = refused(["train", "--config", "."], tmp_path, capsys, monkeypatch)
     assert line == "error: config file '.' is a directory; pass a YAML file (e.g. configs/tiny.yaml)."
 
 
@@ -194,7 +194,7 @@ def _copy(run, tmp_path):
 
 def test_the_folder_of_runs_given_to_resume(run_with_two, tmp_path, capsys, monkeypatch):
     run = _copy(run_with_two, tmp_path)
-    line = _run(["train", "--resume", "runs"], tmp_path, capsys, monkeypatch)
+    line = refused(["train", "--resume", "runs"], tmp_path, capsys, monkeypatch)
     assert line == f"error: --resume 'runs' is a folder of runs, not one run; pass one of them, e.g. the newest: " \
                    f"--resume runs/{run.name}."
 
@@ -209,17 +209,17 @@ def test_a_changed_meta_json_is_corrupt_and_resume_falls_back(change, run_with_t
     text = meta.read_text()
     assert change(text) != text
     meta.write_text(change(text))
-    before = _snapshot(run)
+    before = snapshot(run)
     lines = []
     assert find(str(run), lines.append) == str(run / "checkpoints" / "step-000002")
     assert lines == [f"resume: skipped the corrupt checkpoint {run / 'checkpoints' / 'step-000004'} (its meta.json "
                      "does not match its checksum (its content changed after it was written)); using "
                      f"{run / 'checkpoints' / 'step-000002'}, the newest valid one"]
     assert checkpoint.latest(str(run / "checkpoints")) == str(run / "checkpoints" / "step-000002")  # restarts too
-    line = _run(["train", "--resume", run / "checkpoints" / "step-000004"], tmp_path, capsys, monkeypatch)
+    line = refused(["train", "--resume", run / "checkpoints" / "step-000004"], tmp_path, capsys, monkeypatch)
     assert line == (f"error: checkpoint {run / 'checkpoints' / 'step-000004'} cannot be read: its meta.json does not "
                     "match its checksum (its content changed after it was written).")
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 def test_a_checkpoint_directory_replaced_by_a_file_is_named(run_with_two, tmp_path):
@@ -238,7 +238,7 @@ def test_export_of_a_checkpoint_without_meta_json_is_refused(run_with_two, tmp_p
     run = _copy(run_with_two, tmp_path)
     step = run / "checkpoints" / "step-000004"
     (step / "meta.json").unlink()
-    line = _run(["export", step, "--out", tmp_path / "out"], tmp_path, capsys, monkeypatch)
+    line = refused(["export", step, "--out", tmp_path / "out"], tmp_path, capsys, monkeypatch)
     assert line == (f"error: checkpoint {step} has no meta.json, so it is incomplete or damaged and its weights "
                     "cannot be verified; use another checkpoint of the run, or its final/.")
     assert not (tmp_path / "out").exists()
@@ -262,7 +262,7 @@ def test_resume_with_another_init_from_names_init_from(hf_dir, tmp_path, capsys,
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=128)).save_pretrained(other)
-    line = _run(["train", "--resume", ckpt, "--set", f"train.init_from={other}"], tmp_path, capsys, monkeypatch)
+    line = refused(["train", "--resume", ckpt, "--set", f"train.init_from={other}"], tmp_path, capsys, monkeypatch)
     assert "model.model_type" not in line
     assert line.startswith(f"error: checkpoint {ckpt} holds a different model than the run's config ("), line
     assert "hidden_size 32 vs 64" in line
