@@ -26,8 +26,8 @@ CUDA_CONTEXT_BYTES = 600 * 2**20
 """Device memory the CUDA context and kernels take before any tensor."""
 GPU_USABLE = 0.94
 """Share of the GPU's memory the plan lets a run use (the rest: allocator slack). Measured on an
-H200 (143,771 MiB; session 9, benchmarks/h200_s9b.sh): the plan's device total came within 1.1 GiB
-above the peak torch allocated in every 7B run (e.g. 132.3 planned, 131.3 allocated), and
+H200 (143,771 MiB; benchmarks/results/2026-12-01_h200_defaults-7b): the plan's device total came
+within 1.1 GiB above the peak torch allocated in every 7B run (e.g. 132.3 planned, 131.3 allocated), and
 nvidia-smi showed 133.9 GiB used at that peak (context, cuBLAS workspace and cached blocks): a plan
 at 94% of the free memory leaves ~7 GiB of that GPU unused at the peak."""
 AUTO_RESIDENT_LAYERS = (1, 0)
@@ -120,9 +120,9 @@ def _logit_bytes(c: int, compiled: bool) -> int:
     compute dtype of ``c`` bytes. Eager: the logits (c), their fp32 upcast and log-softmax (4 + 4, the
     latter saved for the backward) and its fp32 gradient (4). Compiled: the logits and their gradient
     in the compute dtype (2c), the fp32 softmax fused into the kernels around the two GEMMs. Checked
-    on the H200 (session 7, benchmarks/h200_head_probe.py, the Qwen2.5-7B head in chunks of 8192
-    tokens): 15.2 GiB eager and 4.5 GiB compiled above the head's inputs, gradient and outputs,
-    where the row says 16.6 and 5.0."""
+    on an H200 with benchmarks/head_probe.py (the Qwen2.5-7B head in chunks of 8192 tokens): 15.2 GiB
+    eager and 4.5 GiB compiled above the head's inputs, gradient and outputs, where the row says 16.6
+    and 5.0."""
     return 2 * c if compiled else 3 * 4 + c
 
 

@@ -32,11 +32,11 @@ context came out 5-10% above torch's measured peak allocation (3.96 GiB at micro
 1.91 GiB at 2), i.e. on the safe side. At long context the layer's working set dominates; its
 [tokens, intermediate] coefficient (5 such tensors: gate, up, their product and the gradients of
 the first two, in the compute dtype) matches the slope measured on the H200 for the Qwen2.5-7B
-shape with offloaded checkpoints (issue 15: 38.5 GiB at 131,072 tokens, 70.9 GiB at 262,144, i.e.
-265 KB per token; this model: 263). The longest context (:func:`longest_context`) is the longest
+shape with offloaded checkpoints (38.5 GiB at 131,072 tokens, 70.9 GiB at 262,144, i.e. 265 KB
+per token; this model: 263). The longest context (:func:`longest_context`) is the longest
 train.seq_len whose device and host totals both fit, at the configured micro-batch size. The
 largest micro-batch is the largest ``train.micro_batch_size`` whose device
-total fits the device memory (90% of it on a GPU).
+total fits the device memory (GPU_USABLE of it on a GPU).
 """
 
 from __future__ import annotations
@@ -133,11 +133,6 @@ class Plan:
             out.append(f"the run needs {fmt(host)} of host RAM but only {fmt(self.host_available)} is available; "
                        f"{fix}, a smaller train.micro_batch_size, or a machine with more memory.")
         return out
-
-    def device_fits(self) -> bool | None:
-        if self.device == "cpu" or self.device_bytes is None:
-            return None
-        return self.total("device") <= self.device_bytes * GPU_USABLE
 
     def table(self) -> str:
         where_names = {"shm": "/dev/shm", "host": "host RAM", "device": "CPU" if self.device == "cpu" else "GPU"}
