@@ -144,6 +144,25 @@ def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False, lean: bool 
     return 2 * (4 * h + 2 * c * h + 4) + (c * h if c < 4 else 0) + attn + 4 * c * i
 
 
+def sparse_kept_bytes_per_token(cfg, itemsize: int) -> int:
+    """:func:`kept_bytes_per_token` (eager) for a sparse layer of a mixture of experts: the attention
+    half and the norms as a dense layer's, and instead of the dense MLP's 4cI what
+    :func:`~megatrain_ray.model.moe.sparse_mlp`'s autograd saves per token: the router's fp32
+    probabilities (4E), the top-k's indices, the dispatch order and its inverse (3 x 8 per pair),
+    the renormalised fp32 weights (4 per pair, their sum 4) and their compute-dtype copy (c per pair);
+    per (token, expert) pair the gathered row and the weighted output's input (2cH) and the
+    gate/up output, silu(gate) and its product with up (4cI, I the expert width); the shared
+    expert's 4cS with its gate's sigmoid (c) and output (cH); and one more cH for the normed input
+    the router and the gather read beside the norm's own output. Checked in tests/test_moe_streaming.py
+    against saved-tensor hooks on the CPU (eager, fp32 and bf16): at most 8% above what is saved.
+    The compiled layer saves no more."""
+    c, h, k = itemsize, cfg.hidden_size, cfg.num_experts_per_tok
+    s = cfg.shared_expert_intermediate_size
+    dense_mlp = 4 * c * cfg.intermediate_size
+    routed = 4 * cfg.num_experts + 4 + k * (3 * 8 + 4 + c + 2 * c * h + 4 * c * cfg.expert_size)
+    return kept_bytes_per_token(cfg, c) - dense_mlp + routed + (4 * c * s + c + c * h if s else 0) + c * h
+
+
 @dataclass
 class KeptGraph:
     """A layer's forward for every micro-batch with its autograd graph, waiting for the backward.
@@ -161,7 +180,8 @@ class KeptGraph:
 
 def graph_backward(leaves: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor,
                    grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Backpropagate dy through one micro-batch's layer graph (leaves, x -> y; x, y, dy: [B, S, H]).
+    """Backpropagate dy through one micro-batch's layer graph (leaves, x -> y; x, y, dy: [B, S, H]; or
+    y, dy lists of outputs and their gradients, e.g. a sparse layer's with its router's probabilities).
 
     Adds each weight's gradient into ``grads`` (views into the layer's fp32 gradient buffer) and
     returns the input gradient. Each parameter is its own autograd leaf (a view, no copy), so its

@@ -19,9 +19,9 @@ and the slot is released as soon as the unit is done. One step, as one loop:
 A mixture of experts' sparse layers (units with parts: attention and router, shared expert, each
 routed expert) run through :meth:`~megatrain_ray.engine.sequence.LayerRunner.forward_routed`, their
 router statistics gathered by a :class:`~megatrain_ray.engine.routing.StepRouting`: the
-load-balancing loss joins the step's loss, its gradient joins each sparse layer's recompute-backward
-(a sparse layer is always recomputed from its checkpoint, never kept whole), and the tokens each
-expert received are returned with the step. An expert that received no token has an exactly zero
+load-balancing loss joins the step's loss, its gradient joins each sparse layer's backward
+(recomputed from its checkpoint, or through its kept graph: :mod:`megatrain_ray.engine.passes`), and
+the tokens each expert received are returned with the step. An expert that received no token has an exactly zero
 gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.engine.experts`).
 
 Units the worker owns (memory.resident, :mod:`megatrain_ray.engine.resident`) are not fetched:

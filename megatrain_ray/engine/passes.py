@@ -9,8 +9,9 @@ and that backward.
 - :class:`Routed`: a sparse (mixture-of-experts) layer, recomputed the same way, whose forward also
   records its router statistics and whose backward takes the load-balancing loss's gradient.
 - :class:`Kept`: the forward's whole autograd graph stays for the backward
-  (:func:`~megatrain_ray.engine.activations.layer_forward_kept`), which differentiates it; the
-  planner keeps only dense layers whole.
+  (:func:`~megatrain_ray.engine.activations.layer_forward_kept`), which differentiates it;
+  :class:`KeptRouted` the same for a sparse layer, its router's probability sums kept with it for
+  the load-balancing loss's gradient.
 
 The compute worker's loops ask each layer's pass, never the placement or the layer's kind.
 """
@@ -22,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from .activations import KEEP, ActivationStore, kept_backward, layer_forward_kept
+from ..model.moe import RouterStats
+from .activations import KEEP, ActivationStore, graph_backward, kept_backward, layer_forward_kept
 from .experts import ExpertTraffic
 from .routing import StepRouting
 from .sequence import LayerRunner, MicroBatches, layer_backward, routed_backward
@@ -120,12 +121,36 @@ class Kept:
         kept_backward(graph, grads, dx)
 
 
+class KeptRouted(Kept):
+    """A sparse layer's forward graph kept whole, its router's probability sums with it: the backward
+    takes the load-balancing loss's gradient through them, as :class:`Routed`'s recompute does."""
+
+    def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.ctx, s.cfg, w.adapters, w.frozen)
+        ys, stats = zip(*graph.outputs)
+        graph.outputs = [(y, st.prob_sum) for y, st in zip(ys, stats)]  # what the backward differentiates
+        s.routing.record(layer, [RouterStats(st.counts, st.prob_sum.detach(), st.rows) for st in stats])
+        if s.traffic is not None:
+            s.traffic.record(s.step, layer, s.routing.counts(layer))
+        s.acts.keep(layer, graph)
+        return [y.detach() for y in ys]
+
+    def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], graph,
+                 dx: list[torch.Tensor]) -> None:
+        for m in range(len(dx)):
+            y, prob_sum = graph.outputs[m]
+            dprobs = s.routing.prob_grad(m)
+            outputs, douts = ([y], [dx[m]]) if dprobs is None else ([y, prob_sum], [dx[m], dprobs])
+            dx[m] = graph_backward(graph.leaves, graph.inputs[m], outputs, douts, grads)
+            graph.inputs[m] = graph.outputs[m] = None
+
+
 def layer_passes(cfg, modes: tuple[str, ...]) -> tuple[Recomputed | Kept, ...]:
     """Each decoder layer's pass under the activation placement ``modes``
-    (:func:`~megatrain_ray.engine.activations.layer_modes`)."""
-    kept = [layer for layer, mode in enumerate(modes) if mode == KEEP and cfg.is_sparse(layer)]
-    if kept:
-        raise ConfigError(f"memory.activations keeps the graph of layer {kept[0]}, a sparse (mixture-of-experts) "
-                          "layer, whole; a sparse layer is always recomputed from its checkpoint: keep fewer layers.")
-    return tuple(Kept() if mode == KEEP else Routed() if cfg.is_sparse(layer) else Recomputed()
-                 for layer, mode in enumerate(modes))
+    (:func:`~megatrain_ray.engine.activations.layer_modes`) and its kind (dense or sparse)."""
+    def of(layer: int, mode: str):
+        if mode == KEEP:
+            return KeptRouted() if cfg.is_sparse(layer) else Kept()
+        return Routed() if cfg.is_sparse(layer) else Recomputed()
+
+    return tuple(of(layer, mode) for layer, mode in enumerate(modes))

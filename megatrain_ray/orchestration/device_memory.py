@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from ..engine.activations import kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers
+from ..engine.activations import (kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers,
+                                  sparse_kept_bytes_per_token)
 from ..engine.sequence import tiled_backward_bytes
 from ..engine.store import StoreSpec, largest_streamed, resident_units
-from ..errors import ConfigError
 from ..model.flops import recompute_flops
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
@@ -161,12 +161,22 @@ def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer
                tokens * (4 * h + 2 * q + 2 * kv + 5 * inter) * c + layer_numel * (4 + c), "layer")
 
 
+def _kept_per_token(cfg: TrainConfig, device: str, c: int) -> int:
+    """Device bytes per token of one layer's kept graph: the larger of a dense layer's and, in a
+    mixture of experts, a sparse layer's (its dispatched rows: tokens x top-k through the experts,
+    :func:`~megatrain_ray.engine.activations.sparse_kept_bytes_per_token`), of the kinds the model has."""
+    m = cfg.model
+    dense = len(m.sparse_layers) < m.num_hidden_layers
+    return max([kept_bytes_per_token(m, c, compiled=cfg.compute.compile_on(device))] * dense
+               + [sparse_kept_bytes_per_token(m, c)] * bool(m.sparse_layers))
+
+
 def _activation_bytes(cfg: TrainConfig, device: str, micro_batch_size: int) -> tuple[int, int, int]:
     """Bytes of one layer's activations (all its micro-batches): (checkpoints, kept graph with its
     weight copy, pinned host buffers of offloaded checkpoints)."""
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
     layer_numel = StoreLayout.build(cfg.model).max_layer_numel
-    per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.compute.compile_on(device))
+    per_token = _kept_per_token(cfg, device, c)
     return (mbs * tokens * h * c, mbs * tokens * per_token + layer_numel * c,
             mbs * _pinned_size(tokens * h * c))
 
@@ -183,17 +193,12 @@ def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, devi
     that offloading keeps in flight on the device). If the host RAM free for them (``host_bytes``,
     None: unlimited) cannot take that many either, as many as it can take are offloaded, as many
     as fit stay on the GPU, and the other layers join recompute spans (:func:`span_counts`). With
-    the GPU's size unknown, nothing is kept or offloaded. A mixture of experts' sparse layers are always recomputed, so only the dense layers after the
-    last sparse one can be kept whole.
+    the GPU's size unknown, nothing is kept or offloaded. A mixture of experts' layers, dense or
+    sparse, are placed alike, each kept graph counted at the larger kind's bytes (:func:`_kept_per_token`).
     """
     n = cfg.model.num_hidden_layers
-    keepable = n - 1 - max(cfg.model.sparse_layers, default=-1)
     counts = cfg.memory.activation_counts(device, n)
     if counts is not None:
-        if counts[0] > keepable:
-            raise ConfigError(f"memory.activations keeps {counts[0]} layers whole, but a sparse (mixture-of-experts) "
-                              f"layer is recomputed, never kept, and only the last {keepable} layers are dense; keep at "
-                              f"most {keepable} (memory.activations: counts, memory.kept_layers: {keepable}) or leave it auto.")
         return counts
     if device_bytes is None or n == 0:
         return 0, 0, 0
@@ -201,7 +206,7 @@ def activation_counts(cfg: TrainConfig, device: str, micro_batch_size: int, devi
     ck, kept, pinned = _activation_bytes(cfg, device, micro_batch_size)
     budget -= ck  # the last layer's output, the head's input, is on the device whatever the placement
     if n * ck <= budget:
-        return min(keepable, (budget - n * ck) // max(1, kept - ck)), 0, 0
+        return min(n, (budget - n * ck) // max(1, kept - ck)), 0, 0
     host = min(n, -(-(n * ck + 3 * ck - budget) // ck))
     room = n if host_bytes is None else max(0, host_bytes) // pinned
     if host <= room:
@@ -237,7 +242,7 @@ def _activation_rows(cfg: TrainConfig, device: str, micro_batch_size: int, keep:
         rows.append(Row(f"recompute spans: {span} layers without a checkpoint, a span's inputs during its backward "
                         f"({longest - 1} x {mbs} x {tokens} tokens x {h})", "device", (longest - 1) * ck))
     if keep:
-        per_token = kept_bytes_per_token(cfg.model, c, compiled=cfg.compute.compile_on(device))
+        per_token = _kept_per_token(cfg, device, c)
         rows.append(Row(f"activations kept whole ({keep} layers x {mbs} x {tokens} tokens x {per_token} B, "
                         "+ weights): no recompute", "device", keep * kept))
     if host:
