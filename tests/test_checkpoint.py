@@ -463,6 +463,27 @@ def test_a_crash_mid_save_never_damages_the_last_good_checkpoint(tmp_path):
     assert os.listdir(root) == ["step-000001"]
 
 
+def test_the_teardown_removes_the_saves_its_killed_writers_left_and_keeps_a_live_ones(tmp_path):
+    """remove_unfinished (the run's teardown, once its roles are killed): the temporary directory of a
+    save whose writer's process was killed goes, once that process is gone; one whose writer still
+    lives after the wait stays, and so does one of this process (a writer thread of a run without Ray)."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    killed, alive = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2))
+    try:
+        for pid in (killed.pid, alive.pid, os.getpid()):
+            (root / f".step-000002.tmp-{pid}-0123abcd").mkdir()
+            (root / f".step-000002.tmp-{pid}-0123abcd" / "model-00001.safetensors").write_bytes(b"x" * 64)
+        killed.send_signal(signal.SIGKILL)  # not waited for here: remove_unfinished waits for it to be gone
+        removed = checkpoint.remove_unfinished(str(root), within=5.0)
+        assert removed == [str(root / f".step-000002.tmp-{killed.pid}-0123abcd")]
+        assert sorted(os.listdir(root)) == sorted(f".step-000002.tmp-{pid}-0123abcd" for pid in (alive.pid, os.getpid()))
+    finally:
+        for proc in (killed, alive):
+            proc.kill()
+            proc.wait()
+
+
 # ---------------------------------------------------------------------------------------------
 # Resume through the real pipeline.
 

@@ -121,12 +121,40 @@ def prune(root: str, keep: int) -> list[str]:
     for step, path in _complete(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        m = re.match(r"^\.step-\d+\.tmp-(\d+)-", name)
-        if m and not psutil.pid_exists(int(m.group(1))):
+    for name, pid in _unfinished(root):
+        if not psutil.pid_exists(pid):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(os.path.join(root, name))
     return removed
+
+
+def remove_unfinished(root: str, within: float = 10.0) -> list[str]:
+    """Remove the temporary directories of saves cut short in ``root`` (a sink's periodic save still
+    writing when the run was torn down after an interrupt had saved the same boundary), waiting up to
+    ``within`` seconds for their writers' processes, killed with the run's roles, to be gone; one whose
+    writer still lives then stays (the next save's :func:`prune` removes it), as does one of this
+    process (a writer thread of a run without Ray)."""
+    import psutil
+
+    writers, gone = {}, set()
+    for name, pid in _unfinished(root):
+        if pid == os.getpid():
+            continue
+        try:
+            writers[name] = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            gone.add(name)
+    ended, _ = psutil.wait_procs(list(writers.values()), timeout=within)
+    gone |= {name for name, p in writers.items() if p in ended}
+    for name in sorted(gone):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return [os.path.join(root, name) for name in sorted(gone)]
+
+
+def _unfinished(root: str) -> list[tuple[str, int]]:
+    """(name, writer's pid) of the temporary directories of saves in ``root``."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return [(n, int(m.group(1))) for n in names if (m := re.match(r"^\.step-\d+\.tmp-(\d+)-", n))]
 
 
 # ---------------------------------------------------------------------------------------------
