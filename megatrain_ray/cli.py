@@ -58,8 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config field, e.g. --set optim.lr=1e-3 (repeatable)")
     train.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
-                       help="continue from a checkpoint (a run directory: its newest one); its config is the "
-                            "base that --config and --set override")
+                       help="continue from a checkpoint (a run directory: its newest one), in that run's own "
+                            "directory; its config is the base that --config and --set override")
     plan = sub.add_parser("plan", help="print the run a config resolves to on this machine: its settings and the "
                                        "host RAM, /dev/shm and GPU memory it needs",
                           description="Print the run a config resolves to on this machine (its settings, and the "
