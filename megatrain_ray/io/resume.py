@@ -99,8 +99,9 @@ def continued_run(directory: str, runs_dir: str) -> tuple[str | None, str]:
     if os.path.abspath(runs_dir) != os.path.dirname(run):
         return None, f"train.run_dir ({runs_dir}) is not the folder that holds {run}"
     step = read_meta(directory)["step"]
-    later = [os.path.basename(p) for s, p in step_dirs(os.path.join(run, "checkpoints")) if s > step]
-    if later:
-        return None, (f"{run} has checkpoints after it ({', '.join(later)}), which stay as they are; resume "
-                      f"the run directory itself to continue it in place")
+    later = [p for s, p in step_dirs(os.path.join(run, "checkpoints")) if s > step]
+    if later:  # valid ones (an older checkpoint was asked for) or ones that failed their checks
+        names = ", ".join(os.path.basename(p) for p in later)
+        return None, (f"{run} has checkpoints after it ({names}), which stay as they are (resuming the run "
+                      "directory continues it in place when its newest checkpoint is valid)")
     return run, ""
