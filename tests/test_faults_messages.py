@@ -192,6 +192,25 @@ def _copy(run, tmp_path):
     return dst
 
 
+def test_a_resume_continues_in_place_only_from_its_runs_newest_checkpoint(run_with_two, tmp_path):
+    """--resume RUN continues RUN where it lies (whatever directory the command runs in); an older
+    checkpoint of it, or another train.run_dir, writes a run directory of its own, and says why."""
+    from megatrain_ray.io.resume import continued_run, resume_config
+
+    run = _copy(run_with_two, tmp_path)
+    (run / "config.json").write_text("{}")  # what makes it a run directory (a run writes its config there first)
+    step2, step4 = (str(run / "checkpoints" / f"step-00000{s}") for s in (2, 4))
+    cfg, directory, _ = resume_config(str(run), None, [])
+    assert directory == step4 and cfg.train.run_dir == str(run.parent)  # the copy's folder, not the config's
+    assert continued_run(directory, cfg.train.run_dir) == (str(run), "")
+    where, why = continued_run(step2, cfg.train.run_dir)
+    assert where is None and f"{run} has checkpoints after it (step-000004), which stay as they are" in why
+    cfg, directory, _ = resume_config(str(run), None, [f"train.run_dir={tmp_path / 'elsewhere'}"])
+    assert cfg.train.run_dir == str(tmp_path / "elsewhere")
+    assert continued_run(directory, cfg.train.run_dir) == (
+        None, f"train.run_dir ({tmp_path / 'elsewhere'}) is not the folder that holds {run}")
+
+
 def test_the_folder_of_runs_given_to_resume(run_with_two, tmp_path, capsys, monkeypatch):
     run = _copy(run_with_two, tmp_path)
     line = refused(["train", "--resume", "runs"], tmp_path, capsys, monkeypatch)
