@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
-from megatrain_ray.io.checkpoint import CheckpointPlan  # noqa: E402
+from megatrain_ray.io.checkpoint import CheckpointSettings  # noqa: E402
 from megatrain_ray.io.writer import CheckpointWriter, checkpoint_bytes  # noqa: E402
 from megatrain_ray.model.precision import Precision  # noqa: E402
 from megatrain_ray.model.presets import PRESETS, preset_model  # noqa: E402
@@ -100,16 +100,16 @@ def main() -> None:
         units = len(store.layout.units)
         for i in range(units):
             store.set_version(i, 1)
-        plan = CheckpointPlan(where, every=1, keep=1, run_config={}, run_id="cost",
+        checkpoints = CheckpointSettings(where, every=1, keep=1, run_config={}, run_id="cost",
                               staging_bytes=int(args.staging_gib * 2**30))
         shutil.rmtree(where, ignore_errors=True)
         began = time.perf_counter()
-        CheckpointWriter(store, plan).save(1)
+        CheckpointWriter(store, checkpoints).save(1)
         report["paused_s"] = time.perf_counter() - began
         report["paused_gbs"] = rate(nbytes, report["paused_s"])
 
         shutil.rmtree(where, ignore_errors=True)  # the same boundary again, written afresh
-        writer = CheckpointWriter(store, plan)
+        writer = CheckpointWriter(store, checkpoints)
         began = time.perf_counter()
         writer.start(1, list(range(units))[::-1])
         time.sleep(args.step_s)

@@ -172,7 +172,7 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     root = str(tmp_path / "ckpts")
     grad_q, stats_q = queue.Queue(), queue.Queue()
     sink = GradientSink(ps.spec, SinkSettings(OptimConfig(lr=1e-3), 3, timeout_s=30, threads=1), grad_q, stats_q,
-                        checkpoint=checkpoint.CheckpointPlan(root, every=1, keep=2, run_config={}, run_id="r"))
+                        checkpoint=checkpoint.CheckpointSettings(root, every=1, keep=2, run_config={}, run_id="r"))
     try:
         units = range(len(ps.store.layout.units))
         for step, sq_norm in ((0, 1.0), (1, float("inf"))):
@@ -193,11 +193,11 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
 def test_keep_last_k_prunes_only_after_a_new_checkpoint_is_complete(shm_dir, tmp_path):
     ps = _store(shm_dir, "keep")
     root = str(tmp_path / "ckpts")
-    plan = checkpoint.CheckpointPlan(root, every=1, keep=2, run_config={}, run_id="r")
+    checkpoints = checkpoint.CheckpointSettings(root, every=1, keep=2, run_config={}, run_id="r")
     try:
         for step in range(1, 6):
             _fill_optimizer(ps, step=step)
-            writer.CheckpointWriter(ps.store, plan).save(step)
+            writer.CheckpointWriter(ps.store, checkpoints).save(step)
             kept = sorted(os.listdir(root))
             assert kept == [f"step-{s:06d}" for s in range(max(1, step - 1), step + 1)], kept
         assert checkpoint.latest(root).endswith("step-000005")
@@ -224,10 +224,10 @@ def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm
         _fill_optimizer(ps, step=3)
         n = len(ps.store.layout.units)
         order = list(range(n)) if clip else list(range(n))[::-1]
-        paused = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
+        paused = writer.CheckpointWriter(ps.store, checkpoint.CheckpointSettings(
             str(tmp_path / "paused"), every=1, keep=1, run_config={}, run_id="r"), shard_bytes=4 * 2**20)
         path_paused = paused.save(3)
-        live = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
+        live = writer.CheckpointWriter(ps.store, checkpoint.CheckpointSettings(
             str(tmp_path / "live"), every=1, keep=1, run_config={}, run_id="r", staging_bytes=staging),
             shard_bytes=4 * 2**20)
         live.start(3, order)
@@ -279,7 +279,7 @@ def test_a_failed_background_save_frees_the_sink_and_is_raised_once(shm_dir, tmp
     try:
         _fill_optimizer(ps, step=2)
         (tmp_path / "ckpts").write_text("not a directory")
-        w = writer.CheckpointWriter(ps.store, checkpoint.CheckpointPlan(
+        w = writer.CheckpointWriter(ps.store, checkpoint.CheckpointSettings(
             str(tmp_path / "ckpts"), every=1, keep=1, run_config={}, run_id="r"))
         w.start(2)
         for i in range(len(ps.store.layout.units)):

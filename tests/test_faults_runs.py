@@ -19,7 +19,7 @@ from megatrain_ray.io import checkpoint, run_lock
 from megatrain_ray.orchestration.pipeline import train
 from test_faults import _cfg
 
-_HOLD = ("import sys, time\nfrom megatrain_ray.io import run_lock\nrun_lock.hold(sys.argv[1], 'training')\n"
+_HOLD = ("import sys, time\nfrom megatrain_ray.io import run_lock\nrun_lock.acquire(sys.argv[1], 'training')\n"
          "print('held', flush=True)\ntime.sleep(600)\n")
 
 
@@ -31,13 +31,13 @@ def test_a_held_run_directory_is_refused_naming_its_process_and_freed_by_kill_9(
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(CheckpointError) as info:
-            run_lock.hold(str(run), "resuming")
+            run_lock.acquire(str(run), "resuming")
         assert str(info.value) == (f"the run directory {run} is in use by process {holder.pid}, which trains or "
                                    "resumes that run; wait for it to end (or stop it: Ctrl-C saves a checkpoint) "
                                    "before resuming it.")
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-        fd = run_lock.hold(str(run), "resuming")  # the hold went with the process
+        fd = run_lock.acquire(str(run), "resuming")  # the lock went with the process
         run_lock.release(fd)
         assert os.listdir(run) == []  # nothing written into the run directory
     finally:

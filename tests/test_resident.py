@@ -143,11 +143,11 @@ def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
         assert resident.update(0, 4.0) and resident.version == 1
         assert not torch.equal(resident.weights(0, 1), before)
         assert torch.equal(ps.store.block("master", 0), before)  # the host copy is untouched until a sync
-        ps.store.set_resident_hold(0)  # the checkpoint of step 0 still reads it
+        ps.store.set_checkpoint_copy(0)  # the checkpoint of step 0 still reads it
         with pytest.raises(PipelineError, match=r"waited 0 s for the checkpoint of step 0 to write embed, head"):
             resident.sync()
         assert ps.store.state_version(0) == 0
-        ps.store.set_resident_hold(None)
+        ps.store.set_checkpoint_copy(None)
         resident.sync()
         assert torch.equal(ps.store.block("master", 0), resident.weights(0, 1))
         assert (ps.store.state_version(0), ps.store.version(head)) == (1, 1)
@@ -162,12 +162,12 @@ def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
 
 
 def test_the_copy_is_due_at_checkpoint_boundaries_and_the_end_and_held_for_checkpoints():
-    plan = checkpoint.CheckpointPlan("unused", 3, 2, {}, "r", {})
-    assert [s for s in range(10) if sync_due(plan, s, 0, 10)] == [2, 5, 8, 9]
-    assert [s for s in range(10) if checkpoint_due(plan, s, 0, 10)] == [2, 5, 8, 9]  # the end is saved too
+    checkpoints = checkpoint.CheckpointSettings("unused", 3, 2, {}, "r", {})
+    assert [s for s in range(10) if sync_due(checkpoints, s, 0, 10)] == [2, 5, 8, 9]
+    assert [s for s in range(10) if checkpoint_due(checkpoints, s, 0, 10)] == [2, 5, 8, 9]  # the end is saved too
     assert [s for s in range(4, 10) if sync_due(None, s, 4, 10)] == [9]
     assert not any(checkpoint_due(None, s, 4, 10) for s in range(4, 10))  # the export's copy: nothing to hold for
-    never = checkpoint.CheckpointPlan("unused", 0, 2, {}, "r", {})  # checkpoints only on an interrupt
+    never = checkpoint.CheckpointSettings("unused", 0, 2, {}, "r", {})  # checkpoints only on an interrupt
     assert [s for s in range(10) if sync_due(never, s, 0, 10)] == [9] and not checkpoint_due(never, 9, 0, 10)
 
 
@@ -192,21 +192,21 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
         for u in range(len(store.layout.units)):  # the sink's units reach boundary 1 too
             if u not in resident.units:
                 store.set_version(u, 1)
-        resident.sync(hold=True)  # the copy of boundary 1, a checkpoint's
-        assert store.resident_hold() == 1 and store.state_version(0) == 1
+        resident.sync(for_checkpoint=True)  # the copy of boundary 1, a checkpoint's
+        assert store.checkpoint_copy() == 1 and store.state_version(0) == 1
         at_1 = store.block("master", 0).clone()
         update(1)
         ahead = threading.Thread(target=resident.sync, args=(True,))  # the copy of boundary 2
         ahead.start()
         time.sleep(0.5)
         assert ahead.is_alive() and store.state_version(0) == 1 and torch.equal(store.block("master", 0), at_1)
-        plan = checkpoint.CheckpointPlan(str(tmp_path), 1, 5, cfg.to_dict(), "r", {})
-        write = writer.CheckpointWriter(store, plan)
+        checkpoints = checkpoint.CheckpointSettings(str(tmp_path), 1, 5, cfg.to_dict(), "r", {})
+        write = writer.CheckpointWriter(store, checkpoints)
         head = cfg.model.num_hidden_layers + 1
         write.start(1, [0, head, *range(1, head)])  # as the sink orders them: the resident units first
         ahead.join(timeout=60)
         notice = write.finish()
-        assert not ahead.is_alive() and store.resident_hold() == 2 and store.state_version(0) == 2
+        assert not ahead.is_alive() and store.checkpoint_copy() == 2 and store.state_version(0) == 2
         saved = read_tensors(notice["checkpoint"])["model.embed_tokens.weight"].flatten()
         assert torch.equal(saved, at_1) and not torch.equal(saved, store.block("master", 0))
     finally:

@@ -262,7 +262,7 @@ class ActivationStore:
         if self.mode(layer) != HOST:
             self._kept[layer] = xs
             return
-        self._hold_back()
+        self._wait_for_device()
         entries = []
         for m, x in enumerate(xs):
             host = self._host.get((layer, m))
@@ -277,8 +277,8 @@ class ActivationStore:
             self._fetched[layer] = [self.backend.unstash(host, done, f"inputs of layers.{layer}")
                                     for host, done in self._stashed.pop(layer)]
 
-    def hold(self, layer: int, xs: list[torch.Tensor]) -> None:
-        """Hold ``layer``'s inputs (M x [B, S, H]) on the device for its backward, whatever its
+    def set_inputs(self, layer: int, xs: list[torch.Tensor]) -> None:
+        """Keep ``layer``'s inputs (M x [B, S, H]) on the device for its backward, whatever its
         placement: the inputs of a recompute span, brought back for the span's backward."""
         self._kept[layer] = xs
 
@@ -294,7 +294,7 @@ class ActivationStore:
         """``layer``'s kept graph, or its inputs on the device ready for the compute stream; forgets them here."""
         if layer in self._kept:
             return self._kept.pop(layer)
-        self._hold_back()
+        self._wait_for_device()
         self.prefetch(layer)
         out = []
         for x, ready in self._fetched.pop(layer):
@@ -302,7 +302,7 @@ class ActivationStore:
             out.append(x)
         return out
 
-    def _hold_back(self) -> None:
+    def _wait_for_device(self) -> None:
         """Wait until the device has caught up to within LEAD layers of the compute thread."""
         self._marks.append(self.backend.mark())
         while len(self._marks) > LEAD:

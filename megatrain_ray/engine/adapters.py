@@ -34,11 +34,11 @@ class DeviceAdapters:
     """Every adapter unit's weights, AdamW state and gradient on ``device`` (see the module docstring)."""
 
     def __init__(self, store, seed: int, device: torch.device, optim: OptimConfig, total_steps: int, threads: int = 1,
-                 plan=None, resume_from: str | None = None):
+                 checkpoints=None, resume_from: str | None = None):
         """store: the compute worker's :class:`~megatrain_ray.engine.store.HostStore` (its spec's model,
         lora section and compute dtype; its base, for the merged export); seed: of the adapters'
         initialisation; plan: the run's
-        :class:`~megatrain_ray.io.checkpoint.CheckpointPlan` (None: no checkpoints); resume_from: a LoRA
+        :class:`~megatrain_ray.io.checkpoint.CheckpointSettings` (None: no checkpoints); resume_from: a LoRA
         checkpoint whose state the adapters take instead (:meth:`resume`)."""
         self.store, self.cfg, self.lora = store, store.spec.model, store.spec.lora
         cfg, lora, compute_dtype = self.cfg, self.lora, store.spec.precision.compute
@@ -59,7 +59,7 @@ class DeviceAdapters:
         """unit -> this step's gradient [numel] fp32, accumulated over the micro-batches, until the update."""
         self.version = 0
         """Updates applied."""
-        self.plan = plan
+        self.checkpoints = checkpoints
         if resume_from is not None:
             self.resume(resume_from)
 
@@ -126,7 +126,7 @@ class DeviceAdapters:
             raise PipelineError(f"the adapters have {self.version} updates, so the checkpoint of step {step} cannot "
                                 "be written from them.")
         began = time.time()
-        path = lora_checkpoint.save(self.plan, step, self.cfg, self.lora, self.host_states())
+        path = lora_checkpoint.save(self.checkpoints, step, self.cfg, self.lora, self.host_states())
         return {"checkpoint": path, "step": step, "save_s": time.time() - began, "by": "compute"}
 
     def export(self, adapter_dir: str, merged_dir: str | None, tokenizer: str | None = None,

@@ -1,6 +1,6 @@
 """The gradient sink's checkpoints: started at step boundaries, written beside the updates.
 
-A checkpoint (when the sink is given a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) is
+A checkpoint (when the sink is given a :class:`~megatrain_ray.io.checkpoint.CheckpointSettings`) is
 started at the top of the sink's step loop, where every update of the previous step is done and
 none of this step's has begun (a step boundary), and written in the background by a
 :class:`~megatrain_ray.io.writer.CheckpointWriter` while the loop goes on: before each update the
@@ -23,21 +23,21 @@ from .tickets import NO_PROGRESS, wait_while_moving
 class SinkCheckpoints:
     """The checkpoints one gradient sink starts, writes and reports (see the module docstring)."""
 
-    def __init__(self, store, plan, writes: bool, stats_q, timeout_s: float, order: list[int],
+    def __init__(self, store, checkpoints, writes: bool, stats_q, timeout_s: float, order: list[int],
                  resident: tuple[int, ...] = (), grad_q=None):
-        """store: the sink's :class:`~megatrain_ray.engine.store.HostStore`; plan: the run's
-        CheckpointPlan or None; writes: whether this sink writes them (the first node's; the others
+        """store: the sink's :class:`~megatrain_ray.engine.store.HostStore`; checkpoints: the run's
+        CheckpointSettings or None; writes: whether this sink writes them (the first node's; the others
         only know the boundaries, see :mod:`megatrain_ray.engine.shards`); order: the units in the
         order this step's updates will reach them; resident: the units the compute worker updates;
         grad_q: the sink's gradient queue (while messages move on it, the wait for the resident
         units' copy goes on)."""
-        self.store, self.plan, self.stats_q, self.timeout_s = store, plan, stats_q, timeout_s
-        self.writer = CheckpointWriter(store, plan) if plan is not None and writes else None
+        self.store, self.checkpoints, self.stats_q, self.timeout_s = store, checkpoints, stats_q, timeout_s
+        self.writer = CheckpointWriter(store, checkpoints) if checkpoints is not None and writes else None
         self.order, self.resident, self.grad_q = order, resident, grad_q
 
     def due(self, step: int, start: int, end: int) -> bool:
         """Whether the boundary after ``step`` updates is a checkpoint's."""
-        return self.plan is not None and self.plan.due(step, start, end)
+        return self.checkpoints is not None and self.checkpoints.due(step, start, end)
 
     def start(self, step: int) -> None:
         """Start writing the boundary after ``step`` updates (a save still being written is finished

@@ -24,7 +24,7 @@ load-balancing loss joins the step's loss, its gradient joins each sparse layer'
 the tokens each expert received are returned with the step. An expert that received no token has an exactly zero
 gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.engine.experts`).
 
-Units the worker owns (memory.resident, :mod:`megatrain_ray.engine.resident`) are not fetched:
+Units resident on the worker's device (memory.resident, :mod:`megatrain_ray.engine.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
 updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.adapters`).
 
@@ -184,7 +184,7 @@ class ComputeWorker(GroupMember):
 
     def _take(self, unit: int, step: int) -> tuple[FetchTicket | None, torch.Tensor]:
         """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot (no
-        ticket, and the resident weights, for a unit this worker owns)."""
+        ticket, and the resident weights, for a unit resident on this worker)."""
         if self.resident is not None and unit in self.resident.units:
             weights = self.resident.weights(unit, step)
             if weights is None:  # diverged: wait as for weights that never come (on the queue that would bring
@@ -225,10 +225,10 @@ class ComputeWorker(GroupMember):
     # -- one step ----------------------------------------------------------------------------
 
     def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None,
-                 sync: bool = False, hold: bool = False) -> dict[str, Any]:
+                 sync: bool = False, for_checkpoint: bool = False) -> dict[str, Any]:
         """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None;
         sync: the boundary after this step is a checkpoint's or the run's end, so the resident units'
-        state goes to the host store after their update; hold: a checkpoint's, so that copy stays
+        state goes to the host store after their update; for_checkpoint: a checkpoint's, so that copy stays
         until the checkpoint has it (:func:`~megatrain_ray.engine.resident.sync_due`, ``checkpoint_due``).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
@@ -238,7 +238,7 @@ class ComputeWorker(GroupMember):
         """
         try:
             with sdpa_backend(self.attention_backend):
-                return self._step(step, batch, eval_batch, sync, hold)
+                return self._step(step, batch, eval_batch, sync, for_checkpoint)
         except torch.OutOfMemoryError as e:
             kept = self.activations.modes.count(KEEP)
             if not kept:
@@ -248,7 +248,7 @@ class ComputeWorker(GroupMember):
                                 "memory.activations to recompute.") from e
 
     def _step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None,
-              sync: bool = False, hold: bool = False) -> dict[str, Any]:
+              sync: bool = False, for_checkpoint: bool = False) -> dict[str, Any]:
         if self._error is not None:
             raise self._thread_error()
         self.backend.begin_step()
@@ -270,8 +270,8 @@ class ComputeWorker(GroupMember):
             loss = loss + aux
         self._backward(step, layers, dx, embed_grad)
         embed_grad = None
-        self.grads_out.end_step(step, sync, hold)
-        saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if self.adapters and hold else {}  # LoRA's
+        self.grads_out.end_step(step, sync, for_checkpoint)
+        saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if self.adapters and for_checkpoint else {}  # LoRA's
         return {**self._report(step, start, loss, mb.n_tokens, val_loss, routing, aux), **saved}
 
     def _batch(self, batch: dict[str, Any], seq: int | None = None) -> MicroBatches:
@@ -338,13 +338,13 @@ class ComputeWorker(GroupMember):
         """Layers first..last-1 forward again from ``first``'s checkpoint, each output held as the next
         layer's input for its backward (a recompute span, :mod:`megatrain_ray.engine.activations`)."""
         xs = self.activations.take(first)
-        self.activations.hold(first, xs)
+        self.activations.set_inputs(first, xs)
         for unit in [u for u in self.layout.layers if first <= u.layer < last]:
             ticket, w = self._weights(unit, step)
             with self.backend.compute(unit.name + " span fwd"):
                 xs = self.passes[unit.layer].again(s, w, xs)
             self._release(ticket)
-            self.activations.hold(unit.layer + 1, xs)
+            self.activations.set_inputs(unit.layer + 1, xs)
 
     def _weights(self, unit: Unit, step: int) -> tuple[FetchTicket | None, LayerWeights]:
         """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters

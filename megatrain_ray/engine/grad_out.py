@@ -116,9 +116,9 @@ class GradOut:
         self._sq_norms.append(sq_norm)
         self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0, ()))
 
-    def end_step(self, step: int, sync: bool, hold: bool = False) -> None:
+    def end_step(self, step: int, sync: bool, for_checkpoint: bool = False) -> None:
         """After the last gradient of step ``step``: send the held ones, or update the resident units
-        (and with ``sync`` copy them to the host store, ``hold``: for a checkpoint; see
+        (and with ``sync`` copy them to the host store, ``for_checkpoint``: for a checkpoint; see
         :func:`~megatrain_ray.engine.resident.sync_due`)."""
         if self.store.spec.hold_grads:
             self._send_held(step)
@@ -127,7 +127,7 @@ class GradOut:
             with self.backend.compute("adamw (resident units)"):
                 self.resident.update(step, step_sq_norm(norms))
             if sync:
-                self.resident.sync(hold)
+                self.resident.sync(for_checkpoint)
         if self.adapters is not None:  # summed as the sink sums the tickets' norms: the same float
             norms, self._sq_norms = self._sq_norms, []
             with self.backend.compute("adamw (adapters)"):

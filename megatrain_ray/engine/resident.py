@@ -22,9 +22,9 @@ something reads them: at each checkpoint boundary, at the end of the run (the ex
 interrupt. A copy made for a checkpoint must stay until that checkpoint has written it, and the
 worker may reach its next copy first (the sink starts a checkpoint only once it has updated the
 steps before it, and may still be finishing the previous write; with a checkpoint every step the
-worker is one boundary ahead by then). So the copy for a checkpoint sets the store's *resident hold*
-(:meth:`~megatrain_ray.engine.store.HostStore.set_resident_hold`); the sink waits for the copy before
-it starts that checkpoint, whose writer writes the resident units first and releases the hold once
+worker is one boundary ahead by then). So the copy for a checkpoint sets the store's *checkpoint copy*
+(:meth:`~megatrain_ray.engine.store.HostStore.set_checkpoint_copy`); the sink waits for the copy before
+it starts that checkpoint, whose writer writes the resident units first and releases the copy once
 their bytes are out; the next copy waits for the release.
 """
 
@@ -42,17 +42,17 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The store's kinds a resident unit keeps on the device (and copies back at a sync)."""
 
 
-def checkpoint_due(plan, step: int, start: int, end: int) -> bool:
-    """Whether the sink checkpoints the boundary after step ``step`` (``plan``: a
-    :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`, or None; steps [``start``, ``end``) of this
+def checkpoint_due(checkpoints, step: int, start: int, end: int) -> bool:
+    """Whether the sink checkpoints the boundary after step ``step`` (``checkpoints``: a
+    :class:`~megatrain_ray.io.checkpoint.CheckpointSettings`, or None; steps [``start``, ``end``) of this
     attempt): the resident units' copy for it is held until its writer has it."""
-    return plan is not None and plan.due(step + 1, start, end)
+    return checkpoints is not None and checkpoints.due(step + 1, start, end)
 
 
-def sync_due(plan, step: int, start: int, end: int) -> bool:
+def sync_due(checkpoints, step: int, start: int, end: int) -> bool:
     """Whether the boundary after step ``step`` must find the resident units' state in the host store:
     a checkpoint's (:func:`checkpoint_due`) or the run's end (the export)."""
-    return step + 1 == end or checkpoint_due(plan, step, start, end)
+    return step + 1 == end or checkpoint_due(checkpoints, step, start, end)
 
 
 def step_sq_norm(sq_norms: list[torch.Tensor]) -> float:
@@ -166,13 +166,13 @@ class ResidentUnits:
         self.version = step + 1
         return True
 
-    def sync(self, hold: bool = False) -> None:
+    def sync(self, for_checkpoint: bool = False) -> None:
         """Copy the device state into the resident units' host blocks and mark them at its version, once
-        no checkpoint needs the previous copy (the resident hold); ``hold``: this copy is a checkpoint's
+        no checkpoint needs the previous copy (the checkpoint copy); ``for_checkpoint``: this copy is a checkpoint's
         (:func:`checkpoint_due`), kept until its writer releases it."""
-        if not self.store.wait_until(lambda: self.store.resident_hold() is None, self.timeout_s, pause=0.005):
+        if not self.store.wait_until(lambda: self.store.checkpoint_copy() is None, self.timeout_s, pause=0.005):
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
-                                f"{self.store.resident_hold()} to write {', '.join(self.names.values())}: the gradient "
+                                f"{self.store.checkpoint_copy()} to write {', '.join(self.names.values())}: the gradient "
                                 "sink or the checkpoint writer is stalled (a slow disk?); raise "
                                 "cluster.actor_timeout_s if it is just slow.")
         done = None
@@ -180,8 +180,8 @@ class ResidentUnits:
             for kind in STATE_KINDS:
                 done = self.backend.stash(self.state[u][kind], self.store.block(kind, u), f"{self.names[u]} {kind}")
         self.backend.host_wait(done)
-        if hold:
-            self.store.set_resident_hold(self.version)
+        if for_checkpoint:
+            self.store.set_checkpoint_copy(self.version)
         for u in self.units:
             self.store.set_version(u, self.version)
 

@@ -69,4 +69,4 @@ class SinkSettings:
     """The nodes' sinks share the AdamW work (parallel.optimizer_sharding=sharded with several nodes)."""
     policies: tuple[UnitPolicy, ...] = ()
     """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): every unit streamed and updated here
-    exactly, but those the compute worker owns (``StoreSpec.resident``)."""
+    exactly, but those resident on the compute worker (``StoreSpec.resident``)."""

@@ -75,7 +75,7 @@ class GradientSink:
         """spec: the node's store; settings: the sink's part of the run; grad_q: gradient tickets from
         the node's compute workers; stats_q: to the driver; grad_slot_q: the gradient ring's free slots,
         back to the compute worker (None without a ring); checkpoint: the run's
-        :class:`~megatrain_ray.io.checkpoint.CheckpointPlan` or None, written here with ``writes_checkpoints``
+        :class:`~megatrain_ray.io.checkpoint.CheckpointSettings` or None, written here with ``writes_checkpoints``
         (the first node's sink; the others only hand their AdamW states over at its boundaries, see
         :mod:`megatrain_ray.engine.shards`)."""
         self.settings = settings
@@ -95,11 +95,11 @@ class GradientSink:
         self.after_norm = self.optim.max_grad_norm > 0 or settings.sharded
         """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
         update order, after the last gradient), unless it comes with the tickets (held gradients)."""
-        self.shards = settings.workers
+        self.tickets_per_unit = settings.workers
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
         summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
         whole gradient in a host copy of its own, which this sink sums (experimental.grad_reduce=host)."""
-        self.host_sum = settings.host_sum and self.shards > 1
+        self.host_sum = settings.host_sum and self.tickets_per_unit > 1
         self.threads = max(1, settings.threads)
         self.spans: list[tuple] = []
         self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
@@ -169,7 +169,7 @@ class GradientSink:
         is in (and, with ``host_sum``, their copies summed). Meanwhile ``sq_norm`` sums the step's
         squared norms, ticket by ticket in the order they came (a host sum's once it is done)."""
         self.sq_norm = 0.0
-        pending = dict.fromkeys((u for u, p in enumerate(self.policies) if p.gradient != NONE), self.shards)
+        pending = dict.fromkeys((u for u, p in enumerate(self.policies) if p.gradient != NONE), self.tickets_per_unit)
         while pending:
             ticket = self._get()
             if ticket.step != step or ticket.unit not in pending:
@@ -223,7 +223,7 @@ class GradientSink:
     def _sum_copies(self, unit: int) -> float:
         """Sum the workers' host copies of ``unit``'s gradient into its grad block; its squared norm."""
         start = time.time()
-        copies = [self.store.grad_block(unit, -1, k) for k in range(self.shards)]
+        copies = [self.store.grad_block(unit, -1, k) for k in range(self.tickets_per_unit)]
         sq_norm = sum_copies(copies, self._sum_pool, self.threads)
         self.spans.append(("adamw", f"sum {self.layout.units[unit]}", start, time.time(), 0))
         return sq_norm

@@ -24,8 +24,8 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
                   (what the prefetcher waits for), then how many its master weights and moments
                   have (what a checkpoint waits for); they differ only while the sink's second
                   pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`);
-                  then one more: the *resident hold*, set while a checkpoint still reads the host copy
-                  of the units the compute worker owns (memory.resident, :mod:`megatrain_ray.engine.resident`)
+                  then one more: the *checkpoint copy*, set while a checkpoint still reads the host copy
+                  of the units resident on the compute worker (memory.resident, :mod:`megatrain_ray.engine.resident`)
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
 it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
@@ -78,7 +78,7 @@ def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, ho
 
 def largest_streamed(layout: StoreLayout, resident: tuple[int, ...]) -> int:
     """Elements of the largest unit the prefetcher streams (what a device weight slot holds): every
-    unit but those the compute worker owns."""
+    unit but those resident on the compute worker."""
     return max((t.numel for i, t in enumerate(layout.templates) if i not in resident), default=1)
 
 
@@ -98,8 +98,8 @@ class VersionWords:
         return self.units + i
 
     @property
-    def hold(self) -> int:
-        """The word of the resident hold (see :meth:`HostStore.resident_hold`)."""
+    def checkpoint_copy(self) -> int:
+        """The word of the resident units' checkpoint copy (see :meth:`HostStore.checkpoint_copy`)."""
         return 2 * self.units
 
     @property
@@ -136,7 +136,7 @@ class StoreSpec:
     """The compute worker keeps the step's gradients on the device until the step's norm is known, then
     sends them through the ring in update order, each ticket carrying that norm (experimental.hold_grads)."""
     resident: tuple[int, ...] = ()
-    """Units the compute worker owns (memory.resident): it keeps their weights and AdamW states on
+    """Units resident on the compute worker (memory.resident): it keeps their weights and AdamW states on
     its device and updates them there; none is fetched or updated by the sink, and their blocks here
     are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.resident`)."""
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
@@ -147,21 +147,22 @@ class StoreSpec:
     @classmethod
     def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str,
                resident: tuple[int, ...] = ()) -> StoreSpec:
-        """The store of one node of a run of ``cfg`` on ``device`` whose compute worker owns the units
+        """The store of one node of a run of ``cfg`` on ``device`` whose compute worker holds the units
         ``resident`` (as the run resolved memory.resident): its gradient ring, held gradients and
         peer gradient copies as the run's settings resolve (a sharded optimizer across nodes updates
         after the last gradient, from whole-model gradient blocks; held gradients need a single
         compute worker in the whole run)."""
         clip = cfg.optim.max_grad_norm
         if cfg.lora.enabled:  # a frozen base: its weights alone, as the GPU reads them
-            return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), cfg.memory.shm_dir, owner_pid,
-                       run_id, lora=cfg.lora)
+            return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), cfg.memory.shm_dir,
+                       owner_pid, run_id, lora=cfg.lora)
         sharded = cfg.parallel.sharded_optimizer
         hold = not sharded and not resident and holds_grads(precision, clip, cfg.parallel.workers,
                                                          cfg.experimental.hold_grads_on(device))
         slots = 0 if sharded else grad_slots_for(precision, clip, cfg.parallel.compute_workers, hold)
         return cls(cfg.model, precision, cfg.memory.shm_dir, owner_pid, run_id, grad_slots=slots,
-                   peer_grads=peer_grads_for(cfg.experimental.grad_reduce, cfg.parallel.compute_workers), hold_grads=hold, resident=resident)
+                   peer_grads=peer_grads_for(cfg.experimental.grad_reduce, cfg.parallel.compute_workers),
+                   hold_grads=hold, resident=resident)
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
@@ -284,14 +285,14 @@ class HostStore:
             time.sleep(pause)
         return True
 
-    def resident_hold(self) -> int | None:
+    def checkpoint_copy(self) -> int | None:
         """The boundary whose checkpoint still reads the host copy of the resident units, or None."""
-        held = int(self.versions[self.words.hold])
+        held = int(self.versions[self.words.checkpoint_copy])
         return held - 1 if held else None
 
-    def set_resident_hold(self, step: int | None) -> None:
+    def set_checkpoint_copy(self, step: int | None) -> None:
         """Hold the resident units' host copy for the checkpoint of boundary ``step`` (None: release it)."""
-        self.versions[self.words.hold] = 0 if step is None else step + 1
+        self.versions[self.words.checkpoint_copy] = 0 if step is None else step + 1
 
     @property
     def separate_stream_copy(self) -> bool:
@@ -406,13 +407,13 @@ class ParameterStore:
 
         return checkpoint.load_into(self.store, directory)
 
-    def save_checkpoint(self, plan, step: int) -> str:
+    def save_checkpoint(self, checkpoints, step: int) -> str:
         """Write the store, which must be at the boundary after ``step`` updates, as a training
-        checkpoint of ``plan`` (a :class:`~megatrain_ray.io.checkpoint.CheckpointPlan`) through the run's
+        checkpoint of ``checkpoints`` (a :class:`~megatrain_ray.io.checkpoint.CheckpointSettings`) through the run's
         one writer, :class:`~megatrain_ray.io.writer.CheckpointWriter`; returns its path."""
         from ..io.writer import CheckpointWriter
 
-        return CheckpointWriter(self.store, plan).save(step)
+        return CheckpointWriter(self.store, checkpoints).save(step)
 
     def close(self) -> list[str]:
         """Remove this run's segments (idempotent)."""

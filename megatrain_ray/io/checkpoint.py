@@ -79,10 +79,10 @@ def step_dir_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# When and where: the plan a run hands to the gradient sink and the store actor.
+# When and where: the settings a run hands to the gradient sink and the store actor.
 
 @dataclass(frozen=True)
-class CheckpointPlan:
+class CheckpointSettings:
     """Where and when one run saves checkpoints (small and picklable: the sink and the store hold one)."""
 
     directory: str

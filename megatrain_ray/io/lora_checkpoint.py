@@ -28,7 +28,7 @@ import torch
 from ..config import LoraSection, ModelConfig
 from ..errors import CheckpointError, ConfigError
 from ..model.lora import AdapterLayout, peft_name
-from .checkpoint import (META_FILE, MODEL_INDEX, OPTIM_INDEX, CheckpointPlan, check_files, check_model, meta_checksum,
+from .checkpoint import (META_FILE, MODEL_INDEX, OPTIM_INDEX, CheckpointSettings, check_files, check_model, meta_checksum,
                          prune, read_meta, step_dir_name)
 from .files import TensorSource, atomic_dir, write_json, write_shards
 from .peft_io import ADAPTER_CONFIG, adapter_config
@@ -51,18 +51,18 @@ def _tensors(layout: AdapterLayout, states: AdapterStates, kinds: tuple[str, ...
             for name, view in template.bind(states[unit][kind]).items()]
 
 
-def save(plan: CheckpointPlan, step: int, cfg: ModelConfig, lora: LoraSection, states: AdapterStates) -> str:
+def save(checkpoints: CheckpointSettings, step: int, cfg: ModelConfig, lora: LoraSection, states: AdapterStates) -> str:
     """Write the checkpoint of boundary ``step`` (the adapters after ``step`` updates) into
-    ``plan.directory``, then prune to ``plan.keep``; returns its path (nothing is written if this
+    ``checkpoints.directory``, then prune to ``checkpoints.keep``; returns its path (nothing is written if this
     boundary was saved already)."""
     layout = AdapterLayout.build(cfg, lora)
-    final = os.path.join(plan.directory, step_dir_name(step))
+    final = os.path.join(checkpoints.directory, step_dir_name(step))
     if not os.path.isdir(final):
         model, optim = _tensors(layout, states, STATE_KINDS[:1]), _tensors(layout, states, STATE_KINDS[1:])
-        meta = step_meta(plan, step, dict.fromkeys(layout.units, step), cfg,
+        meta = step_meta(checkpoints, step, dict.fromkeys(layout.units, step), cfg,
                          {"master": "float32", "optim_state": "float32"})
         meta["lora"] = dataclasses.asdict(lora)
-        os.makedirs(plan.directory, exist_ok=True)
+        os.makedirs(checkpoints.directory, exist_ok=True)
         with atomic_dir(final, "the checkpoint", sum(t.nbytes for t in model + optim)) as tmp:
             records = {**write_shards(tmp, "model", MODEL_INDEX, model, 2**62)[1],
                        **write_shards(tmp, "optimizer", OPTIM_INDEX, optim, 2**62)[1]}
@@ -70,7 +70,7 @@ def save(plan: CheckpointPlan, step: int, cfg: ModelConfig, lora: LoraSection, s
             meta["files"] = {name: rec.to_dict() for name, rec in sorted(records.items())}
             meta["meta_crc32"] = meta_checksum(meta)
             write_json(os.path.join(tmp, META_FILE), meta)
-        prune(plan.directory, plan.keep)
+        prune(checkpoints.directory, checkpoints.keep)
     return final
 
 

@@ -3,7 +3,7 @@
 A training process holds its own run directory and, when it resumes, the run directory it resumes
 from, for as long as it lives: a second process that would train or resume the same run (and prune
 the checkpoint the other is reading, or write beside it) is refused in one sentence naming the
-first by its process id. The hold is an ``flock`` on the directory itself: no file is written, and
+first by its process id. The lock is an ``flock`` on the directory itself: no file is written, and
 it ends with the process however the process ends (``kill -9`` included), so none is ever stale.
 """
 
@@ -26,13 +26,13 @@ def run_of(path: str) -> str:
 
 
 def check(directory: str, doing: str) -> None:
-    """Refuse (as :func:`hold`) if another process holds ``directory``, holding nothing: said before a
+    """Refuse (as :func:`acquire`) if another process holds ``directory``, holding nothing: said before a
     checkpoint of a run that another process trains, and may be pruning, is read."""
     if os.path.isdir(directory):
-        release(hold(directory, doing))
+        release(acquire(directory, doing))
 
 
-def hold(directory: str, doing: str) -> int:
+def acquire(directory: str, doing: str) -> int:
     """Hold ``directory`` for this process (see the module docstring); returns the descriptor to pass
     to :func:`release`. ``doing``: what this process does with it, for the other's refusal."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)

@@ -59,7 +59,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.transformer import hf_name
-from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, SHARD_BYTES, CheckpointPlan,
+from .checkpoint import (FORMAT, FORMAT_VERSION, META_FILE, MODEL_INDEX, OPTIM_INDEX, SHARD_BYTES, CheckpointSettings,
                          latest, meta_checksum, prune, step_dir_name)
 from .files import TensorSource, fmt_bytes, free_bytes, fsync_dir, write_json, write_shards
 from .state_tensors import optim_entries, optim_state_name, optim_tensors_of, state_block, state_kinds
@@ -71,10 +71,10 @@ whole, by the thread that writes it."""
 
 
 class CheckpointWriter:
-    """Writes the checkpoints of one HostStore as ``plan`` says (see the module docstring)."""
+    """Writes the checkpoints of one HostStore as ``checkpoints`` says (see the module docstring)."""
 
-    def __init__(self, store, plan: CheckpointPlan, shard_bytes: int = SHARD_BYTES):
-        self.store, self.plan, self.shard_bytes = store, plan, shard_bytes
+    def __init__(self, store, checkpoints: CheckpointSettings, shard_bytes: int = SHARD_BYTES):
+        self.store, self.checkpoints, self.shard_bytes = store, checkpoints, shard_bytes
         self.kinds = {"model": ("master",), "optim": state_kinds(store)}
         """The store kinds of each group."""
         self._thread: threading.Thread | None = None
@@ -137,7 +137,7 @@ class CheckpointWriter:
         with self._lock:  # a writer thread reads a unit's group either from the store or from its copy, never both
             if (unit, group) in self._staged:
                 return True
-            if (unit, group) in self._started or self._staged_bytes + nbytes > self.plan.staging_bytes:
+            if (unit, group) in self._started or self._staged_bytes + nbytes > self.checkpoints.staging_bytes:
                 return False
             self._staged[unit, group] = {kind: state_block(self.store, kind, unit).clone()
                                          for kind in self.kinds[group]}
@@ -188,34 +188,34 @@ class CheckpointWriter:
             self._outcome["path"] = self._write(step, order, self._release)
         except BaseException as e:  # noqa: BLE001 (the sink raises it from poll/finish)
             self._outcome["error"] = e if isinstance(e, CheckpointError) else CheckpointError(
-                f"could not write the checkpoint of step {step} to {self.plan.directory} ({e}).")
+                f"could not write the checkpoint of step {step} to {self.checkpoints.directory} ({e}).")
         finally:
             for event in self._written.values():  # a failed write holds no unit back
                 event.set()
-            self._release_owned(step)
+            self._release_resident(step)
             self._outcome["done"] = time.time()
 
     def _release(self, unit: int, group: str) -> None:
         self._written[unit, group].set()
         resident = self.store.spec.resident
         if unit in resident and all(self._written[u, g].is_set() for u in resident for g in GROUPS):
-            self._release_owned(self._outcome["step"])
+            self._release_resident(self._outcome["step"])
 
-    def _release_owned(self, step: int) -> None:
+    def _release_resident(self, step: int) -> None:
         """Let the compute worker overwrite the copy of its units that it held for this write
-        (:mod:`megatrain_ray.engine.resident`); a hold for a later boundary is not this write's."""
-        if self.store.spec.resident and self.store.resident_hold() == step:
-            self.store.set_resident_hold(None)
+        (:mod:`megatrain_ray.engine.resident`); a checkpoint copy of a later boundary is not this write's."""
+        if self.store.spec.resident and self.store.checkpoint_copy() == step:
+            self.store.set_checkpoint_copy(None)
 
     # -- the store actor's side: in the foreground -------------------------------------------
 
     def save(self, step: int) -> str:
         """Write the boundary after ``step`` updates now and return its path, after waiting up to the
-        plan's ``wait_s`` for every unit to reach it (on an interrupt, the sink is still applying the
+        settings' ``wait_s`` for every unit to reach it (on an interrupt, the sink is still applying the
         steps in flight)."""
         store, units = self.store, range(len(self.store.layout.units))
         store.wait_until(lambda: all(store.state_version(i) >= step for i in units)
-                         or any(store.state_version(i) > step for i in units), self.plan.wait_s, pause=0.01)
+                         or any(store.state_version(i) > step for i in units), self.checkpoints.wait_s, pause=0.01)
         self._check_boundary(step)
         return self._write(step, list(units), lambda unit, group: None)
 
@@ -235,7 +235,7 @@ class CheckpointWriter:
         """Write the checkpoint (units' tensors in ``order``; ``release(unit, group)`` once the last byte
         of a unit's group of kinds is written and checksummed), rename it into place and prune; returns
         its path."""
-        root, plan, store = self.plan.directory, self.plan, self.store
+        root, checkpoints, store = self.checkpoints.directory, self.checkpoints, self.store
         final = os.path.join(root, step_dir_name(step))
         if os.path.isdir(final):  # this run saved the boundary already
             for unit in order:
@@ -303,25 +303,25 @@ class CheckpointWriter:
             with self._lock:
                 self._outcome["staged_bytes"] = self._staged_bytes
                 self._staged, self._staged_bytes = {}, 0
-        prune(root, plan.keep)
+        prune(root, checkpoints.keep)
         return final
 
     def _meta(self, step: int) -> dict:
         """meta.json of the boundary ``step`` (its ``files`` added once they are written)."""
         store = self.store
         spec, units = store.spec, store.layout.units
-        return step_meta(self.plan, step, {u: store.state_version(i) for i, u in enumerate(units)}, spec.model,
+        return step_meta(self.checkpoints, step, {u: store.state_version(i) for i, u in enumerate(units)}, spec.model,
                          {"master": str(spec.precision.master).removeprefix("torch."),
                           "optim_state": optim_state_name(store)})
 
 
-def step_meta(plan: CheckpointPlan, step: int, versions: dict[str, int], model, precision: dict) -> dict:
-    """meta.json of a checkpoint of ``plan``'s run at boundary ``step`` (its ``files`` added once they
+def step_meta(checkpoints: CheckpointSettings, step: int, versions: dict[str, int], model, precision: dict) -> dict:
+    """meta.json of a checkpoint of ``checkpoints``' run at boundary ``step`` (its ``files`` added once they
     are written): versions {unit: updates}, model (a ModelConfig), precision {master, optim_state}."""
-    run_config = plan.run_config
+    run_config = checkpoints.run_config
     train = run_config.get("train", {})
     sequences = train.get("micro_batch_size", 0) * train.get("num_micro_batches", 0)
-    data_state = dict(plan.data_state or {})
+    data_state = dict(checkpoints.data_state or {})
     order = data_state.pop("order", None)
     return {
         "format": FORMAT,
@@ -340,7 +340,7 @@ def step_meta(plan: CheckpointPlan, step: int, versions: dict[str, int], model, 
         "precision": precision,
         "model": model.to_hf_dict(),
         "config": run_config,
-        "run_id": plan.run_id,
+        "run_id": checkpoints.run_id,
         "saved_at": time.time(),
     }
 
@@ -349,12 +349,12 @@ def save(store, root: str, step: int, run_config: dict, run_id: str = "", data_s
          shard_bytes: int = SHARD_BYTES, wait_s: float = 0.0) -> str:
     """Write the store (a HostStore at boundary ``step``) to ``root``/step-NNNNNN now; returns its path.
 
-    A checkpoint outside any run's plan (tests, tools); nothing is pruned. If the directory exists
+    A checkpoint outside any run's settings (tests, tools); nothing is pruned. If the directory exists
     already (this boundary was saved), nothing is written.
     """
-    plan = CheckpointPlan(root, every=0, keep=0, run_config=run_config, run_id=run_id, data_state=data_state or {},
+    checkpoints = CheckpointSettings(root, every=0, keep=0, run_config=run_config, run_id=run_id, data_state=data_state or {},
                           wait_s=wait_s)
-    return CheckpointWriter(store, plan, shard_bytes).save(step)
+    return CheckpointWriter(store, checkpoints, shard_bytes).save(step)
 
 
 def checkpoint_bytes(store) -> int:

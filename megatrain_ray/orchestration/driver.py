@@ -76,9 +76,9 @@ class Driver:
 
     WINDOW = 2
 
-    def __init__(self, cfg: TrainConfig, roles: Roles, loops: dict, plan: checkpoint.CheckpointPlan | None,
+    def __init__(self, cfg: TrainConfig, roles: Roles, loops: dict, checkpoints: checkpoint.CheckpointSettings | None,
                  result: RunResult, metrics_file, gauges: RunMetrics, log, eval_ref=None, health=None):
-        self.cfg, self.roles, self.loops, self.plan = cfg, roles, loops, plan
+        self.cfg, self.roles, self.loops, self.checkpoints = cfg, roles, loops, checkpoints
         self.head = roles.head
         self.eval_ref = eval_ref
         self.health = health
@@ -147,9 +147,9 @@ class Driver:
             if self.cfg.lora.enabled:  # the adapters (PEFT's format) and the merged model, from the compute worker
                 _get(self.roles.computes[0].lora.remote("export", adapter_dir, r.final_dir, tokenizer,
                                                         self.cfg.train.init_from), "compute", self.timeout)
-            elif self.plan is not None and not self.plan.every:  # the weights on disk before the export
+            elif self.checkpoints is not None and not self.checkpoints.every:  # the weights on disk before the export
                 try:
-                    r.checkpoints.append(_get(self.head.store.save_checkpoint.remote(self.plan, self.steps), "store",
+                    r.checkpoints.append(_get(self.head.store.save_checkpoint.remote(self.checkpoints, self.steps), "store",
                                               self.timeout))
                     self.log(f"checkpoint: step {self.steps} saved to {r.checkpoints[-1]}")
                 except MegatrainError as e:  # it needs 3x the export's space: the export may still fit
@@ -162,8 +162,8 @@ class Driver:
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
-            resident = (sync_due(self.plan, step, self.start, self.steps),  # the resident units' copy (engine.resident)
-                     checkpoint_due(self.plan, step, self.start, self.steps))
+            resident = (sync_due(self.checkpoints, step, self.start, self.steps),  # the resident units' copy (engine.resident)
+                     checkpoint_due(self.checkpoints, step, self.start, self.steps))
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
                                                                          self.eval_ref if due and rank == 0 else None,
                                                                          *resident)
@@ -305,7 +305,7 @@ class Driver:
 
     def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
         """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
-        if self.plan is None:
+        if self.checkpoints is None:
             return None, "checkpoints are off"
         if self.cfg.parallel.sharded_optimizer:
             return None, ("with parallel.optimizer_sharding=sharded each node holds its own units' AdamW states, "
@@ -330,7 +330,7 @@ class Driver:
                 save = self.roles.computes[0].lora.remote("checkpoint", boundary)
             else:
                 _get(self.roles.computes[0].sync_resident.remote(), "compute", self.timeout)
-                save = self.head.store.save_checkpoint.remote(self.plan, boundary)
+                save = self.head.store.save_checkpoint.remote(self.checkpoints, boundary)
             while True:
                 ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)
                 if save in ready:

@@ -112,7 +112,7 @@ def train(cfg: TrainConfig, log=print, resume: str | None = None) -> RunResult:
     (:mod:`megatrain_ray.io.run_lock`): another process that would train or resume them is refused.
     Every line logged also goes to the run's log file (:mod:`megatrain_ray.orchestration.console`).
     """
-    held = run_lock.hold(run_lock.run_of(resume), "resuming") if resume is not None else None
+    held = run_lock.acquire(run_lock.run_of(resume), "resuming") if resume is not None else None
     try:
         with console.console(log) as out:
             return _train(cfg, out, resume)
@@ -147,7 +147,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
     trackers.check(cfg.train.loggers)  # a tracker's library missing: said before Ray starts
     # Installed before Ray (which sets its own SIGTERM handler), so SIGTERM unwinds like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    roles, spec, plan, lease, own = _Active(), None, None, None, None
+    roles, spec, checkpoints, lease, own = _Active(), None, None, None, None
     try:
         cluster.connect(cfg.cluster, log)
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -168,7 +168,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         if run_dir is None:
             run_dir = os.path.abspath(os.path.join(cfg.train.run_dir, run_id))
             os.makedirs(run_dir, exist_ok=True)
-            own = run_lock.hold(run_dir, "training")
+            own = run_lock.acquire(run_dir, "training")
             log.attach(run_dir)
             log(f"run {run_id}: config, metrics, log, checkpoints and weights go to {run_dir}")
             if branch:
@@ -180,7 +180,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
             _drop_rows(run_dir, start_step)  # steps past the checkpoint are trained again
         _write_run_config(run_dir, {**cfg.to_dict(), "device": device, "resolved": {"memory.resident": describe_resident(run.resident_layers)}},
                           resume, start_step, in_place)
-        plan = checkpoint.CheckpointPlan(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
+        checkpoints = checkpoint.CheckpointSettings(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
                                          cfg.train.keep_checkpoints, cfg.to_dict(), run_id,
                                          _data_state(source), wait_s=cfg.cluster.actor_timeout_s,
                                          staging_bytes=int(cfg.train.checkpoint_staging_gib * 2**30))
@@ -190,15 +190,15 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
                 log(schedule_note)
         if cfg.train.loggers:
             roles.trackers = Trackers(cfg.train.loggers, run_dir, run_id, {**cfg.to_dict(), "device": device}, log)
-        result = _attempts(run, spec, run_dir, roles, log, start_step, resume, plan, loader, val_batch)
+        result = _attempts(run, spec, run_dir, roles, log, start_step, resume, checkpoints, loader, val_batch)
         roles.status = "FINISHED"
         return result
     except KeyboardInterrupt:
         roles.status = "KILLED"
         raise
     except MegatrainError as e:
-        last = (plan and checkpoint.latest(plan.directory, missing_ok=True)) or resume
-        if last is None or plan is None or last in str(e):
+        last = (checkpoints and checkpoint.latest(checkpoints.directory, missing_ok=True)) or resume
+        if last is None or checkpoints is None or last in str(e):
             raise
         raise type(e)(f"{str(e).rstrip('.')}; the last good checkpoint is {last} "
                       f"({checkpoint.advice(last)}).") from None
@@ -216,7 +216,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
 
 
 def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: int,
-              resume: str | None, plan: checkpoint.CheckpointPlan, loader: tuple,
+              resume: str | None, checkpoints: checkpoint.CheckpointSettings, loader: tuple,
               val_batch: dict | None = None) -> RunResult:
     """Run the pipeline; when an actor dies, restart it (up to cluster.max_restarts times) from the
     newest checkpoint of the run, or from where the run began if there is none yet.
@@ -230,7 +230,7 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
                        start_step=start)
     for attempt in range(cfg.cluster.max_restarts + 1):
         try:
-            return _run(run, spec, run_dir, roles, log, loader, start, resume, plan, val_batch, result)
+            return _run(run, spec, run_dir, roles, log, loader, start, resume, checkpoints, val_batch, result)
         except PipelineError as failure:
             console.failed(log)  # Ray's reports of the failed attempt's unread calls: to the run's log only
             # A failure that followed from a death (a collective whose peer's node was lost, a fetch that a
@@ -245,7 +245,7 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
                 raise e from None
             roles.kill()
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
-            resume = checkpoint.latest(plan.directory, missing_ok=True) or resume
+            resume = checkpoint.latest(checkpoints.directory, missing_ok=True) or resume
             start = checkpoint.read_meta(resume)["step"] if resume else 0
             unreported = _rewind(result, start)
             spec = dataclasses.replace(spec, run_id=f"{base_id}-r{attempt + 1}")
@@ -327,7 +327,7 @@ def _raise_interrupt(signum, frame):
 
 
 def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tuple, start: int = 0,
-         resume: str | None = None, plan: checkpoint.CheckpointPlan | None = None,
+         resume: str | None = None, checkpoints: checkpoint.CheckpointSettings | None = None,
          val_batch: dict | None = None, result: RunResult | None = None) -> RunResult:
     """One attempt: spawn the roles of ``run`` (its store: ``spec``) and drive steps [start,
     train.steps); ``loader``: the run's data loader spec (:func:`~megatrain_ray.data.loader.run_data`);
@@ -338,7 +338,7 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
     timeout = cfg.cluster.actor_timeout_s
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
-    roles = spawn_roles(run, specs, spawner, resume, plan, loader)
+    roles = spawn_roles(run, specs, spawner, resume, checkpoints, loader)
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(cfg, roles, device, spawner.get, log)
@@ -369,4 +369,4 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
         result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
     gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes(), active.trackers, cfg.lora)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends (after _rewind)
-        return Driver(cfg, roles, loops, plan, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)
+        return Driver(cfg, roles, loops, checkpoints, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)

@@ -106,12 +106,12 @@ def node_resources(cfg: TrainConfig, device: str, node: int) -> list[dict[str, f
 
 
 def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
-                plan=None, loader: tuple[type, tuple] | None = None) -> Roles:
+                checkpoints=None, loader: tuple[type, tuple] | None = None) -> Roles:
     """Spawn the roles of every node (``specs``: one store per node) of ``run`` (a
     :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`, whose parts they are built from)
     through ``spawner``, wired by queues.
 
-    ``plan``: the checkpoint plan (the first node's sink writes it); ``loader``: (class, arguments)
+    ``checkpoints``: the checkpoint settings (the first node's sink writes it); ``loader``: (class, arguments)
     of the data-loader actors, or None where the driver reads batches itself.
     """
     cfg = run.config
@@ -137,10 +137,10 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
                 spec, run.schedule, depth, fetch_q, release_q, wait))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
                 spec, run.compute, fetch_q, grad_q, release_q, grad_slot_q,
-                **({"checkpoint": plan, "resume_from": resume} if cfg.lora.enabled else {})))
+                **({"checkpoint": checkpoints, "resume_from": resume} if cfg.lora.enabled else {})))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, run.sink, grad_q, stats_q, grad_slot_q,  # a LoRA run's checkpoints: the compute worker's
-            checkpoint=plan if (k == 0 or sharded) and not cfg.lora.enabled else None, writes_checkpoints=k == 0)
+            checkpoint=checkpoints if (k == 0 or sharded) and not cfg.lora.enabled else None, writes_checkpoints=k == 0)
         nodes.append(roles)
     loaders = []
     if loader is not None:
