@@ -59,7 +59,7 @@ def read_metrics(run_dir: str) -> list[dict]:
     ``step`` is the updates done, 1 after the first, as the log and the checkpoints count them), after
     those of the runs it resumed: a run resumed in place holds its whole history itself; one resumed
     into a directory of its own (from a checkpoint older than its run's newest, or into another
-    runtime.run_dir) names the checkpoint it began from in its config.json (``resumed_from``), and the
+    train.run_dir) names the checkpoint it began from in its config.json (``resumed_from``), and the
     steps before it are that run's rows (and so on back), so a plot shows the whole history."""
     rows = _read_rows(run_dir)
     seen = {os.path.realpath(run_dir)}
