@@ -20,6 +20,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from saved_bytes import saved_bytes
+
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
@@ -54,18 +56,7 @@ def test_kept_graph_bytes_match_what_autograd_saves(dtype, qk_norm):
     b, s = 2, 96
     x = torch.randn(b, s, cfg.hidden_size, dtype=dtype).requires_grad_(True)
     rope = M.rope_cache(cfg, s, torch.device("cpu"), dtype)
-    skip = {v.untyped_storage().data_ptr() for v in (*leaves.values(), *rope)}
-    saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}  # the leaf the backward needs
-
-    def pack(tensor):
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in skip:
-            saved[ptr] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        M.decoder_layer(leaves, x, rope, cfg)
-    assert sum(saved.values()) == b * s * kept_bytes_per_token(cfg, dtype.itemsize)
+    assert saved_bytes(M.decoder_layer, leaves, x, rope, cfg) == b * s * kept_bytes_per_token(cfg, dtype.itemsize)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -25,6 +25,7 @@ import torch
 pytest.importorskip("transformers")
 
 from artifacts import make_model, parity_run, read_tensors  # noqa: E402
+from saved_bytes import saved_bytes  # noqa: E402
 
 from megatrain_ray.engine.activations import sparse_kept_bytes_per_token  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
@@ -88,8 +89,8 @@ def test_idle_experts_send_no_gradient_and_are_not_fetched_again(ray_cluster, sh
 @pytest.mark.parametrize("shape", [{}, {"shared_expert_intermediate_size": 96}, {"num_experts_per_tok": 4}])
 def test_sparse_kept_graph_bytes_bound_what_autograd_saves(shape, dtype):
     """The planner's bytes per token of a sparse layer kept whole against what routed_layer's autograd
-    saves (saved-tensor hooks; the weights not counted, the input counted), eagerly on the CPU: never
-    less, at most 8% more (the normed input counted once more than it is held)."""
+    saves (tests/saved_bytes.py: counted as test_actplace counts a dense layer's), eagerly on the CPU:
+    never less, at most 8% more (the normed input counted once more than it is held)."""
     cfg = dataclasses.replace(preset_model("tiny-moe", 1), **shape)
     t = LayerTemplate.build(cfg, "layers.0")
     leaves = {k: v.detach().requires_grad_(True)
@@ -97,38 +98,39 @@ def test_sparse_kept_graph_bytes_bound_what_autograd_saves(shape, dtype):
     b, s = 2, 64
     x = torch.randn(b, s, cfg.hidden_size, dtype=dtype).requires_grad_(True)
     rope = M.rope_cache(cfg, s, torch.device("cpu"), dtype)
-    skip = {v.untyped_storage().data_ptr() for v in leaves.values()}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in skip:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        M.routed_layer(leaves, x, rope, cfg)
-    held = sum(saved.values()) / (b * s)
+    held = saved_bytes(lambda *args: M.routed_layer(*args)[0], leaves, x, rope, cfg) / (b * s)
     assert held <= sparse_kept_bytes_per_token(cfg, dtype.itemsize) <= 1.08 * held
 
 
-def test_sparse_layers_kept_whole_train_as_recomputed(ray_cluster, shm_dir, tmp_path):
-    """Every layer of a Qwen3-MoE (dense and sparse, the load-balancing loss on) kept whole, against
-    every layer recomputed: the same function on the same values, so the same losses and final
-    weights bit for bit, idle experts included."""
+PLACEMENTS = {"keep": ((), ("keep",) * 3), "recompute": ((), ("gpu",) * 3),
+              "counts": (("memory.spanned_layers=2",), ("gpu", "span", "span"))}
+
+
+def test_sparse_layers_train_alike_kept_recomputed_or_in_a_span(ray_cluster, shm_dir, tmp_path):
+    """Every layer of a Qwen3-MoE (dense and sparse, the load-balancing loss on) kept whole, every
+    layer recomputed, and every layer but the first in a recompute span (a sparse layer's forward
+    run again from weights fetched after the routing, without its idle experts): the same function
+    on the same values, so the same losses and final weights bit for bit, idle experts included."""
     make_model("qwen3_moe", num_experts=16, output_router_logits=True, router_aux_loss_coef=0.05).save_pretrained(
         tmp_path / "init")
     results = {}
-    for placement in ("keep", "recompute"):
+    for placement, (extra, modes) in PLACEMENTS.items():
         cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, 2), "train.seq_len=8", "train.micro_batch_size=1",
                                        "train.num_micro_batches=2", f"memory.activations={placement}",
-                                       f"train.run_dir={tmp_path / placement}"])
+                                       *extra, f"train.run_dir={tmp_path / placement}"])
         assert cfg.model.output_router_logits and cfg.model.sparse_layers == (0, 2)
-        assert activation_placement(cfg, "cpu", None) == (("keep",) * 3 if placement == "keep" else ("gpu",) * 3)
+        assert activation_placement(cfg, "cpu", None) == modes
         result = train(cfg, log=lambda line: None)
         rows = [json.loads(line) for line in open(tmp_path / placement / result.run_id / "metrics.jsonl")]
-        results[placement] = (result.losses, [r["expert_tokens"] for r in rows],
+        results[placement] = (result.losses, [r["expert_tokens"] for r in rows], [r["expert_refetches"] for r in rows],
                               read_tensors(tmp_path / placement / result.run_id / "final"))
-    (kept_losses, kept_routed, kept), (losses, routed, weights) = results["keep"], results["recompute"]
-    assert kept_losses == losses and kept_routed == routed
+    losses, routed, refetches, weights = results["recompute"]
     assert any(n == 0 for step in routed for layer in step for n in layer)
-    assert set(kept) == set(weights) and all(torch.equal(kept[k], weights[k]) for k in weights)
+    assert [[[n > 0 for n in layer] for layer in step] for step in routed] == refetches
+    assert results["keep"][2] == refetches  # a kept layer's weights still come for its backward, routed
+    # in the span: sparse layer 0 is fetched again for the span's forward and for its backward, layer 2 once
+    assert results["counts"][2] == [[[2 * n for n in step[0]], step[1]] for step in refetches]
+    for placement in ("keep", "counts"):
+        got_losses, got_routed, _, got = results[placement]
+        assert got_losses == losses and got_routed == routed, placement
+        assert set(got) == set(weights) and all(torch.equal(got[k], weights[k]) for k in weights), placement
