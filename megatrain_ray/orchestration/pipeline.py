@@ -204,8 +204,8 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
                       f"({checkpoint.advice(last)}).") from None
     finally:
         roles.kill()
-        if plan is not None:  # a save its writer was still busy with when the roles went (after an interrupt's)
-            checkpoint.remove_unfinished(plan.directory)
+        if checkpoints is not None:  # a save its writer was still busy with when the roles went (after an interrupt's)
+            checkpoint.remove_unfinished(checkpoints.directory)
         roles.close_trackers()
         if spec is not None:
             shm.remove_run(spec.shm_dir, spec.owner_pid, spec.run_id)
