@@ -169,7 +169,8 @@ def test_a_lost_node_of_two_restarts_the_run_on_its_replacement(shm_dir, tmp_pat
     ours = [line for line in terminal[first:] if line in result["lines"]]
     others = [line for line in terminal[first:] if line not in result["lines"]]
     assert not others, "\n".join(others)[-3000:]
-    assert [line for line in ours if " died (" in line or line.startswith(("restart", "error", "warning"))] == [restart]
+    # (a "warning:" line of ours may follow it: the steps the restart kept whose stats were lost)
+    assert [line for line in ours if " died (" in line or line.startswith(("restart", "error"))] == [restart]
     log = open(os.path.join(result["run_dir"], "train.log")).read()
     assert "(pid=raylet)" in log, log[-3000:]
     assert os.listdir(shm_dir) == []
