@@ -1,4 +1,4 @@
-"""Convergence on real text: megatrain_ray (bf16 and fp32 gradients) against a GPU-resident PyTorch run.
+r"""Convergence on real text: megatrain_ray (bf16 and fp32 gradients) against a GPU-resident PyTorch run.
 
 The corpus is text that ships with the installed Python packages (licences, READMEs, docs, then
 source files up to ``--corpus-mb``), so it exists offline on any machine; a byte-level BPE is

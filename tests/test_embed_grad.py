@@ -116,7 +116,7 @@ def test_the_same_bits_on_every_run_on_the_gpu():
 
 @cuda
 def test_three_steps_resume_three_steps_equal_six_straight_on_the_gpu(ray_cluster, shm_dir, tmp_path):
-    """Issue 14: on the GPU, 3 steps + checkpoint + resume + 3 steps give the weights, AdamW states,
+    """On the GPU, 3 steps + checkpoint + resume + 3 steps give the weights, AdamW states,
     losses and grad norms of 6 straight steps, bit for bit (the embedding gradient was the one tensor
     that differed, by 3.6e-8, while it was summed with atomics)."""
     from megatrain_ray.config import load_config

@@ -1,4 +1,4 @@
-"""Faults noticed in seconds and reported right (issue 14), with real signals to real processes.
+"""Faults noticed in seconds and reported right, with real signals to real processes.
 
 - A role that dies mid-step — here the parameter store, which has no call in flight and went
   unnoticed until the final export — is noticed within a second or two by the health checks, and
