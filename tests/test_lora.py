@@ -23,7 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from artifacts import make_model  # noqa: E402
+from artifacts import make_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import LORA_TARGETS, LoraSection, load_config  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
@@ -55,7 +55,8 @@ def test_lora_section_defaults_are_peft_and_off():
 @pytest.mark.parametrize("override,key", [
     ("lora.rank=-1", "lora.rank"),
     ("lora.alpha=0", "lora.alpha"),
-    ("lora.dropout=0.1", "lora.dropout"),
+    ("lora.dropout=1", "lora.dropout"),
+    ("lora.dropout=-0.1", "lora.dropout"),
     ("lora.target_modules=q_proj,qkv", "lora.target_modules"),
     ("lora.target_modules=[]", "lora.target_modules"),
     ("lora.target_modules=q_proj,q_proj", "lora.target_modules"),
@@ -199,7 +200,9 @@ def test_adapter_directory_loads_with_peft(arch, full, tmp_path):
                for n in peft_io.full_names(cfg, lora)}
     assert len(trained) == len(full)
     summary = peft_io.save_adapters(str(tmp_path / "adapter"), cfg, lora, adapters, trained, str(tmp_path / "base"))
-    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    # the base's generation_config.json beside them (transformers' save_pretrained wrote one)
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors",
+                                                        "generation_config.json"]
     tied = lora.train_embedding and cfg.tie_word_embeddings  # saved under the head's key too, as peft does
     assert summary["tensors"] == 2 * 2 * len(lora.target_modules) + len(trained) + tied
 
@@ -233,6 +236,53 @@ def test_adapter_directory_loads_with_peft(arch, full, tmp_path):
     for key, value in reference.state_dict().items():
         if key in merged.state_dict():
             torch.testing.assert_close(merged.state_dict()[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_exported_lora_models_stop_generating_at_the_chat_end_of_turn(tmp_path):
+    """A base whose generation_config.json names only <|endoftext|> (as Qwen's bases do) and a run
+    whose tokenizer's chat template ends a turn with <|im_end|>: the merged model's
+    generation_config.json and the adapter directory's name both, so greedy ``generate`` stops after
+    the <|im_end|> this base always predicts (its layers add nothing to the embedding, every row of
+    which is the LM head's <|im_end|> row), where the base's own configuration runs on to the limit."""
+    hf_tok = save_tokenizer(tmp_path / "tok")
+    endoftext, im_end = hf_tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    base = make_model("llama2", vocab_size=len(hf_tok))
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+                p.zero_()
+            elif name.endswith("norm.weight") or "embed_tokens" in name:
+                p.fill_(1.0)
+        base.lm_head.weight[im_end] = 1.0
+    base.save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "generation_config.json").write_text(json.dumps({"eos_token_id": endoftext}))
+    cfg = hf_io.read_config(str(tmp_path / "base"))[0]
+    lora = LoraSection(rank=4, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+    layout = AdapterLayout.build(cfg, lora)
+    adapters = {u: layout.init(u, seed=0) for u in layout.units}  # B = 0: the base's predictions
+    mapping = hf_io.check_weights(cfg, str(tmp_path / "base"), "the test model")
+    peft_io.save_merged(str(tmp_path / "merged"), cfg, lora, adapters,
+                        lambda unit, name: hf_io.read_unit(str(tmp_path / "base"), mapping, cfg, unit)[name],
+                        torch.float32, source=str(tmp_path / "base"), tokenizer=str(tmp_path / "tok"))
+    peft_io.save_adapters(str(tmp_path / "adapter"), cfg, lora, adapters, base_model=str(tmp_path / "base"),
+                          tokenizer=str(tmp_path / "tok"))
+
+    text = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = torch.tensor([hf_tok(text, add_special_tokens=False)["input_ids"]])
+    limit = 8
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "adapter")
+    assert generation.eos_token_id == [endoftext, im_end]
+    runs = {"merged": (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), None),
+            "adapter": (peft.PeftModel.from_pretrained(
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(tmp_path / "adapter")),
+                generation)}
+    for what, (model, config) in runs.items():
+        out = model.eval().generate(prompt, generation_config=config, max_new_tokens=limit, do_sample=False,
+                                    pad_token_id=endoftext)
+        assert out[0, prompt.shape[1]:].tolist() == [im_end], what
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    out = plain.generate(prompt, max_new_tokens=limit, do_sample=False, pad_token_id=endoftext)
+    assert out[0, prompt.shape[1]:].tolist() == [im_end] * limit  # the base's own configuration does not stop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,3 +319,21 @@ def test_plan_of_a_lora_run_counts_a_frozen_base_and_the_adapters_on_the_gpu(cap
     six, palm = flops.lora_flops(cfg.model, cfg.lora, 1024, 65536)
     assert six == (4 * n + 6 * adapters) * 65536 and palm < flops.palm_model_flops(cfg.model, 1024, 65536)
     assert f"6NT: {six / 1e15:.1f} PFLOP" in out
+
+
+def test_plan_counts_the_embedding_and_head_trained_in_full_on_the_gpu(capsys):
+    """lora.train_embedding / train_head: the plan's GPU rows hold each matrix trained in full with its
+    fp32 master, moments and gradient and a bf16 copy (18 B per parameter), and the resolved run
+    keeps both on the device (neither fetched), every other unit frozen."""
+    from megatrain_ray import cli
+    from megatrain_ray.orchestration import preflight
+
+    sets = ["lora.rank=8", "lora.train_embedding=true", "lora.train_head=true", "train.seq_len=128"]
+    capsys.readouterr()
+    cli.main(["plan", "--device", "cuda", "--gpu-memory", "80", *sum((["--set", s] for s in sets), [])])
+    out = capsys.readouterr().out
+    cfg = load_config(None, sets).model
+    (row,) = [line for line in out.splitlines() if line.startswith("embed and head trained in full")]
+    assert row.endswith(preflight.fmt(2 * cfg.vocab_size * cfg.hidden_size * 18))
+    assert "resident on the device: embed, head" in out
+    assert "weights resident, gradient device, optimizer device" in out

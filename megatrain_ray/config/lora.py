@@ -30,9 +30,10 @@ class LoraSection:
     use_rslora: bool = False
     """Rank-stabilised scaling, alpha / sqrt(rank), as PEFT's ``use_rslora``."""
     dropout: float = 0.0
-    """PEFT's ``lora_dropout``: dropout on the adapter's input during training. Only 0 is supported:
-    a mask drawn in the forward would have to be drawn again, identically, by the backward's
-    recompute and on resume."""
+    """PEFT's ``lora_dropout``: the probability that an element of an adapter's input is zeroed during
+    training (the rest scaled by 1 / (1 - p)), in [0, 1). Each mask is a function of train.seed, the
+    step, the micro-batch and the projection, so the backward's recompute and a resumed run draw
+    the same one (megatrain_ray.model.lora)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
     """The linear layers of each decoder layer that get an adapter, by Hugging Face name (any of
     q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), as a list or comma-separated."""
@@ -60,8 +61,7 @@ class LoraSection:
     def validate(self) -> None:
         _require(self.rank >= 0, "lora.rank", f"must be >= 0 (0 = no adapters), got {self.rank}")
         _require(math.isfinite(self.alpha) and self.alpha > 0, "lora.alpha", f"must be positive, got {self.alpha}")
-        _require(self.dropout == 0.0, "lora.dropout",
-                 f"must be 0 (dropout on the adapters' input is not supported yet), got {self.dropout}")
+        _require(0.0 <= self.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
         targets = self.target_modules
         _require(len(targets) > 0, "lora.target_modules", f"must name at least one of {', '.join(LORA_TARGETS)}")
         unknown = [t for t in targets if t not in LORA_TARGETS]

@@ -305,9 +305,6 @@ class TrainConfig:
     def _validate_lora(self, workers: int) -> None:
         """What a LoRA run (lora.rank > 0) does not combine with yet, each named by its key."""
         rank = self.lora.rank
-        _require(not (self.lora.train_embedding or self.lora.train_head),
-                 "lora.train_embedding" if self.lora.train_embedding else "lora.train_head",
-                 f"is not trained yet with adapters (lora.rank {rank}); set it to false")
         _require(workers == 1, "parallel.compute_workers",
                  f"must be 1 in the whole run with lora.rank {rank} (got {self.parallel.compute_workers} x "
                  f"{self.parallel.nodes}): the adapters live on one compute worker's device")

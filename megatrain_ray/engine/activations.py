@@ -197,7 +197,8 @@ def graph_backward(leaves: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Te
 
 
 def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Tensor], contexts: list[tuple],
-                       cfg, adapters: dict[str, torch.Tensor] | None = None, frozen: bool = False) -> KeptGraph:
+                       cfg, adapters: dict[str, torch.Tensor] | None = None, frozen: bool = False,
+                       dropout=None) -> KeptGraph:
     """One layer's forward for every micro-batch (xs: M x [B, S, H]) with its graph kept for the backward.
 
     flat: the layer's weights in their slot, copied first, since the slot is reused before the
@@ -206,7 +207,8 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
     recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
     contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`. adapters: a
     LoRA run's adapters of the layer (resident, not copied), leaves that train; frozen: the layer's
-    own weights do not (its policy), so the graph's backward computes no gradient for them.
+    own weights do not (its policy), so the graph's backward computes no gradient for them; dropout:
+    micro-batch m's adapter dropout masks, or None.
     """
     weights = flat.clone()
     leaves = {name: w.detach().requires_grad_(not frozen) for name, w in template.bind(weights, fused=True).items()}
@@ -214,7 +216,8 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
                    for name, w in (adapters or {}).items()})
     inputs = [x.detach().requires_grad_(True) for x in xs]
     with torch.enable_grad():
-        outputs = [layer_fn(leaves, x, rope, cfg, mask) for x, (rope, mask) in zip(inputs, contexts)]
+        outputs = [layer_fn(leaves if dropout is None else {**leaves, **dropout(m)}, x, rope, cfg, mask)
+                   for m, (x, (rope, mask)) in enumerate(zip(inputs, contexts))]
     return KeptGraph(weights, leaves, inputs, outputs)
 
 

@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from ..config import OptimConfig
 from ..errors import PipelineError
 from ..io import lora_checkpoint, peft_io
-from ..model.lora import AdapterLayout
-from ..model.transformer import Params
+from ..model.lora import AdapterLayout, dropout_masks
+from ..model.transformer import Params, hf_name
 from .optim import AdamWRunner, clip_coefficient
 from .resident import DeviceAdamW
+
+
+class _Templates(NamedTuple):
+    """The templates of what the adapters' optimizer updates, by its index (as a layout's)."""
+
+    templates: tuple
 
 
 class DeviceAdapters:
@@ -40,20 +48,31 @@ class DeviceAdapters:
         initialisation; plan: the run's
         :class:`~megatrain_ray.io.checkpoint.CheckpointSettings` (None: no checkpoints); resume_from: a LoRA
         checkpoint whose state the adapters take instead (:meth:`resume`)."""
-        self.store, self.cfg, self.lora = store, store.spec.model, store.spec.lora
+        self.store, self.cfg, self.lora, self.seed = store, store.spec.model, store.spec.lora, seed
         cfg, lora, compute_dtype = self.cfg, self.lora, store.spec.precision.compute
         self.layout = AdapterLayout.build(cfg, lora)
         self.optim, self.total_steps = optim, total_steps
         self.runner = AdamWRunner(threads) if device.type == "cpu" else None
         self.state: dict[str, dict[str, torch.Tensor]] = {}
-        """unit -> master, exp_avg, exp_avg_sq ([numel] fp32) and weights (the master in the compute dtype)."""
-        for unit in self.layout.units:
-            master = self.layout.init(unit, seed).to(device)
+        """unit -> master, exp_avg, exp_avg_sq ([numel] fp32) and weights (the master in the compute dtype)
+        of its adapters, or of its matrix trained in full (``weights``: that matrix in :attr:`blocks`)."""
+        self.blocks: dict[int, torch.Tensor] = {}
+        """The units trained in full, by their index in the store: each one's block on the device in the
+        compute dtype (the frozen head's norm beside its trained LM head), which the forward reads."""
+        for unit, template in self.layout.trained:
+            if unit in self.layout.units:
+                master = self.layout.init(unit, seed).to(device)
+                weights = master if compute_dtype == torch.float32 else master.to(compute_dtype)
+            else:  # a base matrix trained in full, starting from the base's (PEFT's modules_to_save)
+                index = store.layout.units.index(unit)
+                self.blocks[index] = store.block("stream", index).to(device, copy=True)
+                (name, _, _), = template.params
+                weights = store.layout.templates[index].bind(self.blocks[index])[name].view(-1)
+                master = weights.float()  # the matrix itself where the compute dtype is fp32
             self.state[unit] = {"master": master, "exp_avg": torch.zeros_like(master),
-                                "exp_avg_sq": torch.zeros_like(master),
-                                "weights": master if compute_dtype == torch.float32 else master.to(compute_dtype)}
-        self.optimizer = DeviceAdamW({i: self.state[u] for i, u in enumerate(self.layout.units)}, self.runner, optim,
-                                     total_steps, self.layout)
+                                "exp_avg_sq": torch.zeros_like(master), "weights": weights}
+        self.optimizer = DeviceAdamW({i: self.state[u] for i, (u, _) in enumerate(self.layout.trained)}, self.runner,
+                                     optim, total_steps, _Templates(tuple(t for _, t in self.layout.trained)))
         """The device units' optimizer protocol (:class:`~megatrain_ray.engine.resident.DeviceAdamW`), by index."""
         self.grads: dict[str, torch.Tensor] = {}
         """unit -> this step's gradient [numel] fp32, accumulated over the micro-batches, until the update."""
@@ -65,13 +84,33 @@ class DeviceAdapters:
 
     def params(self, unit: str) -> Params:
         """``unit``'s adapters in the compute dtype, to bind beside its base weights; {} for a unit without."""
-        if unit not in self.state:
+        if unit not in self.layout.units:
             return {}
         return self.layout.bind(unit, self.state[unit]["weights"])
 
+    def weights(self, index: int) -> torch.Tensor:
+        """The flat weights [numel] of store unit ``index``, trained in full here (one of :attr:`blocks`)."""
+        return self.blocks[index]
+
+    def hold(self, index: int, grad: torch.Tensor) -> None:
+        """Store unit ``index``'s gradient of this step ([numel] fp32, a unit of :attr:`blocks`): its
+        trained matrix's part is updated at the end of the step."""
+        unit = self.store.layout.units[index]
+        (name, _, _), = self.layout.full[[t.unit for t in self.layout.full].index(unit)].params
+        self.grads[unit] = self.store.layout.templates[index].bind(grad)[name].view(-1)
+
+    def dropout(self, unit: str, step: int, rows: tuple[int, int]) -> Callable[[int], Params] | None:
+        """The dropout masks of ``unit``'s adapters for training micro-batch m of step ``step`` (of
+        ``rows`` = (B, S) tokens), as a function of m (:func:`~megatrain_ray.model.lora.dropout_masks`);
+        None without dropout or adapters."""
+        if not self.lora.dropout or unit not in self.layout.units:
+            return None
+        device, dtype = self.state[unit]["weights"].device, self.state[unit]["weights"].dtype
+        return lambda m: dropout_masks(self.layout, unit, self.lora.dropout, self.seed, step, m, rows, device, dtype)
+
     def grad(self, unit: str) -> Params:
         """Views of ``unit``'s fp32 gradient buffer (zeroed at its first use in a step), by adapter name."""
-        if unit not in self.state:
+        if unit not in self.layout.units:
             return {}
         if unit not in self.grads:
             self.grads[unit] = torch.zeros_like(self.state[unit]["master"])
@@ -95,7 +134,7 @@ class DeviceAdapters:
         if self.version != step:
             raise PipelineError(f"the adapters have {self.version} updates but step {step} updates them.")
         coef = clip_coefficient(norm, self.optim.max_grad_norm)
-        for i, unit in enumerate(self.layout.units):
+        for i, (unit, _) in enumerate(self.layout.trained):
             if unit not in grads:
                 raise PipelineError(f"the adapters of {unit} got no gradient in step {step}.")
             self.optimizer.update(i, grads[unit], coef, step)  # the gradient: fp32, scaled in place
@@ -134,12 +173,14 @@ class DeviceAdapters:
         """Write the adapters as a PEFT adapter directory, and (``merged_dir``) the store's base with
         them merged in as an HF model directory; ``source``: the base's directory."""
         store, masters = self.store, self.masters()
-        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, base_model=source)
+        full = {hf_name(t.unit, name): masters[t.unit].view(shape) for t in self.layout.full
+                for name, shape, _ in t.params}  # the matrices trained in full, by HF name
+        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, full, base_model=source, tokenizer=tokenizer)
         if merged_dir is not None:
             units = store.layout.units
             peft_io.save_merged(merged_dir, self.cfg, self.lora, masters,
                                 lambda unit, name: store.params("master", units.index(unit))[name],
-                                store.spec.precision.master, source=source, tokenizer=tokenizer)
+                                store.spec.precision.master, full, source=source, tokenizer=tokenizer)
 
     def close(self) -> None:
         if self.runner is not None:

@@ -194,6 +194,8 @@ class ComputeWorker(GroupMember):
                     pass
                 raise PipelineError(self.resident.diverged)  # then say what it says
             return None, weights
+        if self.adapters is not None and unit in self.adapters.blocks:  # a LoRA run's, trained in full here
+            return None, self.adapters.weights(unit)
         waited = time.time()
         try:
             item, = wait_while_moving(lambda t: (self._arrived.get(timeout=t),), self.fetch_q, self.timeout_s)
@@ -294,7 +296,7 @@ class ComputeWorker(GroupMember):
             es = [] if evaluation is None else [embed(template.bind(flat), e) for e in evaluation.ids]
         self._release(ticket)
         for unit in self.layout.layers:
-            ticket, w = self._weights(unit, step)
+            ticket, w = self._weights(unit, step, s)
             layer = self.passes[unit.layer]
             with self.backend.compute(unit.name):
                 ys = layer.forward(s, unit.layer, w, xs)
@@ -313,7 +315,7 @@ class ComputeWorker(GroupMember):
         for unit in reversed(self.layout.layers):
             if acts.span_of(unit.layer) is not None:  # a recompute span's last layer: its inputs come back first
                 self._span_forward(step, s, *acts.span_of(unit.layer))
-            ticket, w = self._weights(unit, step)
+            ticket, w = self._weights(unit, step, s)
             inputs = acts.take(unit.layer)
             acts.prefetch(acts.source(unit.layer - 1))  # the next backward's checkpoint comes in while this one computes
             with self.backend.compute(unit.name + " bwd"):
@@ -340,18 +342,19 @@ class ComputeWorker(GroupMember):
         xs = self.activations.take(first)
         self.activations.set_inputs(first, xs)
         for unit in [u for u in self.layout.layers if first <= u.layer < last]:
-            ticket, w = self._weights(unit, step)
+            ticket, w = self._weights(unit, step, s)
             with self.backend.compute(unit.name + " span fwd"):
                 xs = self.passes[unit.layer].again(s, w, xs)
             self._release(ticket)
             self.activations.set_inputs(unit.layer + 1, xs)
 
-    def _weights(self, unit: Unit, step: int) -> tuple[FetchTicket | None, LayerWeights]:
-        """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters
-        and whether its own weights are frozen (its policy)."""
+    def _weights(self, unit: Unit, step: int, s: StepLayers) -> tuple[FetchTicket | None, LayerWeights]:
+        """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters,
+        whether its own weights are frozen (its policy) and its adapters' dropout in this step."""
         ticket, flat = self._take(unit.index, step)
+        dropout = self.adapters.dropout(unit.name, step, tuple(s.mb.ids.shape[1:])) if self.adapters else None
         return ticket, LayerWeights(self.layout.templates[unit.index], flat, self._adapters(unit.name),
-                                    not self.policies[unit.index].trains)
+                                    not self.policies[unit.index].trains, dropout)
 
     def _weight_grad(self, unit: int) -> torch.Tensor | None:
         """A zeroed fp32 gradient buffer [numel] for ``unit``'s weights, or None for a unit that does
@@ -404,10 +407,11 @@ class ComputeWorker(GroupMember):
             ticket_e, flat_e = self._take(self.layout.embed.index, step)
             tickets.append(ticket_e)
             we = flat_e
+        trains = self.policies[unit].trains  # a LoRA run's head trained in full: its LM head alone, not its norm
         with self.backend.compute("head"):
-            loss, dxs, head_grad = head_forward_backward(self.cfg, self.layout, self.chunk, wh, we, hidden,
-                                                         labels, n_tokens, embed_grad, self.head_loss_fn,
-                                                         frozen=not self.policies[unit].trains)
+            loss, dxs, head_grad = head_forward_backward(
+                self.cfg, self.layout, self.chunk, wh, we, hidden, labels, n_tokens, embed_grad, self.head_loss_fn,
+                train_norm=trains and self.adapters is None, train_w=trains or (tied and embed_grad is not None))
             val_loss = None if evaluation is None else head_loss(self.cfg, self.layout, self.chunk,
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:

@@ -78,6 +78,9 @@ class GradOut:
         gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
         if grad is None:
             return self.send_norm(unit, step, self.adapters.sq_norm(self.layout.units[unit]))
+        if self.adapters is not None:  # a unit a LoRA run trains in full: held on the device with the adapters
+            self.adapters.hold(unit, grad)
+            return self.send_norm(unit, step, self.adapters.sq_norm(self.layout.units[unit]))
         if unit in self.frozen:
             return
         if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)

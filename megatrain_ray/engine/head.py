@@ -37,7 +37,7 @@ def chunk_loss_sum(norm_weight: torch.Tensor, w: torch.Tensor, x: torch.Tensor, 
 
 def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.Tensor | None,
                           hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int, embed_grad: torch.Tensor,
-                          loss_fn: Callable = chunk_loss_sum, frozen: bool = False
+                          loss_fn: Callable = chunk_loss_sum, train_norm: bool = True, train_w: bool = True
                           ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
     """Loss and gradients of the head for the step's micro-batches.
 
@@ -46,8 +46,10 @@ def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.T
     M x [B, S, H]; labels: [M, B, S]; n_tokens: the step's counted tokens (the loss is their mean);
     loss_fn: :func:`chunk_loss_sum` or its compiled form. Returns (loss, M x [B, S, H] input
     gradients, the head's fp32 gradient [numel]); with tied embeddings the LM-head part is added
-    into ``embed_grad`` [V*H] fp32. ``frozen`` (a LoRA run's head): input gradients only, no weight
-    gradient computed (the [V, H] GEMM of each chunk skipped), None for the head's.
+    into ``embed_grad`` [V*H] fp32. ``train_norm``, ``train_w``: whether the final norm's weight and
+    the LM-head matrix train (a LoRA run's: neither, or the matrix alone); one that does not gets no
+    gradient computed (the [V, H] GEMM of each chunk skipped for the matrix), and the head's gradient
+    is None where none of its own tensors trains.
 
     The autograd leaves are the parameters' views (the norm weight, the [V, H] matrix), not the flat
     buffers: the gradient of a view of a flat leaf is a zero-filled [numel] tensor per view and chunk
@@ -57,13 +59,14 @@ def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.T
     tied = we is not None
     embed = embed_t.bind(we.detach()) if tied else None
     head = head_t.bind(wh.detach())
-    norm_w = head["norm.weight"].requires_grad_(not frozen)
-    w = lm_head_weight(head, embed).requires_grad_(not frozen)
-    head_grad = None if frozen else torch.zeros(head_t.numel, dtype=torch.float32, device=wh.device)
-    if not frozen:
-        grads = head_t.bind(head_grad)
-        norm_grad = grads["norm.weight"]
-        w_grad = lm_head_weight(grads, embed_t.bind(embed_grad) if tied else None)
+    norm_w = head["norm.weight"].requires_grad_(train_norm)
+    w = lm_head_weight(head, embed).requires_grad_(train_w)
+    own = train_norm or (train_w and not tied)
+    head_grad = torch.zeros(head_t.numel, dtype=torch.float32, device=wh.device) if own else None
+    grads = {} if head_grad is None else head_t.bind(head_grad)
+    norm_grad = grads["norm.weight"] if train_norm else None
+    w_grad = lm_head_weight(grads, embed_t.bind(embed_grad) if tied else None) if train_w else None
+    trained = [(t, g) for t, g in ((norm_w, norm_grad), (w, w_grad)) if g is not None]  # leaf, its fp32 sum
     loss = torch.zeros((), dtype=torch.float32, device=wh.device)
     dxs = []
     for m, x in enumerate(hidden):
@@ -74,12 +77,9 @@ def head_forward_backward(cfg, layout, chunk: int, wh: torch.Tensor, we: torch.T
             xc = flat_x[s:s + chunk].requires_grad_(True)
             with torch.enable_grad():
                 part = loss_fn(norm_w, w, xc, flat_labels[s:s + chunk], cfg) / n_tokens
-            if frozen:
-                dx[s:s + chunk], = torch.autograd.grad(part, (xc,))
-            else:
-                dx[s:s + chunk], gn, gw = torch.autograd.grad(part, (xc, norm_w, w))
-                norm_grad += gn
-                w_grad += gw
+            dx[s:s + chunk], *gs = torch.autograd.grad(part, (xc, *(t for t, _ in trained)))
+            for (_, total), g in zip(trained, gs):
+                total += g
             loss += part.detach()
         dxs.append(dx.view_as(x))
     return loss, dxs, head_grad

@@ -18,6 +18,7 @@ The compute worker's loops ask each layer's pass, never the placement or the lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,18 +34,25 @@ from .sequence import LayerRunner, MicroBatches, layer_backward, routed_backward
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights for a call: its template, its flat weights in their device slot,
-    its adapters (a LoRA run's, resident; {} without) and whether its own weights are frozen (its
-    unit's policy trains none: no gradient is computed for them)."""
+    its adapters (a LoRA run's, resident; {} without), whether its own weights are frozen (its
+    unit's policy trains none: no gradient is computed for them), and the adapters' dropout masks of
+    a training micro-batch (None: no dropout; see :func:`~megatrain_ray.model.lora.dropout_masks`)."""
 
     template: Any
     flat: torch.Tensor
     adapters: dict[str, torch.Tensor]
     frozen: bool
+    dropout: Callable[[int], dict[str, torch.Tensor]] | None = None
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
-        """The layer's parameters by name (fused projection views included), its adapters beside them."""
+        """The layer's parameters by name (fused projection views included), its adapters beside them
+        (no dropout: a validation batch's)."""
         return {**self.template.bind(self.flat, fused=True), **self.adapters}
+
+    def training(self, params: dict[str, torch.Tensor]) -> Callable[[int], dict[str, torch.Tensor]]:
+        """``params`` for training micro-batch m: as they are, or with that micro-batch's dropout masks."""
+        return (lambda m: params) if self.dropout is None else (lambda m: {**params, **self.dropout(m)})
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class Recomputed:
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """xs: M x [B, S, H] -> the layer's outputs (no graph)."""
-        return [s.runner.forward(w.params, x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)]
+        return self.again(s, w, xs)
 
     def leave(self, s: StepLayers, layer: int, xs: list[torch.Tensor]) -> None:
         """What the backward starts from, once the forward is done with its inputs xs: the checkpoint."""
@@ -74,20 +82,22 @@ class Recomputed:
 
     def again(self, s: StepLayers, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The forward run again within a recompute span (its outputs, the next layer's inputs)."""
-        return [s.runner.forward(w.params, x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)]
+        p = w.training(w.params)
+        return [s.runner.forward(p(m), x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)]
 
     def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
         """From the layer's checkpoint ``inputs`` (M x [B, S, H]) and output gradients dx (replaced by
         the input gradients), the gradients of what trains added into ``grads``."""
-        layer_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg)
+        layer_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, w.dropout)
 
 
 class Routed(Recomputed):
     """A sparse layer: recomputed, with its router statistics (see the module docstring)."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        ys, stats = zip(*(s.runner.forward_routed(w.params, x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)))
+        p = w.training(w.params)
+        ys, stats = zip(*(s.runner.forward_routed(p(m), x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)))
         s.routing.record(layer, list(stats))
         if s.traffic is not None:  # the later fetches of its weights move only the experts it chose
             s.traffic.record(s.step, layer, s.routing.counts(layer))
@@ -95,11 +105,12 @@ class Routed(Recomputed):
 
     def again(self, s: StepLayers, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Its forward again; the statistics are the first forward's."""
-        return [s.runner.forward_routed(w.params, x, s.mb.ctx[m], s.cfg)[0] for m, x in enumerate(xs)]
+        p = w.training(w.params)
+        return [s.runner.forward_routed(p(m), x, s.mb.ctx[m], s.cfg)[0] for m, x in enumerate(xs)]
 
     def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
-        counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, s.routing)
+        counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, s.routing, w.dropout)
         if s.traffic is not None:  # its weights came without the experts the forward did not choose
             s.traffic.check(s.step, layer, counts)
 
@@ -108,7 +119,8 @@ class Kept:
     """The forward's graph kept whole for the backward (see the module docstring)."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        graph = layer_forward_kept(s.runner.layer, w.template, w.flat, xs, s.mb.ctx, s.cfg, w.adapters, w.frozen)
+        graph = layer_forward_kept(s.runner.layer, w.template, w.flat, xs, s.mb.ctx, s.cfg, w.adapters, w.frozen,
+                                   w.dropout)
         s.acts.keep(layer, graph)
         return [y.detach() for y in graph.outputs]
 

@@ -79,10 +79,11 @@ def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str, 
     """Each of ``units`` units' policy: the ``resident`` ones on the device (weights, gradient and
     AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``,
     the ``sparse`` ones' (units with routed experts) sending their experts' gradients as ``experts``
-    says; ``frozen`` (a LoRA run): every unit :data:`FROZEN`."""
-    if frozen:
-        return (FROZEN,) * units
+    says; ``frozen`` (a LoRA run): every other unit :data:`FROZEN` (its resident ones: the embedding
+    or head trained in full beside the adapters)."""
     on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
+    if frozen:
+        return tuple(on_device if u in resident else FROZEN for u in range(units))
     routed = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
     return tuple(on_device if u in resident else routed if u in sparse else on_host for u in range(units))
 

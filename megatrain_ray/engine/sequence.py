@@ -82,6 +82,19 @@ def trainable_leaves(params: dict[str, torch.Tensor], grads: dict[str, torch.Ten
     return {name: w.detach().requires_grad_(name in grads) for name, w in params.items()}
 
 
+def with_dropout(params: dict[str, torch.Tensor], dropout: Callable[[int], dict[str, torch.Tensor]] | None,
+                 m: int) -> dict[str, torch.Tensor]:
+    """``params`` with micro-batch ``m``'s adapter dropout masks beside them (as they are without dropout)."""
+    return params if dropout is None else {**params, **dropout(m)}
+
+
+def rows(params: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torch.Tensor]:
+    """``params`` for positions a..b of the sequence (an MLP chunk): the adapters' dropout masks
+    ([B, S, in], position-wise like the input they mask) cut to them; the weights as they are."""
+    masks = {n: t[:, a:b] for n, t in params.items() if n.endswith(".lora_dropout")}
+    return {**params, **masks} if masks else params
+
+
 class LayerRunner:
     """Forward (no gradients) and recompute-backward of one decoder layer, tiled or not.
 
@@ -143,7 +156,7 @@ class LayerRunner:
         h = self.attn(p, x, rope, cfg, mask)
         out = torch.empty_like(h) if torch.is_grad_enabled() else h
         for a, b in self._spans(x.shape[1]):
-            out[:, a:b] = self.mlp(p, h[:, a:b], cfg)
+            out[:, a:b] = self.mlp(rows(p, a, b), h[:, a:b], cfg)
         return out
 
     def backward(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
@@ -171,10 +184,11 @@ class LayerRunner:
         dh = torch.empty_like(dy)
         for a, b in self._spans(x.shape[1]):
             hc = h.detach()[:, a:b].requires_grad_(True)
+            chunk = rows(leaves, a, b)
             with torch.enable_grad():
-                act = self.mlp_act(leaves, hc, cfg)
+                act = self.mlp_act(chunk, hc, cfg)
             da = down_backward(leaves, grads, act.detach(), dy[:, a:b])
-            extra, d_extra = down_adapter(leaves, act, dy[:, a:b])
+            extra, d_extra = down_adapter(chunk, act, dy[:, a:b])
             *gws, dhc = torch.autograd.grad([act, *extra], [*weights, hc], [da, *d_extra], allow_unused=True)
             dh[:, a:b] = dhc + dy[:, a:b]  # and the residual's share
             del act, da, dhc
@@ -227,25 +241,27 @@ def tiled_backward_bytes(cfg, tokens: int, rows: int, itemsize: int, compiled: b
 
 
 def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-                   inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg) -> None:
+                   inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg,
+                   dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
     """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
 
     runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.sequence`);
     params: the layer's views into its device slot (and, in a LoRA run, its adapters beside them);
     grads: views into the fp32 gradient buffer of what trains (the same names; a LoRA run's adapters
     only), accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
-    replaced by the input gradients; contexts: M x (rope, mask). Each parameter is its own autograd
+    replaced by the input gradients; contexts: M x (rope, mask); dropout: micro-batch m's adapter
+    dropout masks (:func:`~megatrain_ray.model.lora.dropout_masks`), or None. Each parameter is its own autograd
     leaf (a view of the slot, no copy), so its gradient is added straight into its place in the flat
     buffer rather than assembled into a whole-layer gradient first.
     """
     leaves = trainable_leaves(params, grads)
     for m, x in enumerate(inputs):
-        dx[m] = runner.backward(leaves, grads, x, dx[m], contexts[m], cfg)
+        dx[m] = runner.backward(with_dropout(leaves, dropout, m), grads, x, dx[m], contexts[m], cfg)
 
 
 def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-                    inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing
-                    ) -> torch.Tensor:
+                    inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing,
+                    dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
     """:func:`layer_backward` for a sparse layer; routing: the step's
     :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
     load-balancing loss with respect to the router probabilities. Returns the recompute's tokens per
@@ -253,7 +269,8 @@ def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads:
     leaves = trainable_leaves(params, grads)
     counts = []
     for m, x in enumerate(inputs):
-        dx[m], c = runner.backward_routed(leaves, grads, x, dx[m], contexts[m], cfg, routing.prob_grad(m))
+        dx[m], c = runner.backward_routed(with_dropout(leaves, dropout, m), grads, x, dx[m], contexts[m], cfg,
+                                          routing.prob_grad(m))
         counts.append(c)
     return torch.stack(counts).sum(0)
 

@@ -7,7 +7,7 @@ files, ``meta.json`` last, found by :func:`~megatrain_ray.io.checkpoint.latest` 
 :func:`~megatrain_ray.io.checkpoint.check_files`), with other contents::
 
     model.safetensors.index.json + model-0000k-of-0000n.safetensors
-        the adapters' fp32 master weights, by PEFT's key names
+        the adapters' fp32 master weights (and the embedding / LM head trained in full), by PEFT's key names
     optimizer.safetensors.index.json + optimizer-....safetensors
         their AdamW moments, ``exp_avg.<key>`` and ``exp_avg_sq.<key>`` (fp32)
     adapter_config.json                  the adapters' PEFT LoraConfig
@@ -47,7 +47,7 @@ def _key(kind: str, key: str) -> str:
 
 def _tensors(layout: AdapterLayout, states: AdapterStates, kinds: tuple[str, ...]) -> list[TensorSource]:
     return [TensorSource.of(_key(kind, peft_name(unit, name)), view)
-            for unit, template in zip(layout.units, layout.templates) for kind in kinds
+            for unit, template in layout.trained for kind in kinds
             for name, view in template.bind(states[unit][kind]).items()]
 
 
@@ -59,7 +59,7 @@ def save(checkpoints: CheckpointSettings, step: int, cfg: ModelConfig, lora: Lor
     final = os.path.join(checkpoints.directory, step_dir_name(step))
     if not os.path.isdir(final):
         model, optim = _tensors(layout, states, STATE_KINDS[:1]), _tensors(layout, states, STATE_KINDS[1:])
-        meta = step_meta(checkpoints, step, dict.fromkeys(layout.units, step), cfg,
+        meta = step_meta(checkpoints, step, dict.fromkeys((u for u, _ in layout.trained), step), cfg,
                          {"master": "float32", "optim_state": "float32"})
         meta["lora"] = dataclasses.asdict(lora)
         os.makedirs(checkpoints.directory, exist_ok=True)
@@ -93,13 +93,12 @@ def load(directory: str, cfg: ModelConfig, lora: LoraSection) -> tuple[int, Adap
                           f"({'; '.join(diffs)}); resume without changing lora.*.")
     layout = AdapterLayout.build(cfg, lora)
     step = meta["step"]
-    if meta.get("versions") != dict.fromkeys(layout.units, step):
+    if meta.get("versions") != dict.fromkeys((u for u, _ in layout.trained), step):
         raise CheckpointError(f"checkpoint {directory} has adapter versions {meta.get('versions')} that are not all "
                               f"its step {step}; it was not taken at a step boundary.")
     files = check_files(directory, checksums=False)  # the driver verified them (pipeline.train)
-    states = {unit: {kind: torch.zeros(t.numel) for kind in STATE_KINDS}
-              for unit, t in zip(layout.units, layout.templates)}
-    for unit, template in zip(layout.units, layout.templates):
+    states = {unit: {kind: torch.zeros(t.numel) for kind in STATE_KINDS} for unit, t in layout.trained}
+    for unit, template in layout.trained:
         for kind in STATE_KINDS:
             for name, view in template.bind(states[unit][kind]).items():
                 key = _key(kind, peft_name(unit, name))

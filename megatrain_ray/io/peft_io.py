@@ -23,6 +23,7 @@ from ..config import LoraSection, ModelConfig
 from ..model.lora import PEFT_PREFIX, AdapterLayout, merged_weight, peft_name
 from ..model.transformer import hf_name, unit_names, unit_params
 from .files import TensorSource, atomic_dir, write_json, write_safetensors
+from .generation import write_generation_config
 from .hf_io import DEFAULT_SHARD_BYTES, write_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -60,11 +61,15 @@ def adapter_config(cfg: ModelConfig, lora: LoraSection, base_model: str | None =
 
 def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[str, torch.Tensor],
                   full: dict[str, torch.Tensor] | None = None, base_model: str | None = None,
-                  dtype: torch.dtype | None = None) -> dict:
+                  dtype: torch.dtype | None = None, tokenizer: str | None = None) -> dict:
     """Write a PEFT adapter directory at ``out``. adapters: {unit: its adapters' flat buffer [numel]}
     (:class:`~megatrain_ray.model.lora.AdapterLayout`); full: {HF name: tensor} of the base tensors
     trained in full (:func:`full_names`); base_model: the base's directory or hub id, for
-    adapter_config.json; dtype: of the written tensors (None: as given). Returns a summary."""
+    adapter_config.json; dtype: of the written tensors (None: as given); tokenizer: the run's, whose
+    chat template's end of turn joins the base's generation_config.json written beside the adapters
+    (:func:`~megatrain_ray.io.generation.write_generation_config`: PEFT loads the base's, so
+    ``generate`` stops at the end of a turn with ``generation_config=GenerationConfig.from_pretrained``
+    of this directory). Returns a summary."""
     layout = AdapterLayout.build(cfg, lora)
     tensors = []
     for unit, template in zip(layout.units, layout.templates):
@@ -76,6 +81,7 @@ def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[
     with atomic_dir(out, "the adapters", nbytes) as tmp:
         write_safetensors(os.path.join(tmp, ADAPTER_WEIGHTS), tensors)
         write_json(os.path.join(tmp, ADAPTER_CONFIG), adapter_config(cfg, lora, base_model))
+        write_generation_config(base_model, tmp, tokenizer)
     return {"out": out, "tensors": len(tensors), "bytes": nbytes}
 
 

@@ -7,7 +7,15 @@ them, relative to the unit: ``self_attn.q_proj.lora_A.weight`` A: [r, in] and
 (:func:`megatrain_ray.model.transformer.linear`). A decoder layer's adapters form an *adapter unit*
 of their own, laid out like any unit (:class:`~megatrain_ray.model.layout.LayerTemplate`), so one
 flat buffer holds them and one optimizer call updates them. The embedding and the head carry no
-adapters (lora.train_embedding / train_head train them in full instead).
+adapters; lora.train_embedding / train_head train their matrix in full instead (PEFT's
+``modules_to_save``): :attr:`AdapterLayout.full`, one template per trained matrix, by its name in
+its unit (the head's final norm stays frozen).
+
+Dropout (lora.dropout > 0) is PEFT's ``lora_dropout``: during training each adapter reads its
+projection's input with a fraction p of the elements zeroed and the rest scaled by 1 / (1 - p). The
+mask (:func:`dropout_masks`) is a pure function of the run's seed, the step, the micro-batch and the
+projection's full name, drawn from its own generator, so the recompute of the backward, a kept
+graph and a resumed run all see the same one, and no random state needs saving.
 
 Initialisation is PEFT's default (``init_lora_weights=True``): A Kaiming-uniform with a = sqrt(5)
 (uniform in +-1/sqrt(in)), B zero, so a fresh adapter leaves the model's output unchanged. Each
@@ -60,11 +68,24 @@ class AdapterLayout:
     templates: tuple[LayerTemplate, ...]
     scaling: float
     """The factor of every adapter's output (:attr:`~megatrain_ray.config.LoraSection.scaling`)."""
+    full: tuple[LayerTemplate, ...] = ()
+    """The base matrices trained in full (lora.train_embedding: the embedding's ``weight``; lora.train_head:
+    the head's ``lm_head.weight``), each a template of that one tensor, named by its unit."""
 
     @classmethod
     def build(cls, cfg: ModelConfig, lora: LoraSection) -> "AdapterLayout":
         units = tuple(u for u in unit_names(cfg) if adapter_params(cfg, lora, u))
-        return cls(units, tuple(LayerTemplate.of(u, adapter_params(cfg, lora, u)) for u in units), lora.scaling)
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        full = (((LayerTemplate.of("embed", [("weight", shape)]),) if lora.enabled and lora.train_embedding else ())
+                + ((LayerTemplate.of("head", [("lm_head.weight", shape)]),) if lora.enabled and lora.train_head
+                   else ()))
+        return cls(units, tuple(LayerTemplate.of(u, adapter_params(cfg, lora, u)) for u in units), lora.scaling, full)
+
+    @property
+    def trained(self) -> tuple[tuple[str, LayerTemplate], ...]:
+        """(unit, template) of everything a LoRA run trains and checkpoints: each layer's adapters,
+        then the matrices trained in full."""
+        return (*zip(self.units, self.templates), *((t.unit, t) for t in self.full))
 
     def template(self, unit: str) -> LayerTemplate | None:
         """``unit``'s adapter template, or None when it has no adapters."""
@@ -92,6 +113,32 @@ class AdapterLayout:
         views = self.template(unit).bind(flat)
         scale = torch.tensor(self.scaling, dtype=torch.float32)
         return {**views, **{n.replace(".lora_A.weight", ".lora_scaling"): scale for n in views if ".lora_A." in n}}
+
+
+def dropout_keep(unit: str, module: str, seed: int, step: int, micro_batch: int, shape: tuple[int, ...], p: float,
+                 device) -> torch.Tensor:
+    """Which elements of the input [B, S, in] of ``unit``'s projection ``module`` (``self_attn.q_proj``)
+    an adapter keeps in micro-batch ``micro_batch`` of step ``step`` under dropout ``p``: a bool
+    tensor drawn from a generator seeded by a CRC-32 of all of them (see the module docstring)."""
+    g = torch.Generator(device=device).manual_seed(
+        zlib.crc32(f"{seed}:{step}:{micro_batch}:{hf_name(unit, module)}".encode()))
+    return torch.rand(shape, generator=g, device=device) >= p
+
+
+def dropout_masks(layout: AdapterLayout, unit: str, p: float, seed: int, step: int, micro_batch: int,
+                  rows: tuple[int, int], device, dtype: torch.dtype) -> Params:
+    """``{module}.lora_dropout`` of each of ``unit``'s adapters for one micro-batch of ``rows`` (B, S)
+    tokens: [B, S, in] in ``dtype``, 0 where dropped, 1 / (1 - p) where kept; {} for p = 0 or a unit
+    without adapters."""
+    template = layout.template(unit)
+    if not p or template is None:
+        return {}
+    out = {}
+    for name, (_, cols), _ in (e for e in template.params if ".lora_A." in e[0]):
+        module = name.removesuffix(".lora_A.weight")
+        keep = dropout_keep(unit, module, seed, step, micro_batch, (*rows, cols), p, device)
+        out[f"{module}.lora_dropout"] = keep.to(dtype) / (1 - p)
+    return out
 
 
 def peft_name(unit: str, name: str) -> str:

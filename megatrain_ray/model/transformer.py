@@ -21,8 +21,10 @@ every call (the params are already the one thing the caller hands in).
 Low-rank adapters (LoRA) are offered the same way: where the params also hold an adapter for a
 projection (``self_attn.q_proj.lora_A.weight`` [r, in], ``...lora_B.weight`` [out, r] and
 ``...lora_scaling``, PEFT's names), :func:`linear` adds its term, scaling * B (A x), to the
-projection's output, as PEFT's LoRA layer does. The model neither creates nor stores adapters; the
-caller binds them next to the base weights (:mod:`megatrain_ray.model.lora`).
+projection's output, as PEFT's LoRA layer does; with ``...lora_dropout`` too (a [B, S, in] tensor of
+0 and 1 / (1 - p), the dropout of the adapter's input), the term is scaling * B (A (x * mask)). The
+model neither creates nor stores adapters or masks; the caller binds them next to the base weights
+(:mod:`megatrain_ray.model.lora`).
 
 Packed documents: a sequence may hold several documents, each starting at position 0. The caller
 then passes RoPE tables gathered at each token's position within its document (:func:`rope_at`,
@@ -189,10 +191,13 @@ PROJECTION_GROUPS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 def low_rank(p: Params, name: str, x: torch.Tensor) -> torch.Tensor | None:
     """The adapter term of the projection ``name``, scaling * B (A x), where ``p`` holds an adapter
     for it (``{name}.lora_A.weight`` A: [r, in], ``{name}.lora_B.weight`` B: [out, r],
-    ``{name}.lora_scaling``: a 0-d tensor), else None. x: [..., in] -> [..., out]."""
+    ``{name}.lora_scaling``: a 0-d tensor), else None. x: [..., in] -> [..., out]. With
+    ``{name}.lora_dropout`` (x's shape: 0 where dropped, 1 / (1 - p) where kept), A reads x times it."""
     a = p.get(f"{name}.lora_A.weight")
     if a is None:
         return None
+    mask = p.get(f"{name}.lora_dropout")
+    x = x if mask is None else x * mask
     return F.linear(F.linear(x, a), p[f"{name}.lora_B.weight"]) * p[f"{name}.lora_scaling"]
 
 

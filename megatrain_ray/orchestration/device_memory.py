@@ -93,7 +93,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     resident = configured_resident(cfg, resident)
     resident_numel = sum(layout.templates[i].numel for i in resident)
     lora = cfg.lora
-    adapters = AdapterLayout.build(m, lora).num_params
+    adapters, full = AdapterLayout.build(m, lora).num_params, AdapterLayout.build(m, lora).full
     rows = [
         Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
             depth * largest_streamed(layout, resident) * c),
@@ -104,6 +104,9 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         Row(f"LoRA adapters (rank {lora.rank}, {adapters:,} parameters): fp32 master, AdamW moments and gradient"
             f"{', compute copy' if c != 4 else ''}", "device", adapters * (16 + (c if c != 4 else 0)))
         if lora.enabled else Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
+        *([Row(f"{' and '.join(t.unit for t in full)} trained in full (lora.train_*): fp32 master, AdamW moments "
+               f"and gradient{', compute copy' if c != 4 else ''}", "device",
+               sum(t.param_count for t in full) * (16 + (c if c != 4 else 0)))] if full else []),
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "experimental.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),

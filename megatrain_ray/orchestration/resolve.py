@@ -31,6 +31,7 @@ from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store import StoreSpec, resident_units
 from ..model.layout import StoreLayout
+from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
 from ..engine.activations import recompute_spans
@@ -187,7 +188,9 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident,
                             facts.host_bytes)
     activations = memory.placement  # every GPU alike: the same share of the micro-batches
-    schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident, recompute_spans(activations))
+    # a LoRA run's embedding / head trained in full: on the compute worker's device beside the adapters
+    trained = tuple(layout.units.index(t.unit) for t in AdapterLayout.build(cfg.model, cfg.lora).full)
+    schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident + trained, recompute_spans(activations))
     wait = role_wait_s(memory.pace, cfg.cluster.actor_timeout_s)  # a role's wait for its next message
     host_sum = cfg.experimental.grad_reduce == "host" and cfg.parallel.compute_workers > 1
     # Two passes where the updates wait for the norm and one optimizer has the node's whole gradient
@@ -195,8 +198,8 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     splits = (cfg.optim.max_grad_norm > 0 and not cfg.parallel.sharded_optimizer and not host_sum
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
-    policies = policies_of_run(len(layout.units), resident, host_optimizer(precision.compact, splits), cfg.lora.enabled,
-                               sparse, ALL if cfg.parallel.workers > 1 else ROUTED)
+    policies = policies_of_run(len(layout.units), resident + trained, host_optimizer(precision.compact, splits),
+                               cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED)
     compute = ComputeSettings(
         device=device, buffer_depth=cfg.memory.buffer_depth_on(device), loss_chunk_size=cfg.memory.loss_chunk_size_on(device),
         mlp_chunk_size=cfg.memory.mlp_chunk_size_for(cfg.train.seq_len), compile=cfg.compute.compile_on(device),
