@@ -324,11 +324,12 @@ def test_plan_of_a_lora_run_counts_a_frozen_base_and_the_adapters_on_the_gpu(cap
 def test_plan_counts_the_embedding_and_head_trained_in_full_on_the_gpu(capsys):
     """lora.train_embedding / train_head: the plan's GPU rows hold each matrix trained in full with its
     fp32 master, moments and gradient and a bf16 copy (18 B per parameter), and the resolved run
-    keeps both on the device (neither fetched), every other unit frozen."""
+    keeps both on the device (neither fetched), every other unit frozen; with lora.dropout, a
+    micro-batch's masks."""
     from megatrain_ray import cli
     from megatrain_ray.orchestration import preflight
 
-    sets = ["lora.rank=8", "lora.train_embedding=true", "lora.train_head=true", "train.seq_len=128"]
+    sets = ["lora.rank=8", "lora.train_embedding=true", "lora.train_head=true", "train.seq_len=128", "lora.dropout=0.1"]
     capsys.readouterr()
     cli.main(["plan", "--device", "cuda", "--gpu-memory", "80", *sum((["--set", s] for s in sets), [])])
     out = capsys.readouterr().out
@@ -336,4 +337,9 @@ def test_plan_counts_the_embedding_and_head_trained_in_full_on_the_gpu(capsys):
     (row,) = [line for line in out.splitlines() if line.startswith("embed and head trained in full")]
     assert row.endswith(preflight.fmt(2 * cfg.vocab_size * cfg.hidden_size * 18))
     assert "resident on the device: embed, head" in out
+    # dropout: one micro-batch's masks in bf16, as large as each adapted projection's input
+    tokens, inputs = 128 * load_config(None, sets).train.micro_batch_size, (
+        5 * cfg.hidden_size + cfg.num_attention_heads * cfg.head_size + cfg.intermediate_size)
+    (row,) = [line for line in out.splitlines() if line.startswith("adapter dropout masks of one micro-batch")]
+    assert row.endswith(preflight.fmt(tokens * inputs * 2))
     assert "weights resident, gradient device, optimizer device" in out

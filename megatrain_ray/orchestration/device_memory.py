@@ -104,6 +104,9 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         Row(f"LoRA adapters (rank {lora.rank}, {adapters:,} parameters): fp32 master, AdamW moments and gradient"
             f"{', compute copy' if c != 4 else ''}", "device", adapters * (16 + (c if c != 4 else 0)))
         if lora.enabled else Row("embedding + head gradients (fp32)", "device", (m.vocab_size * h + head_numel) * 4),
+        *([Row(f"adapter dropout masks of one micro-batch (lora.dropout {lora.dropout})", "device", tokens * c * sum(
+            shape[1] for name, shape, _ in AdapterLayout.build(m, lora).templates[0].params if ".lora_A." in name))]
+          if lora.enabled and lora.dropout else []),
         *([Row(f"{' and '.join(t.unit for t in full)} trained in full (lora.train_*): fp32 master, AdamW moments "
                f"and gradient{', compute copy' if c != 4 else ''}", "device",
                sum(t.param_count for t in full) * (16 + (c if c != 4 else 0)))] if full else []),
