@@ -112,8 +112,12 @@ def _reference(model, cfg, source: BatchSource, reverse: bool = False):
     # the embedding and the LM head trained in full beside the adapters (PEFT's modules_to_save); tied too
     ("llama2", 4, "q_proj,v_proj,down_proj", ["lora.train_embedding=true", "lora.train_head=true"]),
     ("qwen2", 3, "k_proj,o_proj,gate_proj", ["lora.train_embedding=true"]),
+    # two compute workers (data parallel, gloo), each with its share of the micro-batches and its copy
+    # of the adapters, their gradients summed; dropout's masks drawn by each micro-batch's index in the step
+    ("llama2", 4, "q_proj,v_proj,up_proj,down_proj",
+     ["parallel.compute_workers=2", "train.num_micro_batches=4", "lora.dropout=0.1", "lora.train_head=true"]),
 ], ids=["llama2", "qwen2", "qwen3", "llama2-kept-tiled", "qwen3-dropout-kept-tiled", "llama2-full-embedding-head",
-        "qwen2-tied-full-embedding"])
+        "qwen2-tied-full-embedding", "llama2-two-workers"])
 def test_lora_training_matches_peft_and_adamw(arch, rank, targets, runtime, ray_cluster, shm_dir, tmp_path):
     make_model(arch).save_pretrained(tmp_path / "init", safe_serialization=True)
     rng = np.random.default_rng(1)  # a learnable stream: a fixed cycle with 10% noise

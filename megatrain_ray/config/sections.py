@@ -305,9 +305,12 @@ class TrainConfig:
     def _validate_lora(self, workers: int) -> None:
         """What a LoRA run (lora.rank > 0) does not combine with yet, each named by its key."""
         rank = self.lora.rank
-        _require(workers == 1, "parallel.compute_workers",
-                 f"must be 1 in the whole run with lora.rank {rank} (got {self.parallel.compute_workers} x "
-                 f"{self.parallel.nodes}): the adapters live on one compute worker's device")
+        _require(self.parallel.nodes == 1, "parallel.nodes",
+                 f"must be 1 with lora.rank {rank} (got {self.parallel.nodes}): a LoRA run's compute workers share one "
+                 "node")
+        _require(workers == 1 or self.experimental.grad_reduce == "allreduce", "experimental.grad_reduce",
+                 f"must be allreduce with lora.rank {rank} and {workers} compute workers (got "
+                 f"{self.experimental.grad_reduce!r}): the adapters' gradients are summed on the devices")
         _require(self.memory.resident in ("auto", "none"), "memory.resident",
                  f"must be none with lora.rank {rank}: the frozen base has no optimizer, the adapters train on "
                  "the device anyway")

@@ -12,6 +12,11 @@ stats, and this worker sums the same floats in the same order for the clipping f
 (:func:`~megatrain_ray.engine.resident.step_sq_norm`), then updates every adapter at the end of the
 step's backward through the optimizer protocol of the device-side units of memory.resident
 (:class:`~megatrain_ray.engine.resident.DeviceAdamW`).
+
+With several compute workers each holds its own copy of the adapters, initialised alike, and each
+unit's gradient is summed over them (the all-reduce of :class:`~megatrain_ray.engine.grad_out.GradOut`)
+before its norm is taken, so every copy takes the same update; the first worker writes the
+checkpoints and the export.
 """
 
 from __future__ import annotations
@@ -99,14 +104,16 @@ class DeviceAdapters:
         (name, _, _), = self.layout.full[[t.unit for t in self.layout.full].index(unit)].params
         self.grads[unit] = self.store.layout.templates[index].bind(grad)[name].view(-1)
 
-    def dropout(self, unit: str, step: int, rows: tuple[int, int]) -> Callable[[int], Params] | None:
-        """The dropout masks of ``unit``'s adapters for training micro-batch m of step ``step`` (of
-        ``rows`` = (B, S) tokens), as a function of m (:func:`~megatrain_ray.model.lora.dropout_masks`);
-        None without dropout or adapters."""
+    def dropout(self, unit: str, step: int, rows: tuple[int, int], first: int = 0) -> Callable[[int], Params] | None:
+        """The dropout masks of ``unit``'s adapters for this worker's training micro-batch m of step
+        ``step`` (of ``rows`` = (B, S) tokens; ``first``: the step's index of this worker's first
+        micro-batch), as a function of m (:func:`~megatrain_ray.model.lora.dropout_masks`); None
+        without dropout or adapters."""
         if not self.lora.dropout or unit not in self.layout.units:
             return None
         device, dtype = self.state[unit]["weights"].device, self.state[unit]["weights"].dtype
-        return lambda m: dropout_masks(self.layout, unit, self.lora.dropout, self.seed, step, m, rows, device, dtype)
+        return lambda m: dropout_masks(self.layout, unit, self.lora.dropout, self.seed, step, first + m, rows, device,
+                                       dtype)
 
     def grad(self, unit: str) -> Params:
         """Views of ``unit``'s fp32 gradient buffer (zeroed at its first use in a step), by adapter name."""
@@ -116,12 +123,10 @@ class DeviceAdapters:
             self.grads[unit] = torch.zeros_like(self.state[unit]["master"])
         return self.layout.template(unit).bind(self.grads[unit])
 
-    def sq_norm(self, unit: str) -> torch.Tensor:
-        """The squared norm of ``unit``'s gradient of this step (a device scalar; 0 for a unit without adapters)."""
-        grad = self.grads.get(unit)
-        if grad is None:
-            return torch.zeros((), dtype=torch.float32, device=next(iter(self.state.values()))["master"].device)
-        return torch.dot(grad, grad)
+    def gradient(self, unit: str) -> torch.Tensor | None:
+        """``unit``'s gradient of this step ([numel] fp32 on the device, what its update takes), or None
+        for a unit that trains nothing here."""
+        return self.grads.get(unit)
 
     def update(self, step: int, sq_norm: float) -> None:
         """Apply step ``step``'s AdamW update to every adapter, clipped by the step's squared gradient

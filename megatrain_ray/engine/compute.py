@@ -352,7 +352,8 @@ class ComputeWorker(GroupMember):
         """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters,
         whether its own weights are frozen (its policy) and its adapters' dropout in this step."""
         ticket, flat = self._take(unit.index, step)
-        dropout = self.adapters.dropout(unit.name, step, tuple(s.mb.ids.shape[1:])) if self.adapters else None
+        first = 0 if self.reducer is None else self.reducer.rank * len(s.mb.ids)  # this worker's share's first
+        dropout = self.adapters.dropout(unit.name, step, tuple(s.mb.ids.shape[1:]), first) if self.adapters else None
         return ticket, LayerWeights(self.layout.templates[unit.index], flat, self._adapters(unit.name),
                                     not self.policies[unit.index].trains, dropout)
 

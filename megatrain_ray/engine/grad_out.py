@@ -71,16 +71,13 @@ class GradOut:
 
     def send(self, unit: int, step: int, grad: torch.Tensor | None) -> None:
         """grad: [numel] fp32 on the device -> the unit's host grad block, then a ticket to the sink;
-        None: a LoRA run's frozen unit, whose ticket carries its adapters' squared norm (:meth:`send_norm`).
+        None: a LoRA run's frozen unit, whose ticket carries its adapters' squared norm (:meth:`_send_adapters`).
 
         With a data-parallel group, the gradient is first summed over all workers, and this worker
         sends only its shard of the sum; with experimental.grad_reduce=host it sends all of its own
         gradient, to its own host copy (see :mod:`megatrain_ray.engine.grad_reduce`)."""
-        if grad is None:
-            return self.send_norm(unit, step, self.adapters.sq_norm(self.layout.units[unit]))
-        if self.adapters is not None:  # a unit a LoRA run trains in full: held on the device with the adapters
-            self.adapters.hold(unit, grad)
-            return self.send_norm(unit, step, self.adapters.sq_norm(self.layout.units[unit]))
+        if self.adapters is not None:
+            return self._send_adapters(unit, step, grad)
         if unit in self.frozen:
             return
         if self.store.spec.hold_grads:  # wait on the device for the step's norm (see _send_held)
@@ -113,11 +110,25 @@ class GradOut:
             return None, ()
         return self.traffic.grad_ranges(unit, step, self.policies[unit], host.element_size())
 
-    def send_norm(self, unit: int, step: int, sq_norm: torch.Tensor) -> None:
-        """The ticket of a LoRA run's frozen unit: no gradient leaves the device, only ``sq_norm`` (a
-        device scalar: the squared norm of the unit's adapters' gradient, 0 without) for the step's norm."""
+    def _send_adapters(self, unit: int, step: int, grad: torch.Tensor | None) -> None:
+        """The ticket of a unit of a LoRA run: its gradient (its adapters', or with ``grad``, that of the
+        matrix it trains in full, :meth:`~megatrain_ray.engine.adapters.DeviceAdapters.hold`) stays on
+        the device, summed over the data-parallel group where there is one; only a squared norm goes
+        to the sink (of this worker's shard of the sum, as the sink sums a unit's shards), the whole
+        one to this worker's clipping factor (the same on every worker)."""
+        name = self.layout.units[unit]
+        if grad is not None:
+            self.adapters.hold(unit, grad)
+        whole = self.adapters.gradient(name)
+        if whole is None:  # a frozen unit without adapters
+            sq_norm = ticket = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        elif self.reducer is not None:
+            lo, hi = self.reducer.reduce(whole)
+            sq_norm, ticket = torch.dot(whole, whole), torch.dot(whole[lo:hi], whole[lo:hi])
+        else:
+            sq_norm = ticket = torch.dot(whole, whole)
         self._sq_norms.append(sq_norm)
-        self.outbox.put((unit, step, -1, self.backend.scalar(sq_norm), -1.0, ()))
+        self.outbox.put((unit, step, -1, self.backend.scalar(ticket), -1.0, ()))
 
     def end_step(self, step: int, sync: bool, for_checkpoint: bool = False) -> None:
         """After the last gradient of step ``step``: send the held ones, or update the resident units
