@@ -184,10 +184,12 @@ class Driver:
                 else:  # read at once: a worker that failed must not wait for the others, stuck in a collective
                     outs[r] = _get(r, "compute", self.timeout)
         out = _combine([outs[r] for r in refs])
-        del self.submitted[step]
         if not math.isfinite(out["loss"]):
+            del self.submitted[step]
             self._diverged(step, out["loss"])
-        self._record(step, out)
+        with _signals_deferred():  # an interrupt finds the step either still submitted or recorded
+            del self.submitted[step]
+            self._record(step, out)
 
     def _record(self, step: int, out: dict) -> None:
         """Count a step's combined output: its loss in the result, its row once the sink's stats are in."""
@@ -240,7 +242,12 @@ class Driver:
                             "(or raise optim.warmup_steps) or check the data.")
 
     def _handle(self, items: list[dict]) -> None:
-        """Record sink messages: checkpoint notices, and step stats (logged once the step's output is in)."""
+        """Record sink messages: checkpoint notices, and step stats (logged once the step's output is in).
+        An interrupt waits until they are recorded: a step taken off the queues always gets its row."""
+        with _signals_deferred():
+            self._handle_now(items)
+
+    def _handle_now(self, items: list[dict]) -> None:
         for st in items:
             if "checkpoint" in st:
                 self.save_s = st["save_s"] + st.get("stall_s", 0.0)
