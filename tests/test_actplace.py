@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from saved_bytes import saved_bytes
+from saved_bytes import layer_inputs, saved_bytes
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
@@ -50,12 +50,8 @@ def test_kept_graph_bytes_match_what_autograd_saves(dtype, qk_norm):
     hooks, one count per storage; weights and the step's RoPE cache left out) plus its input."""
     cfg = load_config(None, SMALL + (["model.model_type=qwen3", "model.head_dim=32"] if qk_norm else [])).model
     assert cfg.qk_norm == qk_norm
-    t = LayerTemplate.build(cfg, "layers.0")
-    flat = (torch.randn(t.numel) * 0.02).to(dtype)
-    leaves = {k: v.detach().requires_grad_(True) for k, v in t.bind(flat, fused=True).items()}
     b, s = 2, 96
-    x = torch.randn(b, s, cfg.hidden_size, dtype=dtype).requires_grad_(True)
-    rope = M.rope_cache(cfg, s, torch.device("cpu"), dtype)
+    leaves, x, rope = layer_inputs(cfg, dtype, b, s)
     assert saved_bytes(M.decoder_layer, leaves, x, rope, cfg) == b * s * kept_bytes_per_token(cfg, dtype.itemsize)
 
 
@@ -77,12 +73,8 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves(lean, family
     extra = ["model.head_dim=32"] if family == "qwen3" else []
     cfg = load_config(None, SMALL + [f"model.model_type={family}", *extra]).model
     assert cfg.qk_norm == (family == "qwen3") and cfg.attention_bias == (family == "qwen2")
-    t = LayerTemplate.build(cfg, "layers.0")
-    leaves = {k: v.detach().requires_grad_(True)
-              for k, v in t.bind((torch.randn(t.numel) * 0.02).to(dtype), fused=True).items()}
     b, s = 2, 96
-    x = torch.randn(b, s, cfg.hidden_size, dtype=dtype).requires_grad_(True)
-    rope = M.rope_cache(cfg, s, torch.device("cpu"), dtype)
+    leaves, x, rope = layer_inputs(cfg, dtype, b, s)
     backward_graphs = []
     torch._dynamo.reset()
     layer = CompiledLayer(backend=_min_cut_backend(backward_graphs), partitioner=LEAN_PARTITIONER if lean else None)

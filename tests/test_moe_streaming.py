@@ -25,12 +25,12 @@ import torch
 pytest.importorskip("transformers")
 
 from artifacts import make_model, parity_run, read_tensors  # noqa: E402
-from saved_bytes import saved_bytes  # noqa: E402
+from saved_bytes import layer_inputs, saved_bytes  # noqa: E402
 
 from megatrain_ray.engine.activations import sparse_kept_bytes_per_token  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model import transformer as M  # noqa: E402
-from megatrain_ray.model.layout import LayerTemplate, StoreLayout  # noqa: E402
+from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.model.presets import preset_model  # noqa: E402
 from megatrain_ray.orchestration.device_memory import activation_placement  # noqa: E402
 from megatrain_ray.model.moe import ATTENTION, EXPERT, SHARED_EXPERT  # noqa: E402
@@ -92,12 +92,8 @@ def test_sparse_kept_graph_bytes_bound_what_autograd_saves(shape, dtype):
     saves (tests/saved_bytes.py: counted as test_actplace counts a dense layer's), eagerly on the CPU:
     never less, at most 8% more (the normed input counted once more than it is held)."""
     cfg = dataclasses.replace(preset_model("tiny-moe", 1), **shape)
-    t = LayerTemplate.build(cfg, "layers.0")
-    leaves = {k: v.detach().requires_grad_(True)
-              for k, v in t.bind((torch.randn(t.numel) * 0.02).to(dtype), fused=True).items()}
     b, s = 2, 64
-    x = torch.randn(b, s, cfg.hidden_size, dtype=dtype).requires_grad_(True)
-    rope = M.rope_cache(cfg, s, torch.device("cpu"), dtype)
+    leaves, x, rope = layer_inputs(cfg, dtype, b, s)
     held = saved_bytes(lambda *args: M.routed_layer(*args)[0], leaves, x, rope, cfg) / (b * s)
     assert held <= sparse_kept_bytes_per_token(cfg, dtype.itemsize) <= 1.08 * held
 
