@@ -197,6 +197,21 @@ def _wait(browser, css: str, timeout: float = 120):
     pytest.fail(f"no {css!r} on the page within {timeout:.0f} s:\n{browser.find_element('tag name', 'body').text[:2000]}")
 
 
+def _until_not_stale(act, timeout: float = 120):
+    """``act()``, done again while the page re-renders the elements it found under it (selenium's
+    StaleElementReferenceException: the element was replaced between finding and using it)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return act()
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_the_dashboards_actors_page_lists_the_roles(live_run, tmp_path):
     """In a real browser, as a person does it: open the actors page, give the token the dashboard
     asks for, filter the table by the run id, and find every role of the run by name and label.
@@ -207,15 +222,20 @@ def test_the_dashboards_actors_page_lists_the_roles(live_run, tmp_path):
         with open(TOKEN_FILE) as f:
             token = f.read().strip()
         browser.get(f"{url}/#/actors")
-        _wait(browser, "input[type=password]")[0].send_keys(token)  # "Authentication Token Required"
-        next(b for b in browser.find_elements("tag name", "button") if b.text.strip().upper() == "SUBMIT").click()
-        name = next(lb for lb in _wait(browser, "label[for]") if lb.text.strip() == "Name")  # the table's filters
-        browser.find_element("id", name.get_attribute("for")).send_keys(f"-{run_id}")
+        _until_not_stale(lambda: _wait(browser, "input[type=password]")[0].send_keys(token))  # "Token Required"
+        _until_not_stale(lambda: next(b for b in browser.find_elements("tag name", "button")
+                                      if b.text.strip().upper() == "SUBMIT").click())
+
+        def filter_by_name():  # the table's filters: the input the "Name" label names
+            name = next(lb for lb in _wait(browser, "label[for]") if lb.text.strip() == "Name")
+            browser.find_element("id", name.get_attribute("for")).send_keys(f"-{run_id}")
+
+        _until_not_stale(filter_by_name)
         wanted = {f"{role}-{run_id}": f"{role}: {cls}, node 0" for role, cls in ROLES.items()}
         deadline = time.monotonic() + 120
         text = ""
         while time.monotonic() < deadline:
-            text = browser.find_element("tag name", "body").text
+            text = _until_not_stale(lambda: browser.find_element("tag name", "body").text)
             if all(name in text and label in text for name, label in wanted.items()):
                 break
             time.sleep(1)
@@ -236,7 +256,7 @@ def test_the_dashboard_setting_is_validated_and_said_when_off(ray_cluster):
 
     assert load_config(None, []).cluster.dashboard is True  # on by default
     assert load_config(None, ["cluster.dashboard=false"]).cluster.dashboard is False
-    with pytest.raises(ConfigError, match=r"^runtime\.dashboard must be true or false, got 'maybe'"):
+    with pytest.raises(ConfigError, match=r"^cluster\.dashboard must be true or false, got 'maybe'"):
         load_config(None, ["cluster.dashboard=maybe"])
     endpoint = metrics_endpoint()
     assert re.fullmatch(r"http://[\d.]+:\d+/metrics", endpoint)
