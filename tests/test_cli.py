@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from processes import finish
+
 from megatrain_ray.config import TrainSection
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss ([0-9.]+) \|")
@@ -76,12 +78,7 @@ def test_no_command_is_a_usage_error(tmp_path):
 def test_default_run_trains_and_the_loss_falls(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train"], cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    out, err = finish(proc, 240)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
     # None of Ray's lines that the user cannot act on (token auth stays on, without saying so each run).

@@ -21,6 +21,8 @@ import signal
 
 import pytest
 
+from processes import finish
+
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import corpus_ref
 from megatrain_ray.errors import ConfigError, DataError, MegatrainError
@@ -353,11 +355,8 @@ def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sente
     killer = threading.Thread(target=kill_a_tokenizer_once_tokens_are_written)
     killer.start()
     try:
-        out, _ = proc.communicate(timeout=600)
+        out, _ = finish(proc, 600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
         killer.join()
     assert killed, out[-3000:]
     assert proc.returncode == 2, out[-3000:]

@@ -22,6 +22,8 @@ import tempfile
 import time
 
 import pytest
+
+from processes import finish
 from test_cli import RAY_NOISE  # the Ray lines no run may print
 
 from megatrain_ray.io import checkpoint
@@ -192,12 +194,7 @@ def test_train_joins_the_running_head(head, tmp_path, shm_dir):
                              "--set", "compute.device=cpu", "--set", f"memory.shm_dir={shm_dir}",
                              "--set", f"data.path={corpus}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    stdout, stderr = finish(proc, 300)
     out = stdout + stderr
     assert proc.returncode == 0, out[-4000:]
     m = re.search(r"^joining the Ray cluster already running at (\S+); set cluster.ray_address=local to start a "
