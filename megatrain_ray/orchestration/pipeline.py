@@ -50,7 +50,7 @@ from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, Pipeli
 from ..io import checkpoint, run_lock
 from ..io.resume import continued_run
 from ..model.precision import resolve_device
-from . import calls, cluster, console, preflight, trackers
+from . import calls, cluster, console, metrics_file, preflight, trackers
 from .calls import get as _get
 from .cluster import connect_ray
 from .device_memory import placement_line
@@ -177,7 +177,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         else:
             log.attach(run_dir)
             log(f"run {run_id}: continuing in {run_dir} (metrics, log and checkpoints go on where they are)")
-            _drop_rows(run_dir, start_step)  # steps past the checkpoint are trained again
+            _rows_resumed(run_dir, start_step, log)  # steps past the checkpoint are trained again
         _write_run_config(run_dir, {**cfg.to_dict(), "device": device, "resolved": {"memory.resident": describe_resident(run.resident_layers)}},
                           resume, start_step, in_place)
         checkpoints = checkpoint.CheckpointSettings(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
@@ -276,21 +276,34 @@ def _rewind(result: RunResult, step: int) -> list[int]:
         del values[keep:]
         values.extend([blank] * (keep - len(values)))
     result.val_losses = {s: v for s, v in result.val_losses.items() if s < step}
-    _drop_rows(result.run_dir, step)
+    metrics_file.drop_rows(result.run_dir, step)
     return unreported
 
 
-def _drop_rows(run_dir: str, step: int) -> None:
-    """Remove the rows of ``run_dir``'s metrics.jsonl after ``step`` (updates done), which are trained
-    again; a file whose rows counted steps from 0 (an older run resumed in place) is renumbered first."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        shift = 1 if any(r["step"] == 0 for r in rows) else 0
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps({**r, "step": r["step"] + shift}) + "\n" for r in rows if r["step"] + shift <= step)
-        os.replace(path + ".tmp", path)
+def _rows_resumed(run_dir: str, step: int, log) -> None:
+    """Before a run resumed in place at ``step`` goes on: drop the rows of the steps it trains again
+    (and a row its driver was killed while writing), and name the steps up to ``step`` that have no
+    row (trained, and in the checkpoint, after the driver that would have written them was gone)."""
+    if metrics_file.drop_rows(run_dir, step):
+        log(f"resume: left out the last line of {os.path.join(run_dir, metrics_file.NAME)}, which was cut short "
+            "(the run was stopped while writing it)")
+    missing = metrics_file.missing_steps(run_dir, _first_step(run_dir), step)
+    if missing:
+        which = f"step {missing[0]} has" if len(missing) == 1 else f"steps {metrics_file.spans(missing)} have"
+        log(f"warning: {which} no row in metrics.jsonl: trained and in the checkpoint of step {step}, but their "
+            "stats (loss, grad norm, lr) were lost with the process that ran them.")
+
+
+def _first_step(run_dir: str) -> int:
+    """The step a run directory's first session began from: 0, or its resumed_from checkpoint's step."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            start = json.load(f).get("resumed_from")
+        return checkpoint.read_meta(start)["step"] if start else 0
+    except Exception:  # noqa: BLE001 (that checkpoint is gone: count from the first row there is)
+        path = os.path.join(run_dir, metrics_file.NAME)
+        rows = metrics_file.read(path)[0] if os.path.exists(path) else []
+        return min((int(r["step"]) - 1 for r in rows), default=0)
 
 
 def _write_run_config(run_dir: str, config: dict, resume: str | None, step: int, in_place: bool) -> None:
