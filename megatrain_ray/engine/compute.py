@@ -116,7 +116,7 @@ class ComputeWorker(GroupMember):
         pinned = ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad")
         for kind in pinned:
             if kind in self.store.arrays:
-                self.backend.register_host(self.store.arrays[kind])
+                self.backend.register_host(self.store.arrays[kind], spec.block_starts(kind))
         self.resident = ResidentUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
                                 pinned) if spec.resident else None
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
