@@ -177,6 +177,26 @@ def main(argv: list[str] | None = None) -> int:
             say(f"interrupted: the run was stopped{f' without a checkpoint ({why})' if why else ''} "
                 "and its shared memory removed.")
         return 130
+    finally:
+        calm_exit()
+
+
+def calm_exit() -> None:
+    """Ignore Ctrl-C while the process exits: registered after Ray's own exit handler (``ray.shutdown``,
+    registered when ray is imported), so it runs first, and a Ctrl-C pressed again once the run has
+    ended (its checkpoint saved, its shared memory removed) cannot break Ray's shutdown with an
+    "Exception ignored in atexit callback" traceback. Nothing to do where Ray was not imported."""
+    import atexit
+
+    if "ray" in sys.modules:
+        atexit.unregister(_ignore_interrupts)
+        atexit.register(_ignore_interrupts)
+
+
+def _ignore_interrupts() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _plan(args) -> int:
