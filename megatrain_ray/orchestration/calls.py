@@ -128,3 +128,16 @@ def get(ref, role: str, timeout: float):
                             "(cluster.actor_timeout_s).") from None
     except (ray.exceptions.RayError, MegatrainError) as e:
         raise actor_error(e, role) from None
+
+
+def get_started(ref, role: str, timeout: float):
+    """:func:`get` for a call of the run's start-up (a role's construction, the roles joining each
+    other), bounded by cluster.start_timeout_s and said to be start-up when it is not done in time."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise PipelineError(f"the {role} actor did not finish starting within {timeout:.0f} s of the run's start-up "
+                            f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); raise cluster.start_timeout_s on a busy machine, or see its log in the Ray "
+                            f"dashboard or {ray_logs()}.") from None
+    except (ray.exceptions.RayError, MegatrainError) as e:
+        raise actor_error(e, role) from None

@@ -349,8 +349,8 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     calls.mark_oom_kills()
     nodes = cfg.parallel.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
-    timeout = cfg.cluster.actor_timeout_s
-    active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
+    timeout, start_s = cfg.cluster.actor_timeout_s, cfg.cluster.start_timeout_s
+    active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: calls.get_started(ref, role, start_s))
     roles = spawn_roles(run, specs, spawner, resume, checkpoints, loader)
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
@@ -361,7 +361,7 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
     health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy},
-                    cfg.cluster.health_timeout_s, timeout,  # before the loops start: it asks every role where it runs
+                    cfg.cluster.health_timeout_s, start_s,  # before the loops start: it asks every role where it runs
                     stall_s(roles.pace, timeout), {names[n.queues] for n in roles.nodes if n.queues is not None})
     loops = {h.run.options(name=loop_task(names[h], cls, start, steps)).remote(start, steps): names[h]
              for n in roles.nodes for h, cls in (*((p, "Prefetcher") for p in n.prefetchers), (n.sink, "GradientSink"))}
