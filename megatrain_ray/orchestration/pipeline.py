@@ -233,6 +233,8 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
             return _run(run, spec, run_dir, roles, log, loader, start, resume, checkpoints, val_batch, result)
         except PipelineError as failure:
             console.failed(log)  # Ray's reports of the failed attempt's unread calls: to the run's log only
+            if calls.detail(failure):  # the traceback behind its sentence: to the run's log only
+                console.keep(log, f"{failure}\n{calls.detail(failure)}")
             # A failure that followed from a death (a collective whose peer's node was lost, a fetch that a
             # dead queue host cut short) is that death: found by asking every role, and restarted like it.
             e = failure if isinstance(failure, ActorDied) else roles.dead()
