@@ -48,6 +48,7 @@ from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
+from ..io.lora_checkpoint import check_adapters
 from ..io.resume import continued_run
 from ..model.precision import resolve_device
 from . import calls, cluster, console, metrics_file, preflight, trackers
@@ -127,6 +128,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
     if resume is not None:  # nothing to resume is refused before the data is read
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
+        check_adapters(meta, cfg.lora, resume)  # the adapters it holds, or none, against lora.*
         check_resume_data(meta.get("data") or {}, (meta.get("config") or {}).get("data") or {}, cfg, resume)
     # Read once: every attempt's loaders read this same data (fail on bad data before any actor starts).
     loader, source = run_data(cfg, log, connect_ray)
