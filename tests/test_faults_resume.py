@@ -1,13 +1,25 @@
-"""A resume after the driver was killed: metrics.jsonl read past a row cut short, and the steps whose
-rows were lost named, never left out silently."""
+"""The driver killed: its roles write no checkpoint it did not ask for, and a resume reads
+metrics.jsonl past a row cut short and names the steps whose rows were lost, never leaving them out
+silently."""
 
 import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
 
 import pytest
 
-from megatrain_ray.errors import ConfigError
+from megatrain_ray.config import load_config
+from megatrain_ray.engine.store import ParameterStore
+from megatrain_ray.errors import CheckpointError, ConfigError
+from megatrain_ray.io.checkpoint import CheckpointSettings, step_dirs
+from megatrain_ray.io.writer import CheckpointWriter
 from megatrain_ray.orchestration import metrics_file
 from megatrain_ray.orchestration.pipeline import _rows_resumed
+from megatrain_ray.orchestration.resolve import Facts, resolve
 from megatrain_ray.plot import read_metrics
 
 
@@ -60,3 +72,29 @@ def test_a_run_branched_from_a_checkpoint_counts_its_rows_from_that_step(tmp_pat
     _rows_resumed(str(run), 8, lines.append)
     assert lines == ["warning: step 7 has no row in metrics.jsonl: trained and in the checkpoint of step 8, but "
                      "their stats (loss, grad norm, lr) were lost with the process that ran them."]
+
+
+def test_no_checkpoint_is_written_once_the_driver_is_gone(tmp_path, shm_dir):
+    """The driver killed with -9: its roles run on for a step or two until Ray ends them, and the sink
+    reached a checkpoint boundary meanwhile. Nobody asked for that checkpoint (and no row of its steps
+    was written): it is refused, so a resume starts where the driver's record ends."""
+    cfg = load_config(None, ["compute.device=cpu", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}"])
+    driver = subprocess.Popen([sys.executable, "-c", "pass"])
+    driver.wait()  # its process is gone
+    run = resolve(cfg, Facts("cpu"))
+    settings = CheckpointSettings(str(tmp_path / "checkpoints"), 1, 2, cfg.to_dict(), "r", {})
+    for owner, host in ((driver.pid, socket.gethostname()), (os.getpid(), socket.gethostname()), (driver.pid, "")):
+        store = ParameterStore(run.store_spec(owner, "w-" + uuid.uuid4().hex[:6], host), cfg.train.seed)
+        try:
+            writer = CheckpointWriter(store.store, settings)
+            if owner == driver.pid and host:
+                with pytest.raises(CheckpointError) as info:
+                    writer.save(0)
+                assert str(info.value) == (f"refusing to checkpoint step 0: the run's driver (process {driver.pid}) "
+                                           "is gone, so its roles write no checkpoint it did not ask for.")
+                assert not (tmp_path / "checkpoints").exists() or step_dirs(str(tmp_path / "checkpoints")) == []
+            else:  # the driver alive, or on a machine this one cannot see: written
+                assert os.path.isdir(writer.save(0))
+                shutil.rmtree(tmp_path / "checkpoints")
+        finally:
+            store.close()

@@ -29,8 +29,9 @@ from typing import NamedTuple
 import torch
 
 from ..config import OptimConfig
-from ..errors import PipelineError
+from ..errors import CheckpointError, PipelineError
 from ..io import lora_checkpoint, peft_io
+from ..io.writer import driver_gone
 from ..model.lora import AdapterLayout, dropout_masks
 from ..model.transformer import Params, hf_name
 from .optim import AdamWRunner, clip_coefficient
@@ -169,6 +170,9 @@ class DeviceAdapters:
         if self.version != step:
             raise PipelineError(f"the adapters have {self.version} updates, so the checkpoint of step {step} cannot "
                                 "be written from them.")
+        gone = driver_gone(self.store.spec)
+        if gone:
+            raise CheckpointError(f"refusing to checkpoint step {step}: {gone}.")
         began = time.time()
         path = lora_checkpoint.save(self.checkpoints, step, self.cfg, self.lora, self.host_states())
         return {"checkpoint": path, "step": step, "save_s": time.time() - began, "by": "compute"}

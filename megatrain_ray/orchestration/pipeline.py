@@ -36,6 +36,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 import uuid
 from typing import Any
@@ -161,7 +162,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         run_dir, branch = continued_run(resume, cfg.train.run_dir) if resume is not None else (None, "")
         in_place = run_dir is not None
         run_id = os.path.basename(run_dir) if run_dir else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        spec = run.store_spec(os.getpid(), run_id)
+        spec = run.store_spec(os.getpid(), run_id, socket.gethostname())  # (whose death stops the checkpoints)
         for path in shm.remove_stale(cfg.memory.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
