@@ -305,8 +305,8 @@ def _first_step(run_dir: str) -> int:
         with open(os.path.join(run_dir, "config.json")) as f:
             start = json.load(f).get("resumed_from")
         return checkpoint.read_meta(start)["step"] if start else 0
-    except Exception:  # noqa: BLE001 (that checkpoint is gone: count from the first row there is)
-        path = os.path.join(run_dir, metrics_file.NAME)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, MegatrainError):
+        path = os.path.join(run_dir, metrics_file.NAME)  # that checkpoint is gone: from the first row there is
         rows = metrics_file.read(path)[0] if os.path.exists(path) else []
         return min((int(r["step"]) - 1 for r in rows), default=0)
 
