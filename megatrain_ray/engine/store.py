@@ -128,6 +128,9 @@ class StoreSpec:
     owner_pid: int
     run_id: str
     _: KW_ONLY
+    owner_host: str = ""
+    """The host name of the machine the run's driver (process ``owner_pid``) runs on, "" if unknown: a
+    role on that machine writes no checkpoint once the driver is gone (:func:`~megatrain_ray.io.writer.driver_gone`)."""
     grad_slots: int = 0
     """0: a gradient block per unit; n > 0: a ring of n slots of the largest unit (see the module docstring)."""
     peer_grads: int = 0
