@@ -63,12 +63,26 @@ class RunResult:
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """Hold SIGINT/SIGTERM until the block ends, so a submitted step is always recorded as such."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """Hold SIGINT/SIGTERM until the block ends, so a submitted step is always recorded as such and a
+    step's row and line are written together. The kernel hands a signal to any thread that does not
+    block it (Ray's threads too) and Python runs its handler in the main thread at the next bytecode,
+    so the handlers themselves are swapped for one that notes the signal; the block's end restores
+    them and passes each noted signal to its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    held = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in held.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(noted):
+            if callable(held[s]):
+                held[s](s, None)
+            elif held[s] == signal.SIG_DFL:
+                signal.raise_signal(s)
 
 
 class Driver:
@@ -113,8 +127,8 @@ class Driver:
             for ref, role in list(self.loops.items()):  # the sink's ends with the final checkpoint
                 _get(ref, role, self.timeout)
             self._handle(self.head.stats_q.drain())
-        except KeyboardInterrupt:
-            raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
+        except KeyboardInterrupt as e:  # Ctrl-C's has no text; a SIGTERM's says "signal 15"
+            raise Interrupted(*self._checkpoint_on_interrupt(start, by_sigterm=bool(str(e)))) from None
         except ActorDied:
             self._salvage()
             raise
@@ -310,8 +324,9 @@ class Driver:
             return f" (the steps in about {_duration(steps)}, then the first save)"
         return f" (about {_duration(steps + self.save_s)})"
 
-    def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
-        """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
+    def _checkpoint_on_interrupt(self, start: int, by_sigterm: bool = False) -> tuple[str | None, str]:
+        """Finish the steps in flight, then save the boundary they reach; (path or None, why not).
+        ``by_sigterm``: the interrupt was a SIGTERM (a scheduler, ``ray job stop``), whose repeat waits."""
         if self.checkpoints is None:
             return None, "checkpoints are off"
         if self.cfg.parallel.sharded_optimizer:
@@ -322,8 +337,9 @@ class Driver:
         if boundary <= start:
             return None, "no step had finished"
         _ignore_sigterm()  # a scheduler's repeated SIGTERM waits for the save (its SIGKILL follows anyway)
+        again = "a repeated SIGTERM waits for it" if by_sigterm else "Ctrl-C again to stop without one"
         self.log(f"interrupted: finishing the steps up to {boundary} and saving a checkpoint{self._expected(boundary)} "
-                 "(Ctrl-C again to stop without one)")
+                 f"({again})")
         try:
             for step in sorted(self.submitted):
                 out = _combine([_get(r, "compute", self.timeout) for r in self.submitted.pop(step)])
