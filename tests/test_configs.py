@@ -245,13 +245,21 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
     cfg = load_config(_path("tiny-moe"), [*COMMON, "train.steps=4", f"train.run_dir={tmp_path / 'runs'}",
                                            f"memory.shm_dir={shm_dir}"])
     assert cfg.model.sparse_layers == (1, 2, 3)
-    result, _ = _train_small(cfg, tmp_path)
+    result, lines = _train_small(cfg, tmp_path)
     assert result.losses[-1] < result.losses[0]
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     tokens = cfg.train.seq_len * cfg.train.micro_batch_size * cfg.train.num_micro_batches
     for row in rows:  # every token to 2 of 8 experts in each of the 3 sparse layers
         assert [sum(layer) for layer in row["expert_tokens"]] == [2 * tokens] * 3
         assert all(len(layer) == 8 for layer in row["expert_tokens"]) and 0 < row["aux_loss"] < row["loss"]
+        # the imbalance and the idle experts per sparse layer, named by decoder layer, beside the counts
+        assert row["expert_layers"] == [1, 2, 3]
+        assert row["expert_imbalance"] == [pytest.approx(max(c) / (sum(c) / 8), abs=1e-4) for c in row["expert_tokens"]]
+        assert row["expert_idle"] == [[e for e, n in enumerate(c) if n == 0] for c in row["expert_tokens"]]
+    # and on the terminal: each step's line ends with the worst layer's imbalance and the idle experts
+    steps = [line for line in lines if re.match(r"step\s+\d+/", line)]
+    assert len(steps) == 4 and all(re.search(r"\| experts: imbalance \d+\.\d\d \(layer [123]\), "
+                                             r"(none idle|idle \d+ \(layer [123]: )", line) for line in steps), steps
     assert transformers.AutoConfig.from_pretrained(result.final_dir).model_type == "qwen3_moe"
     # plot: the layer x expert load heatmap and the imbalance per step, from those counts
     import matplotlib.pyplot as plt
@@ -266,6 +274,7 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
     try:
         heat, line = figs["experts.png"].axes[:2]
         assert heat.images[0].get_array().shape == (3, 8)
+        assert [t.get_text() for t in heat.get_yticklabels()] == ["1", "2", "3"]  # the model's sparse layers
         assert [len(ln.get_xdata()) for ln in line.get_lines()[:2]] == [4, 4]
     finally:
         for fig in figs.values():

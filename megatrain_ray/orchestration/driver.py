@@ -27,6 +27,7 @@ from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..engine.resident import checkpoint_due, sync_due
 from ..io import checkpoint
 from ..io.files import replacing
+from . import expert_load
 from .calls import get as _get
 from .labels import step_task
 from .metrics import RunMetrics
@@ -303,6 +304,7 @@ class Driver:
                **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
                **({"val_loss": out["val_loss"]} if "val_loss" in out else {}),
                **{k: out[k] for k in ROUTING_KEYS if k in out},
+               **expert_load.fields(self.cfg.model.sparse_layers, out.get("expert_tokens")),
                **({"workers": out["workers"]} if "workers" in out else {})}
         self.step_s = out["step_s"]
         self.metrics_file.write(json.dumps(row) + "\n")
@@ -312,7 +314,8 @@ class Driver:
         if step % self.cfg.train.log_every == 0 or step == self.steps - 1 or "val_loss" in out:
             val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
-                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}")
+                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}"
+                     f"{expert_load.summary(row)}")
 
     def _expected(self, boundary: int) -> str:
         """How long the interrupt takes: the steps still to finish at the pace of the last, and a save as
