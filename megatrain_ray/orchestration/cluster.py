@@ -42,6 +42,7 @@ import socket
 import sys
 
 from ..errors import ConfigError, PipelineError
+from ..progress import still
 from . import console, grafana
 
 DASHBOARD_HOST = "127.0.0.1"
@@ -132,7 +133,9 @@ def connect(cluster, log=print) -> None:
                 log(f"Ray dashboard: not started, its packages are missing ({missing}); install ray[default] "
                     "for it, or set cluster.dashboard=false to skip it")
             had_token = os.path.exists(os.path.expanduser(TOKEN_FILE))
-            with ray_in_own_session():
+            log("Ray: starting a private Ray on this machine for the run (its processes take a while to start "
+                "on a small or busy machine)")
+            with ray_in_own_session(), still(log, "Ray: starting"):
                 ctx = ray.init(address="local", object_store_memory=cluster.object_store_memory,
                                include_dashboard=cluster.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
                                log_to_driver=True)

@@ -27,10 +27,12 @@ from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..engine.resident import checkpoint_due, sync_due
 from ..io import checkpoint
 from ..io.files import replacing
+from ..progress import Eta
 from . import expert_load
 from .calls import get as _get
 from .labels import step_task
 from .metrics import RunMetrics
+from .step_notes import StepNotes
 from .roles import Roles
 
 
@@ -111,9 +113,10 @@ class Driver:
         self.step_s: float | None = None
         """Wall time of the last step logged, and of the last checkpoint save (for the interrupt's estimate)."""
         self.save_s: float | None = None
-        self.steady: tuple[float, int] | None = None
-        """(time, steps done) at the end of the first step this driver logged: the ETA is timed from
-        there, leaving out the first step's compile and warm-up."""
+        self.eta = Eta()
+        """The time left, from the pace of the steps logged after the first (compile and warm-up)."""
+        self.notes = StepNotes(log, self.steps, self.head.fetch_qs[0] if self.head.fetch_qs else None)
+        """The lines while a long step runs."""
 
     def run(self, batch_ref, start: int) -> RunResult:
         self.start = start
@@ -193,6 +196,7 @@ class Driver:
             done, _ = ray.wait([*(r for r in refs if r not in outs), *self.loops], num_returns=1, timeout=1.0)
             if self.health is not None:
                 self.health.check()  # the idle roles (store, loaders, queues): dead or hung?
+            self.notes.waiting(step)
             for r in done:
                 if r in self.loops:  # a loop ended early: fine if it finished its work, else its error is raised
                     _get(r, self.loops.pop(r), self.timeout)
@@ -212,6 +216,7 @@ class Driver:
         self.result.losses.append(out["loss"])
         self.result.fetches.append(out["fetches"])
         self.outputs[step] = out
+        self.notes.ended(out)
         if "checkpoint" in out:  # a LoRA run's, written by the compute worker (engine.adapters)
             self._handle([out.pop("checkpoint")])
 
@@ -285,17 +290,9 @@ class Driver:
         spans = out["spans"] + stats["spans"]
         r.timeline, r.last_spans = r.last_spans + spans, spans
         now = time.perf_counter()
-        elapsed, done = now - self.clock, step + 1 - r.start_step
-        if self.steady is None:
-            self.steady = (now, done)
-        since, steady_done = self.steady
-        left = self.steps - step - 1
-        if not left:
-            eta = 0.0
-        elif done > steady_done:
-            eta = (now - since) / (done - steady_done) * left  # at the pace of the steps since the first
-        else:
-            eta = None  # the first step's compile and warm-up say nothing of the pace to come
+        elapsed = now - self.clock
+        self.eta.step(now, out["step_s"])
+        eta = self.eta.left_s(self.steps - step - 1)  # None after the first step: its pace is not the run's
         row = {"step": step + 1, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
