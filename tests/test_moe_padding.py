@@ -6,8 +6,8 @@ stays out of the loss's f, P and row count.
   ``aux_loss`` of the same padded batch with that mask, which differs from the loss without it (so
   the padding matters in this test).
 - End to end: padded SFT rows (pre-tokenized, with a prompt and a response) through the compute
-  worker (single-process driver, fp32 CPU; sparse layers recomputed and kept whole): the batch carries the attention mask, and step 0's
-  ``aux_loss`` is router_aux_loss_coef x the mean over micro-batches of transformers' aux_loss of each
+  worker (single-process driver, fp32 CPU; sparse layers recomputed and kept whole): the batch
+  carries the attention mask, and step 0's ``aux_loss`` is router_aux_loss_coef x the mean over micro-batches of transformers' aux_loss of each
   micro-batch with its attention mask.
 """
 

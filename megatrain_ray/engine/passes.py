@@ -137,8 +137,8 @@ class KeptRouted(Kept):
     takes the load-balancing loss's gradient through them, as :class:`Routed`'s recompute does."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.routed_ctx, s.cfg, w.adapters, w.frozen,
-                                   w.dropout)
+        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.routed_ctx, s.cfg, w.adapters,
+                                   w.frozen, w.dropout)
         ys, stats = zip(*graph.outputs)
         graph.outputs = [(y, st.prob_sum) for y, st in zip(ys, stats)]  # what the backward differentiates
         s.routing.record(layer, [replace(st, prob_sum=st.prob_sum.detach()) for st in stats])

@@ -5,9 +5,10 @@ name means one model wherever it is used: ``tiny`` is what ``megatrain-ray train
 arguments (``configs/tiny.yaml``'s model: 2 layers, hidden 64, byte-level, 134 K parameters);
 ``small`` (4 layers, hidden 256, a 4,096-token vocabulary: 5 M parameters) for smoke runs, and
 ``small-moe`` of the same width, a Qwen3-MoE whose every layer has 8 experts, top-2; ``1b`` the
-Llama 3.2 1B shape, ``3b`` and ``7b``, ``14b``, ``32b`` the Qwen2.5 3B, 7B, 14B and 32B shapes (``--layers`` makes a shorter model of the same width, e.g. a ~20B model at
-the 32B width with 38 layers). Larger mixtures of experts: ``qwen3-30b-a3b`` (48 layers of 128 experts,
-top-8; 30.5B parameters, 3.3B active) and ``mixtral-8x7b`` (32 layers of 8 experts, top-2; 46.7B,
+Llama 3.2 1B shape, ``3b`` and ``7b``, ``14b``, ``32b`` the Qwen2.5 3B, 7B, 14B and 32B shapes
+(``--layers`` makes a shorter model of the same width, e.g. a ~20B model at the 32B width with 38
+layers). Larger mixtures of experts: ``qwen3-30b-a3b`` (48 layers of 128 experts, top-8; 30.5B
+parameters, 3.3B active) and ``mixtral-8x7b`` (32 layers of 8 experts, top-2; 46.7B,
 12.9B active), whose ``--layers`` cuts keep every layer's experts (12 of Qwen3-30B-A3B's 48 layers:
 8.1B).
 """
