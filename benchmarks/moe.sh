@@ -6,7 +6,7 @@
 # does a sparse layer cross the link as fast as a dense layer of the same bytes (part "link",
 # benchmarks/moe_link.py: h2d and d2h GB/s of one layer's copies, every expert routed and some idle)?
 #   bash benchmarks/moe.sh OUT [PARTS]   # one H200, 128 GiB; PARTS: any of "link qwen3 qwen3-8bit mixtral resident"
-#   SMOKE=1 bash benchmarks/moe.sh OUT   # the CPU, the tiny-moe preset, a resident run of 1 layer
+#   SMOKE=1 bash benchmarks/moe.sh OUT   # the CPU, the small-moe preset, a resident run of 1 layer
 # Writes OUT/bench-<tag>.json (megatrain-ray bench: s/step, tokens/s, TFLOPS as 6·N_active·T and PaLM,
 # GPU busy, link GB/s each way, the CPU update's time, host B/param), OUT/resident-<tag>.json,
 # OUT/plan-qwen3-8bit.txt and OUT/moe-link-<preset>.json. Each bench run is its own command: BUDGET
@@ -15,12 +15,12 @@ source "$(dirname "$0")/lib.sh"
 parts=${2:-link qwen3 qwen3-8bit mixtral resident}
 rc=0
 if smoke; then
-  bench moe-tiny 300 --preset tiny-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
+  bench moe-tiny 300 --preset small-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
     --set compute.device=cpu
-  run resident-tiny 300 python3 benchmarks/moe_resident.py --preset tiny-moe --layers 1 --tokens 1024 --seq-len 128 \
+  run resident-tiny 300 python3 benchmarks/moe_resident.py --preset small-moe --layers 1 --tokens 1024 --seq-len 128 \
     --micro-batches 2 --steps 2 --device cpu --tag tiny --out "$out" || rc=$?
   grep "^resident" "$out/log_resident-tiny.txt"
-  run moe-link-tiny 120 python3 benchmarks/moe_link.py --preset tiny-moe --device cpu --reps 3 --out "$out" || rc=$?
+  run moe-link-tiny 120 python3 benchmarks/moe_link.py --preset small-moe --device cpu --reps 3 --out "$out" || rc=$?
   grep "^link\|^every" "$out/log_moe-link-tiny.txt"
   stamp done; exit $rc
 fi

@@ -14,7 +14,7 @@ copied whole:
 Prints one line per case (GB/s, copies, and the ratio to the dense copy) and writes
 OUT/moe-link-<tag>.json. The question's bar: every expert routed within 5% of dense.
   python3 benchmarks/moe_link.py --preset qwen3-30b-a3b --out OUT          # one GPU
-  python3 benchmarks/moe_link.py --preset tiny-moe --device cpu --out OUT  # the CPU (smoke)
+  python3 benchmarks/moe_link.py --preset small-moe --device cpu --out OUT  # the CPU (smoke)
 """
 
 from __future__ import annotations

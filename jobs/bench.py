@@ -1,6 +1,6 @@
 """Ray job entry point: the same as ``megatrain-ray bench`` (see :mod:`megatrain_ray.bench`).
 
-    ray job submit --working-dir . -- python jobs/bench.py --preset 7b --steps 5 --baseline --out bench-out
+    ray job submit --address $ADDRESS --working-dir . -- python jobs/bench.py --preset 7b --steps 5 --out bench-out
 
 (the cluster started as in jobs/train.py). Under ``ray job submit`` RAY_ADDRESS is set, so the
 pipeline joins that cluster; a relative ``--out`` is taken from ~/megatrain-ray on the node the

@@ -2,8 +2,9 @@
 
     export RAY_AUTH_MODE=token                    # token authentication on (Ray 2.60)
     ray get-auth-token --generate > /dev/null     # once: ~/.ray/auth_token, if there is none
-    ray start --head --dashboard-host=127.0.0.1
-    ray job submit --working-dir . -- python jobs/train.py --config my_run.yaml --set train.steps=100
+    ADDRESS=$(python jobs/head.py start)          # a head on free ports, beside any other Ray
+    ray job submit --address $ADDRESS --working-dir . -- python jobs/train.py --config my_run.yaml --set train.steps=100
+    python jobs/head.py stop                      # this head only
 
 Under ``ray job submit`` RAY_ADDRESS is set, so the run joins that cluster instead of starting one.
 The job runs in Ray's temporary copy of the working directory, so a relative train.run_dir is

@@ -1,12 +1,17 @@
 """Benchmark: what a run of this model does on this machine (s/step, tokens/s, TFLOPS, memory).
 
+    megatrain-ray bench                                            # a GPU: the 1b preset; no GPU: the tiny one, ~1 min
     megatrain-ray bench --preset 7b --steps 5 --out OUT
     megatrain-ray bench --config run.yaml --steps 5 --out OUT      # the model and execution sections of a run config
     megatrain-ray bench --model path/to/hf_model --set model.num_hidden_layers=8 --out OUT
     megatrain-ray bench --preset 7b --gpus 1,2 --out OUT           # 1 and 2 GPUs in one call
 
-The model is a preset, a run config's (its model, optim and execution sections; random weights) or
-a Hugging Face config.json's, then ``--layers`` and ``--set`` overrides; the parameter count and
+The model is a preset (:mod:`megatrain_ray.model.presets`; ``tiny`` is the model ``train`` runs with
+no arguments), a run config's (its model, optim and execution sections; random weights) or a
+Hugging Face config.json's, then ``--layers`` and ``--set`` overrides. What is not given follows the
+machine (:data:`DEFAULTS`): with a GPU, the 1b preset at 65,536 tokens a step (4 micro-batches of
+16 x 1024, the README's Performance table's shape); without one, the tiny preset at train's tiny step
+(1,024 tokens: 2 micro-batches of 8 x 64), which finishes in about a minute on a small CPU; the parameter count and
 the random tokens' vocabulary are those of the final config. Runtime settings not given keep the
 library's defaults, so ``train`` with the same config runs what the benchmark measured.
 
@@ -41,6 +46,12 @@ from .model.presets import PRESETS, preset_model
 from .hostmem import HostMemoryPeak
 from .orchestration.preflight import guess_device
 
+DEFAULTS = {"cuda": dict(preset="1b", tokens=65536, seq_len=1024, micro_batches=4),
+            "cpu": dict(preset="tiny", tokens=1024, seq_len=64, micro_batches=2)}
+"""What the benchmark runs when its arguments do not say, per device (compute.device, or the GPU
+this machine has): the model when neither --preset, --config nor --model is given, and the step shape."""
+
+
 def base_sections(preset: str | None, config: str | None, model_dir: str | None, layers: int | None) -> dict:
     """The config sections a benchmark starts from: a preset's model; a run config's model, optim and
     the sections of how it executes (its train.init_from's shape, with random weights; its train and
@@ -53,7 +64,7 @@ def base_sections(preset: str | None, config: str | None, model_dir: str | None,
     elif model_dir is not None:
         base = {"model": dataclasses.asdict(read_config(model_dir, "--model")[0])}
     else:
-        base = {"model": dataclasses.asdict(preset_model(preset or "1b"))}
+        base = {"model": dataclasses.asdict(preset_model(preset or DEFAULTS["cuda"]["preset"]))}
     if layers:
         base["model"]["num_hidden_layers"] = layers
     return base
@@ -179,15 +190,17 @@ def format_systems(systems: dict[str, dict]) -> str:
 def parser() -> argparse.ArgumentParser:
     """The command's options (benchmarks/compare.py adds its comparisons to them)."""
     ap = argparse.ArgumentParser(prog="megatrain-ray bench", description=__doc__.split("\n")[0])
-    what = ap.add_argument_group("what to benchmark (one of; default --preset 1b)")
+    what = ap.add_argument_group("what to benchmark (one of; default --preset 1b with a GPU, tiny without)")
     what.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model shape")
     what.add_argument("--config", help="a run config (YAML): its model, optim and execution sections, random weights")
     what.add_argument("--model", metavar="HF_MODEL_DIR", help="a Hugging Face model directory: its config.json's shape")
     ap.add_argument("--layers", type=int, default=None, help="override the model's number of decoder layers")
-    ap.add_argument("--tokens", type=int, default=65536, help="tokens per optimizer step")
-    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: 1024)")
-    ap.add_argument("--micro-batches", type=int, default=4,
-                    help="micro-batches per step, each of --tokens / (--seq-len x this) sequences (default: 4)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per optimizer step (default: 65536 with a GPU, 1024 without)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 with a GPU, 64 without)")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="micro-batches per step, each of --tokens / (--seq-len x this) sequences "
+                         "(default: 4 with a GPU, 2 without)")
     ap.add_argument("--steps", type=int, default=5,
                     help="optimizer steps to time; the first ones warm up and are left out (default: 5)")
     ap.add_argument("--gpus", default="1", metavar="N[,N...]",
@@ -232,13 +245,20 @@ def setup(args: argparse.Namespace) -> Bench:
     """Resolve the arguments; every error is raised here, before any work or output."""
     from .orchestration.cluster import job_path
 
+    device = guess_device(load_config(None, [s for s in args.set if s.startswith("compute.device=")]))
+    defaults = DEFAULTS["cuda" if device == "cuda" else "cpu"]
+    if args.preset is None and args.config is None and args.model is None:
+        args.preset = defaults["preset"]
+    for key in ("tokens", "seq_len", "micro_batches"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
     base = base_sections(args.preset, args.config, args.model, args.layers)
     extra = [*([f"memory.buffer_depth={args.buffer_depth}"] if args.buffer_depth else []),
              *([f"precision.master_dtype={args.master_dtype}"] if args.master_dtype else []),
              *([f"optim.max_grad_norm={args.max_grad_norm}"] if args.max_grad_norm is not None else []), *args.set]
     shape = (args.tokens, args.seq_len, args.micro_batches, args.steps)
     model = bench_config(base, *shape, None, extra).model
-    preset = args.preset or (None if args.config or args.model else "1b")
+    preset = args.preset
     name = args.tag or preset or (os.path.splitext(os.path.basename(args.config))[0] if args.config
                                   else os.path.basename(os.path.normpath(args.model)))
     args.out = job_path(args.out, "--out")

@@ -85,8 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a run's (or checkpoint's) weights as a Hugging Face model "
                             "directory: sharded safetensors, config.json, tokenizer",
                             description="Write a run's (or checkpoint's) weights as a Hugging Face model directory "
-                                        "(sharded safetensors, config.json, generation_config.json, tokenizer) that "
-                                        "transformers' from_pretrained loads.")
+                                        "(sharded safetensors, config.json, the tokenizer) that transformers' "
+                                        "from_pretrained loads; also generation_config.json where the run's base "
+                                        "model (train.init_from) has one or the tokenizer's chat template ends a "
+                                        "turn with a token other than EOS (a run from scratch with the built-in "
+                                        "byte-level tokenizer has none: config.json names its EOS).")
     export.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run directory (its final weights, else its newest checkpoint) or a checkpoint "
                              "directory; a LoRA run's checkpoint is exported as the base with its adapters merged "

@@ -11,8 +11,10 @@
 - ``timeline.png``: the spans of the run's last two steps, one row per stage (when the run
   finished and wrote timeline.json);
 - ``experts.png`` (a mixture of experts): the load of each expert of each sparse layer over the run
-  (tokens it received / the mean of its layer; 1 is a perfect balance), a layer x expert heatmap, and
-  each step's imbalance (max / mean tokens per expert, the worst and the median layer).
+  (tokens it received / the mean of its layer; 1 is a perfect balance), a heatmap of sparse layers
+  (named by their decoder layer index) x experts, an expert that received no token in the whole run
+  marked with a red x; each step's imbalance (max / mean tokens per expert, the worst and the median
+  layer) and its idle experts (no token in that step, all sparse layers together).
 
 Each plotted series is a Ray gauge of :mod:`megatrain_ray.orchestration.metrics` (:data:`GAUGES`),
 so the plots and the Grafana dashboard (megatrain_ray/dashboards/megatrain.json) show the same numbers
@@ -31,6 +33,7 @@ import os
 
 from .errors import ConfigError
 from .orchestration import metrics_file
+from .orchestration.expert_load import idle, imbalance
 from .orchestration.gauges import STAGES, UNITS
 
 GAUGES = {"loss": "loss", "val_loss": "val_loss", "lr": "learning_rate", "tokens_per_s": "tokens_per_s",
@@ -178,7 +181,8 @@ def figures(run_dir: str) -> dict:
 
     routed = [(r["step"], r["expert_tokens"]) for r in rows if r.get("expert_tokens")]
     if routed:
-        out["experts.png"] = _experts_figure(plt, routed)
+        layers = next((r["expert_layers"] for r in reversed(rows) if r.get("expert_layers")), None)
+        out["experts.png"] = _experts_figure(plt, routed, layers or _sparse_layers(run_dir, len(routed[-1][1])))
 
     timeline = os.path.join(run_dir, "timeline.json")
     spans = []
@@ -211,27 +215,52 @@ def expert_load(routed: list[tuple[int, list[list[int]]]]) -> tuple[list[list[fl
     totals = [[sum(step[layer][e] for _, step in routed) for e in range(len(routed[0][1][layer]))]
               for layer in range(layers)]
     load = [[t / max(sum(row) / len(row), 1e-9) for t in row] for row in totals]
-    imbalance = [[max(c) / max(sum(c) / len(c), 1e-9) for c in step] for _, step in routed]
-    return load, imbalance
+    return load, [[imbalance(c) for c in step] for _, step in routed]
 
 
-def _experts_figure(plt, routed):
-    """The load heatmap (sparse layer x expert) and the imbalance per step (see the module docstring)."""
-    load, imbalance = expert_load(routed)
+def _sparse_layers(run_dir: str, count: int) -> list[int]:
+    """The decoder layer index of each sparse layer, from the run's config.json (rows written before
+    they carried ``expert_layers``), else 0..count-1."""
+    try:
+        from .config import ModelConfig
+
+        with open(os.path.join(run_dir, "config.json")) as f:
+            layers = list(ModelConfig(**json.load(f)["model"]).sparse_layers)
+    except Exception:  # noqa: BLE001 (an unreadable or older config: positions instead of indices)
+        return list(range(count))
+    return layers if len(layers) == count else list(range(count))
+
+
+def _experts_figure(plt, routed, layers: list[int]):
+    """The load heatmap (sparse layer x expert, idle experts marked), the imbalance and the idle experts
+    per step (see the module docstring); layers: the decoder layer index of each sparse layer."""
+    load, ratios = expert_load(routed)
     fig, (heat, line) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     image = heat.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+    heat.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    experts = len(load[0])
+    heat.set_xticks(range(0, experts, max(1, experts // 16)))
+    never = [(e, i) for i, row in enumerate(load) for e in idle(row)]
+    if never:
+        heat.scatter(*zip(*never), marker="x", color="red", s=40, label="no token in the run")
+        heat.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     heat.set_xlabel("expert")
-    heat.set_ylabel("sparse layer")
+    heat.set_ylabel("decoder layer (sparse)")
     heat.set_title("load over the run (tokens / layer mean)")
     fig.colorbar(image, ax=heat)
     steps = [s for s, _ in routed]
-    line.plot(steps, [max(layers) for layers in imbalance], color="tab:red", label="worst layer")
-    line.plot(steps, [sorted(layers)[len(layers) // 2] for layers in imbalance], color="tab:blue", label="median layer")
+    line.plot(steps, [max(layers) for layers in ratios], color="tab:red", label="worst layer")
+    line.plot(steps, [sorted(layers)[len(layers) // 2] for layers in ratios], color="tab:blue", label="median layer")
     line.axhline(1.0, color="grey", linewidth=0.8)
     line.set_xlabel("step")
     line.set_ylabel("imbalance (max / mean tokens per expert)")
-    line.set_title("imbalance per step")
-    _legend_below(line, line.get_lines()[:2])
+    line.set_title("imbalance and idle experts per step")
+    idle_axis = line.twinx()
+    idle_axis.plot(steps, [sum(len(idle(c)) for c in step) for _, step in routed], color="tab:grey",
+                   linestyle=":", label="idle experts (no token)")
+    idle_axis.set_ylabel("idle experts (all sparse layers)")
+    idle_axis.set_ylim(bottom=0)
+    _legend_below(line, [*line.get_lines()[:2], *idle_axis.get_lines()])
     return fig
 
 

@@ -78,6 +78,38 @@ def test_comparisons_only_through_the_benchmarks_harness(capsys):
         compare.parser()._option_string_actions)
 
 
+def test_preset_tiny_is_the_model_train_runs_without_arguments():
+    """One meaning per name: bench's ``tiny`` is train's built-in tiny (configs/tiny.yaml's model),
+    not another shape of the same name."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trains = load_config(os.path.join(repo, "configs", "tiny.yaml")).model
+    assert trains == load_config(None).model
+    assert dataclasses.replace(presets.preset_model("tiny"), max_position_embeddings=2048) == trains
+    assert "tiny-moe" not in presets.PRESETS  # configs/tiny-moe.yaml's name; the preset of that width is small-moe
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", ("tiny", 1024, 64, 2)), ("cuda", ("1b", 65536, 1024, 4))])
+def test_bench_defaults_follow_the_device(device, expected, tmp_path):
+    """With nothing said, a GPU benchmarks the 1b preset at the Performance table's step; the CPU the
+    tiny preset at train's tiny step (about a minute); what is said is kept."""
+    b = bench.setup(bench.parser().parse_args(["--set", f"compute.device={device}", "--out", str(tmp_path)]))
+    assert (b.preset, *b.shape[:3]) == expected and b.shape[3] == 5
+    assert b.report["params"] == presets.model_params(expected[0])
+    b = bench.setup(bench.parser().parse_args(["--preset", "small", "--seq-len", "32", "--set",
+                                               f"compute.device={device}", "--out", str(tmp_path)]))
+    assert (b.preset, *b.shape[:3]) == ("small", expected[1], 32, expected[3])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's defaults")
+def test_bench_without_arguments_on_the_cpu_runs_trains_tiny_step(ray_cluster, tmp_path, shm_dir):
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--out", str(out), "--set", f"memory.shm_dir={shm_dir}"]) == 0
+    report = json.loads((out / "bench-tiny.json").read_text())
+    assert report["preset"] == "tiny" and report["tokens_per_step"] == 1024
+    assert report["params"] == StoreLayout.build(load_config(None).model).num_params
+    assert len(report["systems"]["megatrain_ray"]["losses"]) == 5
+
+
 SMALL_STEP = ["--tokens", "512", "--seq-len", "64", "--micro-batches", "2", "--steps", "2"]
 
 

@@ -110,7 +110,10 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     # The dashboard's address is shown once; the Grafana provisioning path only in the run's log file,
     # which also keeps every line shown.
     assert out.count("Ray dashboard: http") == 1 and "Grafana" not in out + err
+    # Ray's start-up is said before it begins (it takes a while on a small machine), not after
+    assert out.index("Ray: starting a private Ray on this machine") < out.index("Ray dashboard: http")
     log = (run_dir / "train.log").read_text()
+    assert "\x1b[" not in log  # Ray's colour codes stay on the terminal
     assert "Grafana: the pipeline's dashboard is provisioned" in log
     assert all(line in log for line in out.splitlines() if line.startswith(("step", "done:")))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

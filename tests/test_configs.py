@@ -86,15 +86,15 @@ def _replacements(name: str, files: dict) -> list[str]:
         values["train.init_from"] = files["hf"]
         values["data.tokenizer"] = files["tokenizer"]
     keys = _replaced_keys(name)
-    if name in SFT:
-        keys.add("data.tokenizer")  # not in the file: init_from's tokenizer; see user_files
+    if name in SFT and "train.init_from" in keys:
+        keys.add("data.tokenizer")  # the user's model comes without one; see user_files
     return [f"{k}={values[k]}" for k in sorted(keys)]
 
 
 def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
     assert _replaced_keys("tiny") == _replaced_keys("tiny-moe") == set()
-    assert _replaced_keys("text-pretrain") == {"data.path", "data.tokenizer", "model.vocab_size"}
-    assert _replaced_keys("alpaca-sft") == _replaced_keys("lora-sft") == {"data.path", "train.init_from"}
+    # these run as written, on the example files of configs/examples (tests/test_examples.py)
+    assert _replaced_keys("text-pretrain") == _replaced_keys("alpaca-sft") == _replaced_keys("lora-sft") == set()
     assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == _replaced_keys("long-context-512k") == {
         "data.path", "data.tokenizer"}
     assert sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".yaml")) == sorted(NAMES)
@@ -245,13 +245,21 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
     cfg = load_config(_path("tiny-moe"), [*COMMON, "train.steps=4", f"train.run_dir={tmp_path / 'runs'}",
                                            f"memory.shm_dir={shm_dir}"])
     assert cfg.model.sparse_layers == (1, 2, 3)
-    result, _ = _train_small(cfg, tmp_path)
+    result, lines = _train_small(cfg, tmp_path)
     assert result.losses[-1] < result.losses[0]
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     tokens = cfg.train.seq_len * cfg.train.micro_batch_size * cfg.train.num_micro_batches
     for row in rows:  # every token to 2 of 8 experts in each of the 3 sparse layers
         assert [sum(layer) for layer in row["expert_tokens"]] == [2 * tokens] * 3
         assert all(len(layer) == 8 for layer in row["expert_tokens"]) and 0 < row["aux_loss"] < row["loss"]
+        # the imbalance and the idle experts per sparse layer, named by decoder layer, beside the counts
+        assert row["expert_layers"] == [1, 2, 3]
+        assert row["expert_imbalance"] == [pytest.approx(max(c) / (sum(c) / 8), abs=1e-4) for c in row["expert_tokens"]]
+        assert row["expert_idle"] == [[e for e, n in enumerate(c) if n == 0] for c in row["expert_tokens"]]
+    # and on the terminal: each step's line ends with the worst layer's imbalance and the idle experts
+    steps = [line for line in lines if re.match(r"step\s+\d+/", line)]
+    assert len(steps) == 4 and all(re.search(r"\| experts: imbalance \d+\.\d\d \(layer [123]\), "
+                                             r"(none idle|idle \d+ \(layer [123]: )", line) for line in steps), steps
     assert transformers.AutoConfig.from_pretrained(result.final_dir).model_type == "qwen3_moe"
     # plot: the layer x expert load heatmap and the imbalance per step, from those counts
     import matplotlib.pyplot as plt
@@ -266,6 +274,7 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
     try:
         heat, line = figs["experts.png"].axes[:2]
         assert heat.images[0].get_array().shape == (3, 8)
+        assert [t.get_text() for t in heat.get_yticklabels()] == ["1", "2", "3"]  # the model's sparse layers
         assert [len(ln.get_xdata()) for ln in line.get_lines()[:2]] == [4, 4]
     finally:
         for fig in figs.values():
@@ -281,9 +290,9 @@ def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_clu
     result, lines = _train_small(cfg, tmp_path)
     assert sorted(result.val_losses) == [0, 2]
     said = "\n".join(lines) + "\n" + capsys.readouterr().out  # the run's log, or the console where it printed
-    assert re.search(r"^data: tokenized data.path .* train tokens, [1-9][\d,]* val tokens\)$", said, re.M), said
+    assert re.search(r"^data: tokenized the built-in corpus .* train tokens, [1-9][\d,]* val tokens\)$", said, re.M), said
     final = json.load(open(os.path.join(result.final_dir, "config.json")))
-    tok = transformers.AutoTokenizer.from_pretrained(user_files["tokenizer"])
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(CONFIGS, "examples", "tokenizer"))
     assert final["eos_token_id"] == tok.eos_token_id
     assert os.path.isfile(os.path.join(result.final_dir, "tokenizer.json"))
 
@@ -294,9 +303,9 @@ def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user
         *_replacements("alpaca-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
         "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
         f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
-    assert cfg.model.model_type == "qwen2" and cfg.model.vocab_size == user_files["vocab"]  # from init_from
+    assert cfg.model.model_type == "qwen2" and cfg.model.vocab_size == 384  # from init_from, the example model
     result, _ = _train_small(cfg, tmp_path)
-    assert sorted(result.val_losses) == [0]
+    assert sorted(result.val_losses) == [0, 1]  # every 2 steps, and the last
     loaded = transformers.AutoModelForCausalLM.from_pretrained(result.final_dir)
     assert type(loaded).__name__ == "Qwen2ForCausalLM"
 
@@ -310,8 +319,8 @@ def test_lora_sft_trains_adapters_that_peft_loads(tmp_path, ray_cluster, shm_dir
         f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     assert cfg.lora.rank == 16 and cfg.lora.scaling == 2.0
     result, _ = _train_small(cfg, tmp_path)
-    assert sorted(result.val_losses) == [0]
-    base = transformers.AutoModelForCausalLM.from_pretrained(user_files["hf"])
+    assert sorted(result.val_losses) == [0, 1]  # every 2 steps, and the last
+    base = transformers.AutoModelForCausalLM.from_pretrained(cfg.train.init_from, dtype=torch.float32)
     tuned = peft.PeftModel.from_pretrained(base, os.path.join(result.run_dir, "adapter"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(result.final_dir)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])

@@ -13,7 +13,8 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatrain_ray")
 
 LAYERS = [
-    ("config", ("megatrain_ray", "megatrain_ray.config", "megatrain_ray.errors", "megatrain_ray.yaml_strict")),
+    ("config", ("megatrain_ray", "megatrain_ray.config", "megatrain_ray.errors", "megatrain_ray.yaml_strict",
+                "megatrain_ray.progress")),
     ("model", ("megatrain_ray.model",)),
     ("data", ("megatrain_ray.data",)),
     ("io", ("megatrain_ray.io",)),

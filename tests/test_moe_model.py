@@ -129,7 +129,7 @@ def test_aux_loss_and_its_layerwise_gradient_match_transformers(arch, tmp_path):
 
     # The layer-by-layer gradient (f fixed, as a count) is autograd's of the whole loss.
     probs = [torch.randn(32, cfg.num_experts).softmax(-1).requires_grad_(True) for _ in stats]
-    made = [moe.RouterStats(s.counts, p.sum(0), s.rows) for s, p in zip(stats, probs)]
+    made = [moe.RouterStats(s.counts, p.sum(0), s.rows, s.assigned) for s, p in zip(stats, probs)]
     whole = torch.autograd.grad(moe.aux_loss(made, cfg.num_experts), probs)
     total = torch.stack([s.counts for s in made]).sum(0)
     rows = sum(s.rows for s in made)

@@ -91,7 +91,7 @@ def test_sparse_kept_graph_bytes_bound_what_autograd_saves(shape, dtype):
     """The planner's bytes per token of a sparse layer kept whole against what routed_layer's autograd
     saves (tests/saved_bytes.py: counted as test_actplace counts a dense layer's), eagerly on the CPU:
     never less, at most 8% more (the normed input counted once more than it is held)."""
-    cfg = dataclasses.replace(preset_model("tiny-moe", 1), **shape)
+    cfg = dataclasses.replace(preset_model("small-moe", 1), **shape)
     b, s = 2, 64
     leaves, x, rope = layer_inputs(cfg, dtype, b, s)
     held = saved_bytes(lambda *args: M.routed_layer(*args)[0], leaves, x, rope, cfg) / (b * s)

@@ -63,8 +63,8 @@ def test_plan_prints_the_expected_step_time_from_the_flops_and_the_rate(capsys):
 
 def test_a_short_cpu_step_keeps_the_configured_floor(capsys):
     out = _plan(capsys, "--device", "cpu")
-    assert re.search(r"^expected step time: ~\d+ ms \(.* at [\d.]+ GFLOP/s: a nominal 10 GFLOP/s per CPU core x \d+\)$",
-                     out, re.M), out
+    assert re.search(r"^expected step time: ~\d+ ms \(.* at [\d.]+ GFLOP/s: a nominal 10 GFLOP/s per CPU core x \d+; "
+                     r"\+ 48 ms of fixed costs, 4 units x 12 ms\)$", out, re.M), out
     assert re.search(r"^stall check: .* for 5 min \(cluster.actor_timeout_s, the floor; 3 x the expected step time is "
                      r"\d+ ms\)", out, re.M), out
 
@@ -175,3 +175,13 @@ def test_local_queues_share_their_node_s_clock():
     assert b.quiet_s() < 1.0  # a's put is progress for a wait on b
     with pytest.raises(queue.Empty):
         wait_while_moving(lambda t: b.get(timeout=t), b, 0.01)
+
+
+def test_the_tiny_cpu_step_is_expected_near_its_measured_time(monkeypatch):
+    """The built-in tiny run on 2 cores: 101 ms a step measured, of which the FLOPs at the CPU's rate
+    account for 51 ms; the units' fixed costs make up the rest, within a fifth."""
+    monkeypatch.setattr(pace, "usable_cpus", lambda: 2)
+    p = pace.expected_pace(load_config(None), "cpu", 2)
+    assert (p.palm + p.recompute) / (p.tflops * 1e12) == pytest.approx(0.051, rel=0.05)  # the FLOPs alone
+    assert p.step_s == pytest.approx(0.101, rel=0.2)
+    assert pace.expected_pace(load_config(None), "cuda", 2).fixed_s == 0.0  # a GPU's rate covers its overheads

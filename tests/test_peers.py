@@ -17,8 +17,8 @@ from float64_truth import assert_as_close_to_truth, float64_only, to_float64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-# tiny preset cut to 2 layers; 2 micro-batches of 4 x 32 tokens
-TINY = dict(preset="tiny", tokens=256, seq_len=32, micro_batches=2, layers=2)
+# the small preset cut to 2 layers; 2 micro-batches of 4 x 32 tokens
+TINY = dict(preset="small", tokens=256, seq_len=32, micro_batches=2, layers=2)
 
 
 def _cli(*args):
@@ -27,7 +27,7 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("preset,arch", [("tiny", "LlamaForCausalLM"), ("1b", "LlamaForCausalLM"),
+@pytest.mark.parametrize("preset,arch", [("small", "LlamaForCausalLM"), ("1b", "LlamaForCausalLM"),
                                          ("7b", "Qwen2ForCausalLM")])
 def test_hf_model_is_the_bench_model(preset, arch):
     """The HF class the peers train has exactly our parameter count (built on meta: no memory), sdpa
@@ -57,14 +57,14 @@ def test_layer_override_changes_the_count_by_whole_layers():
 
 
 def test_bad_token_count_is_one_sentence():
-    r = _cli("--preset", "tiny", "--systems", "fsdp2", "--device", "cpu", "--tokens", "1000", "--seq-len", "64")
+    r = _cli("--preset", "small", "--systems", "fsdp2", "--device", "cpu", "--tokens", "1000", "--seq-len", "64")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == "error: --tokens (1000) must be a positive multiple of --seq-len x --micro-batches (256)."
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_cli_without_cuda_says_so_before_work():
-    r = _cli("--preset", "tiny", "--systems", "fsdp2", "--steps", "1")
+    r = _cli("--preset", "small", "--systems", "fsdp2", "--steps", "1")
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: CUDA is not available to torch")
@@ -73,13 +73,13 @@ def test_cli_without_cuda_says_so_before_work():
 
 @pytest.mark.skipif(HAS_DEEPSPEED, reason="checks the message shown without DeepSpeed")
 def test_missing_deepspeed_is_one_sentence_naming_the_fix(tmp_path):
-    r = _cli("--preset", "tiny", "--systems", "fsdp2,deepspeed", "--device", "cpu", "--out", str(tmp_path))
+    r = _cli("--preset", "small", "--systems", "fsdp2,deepspeed", "--device", "cpu", "--out", str(tmp_path))
     assert r.returncode == 2 and r.stdout == "" and os.listdir(tmp_path) == []
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: deepspeed")
     assert "pip install deepspeed" in lines[0] and "--systems fsdp2" in lines[0]
     # the same check inside the subprocess that run_peer starts becomes the run's status
-    report = peers.run_peer("deepspeed", "tiny", tokens=256, seq_len=32, micro_batches=2, steps=1, layers=2,
+    report = peers.run_peer("deepspeed", "small", tokens=256, seq_len=32, micro_batches=2, steps=1, layers=2,
                             device="cpu", echo=False)
     assert report["returncode"] == 2 and report["status"].startswith("error: deepspeed")
     assert report["step_times"] == [] and "step_s" not in report
@@ -95,7 +95,7 @@ def test_run_peer_trains_in_a_subprocess_and_reports(tmp_path):
     assert r["tokens_per_s"] == pytest.approx(256 / r["step_s"])
     assert r["tflops_6nt"] == pytest.approx(6 * r["params"] * 256 / r["step_s"] / 1e12)
     assert r["tflops_palm"] == pytest.approx(flops.palm_model_flops(
-        preset_model("tiny", TINY["layers"]), TINY["seq_len"], 256) / r["step_s"] / 1e12)
+        preset_model("small", TINY["layers"]), TINY["seq_len"], 256) / r["step_s"] / 1e12)
     assert r["params"] == peers.num_params(peers.PeerSpec("fsdp2", **TINY))
     assert 8.0 < r["losses"][0] < 8.7  # ln(4096) = 8.32: random tokens, N(0, 0.02) weights
     assert r["host_peak_added_gib"] >= 0 and r["optimizer"].startswith("torch.optim.AdamW")

@@ -79,7 +79,7 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
         assert systems["megatrain_ray"]["losses"] == systems["single_process"]["losses"]
     if recipe == "moe.sh":  # and the resident transformers run beside it, and the link probe's copies
         assert json.loads((tmp_path / "resident-tiny.json").read_text())["layers"] == 1
-        link = json.loads((tmp_path / "moe-link-tiny-moe.json").read_text())["rows"]
+        link = json.loads((tmp_path / "moe-link-small-moe.json").read_text())["rows"]
         assert link["sparse backward, every expert routed"]["copies"] == 1
         assert link["sparse backward, 4 of 8 experts idle"]["bytes"] < link["dense layer"]["bytes"]
     if recipe == "lora.sh":  # the resident transformers + peft run beside it, and the plan's LoRA line

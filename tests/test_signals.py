@@ -4,7 +4,11 @@
   the same Ctrl-C): the interrupt checkpoint is still saved, and the run's log file keeps the lines.
 - SIGTERM to the whole process group, sent by a real GNU ``timeout`` (as Slurm, systemd and
   Kubernetes signal a job): the driver still has its Ray (a private Ray runs in a session of its
-  own), finishes the steps in flight and saves, within the time it states.
+  own), finishes the steps in flight and saves, within the time it states, and says what a repeated
+  SIGTERM does (not what Ctrl-C does).
+- A signal that the kernel hands to another thread of the driver (Ray's) while it records a step
+  waits until the step's row and line are both written.
+- Every row of metrics.jsonl has its line on the terminal and in train.log.
 """
 
 import json
@@ -80,13 +84,19 @@ def test_ctrl_c_into_a_closed_pipe_still_saves_the_checkpoint(shm_dir, tmp_path)
     assert saved is not None, log[-3000:]
     step = checkpoint.read_meta(saved)["step"]
     assert step >= 3
-    assert "interrupted: finishing the steps up to" in log
+    assert "interrupted: finishing the steps up to" in log and "(Ctrl-C again to stop without one)" in log
     assert f"checkpoint: step {step} saved to {saved}" in log
     assert "BrokenPipeError" not in log and "Traceback" not in log
     # Every step the checkpoint holds has its metrics row.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 1))
+    assert _logged_steps(log) == [r["step"] for r in rows]  # and its line
     assert os.listdir(shm_dir) == []
+
+
+def _logged_steps(text: str) -> list[int]:
+    """The steps whose progress line ``text`` holds (a run's log file or its output), in order."""
+    return [int(n) for n in re.findall(r"step\s+(\d+)/\d+ \| loss", text)]
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs GNU coreutils' timeout")
@@ -122,6 +132,10 @@ def test_sigterm_to_the_process_group_by_timeout_ends_with_a_checkpoint(shm_dir,
     (stated,) = re.findall(r"interrupted: finishing the steps up to \d+ and saving a checkpoint "
                            r"\(the steps in about (\d+)s, then the first save\)", out)
     assert took < int(stated) + 45, (took, stated)
+    # A SIGTERM's repeat waits for the save (Ctrl-C is not what stopped it), and every row has its line.
+    assert "a repeated SIGTERM waits for it" in out and "Ctrl-C again" not in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert _logged_steps(out) == _logged_steps((run_dir / console.LOG_FILE).read_text()) == [r["step"] for r in rows]
     assert os.listdir(shm_dir) == []
 
 
@@ -143,3 +157,32 @@ def test_a_ctrl_c_during_rays_exit_shutdown_prints_no_traceback(tmp_path):
     assert "Exception ignored" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
     assert proc.stdout == "shutdown finished\n" and proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_taken_by_another_thread_waits_for_the_deferred_block(signum):
+    """The driver records a step (its row, its line) inside ``_signals_deferred``; a signal that the
+    kernel delivers to another thread (as it may: the driver's Ray threads do not block it) is raised
+    at the block's end, by the run's own handler, not in the middle of it."""
+    import threading
+
+    from megatrain_ray.orchestration.driver import _signals_deferred
+    from megatrain_ray.orchestration.pipeline import _raise_interrupt
+
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if signum == signal.SIGTERM else None
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            with _signals_deferred():
+                other = threading.Thread(target=signal.raise_signal, args=(signum,))
+                other.start()
+                other.join()  # its C handler has run: Python calls the handler at the next check
+                for part in ("row", "line"):
+                    done.append(part)
+        assert done == ["row", "line"]
+        assert str(info.value) == ("" if signum == signal.SIGINT else f"signal {int(signum)}")
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -96,9 +96,10 @@ class ModelConfig:
     output_router_logits, as transformers adds it)."""
     output_router_logits: bool = False
     """Add router_aux_loss_coef x the load-balancing loss (Switch Transformer's, over all sparse layers
-    of a micro-batch, as transformers' load_balancing_loss_func) to the training loss, as transformers
-    does when this is on; off: the loss is the cross-entropy alone (the routing is still trained
-    through the routing weights)."""
+    of a micro-batch, as transformers' load_balancing_loss_func given the attention mask: the padding
+    of padded rows is left out of it) to the training loss, as transformers does when this is on;
+    off: the loss is the cross-entropy alone (the routing is still trained through the routing
+    weights)."""
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:

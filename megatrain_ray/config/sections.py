@@ -116,8 +116,9 @@ class TrainSection:
     eval_every: int = 0
     """Every this many steps, the validation loss of the model as it stands (after that many updates),
     on one step's worth of sequences from the validation split (data.val_fraction or data.val_path;
-    the built-in corpus has its own);
-    it rides along the next step's forward, so no weights cross the link for it. 0 = never."""
+    the built-in corpus has its own), and at the run's last step (after train.steps - 1 updates:
+    ``megatrain-ray eval`` gives the final weights'); it rides along the next step's forward, so no
+    weights cross the link for it. 0 = never."""
 
     run_dir: str = "runs"
     """Directory where each run writes its config, metrics, checkpoints and final weights (in
@@ -131,8 +132,8 @@ class TrainSection:
     megatrain_ray.orchestration.trackers."""
 
     def eval_due(self, step: int) -> bool:
-        """Whether step ``step`` carries the validation batch (see ``eval_every``)."""
-        return self.eval_every > 0 and step % self.eval_every == 0
+        """Whether step ``step`` (0-based) carries the validation batch (see ``eval_every``)."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps - 1)
 
     def validate(self) -> None:
         for key in ("steps", "seq_len", "micro_batch_size", "num_micro_batches", "log_every", "keep_checkpoints"):

@@ -8,7 +8,8 @@ A :class:`CorpusSource` memory-maps one split (train or val) of a corpus
   token lost or repeated; sequences cross document boundaries, which EOS marks (attention is
   causal over the whole sequence, as in GPT-style pretraining).
 - layout ``rows``: sample k is example k, truncated to S + 1 tokens and padded with the pad id;
-  only tokens whose mask is set (responses, for SFT) are targets.
+  only tokens whose mask is set (responses, for SFT) are targets. Its batches carry transformers'
+  ``attention_mask`` (False on the padding), which a mixture of experts' load-balancing loss reads.
 
 The order is epoch by epoch, each epoch a permutation of all samples seeded by (train.seed,
 epoch). Sample g of the run (g = step * M * B + position in the batch) is sample
@@ -144,7 +145,9 @@ class CorpusSource:
     # -- batches ---------------------------------------------------------------------------
 
     def samples(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """input_ids, labels: [len(ids), S] int64 of the given samples."""
+        """input_ids, labels: [len(ids), S] int64 of the given samples; for rows, also
+        attention_mask [len(ids), S] bool, transformers' mask of the padding (False where a row is
+        padded), which only the load-balancing loss of a mixture of experts reads."""
         s = self.seq_len
         if self.ref.layout == "packed":
             windows = np.stack([np.asarray(self.tokens[k * s:k * s + s + 1]) for k in ids]).astype(np.int64)
@@ -157,18 +160,25 @@ class CorpusSource:
         if self.pack:
             rows = [packed_row(self.tokens, self.mask, self.starts, self.lengths, self.packs[k], s, self.ref.pad_id)
                     for k in ids]
-            return {name: np.stack(col) for name, col in zip(("input_ids", "labels", "position_ids"), zip(*rows))}
+            out = {name: np.stack(col) for name, col in zip(("input_ids", "labels", "position_ids"), zip(*rows))}
+            used = [min(s, int(np.minimum(self.lengths[self.packs[k]], s).sum())) for k in ids]
+            out["attention_mask"] = np.arange(s)[None, :] < np.asarray(used)[:, None]
+            return out
         seqs = np.full((len(ids), s + 1), self.ref.pad_id, dtype=np.int64)
         target = np.zeros((len(ids), s + 1), dtype=bool)
+        used = np.zeros(len(ids), dtype=np.int64)
         for r, k in enumerate(ids):
             start, n = int(self.starts[k]), min(int(self.lengths[k]), s + 1)
             seqs[r, :n] = self.tokens[start:start + n]
             target[r, :n] = True if self.mask is None else self.mask[start:start + n].astype(bool)
+            used[r] = n
         labels = np.where(target[:, 1:], seqs[:, 1:], IGNORE_INDEX)
-        return {"input_ids": seqs[:, :-1].copy(), "labels": labels}
+        return {"input_ids": seqs[:, :-1].copy(), "labels": labels,
+                "attention_mask": np.arange(s)[None, :] < used[:, None]}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """input_ids, labels (and position_ids when packing): [M, B, S] int64 for optimizer step ``step``."""
+        """input_ids, labels (and position_ids when packing, attention_mask for rows): [M, B, S] for
+        optimizer step ``step``."""
         out = self.samples(self.sample_ids(step))
         return {k: v.reshape(*self.shape, self.seq_len) for k, v in out.items()}
 

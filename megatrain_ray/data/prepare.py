@@ -26,6 +26,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..errors import DataError, MegatrainError
+from ..progress import still
 from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_batches, fingerprint, is_val
 from .locate import first_bad_record
 from .tokenizer import as_token_ids, load_tokenizer, messages_from_row
@@ -159,7 +160,10 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
             else:
                 if connect is not None:
                     connect()
-                _write_ray_data(p, writer, num_workers)
+                log(f"data: tokenizing {p.where} with {num_workers} tokenizer actor(s), once: the cache is "
+                    f"{final}")
+                with still(log, "data: tokenizing", detail=lambda: f", {writer.docs:,} documents written"):
+                    _write_ray_data(p, writer, num_workers)
             splits = writer.close()
             if fingerprint(p) != fp:  # written to while it was read: the cache would hold neither version
                 raise DataError(f"{p.where} changed while it was being tokenized (a file's size or modification "

@@ -205,7 +205,8 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
     backward and the graph saves the weights it multiplied by. The same function on the same values
     as the recompute of :func:`~megatrain_ray.engine.sequence.layer_backward`, so the backward of the kept graph is that of the
     recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
-    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`. adapters: a
+    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`, or (rope,
+    mask, tokens) for a sparse layer's ``layer_fn``, which takes tokens after mask. adapters: a
     LoRA run's adapters of the layer (resident, not copied), leaves that train; frozen: the layer's
     own weights do not (its policy), so the graph's backward computes no gradient for them; dropout:
     micro-batch m's adapter dropout masks, or None.
@@ -216,8 +217,8 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
                    for name, w in (adapters or {}).items()})
     inputs = [x.detach().requires_grad_(True) for x in xs]
     with torch.enable_grad():
-        outputs = [layer_fn(leaves if dropout is None else {**leaves, **dropout(m)}, x, rope, cfg, mask)
-                   for m, (x, (rope, mask)) in enumerate(zip(inputs, contexts))]
+        outputs = [layer_fn(leaves if dropout is None else {**leaves, **dropout(m)}, x, rope, cfg, *rest)
+                   for m, (x, (rope, *rest)) in enumerate(zip(inputs, contexts))]
     return KeptGraph(weights, leaves, inputs, outputs)
 
 

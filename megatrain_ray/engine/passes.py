@@ -19,12 +19,11 @@ The compute worker's loops ask each layer's pass, never the placement or the lay
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..model.moe import RouterStats
 from .activations import KEEP, ActivationStore, graph_backward, kept_backward, layer_forward_kept
 from .experts import ExpertTraffic
 from .routing import StepRouting
@@ -97,7 +96,7 @@ class Routed(Recomputed):
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         p = w.training(w.params)
-        ys, stats = zip(*(s.runner.forward_routed(p(m), x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)))
+        ys, stats = zip(*(s.runner.forward_routed(p(m), x, s.mb.routed_ctx[m], s.cfg) for m, x in enumerate(xs)))
         s.routing.record(layer, list(stats))
         if s.traffic is not None:  # the later fetches of its weights move only the experts it chose
             s.traffic.record(s.step, layer, s.routing.counts(layer))
@@ -106,11 +105,11 @@ class Routed(Recomputed):
     def again(self, s: StepLayers, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Its forward again; the statistics are the first forward's."""
         p = w.training(w.params)
-        return [s.runner.forward_routed(p(m), x, s.mb.ctx[m], s.cfg)[0] for m, x in enumerate(xs)]
+        return [s.runner.forward_routed(p(m), x, s.mb.routed_ctx[m], s.cfg)[0] for m, x in enumerate(xs)]
 
     def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
-        counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, s.routing, w.dropout)
+        counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.routed_ctx, s.cfg, s.routing, w.dropout)
         if s.traffic is not None:  # its weights came without the experts the forward did not choose
             s.traffic.check(s.step, layer, counts)
 
@@ -138,11 +137,11 @@ class KeptRouted(Kept):
     takes the load-balancing loss's gradient through them, as :class:`Routed`'s recompute does."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.ctx, s.cfg, w.adapters, w.frozen,
-                                   w.dropout)
+        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.routed_ctx, s.cfg, w.adapters,
+                                   w.frozen, w.dropout)
         ys, stats = zip(*graph.outputs)
         graph.outputs = [(y, st.prob_sum) for y, st in zip(ys, stats)]  # what the backward differentiates
-        s.routing.record(layer, [RouterStats(st.counts, st.prob_sum.detach(), st.rows) for st in stats])
+        s.routing.record(layer, [replace(st, prob_sum=st.prob_sum.detach()) for st in stats])
         if s.traffic is not None:
             s.traffic.record(s.step, layer, s.routing.counts(layer))
         s.acts.keep(layer, graph)

@@ -5,7 +5,8 @@ gradient handed to each sparse layer's backward.
 The loss of a step (ModelConfig.output_router_logits on) is the cross-entropy, mean over the step's
 counted tokens, plus router_aux_loss_coef x the mean over the step's micro-batches of each
 micro-batch's load-balancing loss (:func:`megatrain_ray.model.moe.aux_loss` over all sparse layers
-of that micro-batch, as transformers computes it per forward call): what a gradient-accumulating
+of that micro-batch, as transformers computes it per forward call given the attention mask: padding
+of padded rows is left out): what a gradient-accumulating
 run of transformers computes when it divides each micro-batch's loss by the number of
 micro-batches. Its gradient reaches sparse layer l of micro-batch m only through l's router
 probabilities: the gradient of l's probability sums [E] is
@@ -38,10 +39,11 @@ class StepRouting:
         """The forward's statistics of sparse layer ``layer``, one per micro-batch (no graph)."""
         self.stats[layer] = stats
 
-    def _totals(self, m: int) -> tuple[torch.Tensor, int]:
-        """Micro-batch m's expert counts over every sparse layer [E], and its rows (tokens x layers)."""
+    def _totals(self, m: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """Micro-batch m's assignments of counted tokens over every sparse layer [E], and its rows
+        (counted tokens x layers: padding left out, as transformers given the attention mask)."""
         layers = [per_mb[m] for per_mb in self.stats.values()]
-        return torch.stack([s.counts for s in layers]).sum(0), sum(s.rows for s in layers)
+        return torch.stack([s.assigned for s in layers]).sum(0), sum(s.rows for s in layers)
 
     def aux_loss(self) -> torch.Tensor | None:
         """This worker's share of the step's coef x mean load-balancing loss (scalar), None when off."""

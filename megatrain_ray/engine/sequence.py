@@ -119,22 +119,24 @@ class LayerRunner:
         return [f for f in (self.layer, self.to_down, self.attn, self.mlp, self.mlp_act, self.routed) if f is not None]
 
     def forward_routed(self, p, x: torch.Tensor, context: tuple, cfg):
-        """A sparse layer's forward: x: [B, S, H] -> (its output [B, S, H], its RouterStats)."""
-        rope, mask = context
-        return self.routed(p, x, rope, cfg, mask)
+        """A sparse layer's forward: x: [B, S, H] -> (its output [B, S, H], its RouterStats); context:
+        (rope, mask, tokens) (:attr:`MicroBatches.routed_ctx`)."""
+        rope, mask, tokens = context
+        return self.routed(p, x, rope, cfg, mask, tokens)
 
     def backward_routed(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
                         dy: torch.Tensor, context: tuple, cfg, dprobs: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute a sparse layer from x: [B, S, H] and backpropagate dy: [B, S, H] and, unless None,
         dprobs [E], the loss's gradient with respect to its router's probability sums. Same
-        conventions as :meth:`backward`; returns (dx: [B, S, H], the recompute's tokens per expert [E])."""
-        rope, mask = context
+        conventions as :meth:`backward` but context (rope, mask, tokens); returns (dx: [B, S, H], the
+        recompute's tokens per expert [E])."""
+        rope, mask, tokens = context
         x = x.detach().requires_grad_(True)
         names = [name for name, w in leaves.items() if w.requires_grad]
         weights = [leaves[name] for name in names]
         with torch.enable_grad():
-            y, stats = self.routed(leaves, x, rope, cfg, mask)
+            y, stats = self.routed(leaves, x, rope, cfg, mask, tokens)
         outputs, grads_out = ([y], [dy]) if dprobs is None else ([y, stats.prob_sum], [dy, dprobs])
         *gws, dx = torch.autograd.grad(outputs, [*weights, x], grads_out, allow_unused=True)
         _accumulate(grads, names, gws)
@@ -264,7 +266,8 @@ def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads:
                     dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
     """:func:`layer_backward` for a sparse layer; routing: the step's
     :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
-    load-balancing loss with respect to the router probabilities. Returns the recompute's tokens per
+    load-balancing loss with respect to the router probabilities; contexts: M x (rope, mask, tokens)
+    (:attr:`MicroBatches.routed_ctx`). Returns the recompute's tokens per
     expert over the micro-batches [E] (fp32, summed as :meth:`StepRouting.counts` sums the forward's)."""
     leaves = trainable_leaves(params, grads)
     counts = []
@@ -387,24 +390,36 @@ class MicroBatches:
     """Each micro-batch's (rope, mask) (:func:`step_contexts`)."""
     n_tokens: int
     """Counted tokens of the whole batch (every worker's share): what the loss is the mean over."""
+    tokens: list
+    """Each micro-batch's attention mask [B, S] bool (False: padding), or None where the batch has
+    none (no padding): what the router statistics of a sparse layer count, as transformers' do."""
+
+    @property
+    def routed_ctx(self) -> list[tuple]:
+        """Each micro-batch's (rope, mask, tokens): a sparse layer's context."""
+        return [(rope, mask, tokens) for (rope, mask), tokens in zip(self.ctx, self.tokens)]
 
     @classmethod
     def of(cls, cfg, batch: dict, device, dtype, share: tuple[int, int] | None = None,
            seq: int | None = None) -> MicroBatches:
-        """batch: input_ids, labels (and position_ids for packed documents): [M, B, S]; ``share``:
+        """batch: input_ids, labels (and position_ids for packed documents, attention_mask for padded
+        rows): [M, B, S]; ``share``:
         (rank, world) to take that worker's equal share of the micro-batches; ``seq``: the length the
         sequences must have (a validation batch beside the training one)."""
         ids = torch.tensor(batch["input_ids"], dtype=torch.long)
         labels = torch.tensor(batch["labels"], dtype=torch.long)
         pos = batch.get("position_ids")  # packed documents (data.pack_documents), else absent
         pos = None if pos is None else torch.tensor(pos, dtype=torch.long)
+        keep = batch.get("attention_mask")  # padded rows, else absent
+        keep = None if keep is None else torch.tensor(keep, dtype=torch.bool)
         n_tokens = max(1, int((labels != IGNORE_INDEX).sum()))  # of the whole step: every worker's share
         if seq is not None and ids.shape[2] != seq:
             raise PipelineError(f"validation sequences have {ids.shape[2]} tokens but training ones {seq}.")
         if share is not None:
             rank, world = share
             n = ids.shape[0] // world
-            ids, labels, pos = (t if t is None else t[rank * n:(rank + 1) * n] for t in (ids, labels, pos))
+            ids, labels, pos, keep = (t if t is None else t[rank * n:(rank + 1) * n] for t in (ids, labels, pos, keep))
         ids, labels = ids.to(device), labels.to(device)
         ctx = step_contexts(cfg, None if pos is None else pos.to(device), ids.shape[0], ids.shape[2], device, dtype)
-        return cls(ids, labels, ctx, n_tokens)
+        tokens = [None] * ids.shape[0] if keep is None else list(keep.to(device))
+        return cls(ids, labels, ctx, n_tokens, tokens)

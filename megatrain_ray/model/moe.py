@@ -30,9 +30,11 @@ The outputs return to token order through the inverse permutation and the k weig
 each token are summed in a fixed order (no atomics, deterministic).
 
 The load-balancing auxiliary loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
-computes it without an attention mask): over every sparse layer's rows of a micro-batch together,
+computes it given the attention mask): over every sparse layer's rows of a micro-batch together,
 f_e = (number of top-k assignments to expert e) / rows and P_e = (sum of the router's softmax
-probabilities of e) / rows, rows = tokens x sparse layers; loss = E x sum_e f_e P_e. f is a count,
+probabilities of e) / rows, rows = tokens x sparse layers, where only the tokens the attention mask
+keeps count (``tokens``: padding is routed and computed like any token, but stays out of f, P and
+rows; no mask: every token counts); loss = E x sum_e f_e P_e. f is a count,
 not differentiable; P is. Each layer contributes its own counts and probability sums
 (:class:`RouterStats`), so a caller that runs the layers one at a time (the engine) adds them up,
 and :func:`aux_loss` of the sums is the loss; its gradient reaches layer l only through l's P, as
@@ -141,11 +143,17 @@ class RouterStats:
     """One sparse layer's contribution to the load-balancing loss of one micro-batch."""
 
     counts: torch.Tensor
-    """[E] float32, no graph: top-k assignments of each expert (tokens routed to it)."""
+    """[E] float32, no graph: top-k assignments of each expert (tokens routed to it, padding included:
+    the rows each expert computed)."""
     prob_sum: torch.Tensor
-    """[E] float32, differentiable: the sum over tokens of the router's softmax probability of each expert."""
-    rows: int
-    """Tokens routed (N)."""
+    """[E] float32, differentiable: the sum over the counted tokens of the router's softmax probability
+    of each expert."""
+    rows: int | torch.Tensor
+    """Tokens counted: all N without an attention mask, else those it keeps (a 0-d fp32 tensor, so
+    that no host synchronisation is needed)."""
+    assigned: torch.Tensor
+    """[E] float32, no graph: top-k assignments of each expert from the counted tokens (the f of the
+    loss; ``counts`` itself without an attention mask)."""
 
 
 def route(p: Params, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,22 +239,39 @@ def shared_expert(p: Params, x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(F.linear(x, p["mlp.shared_expert_gate.weight"])) * out
 
 
-def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, RouterStats]:
+def router_stats(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                 tokens: torch.Tensor | None) -> RouterStats:
+    """A layer's :class:`RouterStats` from its routing. probs: [N, E] fp32; experts: [N, k] int64;
+    counts: [E] int64 (assignments of all N tokens); tokens: [N] bool, the attention mask (True: a
+    token that counts, False: padding), or None (every token counts)."""
+    if tokens is None:
+        return RouterStats(counts.float(), probs.sum(dim=0), probs.shape[0], counts.float())
+    keep = tokens.to(torch.float32)  # [N]
+    assigned = torch.zeros_like(probs[0]).scatter_add_(0, experts.reshape(-1),
+                                                       keep.repeat_interleave(experts.shape[1]))
+    return RouterStats(counts.float(), (probs * keep[:, None]).sum(dim=0), keep.sum(), assigned)
+
+
+def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig, tokens: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, RouterStats]:
     """The mixture-of-experts MLP of a sparse layer (its input already normed). x: [..., H] ->
-    ([..., H], this layer's :class:`RouterStats`)."""
+    ([..., H], this layer's :class:`RouterStats`); tokens: [...] bool, the attention mask of x's
+    tokens (False: padding, left out of the statistics), or None."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])  # [N, H]
     probs, weights, experts = route(p, flat, cfg)
     out, counts = routed_experts(p, flat, weights, experts, cfg)
     if "mlp.shared_expert_gate.weight" in p:
         out = out + shared_expert(p, flat)
-    return out.reshape(shape), RouterStats(counts.float(), probs.sum(dim=0), flat.shape[0])
+    stats = router_stats(probs, experts, counts, None if tokens is None else tokens.reshape(-1))
+    return out.reshape(shape), stats
 
 
 def aux_loss_of_layer(stats: RouterStats, total_counts: torch.Tensor, total_rows: int,
                       num_experts: int) -> torch.Tensor:
-    """One layer's share of the load-balancing loss, given the counts of every sparse layer of the
-    micro-batch (total_counts [E], total_rows = tokens x sparse layers): E x sum_e f_e x P_l,e / rows
+    """One layer's share of the load-balancing loss, given the counted tokens' assignments of every
+    sparse layer of the micro-batch (total_counts [E], the sum of their ``assigned``; total_rows =
+    counted tokens x sparse layers): E x sum_e f_e x P_l,e / rows
     with f = total_counts / total_rows. Differentiable through this layer's probabilities only; the
     shares of all layers sum to :func:`aux_loss`. -> scalar fp32."""
     f = total_counts / total_rows
@@ -255,7 +280,7 @@ def aux_loss_of_layer(stats: RouterStats, total_counts: torch.Tensor, total_rows
 
 def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
     """The load-balancing loss of one micro-batch from its sparse layers' stats, as transformers'
-    ``load_balancing_loss_func`` (no attention mask): E x sum_e f_e P_e. -> scalar fp32."""
-    counts = torch.stack([s.counts for s in stats]).sum(0)
+    ``load_balancing_loss_func`` given the same attention mask: E x sum_e f_e P_e. -> scalar fp32."""
+    counts = torch.stack([s.assigned for s in stats]).sum(0)
     rows = sum(s.rows for s in stats)
     return sum(aux_loss_of_layer(s, counts, rows, num_experts) for s in stats)

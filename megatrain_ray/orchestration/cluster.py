@@ -42,6 +42,7 @@ import socket
 import sys
 
 from ..errors import ConfigError, PipelineError
+from ..progress import still
 from . import console, grafana
 
 DASHBOARD_HOST = "127.0.0.1"
@@ -131,10 +132,16 @@ def connect(cluster, log=print) -> None:
             if missing:
                 log(f"Ray dashboard: not started, its packages are missing ({missing}); install ray[default] "
                     "for it, or set cluster.dashboard=false to skip it")
-            with ray_in_own_session():
+            had_token = os.path.exists(os.path.expanduser(TOKEN_FILE))
+            log("Ray: starting a private Ray on this machine for the run (its processes take a while to start "
+                "on a small or busy machine)")
+            with ray_in_own_session(), still(log, "Ray: starting"):
                 ctx = ray.init(address="local", object_store_memory=cluster.object_store_memory,
                                include_dashboard=cluster.dashboard and not missing, dashboard_host=DASHBOARD_HOST,
                                log_to_driver=True)
+            note = token_note(had_token)
+            if note:
+                log(note)
         elif found:
             log(f"joining the Ray cluster already running at {address}; set cluster.ray_address=local to "
                 "start a private one")
@@ -218,6 +225,15 @@ def metrics_endpoint() -> str | None:
         if node["NodeID"] == own and node.get("MetricsExportPort"):
             return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     return None
+
+
+def token_note(had_token: bool) -> str | None:
+    """The line saying that starting Ray wrote its token to :data:`TOKEN_FILE` (the first start on this
+    machine: Ray keeps it for every later start and the dashboard's log-in), or None if it was there."""
+    if had_token or not os.path.exists(os.path.expanduser(TOKEN_FILE)):
+        return None
+    return (f"Ray: token authentication is on; Ray wrote its token to {TOKEN_FILE} (kept for later runs, "
+            "`ray job` and the dashboard's log-in)")
 
 
 def endpoints_line(dashboard_url: str | None, turned_off: bool) -> str:

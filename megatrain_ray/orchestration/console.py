@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -84,6 +85,9 @@ QUIET_WARNINGS = (
 )
 """Message prefixes of the warnings kept out of the terminal."""
 
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+"""A terminal escape sequence (Ray colours the prefixes of the lines it forwards), kept out of the file."""
+
 _active: list[Console] = []
 """The console of the run in progress (the newest last)."""
 
@@ -124,8 +128,8 @@ class Console:
                 silence(sys.stdout)
 
     def keep(self, line: str) -> None:
-        """The line in the run's log file (held until it is opened)."""
-        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        """The line in the run's log file (held until it is opened), without terminal colour codes."""
+        stamped = f"{time.strftime('%H:%M:%S')} {ANSI.sub('', line)}"
         with self.lock:
             if self.file is None:
                 self.held.append(stamped)

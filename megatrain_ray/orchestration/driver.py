@@ -27,9 +27,12 @@ from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..engine.resident import checkpoint_due, sync_due
 from ..io import checkpoint
 from ..io.files import replacing
+from ..progress import Eta
+from . import expert_load
 from .calls import get as _get
 from .labels import step_task
 from .metrics import RunMetrics
+from .step_notes import StepNotes
 from .roles import Roles
 
 
@@ -63,12 +66,26 @@ class RunResult:
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """Hold SIGINT/SIGTERM until the block ends, so a submitted step is always recorded as such."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """Hold SIGINT/SIGTERM until the block ends, so a submitted step is always recorded as such and a
+    step's row and line are written together. The kernel hands a signal to any thread that does not
+    block it (Ray's threads too) and Python runs its handler in the main thread at the next bytecode,
+    so the handlers themselves are swapped for one that notes the signal; the block's end restores
+    them and passes each noted signal to its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    held = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in held.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(noted):
+            if callable(held[s]):
+                held[s](s, None)
+            elif held[s] == signal.SIG_DFL:
+                signal.raise_signal(s)
 
 
 class Driver:
@@ -96,9 +113,10 @@ class Driver:
         self.step_s: float | None = None
         """Wall time of the last step logged, and of the last checkpoint save (for the interrupt's estimate)."""
         self.save_s: float | None = None
-        self.steady: tuple[float, int] | None = None
-        """(time, steps done) at the end of the first step this driver logged: the ETA is timed from
-        there, leaving out the first step's compile and warm-up."""
+        self.eta = Eta()
+        """The time left, from the pace of the steps logged after the first (compile and warm-up)."""
+        self.notes = StepNotes(log, self.steps, self.head.fetch_qs[0] if self.head.fetch_qs else None)
+        """The lines while a long step runs."""
 
     def run(self, batch_ref, start: int) -> RunResult:
         self.start = start
@@ -113,8 +131,8 @@ class Driver:
             for ref, role in list(self.loops.items()):  # the sink's ends with the final checkpoint
                 _get(ref, role, self.timeout)
             self._handle(self.head.stats_q.drain())
-        except KeyboardInterrupt:
-            raise Interrupted(*self._checkpoint_on_interrupt(start)) from None
+        except KeyboardInterrupt as e:  # Ctrl-C's has no text; a SIGTERM's says "signal 15"
+            raise Interrupted(*self._checkpoint_on_interrupt(start, by_sigterm=bool(str(e)))) from None
         except ActorDied:
             self._salvage()
             raise
@@ -178,6 +196,7 @@ class Driver:
             done, _ = ray.wait([*(r for r in refs if r not in outs), *self.loops], num_returns=1, timeout=1.0)
             if self.health is not None:
                 self.health.check()  # the idle roles (store, loaders, queues): dead or hung?
+            self.notes.waiting(step)
             for r in done:
                 if r in self.loops:  # a loop ended early: fine if it finished its work, else its error is raised
                     _get(r, self.loops.pop(r), self.timeout)
@@ -197,6 +216,7 @@ class Driver:
         self.result.losses.append(out["loss"])
         self.result.fetches.append(out["fetches"])
         self.outputs[step] = out
+        self.notes.ended(out)
         if "checkpoint" in out:  # a LoRA run's, written by the compute worker (engine.adapters)
             self._handle([out.pop("checkpoint")])
 
@@ -270,17 +290,9 @@ class Driver:
         spans = out["spans"] + stats["spans"]
         r.timeline, r.last_spans = r.last_spans + spans, spans
         now = time.perf_counter()
-        elapsed, done = now - self.clock, step + 1 - r.start_step
-        if self.steady is None:
-            self.steady = (now, done)
-        since, steady_done = self.steady
-        left = self.steps - step - 1
-        if not left:
-            eta = 0.0
-        elif done > steady_done:
-            eta = (now - since) / (done - steady_done) * left  # at the pace of the steps since the first
-        else:
-            eta = None  # the first step's compile and warm-up say nothing of the pace to come
+        elapsed = now - self.clock
+        self.eta.step(now, out["step_s"])
+        eta = self.eta.left_s(self.steps - step - 1)  # None after the first step: its pace is not the run's
         row = {"step": step + 1, "loss": out["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens": out["tokens"], "start": out["start"], "step_s": out["step_s"], "fetches": out["fetches"],
                "elapsed_s": elapsed, "eta_s": eta, "update_busy_s": stats["update_busy_s"],
@@ -289,6 +301,7 @@ class Driver:
                **{k: v for k, v in out.items() if k.endswith(("_busy_s", "_bytes"))},
                **({"val_loss": out["val_loss"]} if "val_loss" in out else {}),
                **{k: out[k] for k in ROUTING_KEYS if k in out},
+               **expert_load.fields(self.cfg.model.sparse_layers, out.get("expert_tokens")),
                **({"workers": out["workers"]} if "workers" in out else {})}
         self.step_s = out["step_s"]
         self.metrics_file.write(json.dumps(row) + "\n")
@@ -298,7 +311,8 @@ class Driver:
         if step % self.cfg.train.log_every == 0 or step == self.steps - 1 or "val_loss" in out:
             val = f" | val loss {out['val_loss']:.4f} (after {step} updates)" if "val_loss" in out else ""
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
-                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}")
+                     f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}"
+                     f"{expert_load.summary(row)}")
 
     def _expected(self, boundary: int) -> str:
         """How long the interrupt takes: the steps still to finish at the pace of the last, and a save as
@@ -310,8 +324,9 @@ class Driver:
             return f" (the steps in about {_duration(steps)}, then the first save)"
         return f" (about {_duration(steps + self.save_s)})"
 
-    def _checkpoint_on_interrupt(self, start: int) -> tuple[str | None, str]:
-        """Finish the steps in flight, then save the boundary they reach; (path or None, why not)."""
+    def _checkpoint_on_interrupt(self, start: int, by_sigterm: bool = False) -> tuple[str | None, str]:
+        """Finish the steps in flight, then save the boundary they reach; (path or None, why not).
+        ``by_sigterm``: the interrupt was a SIGTERM (a scheduler, ``ray job stop``), whose repeat waits."""
         if self.checkpoints is None:
             return None, "checkpoints are off"
         if self.cfg.parallel.sharded_optimizer:
@@ -322,8 +337,9 @@ class Driver:
         if boundary <= start:
             return None, "no step had finished"
         _ignore_sigterm()  # a scheduler's repeated SIGTERM waits for the save (its SIGKILL follows anyway)
+        again = "a repeated SIGTERM waits for it" if by_sigterm else "Ctrl-C again to stop without one"
         self.log(f"interrupted: finishing the steps up to {boundary} and saving a checkpoint{self._expected(boundary)} "
-                 "(Ctrl-C again to stop without one)")
+                 f"({again})")
         try:
             for step in sorted(self.submitted):
                 out = _combine([_get(r, "compute", self.timeout) for r in self.submitted.pop(step)])

@@ -45,6 +45,7 @@ import psutil
 
 from ..config import ModelConfig
 from ..model import flops
+from . import expert_load
 from .gauges import STAGE_ROLE, STAGES, UNITS  # noqa: F401  (UNITS: the units of the gauges set here)
 
 
@@ -166,8 +167,7 @@ class RunMetrics:
         for layer, counts in zip(self.model.sparse_layers, row["expert_tokens"]):
             for e, n in enumerate(counts):
                 self._set(self.expert_tokens, "expert_tokens", n, {"layer": str(layer), "expert": str(e)})
-            self._set(self.imbalance, "expert_imbalance", max(counts) / max(sum(counts) / len(counts), 1e-9),
-                      {"layer": str(layer)})
+            self._set(self.imbalance, "expert_imbalance", expert_load.imbalance(counts), {"layer": str(layer)})
 
     def checkpoint(self, step: int) -> None:
         """The newest checkpoint's step: on its gauge now, to the trackers with the next step's scalars

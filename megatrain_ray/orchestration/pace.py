@@ -6,7 +6,9 @@ backward recomputes for every layer that has no kept graph (:func:`~megatrain_ra
 more within recompute spans, see :func:`~megatrain_ray.engine.activations.recomputed_layers`),
 at :data:`ACHIEVED` of the GPU's nominal bf16 dense rate (by its name, :data:`NOMINAL_TFLOPS`; or
 the rate ``megatrain-ray plan --gpu-tflops`` gives, e.g. one measured by ``megatrain-ray bench``).
-On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core. It is an estimate to plan by (measured
+On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit of
+the store (decoder layers, embedding, head) a step passes through: the fixed cost of its fetch,
+tickets and small GEMMs, which is most of a small model's step. It is an estimate to plan by (measured
 steps differ from it by tens of percent, see :data:`ACHIEVED`), and a bound for the timeouts:
 
 every queue of the pipeline carries messages every step, so no wait for the next message should
@@ -39,6 +41,9 @@ DEFAULT_GPU_TFLOPS = 989.0
 """The rate assumed where the GPU is not visible or not known: an H100/H200's."""
 CPU_TFLOPS_PER_CORE = 0.01
 """What one CPU core reaches in the layer's fp32 GEMMs (a conservative 10 GFLOP/s)."""
+CPU_UNIT_S = 0.012
+"""Seconds a step spends per unit on the CPU beyond its FLOPs (measured: the built-in tiny run, 4
+units, 101 ms a step on 2 cores against 51 ms of FLOPs at the rate above)."""
 WAIT_STEPS = 3
 """Expected step times a role waits for its next message before giving up (see the module docstring)."""
 
@@ -57,16 +62,22 @@ class Pace:
     """The rate assumed: ACHIEVED of the nominal (or given) rate, TFLOP/s."""
     rate_note: str
     """Where the rate comes from, for the plan's line."""
+    fixed_s: float = 0.0
+    """Seconds beyond the FLOPs: the units' fixed costs (on the CPU, :data:`CPU_UNIT_S` each)."""
+    units: int = 0
+    """Units a step passes through (what ``fixed_s`` counts)."""
 
     @property
     def step_s(self) -> float:
-        return (self.palm + self.recompute) / (self.tflops * 1e12)
+        return (self.palm + self.recompute) / (self.tflops * 1e12) + self.fixed_s
 
     def line(self) -> str:
         """The plan's line: ``expected step time: ~9 min (...)``."""
         return (f"expected step time: ~{duration(self.step_s)} ({_flop(self.palm + self.recompute)} per GPU: "
                 f"{_flop(self.palm)} of the model counting attention (PaLM; 6NT: {_flop(self.six_nt)}) + "
-                f"{_flop(self.recompute)} recomputed in the backward, at {_flop(self.tflops * 1e12)}/s: {self.rate_note})")
+                f"{_flop(self.recompute)} recomputed in the backward, at {_flop(self.tflops * 1e12)}/s: {self.rate_note}"
+                + (f"; + {duration(self.fixed_s)} of fixed costs, {self.units} units x "
+                   f"{duration(self.fixed_s / self.units)}" if self.fixed_s else "") + ")")
 
 
 def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: int = 0, tflops: float | None = None,
@@ -96,7 +107,9 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
         six, palm = lora_flops(m, cfg.lora, t.seq_len, int(tokens))
     else:
         six, palm = flops_6nt(m, tokens), palm_model_flops(m, t.seq_len, tokens)
-    return Pace(palm, six, recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note)
+    units = m.num_hidden_layers + 2  # the decoder layers, the embedding and the head
+    fixed = CPU_UNIT_S * units if device == "cpu" and tflops is None else 0.0
+    return Pace(palm, six, recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note, fixed, units)
 
 
 def stall_s(pace: Pace, floor: float) -> float:

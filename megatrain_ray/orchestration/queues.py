@@ -57,6 +57,8 @@ class QueueHost:
         """When an item last went onto or off one of the queues (the host's start before any)."""
         self._waiters: collections.Counter[tuple[str, str]] = collections.Counter()
         """(queue, "get" or "put") -> calls waiting there now."""
+        self._taken: collections.Counter[str] = collections.Counter()
+        """queue -> items taken off it so far (what a long step's progress line counts)."""
 
     async def quiet_s(self) -> float:
         """Seconds since an item last went onto or off any of this host's queues."""
@@ -105,6 +107,7 @@ class QueueHost:
         q = self._queue(name, maxsize)
         if not q.empty():
             self._moved = time.monotonic()
+            self._taken[name] += 1
             return True, q.get_nowait()
         if timeout is not None and timeout <= 0:
             return False, None
@@ -113,6 +116,7 @@ class QueueHost:
         except TimeoutError:
             return False, None
         self._moved = time.monotonic()
+        self._taken[name] += 1
         return True, item
 
     async def drain(self, name: str, maxsize: int) -> list:
@@ -120,10 +124,15 @@ class QueueHost:
         q = self._queue(name, maxsize)
         if q.qsize():
             self._moved = time.monotonic()
+        self._taken[name] += q.qsize()
         return [q.get_nowait() for _ in range(q.qsize())]
 
     async def size(self, name: str, maxsize: int) -> int:
         return self._queue(name, maxsize).qsize()
+
+    async def taken(self, name: str, maxsize: int) -> int:
+        """Items taken off the queue so far."""
+        return self._taken[name]
 
 
 class LocalQueue(queue.Queue):
@@ -197,6 +206,10 @@ class QueueClient:
     def qsize(self, within: float | None = None) -> int:
         """Items waiting; ``within``: as for :meth:`drain`."""
         return self._call("size", within=within)
+
+    def taken(self, within: float | None = None) -> int:
+        """Items taken off the queue so far; ``within``: as for :meth:`drain`."""
+        return self._call("taken", within=within)
 
     def __repr__(self) -> str:
         return f"QueueClient({self.name!r}, maxsize={self.maxsize})"
