@@ -17,7 +17,9 @@ the compute dtype does not, so its reference is the replaced model (ours dequant
 
 The merged export is the adapters merged into the dequantized base (as peft's ``merge_and_unload``
 does on a bitsandbytes base), and the adapter directory loads on the bitsandbytes model with
-``PeftModel.from_pretrained`` and gives the merged model's logits.
+``PeftModel.from_pretrained`` and gives the merged model's logits. (The bitsandbytes model runs in
+training mode throughout: in eval mode on a CPU with AVX-512 bf16 its ``Linear4bit`` switches to a
+bf16 inference kernel, another arithmetic than QLoRA training's.)
 """
 
 import os
@@ -71,8 +73,9 @@ def _bnb_4bit(directory):
     """transformers' model of ``directory`` loaded in bitsandbytes' 4-bit (nf4, double quantization, fp32 compute)."""
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                         bnb_4bit_compute_dtype=torch.float32)
-    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), quantization_config=q, device_map="cpu",
-                                                             dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), quantization_config=q, device_map="cpu",
+                                                              dtype=torch.float32)
+    return model.train()  # in eval mode its CPU backend repacks the weights for a bf16 inference kernel
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
@@ -160,7 +163,8 @@ def test_qlora_training_matches_peft_bitsandbytes_and_adamw(arch, fmt, targets, 
         base_w = deq.get(key, init[key])
         assert torch.equal(value, base_w if a is None else merged_weight(base_w, a, b, cfg.lora.scaling)), key
     if fmt == "nf4":  # the adapter directory is peft's: on the bitsandbytes base it gives the merged model's logits
-        loaded = peft.PeftModel.from_pretrained(_bnb_4bit(tmp_path / "init"), str(run / "adapter")).eval()
+        loaded = peft.PeftModel.from_pretrained(_bnb_4bit(tmp_path / "init"), str(run / "adapter"))
+        loaded.train()  # the fp32 dequantizing path (no dropout in these models)
         merged = transformers.AutoModelForCausalLM.from_pretrained(str(run / "final")).eval()
         ids = torch.tensor(source.batch(0)["input_ids"][0])
         with torch.no_grad():
