@@ -22,6 +22,8 @@ its weights are a view of the byte slot, with no copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..model.layout import StoreLayout
@@ -34,16 +36,53 @@ def _piece(block: torch.Tensor, piece: tuple[int, int], dtype: torch.dtype = tor
     return block[piece[0]:piece[1]].view(dtype)
 
 
+def runs(records) -> list[tuple[Record, ...]]:
+    """``records`` (in block order) cut into runs of one format and shape lying at one byte stride and one
+    element stride (a sparse layer's experts: each projection's run of E records), each dequantized by
+    one set of kernels (:func:`dequantize_run`); a raw record is a run of its own."""
+    out: list[list[Record]] = []
+    for r in records:
+        last = out[-1] if out else None
+        if (last and r.fmt != RAW and last[0].fmt == r.fmt and last[0].shape == r.shape
+                and (len(last) == 1 or (r.start - last[-1].start == last[1].start - last[0].start
+                                        and r.offset - last[-1].offset == last[1].offset - last[0].offset))):
+            last.append(r)
+        else:
+            out.append([r])
+    return [tuple(run) for run in out]
+
+
+def _rows(flat: torch.Tensor, run: tuple[Record, ...], piece: int, dtype: torch.dtype, size: int | None = None
+          ) -> torch.Tensor:
+    """[len(run), elements] view of array ``piece`` of each record of ``run`` in the bytes ``flat`` (as ``dtype``)."""
+    itemsize = dtype.itemsize
+    first = run[0].pieces[piece]
+    stride = (run[1].start - run[0].start) // itemsize if len(run) > 1 else 0
+    typed = flat[:flat.numel() // itemsize * itemsize].view(dtype)  # every piece of ``dtype`` ends within
+    return typed.as_strided((len(run), (first[1] - first[0]) // itemsize if size is None else size),
+                            (stride, 1), typed.storage_offset() + first[0] // itemsize)
+
+
+def dequantize_run(run: tuple[Record, ...], block: torch.Tensor, out: torch.Tensor) -> None:
+    """block: a unit's bytes [nbytes] uint8 (host or device); out: its weights [numel] in the compute
+    dtype (a weight slot): each record's weights of ``run`` (:func:`runs`) dequantized into its place."""
+    first = run[0]
+    k, n = len(run), first.numel
+    dst = out.as_strided((k, n), ((run[1].offset - first.offset) if k > 1 else 0, 1), out.storage_offset() + first.offset)
+    if first.fmt == NF4:
+        dequantize_nf4(_rows(block, run, 0, torch.uint8), _rows(block, run, 1, torch.uint8),
+                       _rows(block, run, 2, torch.float32), _rows(block, run, 3, torch.float32), dst)
+    elif first.fmt == INT8:
+        dequantize_int8(_rows(block, run, 0, torch.int8), _rows(block, run, 1, torch.float32), dst)
+    else:
+        dst.copy_(_rows(block, run, 0, out.dtype))
+
+
 def dequantize(record: Record, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """block: a unit's bytes [nbytes] uint8 (host or device) -> ``out`` [numel] (the compute dtype, on
-    the block's device) filled with ``record``'s weights."""
-    p = record.pieces
-    if record.fmt == NF4:
-        return dequantize_nf4(_piece(block, p[0]), _piece(block, p[1]), _piece(block, p[2], torch.float32),
-                              _piece(block, p[3], torch.float32), out)
-    if record.fmt == INT8:
-        return dequantize_int8(_piece(block, p[0], torch.int8), _piece(block, p[1], torch.float32), out)
-    return out.copy_(_piece(block, p[0], out.dtype))
+    """block: a unit's bytes [nbytes] uint8 -> ``out`` [numel] (the compute dtype, on the block's device)
+    filled with ``record``'s weights."""
+    dequantize_run((dataclasses.replace(record, offset=0),), block, out)
+    return out
 
 
 class QuantizedBase:
@@ -106,6 +145,8 @@ class DeviceDequant:
         self.layout, self.templates, self.byte_slots, self.dtype = layout, templates, byte_slots, dtype
         numel = max((t.numel for t, u in zip(templates, layout.units) if not u.raw), default=1)
         self.weight_slots = [torch.empty(numel, dtype=dtype, device=s.device) for s in byte_slots]
+        self._runs: dict[tuple, list[tuple[Record, ...]]] = {}
+        """The runs (:func:`runs`) of each (unit, fetched ranges) seen: a routed fetch's depend on its experts."""
 
     def weights(self, slot: int, i: int, ranges) -> torch.Tensor:
         """Unit i's weights [numel] from byte slot ``slot``, whose element ``ranges`` (None: all) were
@@ -116,6 +157,9 @@ class DeviceDequant:
         if unit.raw:
             return block.view(self.dtype)[:numel]
         out = self.weight_slots[slot]
-        for r in unit.covered(ranges):
-            dequantize(r, block, out[r.offset:r.offset + r.numel])
+        key = (i, None if ranges is None else tuple(ranges))
+        if key not in self._runs:
+            self._runs[key] = runs(unit.covered(ranges))
+        for run in self._runs[key]:
+            dequantize_run(run, block, out)
         return out[:numel]

@@ -151,16 +151,19 @@ def quantize_nf4(w: torch.Tensor, use_bnb: bool = True) -> tuple[torch.Tensor, t
 
 def dequantize_nf4(codes: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor,
                    out: torch.Tensor) -> torch.Tensor:
-    """codes [>= ceil(n / 64) * 32] uint8, qabsmax [ceil(n / 64)] uint8, absmax2 [ceil(n / 64 / 256)]
-    fp32, offset [1] fp32 -> ``out`` [n] (any float dtype, on their device), filled with the weight
-    bitsandbytes' ``dequantize_4bit`` gives: level * (dynamic[qabsmax] * absmax2 + offset), in fp32,
-    rounded once to ``out``'s dtype."""
-    n = out.numel()
+    """codes [k, >= blocks * 32] uint8, qabsmax [k, blocks] uint8, absmax2 [k, ceil(blocks / 256)] fp32,
+    offset [k, 1] fp32 -> ``out`` [k, n] (any float dtype, on their device; blocks = ceil(n / 64)): k
+    weights of one shape at once (or each argument without its leading dimension: one), each filled
+    with what bitsandbytes' ``dequantize_4bit`` gives: level * (dynamic[qabsmax] * absmax2 + offset),
+    in fp32, rounded once to ``out``'s dtype. Views with any row stride will do."""
+    if out.dim() == 1:
+        return dequantize_nf4(codes[None], qabsmax[None], absmax2[None], offset.view(1, 1), out[None])[0]
+    k, n = out.shape
+    blocks = qabsmax.shape[1]
     _, pairs, dyn = _tables(str(codes.device))
-    blocks = qabsmax.numel()
-    absmax = (dyn[qabsmax.long()].view(-1) * torch.repeat_interleave(absmax2, STATS_BLOCK)[:blocks]) + offset
-    values = pairs[codes[:blocks * NF4_BLOCK // 2].long()].view(blocks, NF4_BLOCK) * absmax.unsqueeze(1)
-    out.copy_(values.view(-1)[:n])
+    absmax = dyn[qabsmax.long()] * absmax2.repeat_interleave(STATS_BLOCK, dim=1)[:, :blocks] + offset
+    values = pairs[codes[:, :blocks * NF4_BLOCK // 2].long()].view(k, blocks, NF4_BLOCK) * absmax.unsqueeze(2)
+    out.copy_(values.view(k, -1)[:, :n])
     return out
 
 
@@ -178,10 +181,13 @@ def quantize_int8(w: torch.Tensor, use_bnb: bool = True) -> tuple[torch.Tensor, 
 
 
 def dequantize_int8(codes: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """codes [rows * cols] int8, stats [rows] fp32 -> ``out`` [rows * cols] filled with what
-    bitsandbytes' ``int8_vectorwise_dequant`` gives: codes * absmax * (1/127) in fp32, rounded once."""
-    rows = stats.numel()
-    out.copy_((codes.view(rows, -1).float() * stats.unsqueeze(1) * INT8_SCALE).view(-1))
+    """codes [k, rows * cols] int8, stats [k, rows] fp32 -> ``out`` [k, rows * cols]: k weights of one
+    shape (or each without its leading dimension: one), filled with what bitsandbytes'
+    ``int8_vectorwise_dequant`` gives: codes * absmax * (1/127) in fp32, rounded once."""
+    if out.dim() == 1:
+        return dequantize_int8(codes[None], stats[None], out[None])[0]
+    k, rows = stats.shape
+    out.copy_((codes.reshape(k, rows, -1).float() * stats.unsqueeze(2) * INT8_SCALE).view(k, -1))
     return out
 
 
