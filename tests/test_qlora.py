@@ -146,7 +146,7 @@ def test_qlora_training_matches_peft_bitsandbytes_and_adamw(arch, fmt, targets, 
     plain_losses, _ = _reference(_peft(make_model(arch, **SHAPE), cfg), cfg, source)
 
     assert ref_losses[-1] < ref_losses[0]
-    assert abs(plain_losses[0] - true_losses[0]) > 1e-4  # the quantization matters at this scale
+    assert abs(plain_losses[0] - true_losses[0]) > 1e-5  # the quantization matters (fp32 rounding: ~1e-6 here)
     steps = [f"loss of step {i}" for i in range(STEPS)]
     assert_as_close_to_truth(dict(zip(steps, result.losses)), [dict(zip(steps, ref_losses)),
                              dict(zip(steps, alt_losses))], dict(zip(steps, true_losses)))
