@@ -12,8 +12,10 @@ ours must be as close to the truth as tests/float64_truth.py says.
 
 int8 (LLM.int8()'s storage) is checked as a base of the same dequantized weights: bitsandbytes'
 ``Linear8bitLt`` also quantizes the activations in its matmul, which a frozen base dequantized into
-the compute dtype does not, so its reference is the replaced model (ours dequantizes as
-``int8_vectorwise_dequant`` does).
+the compute dtype does not, so the reference of a run over an int8 base is our own run over an
+unquantized base holding bitsandbytes' dequantized weights (``int8_vectorwise_dequant``), which it
+must equal bit for bit (losses and adapters): the quantized store changes nothing but the weights,
+and LoRA over an unquantized base is peft's (tests/test_lora_training.py).
 
 The merged export is the adapters merged into the dequantized base (as peft's ``merge_and_unload``
 does on a bitsandbytes base), and the adapter directory loads on the bitsandbytes model with
@@ -42,7 +44,7 @@ from megatrain_ray.data.loader import BatchSource  # noqa: E402
 from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config, read_config  # noqa: E402
 from megatrain_ray.model.lora import merged_weight  # noqa: E402
-from megatrain_ray.model.quant_layout import quantized  # noqa: E402
+from megatrain_ray.model.quant_layout import QuantLayout, quantized  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 STEPS = 4
@@ -115,7 +117,6 @@ def test_the_store_holds_bitsandbytes_weights(fmt, shm_dir, tmp_path):
 @pytest.mark.parametrize("arch,fmt,targets", [
     ("llama2", "nf4", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
     ("qwen3", "nf4", "q_proj,v_proj,down_proj"),
-    ("llama2", "int8", "q_proj,o_proj,up_proj"),
 ])
 def test_qlora_training_matches_peft_bitsandbytes_and_adamw(arch, fmt, targets, ray_cluster, shm_dir, tmp_path):
     make_model(arch, **SHAPE).save_pretrained(tmp_path / "init", safe_serialization=True)
@@ -170,3 +171,33 @@ def test_qlora_training_matches_peft_bitsandbytes_and_adamw(arch, fmt, targets, 
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=ids).logits, merged(input_ids=ids).logits.float(),
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama2", "int8"), ("qwen3", "nf4")])
+def test_a_quantized_base_trains_as_an_unquantized_base_of_its_weights(arch, fmt, ray_cluster, shm_dir, tmp_path):
+    make_model(arch, **SHAPE).save_pretrained(tmp_path / "init", safe_serialization=True)
+    _replaced(arch, fmt).save_pretrained(tmp_path / "replaced", safe_serialization=True)
+    rng = np.random.default_rng(2)
+    np.save(tmp_path / "tokens.npy", rng.integers(0, 96, size=4000))
+    results = {}
+    for name, fmt_of_run in (("init", fmt), ("replaced", "compute")):
+        cfg = load_train_config(None, [
+            f"train.init_from={tmp_path / name}", f"data.path={tmp_path / 'tokens.npy'}",
+            f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / ('runs-' + name)}",
+            "compute.device=cpu", "precision.compute_dtype=float32", "train.steps=3", "train.seq_len=16",
+            "train.micro_batch_size=2", "train.num_micro_batches=2", "train.checkpoint_every=0", "optim.lr=1e-2",
+            "lora.rank=4", "lora.alpha=8", "lora.target_modules=q_proj,o_proj,up_proj,down_proj",
+            f"lora.base_format={fmt_of_run}",
+        ])
+        r = train(cfg, log=lambda line: None)
+        results[name] = (r.losses, load_file(os.path.join(r.run_dir, "adapter", "adapter_model.safetensors")), r)
+    (ours, ours_a, run), (ref, ref_a, _) = results["init"], results["replaced"]
+    assert ours == ref
+    assert set(ours_a) == set(ref_a) and all(torch.equal(ours_a[k], ref_a[k]) for k in ref_a)
+    # each layer crossed the link as its quantized bytes; the embedding and head as their fp32 ones
+    nbytes = QuantLayout.build(run_cfg_model(tmp_path / "init"), fmt, torch.float32).units[1].nbytes
+    assert {n for lane, label, _, _, n in run.timeline if lane == "h2d" and label == "layers.0"} == {nbytes}
+
+
+def run_cfg_model(directory):
+    return read_config(str(directory))[0]

@@ -3,7 +3,7 @@
 A preset is a dict of :class:`~megatrain_ray.config.ModelConfig` fields (HF config.json names):
 ``tiny`` (4 layers, hidden 256) for tests and smoke runs, ``1b`` the Llama 3.2 1B shape, ``3b`` and
 ``7b``, ``14b``, ``32b`` the Qwen2.5 3B, 7B, 14B and 32B shapes (``--layers`` makes a shorter model of
-the same width, e.g. a ~20B model at the 32B width with 38 layers). Mixtures of experts:
+the same width, e.g. a ~20B model at the 32B width with 38 layers), ``70b`` the Llama 3.1 70B shape. Mixtures of experts:
 ``tiny-moe`` (a small Qwen3-MoE), ``qwen3-30b-a3b`` (48 layers of 128 experts, top-8; 30.5B
 parameters, 3.3B active) and ``mixtral-8x7b`` (32 layers of 8 experts, top-2; 46.7B, 12.9B active),
 whose ``--layers`` cuts keep every layer's experts (12 of Qwen3-30B-A3B's 48 layers: 8.1B).
@@ -27,6 +27,8 @@ PRESETS = {
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, rope_theta=1e6),
     "32b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, rope_theta=1e6),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, num_experts=8,
                      num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
