@@ -16,7 +16,7 @@ F = pytest.importorskip("bitsandbytes.functional")
 
 from megatrain_ray.model import quant as Q  # noqa: E402
 
-SHAPES = [(64, 128), (96, 64), (700, 192), (3, 1000), (1, 64 * 257 + 10), (5, 7)]
+SHAPES = [(64, 128), (96, 64), (700, 192), (3, 1000), (1, 64 * 257 + 10), (5, 7), (5, 60010)]  # the last: chunks
 
 
 def _weight(shape, dtype, seed=0):

@@ -42,6 +42,8 @@ NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098144
 """The 16 NF4 levels of QLoRA (quantiles of a standard normal, normalised to [-1, 1]), ascending."""
 PAD_BYTE = 0x77
 """Two NF4 codes of 0.0: the padding of a weight to whole blocks (bitsandbytes pads an odd count so too)."""
+CHUNK = 1 << 18
+"""Elements quantized at a time (a multiple of :data:`NF4_BLOCK`), so that the temporaries stay in cache."""
 INT8_SCALE = 7.874015718698502e-3
 """bitsandbytes' 1/127 of the int8 dequantization (the fp32 number it multiplies by)."""
 
@@ -141,9 +143,13 @@ def quantize_nf4(w: torch.Tensor, use_bnb: bool = True) -> tuple[torch.Tensor, t
         codes[:packed.numel()] = packed.view(-1)
         return codes, state.absmax.view(-1), state.state2.absmax.view(-1).float(), state.offset.view(1).float()
     levels, _, dyn = _tables(str(w.device))
-    q, absmax = _blockwise(w.detach().reshape(-1).float(), NF4_BLOCK, lambda x: _nearest(x, levels))
-    q = q.to(torch.uint8)
-    codes = (q[0::2] << 4) | q[1::2]
+    flat, codes = w.detach().reshape(-1), torch.empty(size, dtype=torch.uint8, device=w.device)
+    absmax = torch.empty(size // (NF4_BLOCK // 2), dtype=torch.float32, device=w.device)
+    for a in range(0, n, CHUNK):  # a chunk's temporaries stay in cache
+        q, amax = _blockwise(flat[a:a + CHUNK].float(), NF4_BLOCK, lambda x: _nearest(x, levels))
+        q = q.to(torch.uint8)
+        codes[a // 2:a // 2 + q.numel() // 2] = (q[0::2] << 4) | q[1::2]
+        absmax[a // NF4_BLOCK:a // NF4_BLOCK + amax.numel()] = amax
     offset = absmax.mean()
     qabs, absmax2 = _blockwise(absmax - offset, STATS_BLOCK, _binned, zero_code=0)
     return codes, qabs[:absmax.numel()].to(torch.uint8), absmax2, offset.view(1)
