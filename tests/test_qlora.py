@@ -201,3 +201,41 @@ def test_a_quantized_base_trains_as_an_unquantized_base_of_its_weights(arch, fmt
 
 def run_cfg_model(directory):
     return read_config(str(directory))[0]
+
+
+def _store(directory, shm_dir, fmt: str = "nf4"):
+    from megatrain_ray.model.precision import resolve_precision
+
+    run = load_train_config(None, [f"train.init_from={directory}", "lora.rank=2", f"lora.base_format={fmt}",
+                                   "compute.device=cpu", "precision.compute_dtype=float32"])
+    spec = StoreSpec.of_run(run, resolve_precision(run.precision, "cpu"), "cpu", os.getpid(), "q" + os.urandom(3).hex())
+    spec = StoreSpec(spec.model, spec.precision, shm_dir, spec.owner_pid, spec.run_id, lora=spec.lora)
+    return run, ParameterStore(spec, seed=0, init_from=str(directory))
+
+
+def test_a_bitsandbytes_checkpoint_is_read_as_it_is(shm_dir, tmp_path):
+    """transformers' save_pretrained of its bitsandbytes 4-bit model is read into an nf4 base byte for byte as
+    the unquantized checkpoint is quantized (both by bitsandbytes' CPU backend here); the merged export of a
+    run from it is unquantized (no quantization_config); another lora.base_format is refused in one sentence."""
+    from megatrain_ray.errors import ConfigError
+    from megatrain_ray.io import bnb_checkpoint
+    from megatrain_ray.orchestration.preflight import check_init_from
+
+    make_model("llama2", **SHAPE).save_pretrained(tmp_path / "init", safe_serialization=True)
+    _bnb_4bit(tmp_path / "init").save_pretrained(tmp_path / "q4", safe_serialization=True)
+    assert bnb_checkpoint.quantization(str(tmp_path / "q4")) and not bnb_checkpoint.quantization(str(tmp_path / "init"))
+    stores = []
+    try:
+        for d in ("init", "q4"):
+            run, store = _store(tmp_path / d, shm_dir)
+            stores.append(store)
+            check_init_from(run)
+        a, b = (s.store.arrays["master"] for s in stores)
+        assert torch.equal(a, b)
+    finally:
+        for s in stores:
+            s.close()
+    for fmt, match in (("compute", "lora.base_format=nf4"), ("int8", "lora.base_format=nf4")):
+        run = load_train_config(None, [f"train.init_from={tmp_path / 'q4'}", "lora.rank=2", f"lora.base_format={fmt}"])
+        with pytest.raises(ConfigError, match=match):
+            check_init_from(run)

@@ -110,20 +110,27 @@ class QuantizedBase:
         (None: whole)."""
         return self.block(i), self.layout.units[i].byte_ranges(ranges)
 
-    def _record(self, i: int, name: str) -> Record:
+    def record(self, i: int, name: str) -> Record:
+        """The record of unit i's parameter ``name``."""
         return next(r for r in self.layout.units[i].records if r.name == name)
+
+    def write_nf4(self, i: int, name: str, arrays) -> None:
+        """Set the nf4 record of unit i's ``name`` to ``arrays`` as :func:`~megatrain_ray.model.quant.quantize_nf4`
+        returns them (codes, absmax codes, absmax2, offset)."""
+        block = self.block(i)
+        for piece, array in zip(self.record(i, name).pieces, arrays):
+            _piece(block, piece).copy_(array.contiguous().view(torch.uint8))
 
     def write(self, i: int, name: str, value: torch.Tensor) -> None:
         """Quantize ``value`` (the parameter ``name`` of unit i, any float dtype) into its record: cast to
         the compute dtype first (the weights the unquantized base would hold), quantized from those."""
-        record, block = self._record(i, name), self.block(i)
+        record, block = self.record(i, name), self.block(i)
         value = value.detach().to(self.dtype).reshape(record.shape)
         p = record.pieces
         if record.fmt == RAW:
             _piece(block, p[0], self.dtype).copy_(value.reshape(-1))
         elif record.fmt == NF4:
-            for piece, array in zip(p, quantize_nf4(value)):
-                _piece(block, piece).copy_(array.contiguous().view(torch.uint8))
+            self.write_nf4(i, name, quantize_nf4(value))
         else:
             codes, stats = quantize_int8(value)
             _piece(block, p[0], torch.int8).copy_(codes)

@@ -405,9 +405,12 @@ class ParameterStore:
 
     def _load_hf(self, directory: str) -> None:
         """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.io.hf_io`)."""
-        from ..io import hf_io
+        from ..io import bnb_checkpoint, hf_io
 
-        hf_io.load_into(self.store, directory)
+        if bnb_checkpoint.quantization(directory) is not None:  # a bitsandbytes 4-bit checkpoint, read as it is
+            bnb_checkpoint.load_into(self.store, directory)
+        else:
+            hf_io.load_into(self.store, directory)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights as HF-named tensors (copies; for small models and tests)."""

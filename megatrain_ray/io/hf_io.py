@@ -317,6 +317,7 @@ def write_model_dir(directory: str, what: str, cfg: ModelConfig, dtype: torch.dt
     base = None
     if source is not None and os.path.isfile(os.path.join(source, "config.json")):
         base = read_config(source, "train.init_from")[1]
+        base.pop("quantization_config", None)  # the weights written are not (a quantized base's: dequantized)
     with atomic_dir(directory, what, sum(t.nbytes for t in tensors)) as tmp:
         mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base, tokenizer))

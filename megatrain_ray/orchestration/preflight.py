@@ -443,6 +443,9 @@ def check_init_from(cfg: TrainConfig) -> None:
     milliseconds, before Ray starts, instead of in the store actor.
     """
     if cfg.train.init_from is not None:
-        from ..io import hf_io
+        from ..io import bnb_checkpoint, hf_io
 
-        hf_io.check_weights(cfg.model, cfg.train.init_from, "train.init_from")
+        if bnb_checkpoint.quantization(cfg.train.init_from) is not None:
+            bnb_checkpoint.check(cfg)
+        else:
+            hf_io.check_weights(cfg.model, cfg.train.init_from, "train.init_from")
