@@ -24,6 +24,7 @@ training mode throughout: in eval mode on a CPU with AVX-512 bf16 its ``Linear4b
 bf16 inference kernel, another arithmetic than QLoRA training's.)
 """
 
+import json
 import os
 
 import numpy as np
@@ -235,6 +236,20 @@ def test_a_bitsandbytes_checkpoint_is_read_as_it_is(shm_dir, tmp_path):
     finally:
         for s in stores:
             s.close()
+    # a run from it: the same losses as from the unquantized checkpoint (the same bytes), an unquantized final/
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(3).integers(0, 96, size=2000))
+    losses = {}
+    for d in ("init", "q4"):
+        cfg = load_train_config(None, [
+            f"train.init_from={tmp_path / d}", f"data.path={tmp_path / 'tokens.npy'}", f"memory.shm_dir={shm_dir}",
+            f"train.run_dir={tmp_path / ('runs-' + d)}", "compute.device=cpu", "precision.compute_dtype=float32",
+            "train.steps=2", "train.seq_len=16", "train.micro_batch_size=2", "train.num_micro_batches=1",
+            "train.checkpoint_every=0", "lora.rank=2", "lora.base_format=nf4"])
+        result = train(cfg, log=lambda line: None)
+        losses[d] = result.losses
+    assert losses["q4"] == losses["init"]
+    final = json.load(open(os.path.join(result.final_dir, "config.json")))
+    assert "quantization_config" not in final and final["architectures"] == ["LlamaForCausalLM"]
     for fmt, match in (("compute", "lora.base_format=nf4"), ("int8", "lora.base_format=nf4")):
         run = load_train_config(None, [f"train.init_from={tmp_path / 'q4'}", "lora.rank=2", f"lora.base_format={fmt}"])
         with pytest.raises(ConfigError, match=match):
