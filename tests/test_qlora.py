@@ -254,3 +254,27 @@ def test_a_bitsandbytes_checkpoint_is_read_as_it_is(shm_dir, tmp_path):
         run = load_train_config(None, [f"train.init_from={tmp_path / 'q4'}", "lora.rank=2", f"lora.base_format={fmt}"])
         with pytest.raises(ConfigError, match=match):
             check_init_from(run)
+
+
+def test_a_run_over_an_nf4_base_resumes_bit_for_bit(ray_cluster, shm_dir, tmp_path):
+    """Its checkpoints hold the adapters alone (the nf4 base is quantized again from train.init_from, the same
+    bytes); resumed from one it ends as the run straight through, and carries lora.base_format along."""
+    from megatrain_ray.io import checkpoint
+
+    make_model("qwen3", **SHAPE).save_pretrained(tmp_path / "init", safe_serialization=True)
+    np.save(tmp_path / "tokens.npy", (np.arange(3000) * 5) % 96)
+
+    def config(run: str):
+        return load_train_config(None, [
+            f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}", f"memory.shm_dir={shm_dir}",
+            f"train.run_dir={tmp_path / run}", "compute.device=cpu", "precision.compute_dtype=float32",
+            "train.steps=4", "train.seq_len=16", "train.micro_batch_size=2", "train.num_micro_batches=2",
+            "train.checkpoint_every=2", "optim.lr=1e-2", "lora.rank=4", "lora.base_format=nf4"])
+
+    straight = train(config("a"), log=lambda line: None)
+    step2 = dict(checkpoint.step_dirs(os.path.join(straight.run_dir, "checkpoints")))[2]
+    assert checkpoint.read_meta(step2)["lora"]["base_format"] == "nf4"
+    resumed = train(config("b"), log=lambda line: None, resume=step2)
+    assert resumed.losses == straight.losses[2:] and resumed.grad_norms == straight.grad_norms[2:]
+    final, straight_final = read_tensors(resumed.final_dir), read_tensors(straight.final_dir)
+    assert final.keys() == straight_final.keys() and all(torch.equal(final[k], straight_final[k]) for k in final)

@@ -103,3 +103,14 @@ def test_bytes_per_parameter():
     assert 0.5 + 1 / 64 < layers < 0.53  # 4 bits, an absmax code per 64, absmax2 per 16384, the norms raw
     layers8, whole8 = bytes_per_param(cfg, "int8", torch.bfloat16)
     assert 1.0 < layers8 < 1.01 and whole8 > layers8  # the embedding and head raw (bf16)
+
+
+def test_base_format_is_validated_by_name():
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.errors import ConfigError
+
+    assert load_config(None, ["lora.rank=4", "lora.base_format=nf4"]).lora.quantized
+    with pytest.raises(ConfigError, match="lora.base_format.*one of compute, int8, nf4"):
+        load_config(None, ["lora.rank=4", "lora.base_format=fp4"])
+    with pytest.raises(ConfigError, match="lora.base_format.*needs lora.rank > 0"):
+        load_config(None, ["lora.base_format=nf4"])
