@@ -85,3 +85,12 @@ def test_zero_blocks_are_bitsandbytes_too():
         out = torch.empty(w.numel())
         assert torch.equal(Q.dequantize_nf4(*ours, out), F.dequantize_4bit(packed, state).view(-1))
         assert torch.equal(out[:64], torch.zeros(64))  # level 0.0 times any absmax
+
+
+def test_dequantization_in_chunks_is_whole(monkeypatch):
+    w = _weight((37, 1000), torch.float32)
+    nf4, int8 = Q.quantize_nf4(w, use_bnb=False), Q.quantize_int8(w, use_bnb=False)
+    whole = (Q.dequantize_nf4(*nf4, torch.empty(w.numel())), Q.dequantize_int8(*int8, torch.empty(w.numel())))
+    monkeypatch.setattr(Q, "DEQUANT_CHUNK", 3 * Q.NF4_BLOCK)  # 3 blocks (or rows) at a time, a partial last
+    assert torch.equal(Q.dequantize_nf4(*nf4, torch.empty(w.numel())), whole[0])
+    assert torch.equal(Q.dequantize_int8(*int8, torch.empty(w.numel())), whole[1])

@@ -44,6 +44,8 @@ PAD_BYTE = 0x77
 """Two NF4 codes of 0.0: the padding of a weight to whole blocks (bitsandbytes pads an odd count so too)."""
 CHUNK = 1 << 18
 """Elements quantized at a time (a multiple of :data:`NF4_BLOCK`), so that the temporaries stay in cache."""
+DEQUANT_CHUNK = 1 << 24
+"""Elements dequantized by one set of kernels at most: the fp32 temporaries of a chunk stay ~200 MB."""
 INT8_SCALE = 7.874015718698502e-3
 """bitsandbytes' 1/127 of the int8 dequantization (the fp32 number it multiplies by)."""
 
@@ -168,8 +170,12 @@ def dequantize_nf4(codes: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Te
     blocks = qabsmax.shape[1]
     _, pairs, dyn = _tables(str(codes.device))
     absmax = dyn[qabsmax.long()] * absmax2.repeat_interleave(STATS_BLOCK, dim=1)[:, :blocks] + offset
-    values = pairs[codes[:, :blocks * NF4_BLOCK // 2].long()].view(k, blocks, NF4_BLOCK) * absmax.unsqueeze(2)
-    out.copy_(values.view(k, -1)[:, :n])
+    step = max(1, DEQUANT_CHUNK // (k * NF4_BLOCK))  # blocks at a time: the temporaries stay O(chunk)
+    for a in range(0, blocks, step):
+        b = min(blocks, a + step)
+        values = pairs[codes[:, a * NF4_BLOCK // 2:b * NF4_BLOCK // 2].long()].view(k, b - a, NF4_BLOCK)
+        values = (values * absmax[:, a:b].unsqueeze(2)).view(k, -1)
+        out[:, a * NF4_BLOCK:min(n, b * NF4_BLOCK)].copy_(values[:, :min(n, b * NF4_BLOCK) - a * NF4_BLOCK])
     return out
 
 
@@ -193,7 +199,12 @@ def dequantize_int8(codes: torch.Tensor, stats: torch.Tensor, out: torch.Tensor)
     if out.dim() == 1:
         return dequantize_int8(codes[None], stats[None], out[None])[0]
     k, rows = stats.shape
-    out.copy_((codes.reshape(k, rows, -1).float() * stats.unsqueeze(2) * INT8_SCALE).view(k, -1))
+    cols = out.shape[1] // rows
+    step = max(1, DEQUANT_CHUNK // (k * cols))  # rows at a time
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        part = codes[:, a * cols:b * cols].reshape(k, b - a, cols).float() * stats[:, a:b].unsqueeze(2) * INT8_SCALE
+        out[:, a * cols:b * cols].copy_(part.view(k, -1))
     return out
 
 
