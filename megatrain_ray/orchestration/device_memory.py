@@ -18,6 +18,7 @@ from ..engine.activations import (kept_bytes_per_token, layer_modes, recompute_s
 from ..engine.sequence import tiled_backward_bytes
 from ..engine.store import StoreSpec, largest_streamed, resident_units
 from ..model.flops import recompute_flops
+from ..model.quant import DEQUANT_CHUNK
 from ..model.quant_layout import QuantLayout
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
@@ -365,4 +366,5 @@ def _slot_rows(cfg, layout, depth: int, c: int, dtype, resident) -> list[Row]:
     numel = max((t.numel for t, u in zip(layout.templates, q.units) if not u.raw), default=1)
     return [Row(f"byte slots of the {cfg.lora.base_format} base ({depth} x largest unit)", "device",
                 depth * q.largest(range(len(layout.units)))),
-            Row(f"weight slots ({depth} x largest layer, dequantized)", "device", depth * numel * c)]
+            Row(f"weight slots ({depth} x largest layer, dequantized)", "device", depth * numel * c),
+            Row("dequantization temporaries (one chunk's fp32 values and indices)", "device", DEQUANT_CHUNK * 16)]
