@@ -48,7 +48,7 @@ case " $parts " in *" resident "*)
   grep "^resident-lora" "$out/log_resident-lora-32b.txt" ;;
 esac
 case " $parts " in *" largest "*)  # the largest LoRA base of the 32B width the plan says this host holds
-  fits=$(plan_layers "$out/plan-lora-32b.txt" LoRA)
+  fits=$(plan_layers "$out/plan-lora-32b.txt" "LoRA (lora.rank > 0: a frozen base, compute)")
   layers=$(( ${fits:-96} - 2 ))
   echo "LoRA: the plan fits ${fits:-?} layers of the 32B width; running $layers"
   bench "lora-32bw-${layers}l-r16-65536" "$(left 600)" --preset 32b --layers "$layers" "${step[@]}" "${LORA[@]}" ;;

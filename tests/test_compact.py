@@ -289,9 +289,12 @@ def test_plan_shows_bytes_per_parameter_and_the_largest_model_of_each_mode(capsy
     assert per["fp32"] == pytest.approx(14, abs=0.01) and per["bf16"] == pytest.approx(10, abs=0.01)
     assert per["8bit"] == pytest.approx(4, abs=0.01)
     lines = mode_notes(cfg, "cuda", 120 * 2**30)
-    assert "compact (optim.state 8bit)" in lines[-2] and " 4.00 B/param  -> 32.2B parameters" in lines[-2]
+    assert "compact (optim.state 8bit)" in lines[-4] and " 4.00 B/param  -> 32.2B parameters" in lines[-4]
     # LoRA: the frozen base in bf16 alone, whatever the optimizer settings (its adapters are on the GPU)
-    assert lines[-1].startswith("  LoRA") and " 2.00 B/param  -> 64.4B parameters" in lines[-1]
+    assert lines[-3].startswith("  LoRA") and " 2.00 B/param  -> 64.0B parameters (128 layer(s)" in lines[-3]
+    # and in each quantized format of the base (lora.base_format): the layers' bytes decide how many fit
+    assert "int8)" in lines[-2] and "(257 layer(s) of this shape, 1.00" in lines[-2]
+    assert "nf4)" in lines[-1] and "(499 layer(s) of this shape, 0.516 B/param in the layers" in lines[-1]
     assert cli.main(["plan", "--device", "cuda", "--gpu-memory", "141", "--set", "optim.state=8bit"]) in (0, 2)
     assert "compact (optim.state 8bit)" in capsys.readouterr().out
 

@@ -314,8 +314,9 @@ def test_plan_of_a_lora_run_counts_a_frozen_base_and_the_adapters_on_the_gpu(cap
     (gpu,) = [line for line in rows if line.startswith("LoRA adapters (rank 16, 134,217,728 parameters)")]
     assert f"{adapters * 18 / 2**30:.1f} GiB" in rows[gpu] and "embedding + head gradients" not in out
     assert f"checkpoints: {adapters * 12 / 2**30:.1f} GiB each" in out
-    (mode,) = [line for line in out.splitlines() if line.startswith("  LoRA")]
-    assert " 2.00 B/param" in mode and "layer(s) of this shape" in mode
+    mode, int8, nf4 = [line for line in out.splitlines() if line.startswith("  LoRA")]  # each lora.base_format
+    assert " 2.00 B/param" in mode and "layer(s) of this shape" in mode and "compute)" in mode
+    assert "int8)" in int8 and "nf4)" in nf4 and "B/param in the layers" in nf4
     six, palm = flops.lora_flops(cfg.model, cfg.lora, 1024, 65536)
     assert six == (4 * n + 6 * adapters) * 65536 and palm < flops.palm_model_flops(cfg.model, 1024, 65536)
     assert f"6NT: {six / 1e15:.1f} PFLOP" in out

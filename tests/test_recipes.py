@@ -69,6 +69,7 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
     ("activation_placement.sh", ["activations-recompute", "activations-auto"]),
     ("moe.sh", ["moe-tiny"]),
     ("lora.sh", ["lora-tiny"]),
+    ("qlora.sh", ["qlora-tiny"]),
 ])
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from .fields import require as _require
 
+BASE_FORMATS = ("compute", "int8", "nf4")
+"""lora.base_format's values (megatrain_ray.model.quant_layout)."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers an adapter may target, by their Hugging Face module names."""
 
@@ -42,6 +44,20 @@ class LoraSection:
     train_head: bool = False
     """Also train the LM head in full (PEFT's ``modules_to_save: [lm_head]``); the final norm stays frozen."""
 
+    base_format: str = "compute"
+    """How the frozen base is stored in host memory and streamed: ``compute`` (the compute dtype, bf16 on
+    CUDA: 2 bytes per parameter), ``int8`` (LLM.int8()'s row-wise int8 with an fp32 absmax per row,
+    ~1 byte) or ``nf4`` (QLoRA's 4-bit NormalFloat, blocks of 64 with double-quantized absmax, ~0.52
+    byte), each as bitsandbytes stores it. The decoder layers' projection matrices are quantized once
+    as the base is loaded, held and streamed quantized, and dequantized on the device into the
+    compute dtype before each layer's pass, bit for bit as bitsandbytes dequantizes them; norms,
+    biases, routers, the embedding and the LM head stay in the compute dtype (megatrain_ray.model.quant)."""
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the base is stored quantized (lora.base_format int8 or nf4)."""
+        return self.enabled and self.base_format != "compute"
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0
@@ -69,6 +85,10 @@ class LoraSection:
                  f"names {', '.join(map(repr, unknown))}, which is not a linear layer of a decoder layer; "
                  f"use any of {', '.join(LORA_TARGETS)}")
         _require(len(set(targets)) == len(targets), "lora.target_modules", f"names a module twice: {list(targets)}")
+        _require(self.base_format in BASE_FORMATS, "lora.base_format",
+                 f"must be one of {', '.join(BASE_FORMATS)}, got {self.base_format!r}")
         if not self.enabled:
+            _require(self.base_format == "compute", "lora.base_format",
+                     "needs lora.rank > 0 (a base trained in full is stored unquantized)")
             _require(not (self.train_embedding or self.train_head), "lora.train_embedding" if self.train_embedding
                      else "lora.train_head", "needs lora.rank > 0 (without adapters every parameter is trained)")

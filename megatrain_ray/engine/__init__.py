@@ -1,6 +1,7 @@
 """The engine: the roles that train one model streamed one unit at a time, as plain classes.
 
 - :mod:`.store`, :mod:`.shm`: the host parameter / optimizer store in shared-memory segments;
+  :mod:`.quantized`: a LoRA run's quantized base in it, and its dequantization on the device;
 - :mod:`.tickets`: the small messages between roles, and the fetch and update orders;
 - :mod:`.prefetch`: the prefetcher (which unit goes into which device slot, when);
 - :mod:`.compute`, :mod:`.device`, :mod:`.activations`: the compute worker, its CPU / CUDA backends,

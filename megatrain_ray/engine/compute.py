@@ -62,6 +62,7 @@ from .device import make_backend
 from .embed_grad import add_embedding_grad
 from .experts import ExpertTraffic
 from .grad_out import GradOut
+from .quantized import DeviceDequant
 from .passes import LayerWeights, StepLayers, layer_passes
 from .policy import EXACT, policies_of_run
 from .head import chunk_loss_sum, head_forward_backward, head_loss
@@ -101,7 +102,12 @@ class ComputeWorker(GroupMember):
         self.fetch_q, self.release_q = fetch_q, release_q
         self.device_name = device = s.device
         self.reducer = None  # this worker's data-parallel group, once it joins one (GroupMember.join_group)
-        self.backend = make_backend(device, s.buffer_depth, largest_streamed(self.layout, spec.resident), self.dtype)
+        streamed = largest_streamed(self.layout, spec.resident)
+        base = self.store.base  # a quantized base: fetches land in byte slots, dequantized into weight slots
+        self.backend = make_backend(device, s.buffer_depth, streamed if base is None else base.layout.largest(
+            range(len(self.layout.units))), self.dtype if base is None else torch.uint8)
+        self.dequant = None if base is None else DeviceDequant(base.layout, self.layout.templates, self.backend.slots,
+                                                               self.dtype)
         placement = s.activations
         if len(placement) != self.cfg.num_hidden_layers:
             raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
@@ -178,9 +184,9 @@ class ComputeWorker(GroupMember):
                 continue
             self.doing["loader"] = f"copying {self.layout.units[ticket.unit]} to the device"
             ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.routed)  # a sparse layer's: routed
-            handle = self.backend.load(ticket.slot, self.store.block("stream", ticket.unit),
-                                       self.layout.units[ticket.unit], ranges)
-            self._arrived.put((ticket, handle))
+            host, copies = self.store.fetch(ticket.unit, ranges)  # a quantized base's: its bytes
+            handle = self.backend.load(ticket.slot, host, self.layout.units[ticket.unit], copies)
+            self._arrived.put((ticket, handle, ranges))
 
     def _drain(self, inbox: queue.Queue):
         """Items of an outgoing local queue until stopped and empty."""
@@ -222,7 +228,7 @@ class ComputeWorker(GroupMember):
                                 f"{NO_PROGRESS}") from None
         if item is None:
             raise self._thread_error()
-        ticket, handle = item
+        ticket, handle, ranges = item
         if (ticket.unit, ticket.step) != (unit, step):
             raise PipelineError(f"fetch out of order: expected {self.layout.units[unit]} for step {step}, "
                                 f"got {self.layout.units[ticket.unit]} for step {ticket.step}.")
@@ -232,6 +238,9 @@ class ComputeWorker(GroupMember):
         self.backend.wait(handle)
         record = self.layout.records[unit]
         self.fetches["layers" if record.kind == DECODER_LAYER else record.name] += 1
+        if self.dequant is not None:  # a quantized base: dequantized on the compute stream, into the weight slot
+            with self.backend.compute(self.layout.units[unit] + " dequant"):
+                return ticket, self.dequant.weights(ticket.slot, unit, ranges)
         return ticket, self.backend.slots[ticket.slot][:self.layout.templates[unit].numel]
 
     def _release(self, ticket: FetchTicket | None) -> None:

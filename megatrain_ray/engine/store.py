@@ -2,7 +2,9 @@
 
 Kinds (each one segment, each unit a page-aligned block at the same element offset in all):
 
-- ``master``      master weights (precision policy: fp32, or bf16)
+- ``master``      master weights (precision policy: fp32, or bf16); a LoRA run's frozen base in the
+                  compute dtype, or stored quantized (lora.base_format nf4, int8): its bytes, one
+                  record per parameter (:mod:`megatrain_ray.engine.quantized`)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
 - ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32; with the compact state (optim.state 8bit) uint8
                   codes, and ``exp_avg_scale``, ``exp_avg_sq_scale`` their fp32 block scales, one per
@@ -46,9 +48,11 @@ import dataclasses
 from ..config import LoraSection, ModelConfig, TrainConfig
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
+from ..model.quant_layout import QuantLayout
 from ..model.transformer import hf_name
 from . import reaper, shm
 from .compact import BLOCK, num_blocks
+from .quantized import QuantizedBase
 
 WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad", "peer_grad")
 SCALE_KINDS = ("exp_avg_scale", "exp_avg_sq_scale")
@@ -171,6 +175,8 @@ class StoreSpec:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
 
     def dtype(self, kind: str) -> torch.dtype:
+        if kind == "master" and self.lora.quantized:  # the base's bytes (megatrain_ray.engine.quantized)
+            return torch.uint8
         if kind == "master":
             return self.precision.master
         if kind == "stream":
@@ -205,6 +211,8 @@ class StoreSpec:
     def numel(self, kind: str) -> int:
         """Elements of one kind's array."""
         layout = StoreLayout.build(self.model)
+        if kind == "master" and self.lora.quantized:
+            return QuantLayout.build(self.model, self.lora.base_format, self.precision.compute).total
         if kind == "grad" and self.grad_slots:
             return self.grad_slots * layout.slot_numel
         if kind == "peer_grad":
@@ -230,13 +238,20 @@ class HostStore:
         self.arrays = {k: open_(spec.path(k), spec.numel(k), spec.dtype(k)) for k in spec.kinds()}
         self.words = VersionWords(len(self.layout.units))
         self.versions = open_(spec.path("versions"), self.words.numel, torch.int64)
+        self.base = QuantizedBase(spec.model, spec.lora.base_format, spec.precision.compute,
+                                  self.arrays["master"]) if spec.lora.quantized else None
+        """A quantized base's bytes (lora.base_format, :mod:`megatrain_ray.engine.quantized`), or None."""
 
     def block(self, kind: str, i: int) -> torch.Tensor:
         """Unit i's flat block [numel] of one kind.
 
         ``stream`` is the master block when there is no separate stream copy, and ``grad`` is the
-        stream block when there is one (see the module docstring).
+        stream block when there is one (see the module docstring). With a quantized base, a unit of raw
+        records alone (the embedding, the head) has its compute-dtype block; the others have bytes
+        (:meth:`fetch`, :meth:`write`, :meth:`params`).
         """
+        if self.base is not None and kind in ("master", "stream"):
+            return self.base.weights(i)
         if kind == "stream" and "stream" not in self.arrays:
             kind = "master"
         elif kind == "grad" and "grad" not in self.arrays:
@@ -266,7 +281,24 @@ class HostStore:
         return self.arrays["grad"][start:start + self.layout.templates[i].numel]
 
     def params(self, kind: str, i: int) -> dict[str, torch.Tensor]:
+        """Unit i's parameters of one kind, views into its block; a quantized base's: dequantized copies."""
+        if self.base is not None and kind in ("master", "stream"):
+            return self.base.params(i)
         return self.layout.templates[i].bind(self.block(kind, i))
+
+    def write(self, i: int, name: str, value: torch.Tensor) -> None:
+        """Set unit i's master parameter ``name`` to ``value`` (converted; quantized for a quantized base)."""
+        if self.base is not None:
+            self.base.write(i, name, value)
+        else:
+            self.params("master", i)[name].copy_(value)
+
+    def fetch(self, i: int, ranges) -> tuple[torch.Tensor, list[tuple[int, int]] | None]:
+        """(host tensor, ranges) that a fetch of unit i's streamed weights copies, for the element
+        ``ranges`` it needs (None: all): its stream block, or a quantized base's bytes and byte ranges."""
+        if self.base is not None:
+            return self.base.fetch(i, ranges)
+        return self.block("stream", i), ranges
 
     def version(self, i: int) -> int:
         """Updates unit i's stream copy (the weights the device fetches) has received."""
@@ -363,9 +395,14 @@ class ParameterStore:
         """
         std = self.spec.model.initializer_range
 
+        quantized = self.store.base is not None
+
         def init_unit(i: int) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            for name, p in self.store.params("master", i).items():
+            template = self.store.layout.templates[i]
+            params = (template.bind(torch.empty(template.numel, dtype=self.spec.precision.compute)) if quantized
+                      else self.store.params("master", i))  # a quantized base's: drawn, then quantized
+            for name, p in params.items():
                 if p.dim() >= 2 and p.dtype == torch.float32:
                     torch.randn(p.shape, generator=gen, out=p)
                     p.mul_(std)
@@ -375,6 +412,8 @@ class ParameterStore:
                     p.fill_(1.0)
                 else:
                     p.zero_()
+                if quantized:
+                    self.store.write(i, name, p)
             self.store.refresh_stream(i)
 
         units = range(len(self.store.layout.units))
@@ -383,9 +422,12 @@ class ParameterStore:
 
     def _load_hf(self, directory: str) -> None:
         """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.io.hf_io`)."""
-        from ..io import hf_io
+        from ..io import bnb_checkpoint, hf_io
 
-        hf_io.load_into(self.store, directory)
+        if bnb_checkpoint.quantization(directory) is not None:  # a bitsandbytes 4-bit checkpoint, read as it is
+            bnb_checkpoint.load_into(self.store, directory)
+        else:
+            hf_io.load_into(self.store, directory)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights as HF-named tensors (copies; for small models and tests)."""

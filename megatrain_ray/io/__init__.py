@@ -6,6 +6,7 @@
   ``train.init_from``'s model shape; :mod:`.experts`: the two layouts of a mixture of experts'
   routed experts in such a checkpoint (per expert, or stacked in 3-D);
 - :mod:`.peft_io`: LoRA adapters out, as a PEFT adapter directory and as a merged HF model;
+  :mod:`.bnb_checkpoint`: a bitsandbytes 4-bit checkpoint read into an nf4 base as it is;
 - :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,
   with the size and CRC-32 of every file; :mod:`.state_tensors`: which optimizer-state tensors it
   holds (fp32 moments per parameter, the compact state per unit);

@@ -200,7 +200,8 @@ def check_weights(cfg: ModelConfig, directory: str, what: str) -> dict[str, str]
 
 
 def load_into(store, directory: str, what: str = "train.init_from") -> None:
-    """Copy an HF checkpoint into ``store``'s master blocks (a HostStore), then refresh stream copies.
+    """Copy an HF checkpoint into ``store``'s master blocks (a HostStore; quantized as it is written, for a
+    quantized base), then refresh stream copies.
 
     Shards are read in order through safetensors' memory mapping, and each tensor is copied into
     its view of the store (converting dtype on the way) under a mapping of its own: pages of a
@@ -216,7 +217,7 @@ def load_into(store, directory: str, what: str = "train.init_from") -> None:
     units = store.layout.units
     for key, (unit, name) in sorted(expected_names(cfg).items(), key=lambda kv: (mapping[where[kv[0]][0]], kv[0])):
         with safe_open(os.path.join(directory, mapping[where[key][0]]), framework="pt") as f:
-            store.params("master", units.index(unit))[name].copy_(read_source(f, where[key]))
+            store.write(units.index(unit), name, read_source(f, where[key]))
     for i in range(len(units)):
         store.refresh_stream(i)
 
@@ -316,6 +317,7 @@ def write_model_dir(directory: str, what: str, cfg: ModelConfig, dtype: torch.dt
     base = None
     if source is not None and os.path.isfile(os.path.join(source, "config.json")):
         base = read_config(source, "train.init_from")[1]
+        base.pop("quantization_config", None)  # the weights written are not (a quantized base's: dequantized)
     with atomic_dir(directory, what, sum(t.nbytes for t in tensors)) as tmp:
         mapping, _ = write_shards(tmp, "model", INDEX_FILE, tensors, shard_bytes)
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, base, tokenizer))

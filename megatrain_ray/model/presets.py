@@ -7,8 +7,8 @@ arguments (``configs/tiny.yaml``'s model: 2 layers, hidden 64, byte-level, 134 K
 ``small-moe`` of the same width, a Qwen3-MoE whose every layer has 8 experts, top-2; ``1b`` the
 Llama 3.2 1B shape, ``3b`` and ``7b``, ``14b``, ``32b`` the Qwen2.5 3B, 7B, 14B and 32B shapes
 (``--layers`` makes a shorter model of the same width, e.g. a ~20B model at the 32B width with 38
-layers). Larger mixtures of experts: ``qwen3-30b-a3b`` (48 layers of 128 experts, top-8; 30.5B
-parameters, 3.3B active) and ``mixtral-8x7b`` (32 layers of 8 experts, top-2; 46.7B,
+layers), ``70b`` the Llama 3.1 70B shape. Larger mixtures of experts: ``qwen3-30b-a3b`` (48 layers
+of 128 experts, top-8; 30.5B parameters, 3.3B active) and ``mixtral-8x7b`` (32 layers of 8 experts, top-2; 46.7B,
 12.9B active), whose ``--layers`` cuts keep every layer's experts (12 of Qwen3-30B-A3B's 48 layers:
 8.1B).
 """
@@ -36,6 +36,8 @@ PRESETS = {
     "small-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           rope_theta=1e6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

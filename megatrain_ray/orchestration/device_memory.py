@@ -18,6 +18,8 @@ from ..engine.activations import (kept_bytes_per_token, layer_modes, recompute_s
 from ..engine.sequence import tiled_backward_bytes
 from ..engine.store import StoreSpec, largest_streamed, resident_units
 from ..model.flops import recompute_flops
+from ..model.quant import DEQUANT_CHUNK
+from ..model.quant_layout import QuantLayout
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
 from ..model.precision import resolve_precision
@@ -95,8 +97,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     lora = cfg.lora
     adapters, full = AdapterLayout.build(m, lora).num_params, AdapterLayout.build(m, lora).full
     rows = [
-        Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
-            depth * largest_streamed(layout, resident) * c),
+        *(_slot_rows(cfg, layout, depth, c, precision.compute, resident)),
         *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
                "(memory.resident)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
@@ -352,3 +353,18 @@ def placement_line(modes: tuple[str, ...], device: str, setting: str) -> str:
     return (f"activations (memory.activations={setting}): {keep} of {len(modes)} layers kept whole on the {where}, "
             f"{len(modes) - keep - host - span} checkpointed there, {host} offloaded to host memory"
             + (f", {span} recomputed within spans from the checkpoint before them" if span else ""))
+
+
+def _slot_rows(cfg, layout, depth: int, c: int, dtype, resident) -> list[Row]:
+    """The weight slots: ``depth`` of the largest streamed unit; with a quantized base (lora.base_format),
+    as many byte slots of its largest unit's bytes, each with a weight slot of its largest quantized unit
+    (:mod:`megatrain_ray.engine.quantized`)."""
+    if not cfg.lora.quantized:
+        return [Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
+                    depth * largest_streamed(layout, resident) * c)]
+    q = QuantLayout.build(cfg.model, cfg.lora.base_format, dtype)
+    numel = max((t.numel for t, u in zip(layout.templates, q.units) if not u.raw), default=1)
+    return [Row(f"byte slots of the {cfg.lora.base_format} base ({depth} x largest unit)", "device",
+                depth * q.largest(range(len(layout.units)))),
+            Row(f"weight slots ({depth} x largest layer, dequantized)", "device", depth * numel * c),
+            Row("dequantization temporaries (one chunk's fp32 values and indices)", "device", DEQUANT_CHUNK * 16)]

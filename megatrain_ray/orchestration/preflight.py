@@ -47,12 +47,14 @@ import shutil
 from dataclasses import dataclass, field
 
 from ..config import LoraSection, TrainConfig
+from ..config.lora import BASE_FORMATS
 from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords, resident_units
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
 from ..model import flops
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
+from ..model.quant_layout import bytes_per_param as quant_bytes_per_param
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
@@ -253,7 +255,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
     spec = StoreSpec.of_run(cfg, resolve_precision(cfg.precision, device, cfg.optim.state), device, 0, "plan", resident)
     precision = spec.precision  # as the store keeps it (a LoRA run's base: in the compute dtype)
     layout = StoreLayout.build(m)
-    rows = [Row(f"{_KIND_LABELS[k]}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
+    rows = [Row(f"{_store_label(spec, k)}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
                 f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
             for k in spec.kinds()]
     rows.append(Row("unit versions", "shm", 8 * VersionWords(len(layout.units)).numel))
@@ -347,11 +349,37 @@ def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, 
     if cfg.model.sparse_layers:  # adapters on the experts are not built
         return lines
     lora = cfg.lora if cfg.lora.enabled else LoraSection(rank=16)  # its store does not depend on the rank
-    per = bytes_per_param(dataclasses.replace(cfg, lora=lora), device, cfg.optim.state, cfg.precision.master_dtype)
-    fits = int(max(0, budget) / per)
-    lines.append(f"  {'LoRA (lora.rank > 0: a frozen base)':<46}{per:6.2f} B/param  -> "
-                 f"{flops.fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
+    precision = resolve_precision(cfg.precision, device, cfg.optim.state)
+    for base in BASE_FORMATS:  # the frozen base in each storage format (lora.base_format; embedding, head raw)
+        run = dataclasses.replace(cfg, lora=dataclasses.replace(lora, base_format=base))
+        per = bytes_per_param(run, device, cfg.optim.state, cfg.precision.master_dtype)
+        layers = _base_layers(run, device, max(0, budget))
+        label = f"LoRA (lora.rank > 0: a frozen base, {base})"
+        fits = flops.num_params(dataclasses.replace(cfg.model, num_hidden_layers=layers, mlp_only_layers=[]))
+        in_layers = (f", {quant_bytes_per_param(cfg.model, base, precision.compute)[0]:.3f} B/param in the layers"
+                     if base != "compute" else "")
+        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {flops.fmt_count(fits if layers else 0)} parameters "
+                     f"({layers} layer(s) of this shape{in_layers})")
     return lines
+
+
+def _store_label(spec: StoreSpec, kind: str) -> str:
+    """A store row's label: its kind's, or a quantized base's format (lora.base_format)."""
+    if kind == "master" and spec.lora.quantized:
+        return f"frozen base, {spec.lora.base_format} (lora.base_format; embedding, head, norms in the compute dtype)"
+    return _KIND_LABELS[kind]
+
+
+def _base_layers(cfg: TrainConfig, device: str, budget: int) -> int:
+    """Decoder layers of ``cfg``'s model shape whose LoRA base store (its lora.base_format) fits ``budget`` bytes."""
+    precision = resolve_precision(cfg.precision, device, cfg.optim.state)
+
+    def store(n: int) -> int:
+        model = dataclasses.replace(cfg.model, num_hidden_layers=n, mlp_only_layers=[])
+        return StoreSpec.of_run(dataclasses.replace(cfg, model=model), precision, device, 0, "plan").nbytes()
+
+    one, two = store(1), store(2)
+    return max(0, (budget - (2 * one - two)) // (two - one))
 
 
 def _dense_layers(model, fits: int) -> int:
@@ -415,6 +443,9 @@ def check_init_from(cfg: TrainConfig) -> None:
     milliseconds, before Ray starts, instead of in the store actor.
     """
     if cfg.train.init_from is not None:
-        from ..io import hf_io
+        from ..io import bnb_checkpoint, hf_io
 
-        hf_io.check_weights(cfg.model, cfg.train.init_from, "train.init_from")
+        if bnb_checkpoint.quantization(cfg.train.init_from) is not None:
+            bnb_checkpoint.check(cfg)
+        else:
+            hf_io.check_weights(cfg.model, cfg.train.init_from, "train.init_from")
