@@ -60,12 +60,15 @@ def test_every_config_is_checked():
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_the_config_plans_as_written(name, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the configs' example paths are taken from the repository, as the README runs them
-    path = os.path.join("configs", f"{name}.yaml")
+@pytest.mark.parametrize("where", ["repository", "elsewhere"])
+def test_the_config_plans_as_written(name, where, capsys, monkeypatch, tmp_path):
+    """From the repository (as the README runs them) and from another directory: the example paths
+    are read beside the config file, where the current directory has nothing of that name."""
+    monkeypatch.chdir(ROOT if where == "repository" else tmp_path)
+    path = os.path.relpath(os.path.join(ROOT, "configs", f"{name}.yaml"))
     cfg = load_train_config(path)
     for value in (cfg.data.path, cfg.data.tokenizer, cfg.train.init_from):
-        assert value is None or value.startswith("configs/examples/"), value
+        assert value is None or value.startswith(EXAMPLES + os.sep), value
     text = open(path).read()
     assert "huggingface-cli" not in text and "REPLACE" not in text and "/path/to" not in text
     capsys.readouterr()
@@ -115,13 +118,28 @@ def test_the_long_context_data_fills_each_sequence(name, tmp_path, monkeypatch):
 def test_your_own_data_replaces_the_long_documents(tmp_path, monkeypatch):
     """``--set data.path=...`` as the config's comment writes it: the user's files are read, and
     data.builtin_document_tokens (about the built-in corpus only) changes nothing."""
-    monkeypatch.chdir(ROOT)
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("One long book.\n\nIts second chapter.")
-    cfg = load_train_config("configs/long-context.yaml", [f"data.path={tmp_path / 'books'}"])
+    cfg = load_train_config(os.path.join(ROOT, "configs", "long-context.yaml"), [f"data.path={tmp_path / 'books'}"])
     p = plan(cfg.data, None, cfg.data.path)
     assert (p.kind, p.format, p.document_tokens) == ("txt", "text", 0)
     assert p.where == f"data.path {str(tmp_path / 'books')!r}"
+
+
+def test_a_path_is_read_from_the_current_directory_first_then_beside_the_config(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "run.yaml").write_text("data: {path: corpus.txt, format: text}\n")
+    (tmp_path / "conf" / "corpus.txt").write_text("beside the config")
+    monkeypatch.chdir(tmp_path)
+    assert load_train_config("conf/run.yaml").data.path == str(tmp_path / "conf" / "corpus.txt")
+    (tmp_path / "corpus.txt").write_text("in the current directory")
+    assert load_train_config("conf/run.yaml").data.path == "corpus.txt"  # as written
+    (tmp_path / "corpus.txt").unlink()
+    (tmp_path / "conf" / "corpus.txt").unlink()
+    with pytest.raises(ConfigError, match=re.escape("data.path does not name a readable file or directory: "
+                                                    "'corpus.txt'")):
+        load_train_config("conf/run.yaml")  # nowhere: refused as written
+    assert load_train_config("conf/run.yaml", ["data.path=null"]).data.path is None  # --set is taken as given
 
 
 @pytest.mark.parametrize("setting,message", [
