@@ -22,6 +22,7 @@ from megatrain_ray.data.datasets import fingerprint, plan  # noqa: E402
 from megatrain_ray.data.loader import source_from_config  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
+from megatrain_ray.orchestration import preflight  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "configs", "examples")
@@ -73,7 +74,11 @@ def test_the_config_plans_as_written(name, where, capsys, monkeypatch, tmp_path)
     assert "huggingface-cli" not in text and "REPLACE" not in text and "/path/to" not in text
     capsys.readouterr()
     status = cli.main(["plan", "--config", path, *(H200 if name in BIG else ["--device", "cpu"])])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    if cfg.data.builtin_document_tokens:  # the loaders' token stream, counted at the long documents' length
+        stream = (BUILTIN_LONG_DOCUMENTS + BUILTIN_LONG_VAL_DOCUMENTS) * cfg.data.builtin_document_tokens * 8
+        assert re.search(rf"^token stream x {cfg.data.num_workers} loader\(s\)\s+host RAM\s+"
+                         rf"{re.escape(preflight.fmt(stream * cfg.data.num_workers))}$", out, re.M), out
     if name in BIG:  # this machine's /dev/shm (or RAM) may be short of the H200 box's: nothing else
         assert status == 0 or re.fullmatch(r"error: the run needs [0-9.]+ GiB (in memory.shm_dir|of host RAM)"
                                            r"( \([^)]*\))? but only .*\n", err), err

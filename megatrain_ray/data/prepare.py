@@ -251,7 +251,8 @@ def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:
     split = "val" if p.kind == "builtin-val" else "train"
     if p.document_tokens:
         docs = long_documents(split, p.document_tokens, load_tokenizer(p.tokenizer))
-        writer.add(np.concatenate(docs), np.cumsum([0] + [len(d) for d in docs]), np.ones(sum(map(len, docs)), np.uint8))
+        values = np.concatenate(docs)
+        writer.add(values, np.cumsum([0] + [len(d) for d in docs]), np.ones(len(values), np.uint8))
         return
     work = TokenizeBatch(p.format, p.tokenizer, p.text_key, p.kind)
     _write_table(writer, work(pa.table({p.text_key: builtin_documents(split)})))

@@ -47,7 +47,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from ..config import LoraSection, TrainConfig
-from ..data.builtin import BUILTIN_LONG_DOCUMENTS
+from ..data.builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS
 from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords, resident_units
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
@@ -180,7 +180,8 @@ class Plan:
 def _tokens_in_data(path: str | None, builtin_document_tokens: int = 0) -> int:
     """Token count of data.path without reading it (a .npy header, a text file's byte count)."""
     if path is None:  # the built-in corpus: ~110 KB, or its long documents
-        return (BUILTIN_LONG_DOCUMENTS + 1) * builtin_document_tokens if builtin_document_tokens else 110_000
+        long = (BUILTIN_LONG_DOCUMENTS + BUILTIN_LONG_VAL_DOCUMENTS) * builtin_document_tokens
+        return long or 110_000
     if os.path.isdir(path):
         return sum(_tokens_in_data(os.path.join(path, name)) for name in os.listdir(path)
                    if os.path.isfile(os.path.join(path, name)))
