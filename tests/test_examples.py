@@ -155,3 +155,27 @@ def test_a_path_is_read_from_the_current_directory_first_then_beside_the_config(
 def test_long_documents_are_refused_where_they_cannot_be(setting, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_train_config(None, setting)
+
+
+TINY = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_hidden_layers=2",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+        "memory.mlp_chunk_size=512", "memory.loss_chunk_size=512"]
+"""A tiny shape of the 7.6 B configs, for the CPU (the vocabulary still holds the example tokenizer's)."""
+
+
+@pytest.mark.slow  # a Ray run that tokenizes the long documents first
+@pytest.mark.parametrize("name", ["long-context", "long-context-512k"])
+def test_a_long_context_config_trains_as_written_at_a_tiny_shape(name, tmp_path, ray_cluster, shm_dir):
+    """Its data and tokenizer as written (the long documents cut down to 2,048 tokens, the sequence
+    too), the model made tiny: two steps train on the CPU, each to a finite loss."""
+    from megatrain_ray.orchestration.pipeline import train
+
+    cfg = load_train_config(os.path.join(ROOT, "configs", f"{name}.yaml"), [
+        *TINY, "train.seq_len=2048", "data.builtin_document_tokens=2048", "model.max_position_embeddings=2048",
+        "train.steps=2", "optim.warmup_steps=0", "train.checkpoint_every=0", "train.save_final=false",
+        "compute.device=cpu", "data.num_workers=1", "cluster.actor_timeout_s=300", f"train.run_dir={tmp_path}",
+        f"memory.shm_dir={shm_dir}"])
+    lines = []
+    result = train(cfg, log=lines.append)
+    assert len(result.losses) == 2 and all(np.isfinite(result.losses)), lines
+    assert any("generating and tokenizing the built-in corpus's long documents" in ln for ln in lines), lines
