@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What do the long-context paths train at, against what `megatrain-ray plan` expects?
 #   512k: configs/long-context-512k.yaml as written (the whole Qwen2.5-7B shape on one 524,288-token
-#         sequence, 8-bit AdamW state), one step through `megatrain-ray train`: the data paths it
-#         marks REPLACE given a pre-tokenized .npy made here (random ids), nothing else changed but
+#         sequence, 8-bit AdamW state), one step through `megatrain-ray train`: its data
+#         replaced by a pre-tokenized .npy made here (random ids), nothing else changed but
 #         the step count (1, so no warmup), checkpoints and the final export off. A step takes ~9 minutes.
 #   1m:   one 1,048,576-token sequence through the 7B width at 4 layers (`megatrain-ray bench`),
 #         two steps (the first compiles).

@@ -1,11 +1,10 @@
 """The example configs in configs/ and the README's sample: they plan, and the small ones train.
 
-Every example is read as the user would read it: ``megatrain-ray plan --config configs/X.yaml``,
-with the paths the file marks ``REPLACE`` replaced (by --set) by real files made here: a text
-corpus, alpaca rows, a tokenizer trained here, a tiny Hugging Face model. The two 7B examples are
-planned for an H200 box (``--device cuda --gpu-memory 141 --host-memory 120``: the RAM a 128 GiB
-machine has available, which also bounds the offloaded checkpoints); this machine's /dev/shm is far
-smaller, so the verdict on it is not asserted, the numbers are: the store's bytes from the
+Every example is read as the user would read it, as written: ``megatrain-ray plan --config
+configs/X.yaml`` (their data, tokenizer and stand-in model are the files of configs/examples and the
+built-in corpus: tests/test_examples.py). The 7B examples are planned for an H200 box (``--device
+cuda --gpu-memory 141 --host-memory 120``: the RAM a 128 GiB machine has available, which also
+bounds the offloaded checkpoints); this machine's /dev/shm is far smaller, so the verdict on it is not asserted, the numbers are: the store's bytes from the
 shape, the tokens per step, the GPU total within the H200, host RAM within a 128 GiB machine.
 The small examples then train a few steps through the real pipeline (the session's Ray).
 """
@@ -22,8 +21,6 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import CORPUS, save_model, save_tokenizer  # noqa: E402
-
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.orchestration import preflight  # noqa: E402
 from megatrain_ray.orchestration.resolve import Facts, resolve  # noqa: E402
@@ -35,8 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "lora-sft", "qwen2.5-7b", "long-context",
          "long-context-512k"]
-SFT = ("alpaca-sft", "lora-sft")
-"""The examples that fine-tune an HF model (train.init_from) on alpaca rows."""
 BIG = {"qwen2.5-7b", "long-context", "long-context-512k"}
 H200 = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]  # a 128 GiB box has ~120 available
 GiB = 2**30
@@ -46,57 +41,7 @@ def _path(name: str) -> str:
     return os.path.join(CONFIGS, f"{name}.yaml")
 
 
-def _replaced_keys(name: str) -> set[str]:
-    """section.key of every value the file marks REPLACE (and it must mark every placeholder path)."""
-    keys, section = set(), None
-    for line in open(_path(name)):
-        if re.match(r"^\w+:", line):
-            section = line.split(":")[0]
-        m = re.match(r"^\s+(\w+):\s*(\S+)", line)
-        if m and (m.group(2).startswith("/path/to") or "REPLACE" in line):
-            assert "REPLACE" in line.split("#", 1)[-1], f"{name}.yaml: {line.strip()} is a placeholder without REPLACE"
-            keys.add(f"{section}.{m.group(1)}")
-    return keys
-
-
-@pytest.fixture(scope="module")
-def user_files(tmp_path_factory):
-    """What a user would put in place of the REPLACE paths: files made here, small and real."""
-    base = tmp_path_factory.mktemp("user")
-    tok = save_tokenizer(base / "tokenizer", kind="bpe")
-    os.makedirs(base / "corpus")
-    paragraphs = [f"{CORPUS[i % len(CORPUS)]}. {CORPUS[(3 * i + 1) % len(CORPUS)]}." for i in range(300)]
-    (base / "corpus" / "part-0.txt").write_text("\n\n".join(paragraphs[:150]))
-    (base / "corpus" / "part-1.txt").write_text("\n\n".join(paragraphs[150:]))
-    rows = [{"instruction": CORPUS[i % len(CORPUS)], "input": "" if i % 3 else "in order",
-             "output": CORPUS[(i + 2) % len(CORPUS)]} for i in range(120)]
-    (base / "alpaca.json").write_text(json.dumps(rows))
-    # The model to fine-tune, without a tokenizer of its own (transformers 5 would load one that sits
-    # next to a qwen2 config.json as Qwen2's tokenizer class): data.tokenizer names this one.
-    save_model("qwen2", base / "hf", vocab_size=len(tok), max_position_embeddings=2048)
-    return {"tokenizer": str(base / "tokenizer"), "corpus": str(base / "corpus"), "alpaca": str(base / "alpaca.json"),
-            "hf": str(base / "hf"), "vocab": len(tok)}
-
-
-def _replacements(name: str, files: dict) -> list[str]:
-    """--set overrides for the REPLACE paths of one example (exactly those keys)."""
-    values = {"data.tokenizer": files["tokenizer"], "model.vocab_size": files["vocab"]}
-    values["data.path"] = files["alpaca"] if name in SFT else files["corpus"]
-    if name in SFT:
-        values["train.init_from"] = files["hf"]
-        values["data.tokenizer"] = files["tokenizer"]
-    keys = _replaced_keys(name)
-    if name in SFT and "train.init_from" in keys:
-        keys.add("data.tokenizer")  # the user's model comes without one; see user_files
-    return [f"{k}={values[k]}" for k in sorted(keys)]
-
-
-def test_every_placeholder_is_marked_and_only_the_marked_ones_are_replaced():
-    assert _replaced_keys("tiny") == _replaced_keys("tiny-moe") == set()
-    # these run as written, on the example files of configs/examples (tests/test_examples.py)
-    assert _replaced_keys("text-pretrain") == _replaced_keys("alpaca-sft") == _replaced_keys("lora-sft") == set()
-    assert _replaced_keys("qwen2.5-7b") == _replaced_keys("long-context") == _replaced_keys("long-context-512k") == {
-        "data.path", "data.tokenizer"}
+def test_every_config_is_here():
     assert sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".yaml")) == sorted(NAMES)
 
 
@@ -110,8 +55,8 @@ def test_tiny_is_the_built_in_preset_spelled_out():
     assert ours == default
 
 
-def _plan_output(name: str, files: dict, capsys, *extra) -> tuple[int, str, str]:
-    args = ["plan", "--config", _path(name), *sum((["--set", s] for s in _replacements(name, files)), []), *extra]
+def _plan_output(name: str, capsys, *extra) -> tuple[int, str, str]:
+    args = ["plan", "--config", _path(name), *extra]
     capsys.readouterr()
     status = cli.main(args)
     out, err = capsys.readouterr()
@@ -119,8 +64,8 @@ def _plan_output(name: str, files: dict, capsys, *extra) -> tuple[int, str, str]
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in BIG])
-def test_small_examples_plan_and_fit_here(name, user_files, capsys):
-    status, out, err = _plan_output(name, user_files, capsys, "--device", "cpu")
+def test_small_examples_plan_and_fit_here(name, capsys):
+    status, out, err = _plan_output(name, capsys, "--device", "cpu")
     assert status == 0, err
     assert err == "" and re.search(r"^total host RAM .*: ok\)$", out, re.M), out
 
@@ -130,9 +75,9 @@ def test_small_examples_plan_and_fit_here(name, user_files, capsys):
     ("long-context", 4_352_807_424, 14, "1 x 1 sequences of 65536 tokens", 65_536),
     ("long-context-512k", 7_615_616_512, 28, "1 x 1 sequences of 524288 tokens", 524_288),
 ])
-def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, user_files, capsys):
-    status, out, err = _plan_output(name, user_files, capsys, *H200)
-    cfg = load_config(_path(name), _replacements(name, user_files))
+def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, capsys):
+    status, out, err = _plan_output(name, capsys, *H200)
+    cfg = load_config(_path(name))
     n = StoreLayout.build(cfg.model).num_params
     assert n == params and cfg.model.num_hidden_layers == layers and cfg.model.hidden_size == 3584
     assert cfg.train.seq_len * cfg.train.micro_batch_size * cfg.train.num_micro_batches == tokens
@@ -202,10 +147,10 @@ def test_tiny_trains(tmp_path, ray_cluster, shm_dir):
     assert os.listdir(shm_dir) == []
 
 
-def test_tiny_moe_plan_counts_active_parameters_and_the_layers_each_mode_fits(user_files, capsys):
+def test_tiny_moe_plan_counts_active_parameters_and_the_layers_each_mode_fits(capsys):
     from megatrain_ray.model import flops
 
-    status, out, err = _plan_output("tiny-moe", user_files, capsys, "--device", "cpu")
+    status, out, err = _plan_output("tiny-moe", capsys, "--device", "cpu")
     assert status == 0, err
     m = load_config(_path("tiny-moe")).model
     total, active = flops.num_params(m), flops.active_params(m)
@@ -223,20 +168,20 @@ def test_tiny_moe_plan_counts_active_parameters_and_the_layers_each_mode_fits(us
     assert budget / float(modes[2][0]) / per_layer == pytest.approx(layers[2], rel=0.01)
 
 
-def test_moe_sparse_layers_are_planned_kept_whole_where_they_fit(user_files, capsys):
+def test_moe_sparse_layers_are_planned_kept_whole_where_they_fit(capsys):
     """A sparse layer's graph may be kept whole like a dense one's (engine.passes.KeptRouted): on the
     H200 every tiny-moe layer is, each counted at a sparse layer's kept bytes per token (its top-2
     dispatched rows); the working set is a sparse layer's; asking for some is taken as written."""
     from megatrain_ray.engine.activations import sparse_kept_bytes_per_token
 
-    status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200)
-    cfg = load_config(_path("tiny-moe"), _replacements("tiny-moe", user_files))
+    status, out, err = _plan_output("tiny-moe", capsys, *H200)
+    cfg = load_config(_path("tiny-moe"))
     per_token = sparse_kept_bytes_per_token(cfg.model, 2)
     assert re.search(rf"^activations kept whole \(4 layers x 2 x 512 tokens x {per_token} B, ", out, re.M), out
     assert re.search(r"^activations \(chosen by the planner .*\): 4 layers kept whole", out, re.M), out
     # and the layer's working set is a sparse layer's: its 8 x 64 tokens x top-2 dispatched rows
     assert "one layer's working set (one micro-batch; a sparse layer: 1024 dispatched rows)" in out
-    status, out, err = _plan_output("tiny-moe", user_files, capsys, *H200, "--set", "memory.activations=counts",
+    status, out, err = _plan_output("tiny-moe", capsys, *H200, "--set", "memory.activations=counts",
                                     "--set", "memory.kept_layers=2")
     assert status == 0 and re.search(r"^activations \(.*\): 2 layers kept whole", out, re.M), out
 
@@ -282,9 +227,9 @@ def test_tiny_moe_trains_and_reports_its_experts(tmp_path, ray_cluster, shm_dir)
 
 
 @pytest.mark.slow  # a Ray run with a tokenizer and validation
-def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_cluster, shm_dir, user_files, capsys):
+def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_cluster, shm_dir, capsys):
     cfg = load_config(_path("text-pretrain"), [
-        *_replacements("text-pretrain", user_files), *COMMON, "train.steps=3", "train.eval_every=2",
+        *COMMON, "train.steps=3", "train.eval_every=2",
         "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
         f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     result, lines = _train_small(cfg, tmp_path)
@@ -298,9 +243,9 @@ def test_text_pretrain_trains_with_its_tokenizer_and_validates(tmp_path, ray_clu
 
 
 @pytest.mark.slow  # a Ray run from an HF model
-def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user_files):
+def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir):
     cfg = load_config(_path("alpaca-sft"), [
-        *_replacements("alpaca-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
+        *COMMON, "train.steps=2", "train.eval_every=2",
         "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
         f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     assert cfg.model.model_type == "qwen2" and cfg.model.vocab_size == 384  # from init_from, the example model
@@ -311,10 +256,10 @@ def test_alpaca_sft_trains_from_an_hf_model(tmp_path, ray_cluster, shm_dir, user
 
 
 @pytest.mark.slow  # a Ray run from an HF model
-def test_lora_sft_trains_adapters_that_peft_loads(tmp_path, ray_cluster, shm_dir, user_files):
+def test_lora_sft_trains_adapters_that_peft_loads(tmp_path, ray_cluster, shm_dir):
     peft = pytest.importorskip("peft")
     cfg = load_config(_path("lora-sft"), [
-        *_replacements("lora-sft", user_files), *COMMON, "train.steps=2", "train.eval_every=2",
+        *COMMON, "train.steps=2", "train.eval_every=2",
         "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
         f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
     assert cfg.lora.rank == 16 and cfg.lora.scaling == 2.0

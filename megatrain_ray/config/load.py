@@ -21,6 +21,10 @@ from .moved import refuse_runtime, upgrade_saved
 from .sections import TrainConfig
 
 _SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
+INPUT_PATHS = (("data", "path"), ("data", "val_path"), ("data", "tokenizer"), ("train", "init_from"))
+"""The keys that name files a run reads. A relative one written in a config file is read from the
+current directory, or, when nothing is there, from the config file's directory
+(:func:`beside_the_file`): configs/ names its example files so, and runs from any directory."""
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
@@ -35,6 +39,19 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
             raise ConfigError(f"{name} is not a known section; use one of {', '.join(_SECTIONS)}.")
         kwargs[name] = section_from_dict(_SECTIONS[name], {} if value is None else value, name)
     return TrainConfig(**kwargs)
+
+
+def beside_the_file(loaded: dict[str, Any], path: str) -> None:
+    """Make each relative INPUT_PATHS value of a loaded config file that names nothing from the
+    current directory, but names a file or directory from the file's own directory, that one (an
+    absolute path); every other value is left as written (a missing one is refused later, as written)."""
+    here = os.path.dirname(os.path.abspath(path))
+    for section, key in INPUT_PATHS:
+        values = loaded.get(section)
+        value = values.get(key) if isinstance(values, dict) else None
+        if isinstance(value, str) and not os.path.isabs(value) and not os.path.exists(value) \
+                and os.path.exists(os.path.join(here, value)):
+            values[key] = os.path.join(here, value)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -84,6 +101,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping of sections, "
                               f"got {type(loaded).__name__}.")
+        beside_the_file(loaded or {}, path)
         for name, section in (loaded or {}).items():
             if name in skip:
                 continue

@@ -163,7 +163,13 @@ class DataSection:
 
     path: str | None = None
     """A data file, or a directory of files of one kind: .txt, .jsonl/.json, .parquet, .arrow or .npy;
-    None uses the built-in corpus."""
+    None uses the built-in corpus (see builtin_document_tokens)."""
+    builtin_document_tokens: int = 0
+    """The built-in corpus's documents (data.path None; ignored when data.path names files): 0 reads its
+    400 short ones (and 40 held out); N > 0 reads instead 8 long documents (and 1 held out) of at
+    least N tokens each plus EOS (tokens of data.tokenizer), paragraphs of the same grammar generated
+    on first use and tokenized into data.cache_dir: enough to fill sequences of train.seq_len <= N,
+    each mostly one document. Read as text (data.format auto or text)."""
     format: str = "auto"
     """How to read data.path: windows (random windows over one byte-level .txt or 1-D .npy token
     stream, the original behaviour), text (documents tokenised, EOS-separated, packed into sequences),
@@ -214,6 +220,12 @@ class DataSection:
         _require(not (self.val_path and self.val_fraction), "data.val_fraction",
                  "must be 0 when data.val_path is set (the validation data is either held out or separate)")
         _require(bool(self.text_key), "data.text_key", "may not be empty")
+        _require(self.builtin_document_tokens >= 0, "data.builtin_document_tokens",
+                 f"must be 0 or positive, got {self.builtin_document_tokens}")
+        _require(not self.builtin_document_tokens or self.path is not None or self.format in ("auto", "text"),
+                 "data.builtin_document_tokens",
+                 f"makes the built-in corpus long documents of text, which data.format {self.format} does not read; "
+                 "use data.format text (or auto)")
         if self.tokenizer is not None:
             _require(os.path.isdir(self.tokenizer) and any(os.path.isfile(os.path.join(self.tokenizer, n)) for n in (
                 "tokenizer.json", "tokenizer.model", "vocab.json")), "data.tokenizer",

@@ -6,6 +6,9 @@ its format and its tokenizer. :func:`megatrain_ray.data.prepare.prepare` then tu
 *corpus* (a :class:`CorpusRef`): token ids in document order on disk, memory-mapped by every
 data-loader actor.
 
+The built-in corpus (no files) is text: its short documents, or its long ones generated to a
+length in tokens (``data.builtin_document_tokens``: :func:`megatrain_ray.data.prepare.long_documents`).
+
 - ``text``: each document (a row's ``data.text_key`` field, or a blank-line-separated paragraph
   of a ``.txt`` file) is tokenized and ends with EOS; documents are concatenated (layout
   ``packed``: fixed-length sequences are later cut from the stream).
@@ -60,6 +63,9 @@ class DataPlan:
     val_fraction: float
     where: str
     """How error messages name the data (``data.path '...'``)."""
+    document_tokens: int = 0
+    """The built-in corpus: 0 for its short documents, else the least length of its long ones
+    (data.builtin_document_tokens)."""
 
     @property
     def layout(self) -> str:
@@ -192,9 +198,10 @@ def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str, 
 def plan(data, init_from: str | None, path: str | None, key: str = "data.path") -> DataPlan:
     """Resolve a DataSection (``data``) and one of its paths into a DataPlan."""
     files, kind = list_files(path, key)
-    where = f"{key} {path!r}" if path else "the built-in corpus"
-    fmt = data.format if data.format != "auto" else detect_format(files, kind, data.text_key, where,
-                                                                  data.val_fraction)
+    long = data.builtin_document_tokens if kind == "builtin" else 0
+    where = f"{key} {path!r}" if path else "the built-in corpus's long documents" if long else "the built-in corpus"
+    fmt = data.format if data.format != "auto" else "text" if long else detect_format(
+        files, kind, data.text_key, where, data.val_fraction)
     if fmt == "windows":
         if kind not in ("txt", "npy", "builtin") or len(files) > 1:
             raise DataError(f"data.format windows reads one .txt or 1-D .npy file, not {where}.")
@@ -220,7 +227,7 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
     if fmt == "tokens":
         tokenizer = None
     return DataPlan(files, kind, fmt, tokenizer and os.path.abspath(tokenizer), data.text_key, has_labels,
-                    data.val_fraction, where)
+                    data.val_fraction, where, long)
 
 
 def run_tokenizer(data: dict, init_from: str | None) -> str | None:
@@ -242,7 +249,7 @@ def run_tokenizer(data: dict, init_from: str | None) -> str | None:
 
 
 def fingerprint(p: DataPlan) -> str:
-    """Cache key: files (path, size, mtime), format, tokenizer files, split."""
+    """Cache key: files (path, size, mtime), format, tokenizer files, split, the built-in documents' length."""
     try:
         stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in p.files]
     except FileNotFoundError as e:
@@ -250,7 +257,8 @@ def fingerprint(p: DataPlan) -> str:
                         "data meant.") from None
     key = json.dumps({"v": CACHE_VERSION, "files": stats, "kind": p.kind, "format": p.format,
                       "tokenizer": tokenizer_fingerprint(p.tokenizer), "text_key": p.text_key,
-                      "labels": p.has_labels, "val": p.val_fraction}, sort_keys=True)
+                      "labels": p.has_labels, "val": p.val_fraction,
+                      **({"document_tokens": p.document_tokens} if p.document_tokens else {})}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 

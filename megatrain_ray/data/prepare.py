@@ -3,11 +3,12 @@ local files with Ray Data, tokenize in a pool of CPU actors, write the cache.
 
 Tokenization runs as ``map_batches`` over an actor pool of ``data.num_workers`` actors (each
 loads the tokenizer once) with Ray Data's streaming executor, whose bounded queues give
-backpressure from the cache writer back to the file readers; the built-in corpus (~110 KB) is
-tokenized in the calling process, so are ``.arrow`` files (Arrow IPC, which Ray Data does not read;
-token rows are copied), and a ``.npy`` array is used in place. Order is preserved, so the corpus depends only on the files and the
-tokenizer, never on the pool size. The corpus lives in ``<cache root>/<fingerprint>/``, keyed by
-the files' paths, sizes and mtimes, the format, the tokenizer's files and the split
+backpressure from the cache writer back to the file readers. The built-in corpus (~110 KB, or its
+long documents, generated first: :func:`long_documents`) is tokenized in the calling process, so
+are ``.arrow`` files (Arrow IPC, which Ray Data does not read; token rows are copied), and a
+``.npy`` array is used in place. Order is preserved, so the corpus depends only on the files and
+the tokenizer, never on the pool size. The corpus lives in ``<cache root>/<fingerprint>/``, keyed
+by the files' paths, sizes and mtimes, the format, the tokenizer's files and the split
 (:func:`~megatrain_ray.data.datasets.fingerprint`), and is written to a temporary directory and
 renamed when complete; a later run (or a resumed one) reuses it without tokenizing again.
 """
@@ -156,6 +157,9 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
             if p.kind == "arrow":
                 _write_arrow(p, writer)
             elif p.kind in ("builtin", "builtin-val"):
+                if p.document_tokens:
+                    log(f"data: generating and tokenizing {p.where} ({p.document_tokens:,}+ tokens each), once: "
+                        f"the cache is {final}")
                 _write_builtin(p, writer)
             else:
                 if connect is not None:
@@ -244,9 +248,32 @@ def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:
 
     from .builtin import builtin_documents
 
-    docs = builtin_documents("val" if p.kind == "builtin-val" else "train")
+    split = "val" if p.kind == "builtin-val" else "train"
+    if p.document_tokens:
+        docs = long_documents(split, p.document_tokens, load_tokenizer(p.tokenizer))
+        values = np.concatenate(docs)
+        writer.add(values, np.cumsum([0] + [len(d) for d in docs]), np.ones(len(values), np.uint8))
+        return
     work = TokenizeBatch(p.format, p.tokenizer, p.text_key, p.kind)
-    _write_table(writer, work(pa.table({p.text_key: docs})))
+    _write_table(writer, work(pa.table({p.text_key: builtin_documents(split)})))
+
+
+def long_documents(split: str, min_tokens: int, tok) -> list[np.ndarray]:
+    """The built-in corpus's long documents of one split, encoded by ``tok``: [n] int32 ids each, n >
+    ``min_tokens`` (its text, then EOS). Each is :func:`~megatrain_ray.data.builtin.builtin_long_document`
+    at the length in bytes that the tokenizer's bytes per token on the grammar predict (1% over),
+    lengthened until it holds that many tokens: a pure function of the tokenizer and the length."""
+    from .builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS, builtin_long_document
+
+    sample = builtin_long_document(split, 0, 1 << 14)
+    per_token = len(sample) / len(tok.encode_document(sample))
+    docs = []
+    for index in range(BUILTIN_LONG_VAL_DOCUMENTS if split == "val" else BUILTIN_LONG_DOCUMENTS):
+        size = int(min_tokens * per_token * 1.01) + 64
+        while len(ids := tok.encode_document(builtin_long_document(split, index, size))) <= min_tokens:
+            size += int((min_tokens + 1 - len(ids)) * per_token * 1.1) + 64
+        docs.append(ids)
+    return docs
 
 
 def _write_table(writer: CacheWriter, table) -> None:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from ..config import LoraSection, TrainConfig
 from ..config.lora import BASE_FORMATS
+from ..data.builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS
 from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords, resident_units
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
@@ -178,10 +179,11 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 # What the run needs.
 
-def _tokens_in_data(path: str | None) -> int:
+def _tokens_in_data(path: str | None, builtin_document_tokens: int = 0) -> int:
     """Token count of data.path without reading it (a .npy header, a text file's byte count)."""
-    if path is None:
-        return 110_000  # the built-in corpus
+    if path is None:  # the built-in corpus: ~110 KB, or its long documents
+        long = (BUILTIN_LONG_DOCUMENTS + BUILTIN_LONG_VAL_DOCUMENTS) * builtin_document_tokens
+        return long or 110_000
     if os.path.isdir(path):
         return sum(_tokens_in_data(os.path.join(path, name)) for name in os.listdir(path)
                    if os.path.isfile(os.path.join(path, name)))
@@ -276,7 +278,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
         rows.append(Row("Ray memory monitor's margin (it kills workers past "
                         f"{ray_threshold():.0%} of RAM)", "host", margin))
     rows.append(Row(f"token stream x {cfg.data.num_workers} loader(s)", "host",
-                    _tokens_in_data(cfg.data.path) * 8 * cfg.data.num_workers))
+                    _tokens_in_data(cfg.data.path, cfg.data.builtin_document_tokens) * 8 * cfg.data.num_workers))
     if cfg.train.checkpoint_staging_gib:
         rows.append(Row("checkpoint staging copies (train.checkpoint_staging_gib, in the sink)", "host",
                         int(cfg.train.checkpoint_staging_gib * 2**30)))
