@@ -1,0 +1,214 @@
+"""LoRA on mixtures of experts through the real pipeline, against transformers + peft + torch.optim.AdamW.
+
+Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral and Qwen2-MoE (a shared expert)
+models, 16 experts each with top-2 and few tokens per step, so that in some step an expert that
+was routed before receives no token. Our pipeline (real Ray actors, real shared memory, fp32) trains
+adapters on attention, the shared expert and every routed expert (peft's ``target_parameters`` on
+``mlp.experts.gate_up_proj`` / ``down_proj``), the router frozen or trained in full (peft's
+``modules_to_save``), the load-balancing loss on for two of them; so does the reference: a peft
+model whose adapters start from ours, ``torch.optim.AdamW`` and ``clip_grad_norm_`` over what it
+trains. The reference also runs in float64 (the truth, transformers' per-expert loop) and once more
+in fp32 with eager attention and experts and the micro-batches reversed; ours must be about as
+close to the truth as the farther fp32 run (tests/float64_truth.py).
+
+An idle expert's adapter follows peft + torch: its rows of peft's fused lora_A / lora_B get a zero
+gradient, so AdamW decays their moments and weights and moves them by the decayed moments; an
+update that skipped them would be off by lr x the moment, orders of magnitude past the band.
+
+The adapter directory loads with ``peft.PeftModel.from_pretrained`` on transformers' model and gives
+the merged final/'s logits (loaded with AutoModelForCausalLM); final/ equals peft's own
+``merge_and_unload`` of those adapters, and every tensor no adapter touches is bit-identical to the
+initial one.
+
+Routing keeps its economies under LoRA: a frozen sparse layer's expert without a token is fetched
+once (for the forward), never again for its backward, and no gradient of the frozen base leaves the
+device (the engine's counts, as tests/test_moe_streaming.py reads them).
+"""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from artifacts import make_model, parity_run, read_tensors, reference_update  # noqa: E402
+from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # noqa: E402
+
+from megatrain_ray.data.loader import BatchSource  # noqa: E402
+from megatrain_ray.errors import ConfigError  # noqa: E402
+from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
+from megatrain_ray.io.peft_io import peft_tensors, target_modules, target_parameters  # noqa: E402
+from megatrain_ray.model.layout import StoreLayout  # noqa: E402
+from megatrain_ray.model.lora import AdapterLayout  # noqa: E402
+from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
+from megatrain_ray.orchestration.pipeline import train  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+STEPS = 4
+SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16)}
+
+
+def _model(arch, aux, attention="sdpa", experts="grouped_mm"):
+    model = make_model(arch, **SHAPES[arch], output_router_logits=aux, router_aux_loss_coef=0.05,
+                       attn_implementation=attention)
+    model.set_experts_implementation(experts)
+    return model
+
+
+def _peft(base, cfg, double=False):
+    """A peft model on ``base`` with ``cfg.lora``'s adapters, which start from ours (train.seed's draw)."""
+    lora = cfg.lora
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, target_modules=target_modules(cfg.model, lora),
+        target_parameters=target_parameters(cfg.model, lora) or None,
+        modules_to_save=list(lora.modules_to_save) or None))
+    layout = AdapterLayout.build(cfg.model, lora)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for unit in layout.units:
+            for key, t in peft_tensors(cfg.model, lora, unit, layout.template(unit).bind(layout.init(unit, cfg.train.seed))):
+                if ".lora_" in key:  # a router trained in full starts from the base's, as ours
+                    params[key.replace(".weight", ".default.weight")].copy_(t)
+    return model.double() if double else model
+
+
+def _reference(model, cfg, source, reverse=False):
+    """peft training as users write it, the load-balancing loss per micro-batch as transformers adds
+    it; returns per-step losses, what trained by its key in peft's adapter file, and the routing."""
+    trained = {n.replace(".modules_to_save.default.", ".").replace(".default.weight", ".weight"): p
+               for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or n.endswith("mlp.gate.weight") for n in trained)
+    o = cfg.optim
+    opt = torch.optim.AdamW(list(trained.values()), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    losses, routed = [], []
+    for step in range(cfg.train.steps):
+        batch = source.batch(step)
+        ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
+        n_tokens, num_mb = int((labels != IGNORE_INDEX).sum()), ids.shape[0]
+        total, counts = 0.0, None
+        for m in reversed(range(num_mb)) if reverse else range(num_mb):
+            out = model(input_ids=ids[m], output_router_logits=True)
+            logits = out.logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[m].reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
+            if cfg.model.output_router_logits:
+                loss = loss + cfg.model.router_aux_loss_coef * out.aux_loss / num_mb
+            loss.backward()
+            total += loss.item()
+            chosen = [torch.topk(g.softmax(-1), cfg.model.num_experts_per_tok, -1)[1] for g in out.router_logits]
+            mb = torch.stack([torch.bincount(c.reshape(-1), minlength=cfg.model.num_experts) for c in chosen])
+            counts = mb if counts is None else counts + mb
+        reference_update(opt, list(trained.values()), o, step, cfg.train.steps)
+        losses.append(total)
+        routed.append(counts.tolist())
+    return losses, {n: p.detach().clone() for n, p in trained.items()}, routed
+
+
+@pytest.mark.parametrize("arch,aux,lora", [
+    ("qwen3_moe", True, ["lora.target_modules=q_proj,v_proj,o_proj"]),
+    ("mixtral", False, ["lora.target_modules=q_proj,k_proj", "lora.target_experts=down_proj", "lora.train_router=true"]),
+    ("qwen2_moe", True, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                         "lora.train_router=true"]),
+])
+def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, shm_dir, tmp_path):
+    _model(arch, aux).save_pretrained(tmp_path / "init")
+    cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=8", "train.micro_batch_size=1",
+                                   "train.num_micro_batches=2", "optim.warmup_steps=1", "optim.lr=2e-2",
+                                   "optim.max_grad_norm=0.05", "lora.rank=4", "lora.alpha=8", *lora])
+    assert cfg.model.model_type == arch and cfg.model.sparse_layers
+    result = train(cfg, log=lambda line: None)
+    run = tmp_path / "runs" / result.run_id
+
+    source = BatchSource(cfg.data.path, cfg.train.seq_len, cfg.train.micro_batch_size,
+                         cfg.train.num_micro_batches, cfg.train.seed, cfg.model.vocab_size)
+    ref_losses, ref, ref_routed = _reference(_peft(_model(arch, aux), cfg), cfg, source)
+    alt_losses, alt, _ = _reference(_peft(_model(arch, aux, "eager", "eager"), cfg), cfg, source, reverse=True)
+    exact = _peft(to_float64(_model(arch, aux, experts="eager")), cfg, double=True)
+    with float64_only():
+        true_losses, truth, _ = _reference(exact, cfg, source)
+
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    routed = [r["expert_tokens"] for r in rows]
+    assert routed == ref_routed  # the same routing as transformers', step by step
+    # an expert routed in an earlier step and idle in a later one: its adapter moves by its decayed moments
+    assert any(n == 0 and any(routed[t][layer][e] for t in range(step))
+               for step in range(1, STEPS) for layer in range(len(routed[step]))
+               for e, n in enumerate(routed[step][layer])), "no routed expert went idle: the test does not exercise it"
+    assert max(result.grad_norms) > cfg.optim.max_grad_norm  # clipping was active
+    assert ref_losses[-1] < ref_losses[0]
+    steps = [f"loss of step {i}" for i in range(STEPS)]
+    assert_as_close_to_truth(dict(zip(steps, result.losses)), [dict(zip(steps, ref_losses)),
+                             dict(zip(steps, alt_losses))], dict(zip(steps, true_losses)))
+
+    from safetensors.torch import load_file
+    ours = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert set(ours) == set(ref)
+    assert any(".experts." in k for k in ours) and (("mlp.gate.weight" in " ".join(ours)) == cfg.lora.train_router)
+    assert_as_close_to_truth(ours, [ref, alt], truth)
+    assert all(v.abs().max() > 1e-3 for k, v in ours.items() if k.endswith("experts.lora_B.weight"))  # they trained
+
+    # peft loads the adapters on transformers' model, and gives the merged final/'s logits.
+    loaded = peft.PeftModel.from_pretrained(_model(arch, aux), str(run / "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(run / "final")).eval()
+    ids = torch.tensor(source.batch(0)["input_ids"][0])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, merged(input_ids=ids).logits.float(),
+                                   rtol=1e-5, atol=1e-5)
+    # final/ is peft's own merge of those adapters; what no adapter touches is the initial base bit for bit.
+    theirs = {k: v for k, v in loaded.merge_and_unload().state_dict().items()}
+    init, final = read_tensors(tmp_path / "init"), read_tensors(run / "final")
+    assert set(final) == set(init)
+    stacked = merged.state_dict()  # transformers' names (experts stacked), as peft's merge names them
+    assert set(stacked) == set(theirs)
+    for key in stacked:
+        torch.testing.assert_close(stacked[key], theirs[key], rtol=1e-6, atol=1e-6)
+    untouched = [k for k in final if not any(f".{m}." in k for m in cfg.lora.target_modules)
+                 and ".experts." not in k and not (cfg.lora.train_router and k.endswith("gate.weight")
+                                                   and "shared_expert" not in k)]
+    assert untouched and all(torch.equal(final[k], init[k]) for k in untouched)
+
+
+def test_idle_experts_are_not_fetched_again_under_lora(ray_cluster, shm_dir, tmp_path):
+    """A LoRA run of a tiny Qwen2-MoE with 16 experts: per step, sparse layer and expert, an expert
+    without a token was fetched once (the forward) and never for its backward, one with tokens once
+    more; no gradient bytes of any expert, and no byte of gradient to the host at all (the base is
+    frozen; the adapters live on the device)."""
+    make_model("qwen2_moe", num_experts=16).save_pretrained(tmp_path / "init")
+    cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, 2), "train.seq_len=8", "train.micro_batch_size=1",
+                                   "train.num_micro_batches=2", "lora.rank=4"])
+    result = train(cfg, log=lambda line: None)
+    rows = [json.loads(line) for line in open(tmp_path / "runs" / result.run_id / "metrics.jsonl")]
+    sparse = [u for u in StoreLayout.build(cfg.model).layers if u.parts]
+    idle_seen = 0
+    for row in rows:
+        assert len(row["expert_tokens"]) == len(row["expert_refetches"]) == len(sparse)
+        for tokens, refetches, sent in zip(row["expert_tokens"], row["expert_refetches"], row["expert_grad_bytes"]):
+            assert refetches == [1 if n else 0 for n in tokens]
+            assert sent == [0] * len(tokens)
+            idle_seen += tokens.count(0)
+        assert row["d2h_bytes"] == 0
+    assert idle_seen, "no expert went without a token: the test does not exercise it"
+
+
+def test_moe_lora_config_errors(tmp_path):
+    """What a LoRA run of a mixture of experts refuses, each naming its key."""
+    moe = ["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=16", "lora.rank=4"]
+    with pytest.raises(ConfigError, match="lora.dropout must be 0 on a mixture of experts"):
+        load_train_config(None, [*moe, "lora.dropout=0.1"])
+    with pytest.raises(ConfigError, match="lora.target_experts names 'gate_proj'"):
+        load_train_config(None, [*moe, "lora.target_experts=gate_proj"])
+    with pytest.raises(ConfigError, match="lora.train_router needs a mixture of experts"):
+        load_train_config(None, ["lora.rank=4", "lora.train_router=true"])
+    with pytest.raises(ConfigError, match="lora.train_router needs lora.rank > 0"):
+        load_train_config(None, [*moe[:-1], "lora.train_router=true"])
+    with pytest.raises(ConfigError, match="lora.target_modules names down_proj, which on a qwen3_moe model PEFT reads"):
+        load_train_config(None, [*moe, "model.num_hidden_layers=2", "model.mlp_only_layers=[1]",
+                                 "lora.target_modules=q_proj,down_proj"])
+    cfg = load_train_config(None, [*moe, "lora.target_experts=[]"])
+    assert cfg.lora.target_experts == () and not any(".experts." in n for t in
+                                                      AdapterLayout.build(cfg.model, cfg.lora).templates
+                                                      for n, _, _ in t.params)
