@@ -139,7 +139,6 @@ def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, 
                for step in range(1, STEPS) for layer in range(len(routed[step]))
                for e, n in enumerate(routed[step][layer])), "no routed expert went idle: the test does not exercise it"
     assert max(result.grad_norms) > cfg.optim.max_grad_norm  # clipping was active
-    assert ref_losses[-1] < ref_losses[0]
     steps = [f"loss of step {i}" for i in range(STEPS)]
     assert_as_close_to_truth(dict(zip(steps, result.losses)), [dict(zip(steps, ref_losses)),
                              dict(zip(steps, alt_losses))], dict(zip(steps, true_losses)))
