@@ -211,3 +211,107 @@ def test_moe_lora_config_errors(tmp_path):
     assert cfg.lora.target_experts == () and not any(".experts." in n for t in
                                                       AdapterLayout.build(cfg.model, cfg.lora).templates
                                                       for n, _, _ in t.params)
+
+
+def _sparse_cfg(rank_experts=16, **kw):
+    from megatrain_ray.config import ModelConfig
+    cfg = ModelConfig(model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2, moe_intermediate_size=kw.get("i", 32),
+                      hidden_size=kw.get("h", 64), num_attention_heads=4, num_hidden_layers=1)
+    cfg.validate()
+    return cfg
+
+
+def _expert_params(cfg, rank, device, dtype):
+    """A sparse layer's MLP weights and random adapters on both stacked expert parameters (B nonzero)."""
+    from megatrain_ray.model import moe as M
+    torch.manual_seed(0)
+    ref = {n: torch.randn(shape) * shape[-1] ** -0.5 for n, shape in M.sparse_params(cfg)}
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.expert_size
+    gate_up, down = M.names(cfg).stacked
+    for name, (rows, cols) in ((gate_up, (2 * i, h)), (down, (h, i))):
+        ref[f"{name}.lora_A.weight"] = torch.randn(e, rank, cols) * cols ** -0.5
+        ref[f"{name}.lora_B.weight"] = torch.randn(e, rows, rank) * rank ** -0.5
+    p = {n: v.to(device, dtype).requires_grad_(True) for n, v in ref.items()}
+    for name in (gate_up, down):
+        p[f"{name}.lora_scaling"] = torch.tensor(0.5)
+    return p
+
+
+def test_expert_adapters_add_peft_delta_per_expert_and_idle_ones_get_zero_gradient():
+    """The routed experts with adapters compute, per expert, what PEFT's ParamWrapper does: the base
+    stacked weights plus scaling * B_e A_e (formed here in float64, one matmul per expert) — the
+    adapters through grouped GEMMs of rank r without forming it; an expert without a token gets an
+    exactly zero gradient on its A_e and B_e."""
+    from megatrain_ray.model import moe as M
+    cfg = _sparse_cfg()
+    p = _expert_params(cfg, 4, "cpu", torch.float64)
+    x = torch.randn(6, cfg.hidden_size, dtype=torch.float64)  # 6 tokens x top-2 of 16: idle experts
+    _, weights, experts = M.route(p, x, cfg)
+    out, counts = M.routed_experts(p, x, weights, experts, cfg)
+    gate_up, down = M.names(cfg).stacked
+    merged = dict(p)
+    for name in (gate_up, down):
+        a, b = p[f"{name}.lora_A.weight"], p[f"{name}.lora_B.weight"]
+        merged[name] = M.expert_weights(p, cfg)[name == down] + 0.5 * torch.bmm(b, a)
+    merged = {k: v for k, v in merged.items() if ".lora_" not in k}
+    for e in range(cfg.num_experts):  # the per-expert tensors replaced by the merged stacked ones
+        for n in M.names(cfg).expert(e):
+            merged.pop(n)
+    theirs, _ = M.routed_experts(merged, x, weights, experts, cfg)
+    torch.testing.assert_close(out, theirs, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    idle = (counts == 0).nonzero().flatten().tolist()
+    assert idle and (counts > 0).any()
+    for name in (gate_up, down):
+        for kind in ("A", "B"):
+            g = p[f"{name}.lora_{kind}.weight"].grad
+            assert torch.count_nonzero(g[idle]) == 0 and all(g[e].abs().max() > 0 for e in range(16) if counts[e])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gpu_grouped_expert_adapters_match_the_per_expert_path():
+    """On a GPU in bf16, rank 16: the adapters run as grouped GEMMs (no loop over experts); the same
+    routing through the per-expert path on the CPU in fp32 gives the same output and adapter gradients
+    within bf16 rounding, an idle expert's exactly zero in both."""
+    from megatrain_ray.model import moe as M
+    cfg = _sparse_cfg(h=256, i=128)
+    x = torch.randn(6, 256)
+    outs = {}
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+        p = _expert_params(cfg, 16, device, dtype)
+        if device == "cpu":
+            _, weights, experts = M.route({k: v.detach() for k, v in p.items()}, x, cfg)
+        xi = x.to(device, dtype)
+        for name in M.names(cfg).stacked:
+            assert M.grouped_kernel(xi, p[f"{name}.lora_A.weight"]) == (device == "cuda")
+        outs[device] = p, xi
+    grads = {}
+    for device, (p, xi) in outs.items():
+        out, counts = M.routed_experts(p, xi, weights.to(device, xi.dtype), experts.to(device), cfg)
+        out.float().square().sum().backward()
+        grads[device] = (out.float().cpu(), {n: v.grad.float().cpu() for n, v in p.items() if ".lora_" in n
+                                             and v.grad is not None}, counts.cpu())
+    (a, ga, ca), (b, gb, cb) = grads["cuda"], grads["cpu"]
+    assert torch.equal(ca, cb) and set(ga) == set(gb) and len(ga) == 4
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    idle = (cb == 0).nonzero().flatten().tolist()
+    for name in ga:
+        assert torch.count_nonzero(ga[name][idle]) == torch.count_nonzero(gb[name][idle]) == 0
+        torch.testing.assert_close(ga[name], gb[name], rtol=5e-2, atol=5e-2 * gb[name].abs().max().item())
+
+
+def test_lora_flops_count_the_routed_experts_adapters_at_top_k():
+    from megatrain_ray.config import LoraSection
+    from megatrain_ray.model import flops
+    from megatrain_ray.model.presets import preset_model
+    cfg = preset_model("qwen3-30b-a3b", 2)
+    lora = LoraSection(rank=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    layout = AdapterLayout.build(cfg, lora)
+    h, i, e, k, r = cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.num_experts_per_tok, 16
+    experts = e * r * (h + 2 * i) + e * r * (i + h)  # gate_up: A [E, r, H], B [E, 2I, r]; down: A [E, r, I], B [E, H, r]
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+    attention = r * (h + q) + 2 * r * (h + kv) + r * (q + h)  # q, k, v: A [r, H], B [out, r]; o: [r, q], [H, r]
+    assert layout.num_params == 2 * (attention + experts)
+    assert layout.active_params(cfg) == 2 * (attention + experts * k // e)
+    six, _ = flops.lora_flops(cfg, lora, 1024, 1000)
+    assert six == (4.0 * flops.active_params(cfg) + 6.0 * layout.active_params(cfg)) * 1000
