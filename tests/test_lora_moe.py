@@ -315,3 +315,38 @@ def test_lora_flops_count_the_routed_experts_adapters_at_top_k():
     assert layout.active_params(cfg) == 2 * (attention + experts * k // e)
     six, _ = flops.lora_flops(cfg, lora, 1024, 1000)
     assert six == (4.0 * flops.active_params(cfg) + 6.0 * layout.active_params(cfg)) * 1000
+
+
+PLACEMENTS = {"keep": ((), ("keep",) * 3), "recompute": ((), ("gpu",) * 3),
+              "counts": (("memory.spanned_layers=2",), ("gpu", "span", "span"))}
+
+
+def test_moe_lora_trains_alike_kept_recomputed_or_in_a_span(ray_cluster, shm_dir, tmp_path):
+    """A Qwen3-MoE (dense and sparse layers, the load-balancing loss on) with adapters on attention
+    and the experts and its routers trained: every layer kept whole (engine.passes.KeptRouted), every
+    layer recomputed (Routed), and every layer but the first in a recompute span (its forward run
+    again from weights fetched without the idle experts): the same losses and adapters bit for bit."""
+    from safetensors.torch import load_file
+
+    from megatrain_ray.orchestration.device_memory import activation_placement
+
+    make_model("qwen3_moe", num_experts=16, output_router_logits=True, router_aux_loss_coef=0.05).save_pretrained(
+        tmp_path / "init")
+    results = {}
+    for placement, (extra, modes) in PLACEMENTS.items():
+        cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, 2), "train.seq_len=8", "train.micro_batch_size=1",
+                                       "train.num_micro_batches=2", f"memory.activations={placement}", *extra,
+                                       f"train.run_dir={tmp_path / placement}", "lora.rank=4",
+                                       "lora.target_modules=q_proj,o_proj", "lora.train_router=true"])
+        assert activation_placement(cfg, "cpu", None) == modes
+        result = train(cfg, log=lambda line: None)
+        rows = [json.loads(line) for line in open(tmp_path / placement / result.run_id / "metrics.jsonl")]
+        results[placement] = (result.losses, [r["expert_tokens"] for r in rows],
+                              load_file(str(tmp_path / placement / result.run_id / "adapter" / "adapter_model.safetensors")))
+    losses, routed, adapters = results["recompute"]
+    assert any(n == 0 for step in routed for layer in step for n in layer)
+    assert any(k.endswith("mlp.gate.weight") for k in adapters) and any(".experts." in k for k in adapters)
+    for placement in ("keep", "counts"):
+        got_losses, got_routed, got = results[placement]
+        assert got_losses == losses and got_routed == routed, placement
+        assert set(got) == set(adapters) and all(torch.equal(got[k], adapters[k]) for k in adapters), placement
