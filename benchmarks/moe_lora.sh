@@ -36,6 +36,7 @@ fi
 step=(--tokens 262144 --seq-len 4096 --micro-batches 16 --steps 4)
 case " $parts " in *" plan "*)
   run plan-moe-lora 120 python3 -m megatrain_ray.cli plan --device cuda $(shape_args qwen3-30b-a3b) \
+    --set model.max_position_embeddings=4096 \
     --set lora.rank=16 --set lora.alpha=32 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj \
     --set train.seq_len=4096 --set train.micro_batch_size=4 --set train.num_micro_batches=16 || rc=$?
   cp "$out/log_plan-moe-lora.txt" "$out/plan-moe-lora.txt" ;;
