@@ -113,7 +113,10 @@ def _reference(model, cfg, source, reverse=False):
     ("mixtral", False, ["lora.target_modules=q_proj,k_proj", "lora.target_experts=down_proj", "lora.train_router=true"]),
     ("qwen2_moe", True, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                          "lora.train_router=true"]),
-])
+    # two compute workers (data parallel, gloo), each routing its own micro-batches, the adapters' gradients summed
+    ("qwen2_moe", False, ["lora.target_modules=q_proj,v_proj,down_proj", "parallel.compute_workers=2",
+                          "train.num_micro_batches=4"]),
+], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers"])
 def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, shm_dir, tmp_path):
     _model(arch, aux).save_pretrained(tmp_path / "init")
     cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=8", "train.micro_batch_size=1",
@@ -350,3 +353,31 @@ def test_moe_lora_trains_alike_kept_recomputed_or_in_a_span(ray_cluster, shm_dir
         got_losses, got_routed, got = results[placement]
         assert got_losses == losses and got_routed == routed, placement
         assert set(got) == set(adapters) and all(torch.equal(got[k], adapters[k]) for k in adapters), placement
+
+
+def test_moe_lora_resumes_bit_for_bit(ray_cluster, shm_dir, tmp_path):
+    """A LoRA checkpoint of a mixture of experts holds the experts' stacked adapters, the trained
+    routers and their moments; a run resumed from it ends bit for bit as the run straight through."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from megatrain_ray.io import checkpoint
+
+    make_model("mixtral", num_local_experts=16).save_pretrained(tmp_path / "init")
+
+    def config(run: str):
+        return load_train_config(None, [*parity_run(tmp_path, shm_dir, 4), "train.seq_len=8", "train.micro_batch_size=1",
+                                        "train.num_micro_batches=2", f"train.run_dir={tmp_path / run}",
+                                        "train.checkpoint_every=2", "train.keep_checkpoints=5", "lora.rank=4",
+                                        "lora.target_modules=q_proj,o_proj", "lora.train_router=true"])
+
+    straight = train(config("a"), log=lambda line: None)
+    step2 = sorted(checkpoint.step_dirs(os.path.join(straight.run_dir, "checkpoints")))[0][1]
+    held = read_tensors(step2)
+    assert any(k.startswith("exp_avg.") and "experts.gate_up_proj.lora_B" in k for k in held)
+    assert any(k.startswith("exp_avg_sq.") and k.endswith("block_sparse_moe.gate.weight") for k in held)
+    resumed = train(config("b"), log=lambda line: None, resume=step2)
+    assert resumed.losses == straight.losses[2:] and resumed.grad_norms == straight.grad_norms[2:]
+    ours, theirs = (load_file(os.path.join(r.run_dir, "adapter", "adapter_model.safetensors")) for r in (resumed, straight))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
