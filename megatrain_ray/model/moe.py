@@ -222,8 +222,9 @@ def grouped_low_rank(p: Params, name: str, x: torch.Tensor, counts: torch.Tensor
     [E, out, r], ``{name}.lora_scaling``: a 0-d tensor), else None: each row of expert e gets
     scaling * B_e (A_e x), PEFT's W_e + scaling * B_e A_e applied without forming it. x: [T, in] grouped
     by expert as :func:`grouped_linear` takes it, counts: [E] -> [T, out]. Two grouped GEMMs through
-    rank r (no loop over experts where :func:`grouped_kernel` holds); an expert without a token has
-    zero rows, so its adapter's gradient is exactly zero."""
+    rank r, with no loop over experts where :func:`grouped_kernel` holds (on a GPU in bf16 that asks
+    r to be a multiple of 8, as the GEMMs' 16-byte rows do; else one GEMM per expert); an expert
+    without a token has zero rows, so its adapter's gradient is exactly zero."""
     a = p.get(f"{name}.lora_A.weight")
     if a is None:
         return None
