@@ -88,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                                         "(sharded safetensors, config.json, generation_config.json, tokenizer) that "
                                         "transformers' from_pretrained loads.")
     export.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT",
-                        help="a run directory (its final weights, else its newest checkpoint) or a checkpoint directory")
+                        help="a run directory (its final weights, else its newest checkpoint) or a checkpoint "
+                             "directory; a LoRA run's checkpoint is exported as the base with its adapters merged "
+                             "in, and the adapters (PEFT) in OUT/adapter")
     export.add_argument("--out", required=True, help="new directory to write (a relative path is taken from the "
                         "current directory; the path written is printed)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast (default: as stored)")
@@ -145,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         elif args.command == "export":
             from .io.hf_io import export
+            from .lora_export import export_lora, lora_checkpoint_of
 
+            adapters = lora_checkpoint_of(args.src)
+            if adapters is not None:  # the adapters alone: merged into the base the run took
+                out = export_lora(adapters, args.out, args.shard_size, args.dtype, args.tokenizer)
+                print(f"exported {out['source']} to {os.path.abspath(out['out'])}: the base with the LoRA adapters "
+                      f"merged in, {out['shards']} shard(s) {out['dtype']}; the adapters (PEFT) in "
+                      f"{os.path.abspath(out['adapter'])}")
+                return 0
             out = export(args.src, args.out, args.shard_size, args.dtype, args.tokenizer)
             print(f"exported {out['source']} to {os.path.abspath(out['out'])}: {out['tensors']} tensors, {out['shards']} shard(s), "
                   f"{out['bytes'] / 2**20:,.1f} MiB {out['dtype']}; tokenizer and config files: "
@@ -177,6 +187,26 @@ def main(argv: list[str] | None = None) -> int:
             say(f"interrupted: the run was stopped{f' without a checkpoint ({why})' if why else ''} "
                 "and its shared memory removed.")
         return 130
+    finally:
+        calm_exit()
+
+
+def calm_exit() -> None:
+    """Ignore Ctrl-C while the process exits: registered after Ray's own exit handler (``ray.shutdown``,
+    registered when ray is imported), so it runs first, and a Ctrl-C pressed again once the run has
+    ended (its checkpoint saved, its shared memory removed) cannot break Ray's shutdown with an
+    "Exception ignored in atexit callback" traceback. Nothing to do where Ray was not imported."""
+    import atexit
+
+    if "ray" in sys.modules:
+        atexit.unregister(_ignore_interrupts)
+        atexit.register(_ignore_interrupts)
+
+
+def _ignore_interrupts() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _plan(args) -> int:

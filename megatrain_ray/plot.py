@@ -30,6 +30,7 @@ import json
 import os
 
 from .errors import ConfigError
+from .orchestration import metrics_file
 from .orchestration.gauges import STAGES, UNITS
 
 GAUGES = {"loss": "loss", "val_loss": "val_loss", "lr": "learning_rate", "tokens_per_s": "tokens_per_s",
@@ -92,16 +93,7 @@ def _read_rows(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir!r} has no metrics.jsonl; pass a run directory (runs/<run id>).")
-    rows: dict[int, dict] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows[int(row["step"])] = row
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"line {n} of {path} is not a metrics row (JSON with a step).") from None
+    rows = {int(row["step"]): row for row in metrics_file.read(path)[0]}  # a cut-short last line: left out
     if not rows:
         raise ConfigError(f"{path} has no rows yet: the run has not finished a step.")
     if 0 in rows:  # written when a row's step counted from 0: read as the updates done, as rows are now

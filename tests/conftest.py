@@ -37,13 +37,15 @@ def no_thread_left_behind():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray (8 logical CPUs, the GPUs this machine has, no dashboard), shared by every
-    test that needs it."""
+    test that needs it; started within a bound that fits a busy machine (tests/ray_start.py)."""
     import torch
+
+    from ray_start import start
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-                 object_store_memory=200 * 2**20, log_to_driver=False)
+        start(lambda: ray.init(address="local", num_cpus=8, num_gpus=torch.cuda.device_count(),
+                               include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False))
     yield
     ray.shutdown()
 

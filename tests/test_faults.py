@@ -141,6 +141,16 @@ def _wait_for(condition, seconds: float) -> float:
     return time.monotonic() - start
 
 
+def _reapers(pattern: str) -> list[psutil.Process]:
+    """The reaper processes watching ``pattern`` (detached: found by their command line)."""
+    found = []
+    for p in psutil.process_iter():
+        line = _cmdline(p)
+        if "reaper.py" in line and json.dumps([pattern]) in line:
+            found.append(p)
+    return found
+
+
 def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_path):
     owner = _sleeper()
     paths = [tmp_path / f"megatrain-1-run-{k}" for k in ("master", "versions")]
@@ -159,13 +169,13 @@ def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_p
     owner = _sleeper()
     pattern = str(tmp_path / "megatrain-1-run2-*")
     lease = reaper.start([pattern], [owner.pid], until_gone=False, lease=True)
+    (released,) = _reapers(pattern)
     reaper.release(lease)
-    time.sleep(0.5)
+    released.wait(timeout=60)  # it went (no wait on its timing: on its exit)
     (tmp_path / "megatrain-1-run2-master").write_bytes(b"\0")
     owner.kill()
     owner.wait()
-    time.sleep(1.0)
-    assert (tmp_path / "megatrain-1-run2-master").exists()
+    assert not _reapers(pattern) and (tmp_path / "megatrain-1-run2-master").exists()
 
     # The lease's end of file (its holder died without releasing it) reaps at once.
     lease = reaper.start([pattern], [os.getpid()], until_gone=False, lease=True)

@@ -175,3 +175,37 @@ def test_packed_documents_flex_attention_is_each_document_alone_through_sdpa(com
     packed, alone, ctx = packed_against_each_document("cuda", torch.bfloat16, chunk, wrap)
     assert not isinstance(ctx[1], torch.Tensor)  # a BlockMask
     assert alone < 0.1 and packed <= 2 * alone, (packed, alone)
+
+
+def test_copies_stay_inside_one_registration_of_host_memory(tmp_path):
+    """Host memory pinned in pieces (:func:`megatrain_ray.engine.device.pin_in_pieces`): a block inside
+    one piece copies to and from the device; the cuts follow the blocks, so no block crosses two
+    pieces. A copy that did cross two registrations is what the driver refuses ("invalid argument",
+    the crash of a LoRA base past 64 GiB); shown here on a small mapping, so the cause stays on record."""
+    from megatrain_ray.engine import shm
+    from megatrain_ray.engine.device import PAGE, CudaBackend
+
+    blocks = [0, 256 * PAGE, 384 * PAGE]  # bytes: three blocks, the last one 128 pages long
+    host = shm.create(str(tmp_path / "pinned"), 512 * PAGE, torch.uint8)
+    host.copy_(torch.arange(host.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
+    backend = CudaBackend(1, 64 * PAGE, torch.uint8)
+    try:
+        backend.register_host(host, blocks, piece_bytes=256 * PAGE)
+        assert len(backend._registered) == 2
+        for a, b in zip(blocks, [*blocks[1:], host.numel()]):
+            dev = host[a:b].to("cuda", non_blocking=True)
+            back = torch.empty_like(host[a:b])
+            back.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(back, host[a:b])
+        crossing = host[255 * PAGE:257 * PAGE]  # one page of each registration
+        try:
+            torch.empty(crossing.numel(), dtype=torch.uint8, device="cuda").copy_(crossing, non_blocking=True)
+            torch.cuda.synchronize()
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        assert "invalid argument" in refused, "the driver copied across two registrations"
+    finally:
+        backend.close()
+        del host

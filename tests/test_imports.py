@@ -19,7 +19,8 @@ LAYERS = [
     ("io", ("megatrain_ray.io",)),
     ("engine", ("megatrain_ray.engine",)),
     ("orchestration", ("megatrain_ray.orchestration",)),
-    ("face", ("megatrain_ray.cli", "megatrain_ray.plot", "megatrain_ray.bench", "megatrain_ray.hostmem")),
+    ("face", ("megatrain_ray.cli", "megatrain_ray.plot", "megatrain_ray.bench", "megatrain_ray.hostmem",
+              "megatrain_ray.lora_export")),
 ]
 """Bottom to top. The engine reads weights and checkpoints through io (the store's load_into), so
 io sits below it and never imports it; io's hf_io names the tokenizer files of data."""

@@ -2,14 +2,26 @@
 (:func:`megatrain_ray.engine.device.pin_in_pieces`), tested on the CPU with a small piece size and
 the kernel's own page locking (``mlock``/``munlock``) standing in for ``cudaHostRegister``: the
 locked bytes are read back from /proc/self/status (VmLck), so the test sees what really is pinned.
+A piece ends only where a block starts, so no copy of a block runs from one registration into the next
+(the driver refuses such a copy: "invalid argument"); the store's arrays are checked so at the sizes
+where that happened (80 and 100 layers of the 32B width, a LoRA run's bf16 base past 64 GiB).
 """
 
 import ctypes
 import mmap
 
 import pytest
+import torch
 
-from megatrain_ray.engine.device import PAGE, pin_in_pieces
+from megatrain_ray.engine.device import PAGE, PIN_PIECE_BYTES, pin_in_pieces
+from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.model.layout import StoreLayout
+from megatrain_ray.model.precision import Precision
+from megatrain_ray.model.presets import preset_model
+from megatrain_ray.config import LoraSection
+
+PAGES = [k * PAGE for k in range(2**20 // PAGE + 3)]
+"""Block starts of the test mapping: a block per page."""
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -44,7 +56,7 @@ def test_a_mapping_is_pinned_in_pieces_and_all_of_it_is_pinned(mapping):
         _lock(p, n)
 
     try:
-        pieces = pin_in_pieces(ptr, nbytes, register, None, piece_bytes=16 * PAGE)
+        pieces = pin_in_pieces(ptr, nbytes, register, None, piece_bytes=16 * PAGE, cuts=PAGES)
     except OSError as e:
         pytest.skip(f"mlock is not permitted here ({e})")
     try:
@@ -72,7 +84,7 @@ def test_a_piece_that_fails_leaves_nothing_pinned_and_names_the_piece(mapping):
     with pytest.raises(RuntimeError) as info:
         try:
             pin_in_pieces(ptr, nbytes, register, lambda p: libc.munlock(ctypes.c_void_p(p), ctypes.c_size_t(sizes[p])),
-                          piece_bytes=16 * PAGE)
+                          piece_bytes=16 * PAGE, cuts=PAGES)
         except OSError as e:
             pytest.skip(f"mlock is not permitted here ({e})")
     assert str(info.value) == (f"pinning {nbytes} bytes of host memory failed at piece 6 ({16 * PAGE} bytes at offset "
@@ -80,11 +92,43 @@ def test_a_piece_that_fails_leaves_nothing_pinned_and_names_the_piece(mapping):
     assert _locked_kib() == before  # the five pieces before it were unpinned
 
 
-def test_pieces_are_cut_at_page_boundaries_of_an_unaligned_block():
+def test_pieces_end_only_where_a_block_starts():
     seen = []
-    ptr = 10 * PAGE + 100  # a unit's block inside a mapping starts anywhere
-    pin_in_pieces(ptr, 5 * PAGE, lambda p, n: seen.append((p, n)), None, piece_bytes=2 * PAGE)
-    assert [p for p, _ in seen] == [ptr, 12 * PAGE, 14 * PAGE]
-    assert all(p % PAGE == 0 for p, _ in seen[1:]) and sum(n for _, n in seen) == 5 * PAGE
+    ptr = 10 * PAGE  # blocks of 3, 2, 4 and 1 pages
+    pin_in_pieces(ptr, 10 * PAGE, lambda p, n: seen.append((p - ptr, n)), None, piece_bytes=5 * PAGE,
+                  cuts=[0, 3 * PAGE, 5 * PAGE, 9 * PAGE])
+    assert seen == [(0, 5 * PAGE), (5 * PAGE, 5 * PAGE)]
+    seen.clear()
+    pin_in_pieces(ptr, 10 * PAGE, lambda p, n: seen.append((p - ptr, n)), None, piece_bytes=4 * PAGE,
+                  cuts=[0, 3 * PAGE, 5 * PAGE, 9 * PAGE])
+    assert seen == [(0, 3 * PAGE), (3 * PAGE, 2 * PAGE), (5 * PAGE, 4 * PAGE), (9 * PAGE, PAGE)]
+    seen.clear()  # a block larger than a piece is a piece of its own; no cuts: one piece
+    pin_in_pieces(ptr, 10 * PAGE, lambda p, n: seen.append((p - ptr, n)), None, piece_bytes=2 * PAGE,
+                  cuts=[0, PAGE, 8 * PAGE])
+    assert seen == [(0, PAGE), (PAGE, 7 * PAGE), (8 * PAGE, 2 * PAGE)]
+    seen.clear()
+    pin_in_pieces(ptr, 10 * PAGE, lambda p, n: seen.append((p - ptr, n)), None, piece_bytes=2 * PAGE)
+    assert seen == [(0, 10 * PAGE)]
     with pytest.raises(ValueError):
         pin_in_pieces(ptr, PAGE, lambda p, n: None, None, piece_bytes=PAGE + 1)
+    with pytest.raises(ValueError, match="inside a page"):
+        pin_in_pieces(ptr, 4 * PAGE, lambda p, n: None, None, piece_bytes=2 * PAGE, cuts=[PAGE + 8])
+
+
+@pytest.mark.parametrize("layers", [64, 80, 100])
+def test_no_unit_of_a_large_lora_base_straddles_two_registrations(layers):
+    """The 32B width's bf16 base crosses the 64 GiB piece size inside layers.68 from 70 layers on:
+    pinned as the compute worker pins it, every unit's block lies in exactly one registration."""
+    model = preset_model("32b", layers)
+    bf16 = Precision(master=torch.bfloat16, compute=torch.bfloat16)
+    spec = StoreSpec(model, bf16, "/dev/shm", 0, "x", lora=LoraSection(rank=16))
+    layout, size = StoreLayout.build(model), 2
+    pieces = []
+    pin_in_pieces(0, spec.numel("master") * size, lambda p, n: pieces.append((p, p + n)), None,
+                  cuts=[s * size for s in spec.block_starts("master")])
+    assert pieces[0][0] == 0 and pieces[-1][1] == spec.numel("master") * size
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])) and all(b - a <= PIN_PIECE_BYTES for a, b in pieces)
+    assert len(pieces) == (1 if layers == 64 else 2)
+    for i, unit in enumerate(layout.records):
+        start, stop = layout.offsets[i] * size, (layout.offsets[i] + layout.templates[i].numel) * size
+        assert any(a <= start and stop <= b for a, b in pieces), f"{unit.name} straddles two registrations"

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -197,8 +196,17 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
         at_1 = store.block("master", 0).clone()
         update(1)
         ahead = threading.Thread(target=resident.sync, args=(True,))  # the copy of boundary 2
+        asked, held = threading.Event(), store.checkpoint_copy
+
+        def checkpoint_copy():  # the held copy, and an event once the copy ahead has found it held
+            copy = held()
+            if threading.current_thread() is ahead and copy is not None:
+                asked.set()
+            return copy
+
+        store.checkpoint_copy = checkpoint_copy
         ahead.start()
-        time.sleep(0.5)
+        assert asked.wait(timeout=60)  # it found boundary 1's copy held, so it waits (no wait on its timing)
         assert ahead.is_alive() and store.state_version(0) == 1 and torch.equal(store.block("master", 0), at_1)
         checkpoints = checkpoint.CheckpointSettings(str(tmp_path), 1, 5, cfg.to_dict(), "r", {})
         write = writer.CheckpointWriter(store, checkpoints)

@@ -123,3 +123,23 @@ def test_sigterm_to_the_process_group_by_timeout_ends_with_a_checkpoint(shm_dir,
                            r"\(the steps in about (\d+)s, then the first save\)", out)
     assert took < int(stated) + 45, (took, stated)
     assert os.listdir(shm_dir) == []
+
+
+def test_a_ctrl_c_during_rays_exit_shutdown_prints_no_traceback(tmp_path):
+    """A second Ctrl-C pressed while the ended run's process exits lands in Ray's exit handler
+    (``ray.shutdown``, registered when ray is imported). Here that handler is one that sends the
+    Ctrl-C itself (to its own process, delivered at once), and the CLI's command has ended: no
+    "Exception ignored in atexit callback ... KeyboardInterrupt", exit status as the command's."""
+    script = ("import atexit, os, signal, sys\n"
+              "import ray\n"
+              "def shutdown():  # as Ray's handler is entered by a Ctrl-C\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    print('shutdown finished', flush=True)\n"
+              "atexit.register(shutdown)  # registered where Ray registers its own: before the command runs\n"
+              "from megatrain_ray import cli\n"
+              "sys.exit(cli.main(['plot', sys.argv[1]]))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          env={**_env(), "PYTHONPATH": os.getcwd()}, preexec_fn=_default_sigint, timeout=120)
+    assert "Exception ignored" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert proc.stdout == "shutdown finished\n" and proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr

@@ -129,3 +129,20 @@ def test_loggers_are_validated_by_name():
     with pytest.raises(ConfigError, match=r"train.loggers must be a list of distinct names of tensorboard, mlflow, "
                                           r"wandb \(e.g. \[tensorboard, mlflow\]\), got \['neptune'\]"):
         load_config(None, ["train.loggers=[neptune]"])
+
+
+def test_a_tracker_that_cannot_start_is_dropped_with_one_line(tmp_path, read_only_dir):
+    """A tensorboard folder that cannot be written, a damaged mlflow.db: each tracker is dropped in one
+    warning line naming it and why, and the run goes on (logging to it is then nothing)."""
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "mlflow.db").write_bytes(b"this is not an SQLite database" * 100)
+    lines = []
+    for name, run_dir in (("tensorboard", read_only_dir), ("mlflow", tmp_path / "damaged")):
+        tracked = trackers.Trackers([name], str(run_dir), "r1", {"train": {"steps": 1}}, lines.append)
+        assert tracked.active == {}
+        tracked.log({"loss": 1.0}, 1)
+        tracked.close("FINISHED")
+    assert len(lines) == 2 and all("\n" not in line for line in lines), lines
+    assert lines[0].startswith("warning: the tensorboard tracker could not start (") and "Read-only" in lines[0], lines
+    assert lines[1].startswith("warning: the mlflow tracker could not start (") and "not a database" in lines[1], lines
+    assert all(line.endswith("; the run goes on without it") for line in lines)

@@ -277,6 +277,11 @@ class ClusterSection:
     between its roles for 3 expected step times (``megatrain-ray plan`` prints both), never sooner
     than this; a periodic checkpoint pauses the updates, so it must exceed the time one checkpoint
     takes to write (see megatrain_ray.orchestration.pace)."""
+    start_timeout_s: float = 600.0
+    """Seconds the roles may take to start (a store allocating and filling the model's host memory, a
+    compute worker's device, the roles joining each other), each start-up call bounded by it; one not
+    done by then ends the run naming the role and saying it was start-up. Apart from
+    actor_timeout_s, so a short floor for a stall does not fail a slow start on a loaded machine."""
     max_restarts: int = 0
     """How many times the driver restarts the pipeline from the newest checkpoint when an actor dies
     (the run then ends with the weights an uninterrupted run would have); 0 fails on the first death."""
@@ -291,6 +296,7 @@ class ClusterSection:
         _require(isinstance(self.dashboard, bool), "cluster.dashboard",
                  f"must be true or false, got {self.dashboard!r}")
         _require(self.actor_timeout_s > 0, "cluster.actor_timeout_s", f"must be positive, got {self.actor_timeout_s}")
+        _require(self.start_timeout_s > 0, "cluster.start_timeout_s", f"must be positive, got {self.start_timeout_s}")
         _require(self.max_restarts >= 0, "cluster.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.health_timeout_s > 0, "cluster.health_timeout_s",
                  f"must be positive, got {self.health_timeout_s}")

@@ -29,8 +29,9 @@ from typing import NamedTuple
 import torch
 
 from ..config import OptimConfig
-from ..errors import PipelineError
+from ..errors import CheckpointError, PipelineError
 from ..io import lora_checkpoint, peft_io
+from ..io.writer import driver_gone
 from ..model.lora import AdapterLayout, dropout_masks, is_adapter
 from ..model.transformer import Params, hf_name
 from .optim import AdamWRunner, clip_coefficient
@@ -182,23 +183,32 @@ class DeviceAdapters:
         if self.version != step:
             raise PipelineError(f"the adapters have {self.version} updates, so the checkpoint of step {step} cannot "
                                 "be written from them.")
+        gone = driver_gone(self.store.spec)
+        if gone:
+            raise CheckpointError(f"refusing to checkpoint step {step}: {gone}.")
         began = time.time()
         path = lora_checkpoint.save(self.checkpoints, step, self.cfg, self.lora, self.host_states())
         return {"checkpoint": path, "step": step, "save_s": time.time() - began, "by": "compute"}
 
     def export(self, adapter_dir: str, merged_dir: str | None, tokenizer: str | None = None,
-               source: str | None = None) -> None:
-        """Write the adapters as a PEFT adapter directory, and (``merged_dir``) the store's base with
-        them merged in as an HF model directory; ``source``: the base's directory."""
+               source: str | None = None, dtype: torch.dtype | None = None,
+               shard_bytes: int = peft_io.DEFAULT_SHARD_BYTES) -> list[str]:
+        """Write (``merged_dir``) the store's base with the adapters merged in as an HF model directory
+        (in ``dtype``, the store's by default; shards of at most ``shard_bytes``), then the adapters as
+        a PEFT adapter directory (which may lie inside the merged one); ``source``: the base's
+        directory. Returns the merged model's shard files."""
         store, masters = self.store, self.masters()
         full = {hf_name(t.unit, name): masters[t.unit].view(shape) for t in self.layout.full
                 for name, shape, _ in t.params}  # the matrices trained in full, by HF name
-        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, full, base_model=source, tokenizer=tokenizer)
+        shards = []
         if merged_dir is not None:
             units = store.layout.units
-            peft_io.save_merged(merged_dir, self.cfg, self.lora, masters,
-                                lambda unit, name: store.params("master", units.index(unit))[name],
-                                store.spec.precision.master, full, source=source, tokenizer=tokenizer)
+            shards = peft_io.save_merged(merged_dir, self.cfg, self.lora, masters,
+                                         lambda unit, name: store.params("master", units.index(unit))[name],
+                                         dtype or store.spec.precision.master, full, source=source,
+                                         tokenizer=tokenizer, shard_bytes=shard_bytes)
+        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, full, base_model=source, tokenizer=tokenizer)
+        return shards
 
     def close(self) -> None:
         if self.runner is not None:

@@ -47,6 +47,7 @@ import collections
 import queue
 import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -116,7 +117,7 @@ class ComputeWorker(GroupMember):
         pinned = ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad")
         for kind in pinned:
             if kind in self.store.arrays:
-                self.backend.register_host(self.store.arrays[kind])
+                self.backend.register_host(self.store.arrays[kind], spec.block_starts(kind))
         self.resident = ResidentUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
                                 pinned) if spec.resident else None
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
@@ -132,28 +133,41 @@ class ComputeWorker(GroupMember):
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._failed: tuple[str, str] = ("", "")
+        """(the helper thread whose error ``_error`` is, what it was doing: see :meth:`_thread_error`)."""
+        self.doing: dict[str, str] = {}
+        """Helper thread -> what it does now (a unit's copy to the device, a slot handed back)."""
         loops = ((self._load_loop, "loader"), (self._release_loop, "releaser"),
                  (lambda: self.grads_out.run(self._drain), "grad-sender"))
-        self._threads = [threading.Thread(target=self._guard, args=(f,), daemon=True, name=n) for f, n in loops]
+        self._threads = [threading.Thread(target=self._guard, args=(f, n), daemon=True, name=n) for f, n in loops]
         for t in self._threads:
             t.start()
 
     # -- helper threads ----------------------------------------------------------------------
 
-    def _guard(self, loop) -> None:
+    def _guard(self, loop, name: str) -> None:
         try:
             loop()
         except BaseException as e:  # surfaced by the next _take / run_step
+            doing = self.grads_out.doing if name == "grad-sender" else self.doing.get(name, "")
+            self._failed = (name, doing)
             self._error = e
             self._arrived.put(None)
 
     def _thread_error(self) -> MegatrainError:
         """The error a helper thread ended with: its own sentence (a dead queue host's ActorDied), or
-        the compute worker's failure."""
+        one naming the thread, what it was doing and the error's first line (a CUDA error runs on
+        with advice over several), with the thread's traceback as the error's ``detail`` (the run's
+        log file keeps it: :func:`~megatrain_ray.orchestration.calls.actor_error`)."""
         e = self._error
         if isinstance(e, MegatrainError):
             return type(e)(str(e))
-        return PipelineError(f"the compute worker's {type(e).__name__}: {e}")
+        name, doing = self._failed
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        error = PipelineError(f"the compute worker's {name} thread failed{f' {doing}' if doing else ''}: "
+                              f"{first or type(e).__name__}")
+        error.detail = "".join(traceback.format_exception(e))
+        return error
 
     def _load_loop(self) -> None:
         """Take fetch tickets as the prefetcher issues them and start each copy into its slot."""
@@ -162,6 +176,7 @@ class ComputeWorker(GroupMember):
                 ticket: FetchTicket = self.fetch_q.get(timeout=0.2)
             except queue.Empty:
                 continue
+            self.doing["loader"] = f"copying {self.layout.units[ticket.unit]} to the device"
             ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.routed)  # a sparse layer's: routed
             handle = self.backend.load(ticket.slot, self.store.block("stream", ticket.unit),
                                        self.layout.units[ticket.unit], ranges)
@@ -178,6 +193,7 @@ class ComputeWorker(GroupMember):
     def _release_loop(self) -> None:
         """Hand freed slot ids back to the prefetcher, as soon as the compute has queued its last use."""
         for slot in self._drain(self._releases):
+            self.doing["releaser"] = f"handing device slot {slot} back to the prefetcher"
             wait_while_moving(lambda t: self.release_q.put(slot, timeout=t) or True, self.release_q, self.timeout_s)
 
     # -- one unit's weights ------------------------------------------------------------------

@@ -23,7 +23,9 @@ steady state except where a gradient must be complete before its ticket is sent.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+from collections.abc import Sequence
 import threading
 import time
 
@@ -36,27 +38,39 @@ PIN_PIECE_BYTES = 64 * 2**30
 registration of 512 GiB or more, so a larger store is registered piece by piece."""
 
 
-def pin_in_pieces(ptr: int, nbytes: int, register, unregister, piece_bytes: int = PIN_PIECE_BYTES) -> list[int]:
+def pin_in_pieces(ptr: int, nbytes: int, register, unregister, piece_bytes: int = PIN_PIECE_BYTES,
+                  cuts: Sequence[int] = ()) -> list[int]:
     """Register ``nbytes`` of host memory at ``ptr`` with ``register(ptr, n)`` as consecutive pieces of
-    at most ``piece_bytes`` (a multiple of the 4 KiB page), cut at page boundaries so that no page
-    belongs to two pieces; returns the pieces' pointers (for ``unregister(ptr)`` at close). A piece
-    that fails unregisters those before it, so nothing stays pinned, and raises one RuntimeError
-    naming the piece. A copy that crosses two pieces is still correct (the driver copies memory it
-    does not see as one registration like any pageable memory)."""
+    at most ``piece_bytes`` (a multiple of the 4 KiB page); returns the pieces' pointers (for
+    ``unregister(ptr)`` at close). A piece that fails unregisters those before it, so nothing stays
+    pinned, and raises one RuntimeError naming the piece.
+
+    A piece ends only at one of ``cuts`` (byte offsets from ``ptr`` where a block of the memory
+    starts, e.g. every unit's block of a store array) or at the end: the driver refuses an
+    asynchronous copy whose source or destination runs from one registration into the next
+    ("invalid argument"), so no block that is copied in one piece may straddle two pieces. Without
+    ``cuts`` the whole memory is one block. A block larger than ``piece_bytes`` is registered as a
+    piece of its own (the driver then decides whether it takes it). The cuts must lie on page
+    boundaries (a ValueError otherwise), so that no page belongs to two pieces."""
     if piece_bytes <= 0 or piece_bytes % PAGE:
         raise ValueError(f"piece_bytes must be a positive multiple of {PAGE}, got {piece_bytes}")
+    ends = sorted({c for c in cuts if 0 < c < nbytes} | {nbytes})
     done: list[int] = []
-    start, end = ptr, ptr + nbytes
-    while start < end:
-        stop = min(end, (start + piece_bytes) // PAGE * PAGE)
+    start = 0
+    while start < nbytes:
+        first = bisect.bisect_right(ends, start)  # the first end past start
+        stop = ends[max(first, bisect.bisect_right(ends, start + piece_bytes) - 1)]
+        if stop < nbytes and (ptr + stop) % PAGE:
+            raise ValueError(f"a registration would end inside a page (offset {stop}): blocks of pinned memory "
+                             f"must start on {PAGE}-byte pages")
         try:
-            register(start, stop - start)
+            register(ptr + start, stop - start)
         except Exception as e:
             for p in reversed(done):
                 unregister(p)
             raise RuntimeError(f"pinning {nbytes} bytes of host memory failed at piece {len(done) + 1} ("
-                               f"{stop - start} bytes at offset {start - ptr}): {e}") from None
-        done.append(start)
+                               f"{stop - start} bytes at offset {start}): {e}") from None
+        done.append(ptr + start)
         start = stop
     return done
 
@@ -88,7 +102,7 @@ class CpuBackend:
         self.slots = [torch.empty(slot_numel, dtype=dtype) for _ in range(num_slots)]
         self._spans = _Spans()
 
-    def register_host(self, tensor: torch.Tensor) -> None:
+    def register_host(self, tensor: torch.Tensor, starts: Sequence[int] = ()) -> None:
         """Nothing to pin on the CPU."""
 
     def load(self, slot: int, host: torch.Tensor, label: str = "", ranges=None) -> None:
@@ -208,9 +222,11 @@ class CudaBackend:
         ev.record()
         return ev
 
-    def register_host(self, tensor: torch.Tensor, piece_bytes: int = PIN_PIECE_BYTES) -> None:
+    def register_host(self, tensor: torch.Tensor, starts: Sequence[int] = (),
+                      piece_bytes: int = PIN_PIECE_BYTES) -> None:
         """Pin a shared-memory mapping once so copies from/to it run at full link speed (in pieces of
-        at most ``piece_bytes``: :func:`pin_in_pieces`)."""
+        at most ``piece_bytes``, each cut where a block starts: ``starts``, element offsets of the
+        tensor's blocks, none of which a copy crosses; :func:`pin_in_pieces`)."""
         if tensor.numel() == 0:
             return
         cudart = torch.cuda.cudart()
@@ -220,8 +236,10 @@ class CudaBackend:
             if int(err) != 0:
                 raise RuntimeError(f"CUDA error {int(err)}")
 
-        self._registered += pin_in_pieces(tensor.data_ptr(), tensor.numel() * tensor.element_size(), register,
-                                          lambda ptr: cudart.cudaHostUnregister(ptr), piece_bytes)
+        size = tensor.element_size()
+        self._registered += pin_in_pieces(tensor.data_ptr(), tensor.numel() * size, register,
+                                          lambda ptr: cudart.cudaHostUnregister(ptr), piece_bytes,
+                                          [s * size for s in starts])
 
     def load(self, slot: int, host: torch.Tensor, label: str = "", ranges=None) -> torch.cuda.Event:
         pairs = _pieces(self.slots[slot], host, ranges)

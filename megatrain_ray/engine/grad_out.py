@@ -60,11 +60,14 @@ class GradOut:
         """(unit, gradient [numel] on the device, its squared norm) of this step, with ``hold_grads``."""
         self._sq_norms: list[torch.Tensor] = []
         """Each unit's squared gradient norm of this step, in the order their tickets go (with resident units)."""
+        self.doing = ""
+        """What the grad-sender thread does now (for the error that ends it)."""
 
     def run(self, drain: Callable[[queue.Queue], Iterator]) -> None:
         """The grad-sender thread: each ticket goes out once its copy to the host store is complete
         (``drain``: the worker's items of a local queue until it stops)."""
         for unit, step, slot, handle, step_sq, skipped in drain(self.outbox):
+            self.doing = f"sending the gradient of {self.layout.units[unit]} to the host store and the gradient sink"
             if callable(handle):  # a held gradient (_send_held): its slot and copy are taken here
                 slot, handle, step_sq = handle()
             self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq, skipped), timeout=self.timeout_s)

@@ -128,6 +128,9 @@ class StoreSpec:
     owner_pid: int
     run_id: str
     _: KW_ONLY
+    owner_host: str = ""
+    """The host name of the machine the run's driver (process ``owner_pid``) runs on, "" if unknown: a
+    role on that machine writes no checkpoint once the driver is gone (:func:`~megatrain_ray.io.writer.driver_gone`)."""
     grad_slots: int = 0
     """0: a gradient block per unit; n > 0: a ring of n slots of the largest unit (see the module docstring)."""
     peer_grads: int = 0
@@ -186,6 +189,18 @@ class StoreSpec:
                                                       or k == "grad" and p.grad_in_stream_block
                                                       or k == "peer_grad" and not self.peer_grads)) + (
             SCALE_KINDS if p.compact else ())
+
+    def block_starts(self, kind: str) -> list[int]:
+        """Element offsets in one kind's array where a block starts (a unit's block, a ring slot, a
+        peer copy's unit): no copy to or from the device crosses one, so pinned memory may be
+        registered in pieces cut there (:func:`megatrain_ray.engine.device.pin_in_pieces`)."""
+        layout = StoreLayout.build(self.model)
+        if kind == "grad" and self.grad_slots:
+            return [k * layout.slot_numel for k in range(self.grad_slots)]
+        if kind in SCALE_KINDS:
+            return [o // BLOCK for o in layout.offsets]
+        copies = self.peer_grads if kind == "peer_grad" else 1
+        return [c * layout.total + o for c in range(copies) for o in layout.offsets]
 
     def numel(self, kind: str) -> int:
         """Elements of one kind's array."""

@@ -44,5 +44,6 @@ class GroupMember:
         if self.reducer.copy:
             total = self.layout.total
             self.backend.register_host(self.store.arrays["peer_grad"][(self.reducer.copy - 1) * total:
-                                                                      self.reducer.copy * total])
+                                                                      self.reducer.copy * total],
+                                       self.layout.offsets)
         return rank

@@ -357,9 +357,9 @@ def resolve_checkpoint(path: str) -> Checkpoint:
     if not os.path.isdir(path):
         raise ConfigError(f"{path!r} is not a directory; pass a run directory (runs/<run id>) or a "
                           "checkpoint directory holding config.json and *.safetensors.")
-    if not _is_weights_dir(path):
+    if not is_weights_dir(path):
         steps = [d for _, d in reversed(checkpoint.step_dirs(os.path.join(path, "checkpoints")))]
-        found = next((c for c in [os.path.join(path, "final"), *steps] if _is_weights_dir(c)), None)
+        found = next((c for c in [os.path.join(path, "final"), *steps] if is_weights_dir(c)), None)
         if found is None:
             raise ConfigError(f"{path!r} is neither a run directory (with final/ or checkpoints/step-*) nor a "
                               "checkpoint directory (config.json and model*.safetensors); did the run save any?")
@@ -377,7 +377,7 @@ def resolve_checkpoint(path: str) -> Checkpoint:
     return Checkpoint(weights, run)
 
 
-def _is_weights_dir(path: str) -> bool:
+def is_weights_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and (
         os.path.isfile(os.path.join(path, INDEX_FILE)) or os.path.isfile(os.path.join(path, SINGLE_FILE)))
 

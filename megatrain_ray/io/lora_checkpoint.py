@@ -74,14 +74,19 @@ def save(checkpoints: CheckpointSettings, step: int, cfg: ModelConfig, lora: Lor
     return final
 
 
-def load(directory: str, cfg: ModelConfig, lora: LoraSection) -> tuple[int, AdapterStates]:
-    """(step, the adapters' states) of a LoRA checkpoint, after checking that it holds ``lora``'s
-    adapters of ``cfg``'s model at one boundary; tensors are read one at a time."""
-    from safetensors import safe_open
-
-    meta = read_meta(directory)
-    check_model(meta, cfg, directory)
+def check_adapters(meta: dict, lora: LoraSection, directory: str) -> None:
+    """One ConfigError if checkpoint ``directory`` (its ``meta``) cannot be resumed with the run's
+    ``lora`` section: adapters into a run without them (lora.rank 0), a full fine-tuning checkpoint
+    into a LoRA run, or other adapters (rank, alpha, target modules, ...) than it holds. Checked when
+    the resume is read, before Ray starts and the data is read."""
     saved = meta.get("lora")
+    if saved is not None and not lora.enabled:
+        raise ConfigError(f"checkpoint {directory} holds LoRA adapters (lora.rank {saved.get('rank')}), not a full "
+                          "model, and the run has lora.rank 0; resume it without changing lora.*, or export it "
+                          "(`megatrain-ray export`, the base with the adapters merged) and start a run from that "
+                          "with train.init_from.")
+    if not lora.enabled:
+        return
     if saved is None:
         raise ConfigError(f"checkpoint {directory} is a full fine-tuning checkpoint, not a LoRA run's; resume it "
                           f"with lora.rank 0, or start a LoRA run from its weights with train.init_from={directory}.")
@@ -91,6 +96,16 @@ def load(directory: str, cfg: ModelConfig, lora: LoraSection) -> tuple[int, Adap
     if diffs:
         raise ConfigError(f"checkpoint {directory} holds other adapters than the run's lora section "
                           f"({'; '.join(diffs)}); resume without changing lora.*.")
+
+
+def load(directory: str, cfg: ModelConfig, lora: LoraSection) -> tuple[int, AdapterStates]:
+    """(step, the adapters' states) of a LoRA checkpoint, after checking that it holds ``lora``'s
+    adapters of ``cfg``'s model at one boundary; tensors are read one at a time."""
+    from safetensors import safe_open
+
+    meta = read_meta(directory)
+    check_model(meta, cfg, directory)
+    check_adapters(meta, lora, directory)
     layout = AdapterLayout.build(cfg, lora)
     step = meta["step"]
     if meta.get("versions") != dict.fromkeys((u for u, _ in layout.trained), step):

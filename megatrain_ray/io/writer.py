@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -223,6 +224,9 @@ class CheckpointWriter:
 
     def _check_boundary(self, step: int) -> None:
         store = self.store
+        gone = driver_gone(store.spec)
+        if gone:
+            raise CheckpointError(f"refusing to checkpoint step {step}: {gone}.")
         at = {u: store.state_version(i) for i, u in enumerate(store.layout.units)}
         stale = {u: v for u, v in at.items() if v != step}
         if stale:
@@ -280,6 +284,10 @@ class CheckpointWriter:
             meta["files"] = {name: rec.to_dict() for name, rec in sorted(records.items())}
             meta["meta_crc32"] = meta_checksum(meta)
             write_json(os.path.join(tmp, META_FILE), meta)
+            gone = driver_gone(store.spec)
+            if gone:  # it died while this was written: the checkpoint is not published
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"dropped the checkpoint of step {step}: {gone}.")
             try:
                 os.rename(tmp, final)
             except OSError as e:
@@ -313,6 +321,28 @@ class CheckpointWriter:
         return step_meta(self.checkpoints, step, {u: store.state_version(i) for i, u in enumerate(units)}, spec.model,
                          {"master": str(spec.precision.master).removeprefix("torch."),
                           "optim_state": optim_state_name(store)})
+
+
+def driver_gone(spec) -> str | None:
+    """Why no checkpoint is written for the run of store ``spec`` any more: its driver (process
+    ``spec.owner_pid`` on the machine ``spec.owner_host``) has ended, so nobody asked for one and the
+    run's record of its steps (metrics.jsonl) stopped where the driver did; None while the driver
+    lives, or where this process cannot tell (another machine, an owner not known)."""
+    if not spec.owner_host or spec.owner_host != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{spec.owner_pid}/stat") as f:  # a zombie (killed, not yet reaped) is gone too
+            if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return None
+    except (OSError, IndexError):
+        try:
+            os.kill(spec.owner_pid, 0)
+            return None
+        except PermissionError:
+            return None
+        except ProcessLookupError:
+            pass
+    return f"the run's driver (process {spec.owner_pid}) is gone, so its roles write no checkpoint it did not ask for"
 
 
 def step_meta(checkpoints: CheckpointSettings, step: int, versions: dict[str, int], model, precision: dict) -> dict:

@@ -228,7 +228,8 @@ def grouped_low_rank(p: Params, name: str, x: torch.Tensor, counts: torch.Tensor
     a = p.get(f"{name}.lora_A.weight")
     if a is None:
         return None
-    return grouped_linear(grouped_linear(x, a, counts), p[f"{name}.lora_B.weight"], counts) * p[f"{name}.lora_scaling"]
+    ax = grouped_linear(x, a, counts) * p[f"{name}.lora_scaling"]  # [T, r]: the scaling on the rank-r product
+    return grouped_linear(ax, p[f"{name}.lora_B.weight"], counts)
 
 
 def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig

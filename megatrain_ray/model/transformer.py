@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..config import ModelConfig
-from .linear import linear, low_rank
+from .linear import add_low_rank, linear, low_rank
 from .moe import RouterStats, is_sparse, sparse_mlp, sparse_params
 
 Params = dict[str, torch.Tensor]
@@ -197,15 +197,14 @@ def project(p: Params, x: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:
     ``p`` holds every member's ``weight`` [out_i, H] (and ``bias`` [out_i] if the member has one).
     If it also holds ``{group}.weight`` [sum out_i, H], the members' weights stacked along dim 0 (and
     ``{group}.bias`` when they have biases), that is used instead: one GEMM, split. Same values.
-    Members with an adapter add its term (:func:`low_rank`) either way.
+    Members with an adapter add its term (:func:`add_low_rank`) either way.
     """
     members = PROJECTION_GROUPS[group]
     if f"{group}.weight" not in p:
         return tuple(linear(p, m, x) for m in members)
     out = F.linear(x, p[f"{group}.weight"], p.get(f"{group}.bias"))
     outs = out.split([p[f"{m}.weight"].shape[0] for m in members], dim=-1)
-    extras = [low_rank(p, m, x) for m in members]
-    return tuple(o if e is None else o + e for o, e in zip(outs, extras))
+    return tuple(add_low_rank(p, m, x, o) for m, o in zip(members, outs))
 
 
 def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,

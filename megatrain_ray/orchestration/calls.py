@@ -39,7 +39,7 @@ def actor_error(e: BaseException, role: str) -> MegatrainError:
     if isinstance(e, ray.exceptions.RayActorError):
         role = _ROLES.get(getattr(e, "actor_id", None) or "", role)
     if isinstance(cause, MegatrainError):
-        return type(cause)(str(cause))
+        return _with_detail(type(cause)(str(cause)), getattr(cause, "detail", None))
     if isinstance(e, ray.exceptions.OutOfMemoryError) or isinstance(cause, ray.exceptions.OutOfMemoryError):
         return PipelineError(
             f"the machine ran out of host memory: Ray's memory monitor killed the {role} actor's work "
@@ -53,7 +53,21 @@ def actor_error(e: BaseException, role: str) -> MegatrainError:
     if isinstance(e, ray.exceptions.RayActorError):
         return ActorDied(f"the {role} actor died ({_death_cause(e)}); "
                          f"see its log in the Ray dashboard or {ray_logs()}.")
-    return PipelineError(f"the {role} actor failed: {cause or e}")
+    first = next((line.strip() for line in str(cause or e).splitlines() if line.strip()), type(cause or e).__name__)
+    return _with_detail(PipelineError(f"the {role} actor failed: {first}"), str(e))
+
+
+def _with_detail(error: MegatrainError, detail: str | None) -> MegatrainError:
+    """``error`` carrying ``detail`` (a traceback, Ray's full text of a failed call), which the run
+    writes to its log file only (:func:`detail`), its sentence being what the terminal shows."""
+    if detail:
+        error.detail = detail
+    return error
+
+
+def detail(error: BaseException) -> str | None:
+    """The traceback or full text behind an error's sentence (see :func:`_with_detail`), or None."""
+    return getattr(error, "detail", None)
 
 
 def ray_logs() -> str:
@@ -126,5 +140,18 @@ def get(ref, role: str, timeout: float):
     except ray.exceptions.GetTimeoutError:
         raise PipelineError(f"the {role} actor did not answer within {timeout:.0f} s "
                             "(cluster.actor_timeout_s).") from None
+    except (ray.exceptions.RayError, MegatrainError) as e:
+        raise actor_error(e, role) from None
+
+
+def get_started(ref, role: str, timeout: float):
+    """:func:`get` for a call of the run's start-up (a role's construction, the roles joining each
+    other), bounded by cluster.start_timeout_s and said to be start-up when it is not done in time."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise PipelineError(f"the {role} actor did not finish starting within {timeout:.0f} s of the run's start-up "
+                            f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); raise cluster.start_timeout_s on a busy machine, or see its log in the Ray "
+                            f"dashboard or {ray_logs()}.") from None
     except (ray.exceptions.RayError, MegatrainError) as e:
         raise actor_error(e, role) from None

@@ -13,7 +13,9 @@ Output that the user cannot act on goes to the active console's file only (:func
 - Python log records of Ray listed in :data:`QUIET_RECORDS` (dropped when no run is active), and
   once a role of the run died (:meth:`Console.failed`), every "Unhandled error" of Ray's: the error
   of a call of the attempt that failed, whose result no one asked for any more (the run says what
-  died in its own sentence);
+  died in its own sentence). Ray reports those when the calls' references are freed, which may be
+  after the run has ended (its error being printed, the process exiting): they go to that run's
+  file too, until another run starts;
 - lines Ray forwards from its processes (``(pid=...) ...``) that match :data:`QUIET_LINES`, and
   every line of Ray's own daemons (:data:`QUIET_DAEMONS`: the raylet, the GCS), whose accounts of a
   worker, an actor or a node that died the run gives in its own sentence (the role that died, Ray
@@ -85,6 +87,9 @@ QUIET_WARNINGS = (
 _active: list[Console] = []
 """The console of the run in progress (the newest last)."""
 
+_ended_failed: list[str] = []
+"""The log file of the last run, while no run is active, if a role of it died (see the module docstring)."""
+
 
 class Console:
     """A run's ``log`` callback: see the module docstring. ``show``: where the terminal's lines go
@@ -150,6 +155,8 @@ class Console:
     def close(self) -> None:
         with self.lock:
             if self.file is not None:
+                if self.failing:
+                    _ended_failed[:] = [self.file.name]
                 self.file.close()
                 self.file = None
 
@@ -157,6 +164,7 @@ class Console:
         """While the block runs, this is the console whose file the quiet output goes to."""
         self.depth += 1
         _active.append(self)
+        _ended_failed.clear()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -214,6 +222,15 @@ def _keep_only(line: str) -> None:
         _active[-1].keep(line)
 
 
+def _append(path: str, line: str) -> None:
+    """``line`` at the end of the closed log file ``path`` (nothing if it cannot be written)."""
+    try:
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+    except OSError:
+        pass
+
+
 class _QuietRecords(logging.Filter):
     def __init__(self, rules: tuple[tuple[str, ...], ...]):
         super().__init__()
@@ -222,6 +239,9 @@ class _QuietRecords(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         rules = self.rules
+        if record.name == UNHANDLED[0] and not _active and _ended_failed and msg.startswith(UNHANDLED[1]):
+            _append(_ended_failed[0], f"[{record.name}] {record.getMessage()}")
+            return False
         if _active and _active[-1].failing and record.name == UNHANDLED[0]:
             rules = ((UNHANDLED[1],), *rules)
         for prefix, *also in rules:

@@ -34,7 +34,7 @@ import ray
 from ..errors import ActorDied
 from . import cluster
 from .calls import get as _get
-from .calls import ray_logs
+from .calls import get_started, ray_logs
 
 
 def _whereami(actor) -> tuple[int, str]:
@@ -52,14 +52,14 @@ class Health:
 
     def __init__(self, idle: dict, busy: dict, timeout_s: float, start_timeout_s: float,
                  stall_s: float | None = None, hosts: set[str] = frozenset()):
-        """``start_timeout_s``: how long a role may take to come up and say where it runs (cluster.actor_timeout_s);
+        """``start_timeout_s``: how long a role may take to come up and say where it runs (cluster.start_timeout_s);
         ``hosts``: the idle roles that are queue hosts, whose queues moving no item for ``stall_s`` is a stall."""
         self.timeout_s = timeout_s
         self.stall_s, self.hosts = stall_s, set(hosts)
         self.idle = dict(idle)
         handles = {**self.idle, **busy}
         refs = {name: h.__ray_call__.remote(_whereami) for name, h in handles.items()}
-        where = {name: _get(ref, name, start_timeout_s) for name, ref in refs.items()}
+        where = {name: get_started(ref, name, start_timeout_s) for name, ref in refs.items()}
         here = ray.get_runtime_context().get_node_id()
         self.pids = {name: pid for name, (pid, node) in where.items() if node == here}
         """role -> process id, for the roles on this node (their processes can be inspected here)."""

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 import uuid
 from typing import Any
@@ -48,9 +49,10 @@ from ..data.loader import check_resume_data, run_data, source_from_config
 from ..engine import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
+from ..io.lora_checkpoint import check_adapters
 from ..io.resume import continued_run
 from ..model.precision import resolve_device
-from . import calls, cluster, console, preflight, trackers
+from . import calls, cluster, console, metrics_file, preflight, trackers
 from .calls import get as _get
 from .cluster import connect_ray
 from .device_memory import placement_line
@@ -127,6 +129,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
     if resume is not None:  # nothing to resume is refused before the data is read
         meta = checkpoint.read_meta(resume)
         schedule_note = checkpoint.check_resume(meta, cfg, resume)
+        check_adapters(meta, cfg.lora, resume)  # the adapters it holds, or none, against lora.*
         check_resume_data(meta.get("data") or {}, (meta.get("config") or {}).get("data") or {}, cfg, resume)
     # Read once: every attempt's loaders read this same data (fail on bad data before any actor starts).
     loader, source = run_data(cfg, log, connect_ray)
@@ -159,7 +162,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         run_dir, branch = continued_run(resume, cfg.train.run_dir) if resume is not None else (None, "")
         in_place = run_dir is not None
         run_id = os.path.basename(run_dir) if run_dir else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        spec = run.store_spec(os.getpid(), run_id)
+        spec = run.store_spec(os.getpid(), run_id, socket.gethostname())  # (whose death stops the checkpoints)
         for path in shm.remove_stale(cfg.memory.shm_dir):
             log(f"removed a stale shared-memory segment of a dead run: {path}")
         # If this process is killed (kill -9), the run's segments on this node (every attempt's) go at once.
@@ -177,7 +180,7 @@ def _train(cfg: TrainConfig, log: console.Console, resume: str | None) -> RunRes
         else:
             log.attach(run_dir)
             log(f"run {run_id}: continuing in {run_dir} (metrics, log and checkpoints go on where they are)")
-            _drop_rows(run_dir, start_step)  # steps past the checkpoint are trained again
+            _rows_resumed(run_dir, start_step, log)  # steps past the checkpoint are trained again
         _write_run_config(run_dir, {**cfg.to_dict(), "device": device, "resolved": {"memory.resident": describe_resident(run.resident_layers)}},
                           resume, start_step, in_place)
         checkpoints = checkpoint.CheckpointSettings(os.path.join(run_dir, "checkpoints"), cfg.train.checkpoint_every,
@@ -233,6 +236,8 @@ def _attempts(run: ResolvedRun, spec, run_dir: str, roles: _Active, log, start: 
             return _run(run, spec, run_dir, roles, log, loader, start, resume, checkpoints, val_batch, result)
         except PipelineError as failure:
             console.failed(log)  # Ray's reports of the failed attempt's unread calls: to the run's log only
+            if calls.detail(failure):  # the traceback behind its sentence: to the run's log only
+                console.keep(log, f"{failure}\n{calls.detail(failure)}")
             # A failure that followed from a death (a collective whose peer's node was lost, a fetch that a
             # dead queue host cut short) is that death: found by asking every role, and restarted like it.
             e = failure if isinstance(failure, ActorDied) else roles.dead()
@@ -276,21 +281,34 @@ def _rewind(result: RunResult, step: int) -> list[int]:
         del values[keep:]
         values.extend([blank] * (keep - len(values)))
     result.val_losses = {s: v for s, v in result.val_losses.items() if s < step}
-    _drop_rows(result.run_dir, step)
+    metrics_file.drop_rows(result.run_dir, step)
     return unreported
 
 
-def _drop_rows(run_dir: str, step: int) -> None:
-    """Remove the rows of ``run_dir``'s metrics.jsonl after ``step`` (updates done), which are trained
-    again; a file whose rows counted steps from 0 (an older run resumed in place) is renumbered first."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        shift = 1 if any(r["step"] == 0 for r in rows) else 0
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps({**r, "step": r["step"] + shift}) + "\n" for r in rows if r["step"] + shift <= step)
-        os.replace(path + ".tmp", path)
+def _rows_resumed(run_dir: str, step: int, log) -> None:
+    """Before a run resumed in place at ``step`` goes on: drop the rows of the steps it trains again
+    (and a row its driver was killed while writing), and name the steps up to ``step`` that have no
+    row (trained, and in the checkpoint, after the driver that would have written them was gone)."""
+    if metrics_file.drop_rows(run_dir, step):
+        log(f"resume: left out the last line of {os.path.join(run_dir, metrics_file.NAME)}, which was cut short "
+            "(the run was stopped while writing it)")
+    missing = metrics_file.missing_steps(run_dir, _first_step(run_dir), step)
+    if missing:
+        which = f"step {missing[0]} has" if len(missing) == 1 else f"steps {metrics_file.spans(missing)} have"
+        log(f"warning: {which} no row in metrics.jsonl: trained and in the checkpoint of step {step}, but their "
+            "stats (loss, grad norm, lr) were lost with the process that ran them.")
+
+
+def _first_step(run_dir: str) -> int:
+    """The step a run directory's first session began from: 0, or its resumed_from checkpoint's step."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            start = json.load(f).get("resumed_from")
+        return checkpoint.read_meta(start)["step"] if start else 0
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, MegatrainError):
+        path = os.path.join(run_dir, metrics_file.NAME)  # that checkpoint is gone: from the first row there is
+        rows = metrics_file.read(path)[0] if os.path.exists(path) else []
+        return min((int(r["step"]) - 1 for r in rows), default=0)
 
 
 def _write_run_config(run_dir: str, config: dict, resume: str | None, step: int, in_place: bool) -> None:
@@ -336,8 +354,8 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     calls.mark_oom_kills()
     nodes = cfg.parallel.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
-    timeout = cfg.cluster.actor_timeout_s
-    active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: _get(ref, role, timeout))
+    timeout, start_s = cfg.cluster.actor_timeout_s, cfg.cluster.start_timeout_s
+    active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: calls.get_started(ref, role, start_s))
     roles = spawn_roles(run, specs, spawner, resume, checkpoints, loader)
     spawner.form_group(roles.computes)
     spawner.form_shards([n.sink for n in roles.nodes])
@@ -348,7 +366,7 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     names = {h: name for name, h in roles.named().items()}
     busy = {h for n in roles.nodes for h in (n.sink, *n.prefetchers, *n.computes)}  # a long call in flight
     health = Health({names[h]: h for h in names if h not in busy}, {names[h]: h for h in busy},
-                    cfg.cluster.health_timeout_s, timeout,  # before the loops start: it asks every role where it runs
+                    cfg.cluster.health_timeout_s, start_s,  # before the loops start: it asks every role where it runs
                     stall_s(roles.pace, timeout), {names[n.queues] for n in roles.nodes if n.queues is not None})
     loops = {h.run.options(name=loop_task(names[h], cls, start, steps)).remote(start, steps): names[h]
              for n in roles.nodes for h, cls in (*((p, "Prefetcher") for p in n.prefetchers), (n.sink, "GradientSink"))}

@@ -105,9 +105,10 @@ class ResolvedRun:
     def device(self) -> str:
         return self.facts.device
 
-    def store_spec(self, owner_pid: int, run_id: str) -> StoreSpec:
-        """The store of a run whose segments ``owner_pid`` owns under ``run_id``."""
-        return dataclasses.replace(self.store, owner_pid=owner_pid, run_id=run_id)
+    def store_spec(self, owner_pid: int, run_id: str, owner_host: str = "") -> StoreSpec:
+        """The store of a run whose segments ``owner_pid`` (the driver, on the machine ``owner_host``)
+        owns under ``run_id``."""
+        return dataclasses.replace(self.store, owner_pid=owner_pid, run_id=run_id, owner_host=owner_host)
 
     def describe(self) -> str:
         """What ``megatrain-ray plan`` prints: the memory table, then the settings the roles get."""

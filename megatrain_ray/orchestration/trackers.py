@@ -15,8 +15,10 @@ one scalar per gauge and tag (``loss``, ``tokens_per_s``, ``stage_busy_s/h2d``, 
   ``runs/<id>/wandb``; ``wandb sync runs/<id>/wandb/offline-run-*`` uploads it later.
 
 The libraries are optional (``pip install 'megatrain-ray[trackers]'``); one asked for but missing
-is a ConfigError before the run starts (:func:`check`). A tracker that fails during the run is
-dropped with one warning line: it never stops the training.
+is a ConfigError before the run starts (:func:`check`). A tracker that fails to start (W&B online
+without a network, a damaged mlflow.db, a tensorboard folder it cannot write) or fails during the
+run is dropped with one warning line naming it and why: it never stops the training, and
+metrics.jsonl holds every step whatever the trackers do.
 """
 
 from __future__ import annotations
@@ -130,7 +132,10 @@ class Trackers:
         self.active: dict[str, object] = {}
         check(names)
         for name in names:
-            self.active[name] = _KINDS[name](run_dir, run_id, config)
+            try:
+                self.active[name] = _KINDS[name](run_dir, run_id, config)
+            except Exception as e:  # noqa: BLE001 (a tracker never stops the training)
+                self.warn(f"warning: the {name} tracker could not start ({_why(e)}); the run goes on without it")
 
     def log(self, values: dict[str, float], step: int) -> None:
         """One step's scalars to every tracker; a tracker that fails is dropped, with a warning."""
@@ -139,7 +144,7 @@ class Trackers:
                 tracker.log(values, step)
             except Exception as e:  # noqa: BLE001 (a tracker never stops the training)
                 del self.active[name]
-                self.warn(f"warning: the {name} tracker failed ({type(e).__name__}: {e}); the run goes on without it")
+                self.warn(f"warning: the {name} tracker failed ({_why(e)}); the run goes on without it")
 
     def close(self, status: str = "FINISHED") -> None:
         """End every tracker's run: FINISHED, KILLED (interrupted) or FAILED."""
@@ -147,5 +152,12 @@ class Trackers:
             try:
                 tracker.close(status)
             except Exception as e:  # noqa: BLE001
-                self.warn(f"warning: the {name} tracker did not close cleanly ({type(e).__name__}: {e})")
+                self.warn(f"warning: the {name} tracker did not close cleanly ({_why(e)})")
         self.active = {}
+
+
+def _why(e: BaseException) -> str:
+    """A library's error in one line: its type and the first line of its message (SQLAlchemy's and
+    W&B's run on with the statement, a link and a traceback of their own)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
