@@ -169,7 +169,7 @@ def save_merged(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[st
             p = {} if template is None else template.bind(adapters[unit])
             if name in p:  # a base weight trained in full beside the adapters (a router)
                 return p[name].to(dtype)
-            expert = expert_merged_weight(cfg, layout, unit, p, name, weight.float()) if p else None
+            expert = expert_merged_weight(cfg, layout, p, name, weight.float()) if p else None
             if expert is not None:
                 return expert.to(dtype)
             module = name.removesuffix(".weight")

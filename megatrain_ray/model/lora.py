@@ -199,10 +199,10 @@ def peft_name(unit: str, name: str) -> str:
     return PEFT_PREFIX + hf_name(unit, name)
 
 
-def expert_merged_weight(cfg: ModelConfig, layout: AdapterLayout, unit: str, views: Params, name: str,
-                          weight: torch.Tensor) -> torch.Tensor | None:
-    """A routed expert's Hub tensor ``name`` (``mlp.experts.3.up_proj.weight``, Mixtral's ``w3``) of
-    ``unit`` with its expert's adapter merged in, from the unit's adapter ``views``: gate and up take
+def expert_merged_weight(cfg: ModelConfig, layout: AdapterLayout, views: Params, name: str,
+                         weight: torch.Tensor) -> torch.Tensor | None:
+    """A routed expert's Hub tensor ``name`` (``mlp.experts.3.up_proj.weight``, Mixtral's ``w3``) of a
+    sparse layer with its expert's adapter merged in, from the layer's adapter ``views``: gate and up take
     their rows of the gate_up_proj delta, down the down_proj delta (:func:`merged_weight`); None where
     that parameter has no adapter. weight: the base's [out, in]."""
     kind, e = moe.part_of(name)
