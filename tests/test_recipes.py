@@ -70,6 +70,7 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
     ("moe.sh", ["moe-tiny"]),
     ("lora.sh", ["lora-tiny"]),
     ("qlora.sh", ["qlora-tiny"]),
+    ("moe_lora.sh", ["moe-lora-tiny"]),
 ])
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)
@@ -86,6 +87,10 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     if recipe == "lora.sh":  # the resident transformers + peft run beside it, and the plan's LoRA line
         assert json.loads((tmp_path / "resident-lora-tiny.json").read_text())["layers"] == 1
         assert re.search(r"^  LoRA .* B/param", (tmp_path / "log_plan-lora-tiny.txt").read_text(), re.M)
+    if recipe == "moe_lora.sh":  # LoRA on the experts, beside transformers + peft resident: tokens/s per layer
+        assert report["model"]["num_experts"] and "lora.rank=4" in report["overrides"]
+        assert json.loads((tmp_path / "resident-lora-moe-tiny.json").read_text())["layers"] == 1
+        assert re.search(r"^tokens/s per layer: ours .*x$", (tmp_path / "ratio.txt").read_text(), re.M)
     assert printed.strip().splitlines()[-1].endswith("done")
 
 

@@ -21,15 +21,15 @@ This package is the bottom layer, so its ``__init__`` re-exports the public name
 """
 
 from .load import config_from_dict, load_config, parse_override
-from .lora import LORA_TARGETS, LoraSection
+from .lora import EXPERT_TARGETS, LORA_TARGETS, LoraSection
 from .model import ARCHITECTURES, LLAMA3_ROPE_KEYS, MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig
 from .execution import (EXECUTION_SECTIONS, ClusterSection, ComputeSection, ExperimentalSection, MemorySection, ParallelSection,
                         PrecisionSection, describe_resident)
 from .sections import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, DataSection, OptimConfig, TrainConfig,
                        TrainSection, lr_at, unwritable, usable_cpus)
 
-__all__ = ["ARCHITECTURES", "EXECUTION_SECTIONS", "AUTO_BUFFER_DEPTH", "AUTO_LOSS_CHUNK_SIZE", "LLAMA3_ROPE_KEYS", "LORA_TARGETS",
-           "MOE_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "ClusterSection", "ComputeSection", "DataSection",
+__all__ = ["ARCHITECTURES", "EXECUTION_SECTIONS", "AUTO_BUFFER_DEPTH", "AUTO_LOSS_CHUNK_SIZE", "LLAMA3_ROPE_KEYS",
+           "EXPERT_TARGETS", "LORA_TARGETS", "MOE_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "ClusterSection", "ComputeSection", "DataSection",
            "ExperimentalSection", "LoraSection", "MemorySection", "ModelConfig", "OptimConfig", "ParallelSection",
            "PrecisionSection", "TrainConfig", "TrainSection",
            "config_from_dict", "describe_resident", "load_config", "lr_at", "parse_override", "unwritable", "usable_cpus"]

@@ -3,8 +3,14 @@
 With ``lora.rank`` > 0 the base model's weights are frozen and each targeted linear layer of every
 decoder layer gains an adapter, y = W x + b + scaling * B (A x), A: [rank, in], B: [out, rank],
 scaling = alpha / rank (alpha / sqrt(rank) with ``use_rslora``); only the adapters (and, if asked,
-the embedding and the LM head in full) are trained. Names, initialisation and scaling are PEFT's,
-so a run's adapters load with ``peft.PeftModel.from_pretrained`` (see megatrain_ray.io.peft_io).
+the embedding, the LM head and the routers in full) are trained. Names, initialisation and scaling
+are PEFT's, so a run's adapters load with ``peft.PeftModel.from_pretrained`` (see megatrain_ray.io.peft_io).
+
+In a sparse (mixture-of-experts) layer the attention's and the shared expert's projections get
+adapters as a dense layer's do (``target_modules``), and the routed experts' fused parameters get
+PEFT's adapters on parameters (``target_experts``, PEFT's ``target_parameters``): per expert e,
+W_e + scaling * B_e A_e, one rank-r pair per expert. The router stays frozen unless
+``train_router``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ BASE_FORMATS = ("compute", "int8", "nf4")
 """lora.base_format's values (megatrain_ray.model.quant_layout)."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers an adapter may target, by their Hugging Face module names."""
+
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")
+"""The routed experts' fused parameters an adapter may target, by their names under transformers'
+experts module (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])."""
+
+
+PEFT_FUSED_MOE = ("qwen3_moe", "mixtral")
+"""Model types whose MLP projection names (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2) PEFT
+maps to the routed experts' fused parameters when it builds or loads adapters on transformers 5's
+model (``peft.utils.transformers_weight_conversion``), so that a dense MLP layer of such a model
+cannot carry an adapter PEFT loads."""
 
 
 @dataclass
@@ -39,6 +56,14 @@ class LoraSection:
     target_modules: tuple[str, ...] = LORA_TARGETS
     """The linear layers of each decoder layer that get an adapter, by Hugging Face name (any of
     q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), as a list or comma-separated."""
+    target_experts: tuple[str, ...] = EXPERT_TARGETS
+    """The routed experts' fused parameters of each sparse layer that get an adapter per expert
+    (PEFT's ``target_parameters``: ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), by
+    their names (gate_up_proj, down_proj), as a list or comma-separated; [] for none. Ignored by a
+    dense model. The shared expert (Qwen2-MoE) is a set of linear layers, targeted by target_modules."""
+    train_router: bool = False
+    """Also train each sparse layer's router in full (PEFT's ``modules_to_save: [mlp.gate]``); by
+    default it stays frozen, so the routing moves only through the adapters upstream of it."""
     train_embedding: bool = False
     """Also train the token embedding in full (PEFT's ``modules_to_save: [embed_tokens]``)."""
     train_head: bool = False
@@ -72,7 +97,8 @@ class LoraSection:
     @property
     def modules_to_save(self) -> tuple[str, ...]:
         """The base modules trained in full, by PEFT's names."""
-        return (("embed_tokens",) if self.train_embedding else ()) + (("lm_head",) if self.train_head else ())
+        return ((("embed_tokens",) if self.train_embedding else ()) + (("lm_head",) if self.train_head else ())
+                + (("mlp.gate",) if self.train_router else ()))
 
     def validate(self) -> None:
         _require(self.rank >= 0, "lora.rank", f"must be >= 0 (0 = no adapters), got {self.rank}")
@@ -87,8 +113,16 @@ class LoraSection:
         _require(len(set(targets)) == len(targets), "lora.target_modules", f"names a module twice: {list(targets)}")
         _require(self.base_format in BASE_FORMATS, "lora.base_format",
                  f"must be one of {', '.join(BASE_FORMATS)}, got {self.base_format!r}")
+        experts = self.target_experts
+        unknown = [t for t in experts if t not in EXPERT_TARGETS]
+        _require(not unknown, "lora.target_experts",
+                 f"names {', '.join(map(repr, unknown))}, which is not a fused parameter of the routed experts; "
+                 f"use any of {', '.join(EXPERT_TARGETS)} (or [] for none)")
+        _require(len(set(experts)) == len(experts), "lora.target_experts", f"names a parameter twice: {list(experts)}")
         if not self.enabled:
             _require(self.base_format == "compute", "lora.base_format",
                      "needs lora.rank > 0 (a base trained in full is stored unquantized)")
-            _require(not (self.train_embedding or self.train_head), "lora.train_embedding" if self.train_embedding
-                     else "lora.train_head", "needs lora.rank > 0 (without adapters every parameter is trained)")
+            trained = [k for k, v in (("train_embedding", self.train_embedding), ("train_head", self.train_head),
+                                      ("train_router", self.train_router)) if v]
+            _require(not trained, f"lora.{trained[0] if trained else ''}",
+                     "needs lora.rank > 0 (without adapters every parameter is trained)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .fields import require as _require
-from .lora import LoraSection
+from .lora import PEFT_FUSED_MOE, LoraSection
 from .host import unwritable, usable_cpus  # noqa: F401  (re-exported)
 from .model import ModelConfig
 from .execution import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, AUTO_MLP_CHUNK, GRAD_REDUCE,  # noqa: F401  (re-exported)
@@ -329,9 +329,19 @@ class TrainConfig:
                  "the device anyway")
         _require(self.optim.state == "fp32", "optim.state",
                  f"must be fp32 with lora.rank {rank}: the adapters' AdamW state is exact fp32 on the device")
-        _require(not self.model.sparse_layers, "lora.rank",
-                 f"({rank}) cannot be combined with a mixture of experts (model.num_experts "
-                 f"{self.model.num_experts}) yet: adapters on the experts' projections are not built; set lora.rank 0")
+        sparse = bool(self.model.sparse_layers)
+        _require(sparse or not self.lora.train_router, "lora.train_router",
+                 "needs a mixture of experts (a model with sparse layers, model.num_experts > 0); set it to false")
+        mlp = [m for m in self.lora.target_modules if m in ("gate_proj", "up_proj", "down_proj")]
+        dense = [i for i in range(self.model.num_hidden_layers) if not self.model.is_sparse(i)]
+        _require(not (sparse and dense and mlp and self.model.model_type in PEFT_FUSED_MOE), "lora.target_modules",
+                 f"names {', '.join(mlp)}, which on a {self.model.model_type} model PEFT reads as its routed experts' "
+                 f"parameters, so the adapters of its dense MLP layers ({', '.join(map(str, dense))}) would not load "
+                 "in PEFT; target the attention projections (q_proj,k_proj,v_proj,o_proj) and the experts through "
+                 "lora.target_experts")
+        _require(not (sparse and self.lora.dropout), "lora.dropout",
+                 f"must be 0 on a mixture of experts (got {self.lora.dropout}): PEFT's adapters on the experts' fused "
+                 "parameters (target_parameters) take no dropout, so the adapters would not load in PEFT")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -213,7 +213,7 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
     """
     weights = flat.clone()
     leaves = {name: w.detach().requires_grad_(not frozen) for name, w in template.bind(weights, fused=True).items()}
-    leaves.update({name: w.detach().requires_grad_(".lora_" in name and name.endswith(".weight"))
+    leaves.update({name: w.detach().requires_grad_(name.endswith(".weight"))  # not a scaling, not a dropout mask
                    for name, w in (adapters or {}).items()})
     inputs = [x.detach().requires_grad_(True) for x in xs]
     with torch.enable_grad():

@@ -32,7 +32,7 @@ from ..config import OptimConfig
 from ..errors import CheckpointError, PipelineError
 from ..io import lora_checkpoint, peft_io
 from ..io.writer import driver_gone
-from ..model.lora import AdapterLayout, dropout_masks
+from ..model.lora import AdapterLayout, dropout_masks, is_adapter
 from ..model.transformer import Params, hf_name
 from .optim import AdamWRunner, clip_coefficient
 from .resident import DeviceAdamW
@@ -67,7 +67,9 @@ class DeviceAdapters:
         compute dtype (the frozen head's norm beside its trained LM head), which the forward reads."""
         for unit, template in self.layout.trained:
             if unit in self.layout.units:
-                master = self.layout.init(unit, seed).to(device)
+                master = self.layout.init(unit, seed)
+                self._take_base(unit, template, master)
+                master = master.to(device)
                 weights = master if compute_dtype == torch.float32 else master.to(compute_dtype)
             else:  # a base matrix trained in full, starting from the base's (PEFT's modules_to_save)
                 index = store.layout.units.index(unit)
@@ -87,6 +89,17 @@ class DeviceAdapters:
         self.checkpoints = checkpoints
         if resume_from is not None:
             self.resume(resume_from)
+
+    def _take_base(self, unit: str, template, master: torch.Tensor) -> None:
+        """Copy into ``unit``'s adapter master [numel] the base's value of each base weight trained in
+        full beside its adapters (a sparse layer's router under lora.train_router)."""
+        names = [n for n, _, _ in template.params if not is_adapter(n)]
+        if names:
+            index = self.store.layout.units.index(unit)
+            base = self.store.layout.templates[index].bind(self.store.block("stream", index))
+            views = template.bind(master)
+            for name in names:
+                views[name].copy_(base[name])
 
     def params(self, unit: str) -> Params:
         """``unit``'s adapters in the compute dtype, to bind beside its base weights; {} for a unit without."""

@@ -298,7 +298,8 @@ class ComputeWorker(GroupMember):
         self._backward(step, layers, dx, embed_grad)
         embed_grad = None
         self.grads_out.end_step(step, sync, for_checkpoint)
-        saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if self.adapters and for_checkpoint else {}  # LoRA's
+        writes = self.adapters is not None and self.adapters.checkpoints is not None  # LoRA's first worker
+        saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if writes and for_checkpoint else {}
         return {**self._report(step, start, loss, mb.n_tokens, val_loss, routing, aux), **saved}
 
     def _batch(self, batch: dict[str, Any], seq: int | None = None) -> MicroBatches:

@@ -4,9 +4,11 @@ The adapter directory is what ``peft.PeftModel.save_pretrained`` writes and ``Pe
 loads on top of the base model: ``adapter_config.json`` (a ``LoraConfig``: r, lora_alpha, target
 modules, modules_to_save, ...) and ``adapter_model.safetensors``, whose keys are PEFT's
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; the embedding or LM head
-trained in full under ``base_model.model.`` + its HF name). The merged model is a plain Hugging
+trained in full under ``base_model.model.`` + its HF name; a mixture of experts' routed experts'
+adapters as PEFT's ``target_parameters`` saves them, :func:`peft_tensors`). The merged model is a plain Hugging
 Face directory (:mod:`.hf_io`'s format) whose targeted weights are W + scaling * B A
-(:func:`~megatrain_ray.model.lora.merged_weight`), loadable with ``AutoModelForCausalLM`` alone.
+(:func:`~megatrain_ray.model.lora.merged_weight`; each routed expert's in the Hub's per-expert
+tensors, :func:`~megatrain_ray.model.lora.expert_merged_weight`), loadable with ``AutoModelForCausalLM`` alone.
 
 Both directories appear whole or not at all (:func:`~megatrain_ray.io.files.atomic_dir`); tensors
 are loaded one at a time as they are written.
@@ -20,7 +22,9 @@ from collections.abc import Callable
 import torch
 
 from ..config import LoraSection, ModelConfig
-from ..model.lora import PEFT_PREFIX, AdapterLayout, merged_weight, peft_name
+from ..model import moe
+from ..model.lora import (PEFT_PREFIX, AdapterLayout, expert_merged_weight, expert_modules, merged_weight, peft_name,
+                          projection_name)
 from ..model.transformer import hf_name, unit_names, unit_params
 from .files import TensorSource, atomic_dir, write_json, write_safetensors
 from .generation import write_generation_config
@@ -28,6 +32,10 @@ from .hf_io import DEFAULT_SHARD_BYTES, write_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+RUNTIME_BLOCK = "mlp"
+"""The module of a sparse layer's experts and router in transformers 5's models, Mixtral's included
+(whose Hub checkpoints say ``block_sparse_moe``): PEFT's keys name the modules as they run."""
 
 BaseReader = Callable[[str, str], torch.Tensor]
 """(unit, name relative to the unit) -> that base tensor (read when called)."""
@@ -48,15 +56,69 @@ def _full_keys(cfg: ModelConfig, lora: LoraSection) -> list[tuple[str, str]]:
     return out
 
 
+def target_parameters(cfg: ModelConfig, lora: LoraSection) -> list[str]:
+    """PEFT's ``target_parameters`` of these adapters: transformers' names of the routed experts'
+    stacked parameters that carry adapters (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``,
+    in that order; Mixtral's too, whose experts transformers 5 holds under ``mlp``); [] for a dense model."""
+    if not cfg.sparse_layers:
+        return []
+    return [f"{RUNTIME_BLOCK}.experts.{target}" for target, _, _ in expert_modules(cfg, lora)]
+
+
+def target_modules(cfg: ModelConfig, lora: LoraSection) -> list[str]:
+    """PEFT's ``target_modules`` of these adapters: those of lora.target_modules that some decoder
+    layer of ``cfg`` has (a mixture of experts without dense MLP layers has no ``down_proj`` module
+    but its experts', which :func:`target_parameters` names), in lora's order."""
+    layout = AdapterLayout.build(cfg, lora)
+    present = {projection_name(name.replace(".lora_A.weight", ".weight")) for t in layout.templates
+               for name, _, _ in t.params if name.endswith(".lora_A.weight")}
+    return [m for m in lora.target_modules if m in present]
+
+
 def adapter_config(cfg: ModelConfig, lora: LoraSection, base_model: str | None = None) -> dict:
     """adapter_config.json of these adapters: the fields of PEFT's LoraConfig that describe them
     (PEFT fills the rest with its defaults when it loads the file)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": lora.use_rslora,
-            "target_modules": list(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
-            "init_lora_weights": True, "inference_mode": True, "use_dora": False,
-            "modules_to_save": list(lora.modules_to_save) or None,
-            "ensure_weight_tying": bool(lora.train_embedding and cfg.tie_word_embeddings)}
+    out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+           "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": lora.use_rslora,
+           "target_modules": target_modules(cfg, lora) or None, "bias": "none", "fan_in_fan_out": False,
+           "init_lora_weights": True, "inference_mode": True, "use_dora": False,
+           "modules_to_save": list(lora.modules_to_save) or None,
+           "ensure_weight_tying": bool(lora.train_embedding and cfg.tie_word_embeddings)}
+    if target_parameters(cfg, lora):  # PEFT 0.17+ (written only where there are experts)
+        out["target_parameters"] = target_parameters(cfg, lora)
+    return out
+
+
+def peft_tensors(cfg: ModelConfig, lora: LoraSection, unit: str, views: dict[str, torch.Tensor]
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """(key in PEFT's adapter_model.safetensors, tensor) of each of ``unit``'s adapter ``views``
+    (:meth:`~megatrain_ray.model.lora.AdapterLayout.bind`'s names). A dense adapter is saved as it is
+    under :func:`~megatrain_ray.model.lora.peft_name`. A routed experts' adapter is saved as PEFT's
+    ``ParamWrapper`` holds it, on transformers' ``mlp.experts`` module: A [E, r, in] as one
+    [E * r, in] matrix, B [E, out, r] as one [out, r * E] matrix whose column j * E + e is expert e's
+    column j; each targeted parameter wraps the one before it, so the first of :func:`target_parameters`
+    sits deepest (``mlp.experts.base_layer.lora_A.weight`` of gate_up_proj beside down_proj's
+    ``mlp.experts.lora_A.weight``). A router trained in full is saved under transformers' module name
+    (``mlp.gate.weight``), as PEFT's modules_to_save."""
+    experts = expert_modules(cfg, lora)
+    where = {module: len(experts) - 1 - k for k, (_, module, _) in enumerate(experts)}
+    router = moe.names(cfg).router
+    out = []
+    for name, t in views.items():
+        if name.endswith(".lora_scaling"):
+            continue
+        module, _, kind = name.rpartition(".lora_")
+        if module in where:
+            prefix = f"{PEFT_PREFIX}model.{unit}.{RUNTIME_BLOCK}.experts.{'base_layer.' * where[module]}"
+            if kind == "A.weight":
+                out.append((prefix + "lora_A.weight", t.reshape(-1, t.shape[-1])))
+            else:
+                out.append((prefix + "lora_B.weight", t.permute(1, 2, 0).reshape(t.shape[1], -1)))
+        elif name == router:
+            out.append((f"{PEFT_PREFIX}model.{unit}.{RUNTIME_BLOCK}.gate.weight", t))
+        else:
+            out.append((peft_name(unit, name), t))
+    return out
 
 
 def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[str, torch.Tensor],
@@ -73,8 +135,8 @@ def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[
     layout = AdapterLayout.build(cfg, lora)
     tensors = []
     for unit, template in zip(layout.units, layout.templates):
-        for name, t in template.bind(adapters[unit]).items():
-            tensors.append(TensorSource.of(peft_name(unit, name), t if dtype is None else t.to(dtype)))
+        for key, t in peft_tensors(cfg, lora, unit, template.bind(adapters[unit])):
+            tensors.append(TensorSource.of(key, t.contiguous() if dtype is None else t.to(dtype).contiguous()))
     for key, name in _full_keys(cfg, lora):
         tensors.append(TensorSource.of(key, full[name] if dtype is None else full[name].to(dtype)))
     nbytes = sum(t.nbytes for t in tensors)
@@ -105,6 +167,11 @@ def save_merged(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[st
             weight = base(unit, name)
             template = layout.template(unit)
             p = {} if template is None else template.bind(adapters[unit])
+            if name in p:  # a base weight trained in full beside the adapters (a router)
+                return p[name].to(dtype)
+            expert = expert_merged_weight(cfg, layout, p, name, weight.float()) if p else None
+            if expert is not None:
+                return expert.to(dtype)
             module = name.removesuffix(".weight")
             if f"{module}.lora_A.weight" not in p:
                 return weight.to(dtype)

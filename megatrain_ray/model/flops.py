@@ -18,6 +18,8 @@ A LoRA run (lora.rank > 0) counts the FLOPs its step runs: the frozen base's wei
 are never run, so each base matmul parameter costs 4 FLOPs per token (2 forward, 2 for the input
 gradient) instead of 6, and each adapter parameter 6 (:func:`lora_flops`): 6NT becomes
 (4 N + 6 N_adapters) T, PaLM's (4 x matmul parameters + 6 N_adapters) T plus the same attention term.
+In a mixture of experts both Ns are active ones: the routed experts' adapters count for the k
+experts a token goes through (:meth:`~megatrain_ray.model.lora.AdapterLayout.active_params`).
 
 Neither counts the recomputation of the forward in the backward pass (the usual MFU convention),
 so both are *model* FLOPs, not the hardware FLOPs executed; :func:`recompute_flops` counts that
@@ -108,8 +110,8 @@ def palm_model_flops(model: ModelConfig, seq_len: int, tokens: int) -> float:
 
 def lora_flops(model: ModelConfig, lora: LoraSection, seq_len: int, tokens: int) -> tuple[float, float]:
     """(6NT's, PaLM's) FLOPs of ``tokens`` trained by a LoRA run: a frozen base parameter costs 4
-    per token (no weight gradient), an adapter parameter 6 (see the module docstring)."""
-    adapters = AdapterLayout.build(model, lora).num_params
+    per token (no weight gradient), an adapter parameter 6, both counted active (see the module docstring)."""
+    adapters = AdapterLayout.build(model, lora).active_params(model)
     return ((4.0 * active_params(model) + 6.0 * adapters) * tokens,
             (4.0 * matmul_params(model) + 6.0 * adapters + attention_flops_per_token(model, seq_len)) * tokens)
 

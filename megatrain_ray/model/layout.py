@@ -228,6 +228,8 @@ def _stackable(where: dict[str, tuple[tuple[int, ...], int]]) -> tuple:
     n = 0
     while family.expert(n)[0] in where:
         n += 1
+    if n == 0:  # a router without experts: an adapter unit's router trained in full
+        return ()
     names = [family.expert(e) for e in range(n)]
     gate_ups = [name for g, u, _ in names for name in (g, u)]
     downs = [d for _, _, d in names]

@@ -11,6 +11,16 @@ adapters; lora.train_embedding / train_head train their matrix in full instead (
 ``modules_to_save``): :attr:`AdapterLayout.full`, one template per trained matrix, by its name in
 its unit (the head's final norm stays frozen).
 
+A sparse layer's (mixture of experts) adapters: its attention's and its shared expert's projections
+as above, and for each targeted stacked parameter of its routed experts (lora.target_experts,
+PEFT's ``target_parameters``) one adapter per expert, held stacked: ``mlp.experts.gate_up_proj.lora_A.weight``
+[E, r, H] and ``...lora_B.weight`` [E, 2I, r] (down_proj: [E, r, I], [E, H, r]; Mixtral's under
+``block_sparse_moe``), which :func:`~megatrain_ray.model.moe.routed_experts` adds per expert inside
+its grouped GEMMs. PEFT holds the same numbers as one [E * r, in] A (our A, reshaped) and one
+[out, r * E] B (our B permuted, rank-major); :mod:`megatrain_ray.io.peft_io` converts. With
+lora.train_router each sparse layer's router is trained in full beside its adapters (its tensor in
+the adapter unit, bound over the frozen one).
+
 Dropout (lora.dropout > 0) is PEFT's ``lora_dropout``: during training each adapter reads its
 projection's input with a fraction p of the elements zeroed and the rest scaled by 1 / (1 - p). The
 mask (:func:`dropout_masks`) is a pure function of the run's seed, the step, the micro-batch and the
@@ -32,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import LoraSection, ModelConfig
+from ..config import EXPERT_TARGETS, LoraSection, ModelConfig
+from . import moe
 from .layout import LayerTemplate
 from .transformer import Params, hf_name, unit_names, unit_params
 
@@ -41,22 +52,51 @@ PEFT_PREFIX = "base_model.model."
 
 
 def projection_name(param: str) -> str | None:
-    """``self_attn.q_proj.weight`` -> ``q_proj`` (the HF module name lora.target_modules uses); None
-    for a parameter that is no projection's weight (norms, biases)."""
+    """``self_attn.q_proj.weight`` or a shared expert's ``mlp.shared_expert.gate_proj.weight`` -> ``q_proj``,
+    ``gate_proj`` (the HF module name lora.target_modules uses); None for a parameter that is no such
+    projection's weight (norms, biases, a router, a routed expert's weights)."""
     parts = param.split(".")
-    return parts[-2] if len(parts) == 3 and parts[-1] == "weight" and parts[-2].endswith("_proj") else None
+    if parts[-1] != "weight" or not parts[-2].endswith("_proj"):
+        return None
+    return parts[-2] if len(parts) == 3 or (len(parts) == 4 and parts[:2] == ["mlp", "shared_expert"]) else None
+
+
+def expert_modules(cfg: ModelConfig, lora: LoraSection) -> list[tuple[str, str, tuple[int, int]]]:
+    """(target name of :data:`~megatrain_ray.config.EXPERT_TARGETS`, the stacked parameter's name in a
+    sparse layer, (out, in) of one expert's matrix) of each routed-expert parameter lora targets, in
+    EXPERT_TARGETS' order (gate_up_proj [2I, H], then down_proj [H, I])."""
+    h, i = cfg.hidden_size, cfg.expert_size
+    stacked = dict(zip(EXPERT_TARGETS, moe.names(cfg).stacked))
+    shapes = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+    return [(t, stacked[t], shapes[t]) for t in EXPERT_TARGETS if t in lora.target_experts]
 
 
 def adapter_params(cfg: ModelConfig, lora: LoraSection, unit: str) -> list[tuple[str, tuple[int, ...]]]:
     """(name relative to the unit, shape) of each adapter matrix of ``unit``, in the order of its
-    projections: A [r, in] then B [out, r] of each targeted one; none for the embedding and the head."""
+    projections: A [r, in] then B [out, r] of each targeted one (attention's, the dense MLP's or the
+    shared expert's); in a sparse layer then A [E, r, in] and B [E, out, r] of each targeted stacked
+    expert parameter (:func:`expert_modules`), and its router [E, H] with lora.train_router; none for
+    the embedding and the head."""
     if not lora.enabled or not unit.startswith("layers."):
         return []
     out = []
     for name, (rows, cols) in ((n, s) for n, s in unit_params(cfg, unit) if projection_name(n) in lora.target_modules):
         module = name.removesuffix(".weight")
         out += [(f"{module}.lora_A.weight", (lora.rank, cols)), (f"{module}.lora_B.weight", (rows, lora.rank))]
+    if cfg.is_sparse(int(unit.split(".")[1])):
+        e = cfg.num_experts
+        for _, module, (rows, cols) in expert_modules(cfg, lora):
+            out += [(f"{module}.lora_A.weight", (e, lora.rank, cols)), (f"{module}.lora_B.weight", (e, rows, lora.rank))]
+        if lora.train_router:
+            out.append((moe.names(cfg).router, (e, cfg.hidden_size)))
     return out
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a tensor of an adapter unit is an adapter matrix (``...lora_A.weight``), not a base
+    weight trained in full beside the adapters (a router under lora.train_router), which starts
+    from the base's value."""
+    return ".lora_" in name
 
 
 @dataclass(frozen=True)
@@ -95,14 +135,26 @@ class AdapterLayout:
     def num_params(self) -> int:
         return sum(t.param_count for t in self.templates)
 
+    def active_params(self, cfg: ModelConfig) -> int:
+        """The adapter parameters a token goes through: :attr:`num_params` with the routed experts'
+        adapters of each sparse layer counted for the k experts a token is routed to, not all E."""
+        total = 0
+        for template in self.templates:
+            for name, shape, _ in template.params:
+                n = math.prod(shape)
+                total += n * cfg.num_experts_per_tok // cfg.num_experts if len(shape) == 3 else n
+        return total
+
     def init(self, unit: str, seed: int) -> torch.Tensor:
-        """``unit``'s adapters as PEFT initialises them (see the module docstring): [numel] fp32."""
+        """``unit``'s adapters as PEFT initialises them (see the module docstring): [numel] fp32; a base
+        weight trained in full beside them (:func:`is_adapter` false) is zero here, its value the
+        base's, which the caller copies in."""
         template = self.template(unit)
         flat = torch.zeros(template.numel, dtype=torch.float32)
         for name, t in template.bind(flat).items():
-            if ".lora_A." in name:
+            if ".lora_A." in name:  # [r, in], or the experts' [E, r, in] as PEFT's one [E * r, in] matrix
                 g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{hf_name(unit, name)}".encode()))
-                torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+                torch.nn.init.kaiming_uniform_(t.view(-1, t.shape[-1]), a=math.sqrt(5), generator=g)
         return flat
 
     def bind(self, unit: str, flat: torch.Tensor) -> Params:
@@ -145,6 +197,25 @@ def peft_name(unit: str, name: str) -> str:
     """The key of a unit's tensor (an adapter matrix, or a base weight trained in full) in PEFT's
     adapter_model.safetensors: ``base_model.model.`` + its full HF name."""
     return PEFT_PREFIX + hf_name(unit, name)
+
+
+def expert_merged_weight(cfg: ModelConfig, layout: AdapterLayout, views: Params, name: str,
+                         weight: torch.Tensor) -> torch.Tensor | None:
+    """A routed expert's Hub tensor ``name`` (``mlp.experts.3.up_proj.weight``, Mixtral's ``w3``) of a
+    sparse layer with its expert's adapter merged in, from the layer's adapter ``views``: gate and up take
+    their rows of the gate_up_proj delta, down the down_proj delta (:func:`merged_weight`); None where
+    that parameter has no adapter. weight: the base's [out, in]."""
+    kind, e = moe.part_of(name)
+    if kind != moe.EXPERT:
+        return None
+    gate, up, down = moe.names(cfg).expert(e)
+    gate_up_name, down_name = moe.names(cfg).stacked
+    module, rows = ((down_name, slice(None)) if name == down else
+                    (gate_up_name, slice(0, cfg.expert_size) if name == gate else slice(cfg.expert_size, None)))
+    a = views.get(f"{module}.lora_A.weight")
+    if a is None:
+        return None
+    return merged_weight(weight, a[e], views[f"{module}.lora_B.weight"][e][rows], layout.scaling)
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:

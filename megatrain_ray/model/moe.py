@@ -29,6 +29,12 @@ path; same values). An expert that receives no token has zero rows, so its gradi
 The outputs return to token order through the inverse permutation and the k weighted outputs of
 each token are summed in a fixed order (no atomics, deterministic).
 
+Adapters (LoRA) on the routed experts, as PEFT's ``target_parameters`` puts them on transformers'
+stacked parameters: where the params hold ``{mlp}.experts.gate_up_proj.lora_A.weight`` [E, r, H]
+and ``.lora_B.weight`` [E, 2I, r] (likewise for down_proj: [E, r, I], [E, H, r]), each expert's
+rows get scaling * B_e (A_e x) beside W_e x, through two more grouped GEMMs of rank r
+(:func:`grouped_low_rank`); the shared expert's projections take a dense adapter each.
+
 The load-balancing auxiliary loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
 computes it given the attention mask): over every sparse layer's rows of a micro-batch together,
 f_e = (number of top-k assignments to expert e) / rows and P_e = (sum of the router's softmax
@@ -61,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .linear import linear
 
 Params = dict[str, torch.Tensor]
 
@@ -217,25 +224,49 @@ def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     return order, inverse, counts  # integer sums: exact in any order; a fixed shape, no host sync
 
 
+def grouped_low_rank(p: Params, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+    """The routed experts' adapter term of their stacked parameter ``name`` (``mlp.experts.gate_up_proj``),
+    where ``p`` holds one (``{name}.lora_A.weight`` A: [E, r, in], ``{name}.lora_B.weight`` B:
+    [E, out, r], ``{name}.lora_scaling``: a 0-d tensor), else None: each row of expert e gets
+    scaling * B_e (A_e x), PEFT's W_e + scaling * B_e A_e applied without forming it. x: [T, in] grouped
+    by expert as :func:`grouped_linear` takes it, counts: [E] -> [T, out]. Two grouped GEMMs through
+    rank r, with no loop over experts where :func:`grouped_kernel` holds (on a GPU in bf16 that asks
+    r to be a multiple of 8, as the GEMMs' 16-byte rows do; else one GEMM per expert); an expert
+    without a token has zero rows, so its adapter's gradient is exactly zero."""
+    a = p.get(f"{name}.lora_A.weight")
+    if a is None:
+        return None
+    ax = grouped_linear(x, a, counts) * p[f"{name}.lora_scaling"]  # [T, r]: the scaling on the rank-r product
+    return grouped_linear(ax, p[f"{name}.lora_B.weight"], counts)
+
+
 def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weighted sum of each token's top-k experts' SwiGLU outputs. x: [N, H]; weights, experts:
-    [N, k] (from :func:`route`) -> ([N, H], the tokens routed to each expert [E] int64)."""
+    """The weighted sum of each token's top-k experts' SwiGLU outputs, with the experts' adapter
+    terms where ``p`` holds them (:func:`grouped_low_rank`). x: [N, H]; weights, experts: [N, k]
+    (from :func:`route`) -> ([N, H], the tokens routed to each expert [E] int64)."""
     n, k = experts.shape
     order, inverse, counts = dispatch(experts, cfg.num_experts)
     gate_up, down = expert_weights(p, cfg)
+    gate_up_name, down_name = names(cfg).stacked
     rows = x[order // k]  # [N*k, H]: each pair's token, grouped by expert
-    gate, up = grouped_linear(rows, gate_up, counts).chunk(2, dim=-1)  # [N*k, I] each
-    out = grouped_linear(F.silu(gate) * up, down, counts)  # [N*k, H]
+    hidden = grouped_linear(rows, gate_up, counts)  # [N*k, 2I]
+    extra = grouped_low_rank(p, gate_up_name, rows, counts)
+    gate, up = (hidden if extra is None else hidden + extra).chunk(2, dim=-1)  # [N*k, I] each
+    act = F.silu(gate) * up
+    out = grouped_linear(act, down, counts)  # [N*k, H]
+    extra = grouped_low_rank(p, down_name, act, counts)
+    out = out if extra is None else out + extra
     out = out * weights.reshape(-1)[order, None]
     return out[inverse].view(n, k, -1).sum(dim=1), counts  # back to (token, slot) order, slots summed
 
 
 def shared_expert(p: Params, x: torch.Tensor) -> torch.Tensor:
-    """Qwen2-MoE's shared expert, scaled by its sigmoid gate. x: [N, H] -> [N, H]."""
-    gate = F.linear(x, p["mlp.shared_expert.gate_proj.weight"])
-    up = F.linear(x, p["mlp.shared_expert.up_proj.weight"])
-    out = F.linear(F.silu(gate) * up, p["mlp.shared_expert.down_proj.weight"])
+    """Qwen2-MoE's shared expert, scaled by its sigmoid gate, its projections' adapters added where
+    ``p`` holds them (:func:`~megatrain_ray.model.linear.linear`). x: [N, H] -> [N, H]."""
+    gate = linear(p, "mlp.shared_expert.gate_proj", x)
+    up = linear(p, "mlp.shared_expert.up_proj", x)
+    out = linear(p, "mlp.shared_expert.down_proj", F.silu(gate) * up)
     return torch.sigmoid(F.linear(x, p["mlp.shared_expert_gate.weight"])) * out
 
 

@@ -24,7 +24,9 @@ projection (``self_attn.q_proj.lora_A.weight`` [r, in], ``...lora_B.weight`` [ou
 projection's output, as PEFT's LoRA layer does; with ``...lora_dropout`` too (a [B, S, in] tensor of
 0 and 1 / (1 - p), the dropout of the adapter's input), the term is scaling * B (A (x * mask)). The
 model neither creates nor stores adapters or masks; the caller binds them next to the base weights
-(:mod:`megatrain_ray.model.lora`).
+(:mod:`megatrain_ray.model.lora`). :func:`~megatrain_ray.model.linear.linear` is that one linear helper
+(the shared expert of a sparse layer uses it too); the routed experts' adapters are added inside
+their grouped GEMMs (:func:`megatrain_ray.model.moe.routed_experts`).
 
 Packed documents: a sequence may hold several documents, each starting at position 0. The caller
 then passes RoPE tables gathered at each token's position within its document (:func:`rope_at`,
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..config import ModelConfig
+from .linear import add_low_rank, linear, low_rank
 from .moe import RouterStats, is_sparse, sparse_mlp, sparse_params
 
 Params = dict[str, torch.Tensor]
@@ -186,45 +189,6 @@ PROJECTION_GROUPS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 """Projections that read the same input, keyed by the name their concatenation may be passed under
 (see the module docstring and :func:`project`)."""
-
-
-def low_rank(p: Params, name: str, x: torch.Tensor) -> torch.Tensor | None:
-    """The adapter term of the projection ``name``, scaling * B (A x), where ``p`` holds an adapter
-    for it (``{name}.lora_A.weight`` A: [r, in], ``{name}.lora_B.weight`` B: [out, r],
-    ``{name}.lora_scaling``: a 0-d tensor), else None. x: [..., in] -> [..., out]. With
-    ``{name}.lora_dropout`` (x's shape: 0 where dropped, 1 / (1 - p) where kept), A reads x times it.
-    The scaling multiplies the rank-r product A x, never a tensor of the output's size."""
-    ax = _scaled_down(p, name, x)
-    return None if ax is None else F.linear(ax, p[f"{name}.lora_B.weight"])
-
-
-def _scaled_down(p: Params, name: str, x: torch.Tensor) -> torch.Tensor | None:
-    """scaling * A x (x times its dropout mask, where ``p`` holds one) of the adapter of ``name``:
-    [..., in] -> [..., r]; None without an adapter."""
-    a = p.get(f"{name}.lora_A.weight")
-    if a is None:
-        return None
-    mask = p.get(f"{name}.lora_dropout")
-    return F.linear(x if mask is None else x * mask, a) * p[f"{name}.lora_scaling"]
-
-
-def add_low_rank(p: Params, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` [..., out] (the projection's output for x [..., in]) plus the adapter term of
-    :func:`low_rank`, where ``p`` holds an adapter for ``name``; else ``out`` itself. The GEMM that
-    multiplies by B adds its product into ``out`` (addmm's input): no tensor of the output's size is
-    written besides the result, and the backward hands the output's gradient through unchanged."""
-    ax = _scaled_down(p, name, x)
-    if ax is None:
-        return out
-    b = p[f"{name}.lora_B.weight"]
-    return torch.addmm(out.reshape(-1, out.shape[-1]), ax.reshape(-1, ax.shape[-1]), b.t()).view(out.shape)
-
-
-def linear(p: Params, name: str, x: torch.Tensor) -> torch.Tensor:
-    """The projection ``name`` (``self_attn.o_proj``, ...): x: [..., in] -> [..., out], with its
-    ``weight`` [out, in], its ``bias`` [out] if it has one, and its adapter term where ``p`` holds one
-    (:func:`add_low_rank`)."""
-    return add_low_rank(p, name, x, F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias")))
 
 
 def project(p: Params, x: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:

@@ -137,7 +137,8 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
                 spec, run.schedule, depth, fetch_q, release_q, wait))
             roles.computes.append(spawner.actor(ComputeWorker, "compute", gpu=device == "cuda")(
                 spec, run.compute, fetch_q, grad_q, release_q, grad_slot_q,
-                **({"checkpoint": checkpoints, "resume_from": resume} if cfg.lora.enabled else {})))
+                **({"checkpoint": checkpoints if w == 0 and k == 0 else None, "resume_from": resume}  # the first writes
+                   if cfg.lora.enabled else {})))
         roles.sink = spawner.actor(GradientSink, "grad-sink")(
             spec, run.sink, grad_q, stats_q, grad_slot_q,  # a LoRA run's checkpoints: the compute worker's
             checkpoint=checkpoints if (k == 0 or sharded) and not cfg.lora.enabled else None, writes_checkpoints=k == 0)
