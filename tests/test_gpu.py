@@ -177,7 +177,7 @@ def test_packed_documents_flex_attention_is_each_document_alone_through_sdpa(com
     assert alone < 0.1 and packed <= 2 * alone, (packed, alone)
 
 
-def test_copies_stay_inside_one_registration_of_host_memory(tmp_path):
+def test_copies_stay_inside_one_registration_of_host_memory(shm_dir):
     """Host memory pinned in pieces (:func:`megatrain_ray.engine.device.pin_in_pieces`): a block inside
     one piece copies to and from the device; the cuts follow the blocks, so no block crosses two
     pieces. A copy that did cross two registrations is what the driver refuses ("invalid argument",
@@ -186,7 +186,7 @@ def test_copies_stay_inside_one_registration_of_host_memory(tmp_path):
     from megatrain_ray.engine.device import PAGE, CudaBackend
 
     blocks = [0, 256 * PAGE, 384 * PAGE]  # bytes: three blocks, the last one 128 pages long
-    host = shm.create(str(tmp_path / "pinned"), 512 * PAGE, torch.uint8)
+    host = shm.create(os.path.join(shm_dir, "pinned"), 512 * PAGE, torch.uint8)  # /dev/shm, as the store's
     host.copy_(torch.arange(host.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
     backend = CudaBackend(1, 64 * PAGE, torch.uint8)
     try:
@@ -209,3 +209,4 @@ def test_copies_stay_inside_one_registration_of_host_memory(tmp_path):
     finally:
         backend.close()
         del host
+        os.unlink(os.path.join(shm_dir, "pinned"))
