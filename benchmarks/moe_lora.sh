@@ -6,7 +6,7 @@
 # 262,144 tokens a step (16 micro-batches of 4 x 4,096); the resident peft run with as many of the same
 # layers as fit the GPU. The comparison is tokens/s per layer: tokens/s x layers of each run.
 #   bash benchmarks/moe_lora.sh OUT [PARTS]   # one H200, 128 GiB; PARTS: any of "plan lora resident"
-#   SMOKE=1 bash benchmarks/moe_lora.sh OUT   # the CPU, the tiny-moe preset, a resident run of 1 layer
+#   SMOKE=1 bash benchmarks/moe_lora.sh OUT   # the CPU, the small-moe preset, a resident run of 1 layer
 # Writes OUT/bench-<tag>.json (megatrain-ray bench: s/step, tokens/s, TFLOPS in both conventions as a
 # LoRA step runs them with active parameters, GPU busy, host B/param), OUT/resident-lora-<tag>.json,
 # OUT/plan-moe-lora.txt and OUT/ratio.txt. Each run is its own command: BUDGET (s, default 570) is per command.
@@ -24,9 +24,9 @@ print(f"tokens/s per layer: ours {mine:,.0f} ({ours['layers']} layers), transfor
 PY
 }
 if smoke; then
-  bench moe-lora-tiny 300 --preset tiny-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
+  bench moe-lora-tiny 300 --preset small-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
     --set compute.device=cpu --set lora.rank=4 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj
-  run resident-lora-moe-tiny 300 python3 benchmarks/lora_resident.py --preset tiny-moe --layers 1 --tokens 1024 \
+  run resident-lora-moe-tiny 300 python3 benchmarks/lora_resident.py --preset small-moe --layers 1 --tokens 1024 \
     --seq-len 128 --micro-batches 2 --steps 2 --rank 4 --targets q_proj,k_proj,v_proj,o_proj --device cpu \
     --tag moe-tiny --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-lora-moe-tiny.txt"
