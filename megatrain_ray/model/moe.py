@@ -201,12 +201,15 @@ def grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
         and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
 
 
+@torch.compiler.disable
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows grouped by expert through their expert's linear map. x: [T, in] (the rows of expert 0,
     then 1, ...), w: [E, out, in], counts: [E] int64 (rows per expert, summing to T) -> [T, out].
 
     One grouped GEMM where :func:`grouped_kernel` says so; else one GEMM per expert over its rows
-    (this needs the counts on the host: the CPU path)."""
+    (this needs the counts on the host: the CPU path). Never compiled (one kernel, nothing to fuse):
+    a compiled layer calls it eagerly, so its weights' several shapes (the experts' and their
+    adapters') cost no recompiles, and the forward and the backward's recompute run the same kernels."""
     if grouped_kernel(x, w):
         return _grouped_mm()(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     pieces = x.split(counts.tolist())
