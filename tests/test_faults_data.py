@@ -12,6 +12,8 @@
 - A file gone while it is tokenized, an interrupt during tokenization, a tokenizer actor killed as
   it starts: one sentence (or the interrupt), and no cache left; the unfinished cache of a process
   killed while it tokenized is removed by the next run, with a line.
+- A pool that stalls after its idle tokenizer actor was killed (its one block never finishes) is
+  stopped within cluster.actor_timeout_s in one sentence, its actors killed, no cache left.
 """
 
 import json
