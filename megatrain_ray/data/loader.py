@@ -159,7 +159,7 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
         connect(cfg)
 
     return prepare(p, cache, cfg.data.num_workers, join if connect is not None else None, log,
-                   cfg.cluster.actor_timeout_s)
+                   stall_s=cfg.cluster.actor_timeout_s)
 
 
 def corpus_fingerprint(cfg) -> str | None:

@@ -138,7 +138,7 @@ class CacheWriter:
 
 
 def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[], None] | None = None,
-            log=print, stall_s: float = 300.0) -> CorpusRef:
+            log=print, *, stall_s: float) -> CorpusRef:
     """The corpus of a plan: a .npy array in place, else the cache, tokenizing first if it is missing.
 
     ``stall_s`` (cluster.actor_timeout_s): how long the actor pool may write no block, once one of
