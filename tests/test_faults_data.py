@@ -12,6 +12,8 @@
 - A file gone while it is tokenized, an interrupt during tokenization, a tokenizer actor killed as
   it starts: one sentence (or the interrupt), and no cache left; the unfinished cache of a process
   killed while it tokenized is removed by the next run, with a line.
+- A pool that stalls after its idle tokenizer actor was killed (its one block never finishes) is
+  stopped within cluster.actor_timeout_s in one sentence, its actors killed, no cache left.
 """
 
 import json
@@ -304,6 +306,103 @@ def test_a_tokenizer_actor_killed_as_it_starts_is_one_sentence_and_leaves_no_cac
     assert message.startswith(f"a tokenizer actor of data.path '{data}' died ("), message
     assert "\n" not in message and time.monotonic() - started < 300
     assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one
+
+
+def test_the_tokenize_watchdog_stops_a_quiet_pool_only_once_an_actor_died():
+    """The watchdog's decision, on a clock of the test's: quiet for less than the bound, or quiet with
+    every actor alive (a slow pool), is no stall; quiet for the bound with a dead actor is one sentence
+    naming the data, the dead actor's process and what to do; a block written starts the bound anew."""
+    from megatrain_ray.data.watchdog import TokenizeWatchdog
+
+    now, dead, asked = [100.0], [], []
+
+    def dead_actors():
+        asked.append(now[0])
+        return list(dead)
+
+    watchdog = TokenizeWatchdog("data.path '/d.jsonl'", 30.0, dead_actors, clock=lambda: now[0])
+    now[0] = 129.0
+    assert watchdog.check() is None and asked == []  # quiet for less than the bound: the GCS is not asked
+    now[0] = 131.0
+    assert watchdog.check() is None and asked == [131.0]  # quiet, every actor alive: a slow pool
+    dead.append(4242)
+    watchdog.beat()
+    now[0] = 160.0
+    assert watchdog.check() is None  # a block was written at 131
+    now[0] = 161.5
+    assert str(watchdog.check()) == (
+        "tokenizing data.path '/d.jsonl' stalled: a tokenizer actor of its pool died (process 4242) and no block "
+        "was tokenized for 30 s (cluster.actor_timeout_s), so the step was stopped and nothing was cached; train "
+        "again, which tokenizes the data anew.")
+
+
+@pytest.mark.slow  # an actor pool whose block never finishes, and its idle actor killed
+def test_a_pool_stalled_after_its_idle_tokenizer_actor_was_killed_is_stopped_in_one_sentence(
+        ray_cluster, tmp_path, monkeypatch, capfd):
+    """A pool of two tokenizer actors: one takes the data's only block and never finishes it (it waits
+    for a file the test never writes: the stuck pool), the other, idle, is killed. Within
+    cluster.actor_timeout_s of no block written the step stops with one sentence naming the step, the
+    killed actor's process and what to do; no cache (not the temporary one), no pool actor, no thread
+    left. Without the watchdog it would wait forever: the test then releases the block after a
+    generous deadline, the step ends, and the missing error fails the test."""
+    import threading
+    import time
+
+    import psutil
+
+    from megatrain_ray.data import prepare
+    from test_faults import _cmdline
+
+    release = tmp_path / "release"
+
+    class StuckTokenizeBatch(prepare.TokenizeBatch):  # local, so Ray pickles it by value into the pool
+        def __call__(self, table):
+            open(os.path.join(os.path.dirname(str(release)), f"busy-{os.getpid()}"), "w").close()
+            while not os.path.exists(str(release)):
+                time.sleep(0.05)
+            return super().__call__(table)
+
+    monkeypatch.setattr(prepare, "TokenizeBatch", StuckTokenizeBatch)
+    data = tmp_path / "docs.jsonl"
+    _jsonl(data, 0, 1)  # one row: one block, one task, so the other actor stays idle
+    cfg = _cfg(tmp_path, "/dev/shm", f"data.path={data}", "data.format=text", "data.val_fraction=0",
+               "data.num_workers=2", "cluster.actor_timeout_s=2")
+    killed, pool, stop = [], {}, threading.Event()
+
+    def kill_the_idle_actor():
+        while not stop.is_set() and not killed:
+            busy = [int(n.name.split("-")[1]) for n in tmp_path.glob("busy-*")]
+            workers = [p for p in psutil.Process().children(recursive=True)
+                       if _cmdline(p).startswith("ray::MapWorker(MapBatches(StuckTokenizeBatch))")]
+            pool.update({p.pid: p for p in workers})
+            idle = [p for p in workers if busy and p.pid not in busy]
+            if idle:
+                idle[0].kill()
+                killed.append(idle[0].pid)
+                break
+            stop.wait(0.05)
+        if not stop.wait(240):  # the fail-safe of a run that would wait forever: its block is released
+            release.touch()
+
+    killer = threading.Thread(target=kill_the_idle_actor)
+    killer.start()
+    try:
+        with pytest.raises(DataError) as info:
+            corpus_ref(cfg, log=lambda line: None)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no idle tokenizer actor was seen"
+    assert not release.exists(), "the step did not stop by itself"
+    assert str(info.value) == (
+        f"tokenizing data.path '{data}' stalled: a tokenizer actor of its pool died (process {killed[0]}) and no "
+        "block was tokenized for 2 s (cluster.actor_timeout_s), so the step was stopped and nothing was cached; "
+        "train again, which tokenizes the data anew."), str(info.value)
+    printed = "".join(capfd.readouterr())  # Ray Data's account of the stop (a traceback) is in its log file only
+    assert "Exception occurred in Ray Data" not in printed and "Full stack trace" not in printed, printed[-3000:]
+    assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one
+    gone, alive = psutil.wait_procs(list(pool.values()), timeout=60)  # the stuck actor was killed too
+    assert len(pool) == 2 and not alive, [_cmdline(p)[:80] for p in alive]
 
 
 @pytest.mark.slow  # a private Ray in a subprocess, 120k rows tokenized on an actor pool, one of its actors killed

@@ -276,7 +276,8 @@ class ClusterSection:
     """The floor of the run's timeouts: the health check calls the run stalled when no message moves
     between its roles for 3 expected step times (``megatrain-ray plan`` prints both), never sooner
     than this; a periodic checkpoint pauses the updates, so it must exceed the time one checkpoint
-    takes to write (see megatrain_ray.orchestration.pace)."""
+    takes to write (see megatrain_ray.orchestration.pace). The tokenizing step is stopped when its
+    actor pool, one of whose actors died, writes no block for this long (megatrain_ray.data.watchdog)."""
     start_timeout_s: float = 600.0
     """Seconds the roles may take to start (a store allocating and filling the model's host memory, a
     compute worker's device, the roles joining each other), each start-up call bounded by it; one not

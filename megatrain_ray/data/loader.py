@@ -158,7 +158,8 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     def join() -> None:
         connect(cfg)
 
-    return prepare(p, cache, cfg.data.num_workers, join if connect is not None else None, log)
+    return prepare(p, cache, cfg.data.num_workers, join if connect is not None else None, log,
+                   stall_s=cfg.cluster.actor_timeout_s)
 
 
 def corpus_fingerprint(cfg) -> str | None:

@@ -11,6 +11,8 @@ the tokenizer, never on the pool size. The corpus lives in ``<cache root>/<finge
 by the files' paths, sizes and mtimes, the format, the tokenizer's files and the split
 (:func:`~megatrain_ray.data.datasets.fingerprint`), and is written to a temporary directory and
 renamed when complete; a later run (or a resumed one) reuses it without tokenizing again.
+A pool that makes no progress after one of its actors died is stopped in one sentence
+(:mod:`megatrain_ray.data.watchdog`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
@@ -137,8 +140,11 @@ class CacheWriter:
 
 
 def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[], None] | None = None,
-            log=print) -> CorpusRef:
-    """The corpus of a plan: a .npy array in place, else the cache, tokenizing first if it is missing."""
+            log=print, *, stall_s: float) -> CorpusRef:
+    """The corpus of a plan: a .npy array in place, else the cache, tokenizing first if it is missing.
+
+    ``stall_s`` (cluster.actor_timeout_s): how long the actor pool may write no block, once one of
+    its actors died, before the step is stopped (:mod:`megatrain_ray.data.watchdog`)."""
     if p.format == "windows":
         raise ValueError("windows data is read directly by data.BatchSource, not prepared")
     if p.kind == "npy":
@@ -167,7 +173,7 @@ def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[]
                 log(f"data: tokenizing {p.where} with {num_workers} tokenizer actor(s), once: the cache is "
                     f"{final}")
                 with still(log, "data: tokenizing", detail=lambda: f", {writer.docs:,} documents written"):
-                    _write_ray_data(p, writer, num_workers)
+                    _write_ray_data(p, writer, num_workers, stall_s)
             splits = writer.close()
             if fingerprint(p) != fp:  # written to while it was read: the cache would hold neither version
                 raise DataError(f"{p.where} changed while it was being tokenized (a file's size or modification "
@@ -285,15 +291,18 @@ def _write_table(writer: CacheWriter, table) -> None:
     writer.add(ids.flatten().to_numpy(), offsets - offsets[0], table.column("mask").combine_chunks().flatten().to_numpy())
 
 
-def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
-    """Read with Ray Data, tokenize on an actor pool of ``num_workers``, write in document order."""
+def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int, stall_s: float) -> None:
+    """Read with Ray Data, tokenize on an actor pool of ``num_workers``, write in document order;
+    watched by a :class:`~megatrain_ray.data.watchdog.TokenizeWatchdog` (``stall_s``)."""
     import ray
     import ray.data
+
+    from .watchdog import SeenExecutor, TokenizeWatchdog, dead_pool_actors
 
     ctx = ray.data.DataContext.get_current()
     logger = logging.getLogger("ray.data")
     saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, logger.level,
-             getattr(ctx, "use_datasource_v2", False))
+             getattr(ctx, "use_datasource_v2", False), list(ctx.custom_execution_callback_classes))
     logger.setLevel(logging.WARNING)  # no per-dataset INFO lines in the run's output
     # Nothing of Ray Data's on the terminal: a failure is our one sentence (its traceback stays in the Ray
     # Data log file, whose handler is not a console stream).
@@ -304,6 +313,10 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
     ctx.use_datasource_v2 = False  # its parquet listing step costs seconds per dataset; v1 reads the same rows
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
+    ctx.custom_execution_callback_classes = [*saved[4], SeenExecutor]
+    pool = f"MapWorker(MapBatches({TokenizeBatch.__name__}))"  # how Ray Data names the pool's actors
+    began = time.time()
+    watchdog = TokenizeWatchdog(p.where, stall_s, lambda: dead_pool_actors(pool, began))
     cpus = max(0.1, min(1.0, ray.available_resources().get("CPU", 1.0) / (num_workers + 1)))
     try:
         files = list(p.files)
@@ -322,12 +335,18 @@ def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int) -> None:
             ds = ds.map_batches(TokenizeBatch, fn_constructor_args=(p.format, p.tokenizer, p.text_key, p.kind),
                                 batch_format="pyarrow", batch_size=64, num_cpus=cpus, max_restarts=0,
                                 compute=ray.data.ActorPoolStrategy(size=num_workers))
-        for table in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2):
-            _write_table(writer, table)
+        with watchdog:
+            for table in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2):
+                _write_table(writer, table)
+                watchdog.beat()
+        watchdog.raise_if_stopped()  # an executor shut down may end the iteration as if it were complete
     except Exception as e:
+        if watchdog.error is not None:  # the error it stopped the step with, as the consumer raised it
+            raise watchdog.error from None
         raise _located(e, p) from None
     finally:
-        ctx.execution_options.preserve_order, ctx.enable_progress_bars, _, ctx.use_datasource_v2 = saved
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars, _, ctx.use_datasource_v2 = saved[:4]
+        ctx.custom_execution_callback_classes = saved[4]
         logger.setLevel(saved[2])
         for h in console:
             h.removeFilter(_silent)
