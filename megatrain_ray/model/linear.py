@@ -34,14 +34,10 @@ def _scaled_down(p: Params, name: str, x: torch.Tensor) -> torch.Tensor | None:
 
 def add_low_rank(p: Params, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` [..., out] (the projection's output for x [..., in]) plus the adapter term of
-    :func:`low_rank`, where ``p`` holds an adapter for ``name``; else ``out`` itself. The GEMM that
-    multiplies by B adds its product into ``out`` (addmm's input): no tensor of the output's size is
-    written besides the result, and the backward hands the output's gradient through unchanged."""
-    ax = _scaled_down(p, name, x)
-    if ax is None:
-        return out
-    b = p[f"{name}.lora_B.weight"]
-    return torch.addmm(out.reshape(-1, out.shape[-1]), ax.reshape(-1, ax.shape[-1]), b.t()).view(out.shape)
+    :func:`low_rank`, where ``p`` holds an adapter for ``name``; else ``out`` itself: an elementwise
+    sum, as PEFT's LoRA layer adds it (a compiled layer fuses it with the work around it)."""
+    extra = low_rank(p, name, x)
+    return out if extra is None else out + extra
 
 
 def linear(p: Params, name: str, x: torch.Tensor) -> torch.Tensor:
