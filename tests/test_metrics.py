@@ -24,6 +24,7 @@ from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration import grafana
 from megatrain_ray.orchestration.gauges import MOE_GAUGES, STAGE_ROLE, UNITS
 from megatrain_ray.orchestration.pipeline import train
+from megatrain_ray.progress import ETA_STEPS
 
 STEPS = 4
 GAUGES = ("tokens_per_s", "tflops_6nt", "tflops_palm", "step_time_s", "loss", "learning_rate", "grad_norm", "step",
@@ -172,11 +173,13 @@ def test_metrics_file_and_console_line(finished_run):
     assert [r["loss"] for r in rows] == result.losses
     for r in rows:
         assert r["compute_busy_s"] > 0 and r["update_busy_s"] > 0 and r["tokens_per_s"] > 0
-    # The ETA leaves the first step (compile, warm-up) out: none after it, then the pace since its end.
+    # The ETA leaves the first step (compile, warm-up) out: none after it, then the mean pace of the
+    # recent steps, each the longer of its period and its run time (megatrain_ray.progress.Eta).
     assert rows[0]["eta_s"] is None and rows[-1]["eta_s"] == 0
+    paces = [max(rows[j]["elapsed_s"] - rows[j - 1]["elapsed_s"], rows[j]["step_s"]) for j in range(1, STEPS)]
     for k in range(1, STEPS - 1):
-        pace = (rows[k]["elapsed_s"] - rows[0]["elapsed_s"]) / k
-        assert rows[k]["eta_s"] == pytest.approx(pace * (STEPS - 1 - k), rel=1e-6)
+        recent = paces[:k][-ETA_STEPS:]
+        assert rows[k]["eta_s"] == pytest.approx(sum(recent) / len(recent) * (STEPS - 1 - k), rel=1e-6)
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert len(steps) == STEPS
     assert re.search(r"\| [\d,]+ tok/s \| eta \.\.\.( \| val loss .*)?$", steps[0]), steps[0]
