@@ -132,3 +132,21 @@ def test_no_unit_of_a_large_lora_base_straddles_two_registrations(layers):
     for i, unit in enumerate(layout.records):
         start, stop = layout.offsets[i] * size, (layout.offsets[i] + layout.templates[i].numel) * size
         assert any(a <= start and stop <= b for a, b in pieces), f"{unit.name} straddles two registrations"
+
+
+def test_no_unit_of_a_quantized_base_straddles_two_registrations():
+    """A quantized base's array holds each unit's bytes (megatrain_ray.model.quant_layout): its
+    registrations are cut where those start, whatever the piece size."""
+    from megatrain_ray.model.quant_layout import QuantLayout
+
+    model = preset_model("small", 4)
+    spec = StoreSpec(model, Precision(master=torch.bfloat16, compute=torch.bfloat16), "/dev/shm", 0, "x",
+                     lora=LoraSection(rank=4, base_format="nf4"))
+    quant = QuantLayout.build(model, "nf4", torch.bfloat16)
+    pieces = []
+    pin_in_pieces(0, spec.numel("master"), lambda p, n: pieces.append((p, p + n)), None, piece_bytes=16 * PAGE,
+                  cuts=spec.block_starts("master"))
+    assert len(pieces) > 1 and pieces[-1][1] == spec.numel("master")
+    for i, unit in enumerate(quant.units):
+        start, stop = quant.offsets[i], quant.offsets[i] + unit.nbytes
+        assert any(a <= start and stop <= b for a, b in pieces), f"unit {i} straddles two registrations"

@@ -200,6 +200,8 @@ class StoreSpec:
         """Element offsets in one kind's array where a block starts (a unit's block, a ring slot, a
         peer copy's unit): no copy to or from the device crosses one, so pinned memory may be
         registered in pieces cut there (:func:`megatrain_ray.engine.device.pin_in_pieces`)."""
+        if kind == "master" and self.lora.quantized:  # a quantized base's bytes
+            return list(QuantLayout.build(self.model, self.lora.base_format, self.precision.compute).offsets)
         layout = StoreLayout.build(self.model)
         if kind == "grad" and self.grad_slots:
             return [k * layout.slot_numel for k in range(self.grad_slots)]
