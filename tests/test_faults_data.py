@@ -394,10 +394,14 @@ def test_a_pool_stalled_after_its_idle_tokenizer_actor_was_killed_is_stopped_in_
         killer.join()
     assert killed, "no idle tokenizer actor was seen"
     assert not release.exists(), "the step did not stop by itself"
-    assert str(info.value) == (
-        f"tokenizing data.path '{data}' stalled: a tokenizer actor of its pool died (process {killed[0]}) and no "
-        "block was tokenized for 2 s (cluster.actor_timeout_s), so the step was stopped and nothing was cached; "
-        "train again, which tokenizes the data anew."), str(info.value)
+    stalled = (f"tokenizing data.path '{data}' stalled: a tokenizer actor of its pool died (process {killed[0]}) "
+               "and no block was tokenized for 2 s (cluster.actor_timeout_s), so the step was stopped and nothing "
+               "was cached; train again, which tokenizes the data anew.")
+    died = (f"a tokenizer actor of data.path '{data}' died (its process was killed or crashed) while it tokenized, "
+            "so nothing was cached; train again, which tokenizes the data anew.")
+    # Ray Data may also report the kill itself (a call of its pool to that actor failing): the run then
+    # ends in that sentence before the stall bound; either way one sentence, no hang
+    assert str(info.value) in (stalled, died), str(info.value)
     printed = "".join(capfd.readouterr())  # Ray Data's account of the stop (a traceback) is in its log file only
     assert "Exception occurred in Ray Data" not in printed and "Full stack trace" not in printed, printed[-3000:]
     assert os.listdir(tmp_path / "cache") == []  # no cache, no temporary one
