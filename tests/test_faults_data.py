@@ -336,6 +336,58 @@ def test_the_tokenize_watchdog_stops_a_quiet_pool_only_once_an_actor_died():
         "again, which tokenizes the data anew.")
 
 
+def test_a_tokenizing_step_that_fails_kills_the_actors_its_pool_started(ray_cluster, tmp_path):
+    """A step that ends in an error Ray Data raises (a tokenizer actor it reports dead, a block its
+    reader could not read) leaves no actor of its pool behind: Ray Data's own shutdown on an error
+    only drops its handles, so an actor busy with a block would go on with it. A pool whose actor
+    never finishes its block; once it is busy, the reader of the other block fails, the consumer
+    raises, and on the way out of the watchdog the busy actor is killed."""
+    import glob
+    import time
+
+    import psutil
+    import ray
+    import ray.data
+
+    from megatrain_ray.data.watchdog import SeenExecutor, TokenizeWatchdog
+
+    busy, release = str(tmp_path / "busy-"), str(tmp_path / "release")
+
+    class Stuck:  # local, so Ray pickles it by value into the pool
+        def __call__(self, table):
+            open(f"{busy}{os.getpid()}", "w").close()
+            while not os.path.exists(release):
+                time.sleep(0.05)
+            return table
+
+    def fail_once_the_pool_is_busy(row):
+        if row["id"] == 1:
+            deadline = time.monotonic() + 120
+            while not glob.glob(f"{busy}*") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise ValueError("a block its reader could not read")
+        return row
+
+    ctx = ray.data.DataContext.get_current()
+    saved = list(ctx.custom_execution_callback_classes), ctx.enable_progress_bars
+    ctx.custom_execution_callback_classes, ctx.enable_progress_bars = [*saved[0], SeenExecutor], False
+    try:
+        ds = ray.data.range(2, override_num_blocks=2).map(fail_once_the_pool_is_busy).map_batches(
+            Stuck, batch_format="pyarrow", batch_size=1, num_cpus=0.1,
+            compute=ray.data.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=1))
+        with pytest.raises(Exception, match="a block its reader could not read"), \
+                TokenizeWatchdog("data.path 'x'", 600, lambda: []):
+            for _ in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                pass
+    finally:
+        ctx.custom_execution_callback_classes, ctx.enable_progress_bars = saved
+    pids = [int(n[len(busy):]) for n in glob.glob(f"{busy}*")]
+    assert len(pids) == 1, pids
+    gone, alive = psutil.wait_procs([psutil.Process(pids[0])], timeout=60)
+    open(release, "w").close()  # lets an actor that was left go (the test has failed by then)
+    assert not alive, "the busy actor of the failed step was left running"
+
+
 @pytest.mark.slow  # an actor pool whose block never finishes, and its idle actor killed
 def test_a_pool_stalled_after_its_idle_tokenizer_actor_was_killed_is_stopped_in_one_sentence(
         ray_cluster, tmp_path, monkeypatch, capfd):

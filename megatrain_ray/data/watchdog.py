@@ -14,7 +14,10 @@ makes that end in one sentence, whatever the pool does:
   step, the dead actor's process and what to do, and no actor or thread of the step is left.
 
 The executors of the step are seen through a Ray Data execution callback (:class:`SeenExecutor`)
-that the step registers on its DataContext while it runs.
+that the step registers on its DataContext while it runs; it also notes each actor their pools
+start, so that a step ending in any error (a dead actor reported by Ray Data itself, say) kills
+the pool's actors on the way out: Ray Data's own shutdown on an error only drops its handles, and
+a busy actor would go on with its block.
 """
 
 from __future__ import annotations
@@ -38,6 +41,22 @@ class SeenExecutor(ExecutionCallback):
     def before_execution_starts(self, executor) -> None:
         for watchdog in list(_WATCHING):
             watchdog.executors.append(executor)
+
+    def on_execution_step(self, executor) -> None:
+        for watchdog in list(_WATCHING):
+            watchdog.actors.update(_pool_actors(executor))
+
+
+def _pool_actors(executor) -> dict:
+    """The actors of an executor's actor pools now, pending or running, by id (attributes of Ray
+    2.60's ActorPoolMapOperator and its pool; ray is pinned)."""
+    found = {}
+    for op in getattr(executor, "_topology", {}):
+        pool = getattr(op, "_actor_pool", None)
+        if pool is not None:
+            for actor in [*getattr(pool, "_running_actors", {}), *getattr(pool, "_pending_actors", {}).values()]:
+                found[actor._actor_id] = actor
+    return found
 
 
 def dead_pool_actors(class_name: str, since: float) -> list[int]:
@@ -64,6 +83,8 @@ class TokenizeWatchdog:
         self.error: DataError | None = None
         """The sentence the step was stopped with, once it was."""
         self.executors: list = []
+        self.actors: dict = {}
+        """Every actor the step's pools started, by id (handles: see :class:`SeenExecutor`)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenize-watchdog", daemon=True)
 
@@ -94,10 +115,16 @@ class TokenizeWatchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, failed, *exc) -> None:
         self._stop.set()
         self._thread.join()
         _WATCHING.remove(self)
+        if failed is not None or self.error is not None:  # no actor of a failed step goes on with its block
+            import ray
+
+            for actor in self.actors.values():
+                with contextlib.suppress(Exception):  # an actor already dead
+                    ray.kill(actor)
 
     def _run(self) -> None:
         while not self._stop.wait(min(1.0, self.stall_s / 4)):
