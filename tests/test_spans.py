@@ -137,6 +137,41 @@ def test_a_mixture_of_experts_trains_through_spans_as_through_checkpoints(tmp_pa
     assert runs["span=2"] == runs["recompute"]
 
 
+def test_the_recompute_of_a_sparse_layer_sends_each_token_to_the_experts_its_forward_chose(tmp_path, shm_dir,
+                                                                                           monkeypatch):
+    """The backward's recompute and a span's forward again are given the forward's choice of experts
+    rather than choosing again: a router whose choice in those runs were different (here: any choice
+    made with gradients on is the bottom k, as a compiled training graph whose last bits differ from
+    the no-grad one's may flip a near tie) changes nothing, bit for bit; the router chooses only in
+    each layer's first forward (3 sparse layers x 2 micro-batches x 2 steps)."""
+    from megatrain_ray.model import moe
+    from megatrain_ray.orchestration.local import train_local
+
+    common = ["model.model_type=qwen3_moe", "model.hidden_size=32", "model.intermediate_size=64",
+              "model.num_hidden_layers=3", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+              "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=16",
+              "train.seq_len=32", "train.micro_batch_size=2", "train.num_micro_batches=2", "train.steps=2",
+              "compute.device=cpu", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / 'runs'}",
+              "train.save_final=false", "train.checkpoint_every=0", *_placement("span=2")]
+
+    def run():
+        return [(r["loss"], r["grad_norm"], r.get("aux_loss")) for r in train_local(load_config(None, common), 0)]
+
+    plain = run()
+    route, chose = moe.route, []
+
+    def contrary(p, x, cfg, chosen=None):
+        chose.append(chosen is None)
+        if chosen is None and torch.is_grad_enabled():
+            probs = torch.softmax(torch.nn.functional.linear(x, p[moe.names(cfg).router]), -1, dtype=torch.float32)
+            chosen = torch.topk(probs, cfg.num_experts_per_tok, dim=-1, largest=False).indices
+        return route(p, x, cfg, chosen)
+
+    monkeypatch.setattr(moe, "route", contrary)
+    assert run() == plain
+    assert chose.count(True) == 3 * 2 * 2 and len(chose) > 12, chose
+
+
 H200_BOX = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]
 FULL_7B = ["model.model_type=qwen2", "model.vocab_size=152064", "model.hidden_size=3584",
            "model.intermediate_size=18944", "model.num_hidden_layers=28", "model.num_attention_heads=28",

@@ -370,7 +370,7 @@ class ComputeWorker(GroupMember):
         for unit in [u for u in self.layout.layers if first <= u.layer < last]:
             ticket, w = self._weights(unit, step, s)
             with self.backend.compute(unit.name + " span fwd"):
-                xs = self.passes[unit.layer].again(s, w, xs)
+                xs = self.passes[unit.layer].again(s, unit.layer, w, xs)
             self._release(ticket)
             self.activations.set_inputs(unit.layer + 1, xs)
 

@@ -14,7 +14,8 @@ knows once its forward has run the layer:
   experts are two copies, and all experts routed is the whole block, one copy). The slot's ranges of
   the other experts hold stale bytes, which nothing reads: an expert without a token has zero rows
   in the grouped GEMMs, so zero gradient whatever its weights (:func:`~megatrain_ray.model.moe.routed_experts`);
-  the recompute's routing is checked against the forward's at the end of the step;
+  the recompute is given the forward's choice (:class:`~megatrain_ray.engine.routing.StepRouting`),
+  so it uses exactly the experts that came;
 - **gradient**: with the unit's policy ``experts: routed`` (:mod:`megatrain_ray.engine.policy`), only
   the same parts' ranges go to the host; the ticket names the parts left out
   (:attr:`~megatrain_ray.engine.tickets.GradTicket.skipped`), whose gradient is exactly zero, and the
@@ -36,7 +37,6 @@ import threading
 
 import torch
 
-from ..errors import PipelineError
 from ..model.layout import Unit
 from ..model.moe import EXPERT
 from .policy import ROUTED
@@ -73,7 +73,6 @@ class ExpertTraffic:
         """(step, unit): (the forward's counts [E] on the device, their host copy, its mark)."""
         self._refetches: dict[tuple[int, int], list[int]] = {}
         self._grad_bytes: dict[tuple[int, int], list[int]] = {}
-        self._recounted: dict[int, torch.Tensor] = {}
 
     # -- the compute thread --------------------------------------------------------------------
 
@@ -84,7 +83,6 @@ class ExpertTraffic:
             for key in [k for k in self._routing if k[0] < step]:
                 del self._routing[key]
             self._cond.notify_all()
-        self._recounted.clear()  # a failed step's
 
     def record(self, step: int, layer: int, counts: torch.Tensor) -> None:
         """The forward's routing through sparse decoder layer ``layer``: counts [E], tokens per expert (device)."""
@@ -95,21 +93,8 @@ class ExpertTraffic:
             self._routing[(step, unit)] = (counts, host, self.backend.mark())
             self._cond.notify_all()
 
-    def check(self, step: int, layer: int, counts: torch.Tensor) -> None:
-        """The counts [E] of step ``step``'s recompute of sparse layer ``layer``, to compare with its
-        forward's at the step's end (:meth:`report`)."""
-        self._recounted[(step, self.unit_of[layer])] = counts
-
     def report(self, step: int) -> dict:
-        """The step's ``expert_refetches`` and ``expert_grad_bytes`` (per sparse layer, per expert), once
-        its recomputes are checked to have routed as its forward did."""
-        recounted, self._recounted = self._recounted, {}
-        for (done, unit), counts in recounted.items():
-            forward = self._routing.get((done, unit))
-            if forward is not None and not torch.equal(forward[0], counts):
-                raise PipelineError(f"the backward's recompute of {self.records[unit].name} routed tokens to other "
-                                    "experts than its forward did (a nondeterministic kernel); set "
-                                    "compute.compile=false or report it with the model's config.")
+        """The step's ``expert_refetches`` and ``expert_grad_bytes`` (per sparse layer, per expert)."""
         with self._cond:
             refetches = [self._refetches.pop((step, u.index), [0] * len(u.experts)) for u in self.sparse]
             grad_bytes = [self._grad_bytes.pop((step, u.index), [0] * len(u.experts)) for u in self.sparse]

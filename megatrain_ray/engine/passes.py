@@ -73,13 +73,13 @@ class Recomputed:
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """xs: M x [B, S, H] -> the layer's outputs (no graph)."""
-        return self.again(s, w, xs)
+        return self.again(s, layer, w, xs)
 
     def leave(self, s: StepLayers, layer: int, xs: list[torch.Tensor]) -> None:
         """What the backward starts from, once the forward is done with its inputs xs: the checkpoint."""
         s.acts.put(layer, xs)
 
-    def again(self, s: StepLayers, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def again(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The forward run again within a recompute span (its outputs, the next layer's inputs)."""
         p = w.training(w.params)
         return [s.runner.forward(p(m), x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)]
@@ -102,16 +102,16 @@ class Routed(Recomputed):
             s.traffic.record(s.step, layer, s.routing.counts(layer))
         return list(ys)
 
-    def again(self, s: StepLayers, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Its forward again; the statistics are the first forward's."""
+    def again(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Its forward again, with the experts the first forward chose; the statistics are the first's."""
         p = w.training(w.params)
-        return [s.runner.forward_routed(p(m), x, s.mb.routed_ctx[m], s.cfg)[0] for m, x in enumerate(xs)]
+        return [s.runner.forward_routed(p(m), x, s.mb.routed_ctx[m], s.cfg, s.routing.chosen(layer, m))[0]
+                for m, x in enumerate(xs)]
 
     def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
-        counts = routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.routed_ctx, s.cfg, s.routing, w.dropout)
-        if s.traffic is not None:  # its weights came without the experts the forward did not choose
-            s.traffic.check(s.step, layer, counts)
+        """The recompute sends each token to the experts the forward chose: those whose weights came."""
+        routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.routed_ctx, s.cfg, s.routing, layer, w.dropout)
 
 
 class Kept:

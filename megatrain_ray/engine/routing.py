@@ -14,10 +14,16 @@ coef / M x E x f_m / rows_m (:meth:`StepRouting.prob_grad`), f_m the micro-batch
 over every sparse layer, known once the forward is done, before the first backward.
 
 Also the counts themselves, per sparse layer and expert, summed over this worker's micro-batches:
-what metrics.jsonl reports as ``expert_tokens``.
+what metrics.jsonl reports as ``expert_tokens``; and the experts each token was sent to, which the
+layer's recompute (its backward, a recompute span's forward) is given rather than choosing again
+(:func:`~megatrain_ray.model.moe.route`): a recompute whose last bits differ from the forward's (a
+compiled training graph fuses otherwise than the no-grad one) could otherwise send a token whose
+top-k is a near tie to another expert, whose weights the later fetches did not bring.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -34,10 +40,18 @@ class StepRouting:
         self.scale = cfg.router_aux_loss_coef / step_micro_batches if cfg.output_router_logits else 0.0
         self.stats: dict[int, list[RouterStats]] = {}
         """Each sparse layer's statistics, by decoder layer."""
+        self.experts: dict[int, list[torch.Tensor]] = {}
+        """Each sparse layer's choice per micro-batch: [N, k] in the narrowest integer type that holds E."""
 
     def record(self, layer: int, stats: list[RouterStats]) -> None:
         """The forward's statistics of sparse layer ``layer``, one per micro-batch (no graph)."""
-        self.stats[layer] = stats
+        narrow = torch.uint8 if self.cfg.num_experts <= 256 else torch.int16
+        self.experts[layer] = [s.experts.to(narrow) for s in stats]
+        self.stats[layer] = [replace(s, experts=None) for s in stats]
+
+    def chosen(self, layer: int, m: int) -> torch.Tensor:
+        """The experts the forward of sparse layer ``layer`` sent micro-batch m's tokens to: [N, k] int64."""
+        return self.experts[layer][m].long()
 
     def _totals(self, m: int) -> tuple[torch.Tensor, int | torch.Tensor]:
         """Micro-batch m's assignments of counted tokens over every sparse layer [E], and its rows

@@ -118,29 +118,30 @@ class LayerRunner:
         """The wrapped callables (for releasing the compiler's worker pool)."""
         return [f for f in (self.layer, self.to_down, self.attn, self.mlp, self.mlp_act, self.routed) if f is not None]
 
-    def forward_routed(self, p, x: torch.Tensor, context: tuple, cfg):
+    def forward_routed(self, p, x: torch.Tensor, context: tuple, cfg, chosen: torch.Tensor | None = None):
         """A sparse layer's forward: x: [B, S, H] -> (its output [B, S, H], its RouterStats); context:
-        (rope, mask, tokens) (:attr:`MicroBatches.routed_ctx`)."""
+        (rope, mask, tokens) (:attr:`MicroBatches.routed_ctx`); chosen: [B*S, k], the experts its
+        first forward sent the tokens to (a recompute span's forward again), or None."""
         rope, mask, tokens = context
-        return self.routed(p, x, rope, cfg, mask, tokens)
+        return self.routed(p, x, rope, cfg, mask, tokens, chosen)
 
     def backward_routed(self, leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], x: torch.Tensor,
-                        dy: torch.Tensor, context: tuple, cfg, dprobs: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute a sparse layer from x: [B, S, H] and backpropagate dy: [B, S, H] and, unless None,
-        dprobs [E], the loss's gradient with respect to its router's probability sums. Same
-        conventions as :meth:`backward` but context (rope, mask, tokens); returns (dx: [B, S, H], the
-        recompute's tokens per expert [E])."""
+                        dy: torch.Tensor, context: tuple, cfg, dprobs: torch.Tensor | None, chosen: torch.Tensor
+                        ) -> torch.Tensor:
+        """Recompute a sparse layer from x: [B, S, H] with the experts its forward chose (chosen:
+        [B*S, k]) and backpropagate dy: [B, S, H] and, unless None, dprobs [E], the loss's gradient
+        with respect to its router's probability sums. Same conventions as :meth:`backward` but
+        context (rope, mask, tokens); returns dx: [B, S, H]."""
         rope, mask, tokens = context
         x = x.detach().requires_grad_(True)
         names = [name for name, w in leaves.items() if w.requires_grad]
         weights = [leaves[name] for name in names]
         with torch.enable_grad():
-            y, stats = self.routed(leaves, x, rope, cfg, mask, tokens)
+            y, stats = self.routed(leaves, x, rope, cfg, mask, tokens, chosen)
         outputs, grads_out = ([y], [dy]) if dprobs is None else ([y, stats.prob_sum], [dy, dprobs])
         *gws, dx = torch.autograd.grad(outputs, [*weights, x], grads_out, allow_unused=True)
         _accumulate(grads, names, gws)
-        return dx, stats.counts
+        return dx
 
     def tiles(self, x: torch.Tensor) -> bool:
         """Whether a [B, S, H] input runs tiled (chunking on and S longer than one chunk)."""
@@ -263,19 +264,15 @@ def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: 
 
 def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                     inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing,
-                    dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
-    """:func:`layer_backward` for a sparse layer; routing: the step's
+                    layer: int, dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
+    """:func:`layer_backward` for sparse decoder layer ``layer``; routing: the step's
     :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
-    load-balancing loss with respect to the router probabilities; contexts: M x (rope, mask, tokens)
-    (:attr:`MicroBatches.routed_ctx`). Returns the recompute's tokens per
-    expert over the micro-batches [E] (fp32, summed as :meth:`StepRouting.counts` sums the forward's)."""
+    load-balancing loss with respect to the router probabilities and the experts the forward chose;
+    contexts: M x (rope, mask, tokens) (:attr:`MicroBatches.routed_ctx`)."""
     leaves = trainable_leaves(params, grads)
-    counts = []
     for m, x in enumerate(inputs):
-        dx[m], c = runner.backward_routed(with_dropout(leaves, dropout, m), grads, x, dx[m], contexts[m], cfg,
-                                          routing.prob_grad(m))
-        counts.append(c)
-    return torch.stack(counts).sum(0)
+        dx[m] = runner.backward_routed(with_dropout(leaves, dropout, m), grads, x, dx[m], contexts[m], cfg,
+                                       routing.prob_grad(m), routing.chosen(layer, m))
 
 
 class CompiledLayer:

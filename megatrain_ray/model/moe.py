@@ -28,6 +28,9 @@ over experts and no host synchronisation; elsewhere one GEMM per expert over its
 path; same values). An expert that receives no token has zero rows, so its gradient is exactly zero.
 The outputs return to token order through the inverse permutation and the k weighted outputs of
 each token are summed in a fixed order (no atomics, deterministic).
+A recompute of the layer (the engine's backward) may be given the experts its forward chose
+(``chosen``): the router's probabilities are computed again and the weights taken at those experts,
+so bits that differ between the two runs move no token to another expert.
 
 Adapters (LoRA) on the routed experts, as PEFT's ``target_parameters`` puts them on transformers'
 stacked parameters: where the params hold ``{mlp}.experts.gate_up_proj.lora_A.weight`` [E, r, H]
@@ -161,14 +164,26 @@ class RouterStats:
     assigned: torch.Tensor
     """[E] float32, no graph: top-k assignments of each expert from the counted tokens (the f of the
     loss; ``counts`` itself without an attention mask)."""
+    experts: torch.Tensor | None = None
+    """[N, k] int64, no graph: the experts each token was sent to, in top-k's order (what a recompute
+    of the layer is given as ``chosen``)."""
 
 
-def route(p: Params, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The softmax top-k router. x: [N, H] -> (probs [N, E] fp32, weights [N, k] in x's dtype,
-    experts [N, k] int64): softmax in fp32, top-k, renormalised with ``cfg.norm_topk_prob``."""
+    experts [N, k] int64): softmax in fp32, top-k, renormalised with ``cfg.norm_topk_prob``.
+    chosen: [N, k] integer, the experts an earlier run of the layer on the same tokens chose (in
+    top-k's order), or None: with it the choice is that one and its weights are these
+    probabilities of those experts (a recompute whose last bits differ from its forward's cannot
+    send a token elsewhere)."""
     logits = F.linear(x, p[names(cfg).router])  # [N, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if chosen is None:
+        top, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    else:
+        experts = chosen.long()
+        top = probs.gather(-1, experts)
     if cfg.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return probs, top.to(x.dtype), experts
@@ -279,21 +294,22 @@ def router_stats(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tenso
     counts: [E] int64 (assignments of all N tokens); tokens: [N] bool, the attention mask (True: a
     token that counts, False: padding), or None (every token counts)."""
     if tokens is None:
-        return RouterStats(counts.float(), probs.sum(dim=0), probs.shape[0], counts.float())
+        return RouterStats(counts.float(), probs.sum(dim=0), probs.shape[0], counts.float(), experts)
     keep = tokens.to(torch.float32)  # [N]
     assigned = torch.zeros_like(probs[0]).scatter_add_(0, experts.reshape(-1),
                                                        keep.repeat_interleave(experts.shape[1]))
-    return RouterStats(counts.float(), (probs * keep[:, None]).sum(dim=0), keep.sum(), assigned)
+    return RouterStats(counts.float(), (probs * keep[:, None]).sum(dim=0), keep.sum(), assigned, experts)
 
 
-def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig, tokens: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, RouterStats]:
+def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig, tokens: torch.Tensor | None = None,
+               chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
     """The mixture-of-experts MLP of a sparse layer (its input already normed). x: [..., H] ->
     ([..., H], this layer's :class:`RouterStats`); tokens: [...] bool, the attention mask of x's
-    tokens (False: padding, left out of the statistics), or None."""
+    tokens (False: padding, left out of the statistics), or None; chosen: [N, k], the experts of
+    an earlier run on the same tokens (:func:`route`), or None."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])  # [N, H]
-    probs, weights, experts = route(p, flat, cfg)
+    probs, weights, experts = route(p, flat, cfg, chosen)
     out, counts = routed_experts(p, flat, weights, experts, cfg)
     if "mlp.shared_expert_gate.weight" in p:
         out = out + shared_expert(p, flat)

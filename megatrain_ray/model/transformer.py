@@ -258,13 +258,16 @@ def mlp_block(p: Params, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def routed_layer(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
-                 mask=None, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
+                 mask=None, tokens: torch.Tensor | None = None, chosen: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, RouterStats]:
     """A sparse decoder layer, with its router's statistics (for the load-balancing loss, see
     :mod:`megatrain_ray.model.moe`). x: [B, S, H] -> ([B, S, H], RouterStats); rope, mask: see
     :func:`attention`; tokens: [B, S] bool, transformers' attention mask (False: padding, which the
-    statistics leave out), or None."""
+    statistics leave out), or None; chosen: [B*S, k], the experts an earlier run of the layer on
+    the same x chose (:func:`~megatrain_ray.model.moe.route`), or None."""
     h = attention_block(p, x, rope, cfg, mask)
-    out, stats = sparse_mlp(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps), cfg, tokens)
+    out, stats = sparse_mlp(p, rms_norm(h, p["post_attention_layernorm.weight"], cfg.rms_norm_eps), cfg, tokens,
+                            chosen)
     return h + out, stats
 
 
