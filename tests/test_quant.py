@@ -57,7 +57,7 @@ def test_nf4_is_bitsandbytes_bit_for_bit(shape, dtype):
     assert torch.equal(qabsmax, state.absmax)
     assert torch.equal(absmax2, state.state2.absmax)
     assert torch.equal(offset, state.offset.view(1).float())
-    for a, b in zip(ours, Q.quantize_nf4(w)):  # the load path, through bitsandbytes here
+    for a, b in zip(ours, Q.quantize_nf4(w, use_bnb=True)):  # through bitsandbytes on request: the same
         assert torch.equal(a, b)
     out = torch.full((w.numel(),), float("nan"), dtype=dtype)
     Q.dequantize_nf4(*ours, out)
@@ -71,6 +71,7 @@ def test_int8_is_bitsandbytes_bit_for_bit(dtype):
     codes, stats, _ = F.int8_vectorwise_quant(w.clone())
     ours = Q.quantize_int8(w, use_bnb=False)
     assert torch.equal(ours[0], codes.view(-1)) and torch.equal(ours[1], stats.float())
+    assert all(torch.equal(a, b) for a, b in zip(ours, Q.quantize_int8(w, use_bnb=True)))  # on request: the same
     out = torch.empty(w.numel(), dtype=dtype)
     Q.dequantize_int8(*ours, out)
     assert torch.equal(out, F.int8_vectorwise_dequant(codes, stats).to(dtype).view(-1))

@@ -16,9 +16,10 @@ A LoRA run's frozen base may be stored quantized (lora.base_format); the formats
 Dequantizing (:func:`dequantize_nf4`, :func:`dequantize_int8`) gives, bit for bit, what
 ``bitsandbytes.functional.dequantize_4bit`` and ``int8_vectorwise_dequant`` give (tests/test_quant.py
 checks both against bitsandbytes' CPU backend): the arithmetic is bitsandbytes' own, in fp32, rounded
-once to the output dtype. Quantizing (:func:`quantize_nf4`, :func:`quantize_int8`) uses
-bitsandbytes when it is importable and this module's torch version, checked bit-identical to it,
-where it is not (a machine with torch alone).
+once to the output dtype. Quantizing (:func:`quantize_nf4`, :func:`quantize_int8`) runs this
+module's torch version, checked bit-identical to bitsandbytes' (its CPU backend quantizes NF4 about
+5x slower per core, ~180 against ~35 ns a weight: minutes more for a 70B base at load), or
+bitsandbytes itself on request (``use_bnb``).
 
 Every function works on flat tensors of one weight and is vectorised over blocks (no Python loop
 over blocks), so the same code dequantizes on the CPU and, as a handful of kernels, on a GPU.
@@ -131,10 +132,10 @@ def _bnb():
     return F
 
 
-def quantize_nf4(w: torch.Tensor, use_bnb: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nf4(w: torch.Tensor, use_bnb: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w: any shape, fp32/bf16/fp16 -> (codes [blocks * 32] uint8, absmax codes [blocks] uint8, absmax2
     [ceil(blocks / 256)] fp32, offset [1] fp32): bitsandbytes' NF4 with double quantization (see the
-    module docstring); ``use_bnb``: through bitsandbytes where it is importable."""
+    module docstring); ``use_bnb``: through bitsandbytes where it is importable (same bits, slower)."""
     F = _bnb() if use_bnb else None
     n = w.numel()
     size, _, _ = nf4_bytes(n)
@@ -179,9 +180,9 @@ def dequantize_nf4(codes: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Te
     return out
 
 
-def quantize_int8(w: torch.Tensor, use_bnb: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, use_bnb: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [rows, cols] -> (codes [rows * cols] int8, row absmax [rows] fp32): LLM.int8()'s weight storage
-    (``int8_vectorwise_quant`` without outliers); ``use_bnb``: through bitsandbytes where importable."""
+    (``int8_vectorwise_quant`` without outliers); ``use_bnb``: through bitsandbytes where importable (same bits)."""
     F = _bnb() if use_bnb else None
     w2 = w.detach().reshape(w.shape[0], -1)
     if F is not None:
