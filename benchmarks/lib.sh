@@ -40,3 +40,27 @@ plan_layers() { sed -n "s/^  $2.*(\([0-9]*\) layer(s) of this shape.*/\1/p" "$1"
 shape_args() {
   python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('$1', ${2:-None}).items()))"
 }
+# real_text FILE MiB: English prose on any machine, offline: this repository's documents, then the
+# installed Python packages' descriptions (METADATA) and READMEs, concatenated up to MiB mebibytes.
+real_text() {
+  python3 - "$1" "$2" <<'PY'
+import glob, os, site, sys
+
+path, limit = sys.argv[1], int(sys.argv[2]) * 2**20
+roots = [os.getcwd()] + site.getsitepackages()
+files = sorted(glob.glob(os.path.join(roots[0], "**", "*.md"), recursive=True))
+for root in roots[1:]:
+    files += sorted(glob.glob(os.path.join(root, "*.dist-info", "METADATA")))
+    files += sorted(glob.glob(os.path.join(root, "**", "README*"), recursive=True))
+size = 0
+with open(path, "wb") as out:
+    for f in files:
+        if size >= limit or not os.path.isfile(f):
+            continue
+        data = open(f, "rb").read()
+        if data and sum(b < 128 for b in data) > 0.95 * len(data):  # prose, not binaries or other scripts
+            out.write(data[:limit - size] + b"\n\n")
+            size += min(len(data), limit - size) + 2
+print(f"{path}: {size / 2**20:.1f} MiB of text from {len(files)} files")
+PY
+}

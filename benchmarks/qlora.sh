@@ -7,11 +7,16 @@
 # LoRA on mixtures of experts), and the Llama-3.1-70B shape (80 layers, hidden 8192) with rank-16
 # adapters, nf4 base, 65,536 tokens a step (16 x 4 x 1,024), 10 steps.
 #   bash benchmarks/qlora.sh OUT [PARTS]   # one H200, 128 GiB; PARTS: any of "check plan qwen3 70b"
+#   bash benchmarks/qlora.sh OUT start70b  # the 70b part detached (setsid): returns at once
+#   bash benchmarks/qlora.sh OUT collect   # the detached run: running or done, its steps and figures
 #   SMOKE=1 bash benchmarks/qlora.sh OUT   # the CPU, the tiny preset
 # Writes OUT/bench-<tag>.json (megatrain-ray bench: s/step, tokens/s, TFLOPS, GPU busy, link GB/s, host
 # B/param), OUT/plan-*.txt and OUT/log_gpu-check.txt. BUDGET (s, default 570) is per command; the 70B
-# run's 10 steps take longer than one 10-minute call at ~400 TFLOPS (about 70 s a step): STEPS70 (default
-# 10) sets them, BUDGET70 (default 3000) its limit.
+# run's 10 steps take longer than one 10-minute call at ~400 TFLOPS (about 70 s a step), so it runs
+# detached across calls: STEPS70 (default 10) sets them, BUDGET70 (default 3000) its limit. It trains
+# on real text, byte by byte (data.format windows over OUT/text.txt: this repository's documents and
+# the installed Python packages' descriptions, English prose) at a LoRA learning rate (1e-3), so that its
+# loss is seen to fall.
 source "$(dirname "$0")/lib.sh"
 parts=${2:-check plan qwen3 70b}
 rc=0
@@ -38,8 +43,35 @@ case " $parts " in *" qwen3 "*)
   bench qlora-qwen3-30b-a3b-nf4-262144 "$(left 600)" --preset qwen3-30b-a3b --tokens 262144 --seq-len 4096 \
     --micro-batches 16 --steps 4 "${QLORA[@]}" ;;
 esac
+case " $parts " in *" start70b "*)
+  setsid nohup bash "$PWD/benchmarks/qlora.sh" "$out" 70b > "$out/driver70b.txt" 2>&1 < /dev/null &
+  echo "started the 70b part (process group $!): bash benchmarks/qlora.sh $out collect"; exit 0 ;;
+esac
+case " $parts " in *" collect "*)
+  python3 - "$out" <<'PY'
+import glob, json, os, re, sys
+
+out = sys.argv[1]
+log = os.path.join(out, "log_qlora-70b-nf4-65536.txt")
+text = open(log).read() if os.path.exists(log) else ""
+done = re.search(r"^rc=(\d+)$", text, re.M)
+print("70b:", "not started" if not text else ("running" if not done else f"done, rc={done.group(1)}"))
+for line in re.findall(r"^\s*step\s+\d+/\d+ \|.*$", text, re.M):
+    print(" ", line.strip())
+for report in glob.glob(os.path.join(out, "bench-qlora-70b-*.json")):
+    r = json.load(open(report))["systems"]["megatrain_ray"]
+    print(f"  s/step {r['step_s']:.3f}, tokens/s {r['tokens_per_s']:,.0f}, TFLOPS 6·N·T {r['tflops_6nt']:.1f} / PaLM "
+          f"{r['tflops_palm']:.1f}, compute {100 * r['compute_busy_frac']:.0f}% of the step, GPU {r['device_peak_gib']:.1f} GiB, "
+          f"host {r['host_bytes_per_param']:.2f} B/param, losses {[round(x, 4) for x in r['losses']]}")
+if done and done.group(1) != "0":
+    print("  " + "\n  ".join(text.strip().splitlines()[-3:]))
+PY
+  exit 0 ;;
+esac
 case " $parts " in *" 70b "*)
+  real_text "$out/text.txt" 16
   BUDGET=${BUDGET70:-3000} bench qlora-70b-nf4-65536 "$(BUDGET=${BUDGET70:-3000} left 3000)" --preset 70b \
-    --tokens 65536 --seq-len 1024 --micro-batches 16 --steps "${STEPS70:-10}" "${QLORA[@]}" ;;
+    --tokens 65536 --seq-len 1024 --micro-batches 16 --steps "${STEPS70:-10}" "${QLORA[@]}" \
+    --set "data.path=$out/text.txt" --set data.format=windows --set optim.lr=1e-3 ;;  # LoRA's usual rate, not bench's 1e-4
 esac
 stamp done; exit $rc
