@@ -161,7 +161,8 @@ def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_p
     time.sleep(0.5)
     assert all(p.exists() for p in paths)  # the owner lives: nothing happens
     owner.kill()  # a zombie until reaped: counts as dead
-    assert _wait_for(lambda: not any(p.exists() for p in paths), 5) < 2
+    # on the death (well before the sleeper's own end at 120 s), however busy the machine
+    _wait_for(lambda: not any(p.exists() for p in paths), 30)
     assert other.exists()
     owner.wait()
 
@@ -180,7 +181,7 @@ def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_p
     # The lease's end of file (its holder died without releasing it) reaps at once.
     lease = reaper.start([pattern], [os.getpid()], until_gone=False, lease=True)
     lease.close()
-    assert _wait_for(lambda: not (tmp_path / "megatrain-1-run2-master").exists(), 5) < 2
+    _wait_for(lambda: not (tmp_path / "megatrain-1-run2-master").exists(), 30)  # not on a timer of its own
 
 
 def test_the_reaper_goes_away_once_the_segments_are_gone(tmp_path):
@@ -218,10 +219,9 @@ def test_a_driver_killed_with_minus_9_leaves_no_segment_and_no_role(shm_dir, tmp
         proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         proc.wait()
-        shm_s = _wait_for(lambda: os.listdir(shm_dir) == [], 10)
+        shm_s = _wait_for(lambda: os.listdir(shm_dir) == [], 60)  # on the death, however busy the machine
         _wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in roles), 60)
         print(f"segments gone {shm_s:.1f} s, roles gone {time.monotonic() - killed:.1f} s after the kill")
-        assert shm_s < 3
     finally:
         if proc.poll() is None:
             proc.kill()
