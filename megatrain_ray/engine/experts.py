@@ -70,7 +70,7 @@ class ExpertTraffic:
         self._cond = threading.Condition()
         self._step = -1
         self._routing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
-        """(step, unit): (the forward's counts [E] on the device, their host copy, its mark)."""
+        """(step, unit): (the forward's counts [E] on the device, held while their copy to the host runs; that copy; its mark)."""
         self._refetches: dict[tuple[int, int], list[int]] = {}
         self._grad_bytes: dict[tuple[int, int], list[int]] = {}
 
