@@ -393,18 +393,25 @@ class ParameterStore:
         same values, rounded to the master dtype, for every master dtype.
 
         Units are drawn on a pool of threads (torch's normal sampler is single-threaded, ~100 M
-        values/s: a minute for 7B on one core), each from its own generator, in place.
+        values/s: a minute for 7B on one core), each from its own generator, in place. A quantized
+        base's parameters are drawn one at a time into a transient of their own and quantized into
+        the store, with torch's operations on one thread each meanwhile (the pool is the parallelism:
+        its threads x intra-op threads would oversubscribe the cores many times over), so the
+        transient memory is one parameter per thread.
         """
         std = self.spec.model.initializer_range
 
         quantized = self.store.base is not None
+        compute = self.spec.precision.compute
 
         def init_unit(i: int) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
             template = self.store.layout.templates[i]
-            params = (template.bind(torch.empty(template.numel, dtype=self.spec.precision.compute)) if quantized
-                      else self.store.params("master", i))  # a quantized base's: drawn, then quantized
-            for name, p in params.items():
+            if quantized:
+                params = ((name, torch.empty(shape, dtype=compute)) for name, shape, _ in template.params)
+            else:
+                params = self.store.params("master", i).items()
+            for name, p in params:
                 if p.dim() >= 2 and p.dtype == torch.float32:
                     torch.randn(p.shape, generator=gen, out=p)
                     p.mul_(std)
@@ -419,8 +426,14 @@ class ParameterStore:
             self.store.refresh_stream(i)
 
         units = range(len(self.store.layout.units))
-        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            list(pool.map(init_unit, sorted(units, key=lambda i: -self.store.layout.templates[i].numel)))
+        threads = torch.get_num_threads()
+        if quantized:
+            torch.set_num_threads(1)  # process-wide: the pool's threads see it too; restored below
+        try:
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                list(pool.map(init_unit, sorted(units, key=lambda i: -self.store.layout.templates[i].numel)))
+        finally:
+            torch.set_num_threads(threads)
 
     def _load_hf(self, directory: str) -> None:
         """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.io.hf_io`)."""
