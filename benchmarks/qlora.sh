@@ -33,7 +33,7 @@ case " $parts " in *" check "*)
 esac
 case " $parts " in *" plan "*)
   run plan-qlora-qwen3 120 python3 -m megatrain_ray.cli plan --device cuda $(shape_args qwen3-30b-a3b) "${QLORA[@]}" \
-    --set train.seq_len=4096 --set train.micro_batch_size=4 --set train.num_micro_batches=16 || rc=$?
+    --set model.max_position_embeddings=4096 --set train.seq_len=4096 --set train.micro_batch_size=4 --set train.num_micro_batches=16 || rc=$?
   run plan-qlora-70b 120 python3 -m megatrain_ray.cli plan --device cuda $(shape_args 70b) "${QLORA[@]}" \
     --set train.seq_len=1024 --set train.micro_batch_size=4 --set train.num_micro_batches=16 || rc=$?
   for p in qwen3 70b; do cp "$out/log_plan-qlora-$p.txt" "$out/plan-qlora-$p.txt"; grep "LoRA\|frozen base" \
