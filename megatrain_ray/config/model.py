@@ -190,6 +190,13 @@ class ModelConfig:
         """Width of each routed expert's gate/up projections."""
         return self.moe_intermediate_size or self.intermediate_size
 
+    def beyond_layers(self, name: str) -> bool:
+        """Whether the HF tensor ``name`` belongs to a multi-token-prediction layer after the last
+        decoder layer (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers)."""
+        parts = name.split(".")
+        return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and 0 <= int(parts[2]) - self.num_hidden_layers < self.num_nextn_predict_layers)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a mixture of experts (else a dense MLP), as transformers
         decides it: not in mlp_only_layers, experts present, (layer + 1) % decoder_sparse_step == 0, and
@@ -391,6 +398,8 @@ class ModelConfig:
             for key in ("decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
                         "router_aux_loss_coef"):
                 del out[key]
+            out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}),  # transformers 5's form
+                                      "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
         else:
             out["moe_intermediate_size"] = self.expert_size
             if self.model_type == "qwen2_moe":  # its name for the q/k/v biases

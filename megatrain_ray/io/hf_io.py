@@ -8,9 +8,6 @@ tokenizer) and config.json names its end-of-text and beginning-of-text ids (``eo
 ``bos_token_id``: the source model's where it had them, else the tokenizer's), so ``generate``
 stops at EOS. Files get the mode a plain ``open`` would give them (0o666 less the umask).
 
-GLM-4.5's checkpoints also hold its multi-token-prediction layers after the last decoder layer, which
-the causal LM does not use: import skips them, as transformers does (:func:`_ignorable`).
-
 Mixtures of experts: a checkpoint holds each routed expert's projections as tensors of their own
 (the Hub's form, ``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``,
 which transformers 4 and 5 both load and 5 writes), or all of a layer's experts stacked in 3-D
@@ -138,13 +135,8 @@ def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
-    """Tensors an HF checkpoint may carry that the model does not use: RoPE's cached frequencies, a tied
-    head's copy, and GLM's multi-token-prediction layers after the last decoder layer
-    (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers), which transformers skips too."""
-    parts = name.split(".")
-    mtp = (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-           and 0 <= int(parts[2]) - cfg.num_hidden_layers < cfg.num_nextn_predict_layers)
-    return mtp or name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+    """Tensors an HF checkpoint may carry that the model does not use (GLM's MTP layers: ``beyond_layers``)."""
+    return cfg.beyond_layers(name) or name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -279,11 +271,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None, to
         if out.get(key) is None:
             out[key] = value
     ours = cfg.to_hf_dict()
-    if "rope_parameters" in out or "partial_rotary_factor" in ours:  # transformers 5's form: rope_theta, the
-        # scaling and the partial rotary factor inside rope_parameters
-        partial = {"partial_rotary_factor": ours["partial_rotary_factor"]} if "partial_rotary_factor" in ours else {}
-        out["rope_parameters"] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta,
-                                  **partial}
+    if "rope_parameters" in out:  # transformers 5's form: rope_theta and the scaling inside rope_parameters
+        out["rope_parameters"] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     out.update(ours)  # transformers 4's form (rope_theta, rope_scaling), which 5 reads too
     name = str(dtype).removeprefix("torch.")
     out["dtype"] = out["torch_dtype"] = name
