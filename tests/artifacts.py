@@ -51,9 +51,18 @@ MOE_ARCHS = {
                   dict(num_hidden_layers=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2,
                        tie_word_embeddings=True)),
+    # GLM-4.5: sigmoid router with its score-correction bias, 8 experts in 2 groups of which 1 is kept,
+    # top-2 renormalised and scaled by 2.5; two ungated shared experts; layer 0 dense
+    # (first_k_dense_replace); half of each head rotated, q/k/v biases (no o_proj bias), q/k norms.
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
+                 dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+                      n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                      use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1000000.0)),
 }
 """Tiny mixtures of experts, built like :data:`ARCHS` (their routers randomised with std 1/sqrt(H),
-so that the routing is decisive and no two experts' scores of a token tie at rounding level)."""
+so that the routing is decisive and no two experts' scores of a token tie at rounding level; GLM's
+score-correction bias, a buffer, with std 0.1, so that it moves some tokens' choice)."""
 
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -77,6 +86,9 @@ def make_model(arch: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.1)
             elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
                 p.normal_(0, p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model
 
 
@@ -134,6 +146,27 @@ def imported_logits_match(arch: str, directory, shm_dir):
         store.close()
         raise
     return model, store, ids, theirs
+
+
+def record_routing(model) -> list:
+    """A list that each of ``model``'s GLM routers (transformers' Glm4MoeTopkRouter, whose choice reads
+    its score-correction bias and expert groups besides the logits) appends its chosen experts [N, k]
+    to at every forward; it stays empty for the other families (see :func:`chosen_experts`)."""
+    recorded = []
+    for module in model.modules():
+        if type(module).__name__ == "Glm4MoeTopkRouter":
+            module.register_forward_hook(lambda mod, args, out: recorded.append(out[2].detach()))
+    return recorded
+
+
+def chosen_experts(out, recorded: list, k: int) -> list:
+    """The experts [N, k] each sparse layer of a transformers forward (its output ``out``) chose: what
+    :func:`record_routing` recorded (emptied here), else the top-k of the softmax of ``out.router_logits``."""
+    if recorded:
+        chosen = list(recorded)
+        recorded.clear()
+        return chosen
+    return [torch.topk(g.softmax(-1), k, -1)[1] for g in out.router_logits]
 
 
 def parity_run(tmp_path, shm_dir, steps: int) -> list[str]:

@@ -1,6 +1,7 @@
 """LoRA on mixtures of experts through the real pipeline, against transformers + peft + torch.optim.AdamW.
 
-Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral and Qwen2-MoE (a shared expert)
+Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral, Qwen2-MoE (a shared expert) and
+GLM-4.5 (sigmoid router, score-correction bias, expert groups, shared experts)
 models, 16 experts each with top-2 and few tokens per step, so that in some step an expert that
 was routed before receives no token. Our pipeline (real Ray actors, real shared memory, fp32) trains
 adapters on attention, the shared expert and every routed expert (peft's ``target_parameters`` on
@@ -33,7 +34,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from artifacts import make_model, parity_run, read_tensors, reference_update  # noqa: E402
+from artifacts import (chosen_experts, make_model, parity_run, read_tensors, record_routing,  # noqa: E402
+                       reference_update)
 from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # noqa: E402
 
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
@@ -48,7 +50,8 @@ from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 STEPS = 4
-SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16)}
+SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16),
+          "glm4_moe": dict(n_routed_experts=16)}
 
 
 def _model(arch, aux, attention="sdpa", experts="grouped_mm"):
@@ -78,6 +81,7 @@ def _peft(base, cfg, double=False):
 def _reference(model, cfg, source, reverse=False):
     """peft training as users write it, the load-balancing loss per micro-batch as transformers adds
     it; returns per-step losses, what trained by its key in peft's adapter file, and the routing."""
+    recorded = record_routing(model)
     trained = {n.replace(".modules_to_save.default.", ".").replace(".default.weight", ".weight"): p
                for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n or n.endswith("mlp.gate.weight") for n in trained)
@@ -99,7 +103,7 @@ def _reference(model, cfg, source, reverse=False):
                 loss = loss + cfg.model.router_aux_loss_coef * out.aux_loss / num_mb
             loss.backward()
             total += loss.item()
-            chosen = [torch.topk(g.softmax(-1), cfg.model.num_experts_per_tok, -1)[1] for g in out.router_logits]
+            chosen = chosen_experts(out, recorded, cfg.model.num_experts_per_tok)
             mb = torch.stack([torch.bincount(c.reshape(-1), minlength=cfg.model.num_experts) for c in chosen])
             counts = mb if counts is None else counts + mb
         reference_update(opt, list(trained.values()), o, step, cfg.train.steps)
@@ -116,7 +120,9 @@ def _reference(model, cfg, source, reverse=False):
     # two compute workers (data parallel, gloo), each routing its own micro-batches, the adapters' gradients summed
     ("qwen2_moe", False, ["lora.target_modules=q_proj,v_proj,down_proj", "parallel.compute_workers=2",
                           "train.num_micro_batches=4"]),
-], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers"])
+    # GLM-4.5: the router trained in full beside its frozen score-correction bias, which stays bit for bit
+    ("glm4_moe", False, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj", "lora.train_router=true"]),
+], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers", "glm4_moe-router"])
 def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, shm_dir, tmp_path):
     _model(arch, aux).save_pretrained(tmp_path / "init")
     cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=8", "train.micro_batch_size=1",
@@ -148,6 +154,11 @@ def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, 
 
     from safetensors.torch import load_file
     ours = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    # PEFT saves a router trained in full as its whole module: GLM's frozen score-correction bias with it
+    biases = {k: ours.pop(k) for k in [k for k in ours if k.endswith("e_score_correction_bias")]}
+    assert bool(biases) == (arch == "glm4_moe" and cfg.lora.train_router)
+    init = read_tensors(tmp_path / "init")
+    assert all(torch.equal(v, init[k.removeprefix("base_model.model.")]) for k, v in biases.items())
     assert set(ours) == set(ref)
     assert any(".experts." in k for k in ours) and (("mlp.gate.weight" in " ".join(ours)) == cfg.lora.train_router)
     assert_as_close_to_truth(ours, [ref, alt], truth)
@@ -210,6 +221,11 @@ def test_moe_lora_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="lora.target_modules names down_proj, which on a qwen3_moe model PEFT reads"):
         load_train_config(None, [*moe, "model.num_hidden_layers=2", "model.mlp_only_layers=[1]",
                                  "lora.target_modules=q_proj,down_proj"])
+    glm = ["model.model_type=glm4_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+           "model.moe_intermediate_size=16", "model.n_shared_experts=1", "lora.rank=4"]
+    with pytest.raises(ConfigError, match="lora.target_modules names gate_proj, which on a glm4_moe model PEFT reads "
+                                          "as its routed experts' parameters, so the adapters of its shared experts"):
+        load_train_config(None, [*glm, "lora.target_modules=q_proj,gate_proj"])
     cfg = load_train_config(None, [*moe, "lora.target_experts=[]"])
     assert cfg.lora.target_experts == () and not any(".experts." in n for t in
                                                       AdapterLayout.build(cfg.model, cfg.lora).templates

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) against transformers itself, on the CPU in fp32.
+"""Mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5) against transformers itself, on the CPU in fp32.
 
 - Logits: a tiny random model of each family (dense and sparse layers mixed where the family allows
   it, Qwen2-MoE's shared expert, several shards) imported into a real shared-memory store gives
@@ -8,7 +8,8 @@
   weights; export writes the per-expert form, which AutoModelForCausalLM loads, with transformers'
   logits and ``generate`` output unchanged.
 - The load-balancing loss from our per-layer router statistics equals transformers' aux_loss, and
-  its gradient, taken layer by layer through :func:`aux_loss_of_layer`, equals autograd's of the whole.
+  its gradient, taken layer by layer through :func:`aux_loss_of_layer`, equals autograd's of the whole
+  (GLM-4.5 has none in transformers: its config.json with output_router_logits is refused, naming the key).
 - The grouped GEMM (``torch._grouped_mm``, which this torch runs on the CPU in bf16) agrees with the
   per-expert fallback forward and backward, an expert with no rows included (its gradient zero).
 - The config: MoE keys read from config.json under either name, errors naming the key.
@@ -33,7 +34,9 @@ from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
 from megatrain_ray.model import flops, moe  # noqa: E402
 from megatrain_ray.model.transformer import routed_layer, rms_norm, rope_cache, unit_names, unit_params  # noqa: E402
 
-SPARSE = {"qwen3_moe": (0, 2), "mixtral": (0, 1), "qwen2_moe": (1, 3)}
+SPARSE = {"qwen3_moe": (0, 2), "mixtral": (0, 1), "qwen2_moe": (1, 3), "glm4_moe": (1, 2)}
+NO_AUX_LOSS = {"glm4_moe"}
+"""Families transformers computes no load-balancing loss for (output_router_logits is refused)."""
 
 
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
@@ -105,6 +108,11 @@ def test_both_expert_layouts_import_and_export_loads_in_transformers(arch, tmp_p
 def test_aux_loss_and_its_layerwise_gradient_match_transformers(arch, tmp_path):
     model = make_model(arch, output_router_logits=True)
     model.save_pretrained(tmp_path / "hf")
+    if arch in NO_AUX_LOSS:
+        assert getattr(model(input_ids=token_ids()), "aux_loss", None) is None
+        with pytest.raises(ConfigError, match=r"model\.output_router_logits"):
+            hf_io.read_config(str(tmp_path / "hf"))
+        return
     cfg, _ = hf_io.read_config(str(tmp_path / "hf"))
     mapping = hf_io.check_weights(cfg, str(tmp_path / "hf"), "the checkpoint")
     ids = token_ids(batch=2, seq=16)
@@ -261,6 +269,7 @@ def test_active_parameters_and_flops_count_routed_experts_at_top_k(arch):
     model = make_model(arch)
     cfg = ModelConfig.from_hf_dict(model.config.to_dict())
     total = sum(p.numel() for p in model.parameters())  # tied: counted once by parameters()
+    total += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))  # held too
     assert flops.num_params(cfg) == total
     per_expert = 3 * cfg.hidden_size * cfg.expert_size
     skipped = len(cfg.sparse_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
@@ -268,7 +277,7 @@ def test_active_parameters_and_flops_count_routed_experts_at_top_k(arch):
     assert flops.flops_6nt(cfg, 1000) == 6.0 * (total - skipped) * 1000
     # PaLM: every 2-D weight a token multiplies (experts at top-k, the tied head once as the LM head).
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n
-                 and "experts" not in n)
+                 and ".experts." not in n)
     matmul += len(cfg.sparse_layers) * cfg.num_experts_per_tok * per_expert
     if cfg.tie_word_embeddings:
         matmul += cfg.vocab_size * cfg.hidden_size

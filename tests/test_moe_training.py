@@ -1,6 +1,7 @@
 """Training a mixture of experts through the pipeline, against transformers + torch.optim.AdamW.
 
-Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral and Qwen2-MoE (shared expert) models,
+Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral, Qwen2-MoE (shared expert) and GLM-4.5
+(sigmoid router with its score-correction bias and expert groups, shared experts) models,
 16 experts each with top-2, few tokens per step, so that in most steps some expert of some layer
 receives no token (checked from metrics.jsonl's tokens per expert, which must also equal the
 reference's routing): our pipeline (real Ray actors, real shared memory, fp32) and the reference
@@ -12,6 +13,7 @@ its grouped GEMM, and the micro-batches reversed); ours'
 losses and final weights must be about as close to the truth as the farther fp32 run is
 (float64_truth). An expert without a token has a zero gradient there, its moments decay and its
 weight decays, in both: an update that skipped it would leave its weights off by lr x its moment.
+GLM's score-correction biases, frozen, end bit for bit as they started (weight decay on).
 """
 
 import json
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from artifacts import make_model, parity_run, read_tensors, reference_update  # noqa: E402
+from artifacts import (chosen_experts, make_model, parity_run, read_tensors, record_routing,  # noqa: E402
+                       reference_update)
 from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # noqa: E402
 
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
@@ -32,7 +35,8 @@ from megatrain_ray.model.transformer import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 STEPS = 4
-SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16)}
+SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16),
+          "glm4_moe": dict(n_routed_experts=16)}
 
 
 def _model(arch, aux, attention="sdpa", experts="grouped_mm"):
@@ -65,6 +69,7 @@ def _per_expert(state, cfg):
 
 def _reference(model, cfg, source, reverse=False):
     """The loop as users write it: per micro-batch CE / step tokens + coef x aux / micro-batches."""
+    recorded = record_routing(model)
     params = list(model.parameters())
     o = cfg.optim
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
@@ -86,7 +91,7 @@ def _reference(model, cfg, source, reverse=False):
                 loss = loss + cfg.model.router_aux_loss_coef * out.aux_loss / num_mb
             loss.backward()
             total += loss.item()
-            chosen = [torch.topk(g.softmax(-1), cfg.model.num_experts_per_tok, -1)[1] for g in out.router_logits]
+            chosen = chosen_experts(out, recorded, cfg.model.num_experts_per_tok)
             mb = torch.stack([torch.bincount(c.reshape(-1), minlength=experts) for c in chosen])
             counts = mb if counts is None else counts + mb
         reference_update(opt, params, o, step, cfg.train.steps)
@@ -95,7 +100,8 @@ def _reference(model, cfg, source, reverse=False):
     return losses, _per_expert({k: v.detach().clone() for k, v in model.state_dict().items()}, cfg.model), routed
 
 
-@pytest.mark.parametrize("arch,aux", [("qwen3_moe", True), ("mixtral", False), ("qwen2_moe", True)])
+@pytest.mark.parametrize("arch,aux", [("qwen3_moe", True), ("mixtral", False), ("qwen2_moe", True),
+                                      ("glm4_moe", False)])
 def test_moe_training_matches_transformers_and_adamw(arch, aux, ray_cluster, shm_dir, tmp_path):
     model = _model(arch, aux)
     model.save_pretrained(tmp_path / "init")
@@ -131,3 +137,8 @@ def test_moe_training_matches_transformers_and_adamw(arch, aux, ray_cluster, shm
                             for w in (ref_weights, alt_weights, true_weights))
     assert set(ours) == set(expected)
     assert_as_close_to_truth(ours, [expected, alt], truth)
+    # GLM's score-correction biases are held frozen: bit for bit the initial ones, as transformers' buffers.
+    init = read_tensors(tmp_path / "init")
+    biases = [k for k in init if k.endswith("e_score_correction_bias")]
+    assert bool(biases) == (arch == "glm4_moe")
+    assert all(torch.equal(ours[k], init[k]) and torch.equal(ours[k], expected[k]) for k in biases)

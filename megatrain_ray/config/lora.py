@@ -30,7 +30,7 @@ EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 experts module (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])."""
 
 
-PEFT_FUSED_MOE = ("qwen3_moe", "mixtral")
+PEFT_FUSED_MOE = ("qwen3_moe", "mixtral", "glm4_moe")
 """Model types whose MLP projection names (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2) PEFT
 maps to the routed experts' fused parameters when it builds or loads adapters on transformers 5's
 model (``peft.utils.transformers_weight_conversion``), so that a dense MLP layer of such a model

@@ -1,5 +1,5 @@
 """The model section: a decoder-only transformer's shape (Llama / Qwen2 / Qwen3 / Mistral, and the
-mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE), named as in Hugging Face config.json, and its
+mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5), named as in Hugging Face config.json, and its
 mapping to and from such a config.json.
 """
 
@@ -15,16 +15,24 @@ from .fields import section_from_dict
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM"}
 """model_type -> the HF ``architectures`` entry of its causal LM: the one map of supported families
 (config.json is read and written through it, by :class:`ModelConfig` and megatrain_ray.io.hf_io)."""
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
 """The mixture-of-experts families (see :mod:`megatrain_ray.model.moe`)."""
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
               "router_aux_loss_coef", "output_router_logits")
 """The fields only a mixture of experts has (a dense family's config.json carries none of them)."""
+GLM_FIELDS = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+              "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers")
+"""The fields only glm4_moe has (GLM-4.5 / 4.5-Air / 4.6; the other families' config.json carry none)."""
+GLM_HF_DEFAULTS = dict(n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                       routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                       num_nextn_predict_layers=1)
+"""transformers' Glm4MoeConfig defaults of those fields, for a config.json that leaves one out."""
 LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 """The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
 
@@ -32,12 +40,13 @@ LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor"
 @dataclass
 class ModelConfig:
     """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral /
-    Qwen2-MoE), named as in HF config.json."""
+    Qwen2-MoE / GLM-4.5), named as in HF config.json."""
 
     model_type: str = "llama"
-    """Architecture family: one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, qwen2_moe (qwen2
-    and qwen2_moe add q/k/v biases, qwen3 and qwen3_moe q/k norms; the *_moe ones and mixtral replace
-    the MLP of their sparse layers by a mixture of experts)."""
+    """Architecture family: one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, qwen2_moe, glm4_moe
+    (qwen2 and qwen2_moe add q/k/v biases, qwen3 and qwen3_moe q/k norms; the *_moe ones and mixtral
+    replace the MLP of their sparse layers by a mixture of experts; glm4_moe's router is sigmoid-scored
+    with a score-correction bias and expert groups, see megatrain_ray.model.moe)."""
     vocab_size: int = 260
     """Number of token embeddings (rows of the embedding and LM-head matrices)."""
     hidden_size: int = 64
@@ -74,15 +83,17 @@ class ModelConfig:
 
     num_experts: int = 0
     """Routed experts of each sparse layer (HF: num_experts for qwen3_moe / qwen2_moe, num_local_experts
-    for mixtral); 0 for a dense family."""
+    for mixtral, n_routed_experts for glm4_moe); 0 for a dense family."""
     num_experts_per_tok: int = 0
-    """Experts each token is routed to (top-k of the router's softmax); 0 for a dense family."""
+    """Experts each token is routed to (top-k of the router's softmax, or of glm4_moe's biased sigmoid
+    scores); 0 for a dense family."""
     moe_intermediate_size: int | None = None
     """Width of each routed expert's SwiGLU gate/up projections; None means intermediate_size (mixtral,
     whose config.json has no such key)."""
     norm_topk_prob: bool | None = None
     """Renormalise the top-k routing weights to sum to 1; None means the family default (true for
-    mixtral, which always does, false for qwen3_moe and qwen2_moe, as transformers' configs)."""
+    mixtral, which always does, false for qwen3_moe and qwen2_moe, as transformers' configs; a
+    glm4_moe config.json without the key: true, as transformers' Glm4MoeConfig)."""
     decoder_sparse_step: int = 1
     """Layer i is sparse (a mixture of experts) when (i + 1) is a multiple of this and i is not in
     mlp_only_layers; the others have a dense MLP of intermediate_size (qwen3_moe, qwen2_moe)."""
@@ -99,7 +110,32 @@ class ModelConfig:
     of a micro-batch, as transformers' load_balancing_loss_func given the attention mask: the padding
     of padded rows is left out of it) to the training loss, as transformers does when this is on;
     off: the loss is the cross-entropy alone (the routing is still trained through the routing
-    weights)."""
+    weights). glm4_moe has no such loss (transformers computes none for it): refused there."""
+
+    n_shared_experts: int = 0
+    """glm4_moe: shared experts every token goes through beside the routed ones, ungated, held as one
+    SwiGLU MLP of width n_shared_experts x moe_intermediate_size (``mlp.shared_experts``); 0: none."""
+    first_k_dense_replace: int = 0
+    """glm4_moe: the first this many layers keep a dense MLP of intermediate_size; the rest are sparse."""
+    n_group: int = 1
+    """glm4_moe: the routed experts fall into this many equal groups (consecutive expert indices); a
+    token's experts come from its topk_group best groups (each scored by the sum of its two best
+    biased scores). 1: no grouping."""
+    topk_group: int = 1
+    """glm4_moe: how many of the n_group groups a token's top-k experts are chosen from."""
+    routed_scaling_factor: float = 1.0
+    """glm4_moe: the factor of the routing weights (after their renormalisation, with norm_topk_prob)."""
+    use_qk_norm: bool = False
+    """glm4_moe: RMS-normalise queries and keys per head before RoPE (qwen3 and qwen3_moe always do)."""
+    partial_rotary_factor: float | None = None
+    """glm4_moe: the fraction of each head's dims that RoPE rotates (the first head_dim x this; the rest
+    pass through unrotated); None means the family default (0.5 for glm4_moe, as transformers'
+    Glm4MoeConfig; 1.0, all of them, for the others, where it may not be set). transformers 5 keeps it
+    in config.json's rope_parameters, 4 at the top level: both are read, both written."""
+    num_nextn_predict_layers: int = 0
+    """glm4_moe: the multi-token-prediction layers the Hub's checkpoints hold after the last decoder
+    layer (``model.layers.{num_hidden_layers}.*``). Not part of the causal LM (transformers' model has
+    none): their tensors are skipped on import, and the number is written back to config.json."""
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -108,6 +144,8 @@ class ModelConfig:
             self.attention_bias = self.model_type in ("qwen2", "qwen2_moe")
         if self.norm_topk_prob is None:
             self.norm_topk_prob = self.model_type == "mixtral"
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = GLM_HF_DEFAULTS["partial_rotary_factor"] if self.model_type == "glm4_moe" else 1.0
 
     @property
     def head_size(self) -> int:
@@ -121,8 +159,26 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3, Qwen3-MoE)."""
-        return self.model_type in ("qwen3", "qwen3_moe")
+        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3, Qwen3-MoE, and
+        GLM-4.5 with use_qk_norm)."""
+        return self.model_type in ("qwen3", "qwen3_moe") or self.use_qk_norm
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's first dims RoPE rotates: head_size x partial_rotary_factor."""
+        return int(self.head_size * self.partial_rotary_factor)
+
+    @property
+    def router_scoring(self) -> str:
+        """``softmax`` (top-k of the router's softmax) or ``sigmoid`` (GLM-4.5's: sigmoid scores, a
+        score-correction bias for the choice, expert groups); megatrain_ray.model.moe routes by it."""
+        return "sigmoid" if self.model_type == "glm4_moe" else "softmax"
+
+    @property
+    def shared_expert_size(self) -> int:
+        """Width of the shared expert (Qwen2-MoE's shared_expert_intermediate_size, GLM's n_shared_experts
+        x moe_intermediate_size); 0: none."""
+        return self.shared_expert_intermediate_size or self.n_shared_experts * self.expert_size
 
     @property
     def is_moe(self) -> bool:
@@ -134,11 +190,19 @@ class ModelConfig:
         """Width of each routed expert's gate/up projections."""
         return self.moe_intermediate_size or self.intermediate_size
 
+    def beyond_layers(self, name: str) -> bool:
+        """Whether the HF tensor ``name`` belongs to a multi-token-prediction layer after the last
+        decoder layer (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers)."""
+        parts = name.split(".")
+        return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and 0 <= int(parts[2]) - self.num_hidden_layers < self.num_nextn_predict_layers)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a mixture of experts (else a dense MLP), as transformers
-        decides it: not in mlp_only_layers, experts present, and (layer + 1) % decoder_sparse_step == 0."""
+        decides it: not in mlp_only_layers, experts present, (layer + 1) % decoder_sparse_step == 0, and
+        not among the first first_k_dense_replace (glm4_moe)."""
         return (self.is_moe and self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+                and (layer + 1) % self.decoder_sparse_step == 0 and layer >= self.first_k_dense_replace)
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -168,6 +232,10 @@ class ModelConfig:
             self._validate_rope_scaling()
         _require(self.initializer_range > 0, "model.initializer_range",
                  f"must be positive, got {self.initializer_range}")
+        if self.model_type != "glm4_moe":
+            for key in GLM_FIELDS:
+                _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
+                         f"is a glm4_moe setting, which a {self.model_type} model does not have; remove it")
         if self.is_moe:
             self._validate_moe()
         else:
@@ -210,6 +278,35 @@ class ModelConfig:
         if self.model_type == "qwen2_moe":
             _require(self.shared_expert_intermediate_size > 0, "model.shared_expert_intermediate_size",
                      "must be positive for qwen2_moe (its shared expert's width)")
+        if self.model_type == "glm4_moe":
+            self._validate_glm()
+
+    def _validate_glm(self) -> None:
+        for key in ("decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"):
+            _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
+                     "is not a setting of a glm4_moe model (its first first_k_dense_replace layers are dense, "
+                     "its shared experts n_shared_experts x moe_intermediate_size wide); remove it")
+        _require(not self.output_router_logits, "model.output_router_logits",
+                 "must be false for glm4_moe: transformers computes no load-balancing loss for it (its "
+                 "router's e_score_correction_bias, held frozen here, balances the load instead)")
+        e = self.num_experts
+        _require(self.n_group > 0 and e % self.n_group == 0 and (self.n_group == 1 or e // self.n_group >= 2),
+                 "model.n_group", f"must divide model.num_experts ({e}) into groups of at least 2, got {self.n_group}")
+        _require(0 < self.topk_group <= self.n_group, "model.topk_group",
+                 f"must be between 1 and model.n_group ({self.n_group}), got {self.topk_group}")
+        _require(self.topk_group * (e // self.n_group) >= self.num_experts_per_tok, "model.topk_group",
+                 f"keeps {self.topk_group} groups of {e // self.n_group} experts, fewer than "
+                 f"model.num_experts_per_tok ({self.num_experts_per_tok})")
+        _require(self.routed_scaling_factor > 0, "model.routed_scaling_factor",
+                 f"must be positive, got {self.routed_scaling_factor}")
+        _require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "model.first_k_dense_replace",
+                 f"must be between 0 and model.num_hidden_layers ({self.num_hidden_layers}), "
+                 f"got {self.first_k_dense_replace}")
+        for key in ("n_shared_experts", "num_nextn_predict_layers"):
+            _require(getattr(self, key) >= 0, f"model.{key}", f"must be >= 0, got {getattr(self, key)}")
+        f = self.partial_rotary_factor
+        _require(0 < f <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0, "model.partial_rotary_factor",
+                 f"must be in (0, 1] and rotate an even number of dims of model.head_dim ({self.head_size}), got {f}")
 
     def _validate_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -254,16 +351,18 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         if model_type not in MOE_MODEL_TYPES:
             names -= set(MOE_FIELDS)
+        if model_type != "glm4_moe":
+            names -= set(GLM_FIELDS)
         data = {k: v for k, v in hf.items() if k in names}
         data["model_type"] = model_type
         if model_type in MOE_MODEL_TYPES:
-            _moe_from_hf(hf, data)
+            _moe_from_hf(hf, data, rope)
         data["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         data["rope_scaling"] = None
         if rope_type not in ("default", None):  # validate() refuses the types model.rope_cache lacks
             data["rope_scaling"] = {"rope_type": rope_type,
-                                    **{k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta")}}
+                                    **{k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}}
             if rope_type == "llama3":  # transformers' precedence for the pretraining length
                 fallback = rope.get("original_max_position_embeddings",
                                     hf.get("max_position_embeddings", cls.max_position_embeddings))
@@ -281,6 +380,9 @@ class ModelConfig:
         out["head_dim"] = self.head_size
         out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["hidden_act"] = "silu"
+        if self.model_type != "glm4_moe":
+            for key in GLM_FIELDS:
+                del out[key]
         if not self.is_moe:
             for key in MOE_FIELDS:
                 del out[key]
@@ -290,6 +392,14 @@ class ModelConfig:
                         "shared_expert_intermediate_size", "attention_bias"):
                 del out[key]
             out["router_jitter_noise"] = 0.0
+        elif self.model_type == "glm4_moe":  # its config.json's names; no decoder_sparse_step, no aux loss
+            out["n_routed_experts"] = out.pop("num_experts")
+            out["moe_intermediate_size"] = self.expert_size
+            for key in ("decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+                        "router_aux_loss_coef"):
+                del out[key]
+            out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}),  # transformers 5's form
+                                      "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
         else:
             out["moe_intermediate_size"] = self.expert_size
             if self.model_type == "qwen2_moe":  # its name for the q/k/v biases
@@ -299,10 +409,12 @@ class ModelConfig:
         return out
 
 
-def _moe_from_hf(hf: dict[str, Any], data: dict[str, Any]) -> None:
+def _moe_from_hf(hf: dict[str, Any], data: dict[str, Any], rope: dict[str, Any]) -> None:
     """The mixture-of-experts keys of an HF config.json into ``data`` (ModelConfig field names): the
-    expert count under either name, q/k/v biases under qwen2_moe's, router noise refused."""
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    expert count under any of its names, q/k/v biases under qwen2_moe's, router noise refused,
+    glm4_moe's keys with transformers' defaults and partial_rotary_factor from ``rope`` (the
+    rope_parameters of transformers 5) or the top level (4)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts", hf.get("n_routed_experts")))
     if experts is not None:
         data["num_experts"] = experts
     if hf.get("router_jitter_noise"):
@@ -314,3 +426,9 @@ def _moe_from_hf(hf: dict[str, Any], data: dict[str, Any]) -> None:
         for key in ("moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"):
             data.pop(key, None)
         data["norm_topk_prob"] = True
+    if data["model_type"] == "glm4_moe":
+        for key, default in GLM_HF_DEFAULTS.items():
+            data[key] = hf.get(key, default)
+        data["partial_rotary_factor"] = rope.get("partial_rotary_factor", data["partial_rotary_factor"])
+        if "num_mtp_layers" in hf and "num_nextn_predict_layers" not in hf:
+            data["num_nextn_predict_layers"] = hf["num_mtp_layers"]

@@ -309,6 +309,10 @@ class TrainConfig:
         _require(not (self.lora.train_head and self.model.tie_word_embeddings), "lora.train_head",
                  "cannot be set for a model with tied embeddings (model.tie_word_embeddings), whose LM head is the "
                  "embedding: set lora.train_embedding to train both")
+        _require(not (self.optim.decay_norms_and_biases and self.model.router_scoring == "sigmoid"),
+                 "optim.decay_norms_and_biases",
+                 f"cannot be set for a {self.model.model_type} model: weight decay would move its routers' "
+                 "score-correction biases (mlp.gate.e_score_correction_bias), which are held frozen; set it to false")
         if self.lora.enabled:
             self._validate_lora(par.workers)
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
@@ -339,6 +343,11 @@ class TrainConfig:
                  f"parameters, so the adapters of its dense MLP layers ({', '.join(map(str, dense))}) would not load "
                  "in PEFT; target the attention projections (q_proj,k_proj,v_proj,o_proj) and the experts through "
                  "lora.target_experts")
+        _require(not (sparse and mlp and self.model.model_type in PEFT_FUSED_MOE and self.model.shared_expert_size),
+                 "lora.target_modules",
+                 f"names {', '.join(mlp)}, which on a {self.model.model_type} model PEFT reads as its routed experts' "
+                 "parameters, so the adapters of its shared experts would not load in PEFT; target the attention "
+                 "projections (q_proj,k_proj,v_proj,o_proj) and the experts through lora.target_experts")
         _require(not (sparse and self.lora.dropout), "lora.dropout",
                  f"must be 0 on a mixture of experts (got {self.lora.dropout}): PEFT's adapters on the experts' fused "
                  "parameters (target_parameters) take no dropout, so the adapters would not load in PEFT")

@@ -157,7 +157,7 @@ def sparse_kept_bytes_per_token(cfg, itemsize: int) -> int:
     against saved-tensor hooks on the CPU (eager, fp32 and bf16): at most 8% above what is saved.
     The compiled layer saves no more."""
     c, h, k = itemsize, cfg.hidden_size, cfg.num_experts_per_tok
-    s = cfg.shared_expert_intermediate_size
+    s = cfg.shared_expert_size
     dense_mlp = 4 * c * cfg.intermediate_size
     routed = 4 * cfg.num_experts + 4 + k * (3 * 8 + 4 + c + 2 * c * h + 4 * c * cfg.expert_size)
     return kept_bytes_per_token(cfg, c) - dense_mlp + routed + (4 * c * s + c + c * h if s else 0) + c * h

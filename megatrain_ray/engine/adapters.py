@@ -200,14 +200,17 @@ class DeviceAdapters:
         store, masters = self.store, self.masters()
         full = {hf_name(t.unit, name): masters[t.unit].view(shape) for t in self.layout.full
                 for name, shape, _ in t.params}  # the matrices trained in full, by HF name
-        shards = []
+        shards, units = [], store.layout.units
+
+        def base(unit: str, name: str) -> torch.Tensor:
+            return store.params("master", units.index(unit))[name]
+
         if merged_dir is not None:
-            units = store.layout.units
-            shards = peft_io.save_merged(merged_dir, self.cfg, self.lora, masters,
-                                         lambda unit, name: store.params("master", units.index(unit))[name],
+            shards = peft_io.save_merged(merged_dir, self.cfg, self.lora, masters, base,
                                          dtype or store.spec.precision.master, full, source=source,
                                          tokenizer=tokenizer, shard_bytes=shard_bytes)
-        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, full, base_model=source, tokenizer=tokenizer)
+        peft_io.save_adapters(adapter_dir, self.cfg, self.lora, masters, full, base_model=source, tokenizer=tokenizer,
+                              base=base)
         return shards
 
     def close(self) -> None:

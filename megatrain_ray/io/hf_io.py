@@ -135,8 +135,8 @@ def weight_map(directory: str, what: str = "the checkpoint") -> dict[str, str]:
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
-    """Tensors an HF checkpoint may carry that the model does not use."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+    """Tensors an HF checkpoint may carry that the model does not use (GLM's MTP layers: ``beyond_layers``)."""
+    return cfg.beyond_layers(name) or name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

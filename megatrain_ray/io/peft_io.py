@@ -121,9 +121,22 @@ def peft_tensors(cfg: ModelConfig, lora: LoraSection, unit: str, views: dict[str
     return out
 
 
+def router_companions(cfg: ModelConfig, lora: LoraSection) -> list[tuple[str, str, str]]:
+    """(key in adapter_model.safetensors, unit, name in the unit) of the frozen base tensors PEFT saves
+    beside a router trained in full: its modules_to_save holds the router's whole module, so GLM's
+    score-correction bias (``mlp.gate.e_score_correction_bias``, a buffer of that module) is saved
+    with its weight and must be there when PEFT loads the file; [] without lora.train_router or bias."""
+    if not lora.train_router or cfg.router_scoring != "sigmoid":
+        return []
+    bias = moe.names(cfg).score_bias
+    return [(f"{PEFT_PREFIX}model.layers.{i}.{RUNTIME_BLOCK}.gate.{bias.rpartition('.')[2]}", f"layers.{i}", bias)
+            for i in cfg.sparse_layers]
+
+
 def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[str, torch.Tensor],
                   full: dict[str, torch.Tensor] | None = None, base_model: str | None = None,
-                  dtype: torch.dtype | None = None, tokenizer: str | None = None) -> dict:
+                  dtype: torch.dtype | None = None, tokenizer: str | None = None,
+                  base: BaseReader | None = None) -> dict:
     """Write a PEFT adapter directory at ``out``. adapters: {unit: its adapters' flat buffer [numel]}
     (:class:`~megatrain_ray.model.lora.AdapterLayout`); full: {HF name: tensor} of the base tensors
     trained in full (:func:`full_names`); base_model: the base's directory or hub id, for
@@ -131,7 +144,8 @@ def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[
     chat template's end of turn joins the base's generation_config.json written beside the adapters
     (:func:`~megatrain_ray.io.generation.write_generation_config`: PEFT loads the base's, so
     ``generate`` stops at the end of a turn with ``generation_config=GenerationConfig.from_pretrained``
-    of this directory). Returns a summary."""
+    of this directory); base: reads the frozen base tensors saved beside a router trained in full
+    (:func:`router_companions`; needed only where there are some). Returns a summary."""
     layout = AdapterLayout.build(cfg, lora)
     tensors = []
     for unit, template in zip(layout.units, layout.templates):
@@ -139,6 +153,8 @@ def save_adapters(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[
             tensors.append(TensorSource.of(key, t.contiguous() if dtype is None else t.to(dtype).contiguous()))
     for key, name in _full_keys(cfg, lora):
         tensors.append(TensorSource.of(key, full[name] if dtype is None else full[name].to(dtype)))
+    for key, unit, name in router_companions(cfg, lora):
+        tensors.append(TensorSource.of(key, base(unit, name).contiguous()))  # kept as stored: frozen
     nbytes = sum(t.nbytes for t in tensors)
     with atomic_dir(out, "the adapters", nbytes) as tmp:
         write_safetensors(os.path.join(tmp, ADAPTER_WEIGHTS), tensors)

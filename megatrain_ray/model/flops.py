@@ -12,7 +12,8 @@
 Mixtures of experts count *active* parameters: a token goes through top-k of a sparse layer's E
 routed experts, so 6NT's N is :func:`active_params` (every parameter less the E - k routed experts
 a token skips, per sparse layer) and PaLM's matmul parameters count k routed experts, the router
-and the shared expert (with its gate) of each sparse layer. For a dense model both are as before.
+and the shared expert (with its gate, where it has one) of each sparse layer. For a dense model both
+are as before. GLM-4.5's score-correction bias (E per sparse layer) counts in N, as the norms do.
 
 A LoRA run (lora.rank > 0) counts the FLOPs its step runs: the frozen base's weight-gradient GEMMs
 are never run, so each base matmul parameter costs 4 FLOPs per token (2 forward, 2 for the input
@@ -72,7 +73,8 @@ def matmul_params(model: ModelConfig) -> int:
     sparse = len(model.sparse_layers)
     dense = model.num_hidden_layers - sparse
     routed = model.num_experts * h + model.num_experts_per_tok * expert_params(model)
-    shared = (3 * h * model.shared_expert_intermediate_size + h) if model.shared_expert_intermediate_size else 0
+    s = model.shared_expert_size  # its sigmoid gate (Qwen2-MoE's) one more row of h; GLM's has none
+    shared = 3 * h * s + (h if model.shared_expert_intermediate_size else 0)
     return (model.num_hidden_layers * attention + dense * 3 * h * inter + sparse * (routed + shared)
             + model.vocab_size * h)
 

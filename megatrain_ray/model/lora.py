@@ -52,13 +52,14 @@ PEFT_PREFIX = "base_model.model."
 
 
 def projection_name(param: str) -> str | None:
-    """``self_attn.q_proj.weight`` or a shared expert's ``mlp.shared_expert.gate_proj.weight`` -> ``q_proj``,
+    """``self_attn.q_proj.weight`` or a shared expert's ``mlp.shared_expert.gate_proj.weight`` (GLM's
+    ``mlp.shared_experts.gate_proj.weight``) -> ``q_proj``,
     ``gate_proj`` (the HF module name lora.target_modules uses); None for a parameter that is no such
     projection's weight (norms, biases, a router, a routed expert's weights)."""
     parts = param.split(".")
     if parts[-1] != "weight" or not parts[-2].endswith("_proj"):
         return None
-    return parts[-2] if len(parts) == 3 or (len(parts) == 4 and parts[:2] == ["mlp", "shared_expert"]) else None
+    return parts[-2] if len(parts) == 3 or (len(parts) == 4 and ".".join(parts[:2]) in moe.SHARED_MODULES) else None
 
 
 def expert_modules(cfg: ModelConfig, lora: LoraSection) -> list[tuple[str, str, tuple[int, int]]]:

@@ -1,18 +1,37 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), architecture only: pure functions of
-(weights, inputs), as transformers' ``*SparseMoeBlock`` computes them.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5), architecture only: pure
+functions of (weights, inputs), as transformers' ``*SparseMoeBlock`` / ``Glm4MoeMoE`` compute them.
 
 A sparse layer's MLP is a router and E routed experts (each a SwiGLU MLP of width
 ``cfg.expert_size``), plus, for Qwen2-MoE, a shared expert every token goes through, scaled by a
-sigmoid gate. Per token: the router's logits [E], their softmax in fp32, the top-k experts and
-their probabilities (renormalised to sum to 1 with ``norm_topk_prob``: Mixtral always, Qwen per
-config), cast to the activations' dtype; the token's output is the weighted sum of its k experts'
-outputs (:func:`sparse_mlp`).
+sigmoid gate, and for GLM-4.5 an ungated one (``cfg.shared_expert_size`` wide). The router is the
+one ``cfg.router_scoring`` names (:func:`route`, :data:`ROUTES`):
+
+- ``softmax`` (Qwen, Mixtral; :func:`softmax_route`): per token the router's logits [E], their
+  softmax in fp32, the top-k experts and their probabilities (renormalised to sum to 1 with
+  ``norm_topk_prob``: Mixtral always, Qwen per config), cast to the activations' dtype;
+- ``sigmoid`` (GLM-4.5, as DeepSeek-V3; :func:`grouped_route`): the logits in fp32 (the input and
+  the router weight upcast, as transformers computes them), scores = their sigmoid. The router's
+  *score-correction bias* ``mlp.gate.e_score_correction_bias`` [E] is added to the scores for the
+  choice only: the experts' ``n_group`` groups are ranked by the sum of their two best biased
+  scores, the best ``topk_group`` groups kept, and the top-k experts among them taken by biased
+  score. The weights are the unbiased scores of the chosen experts (renormalised with
+  ``norm_topk_prob``) times ``routed_scaling_factor``. The bias is how GLM balances its experts'
+  load (adjusted during its pretraining outside the gradient, which is why there is no auxiliary
+  loss): here it is held *frozen*, a parameter of the layer that is loaded, saved and exported
+  with the others and never changed by training. It reaches the output only through integer
+  indices, so its gradient is exactly zero, its AdamW moments stay zero and AdamW's update of it is
+  exactly zero; it is a 1-D parameter, so weight decay reaches it only with
+  ``optim.decay_norms_and_biases``, which a glm4_moe run refuses (tests/test_glm_moe.py trains and
+  checks it bit for bit).
+
+The token's output is the weighted sum of its k experts' outputs (:func:`sparse_mlp`).
 
 Weights, named relative to the layer as on the Hub (one tensor per expert; :func:`names`):
 ``mlp.gate.weight`` [E, H] (the router), ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` [I, H]
 and ``down_proj`` [H, I]; Mixtral's are ``block_sparse_moe.gate.weight`` and
 ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down); Qwen2-MoE also has
-``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight`` [1, H]. As
+``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight`` [1, H]; GLM-4.5
+``mlp.gate.e_score_correction_bias`` [E] and ``mlp.shared_experts.{gate,up,down}_proj.weight`` (:class:`Names`). As
 with the projection groups of :mod:`megatrain_ray.model.transformer`, the caller may also pass the
 experts *stacked*, as transformers 5 holds them: ``{mlp}.experts.gate_up_proj`` [E, 2I, H] (each
 expert's gate and up weights, stacked along dim 1) and ``{mlp}.experts.down_proj`` [E, H, I]. Then
@@ -49,14 +68,11 @@ not differentiable; P is. Each layer contributes its own counts and probability 
 and :func:`aux_loss` of the sums is the loss; its gradient reaches layer l only through l's P, as
 E x sum_e f_e x P_l,e / rows (:func:`aux_loss_of_layer`, whose sum over layers is the loss).
 
-Where the next routers go (see also the design note in ARCHITECTURE.md): :func:`route` is the one
-place that maps router logits to (top-k weights, top-k indices, the probabilities the aux loss
-sees). DeepSeek-V3 / GLM-4.5's router (sigmoid scores, a per-expert score-correction bias added for
-the choice only, top-k groups of experts first, then top-k within them, a routed scaling factor) is
-another ``route`` selected by the config, with its bias a 1-D parameter of the router beside
-``mlp.gate.weight`` (``mlp.gate.e_score_correction_bias``, not trained by the gradient); the expert
-GEMMs, the dispatch and the shared experts (DeepSeek's ``shared_experts`` is Qwen2-MoE's shared
-expert without the sigmoid gate) are unchanged. gpt-oss's biased experts add ``gate_up_proj_bias``
+Where the next routers go: :data:`ROUTES` is the one place that maps router logits to (top-k
+weights, top-k indices, the probabilities the aux loss sees), one function per
+``cfg.router_scoring``; the expert GEMMs, the dispatch and the shared experts are the same for
+every router (DeepSeek-V3's is GLM's: its names and routing are GLM_NAMES and :func:`grouped_route`).
+gpt-oss's biased experts add ``gate_up_proj_bias``
 [E, 2I] / ``down_proj_bias`` [E, H] beside the stacked weights: :func:`expert_weights` returns them
 and :func:`grouped_linear` adds each row's expert bias (a gather by the sorted expert ids), and its
 clamped SwiGLU variant is the activation between the two grouped GEMMs.
@@ -87,13 +103,22 @@ class Names:
     """The names of a sparse layer's MLP tensors in one family, relative to the layer."""
 
     block: str
-    """``mlp`` (Qwen) or ``block_sparse_moe`` (Mixtral)."""
+    """``mlp`` (Qwen, GLM) or ``block_sparse_moe`` (Mixtral)."""
     projections: tuple[str, str, str]
     """An expert's gate, up and down projections: gate_proj, up_proj, down_proj, or Mixtral's w1, w3, w2."""
+    shared: str = "mlp.shared_expert"
+    """The shared expert's module: Qwen2-MoE's ``mlp.shared_expert``, GLM's ``mlp.shared_experts``."""
+    shared_gate: str | None = "mlp.shared_expert_gate.weight"
+    """The shared expert's sigmoid gate [1, H] (Qwen2-MoE's), or None: an ungated shared expert (GLM's)."""
 
     @property
     def router(self) -> str:
         return f"{self.block}.gate.weight"
+
+    @property
+    def score_bias(self) -> str:
+        """The router's score-correction bias [E] (GLM's ``mlp.gate.e_score_correction_bias``)."""
+        return f"{self.block}.gate.e_score_correction_bias"
 
     @property
     def stacked(self) -> tuple[str, str]:
@@ -107,11 +132,14 @@ class Names:
 
 QWEN_NAMES = Names("mlp", ("gate_proj", "up_proj", "down_proj"))
 MIXTRAL_NAMES = Names("block_sparse_moe", ("w1", "w3", "w2"))
+GLM_NAMES = Names("mlp", ("gate_proj", "up_proj", "down_proj"), shared="mlp.shared_experts", shared_gate=None)
+SHARED_MODULES = (QWEN_NAMES.shared, GLM_NAMES.shared)
+"""The shared expert's module in each family that has one."""
 
 
 def names(cfg: ModelConfig) -> Names:
     """The Hub names of ``cfg``'s sparse-layer tensors."""
-    return MIXTRAL_NAMES if cfg.model_type == "mixtral" else QWEN_NAMES
+    return {"mixtral": MIXTRAL_NAMES, "glm4_moe": GLM_NAMES}.get(cfg.model_type, QWEN_NAMES)
 
 
 def is_sparse(p: Params) -> bool:
@@ -132,19 +160,24 @@ def part_of(name: str) -> tuple[str, int | None]:
 
 
 def sparse_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of a sparse layer's MLP parameters: the router, every expert's gate and up
-    back to back expert after expert, then every expert's down (the order in which the flat layout
-    can offer the stacked views), then the shared expert and its gate (Qwen2-MoE)."""
+    """(name, shape) of a sparse layer's MLP parameters: the router (with its score-correction bias
+    where the routing uses one: GLM's), every expert's gate and up back to back expert after expert,
+    then every expert's down (the order in which the flat layout can offer the stacked views), then
+    the shared expert and its gate (Qwen2-MoE; GLM's shared experts have none)."""
     h, i, e, n = cfg.hidden_size, cfg.expert_size, cfg.num_experts, names(cfg)
     params = [(n.router, (e, h))]
+    if cfg.router_scoring == "sigmoid":
+        params.append((n.score_bias, (e,)))
     for j in range(e):
         gate, up, _ = n.expert(j)
         params += [(gate, (i, h)), (up, (i, h))]
     params += [(n.expert(j)[2], (h, i)) for j in range(e)]
-    s = cfg.shared_expert_intermediate_size
+    s = cfg.shared_expert_size
     if s:
-        params += [("mlp.shared_expert.gate_proj.weight", (s, h)), ("mlp.shared_expert.up_proj.weight", (s, h)),
-                   ("mlp.shared_expert.down_proj.weight", (h, s)), ("mlp.shared_expert_gate.weight", (1, h))]
+        params += [(f"{n.shared}.gate_proj.weight", (s, h)), (f"{n.shared}.up_proj.weight", (s, h)),
+                   (f"{n.shared}.down_proj.weight", (h, s))]
+        if n.shared_gate:
+            params.append((n.shared_gate, (1, h)))
     return params
 
 
@@ -169,10 +202,10 @@ class RouterStats:
     of the layer is given as ``chosen``)."""
 
 
-def route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The softmax top-k router. x: [N, H] -> (probs [N, E] fp32, weights [N, k] in x's dtype,
-    experts [N, k] int64): softmax in fp32, top-k, renormalised with ``cfg.norm_topk_prob``.
+def softmax_route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax top-k router (Qwen, Mixtral). x: [N, H] -> (probs [N, E] fp32, weights [N, k] in
+    x's dtype, experts [N, k] int64): softmax in fp32, top-k, renormalised with ``cfg.norm_topk_prob``.
     chosen: [N, k] integer, the experts an earlier run of the layer on the same tokens chose (in
     top-k's order), or None: with it the choice is that one and its weights are these
     probabilities of those experts (a recompute whose last bits differ from its forward's cannot
@@ -187,6 +220,46 @@ def route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Tensor | N
     if cfg.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return probs, top.to(x.dtype), experts
+
+
+def grouped_route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GLM-4.5's router (DeepSeek-V3's). x: [N, H] -> (scores [N, E] fp32, weights [N, k] in x's
+    dtype, experts [N, k] int64). The logits in fp32 (x and the router weight upcast), scores =
+    their sigmoid; the choice reads scores + the score-correction bias [E]: the experts' n_group
+    groups are scored by the sum of their two best biased scores, the topk_group best groups kept,
+    and the top-k experts among those taken by biased score; the weights are the *unbiased* scores
+    at the chosen experts, divided by their sum (+1e-20) with norm_topk_prob, times
+    routed_scaling_factor. The bias only moves the choice, through integer indices, so no gradient
+    reaches it. chosen: as :func:`softmax_route` (the bias is then not read)."""
+    n = names(cfg)
+    scores = torch.sigmoid(F.linear(x.float(), p[n.router].float()))  # [N, E] fp32
+    if chosen is None:
+        biased = scores + p[n.score_bias].float()
+        if cfg.topk_group < cfg.n_group:  # else every group is kept
+            groups = biased.view(biased.shape[0], cfg.n_group, -1)  # [N, G, E / G]
+            best = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), cfg.topk_group, dim=-1)[1]  # [N, topk_group]
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+            biased = groups.masked_fill(~keep[..., None], float("-inf")).view_as(biased)
+        experts = torch.topk(biased, cfg.num_experts_per_tok, dim=-1)[1]
+    else:
+        experts = chosen.long()
+    top = scores.gather(-1, experts)
+    if cfg.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores, (top * cfg.routed_scaling_factor).to(x.dtype), experts
+
+
+ROUTES = {"softmax": softmax_route, "sigmoid": grouped_route}
+"""The router of each ``cfg.router_scoring``."""
+
+
+def route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router ``cfg`` names (:data:`ROUTES`). x: [N, H] -> (probabilities or scores [N, E] fp32,
+    what the load-balancing loss reads; weights [N, k] in x's dtype; experts [N, k] int64); chosen:
+    [N, k], the experts of an earlier run on the same tokens, or None."""
+    return ROUTES[cfg.router_scoring](p, x, cfg, chosen)
 
 
 def expert_weights(p: Params, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,13 +352,14 @@ def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: t
     return out[inverse].view(n, k, -1).sum(dim=1), counts  # back to (token, slot) order, slots summed
 
 
-def shared_expert(p: Params, x: torch.Tensor) -> torch.Tensor:
-    """Qwen2-MoE's shared expert, scaled by its sigmoid gate, its projections' adapters added where
-    ``p`` holds them (:func:`~megatrain_ray.model.linear.linear`). x: [N, H] -> [N, H]."""
-    gate = linear(p, "mlp.shared_expert.gate_proj", x)
-    up = linear(p, "mlp.shared_expert.up_proj", x)
-    out = linear(p, "mlp.shared_expert.down_proj", F.silu(gate) * up)
-    return torch.sigmoid(F.linear(x, p["mlp.shared_expert_gate.weight"])) * out
+def shared_expert(p: Params, x: torch.Tensor, n: Names = QWEN_NAMES) -> torch.Tensor:
+    """The shared expert of names ``n``: Qwen2-MoE's, scaled by its sigmoid gate, or GLM's, ungated;
+    its projections' adapters added where ``p`` holds them (:func:`~megatrain_ray.model.linear.linear`).
+    x: [N, H] -> [N, H]."""
+    gate = linear(p, f"{n.shared}.gate_proj", x)
+    up = linear(p, f"{n.shared}.up_proj", x)
+    out = linear(p, f"{n.shared}.down_proj", F.silu(gate) * up)
+    return out if n.shared_gate is None else torch.sigmoid(F.linear(x, p[n.shared_gate])) * out
 
 
 def router_stats(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
@@ -311,8 +385,9 @@ def sparse_mlp(p: Params, x: torch.Tensor, cfg: ModelConfig, tokens: torch.Tenso
     flat = x.reshape(-1, shape[-1])  # [N, H]
     probs, weights, experts = route(p, flat, cfg, chosen)
     out, counts = routed_experts(p, flat, weights, experts, cfg)
-    if "mlp.shared_expert_gate.weight" in p:
-        out = out + shared_expert(p, flat)
+    n = names(cfg)
+    if f"{n.shared}.down_proj.weight" in p:
+        out = out + shared_expert(p, flat, n)
     stats = router_stats(probs, experts, counts, None if tokens is None else tokens.reshape(-1))
     return out.reshape(shape), stats
 

@@ -10,7 +10,10 @@ Llama 3.2 1B shape, ``3b`` and ``7b``, ``14b``, ``32b`` the Qwen2.5 3B, 7B, 14B 
 layers), ``70b`` the Llama 3.1 70B shape. Larger mixtures of experts: ``qwen3-30b-a3b`` (48 layers
 of 128 experts, top-8; 30.5B parameters, 3.3B active) and ``mixtral-8x7b`` (32 layers of 8 experts, top-2; 46.7B,
 12.9B active), whose ``--layers`` cuts keep every layer's experts (12 of Qwen3-30B-A3B's 48 layers:
-8.1B).
+8.1B); ``glm-4.5-air`` (GLM-4.5-Air's published config.json: 46 layers, the first dense, the others
+128 routed experts top-8 of 1,408 wide beside one shared expert, 96 heads of 128 with half of each
+rotated, q/k/v biases; 106.9B parameters without its multi-token-prediction layer, 13.4B active, 12.2B
+without the embedding and the LM head: the card's 12B).
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ PRESETS = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           rope_theta=1e6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True),
+    "glm-4.5-air": dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                        num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
+                        rope_theta=1e6, rms_norm_eps=1e-5, attention_bias=True, partial_rotary_factor=0.5,
+                        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                        norm_topk_prob=True, num_nextn_predict_layers=1),
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e6,
                          rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2),

@@ -1,5 +1,5 @@
 """The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral, and the mixtures of
-experts Qwen3-MoE / Mixtral / Qwen2-MoE), architecture only.
+experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5), architecture only.
 
 Everything here is a pure function of (weights, inputs). Weights arrive as a dict of tensors keyed
 by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...): any tensors,
@@ -129,14 +129,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_cache(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [seq_len, head_size] for positions 0..seq_len-1, computed in fp32 then cast.
+    """cos, sin: [seq_len, rotary_dim] for positions 0..seq_len-1, computed in fp32 then cast;
+    rotary_dim is head_size but with ``partial_rotary_factor`` < 1 (GLM-4.5), whose frequencies are
+    those of a head of rotary_dim dims (as transformers computes them) and which rotates only the
+    first rotary_dim dims of q and k (:func:`_apply_rope`).
 
     With ``rope_scaling`` of type llama3 (Llama 3.1+), the frequencies are rescaled by wavelength as
     transformers' ``_compute_llama3_parameters`` does: wavelengths shorter than
     original_max_position_embeddings / high_freq_factor are kept, those longer than .../low_freq_factor
     are divided by factor, and those between are interpolated smoothly between the two.
     """
-    d = cfg.head_size
+    d = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
     if cfg.rope_scaling is not None:  # rope_type llama3, the only one ModelConfig.validate accepts
         rs = cfg.rope_scaling
@@ -179,10 +182,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, S, d]; cos/sin: [S, d], or [B, S, d] (per-sequence positions)."""
+    """x: [B, heads, S, d]; cos/sin: [S, r], or [B, S, r] (per-sequence positions), r <= d: the first
+    r dims of each head are rotated (rotate-half within them), the other d - r pass through."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 PROJECTION_GROUPS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -154,7 +154,7 @@ def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer
     if m.sparse_layers:
         rows = tokens * m.num_experts_per_tok
         sparse = (rows * (4 * h + 5 * m.expert_size) * c + tokens * m.num_experts * 4 * 3
-                  + tokens * 5 * m.shared_expert_intermediate_size * c)
+                  + tokens * 5 * m.shared_expert_size * c)
         if sparse > tokens * 5 * inter * c or len(m.sparse_layers) == m.num_hidden_layers:
             return Row(f"one layer's working set (one micro-batch; a sparse layer: {rows} dispatched rows)", "device",
                        tokens * (4 * h + 2 * q + 2 * kv) * c + sparse + layer_numel * (4 + c), "layer")
