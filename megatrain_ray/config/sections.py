@@ -275,7 +275,7 @@ class TrainConfig:
                  f"({self.train.seq_len}) exceeds model.max_position_embeddings "
                  f"({self.model.max_position_embeddings})")
         window = self.model.sliding_window
-        _require(window is None or self.train.seq_len <= window, "train.seq_len",
+        _require(window is None or self.model.layer_types is not None or self.train.seq_len <= window, "train.seq_len",
                  f"({self.train.seq_len}) exceeds model.sliding_window ({window}); sliding-window attention "
                  "is not implemented, so shorter sequences are needed")
         _require(not self.train.eval_every or self.data.val_fraction > 0 or self.data.val_path

@@ -37,8 +37,8 @@ from ..config.moved import saved_run_config
 from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
-from . import checkpoint
-from .experts import read_source, source_shapes, sources
+from . import checkpoint, gpt_oss
+from .experts import read_source, reader, source_keys, source_shapes, sources
 from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
 from .generation import write_generation_config
 
@@ -155,7 +155,7 @@ def expected_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 
 def check_tensors(cfg: ModelConfig, mapping: dict[str, str], directory: str, what: str) -> None:
     """Missing or unexpected tensors are one ConfigError naming them."""
-    wanted = {key for key, _ in sources(cfg, mapping, expected_names(cfg)).values()}
+    wanted = {key for source in sources(cfg, mapping, expected_names(cfg)).values() for key in source_keys(source)}
     missing = sorted(k for k in wanted if k not in mapping)
     if missing:
         raise ConfigError(f"{what} ({directory}) lacks {len(missing)} tensor(s) a {cfg.model_type} model of this "
@@ -214,10 +214,10 @@ def load_into(store, directory: str, what: str = "train.init_from") -> None:
     cfg = store.spec.model
     mapping = check_weights(cfg, directory, what)
     where = sources(cfg, mapping, expected_names(cfg))
-    units = store.layout.units
+    units, read = store.layout.units, reader(directory, mapping)
     for key, (unit, name) in sorted(expected_names(cfg).items(), key=lambda kv: (mapping[where[kv[0]][0]], kv[0])):
         with safe_open(os.path.join(directory, mapping[where[key][0]]), framework="pt") as f:
-            store.write(units.index(unit), name, read_source(f, where[key]))
+            store.write(units.index(unit), name, read_source(f, where[key], read))
     for i in range(len(units)):
         store.refresh_stream(i)
 
@@ -233,15 +233,22 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
     for name, _ in unit_params(cfg, unit):
         source = where[hf_name(unit, name)]
         by_file.setdefault(mapping[source[0]], []).append((source, name))
+    read = reader(directory, mapping)
     for filename, entries in by_file.items():
         with safe_open(os.path.join(directory, filename), framework="pt") as f:
             for source, name in entries:
-                out[name] = read_source(f, source).to(dtype)
+                out[name] = read_source(f, source, read).to(dtype)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing a model directory.
+
+def hub_form(cfg: ModelConfig, tensors: list[TensorSource]) -> list[TensorSource]:
+    """The tensors of ``cfg``'s parameters (named by full HF name) as the Hub holds them: as they are,
+    but gpt-oss's experts stacked (:func:`megatrain_ray.io.gpt_oss.hub_tensors`)."""
+    return gpt_oss.hub_tensors(cfg, tensors) if cfg.model_type == "gpt_oss" else tensors
+
 
 def token_ids(tokenizer: str | None) -> dict:
     """eos_token_id and bos_token_id (None: it has none) of a tokenizer directory or BYTE_LEVEL, for
@@ -302,8 +309,8 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
     :func:`megatrain_ray.io.files.atomic_dir`): a full disk removes what was written and raises one
     WriteError naming it and the space needed. Tensors are written straight from the store's memory.
     """
-    tensors = [TensorSource.of(hf_name(unit, name), store.params("master", i)[name])
-               for i, unit in enumerate(store.layout.units) for name, _, _ in store.layout.templates[i].params]
+    tensors = hub_form(store.spec.model, [TensorSource.of(hf_name(unit, name), store.params("master", i)[name])
+                       for i, unit in enumerate(store.layout.units) for name, _, _ in store.layout.templates[i].params])
     return write_model_dir(directory, "the final weights", store.spec.model, store.spec.precision.master, tensors,
                            shard_bytes, source, tokenizer)
 
@@ -425,6 +432,7 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
         raise ConfigError(f"--out {out!r} cannot be written to ({why}); choose a writable directory.")
     ckpt = resolve_checkpoint(src)
     cfg, raw = read_config(ckpt.weights_dir)
+    raw.pop("quantization_config", None)  # the weights written are not quantized (MXFP4 experts: dequantized)
     mapping = check_weights(cfg, ckpt.weights_dir, "the checkpoint")
     embed = hf_name("embed", "weight")
     stored = _header(ckpt.weights_dir, mapping[embed], "the checkpoint")[embed][0]
@@ -433,13 +441,14 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     target = DTYPES[dtype] if dtype else TORCH_DTYPES[stored]
     where = sources(cfg, mapping, expected_names(cfg))  # a stacked-experts checkpoint is written in the per-expert form
 
-    def reader(key: str) -> Callable[[], torch.Tensor]:
+    def param(key: str) -> Callable[[], torch.Tensor]:
         def load() -> torch.Tensor:
             with safe_open(os.path.join(ckpt.weights_dir, mapping[where[key][0]]), framework="pt") as f:
-                return read_source(f, where[key]).contiguous().to(target)
+                return read_source(f, where[key], read).contiguous().to(target)
         return load
 
-    tensors = [TensorSource(key, shape, target, reader(key)) for key, shape in expected_shapes(cfg).items()]
+    read = reader(ckpt.weights_dir, mapping)
+    tensors = hub_form(cfg, [TensorSource(key, shape, target, param(key)) for key, shape in expected_shapes(cfg).items()])
     nbytes = sum(t.nbytes for t in tensors)
     tok = tokenizer or ckpt.tokenizer
     with atomic_dir(out, "--out", nbytes) as tmp:
