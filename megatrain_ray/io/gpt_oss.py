@@ -16,7 +16,7 @@ This project keeps each expert's gate, up and down weights [I, H], [I, H], [H, I
 tensors of their own (:data:`megatrain_ray.model.moe.GPT_OSS_NAMES`), like the other families.
 :func:`add_sources` maps each of them to its slice of a stacked tensor and the conversion that
 brings it into that layout (de-interleave, transpose, dequantize), so import reads one expert at a
-time (:mod:`megatrain_ray.io.experts`); :func:`hub_tensors` does the reverse for export, one
+time (:mod:`megatrain_ray.io.experts`); :func:`hub_form` does the reverse for export, one
 stacked tensor at a time, in the bf16 form (which transformers loads). MXFP4 is dequantized once,
 at import, to the store's dtype; keeping it MXFP4 in the store is not done.
 """
@@ -114,12 +114,14 @@ def add_sources(cfg: ModelConfig, mapping: dict[str, str], out: dict) -> None:
             out[d] = (dn_b, (e,), _mxfp4(dn_b, dn_s, dn_shape, e, slice(None)))
 
 
-def hub_tensors(cfg: ModelConfig, tensors: list) -> list:
-    """``tensors`` (TensorSources named by full HF name, this project's per-expert form) with each
-    gpt-oss layer's per-expert tensors replaced by the Hub's four bf16 stacked ones (see the module
-    docstring), each built when written from its experts' tensors; others pass through."""
+def hub_form(cfg: ModelConfig, tensors: list) -> list:
+    """``tensors`` (TensorSources of ``cfg``'s parameters, named by full HF name) as the Hub holds
+    them: as they are, but each gpt-oss layer's per-expert tensors replaced by the Hub's four bf16
+    stacked ones (see the module docstring), each built when written from its experts' tensors."""
     from .files import TensorSource
 
+    if cfg.model_type != "gpt_oss":
+        return tensors
     by_name = {t.name: t for t in tensors}
     experts = {f"model.layers.{layer}.": [] for layer in cfg.sparse_layers}
     out = []

@@ -13,7 +13,8 @@ Mixtures of experts: a checkpoint holds each routed expert's projections as tens
 which transformers 4 and 5 both load and 5 writes), or all of a layer's experts stacked in 3-D
 tensors (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]: transformers
 5's parameters, as a state dict saved directly holds them). Import reads either, layer by layer
-(:func:`megatrain_ray.io.experts.sources`; a stacked tensor is read one expert's slice at a time); export writes the Hub's form.
+(:func:`megatrain_ray.io.experts.sources`; a stacked tensor is read one expert's slice at a time); export writes
+the Hub's form (gpt-oss's: stacked, its MXFP4 experts dequantized; :mod:`megatrain_ray.io.gpt_oss`).
 
 Memory policy, for every direction: tensors move one at a time. Import reads the shards in order
 through safetensors' memory mapping and copies each tensor straight into its place in the store's
@@ -37,10 +38,11 @@ from ..config.moved import saved_run_config
 from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load_tokenizer, save_byte_tokenizer
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
-from . import checkpoint, gpt_oss
+from . import checkpoint
 from .experts import read_source, reader, source_keys, source_shapes, sources
 from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
 from .generation import write_generation_config
+from .gpt_oss import hub_form
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -243,11 +245,6 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
 
 # ---------------------------------------------------------------------------------------------
 # Writing a model directory.
-
-def hub_form(cfg: ModelConfig, tensors: list[TensorSource]) -> list[TensorSource]:
-    """The tensors of ``cfg``'s parameters (named by full HF name) as the Hub holds them: as they are,
-    but gpt-oss's experts stacked (:func:`megatrain_ray.io.gpt_oss.hub_tensors`)."""
-    return gpt_oss.hub_tensors(cfg, tensors) if cfg.model_type == "gpt_oss" else tensors
 
 
 def token_ids(tokenizer: str | None) -> dict:
