@@ -11,6 +11,8 @@
   an MXFP4 checkpoint imports to the weights transformers dequantizes from it.
 - The load-balancing loss (transformers' over the biased logits' full softmax) and YaRN's tables.
 - The config: from config.json and back, errors naming the key.
+- FLOPs: active parameters (an expert's biases with it), the window in PaLM's attention term, and
+  the presets' totals as published (20.9B and 116.8B; 3.6B and 5.1B active without the embedding).
 """
 
 import json
@@ -28,7 +30,7 @@ from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
 from megatrain_ray.io.gpt_oss import dequantize_mxfp4  # noqa: E402
-from megatrain_ray.model import moe  # noqa: E402
+from megatrain_ray.model import flops, moe, presets  # noqa: E402
 from megatrain_ray.model.transformer import layer_mask, rms_norm, rope_cache, routed_layer, unit_names  # noqa: E402
 
 
@@ -191,3 +193,24 @@ def test_bad_gpt_oss_settings_name_the_key(change, key):
                 layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         ModelConfig(**{**base, **change}).validate()
+
+
+def test_active_parameters_flops_and_presets():
+    model = make_model("gpt_oss")
+    cfg = ModelConfig.from_hf_dict(model.config.to_dict())
+    total = sum(p.numel() for p in model.parameters())
+    assert flops.num_params(cfg) == total
+    per_expert = sum(p[0].numel() for n, p in model.model.layers[0].mlp.experts.named_parameters())
+    assert flops.expert_params(cfg) == per_expert
+    skipped = cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
+    assert flops.active_params(cfg) == total - skipped
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n
+                 and "experts" not in n) + cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * 64 * 32
+    assert flops.matmul_params(cfg) == matmul
+    q = cfg.num_attention_heads * cfg.head_size
+    assert flops.attention_flops_per_token(cfg, 24) == 12 * (4 + 24) * q  # layer 0 sees 4 keys, layer 1 all 24
+    for name, total, active in (("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)):
+        big = presets.preset_model(name)
+        big.validate()
+        embed = big.vocab_size * big.hidden_size
+        assert abs(flops.num_params(big) - total) < 0.01e9 and abs(flops.active_params(big) - embed - active) < 0.01e9
