@@ -101,7 +101,7 @@ class ModelConfig:
 
     num_experts: int = 0
     """Routed experts of each sparse layer (HF: num_experts for qwen3_moe / qwen2_moe, num_local_experts
-    for mixtral); 0 for a dense family."""
+    for mixtral and gpt_oss); 0 for a dense family."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k of the router's softmax); 0 for a dense family."""
     moe_intermediate_size: int | None = None
@@ -109,7 +109,7 @@ class ModelConfig:
     whose config.json has no such key)."""
     norm_topk_prob: bool | None = None
     """Renormalise the top-k routing weights to sum to 1; None means the family default (true for
-    mixtral, which always does, false for qwen3_moe and qwen2_moe, as transformers' configs)."""
+    mixtral and gpt_oss, which always do, false for qwen3_moe and qwen2_moe, as transformers' configs)."""
     decoder_sparse_step: int = 1
     """Layer i is sparse (a mixture of experts) when (i + 1) is a multiple of this and i is not in
     mlp_only_layers; the others have a dense MLP of intermediate_size (qwen3_moe, qwen2_moe)."""

@@ -445,7 +445,6 @@ class MicroBatches:
         pos = None if pos is None else pos.to(device)
         ctx = step_contexts(cfg, pos, ids.shape[0], ids.shape[2], device, dtype)
         tokens = [None] * ids.shape[0] if keep is None else list(keep.to(device))
-        sliding = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None)
-        windows = {cfg.window(i) for i in sliding}  # one span (gpt-oss's): one set of contexts
-        windowed = step_contexts(cfg, pos, ids.shape[0], ids.shape[2], device, dtype, windows.pop()) if sliding else None
+        sliding = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None)  # one span
+        windowed = step_contexts(cfg, pos, ids.shape[0], ids.shape[2], device, dtype, cfg.sliding_window) if sliding else None
         return cls(ids, labels, ctx, n_tokens, tokens, windowed, sliding)

@@ -235,11 +235,10 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
     for name, _ in unit_params(cfg, unit):
         source = where[hf_name(unit, name)]
         by_file.setdefault(mapping[source[0]], []).append((source, name))
-    read = reader(directory, mapping)
     for filename, entries in by_file.items():
         with safe_open(os.path.join(directory, filename), framework="pt") as f:
             for source, name in entries:
-                out[name] = read_source(f, source, read).to(dtype)
+                out[name] = read_source(f, source, reader(directory, mapping)).to(dtype)
     return out
 
 
@@ -441,10 +440,9 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     def param(key: str) -> Callable[[], torch.Tensor]:
         def load() -> torch.Tensor:
             with safe_open(os.path.join(ckpt.weights_dir, mapping[where[key][0]]), framework="pt") as f:
-                return read_source(f, where[key], read).contiguous().to(target)
+                return read_source(f, where[key], reader(ckpt.weights_dir, mapping)).contiguous().to(target)
         return load
 
-    read = reader(ckpt.weights_dir, mapping)
     tensors = hub_form(cfg, [TensorSource(key, shape, target, param(key)) for key, shape in expected_shapes(cfg).items()])
     nbytes = sum(t.nbytes for t in tensors)
     tok = tokenizer or ckpt.tokenizer
