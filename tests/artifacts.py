@@ -64,6 +64,20 @@ MOE_ARCHS = {
 so that the routing is decisive and no two experts' scores of a token tie at rounding level; GLM's
 score-correction bias, a buffer, with std 0.1, so that it moves some tokens' choice)."""
 
+GPT_OSS_ARCHS = {
+    # gpt-oss: biases on q/k/v/o, router and experts; a sink per head; a sliding window of 4 on layer 0
+    # (shorter than the test sequences) and full attention on layer 1; YaRN RoPE; the clamped SwiGLU
+    # (its limit lowered to 1.5, so that the clamps bind at these scales); top-2 of 4 experts.
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                dict(intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                     num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                     swiglu_limit=1.5, rope_parameters={
+                         "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+}
+"""gpt-oss, tiny (its experts are stacked on the Hub, unlike :data:`MOE_ARCHS`'; its sinks randomised
+with std 1, its router like the others')."""
+
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
 
@@ -75,7 +89,7 @@ def dtype_kwarg(dtype) -> dict:
 
 def make_model(arch: str, seed: int = 0, **overrides):
     """A tiny random fp32 model of ``arch`` (see ARCHS and MOE_ARCHS)."""
-    config_cls, model_cls, extra = {**ARCHS, **MOE_ARCHS}[arch]
+    config_cls, model_cls, extra = {**ARCHS, **MOE_ARCHS, **GPT_OSS_ARCHS}[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**COMMON, **extra, **overrides})).float().eval()
     with torch.no_grad():
@@ -84,8 +98,13 @@ def make_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+            elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight") \
+                    or name.endswith("mlp.router.weight"):
                 p.normal_(0, p.shape[-1] ** -0.5)
+            elif name.endswith("self_attn.sinks"):
+                p.normal_(0, 1.0)
+            elif arch in GPT_OSS_ARCHS and name.endswith("experts.gate_up_proj"):
+                p.normal_(0, 0.3)  # gates and ups of a few units: the clamped SwiGLU's clamps bind
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)

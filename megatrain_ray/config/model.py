@@ -1,5 +1,5 @@
 """The model section: a decoder-only transformer's shape (Llama / Qwen2 / Qwen3 / Mistral, and the
-mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5), named as in Hugging Face config.json, and its
+mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5 / gpt-oss), named as in Hugging Face config.json, and its
 mapping to and from such a config.json.
 """
 
@@ -16,11 +16,11 @@ from .fields import section_from_dict
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 """model_type -> the HF ``architectures`` entry of its causal LM: the one map of supported families
 (config.json is read and written through it, by :class:`ModelConfig` and megatrain_ray.io.hf_io)."""
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss")
 """The mixture-of-experts families (see :mod:`megatrain_ray.model.moe`)."""
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
@@ -35,18 +35,30 @@ GLM_HF_DEFAULTS = dict(n_shared_experts=1, first_k_dense_replace=1, n_group=1, t
 """transformers' Glm4MoeConfig defaults of those fields, for a config.json that leaves one out."""
 LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 """The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
+YARN_ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                  "attention_factor")
+"""The keys of a ``rope_type: yarn`` model.rope_scaling (gpt-oss), as in HF config.json: factor and
+original_max_position_embeddings required, beta_fast (32), beta_slow (1), truncate (true) and
+attention_factor (0.1 ln(factor) + 1) optional with transformers' defaults."""
+GPT_OSS_FIELDS = ("layer_types", "swiglu_alpha", "swiglu_limit")
+"""The fields only gpt-oss has (another family's config.json carries none of them)."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The values of model.layer_types: causal attention over the whole sequence, or limited to the
+last model.sliding_window positions."""
 
 
 @dataclass
 class ModelConfig:
     """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral /
-    Qwen2-MoE / GLM-4.5), named as in HF config.json."""
+    Qwen2-MoE / GLM-4.5 / gpt-oss), named as in HF config.json."""
 
     model_type: str = "llama"
-    """Architecture family: one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, qwen2_moe, glm4_moe
-    (qwen2 and qwen2_moe add q/k/v biases, qwen3 and qwen3_moe q/k norms; the *_moe ones and mixtral
-    replace the MLP of their sparse layers by a mixture of experts; glm4_moe's router is sigmoid-scored
-    with a score-correction bias and expert groups, see megatrain_ray.model.moe)."""
+    """Architecture family: one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, qwen2_moe, glm4_moe,
+    gpt_oss (qwen2 and qwen2_moe add q/k/v biases, qwen3 and qwen3_moe q/k norms; the *_moe ones,
+    mixtral and gpt_oss replace the MLP of their sparse layers by a mixture of experts; glm4_moe's
+    router is sigmoid-scored with a score-correction bias and expert groups, see
+    megatrain_ray.model.moe; gpt_oss adds biases to every projection, router and expert, a learned
+    attention sink per head, and alternates sliding-window and full attention by layer_types)."""
     vocab_size: int = 260
     """Number of token embeddings (rows of the embedding and LM-head matrices)."""
     hidden_size: int = 64
@@ -66,24 +78,38 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
     rope_scaling: dict[str, float | int | str] | None = None
-    """RoPE frequency scaling, as HF config.json's rope_scaling: None for plain RoPE, or Llama 3.1's
-    {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
-    (see model.rope_cache); other rope types are refused."""
+    """RoPE frequency scaling, as HF config.json's rope_scaling: None for plain RoPE, Llama 3.1's
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings},
+    or YaRN's {rope_type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow,
+    truncate, attention_factor} (gpt-oss; see model.rope_cache); other rope types are refused."""
     max_position_embeddings: int = 2048
     """Longest sequence the model is configured for; train.seq_len may not exceed it."""
     tie_word_embeddings: bool = False
     """If true the LM head reuses the embedding matrix."""
     attention_bias: bool | None = None
-    """q/k/v projections carry a bias; None means the family default (true for qwen2, else false)."""
+    """q/k/v projections carry a bias; None means the family default (true for qwen2, qwen2_moe and
+    gpt_oss, else false). With it, llama, qwen3, qwen3_moe and gpt_oss also give o_proj a bias."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation of matrices when not loading weights."""
     sliding_window: int | None = None
-    """Sliding-window attention span (Mistral v0.1); attention here is full causal, so train.seq_len
-    may not exceed it. None: no sliding window."""
+    """Sliding-window attention span: a query sees itself and the sliding_window - 1 positions before
+    it. Applied on the layers layer_types marks sliding_attention (gpt_oss); for the other families
+    (Mistral v0.1) attention here is full causal, so train.seq_len may not exceed it. None: no window."""
+    layer_types: list[str] | None = None
+    """Each decoder layer's attention (gpt_oss): "sliding_attention" (limited to sliding_window) or
+    "full_attention", as HF config.json's layer_types; None means gpt-oss's default, sliding on
+    even layers (0, 2, ...) and full on odd ones; other families have none (every layer full)."""
+    swiglu_alpha: float | None = None
+    """gpt_oss's experts' activation: glu = gate * sigmoid(swiglu_alpha * gate); None: gpt-oss's 1.702
+    for gpt_oss, and the plain SwiGLU (silu(gate) * up) for the other families."""
+    swiglu_limit: float | None = None
+    """gpt_oss's experts' clamp before that activation: gate to at most swiglu_limit, up to
+    [-swiglu_limit, swiglu_limit], the output (up + 1) * glu; None: gpt-oss's 7.0 for gpt_oss (other
+    families: no clamp)."""
 
     num_experts: int = 0
     """Routed experts of each sparse layer (HF: num_experts for qwen3_moe / qwen2_moe, num_local_experts
-    for mixtral, n_routed_experts for glm4_moe); 0 for a dense family."""
+    for mixtral and gpt_oss, n_routed_experts for glm4_moe); 0 for a dense family."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k of the router's softmax, or of glm4_moe's biased sigmoid
     scores); 0 for a dense family."""
@@ -92,8 +118,8 @@ class ModelConfig:
     whose config.json has no such key)."""
     norm_topk_prob: bool | None = None
     """Renormalise the top-k routing weights to sum to 1; None means the family default (true for
-    mixtral, which always does, false for qwen3_moe and qwen2_moe, as transformers' configs; a
-    glm4_moe config.json without the key: true, as transformers' Glm4MoeConfig)."""
+    mixtral and gpt_oss, which always do, false for qwen3_moe and qwen2_moe, as transformers' configs;
+    a glm4_moe config.json without the key: true, as transformers' Glm4MoeConfig)."""
     decoder_sparse_step: int = 1
     """Layer i is sparse (a mixture of experts) when (i + 1) is a multiple of this and i is not in
     mlp_only_layers; the others have a dense MLP of intermediate_size (qwen3_moe, qwen2_moe)."""
@@ -141,11 +167,16 @@ class ModelConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.attention_bias is None:
-            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe")
+            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe", "gpt_oss")
         if self.norm_topk_prob is None:
-            self.norm_topk_prob = self.model_type == "mixtral"
+            self.norm_topk_prob = self.model_type in ("mixtral", "gpt_oss")
         if self.partial_rotary_factor is None:
             self.partial_rotary_factor = GLM_HF_DEFAULTS["partial_rotary_factor"] if self.model_type == "glm4_moe" else 1.0
+        if self.model_type == "gpt_oss":
+            if self.layer_types is None:
+                self.layer_types = [LAYER_TYPES[(i + 1) % 2] for i in range(self.num_hidden_layers)]
+            self.swiglu_alpha = 1.702 if self.swiglu_alpha is None else self.swiglu_alpha
+            self.swiglu_limit = 7.0 if self.swiglu_limit is None else self.swiglu_limit
 
     @property
     def head_size(self) -> int:
@@ -155,7 +186,18 @@ class ModelConfig:
     @property
     def o_proj_bias(self) -> bool:
         """Whether the attention output projection has a bias (HF Llama/Qwen3 with attention_bias)."""
-        return bool(self.attention_bias) and self.model_type in ("llama", "qwen3", "qwen3_moe")
+        return bool(self.attention_bias) and self.model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether each attention head has a learned sink logit (``self_attn.sinks`` [heads], gpt-oss)."""
+        return self.model_type == "gpt_oss"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window decoder layer ``layer`` applies (layer_types says sliding_attention), else None."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def qk_norm(self) -> bool:
@@ -236,6 +278,12 @@ class ModelConfig:
             for key in GLM_FIELDS:
                 _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
                          f"is a glm4_moe setting, which a {self.model_type} model does not have; remove it")
+        if self.model_type == "gpt_oss":
+            self._validate_gpt_oss()
+        else:
+            for key in GPT_OSS_FIELDS:
+                _require(getattr(self, key) is None, f"model.{key}",
+                         f"is a gpt_oss setting, which a {self.model_type} model does not have; remove it")
         if self.is_moe:
             self._validate_moe()
         else:
@@ -272,6 +320,14 @@ class ModelConfig:
             _require(not self.attention_bias, "model.attention_bias", "must be false for mixtral (no attention biases)")
             _require(self.norm_topk_prob, "model.norm_topk_prob",
                      "must be true for mixtral (its router always renormalises the top-k weights)")
+        if self.model_type == "gpt_oss":  # every layer sparse, each expert intermediate_size wide
+            for key in ("moe_intermediate_size", "mlp_only_layers", "decoder_sparse_step",
+                        "shared_expert_intermediate_size"):
+                _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
+                         "is not a setting of a gpt_oss model (every layer is sparse, each expert "
+                         "intermediate_size wide); remove it")
+            _require(self.norm_topk_prob, "model.norm_topk_prob",
+                     "must be true for gpt_oss (its router takes the softmax of the top-k logits)")
         if self.model_type == "qwen3_moe":
             _require(self.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
                      "is a qwen2_moe setting; a qwen3_moe model has no shared expert")
@@ -308,13 +364,25 @@ class ModelConfig:
         _require(0 < f <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0, "model.partial_rotary_factor",
                  f"must be in (0, 1] and rotate an even number of dims of model.head_dim ({self.head_size}), got {f}")
 
+    def _validate_gpt_oss(self) -> None:
+        types = self.layer_types
+        _require(isinstance(types, list) and len(types) == self.num_hidden_layers and all(t in LAYER_TYPES for t in types),
+                 "model.layer_types", f"must list one of {', '.join(LAYER_TYPES)} per layer "
+                 f"({self.num_hidden_layers}), got {types!r}")
+        _require(self.sliding_window is not None or "sliding_attention" not in types, "model.sliding_window",
+                 "must be set when model.layer_types has sliding_attention layers")
+        _require(self.swiglu_alpha > 0, "model.swiglu_alpha", f"must be positive, got {self.swiglu_alpha}")
+        _require(self.swiglu_limit > 0, "model.swiglu_limit", f"must be positive, got {self.swiglu_limit}")
+
     def _validate_rope_scaling(self) -> None:
         rs = self.rope_scaling
         _require(isinstance(rs, dict), "model.rope_scaling", f"must be a mapping (or null), got {rs!r}")
         rope_type = rs.get("rope_type")
-        _require(rope_type == "llama3", "model.rope_scaling",
+        _require(rope_type in ("llama3", "yarn"), "model.rope_scaling",
                  f"has rope_type {rope_type!r}, which is not supported; supported are 'llama3' "
-                 "(Llama 3.1 to 3.3) and null (plain RoPE)")
+                 "(Llama 3.1 to 3.3), 'yarn' (gpt-oss) and null (plain RoPE)")
+        if rope_type == "yarn":
+            return self._validate_yarn()
         unknown = sorted(set(rs) - set(LLAMA3_ROPE_KEYS))
         _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
                  f"is not a key of a llama3 rope_scaling; its keys are {', '.join(LLAMA3_ROPE_KEYS)}")
@@ -330,6 +398,20 @@ class ModelConfig:
         original = rs["original_max_position_embeddings"]
         _require(original > 0 and float(original).is_integer(), "model.rope_scaling.original_max_position_embeddings",
                  f"must be a positive integer, got {original!r}")
+
+    def _validate_yarn(self) -> None:
+        rs = self.rope_scaling
+        unknown = sorted(set(rs) - set(YARN_ROPE_KEYS))
+        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
+                 f"is not a supported key of a yarn rope_scaling; its keys are {', '.join(YARN_ROPE_KEYS)}")
+        for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
+            value = rs.get(key)
+            _require((value is None and key not in ("factor", "original_max_position_embeddings"))
+                     or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+                     f"model.rope_scaling.{key}", f"must be a positive number, got {value!r}")
+        _require(rs["factor"] >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs['factor']}")
+        _require(isinstance(rs.get("truncate", True), bool), "model.rope_scaling.truncate",
+                 f"must be true or false, got {rs.get('truncate')!r}")
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -353,6 +435,8 @@ class ModelConfig:
             names -= set(MOE_FIELDS)
         if model_type != "glm4_moe":
             names -= set(GLM_FIELDS)
+        if model_type != "gpt_oss":
+            names -= set(GPT_OSS_FIELDS)
         data = {k: v for k, v in hf.items() if k in names}
         data["model_type"] = model_type
         if model_type in MOE_MODEL_TYPES:
@@ -363,7 +447,7 @@ class ModelConfig:
         if rope_type not in ("default", None):  # validate() refuses the types model.rope_cache lacks
             data["rope_scaling"] = {"rope_type": rope_type,
                                     **{k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}}
-            if rope_type == "llama3":  # transformers' precedence for the pretraining length
+            if rope_type in ("llama3", "yarn"):  # transformers' precedence for the pretraining length
                 fallback = rope.get("original_max_position_embeddings",
                                     hf.get("max_position_embeddings", cls.max_position_embeddings))
                 data["rope_scaling"]["original_max_position_embeddings"] = hf.get(
@@ -383,8 +467,16 @@ class ModelConfig:
         if self.model_type != "glm4_moe":
             for key in GLM_FIELDS:
                 del out[key]
+        if self.model_type != "gpt_oss":
+            for key in GPT_OSS_FIELDS:
+                del out[key]
         if not self.is_moe:
             for key in MOE_FIELDS:
+                del out[key]
+        elif self.model_type == "gpt_oss":  # its config.json's names; every layer sparse, no shared expert
+            out["num_local_experts"] = out.pop("num_experts")
+            for key in ("moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                        "shared_expert_intermediate_size"):
                 del out[key]
         elif self.model_type == "mixtral":  # its config.json's names; every layer sparse, no shared expert
             out["num_local_experts"] = out.pop("num_experts")
@@ -422,7 +514,7 @@ def _moe_from_hf(hf: dict[str, Any], data: dict[str, Any], rope: dict[str, Any])
                           "set it to 0 (the router sees its input unperturbed).")
     if data["model_type"] == "qwen2_moe":
         data["attention_bias"] = hf.get("qkv_bias", True)
-    if data["model_type"] == "mixtral":
+    if data["model_type"] in ("mixtral", "gpt_oss"):
         for key in ("moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"):
             data.pop(key, None)
         data["norm_topk_prob"] = True
@@ -432,3 +524,5 @@ def _moe_from_hf(hf: dict[str, Any], data: dict[str, Any], rope: dict[str, Any])
         data["partial_rotary_factor"] = rope.get("partial_rotary_factor", data["partial_rotary_factor"])
         if "num_mtp_layers" in hf and "num_nextn_predict_layers" not in hf:
             data["num_nextn_predict_layers"] = hf["num_mtp_layers"]
+    if data["model_type"] == "gpt_oss":
+        data["attention_bias"] = hf.get("attention_bias", True)

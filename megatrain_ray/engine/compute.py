@@ -326,7 +326,7 @@ class ComputeWorker(GroupMember):
             layer = self.passes[unit.layer]
             with self.backend.compute(unit.name):
                 ys = layer.forward(s, unit.layer, w, xs)
-                es = [self.runner.forward(w.params, e, evaluation.ctx[m], self.cfg) for m, e in enumerate(es)]
+                es = [self.runner.forward(w.params, e, evaluation.ctx_of(unit.layer)[m], self.cfg) for m, e in enumerate(es)]
             layer.leave(s, unit.layer, xs)
             xs = ys
             self._release(ticket)

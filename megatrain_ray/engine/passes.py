@@ -82,13 +82,13 @@ class Recomputed:
     def again(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The forward run again within a recompute span (its outputs, the next layer's inputs)."""
         p = w.training(w.params)
-        return [s.runner.forward(p(m), x, s.mb.ctx[m], s.cfg) for m, x in enumerate(xs)]
+        return [s.runner.forward(p(m), x, s.mb.ctx_of(layer)[m], s.cfg) for m, x in enumerate(xs)]
 
     def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
         """From the layer's checkpoint ``inputs`` (M x [B, S, H]) and output gradients dx (replaced by
         the input gradients), the gradients of what trains added into ``grads``."""
-        layer_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx, s.cfg, w.dropout)
+        layer_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx_of(layer), s.cfg, w.dropout)
 
 
 class Routed(Recomputed):
@@ -96,7 +96,7 @@ class Routed(Recomputed):
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         p = w.training(w.params)
-        ys, stats = zip(*(s.runner.forward_routed(p(m), x, s.mb.routed_ctx[m], s.cfg) for m, x in enumerate(xs)))
+        ys, stats = zip(*(s.runner.forward_routed(p(m), x, s.mb.routed_ctx_of(layer)[m], s.cfg) for m, x in enumerate(xs)))
         s.routing.record(layer, list(stats))
         if s.traffic is not None:  # the later fetches of its weights move only the experts it chose
             s.traffic.record(s.step, layer, s.routing.counts(layer))
@@ -105,20 +105,20 @@ class Routed(Recomputed):
     def again(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Its forward again, with the experts the first forward chose; the statistics are the first's."""
         p = w.training(w.params)
-        return [s.runner.forward_routed(p(m), x, s.mb.routed_ctx[m], s.cfg, s.routing.chosen(layer, m))[0]
+        return [s.runner.forward_routed(p(m), x, s.mb.routed_ctx_of(layer)[m], s.cfg, s.routing.chosen(layer, m))[0]
                 for m, x in enumerate(xs)]
 
     def backward(self, s: StepLayers, layer: int, w: LayerWeights, grads: dict[str, torch.Tensor], inputs,
                  dx: list[torch.Tensor]) -> None:
         """The recompute sends each token to the experts the forward chose: those whose weights came."""
-        routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.routed_ctx, s.cfg, s.routing, layer, w.dropout)
+        routed_backward(s.runner, w.params, grads, inputs, dx, s.mb.routed_ctx_of(layer), s.cfg, s.routing, layer, w.dropout)
 
 
 class Kept:
     """The forward's graph kept whole for the backward (see the module docstring)."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        graph = layer_forward_kept(s.runner.layer, w.template, w.flat, xs, s.mb.ctx, s.cfg, w.adapters, w.frozen,
+        graph = layer_forward_kept(s.runner.layer, w.template, w.flat, xs, s.mb.ctx_of(layer), s.cfg, w.adapters, w.frozen,
                                    w.dropout)
         s.acts.keep(layer, graph)
         return [y.detach() for y in graph.outputs]
@@ -137,7 +137,7 @@ class KeptRouted(Kept):
     takes the load-balancing loss's gradient through them, as :class:`Routed`'s recompute does."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.routed_ctx, s.cfg, w.adapters,
+        graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.routed_ctx_of(layer), s.cfg, w.adapters,
                                    w.frozen, w.dropout)
         ys, stats = zip(*graph.outputs)
         graph.outputs = [(y, st.prob_sum) for y, st in zip(ys, stats)]  # what the backward differentiates

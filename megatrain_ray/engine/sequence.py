@@ -29,6 +29,9 @@ Three things are applied here, around the model's pure functions, never inside t
   attention mask that keeps tokens within their document (:func:`step_contexts`): a dense
   [B, 1, S, S] boolean mask on the CPU (SDPA), a FlexAttention ``BlockMask`` on CUDA (O(S^2 / 128^2)
   memory; FlexAttention runs fast only compiled, i.e. with compute.compile on, the default there).
+  Sliding-window layers (``cfg.window(i)``, gpt-oss) take contexts of their own, their masks limited
+  to the window (:attr:`MicroBatches.windowed`); a model with attention sinks gets ``BlockMask`` s on
+  CUDA even without packing (its FlexAttention path, :mod:`megatrain_ray.model.sink_attention`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PipelineError
+from ..model.sink_attention import window_mask
 from ..model.transformer import (IGNORE_INDEX, attention_block, decoder_layer, document_ids, document_mask,
                                  low_rank, mlp_activation, mlp_block, rope_at, rope_cache, routed_layer)
 from .activations import lean_partitioner
@@ -346,33 +350,42 @@ def _accumulate(grads: dict[str, torch.Tensor], names: list[str], gws) -> None:
             grads[name].add_(gw)
 
 
-def attention_mask(position_ids: torch.Tensor):
+def attention_mask(position_ids: torch.Tensor, window: int | None = None):
     """position_ids: [B, S] on the device -> the mask :func:`~megatrain_ray.model.transformer.attention`
-    takes for packed documents: a FlexAttention ``BlockMask`` on CUDA, else a dense [B, 1, S, S] bool."""
+    takes for packed documents, limited to ``window`` positions (None: no limit): a FlexAttention
+    ``BlockMask`` on CUDA, else a dense [B, 1, S, S] bool."""
     if position_ids.device.type != "cuda":
-        return document_mask(position_ids)
+        return document_mask(position_ids) if window is None else window_mask(
+            position_ids.shape[-1], window, position_ids.device, position_ids)
     from torch.nn.attention.flex_attention import create_block_mask
 
     doc = document_ids(position_ids)
     b, s = position_ids.shape
+    span = s if window is None else window
 
     def same_document_causal(bi, hi, qi, ki):
-        return (qi >= ki) & (doc[bi, qi] == doc[bi, ki])
+        return (qi >= ki) & (qi - ki < span) & (doc[bi, qi] == doc[bi, ki])
 
     return create_block_mask(same_document_causal, b, None, s, s, device=position_ids.device, _compile=True)
 
 
-def step_contexts(cfg, position_ids: torch.Tensor | None, num_mb: int, seq: int, device, dtype) -> list[tuple]:
-    """(rope, mask) of each of the step's ``num_mb`` micro-batches, made once per step, shared by all layers.
+def step_contexts(cfg, position_ids: torch.Tensor | None, num_mb: int, seq: int, device, dtype,
+                  window: int | None = None) -> list[tuple]:
+    """(rope, mask) of each of the step's ``num_mb`` micro-batches, made once per step, shared by all
+    layers (of one attention span: ``window`` positions for sliding-window layers, None for full).
 
     position_ids: [M, B, S] (positions within each token's document) or None (one document per
-    sequence: one [S, d] RoPE table for all, causal attention).
+    sequence: one [S, d] RoPE table for all, causal attention: mask None where neither a window nor
+    sinks on CUDA ask for one).
     """
     if position_ids is None:
         rope = rope_cache(cfg, seq, device, dtype)
-        return [(rope, None)] * num_mb
+        if window is None and not (cfg.attention_sinks and torch.device(device).type == "cuda"):
+            return [(rope, None)] * num_mb
+        mask = attention_mask(torch.arange(seq, device=device)[None], window)
+        return [(rope, mask)] * num_mb
     table = rope_cache(cfg, int(position_ids.max()) + 1, device, dtype)
-    return [(rope_at(table, pos), attention_mask(pos)) for pos in position_ids]
+    return [(rope_at(table, pos), attention_mask(pos, window)) for pos in position_ids]
 
 
 @dataclass(frozen=True)
@@ -390,11 +403,23 @@ class MicroBatches:
     tokens: list
     """Each micro-batch's attention mask [B, S] bool (False: padding), or None where the batch has
     none (no padding): what the router statistics of a sparse layer count, as transformers' do."""
+    windowed: list | None = None
+    """Each micro-batch's (rope, mask) for the sliding-window layers, or None (the model has none)."""
+    sliding: frozenset = frozenset()
+    """The decoder layers that take :attr:`windowed` (``cfg.window(i)`` set)."""
 
     @property
     def routed_ctx(self) -> list[tuple]:
         """Each micro-batch's (rope, mask, tokens): a sparse layer's context."""
         return [(rope, mask, tokens) for (rope, mask), tokens in zip(self.ctx, self.tokens)]
+
+    def ctx_of(self, layer: int) -> list[tuple]:
+        """Each micro-batch's (rope, mask) for decoder layer ``layer``."""
+        return self.windowed if layer in self.sliding else self.ctx
+
+    def routed_ctx_of(self, layer: int) -> list[tuple]:
+        """Each micro-batch's (rope, mask, tokens) for sparse decoder layer ``layer``."""
+        return [(rope, mask, tokens) for (rope, mask), tokens in zip(self.ctx_of(layer), self.tokens)]
 
     @classmethod
     def of(cls, cfg, batch: dict, device, dtype, share: tuple[int, int] | None = None,
@@ -417,6 +442,9 @@ class MicroBatches:
             n = ids.shape[0] // world
             ids, labels, pos, keep = (t if t is None else t[rank * n:(rank + 1) * n] for t in (ids, labels, pos, keep))
         ids, labels = ids.to(device), labels.to(device)
-        ctx = step_contexts(cfg, None if pos is None else pos.to(device), ids.shape[0], ids.shape[2], device, dtype)
+        pos = None if pos is None else pos.to(device)
+        ctx = step_contexts(cfg, pos, ids.shape[0], ids.shape[2], device, dtype)
         tokens = [None] * ids.shape[0] if keep is None else list(keep.to(device))
-        return cls(ids, labels, ctx, n_tokens, tokens)
+        sliding = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None)  # one span
+        windowed = step_contexts(cfg, pos, ids.shape[0], ids.shape[2], device, dtype, cfg.sliding_window) if sliding else None
+        return cls(ids, labels, ctx, n_tokens, tokens, windowed, sliding)

@@ -3,20 +3,24 @@
 or a layer's experts stacked in 3-D tensors (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I]: transformers 5's parameters, as a state dict saved directly
 holds them). :func:`sources` maps each parameter to its tensor, or to its slice of a stacked one, so
-that :mod:`megatrain_ray.io.hf_io` reads either form one expert at a time.
+that :mod:`megatrain_ray.io.hf_io` reads either form one expert at a time. gpt-oss's experts are
+only stacked on the Hub, in a layout of their own (or MXFP4): their sources carry the conversion
+into this project's layout (:mod:`megatrain_ray.io.gpt_oss`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from ..config import ModelConfig
 from ..model.moe import QWEN_NAMES, names
+from . import gpt_oss
 
-Source = tuple[str, tuple]
-"""Where a parameter is in a checkpoint: (tensor name, index into it: () for the whole tensor)."""
+Source = tuple
+"""Where a parameter is in a checkpoint: (tensor name, index into it: () for the whole tensor), and
+for a parameter converted from what is read, a third element: the :class:`~megatrain_ray.io.gpt_oss.Convert`."""
 
 
 def sources(cfg: ModelConfig, mapping: dict[str, str], expected: Iterable[str]) -> dict[str, Source]:
@@ -25,6 +29,9 @@ def sources(cfg: ModelConfig, mapping: dict[str, str], expected: Iterable[str]) 
     docstring), a slice of the stacked tensor; Mixtral's router is then under ``mlp.gate.weight``.
     expected: the full HF names of the model's parameters."""
     out = {name: (name, ()) for name in expected}
+    if cfg.model_type == "gpt_oss":
+        gpt_oss.add_sources(cfg, mapping, out)
+        return out
     n, i_size = names(cfg), cfg.expert_size
     for layer in cfg.sparse_layers:
         prefix = f"model.layers.{layer}."
@@ -45,8 +52,10 @@ def source_shapes(cfg: ModelConfig, where: dict[str, Source], want: dict[str, tu
     """{checkpoint tensor name: the shape ``cfg`` implies for it} of the tensors ``where`` reads;
     want: {full HF name: shape} of the model's parameters."""
     out = {}
-    for name, (key, index) in where.items():
-        if not index:
+    for name, (key, index, *convert) in where.items():
+        if convert:
+            out.update(convert[0].shapes)
+        elif not index:
             out[key] = want[name]
         elif key.endswith("gate_up_proj"):
             out[key] = (cfg.num_experts, 2 * cfg.expert_size, cfg.hidden_size)
@@ -55,7 +64,27 @@ def source_shapes(cfg: ModelConfig, where: dict[str, Source], want: dict[str, tu
     return out
 
 
-def read_source(f, source: Source) -> torch.Tensor:
-    """One parameter from an open safetensors file (``safe_open``): a whole tensor or a slice of one."""
-    key, index = source
-    return f.get_slice(key)[index] if index else f.get_tensor(key)
+def source_keys(source: Source) -> tuple[str, ...]:
+    """Every checkpoint tensor a source reads (its own, and those its conversion reads besides)."""
+    return (source[0], *(source[2].others if len(source) > 2 else ()))
+
+
+def read_source(f, source: Source, read: Callable[[str, tuple], torch.Tensor] | None = None) -> torch.Tensor:
+    """One parameter from an open safetensors file (``safe_open``): a whole tensor or a slice of one,
+    converted where the source says; read(key, index): another tensor's slice (:func:`reader`), for
+    a conversion that reads more than one."""
+    key, index, *convert = source
+    t = f.get_slice(key)[index] if index else f.get_tensor(key)
+    return convert[0](t, read) if convert else t
+
+
+def reader(directory: str, mapping: dict[str, str]) -> Callable[[str, tuple], torch.Tensor]:
+    """read(key, index): a slice of any tensor of the HF directory with this weight map."""
+    import os
+
+    from safetensors import safe_open
+
+    def read(key: str, index: tuple) -> torch.Tensor:
+        with safe_open(os.path.join(directory, mapping[key]), framework="pt") as f:
+            return f.get_slice(key)[index] if index else f.get_tensor(key)
+    return read

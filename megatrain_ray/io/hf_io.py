@@ -13,7 +13,8 @@ Mixtures of experts: a checkpoint holds each routed expert's projections as tens
 which transformers 4 and 5 both load and 5 writes), or all of a layer's experts stacked in 3-D
 tensors (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]: transformers
 5's parameters, as a state dict saved directly holds them). Import reads either, layer by layer
-(:func:`megatrain_ray.io.experts.sources`; a stacked tensor is read one expert's slice at a time); export writes the Hub's form.
+(:func:`megatrain_ray.io.experts.sources`; a stacked tensor is read one expert's slice at a time); export writes
+the Hub's form (gpt-oss's: stacked, its MXFP4 experts dequantized; :mod:`megatrain_ray.io.gpt_oss`).
 
 Memory policy, for every direction: tensors move one at a time. Import reads the shards in order
 through safetensors' memory mapping and copies each tensor straight into its place in the store's
@@ -38,9 +39,10 @@ from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
 from . import checkpoint
-from .experts import read_source, source_shapes, sources
+from .experts import read_source, reader, source_keys, source_shapes, sources
 from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
 from .generation import write_generation_config
+from .gpt_oss import hub_form
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -155,7 +157,7 @@ def expected_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 
 def check_tensors(cfg: ModelConfig, mapping: dict[str, str], directory: str, what: str) -> None:
     """Missing or unexpected tensors are one ConfigError naming them."""
-    wanted = {key for key, _ in sources(cfg, mapping, expected_names(cfg)).values()}
+    wanted = {key for source in sources(cfg, mapping, expected_names(cfg)).values() for key in source_keys(source)}
     missing = sorted(k for k in wanted if k not in mapping)
     if missing:
         raise ConfigError(f"{what} ({directory}) lacks {len(missing)} tensor(s) a {cfg.model_type} model of this "
@@ -214,10 +216,10 @@ def load_into(store, directory: str, what: str = "train.init_from") -> None:
     cfg = store.spec.model
     mapping = check_weights(cfg, directory, what)
     where = sources(cfg, mapping, expected_names(cfg))
-    units = store.layout.units
+    units, read = store.layout.units, reader(directory, mapping)
     for key, (unit, name) in sorted(expected_names(cfg).items(), key=lambda kv: (mapping[where[kv[0]][0]], kv[0])):
         with safe_open(os.path.join(directory, mapping[where[key][0]]), framework="pt") as f:
-            store.write(units.index(unit), name, read_source(f, where[key]))
+            store.write(units.index(unit), name, read_source(f, where[key], read))
     for i in range(len(units)):
         store.refresh_stream(i)
 
@@ -236,12 +238,13 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
     for filename, entries in by_file.items():
         with safe_open(os.path.join(directory, filename), framework="pt") as f:
             for source, name in entries:
-                out[name] = read_source(f, source).to(dtype)
+                out[name] = read_source(f, source, reader(directory, mapping)).to(dtype)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing a model directory.
+
 
 def token_ids(tokenizer: str | None) -> dict:
     """eos_token_id and bos_token_id (None: it has none) of a tokenizer directory or BYTE_LEVEL, for
@@ -302,8 +305,8 @@ def save_store(store, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES, so
     :func:`megatrain_ray.io.files.atomic_dir`): a full disk removes what was written and raises one
     WriteError naming it and the space needed. Tensors are written straight from the store's memory.
     """
-    tensors = [TensorSource.of(hf_name(unit, name), store.params("master", i)[name])
-               for i, unit in enumerate(store.layout.units) for name, _, _ in store.layout.templates[i].params]
+    tensors = hub_form(store.spec.model, [TensorSource.of(hf_name(unit, name), store.params("master", i)[name])
+                       for i, unit in enumerate(store.layout.units) for name, _, _ in store.layout.templates[i].params])
     return write_model_dir(directory, "the final weights", store.spec.model, store.spec.precision.master, tensors,
                            shard_bytes, source, tokenizer)
 
@@ -425,6 +428,7 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
         raise ConfigError(f"--out {out!r} cannot be written to ({why}); choose a writable directory.")
     ckpt = resolve_checkpoint(src)
     cfg, raw = read_config(ckpt.weights_dir)
+    raw.pop("quantization_config", None)  # the weights written are not quantized (MXFP4 experts: dequantized)
     mapping = check_weights(cfg, ckpt.weights_dir, "the checkpoint")
     embed = hf_name("embed", "weight")
     stored = _header(ckpt.weights_dir, mapping[embed], "the checkpoint")[embed][0]
@@ -433,13 +437,13 @@ def export(src: str, out: str, shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: st
     target = DTYPES[dtype] if dtype else TORCH_DTYPES[stored]
     where = sources(cfg, mapping, expected_names(cfg))  # a stacked-experts checkpoint is written in the per-expert form
 
-    def reader(key: str) -> Callable[[], torch.Tensor]:
+    def param(key: str) -> Callable[[], torch.Tensor]:
         def load() -> torch.Tensor:
             with safe_open(os.path.join(ckpt.weights_dir, mapping[where[key][0]]), framework="pt") as f:
-                return read_source(f, where[key]).contiguous().to(target)
+                return read_source(f, where[key], reader(ckpt.weights_dir, mapping)).contiguous().to(target)
         return load
 
-    tensors = [TensorSource(key, shape, target, reader(key)) for key, shape in expected_shapes(cfg).items()]
+    tensors = hub_form(cfg, [TensorSource(key, shape, target, param(key)) for key, shape in expected_shapes(cfg).items()])
     nbytes = sum(t.nbytes for t in tensors)
     tok = tokenizer or ckpt.tokenizer
     with atomic_dir(out, "--out", nbytes) as tmp:

@@ -13,7 +13,9 @@ Mixtures of experts count *active* parameters: a token goes through top-k of a s
 routed experts, so 6NT's N is :func:`active_params` (every parameter less the E - k routed experts
 a token skips, per sparse layer) and PaLM's matmul parameters count k routed experts, the router
 and the shared expert (with its gate, where it has one) of each sparse layer. For a dense model both
-are as before. GLM-4.5's score-correction bias (E per sparse layer) counts in N, as the norms do.
+are as before. GLM-4.5's score-correction bias (E per sparse layer) counts in N, as the norms do;
+gpt-oss's experts' biases count with their expert in 6NT (not in PaLM's matmul parameters), and a
+sliding-window layer's attention term counts the keys it attends, min(S, window), not S.
 
 A LoRA run (lora.rank > 0) counts the FLOPs its step runs: the frozen base's weight-gradient GEMMs
 are never run, so each base matmul parameter costs 4 FLOPs per token (2 forward, 2 for the input
@@ -52,8 +54,10 @@ def num_params(model: ModelConfig) -> int:
 
 
 def expert_params(model: ModelConfig) -> int:
-    """Parameters of one routed expert (gate, up, down): 3 x hidden x expert width."""
-    return 3 * model.hidden_size * model.expert_size
+    """Parameters of one routed expert (gate, up, down): 3 x hidden x expert width, and for gpt-oss
+    its biases (2 x expert width + hidden)."""
+    biases = 2 * model.expert_size + model.hidden_size if model.model_type == "gpt_oss" else 0
+    return 3 * model.hidden_size * model.expert_size + biases
 
 
 def active_params(model: ModelConfig) -> int:
@@ -72,17 +76,24 @@ def matmul_params(model: ModelConfig) -> int:
     attention = h * q + 2 * h * kv + q * h
     sparse = len(model.sparse_layers)
     dense = model.num_hidden_layers - sparse
-    routed = model.num_experts * h + model.num_experts_per_tok * expert_params(model)
+    routed = model.num_experts * h + model.num_experts_per_tok * 3 * h * model.expert_size
     s = model.shared_expert_size  # its sigmoid gate (Qwen2-MoE's) one more row of h; GLM's has none
     shared = 3 * h * s + (h if model.shared_expert_intermediate_size else 0)
     return (model.num_hidden_layers * attention + dense * 3 * h * inter + sparse * (routed + shared)
             + model.vocab_size * h)
 
 
+def attended(model: ModelConfig, seq_len: int) -> int:
+    """The keys each query's row spans, summed over the layers: S per layer, min(S, window) per
+    sliding-window layer (L S for a model without one)."""
+    return sum(min(seq_len, model.window(i) or seq_len) for i in range(model.num_hidden_layers))
+
+
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
     """Training FLOPs of the attention scores and values per token, 12 L S d (d = heads x head_dim):
-    the full S x S matrix, as PaLM's model FLOPs count it (causal kernels skip about half)."""
-    return 12 * model.num_hidden_layers * seq_len * model.num_attention_heads * model.head_size
+    the full S x S matrix, as PaLM's model FLOPs count it (causal kernels skip about half); a
+    sliding-window layer's S x window (:func:`attended`)."""
+    return 12 * attended(model, seq_len) * model.num_attention_heads * model.head_size
 
 
 def recompute_flops(model: ModelConfig, seq_len: int, tokens: int, layers: float, reforwards: float = 0) -> float:
@@ -94,7 +105,8 @@ def recompute_flops(model: ModelConfig, seq_len: int, tokens: int, layers: float
     run again within recompute spans (:mod:`megatrain_ray.engine.activations`), the down projection too."""
     h, inter = model.hidden_size, model.intermediate_size
     q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
-    to_down = 2.0 * (h * q + 2 * h * kv + q * h + 2 * h * inter) + 4.0 * seq_len * q
+    span = attended(model, seq_len) / model.num_hidden_layers  # S, or less with sliding windows
+    to_down = 2.0 * (h * q + 2 * h * kv + q * h + 2 * h * inter) + 4.0 * span * q
     return (to_down * (layers + reforwards) + 2.0 * h * inter * reforwards) * tokens
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .moe import ATTENTION, EXPERT, MIXTRAL_NAMES, QWEN_NAMES, part_of
+from .moe import ATTENTION, EXPERT, FAMILIES, part_of
 from .transformer import PROJECTION_GROUPS, unit_names, unit_params
 
 UNIT_ALIGN = 4096
@@ -222,7 +222,7 @@ def _fusable(params: list[tuple[str, tuple[int, ...], int]]) -> tuple:
 def _stackable(where: dict[str, tuple[tuple[int, ...], int]]) -> tuple:
     """The routed experts' stacked views (:attr:`~megatrain_ray.model.moe.Names.stacked`), when every
     expert's gate, up and then every down lie back to back; () for a dense layer or odd shapes."""
-    family = next((f for f in (QWEN_NAMES, MIXTRAL_NAMES) if f.router in where), None)
+    family = next((f for f in FAMILIES if f.router in where), None)
     if family is None:
         return ()
     n = 0
@@ -241,6 +241,20 @@ def _stackable(where: dict[str, tuple[tuple[int, ...], int]]) -> tuple:
             return ()
         rows = shapes[0][0] * (len(members) // n)  # gate and up: 2I rows per expert; down: H
         out.append((stacked, (n, rows, shapes[0][1]), offsets[0]))
+    return tuple(out) + (_stackable_biases(where, family, n) if family.biased else ())
+
+
+def _stackable_biases(where: dict[str, tuple[tuple[int, ...], int]], family, n: int) -> tuple:
+    """A biased family's stacked expert biases ([E, 2I], [E, H], under
+    :attr:`~megatrain_ray.model.moe.Names.stacked_bias`), each where its members lie back to back."""
+    names = [family.expert_bias(e) for e in range(n)]
+    out = []
+    for members, stacked in zip(([b for g, u, _ in names for b in (g, u)], [d for _, _, d in names]),
+                                family.stacked_bias):
+        shapes = [where[m][0] for m in members]
+        offsets = [where[m][1] for m in members]
+        if all(offsets[j + 1] == offsets[j] + shapes[j][0] for j in range(len(members) - 1)):
+            out.append((stacked, (n, shapes[0][0] * (len(members) // n)), offsets[0]))
     return tuple(out)
 
 

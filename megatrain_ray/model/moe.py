@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5), architecture only: pure
-functions of (weights, inputs), as transformers' ``*SparseMoeBlock`` / ``Glm4MoeMoE`` compute them.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5, gpt-oss), architecture only: pure
+functions of (weights, inputs), as transformers' ``*SparseMoeBlock`` / ``Glm4MoeMoE`` / ``GptOssMLP`` compute them.
 
 A sparse layer's MLP is a router and E routed experts (each a SwiGLU MLP of width
 ``cfg.expert_size``), plus, for Qwen2-MoE, a shared expert every token goes through, scaled by a
@@ -72,10 +72,18 @@ Where the next routers go: :data:`ROUTES` is the one place that maps router logi
 weights, top-k indices, the probabilities the aux loss sees), one function per
 ``cfg.router_scoring``; the expert GEMMs, the dispatch and the shared experts are the same for
 every router (DeepSeek-V3's is GLM's: its names and routing are GLM_NAMES and :func:`grouped_route`).
-gpt-oss's biased experts add ``gate_up_proj_bias``
-[E, 2I] / ``down_proj_bias`` [E, H] beside the stacked weights: :func:`expert_weights` returns them
-and :func:`grouped_linear` adds each row's expert bias (a gather by the sorted expert ids), and its
-clamped SwiGLU variant is the activation between the two grouped GEMMs.
+
+gpt-oss (:data:`GPT_OSS_NAMES`): the router is ``mlp.router.weight`` [E, H] with a bias
+``mlp.router.bias`` [E]; its k experts are the top-k of the logits and their weights the softmax of
+those k logits (transformers' ``GptOssTopKRouter``; the full softmax is still what the
+load-balancing loss sees). Each expert's projections carry biases (``mlp.experts.{e}.gate_proj.bias``
+[I], ``up_proj.bias`` [I], ``down_proj.bias`` [H]; the layout may offer them stacked too, as
+``mlp.experts.gate_up_proj_bias`` [E, 2I] and ``mlp.experts.down_proj_bias`` [E, H]), added to each
+row of the grouped GEMMs by its expert; and the activation between the two GEMMs is the clamped
+SwiGLU of :func:`expert_activation` (``cfg.swiglu_limit``). The Hub stores gpt-oss's experts only
+stacked, in another layout (``gate_up_proj`` [E, H, 2I] with gate and up interleaved along the last
+dim, ``down_proj`` [E, I, H], or MXFP4 blocks); :mod:`megatrain_ray.io.gpt_oss` brings them into
+this one at import and back at export, so the names here are this project's, not the Hub's.
 """
 
 from __future__ import annotations
@@ -94,8 +102,8 @@ ATTENTION, SHARED_EXPERT, EXPERT = "attention", "shared_expert", "expert"
 """What a sparse layer's parameter belongs to (:func:`part_of`): the part every token uses (attention,
 router, norms), the shared expert (with its gate), or one routed expert."""
 
-ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
-"""The router weight's name (Qwen's, Mixtral's): its presence in a layer's params makes the MLP sparse."""
+ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
+"""The router weight's name (Qwen's, Mixtral's, gpt-oss's): its presence in a layer's params makes the MLP sparse."""
 
 
 @dataclass(frozen=True)
@@ -110,10 +118,28 @@ class Names:
     """The shared expert's module: Qwen2-MoE's ``mlp.shared_expert``, GLM's ``mlp.shared_experts``."""
     shared_gate: str | None = "mlp.shared_expert_gate.weight"
     """The shared expert's sigmoid gate [1, H] (Qwen2-MoE's), or None: an ungated shared expert (GLM's)."""
+    gate: str = "gate"
+    """The router's module: ``gate`` (Qwen, Mixtral) or ``router`` (gpt-oss)."""
+    biased: bool = False
+    """Router and experts carry biases, and the routing weights are the softmax of the top-k logits (gpt-oss)."""
 
     @property
     def router(self) -> str:
-        return f"{self.block}.gate.weight"
+        return f"{self.block}.{self.gate}.weight"
+
+    @property
+    def router_bias(self) -> str:
+        """The router's bias (of a biased family)."""
+        return f"{self.block}.{self.gate}.bias"
+
+    @property
+    def stacked_bias(self) -> tuple[str, str]:
+        """The names the experts' stacked biases (gate_up [E, 2I], down [E, H]) may be passed under."""
+        return f"{self.block}.experts.gate_up_proj_bias", f"{self.block}.experts.down_proj_bias"
+
+    def expert_bias(self, e: int) -> tuple[str, str, str]:
+        """Routed expert ``e``'s gate, up and down biases (of a biased family)."""
+        return tuple(f"{self.block}.experts.{e}.{m}.bias" for m in self.projections)
 
     @property
     def score_bias(self) -> str:
@@ -133,13 +159,16 @@ class Names:
 QWEN_NAMES = Names("mlp", ("gate_proj", "up_proj", "down_proj"))
 MIXTRAL_NAMES = Names("block_sparse_moe", ("w1", "w3", "w2"))
 GLM_NAMES = Names("mlp", ("gate_proj", "up_proj", "down_proj"), shared="mlp.shared_experts", shared_gate=None)
+GPT_OSS_NAMES = Names("mlp", ("gate_proj", "up_proj", "down_proj"), gate="router", biased=True)
+"""gpt-oss's: the Hub's router names, and per-expert names of this project's (see the module docstring)."""
+FAMILIES = (QWEN_NAMES, MIXTRAL_NAMES, GLM_NAMES, GPT_OSS_NAMES)
 SHARED_MODULES = (QWEN_NAMES.shared, GLM_NAMES.shared)
 """The shared expert's module in each family that has one."""
 
 
 def names(cfg: ModelConfig) -> Names:
-    """The Hub names of ``cfg``'s sparse-layer tensors."""
-    return {"mixtral": MIXTRAL_NAMES, "glm4_moe": GLM_NAMES}.get(cfg.model_type, QWEN_NAMES)
+    """The names of ``cfg``'s sparse-layer tensors (the Hub's, but for gpt-oss's experts)."""
+    return {"mixtral": MIXTRAL_NAMES, "glm4_moe": GLM_NAMES, "gpt_oss": GPT_OSS_NAMES}.get(cfg.model_type, QWEN_NAMES)
 
 
 def is_sparse(p: Params) -> bool:
@@ -172,6 +201,12 @@ def sparse_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         gate, up, _ = n.expert(j)
         params += [(gate, (i, h)), (up, (i, h))]
     params += [(n.expert(j)[2], (h, i)) for j in range(e)]
+    if n.biased:  # 1-D: the layout puts them after the matrices, in this order (stackable likewise)
+        params.append((n.router_bias, (e,)))
+        for j in range(e):
+            gate, up, _ = n.expert_bias(j)
+            params += [(gate, (i,)), (up, (i,))]
+        params += [(n.expert_bias(j)[2], (h,)) for j in range(e)]
     s = cfg.shared_expert_size
     if s:
         params += [(f"{n.shared}.gate_proj.weight", (s, h)), (f"{n.shared}.up_proj.weight", (s, h)),
@@ -209,9 +244,18 @@ def softmax_route(p: Params, x: torch.Tensor, cfg: ModelConfig, chosen: torch.Te
     chosen: [N, k] integer, the experts an earlier run of the layer on the same tokens chose (in
     top-k's order), or None: with it the choice is that one and its weights are these
     probabilities of those experts (a recompute whose last bits differ from its forward's cannot
-    send a token elsewhere)."""
-    logits = F.linear(x, p[names(cfg).router])  # [N, E]
+    send a token elsewhere). A biased family's (gpt-oss): the router's bias added, the top-k of the
+    logits, and their weights the fp32 softmax of those k logits."""
+    n = names(cfg)
+    logits = F.linear(x, p[n.router], p[n.router_bias] if n.biased else None)  # [N, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if n.biased:
+        if chosen is None:
+            top, experts = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
+        else:
+            experts = chosen.long()
+            top = logits.gather(-1, experts)
+        return probs, torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
     if chosen is None:
         top, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
     else:
@@ -271,6 +315,29 @@ def expert_weights(p: Params, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Ten
     experts = [n.expert(e) for e in range(cfg.num_experts)]
     gate_up = torch.stack([torch.cat((p[g], p[u])) for g, u, _ in experts])
     return gate_up, torch.stack([p[d] for _, _, d in experts])
+
+
+def expert_biases(p: Params, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A biased family's routed experts' biases stacked: (gate_up [E, 2I], down [E, H]), the stacked
+    views when the params hold them, else stacked here (a copy); None for an unbiased family."""
+    n = names(cfg)
+    if not n.biased:
+        return None
+    if n.stacked_bias[0] in p:
+        return p[n.stacked_bias[0]], p[n.stacked_bias[1]]
+    experts = [n.expert_bias(e) for e in range(cfg.num_experts)]
+    return torch.stack([torch.cat((p[g], p[u])) for g, u, _ in experts]), torch.stack([p[d] for _, _, d in experts])
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The routed experts' activation, the input of their down projection. gate, up: [T, I] -> [T, I]:
+    SwiGLU silu(gate) * up, or with ``cfg.swiglu_limit`` (gpt-oss) the clamped form: gate clamped to
+    at most the limit, up to [-limit, limit], (up + 1) * gate * sigmoid(swiglu_alpha * gate)."""
+    if cfg.swiglu_limit is None:
+        return F.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
 
 
 def _grouped_mm():
@@ -334,18 +401,25 @@ def grouped_low_rank(p: Params, name: str, x: torch.Tensor, counts: torch.Tensor
 def routed_experts(p: Params, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weighted sum of each token's top-k experts' SwiGLU outputs, with the experts' adapter
-    terms where ``p`` holds them (:func:`grouped_low_rank`). x: [N, H]; weights, experts: [N, k]
-    (from :func:`route`) -> ([N, H], the tokens routed to each expert [E] int64)."""
+    terms where ``p`` holds them (:func:`grouped_low_rank`) and their biases where the family has
+    them (each row its expert's: a gather by the sorted expert ids). x: [N, H]; weights, experts:
+    [N, k] (from :func:`route`) -> ([N, H], the tokens routed to each expert [E] int64)."""
     n, k = experts.shape
     order, inverse, counts = dispatch(experts, cfg.num_experts)
     gate_up, down = expert_weights(p, cfg)
+    biases = expert_biases(p, cfg)
+    row_expert = None if biases is None else experts.reshape(-1)[order]  # [N*k]: each sorted row's expert
     gate_up_name, down_name = names(cfg).stacked
     rows = x[order // k]  # [N*k, H]: each pair's token, grouped by expert
     hidden = grouped_linear(rows, gate_up, counts)  # [N*k, 2I]
+    if biases is not None:
+        hidden = hidden + biases[0][row_expert]
     extra = grouped_low_rank(p, gate_up_name, rows, counts)
     gate, up = (hidden if extra is None else hidden + extra).chunk(2, dim=-1)  # [N*k, I] each
-    act = F.silu(gate) * up
+    act = expert_activation(gate, up, cfg)
     out = grouped_linear(act, down, counts)  # [N*k, H]
+    if biases is not None:
+        out = out + biases[1][row_expert]
     extra = grouped_low_rank(p, down_name, act, counts)
     out = out if extra is None else out + extra
     out = out * weights.reshape(-1)[order, None]

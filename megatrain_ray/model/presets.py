@@ -13,7 +13,10 @@ of 128 experts, top-8; 30.5B parameters, 3.3B active) and ``mixtral-8x7b`` (32 l
 8.1B); ``glm-4.5-air`` (GLM-4.5-Air's published config.json: 46 layers, the first dense, the others
 128 routed experts top-8 of 1,408 wide beside one shared expert, 96 heads of 128 with half of each
 rotated, q/k/v biases; 106.9B parameters without its multi-token-prediction layer, 13.4B active, 12.2B
-without the embedding and the LM head: the card's 12B).
+without the embedding and the LM head: the card's 12B); ``gpt-oss-20b`` (24 layers of 32 experts,
+top-4; 20.9B, 4.2B active, 3.6B without the embedding as OpenAI counts) and ``gpt-oss-120b`` (36
+layers of 128 experts, top-4; 116.8B, 5.7B active, 5.1B), their published config.json's shapes
+(sliding window 128 on alternate layers, YaRN x32 over 4,096 positions).
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ PRESETS = {
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e6,
                          rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2),
 }
+GPT_OSS_SHAPE = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                     num_key_value_heads=8, head_dim=64, vocab_size=201088, rope_theta=150000.0, rms_norm_eps=1e-5,
+                     sliding_window=128, num_experts_per_tok=4, rope_scaling={
+                         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096})
+"""gpt-oss's shape but its depth and expert count (layer_types: its default alternation)."""
+PRESETS["gpt-oss-20b"] = dict(GPT_OSS_SHAPE, num_hidden_layers=24, num_experts=32)
+PRESETS["gpt-oss-120b"] = dict(GPT_OSS_SHAPE, num_hidden_layers=36, num_experts=128)
 
 
 def preset_shape(preset: str, layers: int | None = None) -> dict:

@@ -1,5 +1,5 @@
 """The model: a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral, and the mixtures of
-experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5), architecture only.
+experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5 / gpt-oss), architecture only.
 
 Everything here is a pure function of (weights, inputs). Weights arrive as a dict of tensors keyed
 by their Hugging Face names relative to the unit (``self_attn.q_proj.weight``, ...): any tensors,
@@ -35,6 +35,11 @@ its own document: a dense boolean [B, 1, S, S] (:func:`document_mask`, SDPA with
 or a FlexAttention ``BlockMask`` built from the same rule (the fast path on a GPU, built by the
 engine); ``mask=None`` is plain causal attention over the whole sequence.
 
+Sliding-window layers and attention sinks (gpt-oss): a layer whose ``cfg.window(i)`` is set takes a
+mask limited to that window (:func:`layer_mask`; the caller hands each layer its own, as transformers
+does), and a layer whose params hold ``self_attn.sinks`` [heads] runs
+:mod:`megatrain_ray.model.sink_attention` (each head's learned sink logit in the softmax).
+
 :func:`decoder_layer` is :func:`attention_block` then :func:`mlp_block`; the second is
 position-wise, so a caller may run it over pieces of the sequence (same values). :func:`mlp_block`
 is h + down_proj(:func:`mlp_activation`), so a caller may stop before the layer's last GEMM (a
@@ -62,6 +67,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from ..config import ModelConfig
 from .linear import add_low_rank, linear, low_rank
 from .moe import RouterStats, is_sparse, sparse_mlp, sparse_params
+from .sink_attention import flex_sink_attention, sink_attention, window_mask
+from .yarn import yarn_frequencies
 
 Params = dict[str, torch.Tensor]
 UnitReader = Callable[[str], Params]
@@ -108,6 +115,8 @@ def unit_params(cfg: ModelConfig, unit: str) -> list[tuple[str, tuple[int, ...]]
         params.append(("self_attn.o_proj.bias", (h,)))
     if cfg.qk_norm:
         params += [("self_attn.q_norm.weight", (cfg.head_size,)), ("self_attn.k_norm.weight", (cfg.head_size,))]
+    if cfg.attention_sinks:
+        params.append(("self_attn.sinks", (cfg.num_attention_heads,)))
     return params
 
 
@@ -137,11 +146,17 @@ def rope_cache(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torc
     With ``rope_scaling`` of type llama3 (Llama 3.1+), the frequencies are rescaled by wavelength as
     transformers' ``_compute_llama3_parameters`` does: wavelengths shorter than
     original_max_position_embeddings / high_freq_factor are kept, those longer than .../low_freq_factor
-    are divided by factor, and those between are interpolated smoothly between the two.
+    are divided by factor, and those between are interpolated smoothly between the two. With type
+    yarn (gpt-oss): :mod:`megatrain_ray.model.yarn`'s frequencies, cos and sin times its attention factor.
     """
     d = cfg.rotary_dim
+    if cfg.rope_scaling is not None and cfg.rope_scaling.get("rope_type") == "yarn":
+        inv_freq, scale = yarn_frequencies(cfg.rope_scaling, cfg.rope_theta, d, device)
+        freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
-    if cfg.rope_scaling is not None:  # rope_type llama3, the only one ModelConfig.validate accepts
+    if cfg.rope_scaling is not None:  # rope_type llama3, the other one ModelConfig.validate accepts
         rs = cfg.rope_scaling
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old_len = rs["original_max_position_embeddings"]
@@ -174,6 +189,15 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     s = position_ids.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def layer_mask(cfg: ModelConfig, layer: int, mask, seq: int, device, position_ids: torch.Tensor | None = None):
+    """The mask decoder layer ``layer`` attends with, given the sequence's full-attention ``mask``
+    (None: causal, or :func:`document_mask`'s): that one, or for a sliding-window layer
+    (``cfg.window(layer)``) the dense window mask of :func:`~megatrain_ray.model.sink_attention.window_mask`
+    (position_ids [B, S]: packed documents, or None)."""
+    window = cfg.window(layer)
+    return mask if window is None else window_mask(seq, window, device, position_ids)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +244,8 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     """Causal grouped-query self-attention. x: [B, S, H] -> [B, S, H].
 
     mask: None (causal over the whole sequence), a [B, 1, S, S] bool tensor (True = may attend) or
-    a FlexAttention ``BlockMask`` (see the module docstring on packed documents).
+    a FlexAttention ``BlockMask`` (see the module docstring on packed documents and sliding windows).
+    With ``self_attn.sinks`` in p, the attention with sinks of :mod:`~megatrain_ray.model.sink_attention`.
     """
     b, s, _ = x.shape
     d = cfg.head_size
@@ -234,7 +259,13 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     cos, sin = rope
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     gqa = cfg.num_key_value_heads != cfg.num_attention_heads
-    if mask is None:
+    if "self_attn.sinks" in p:
+        sinks = p["self_attn.sinks"]
+        if mask is None or isinstance(mask, torch.Tensor):
+            out = sink_attention(q, k, v, sinks, mask)
+        else:
+            out = flex_sink_attention(q, k, v, sinks, mask)
+    elif mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif isinstance(mask, torch.Tensor):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -331,7 +362,8 @@ def forward_hidden(cfg: ModelConfig, read: UnitReader, ids: torch.Tensor, layer:
     else:
         table = rope_cache(cfg, int(position_ids.max()) + 1, ids.device, dtype or torch.float32)
         rope, mask = rope_at(table, position_ids), document_mask(position_ids)
-    for unit in unit_names(cfg)[1:-1]:
-        x = layer(read(unit), x, rope, cfg) if mask is None else layer(read(unit), x, rope, cfg, mask)
+    for i, unit in enumerate(unit_names(cfg)[1:-1]):
+        m = layer_mask(cfg, i, mask, ids.shape[-1], ids.device, position_ids)
+        x = layer(read(unit), x, rope, cfg) if m is None else layer(read(unit), x, rope, cfg, m)
     head = read("head")
     return final_norm(head, x, cfg), lm_head_weight(head, embed_params)
