@@ -143,6 +143,22 @@ def test_unit_update_matches_torch_adamw(master_dtype, native, decay_all, monkey
         assert torch.equal(stream, master.to(torch.bfloat16))
 
 
+def test_every_update_path_clips_as_torch_and_refuses_a_norm_that_is_not_finite():
+    # torch's clip_grad_norm_ factor: max_norm / (norm + 1e-6), capped at 1; 0 turns clipping off.
+    grads = [torch.full((3,), 2.0), torch.full((4,), -1.0)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    coef = optim.step_clipping(4, float(torch.cat(grads).norm()), 1.0)
+    assert coef < 1 and all(torch.equal(p.grad, g * coef) for p, g in zip(params, grads))
+    assert optim.step_clipping(4, 0.5, 1.0) == 1.0 and optim.step_clipping(4, 1e9, 0.0) == 1.0
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(optim.Diverged, match=rf"^the gradient norm of step 5 is {bad}; training diverged, "
+                                                 r"lower optim.lr or check the data.$"):
+            optim.step_clipping(4, bad, 1.0)
+
+
 def test_whole_span_update_of_owned_units_matches_torch_adamw():
     """adamw_unit as the compute worker runs it on a GPU for the units it owns (memory.resident):
     one call per decay span, an fp32 gradient scaled in place, the compute-dtype copy refreshed; the

@@ -34,7 +34,7 @@ from ..io import lora_checkpoint, peft_io
 from ..io.writer import driver_gone
 from ..model.lora import AdapterLayout, dropout_masks, is_adapter
 from ..model.transformer import Params, hf_name
-from .optim import AdamWRunner, clip_coefficient
+from .optim import AdamWRunner, step_clipping
 from .resident import DeviceAdamW
 
 
@@ -146,13 +146,9 @@ class DeviceAdapters:
         """Apply step ``step``'s AdamW update to every adapter, clipped by the step's squared gradient
         norm ``sq_norm``; a norm that is not finite raises (nothing is applied)."""
         grads, self.grads = self.grads, {}
-        norm = math.sqrt(sq_norm)
-        if not math.isfinite(norm):
-            raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, lower optim.lr "
-                                "or check the data.")
+        coef = step_clipping(step, math.sqrt(sq_norm), self.optim.max_grad_norm)
         if self.version != step:
             raise PipelineError(f"the adapters have {self.version} updates but step {step} updates them.")
-        coef = clip_coefficient(norm, self.optim.max_grad_norm)
         for i, (unit, _) in enumerate(self.layout.trained):
             if unit not in grads:
                 raise PipelineError(f"the adapters of {unit} got no gradient in step {step}.")

@@ -1,5 +1,9 @@
 """AdamW on one unit's flat host blocks, the learning-rate schedule, and global-norm clipping.
 
+Every update path (the sink's host updates, the units resident on the device, the adapters of a
+LoRA run) takes its step's clipping factor from :func:`step_clipping`, the one place that refuses
+a step whose gradient norm is not finite (:class:`Diverged`, before anything is applied).
+
 The update is torch's own fused AdamW kernel (``torch._fused_adamw_``, the kernel behind
 ``torch.optim.AdamW(fused=True)``), applied to two contiguous views per unit: the weight-decayed
 matrices and the norms/biases after them (see :mod:`megatrain_ray.model.layout`), decayed too only with
@@ -12,11 +16,13 @@ The math is ``torch.optim.AdamW``'s. With optim.state 8bit the runner applies th
 from __future__ import annotations
 
 import itertools
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..config import OptimConfig
+from ..errors import PipelineError
 from . import adamw_native, compact
 
 
@@ -45,6 +51,19 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+class Diverged(PipelineError):
+    """A step's gradient norm is not finite: its update is never applied and the run stops."""
+
+
+def step_clipping(step: int, norm: float, max_norm: float) -> float:
+    """Step ``step``'s clipping factor (:func:`clip_coefficient`) given its global gradient norm; raises
+    :class:`Diverged`, in one sentence naming the step, when the norm is not finite."""
+    if not math.isfinite(norm):
+        raise Diverged(f"the gradient norm of step {step + 1} is {norm}; training diverged, lower optim.lr "
+                       "or check the data.")
+    return clip_coefficient(norm, max_norm)
 
 
 def decay_spans(numel: int, decay_numel: int, cfg: OptimConfig) -> tuple[tuple[int, int, float], ...]:

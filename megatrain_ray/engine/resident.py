@@ -36,7 +36,7 @@ import torch
 
 from ..config import OptimConfig, lr_at
 from ..errors import PipelineError
-from .optim import AdamWRunner, adamw_unit, clip_coefficient
+from .optim import AdamWRunner, Diverged, adamw_unit, step_clipping
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The store's kinds a resident unit keeps on the device (and copies back at a sync)."""
@@ -155,12 +155,11 @@ class ResidentUnits:
         gradient norm ``sq_norm`` (:func:`step_sq_norm`); False, and nothing applied, when it is not
         finite (the sink stops the run on it; so does the next step here, in the sink's words)."""
         grads, self.grads = self.grads, {}
-        norm = math.sqrt(sq_norm)
-        if not math.isfinite(norm):
-            self.diverged = (f"the gradient norm of step {step + 1} is {norm}; training diverged, lower optim.lr "
-                             "or check the data.")
+        try:
+            coef = step_clipping(step, math.sqrt(sq_norm), self.optim.max_grad_norm)
+        except Diverged as error:
+            self.diverged = str(error)
             return False
-        coef = clip_coefficient(norm, self.optim.max_grad_norm)
         for u in self.units:
             self.optimizer.update(u, grads.pop(u), coef, step)  # the gradient: fp32, scaled in place
         self.version = step + 1

@@ -54,7 +54,7 @@ from . import affinity
 from .checkpointing import SinkCheckpoints
 from .experts import zero_skipped
 from .grad_reduce import rendezvous, sum_copies
-from .optim import AdamWRunner, clip_coefficient
+from .optim import AdamWRunner, Diverged, step_clipping
 from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
 from .schedule import Schedule
 from .settings import SinkSettings
@@ -134,19 +134,15 @@ class GradientSink:
                     zero_skipped(self.store.grad_block(ticket.unit, ticket.slot), self.layout.records[ticket.unit],
                                  ticket.skipped)
                 held = ticket.step_sq_norm if ticket.step_sq_norm != -1.0 else None  # the step's, with held gradients
-                if held is not None and not math.isfinite(held):
-                    self._diverged(step, math.sqrt(held))
+                coef = 1.0 if held is None else self._clipping(step, math.sqrt(held))
                 if ticket.unit not in self.optimizers:
                     continue  # updated on the device (its ticket carries only its norm), or never
                 if self.after_norm and held is None:
                     waiting.add(ticket.unit)
                     continue
-                coef = 1.0 if held is None else clip_coefficient(math.sqrt(held), self.optim.max_grad_norm)
                 self._update(ticket.unit, step, coef, ticket.slot)
             norm = math.sqrt(self.sq_norm if held is None else held)
-            if not math.isfinite(norm):
-                self._diverged(step, norm)
-            coef = clip_coefficient(norm, self.optim.max_grad_norm)
+            coef = self._clipping(step, norm)
             for unit in (u for u in self.order if u in waiting):
                 self._update(unit, step, coef)
             for unit in self.frozen:  # never updated: the next step may stream it
@@ -185,15 +181,18 @@ class GradientSink:
                 self.sq_norm += self._sum_copies(ticket.unit)
             yield ticket
 
-    def _diverged(self, step: int, norm: float) -> None:
-        """Finish the save being written (the last good weights: this step's update is never applied),
-        then raise: the run stops, and its newest checkpoint is whole."""
+    def _clipping(self, step: int, norm: float) -> float:
+        """Step ``step``'s clipping factor (:func:`step_clipping`); where the norm is not finite, the save
+        being written (the last good weights: this step's update is never applied) is finished before
+        the error is raised: the run stops, and its newest checkpoint is whole."""
         try:
-            self.checkpoints.report(wait=True)
-        except Exception:  # noqa: BLE001 (that save failed: the divergence is still what stops the run)
-            pass
-        raise PipelineError(f"the gradient norm of step {step + 1} is {norm}; training diverged, "
-                            "lower optim.lr or check the data.")
+            return step_clipping(step, norm, self.optim.max_grad_norm)
+        except Diverged:
+            try:
+                self.checkpoints.report(wait=True)
+            except Exception:  # noqa: BLE001 (that save failed: the divergence is still what stops the run)
+                pass
+            raise
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): where the sinks' group meets (the first node's)."""
