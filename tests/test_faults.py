@@ -315,3 +315,25 @@ def test_after_a_death_the_driver_records_the_finished_steps_and_the_stats_left_
     assert result.losses == [3.0, 2.9, 2.8, 2.7, 1.6] and result.grad_norms == [1.0, 1.1, 1.2, 4.0, 5.0]
     assert result.checkpoints == ["ckpt/step-000005"] and sorted(driver.submitted) == [5, 6]  # 6: after 5, unread
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [4, 5]
+
+
+def test_a_line_that_fails_loses_no_stats_of_its_batch(tmp_path):
+    # The sink's messages come in batches (a checkpoint notice, then the stats of the next step): an
+    # interrupt raised while the notice's line is said (a test's log, as Ctrl-C at that instant) must
+    # leave the step's stats recorded, so its row is still written when the run stops.
+    cfg = _cfg("/dev/shm", tmp_path, "train.steps=8")
+    roles = SimpleNamespace(head=SimpleNamespace(stats_q=None, grad_q=None, fetch_qs=[]), computes=[None])
+    result = RunResult(run_id="r", run_dir=str(tmp_path), final_dir="")
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("checkpoint: step 2 saved"):
+            raise KeyboardInterrupt
+
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        driver = Driver(cfg, roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), log)
+        with pytest.raises(KeyboardInterrupt):
+            driver._handle([{"checkpoint": "ckpt/step-000002", "step": 2, "save_s": 0.1},
+                            {"step": 3, "grad_norm": 4.0, "lr": 1e-3, "update_busy_s": 0.01, "spans": []}])
+    assert result.checkpoints == ["ckpt/step-000002"] and sorted(driver.stats) == [3]

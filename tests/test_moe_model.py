@@ -31,7 +31,7 @@ from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
-from megatrain_ray.model import flops, moe  # noqa: E402
+from megatrain_ray.model import flops, grouped, moe  # noqa: E402
 from megatrain_ray.model.transformer import routed_layer, rms_norm, rope_cache, unit_names, unit_params  # noqa: E402
 
 SPARSE = {"qwen3_moe": (0, 2), "mixtral": (0, 1), "qwen2_moe": (1, 3), "glm4_moe": (1, 2)}
@@ -155,11 +155,11 @@ def test_grouped_gemm_matches_the_per_expert_fallback_with_an_idle_expert():
     out = {}
     for name in ("grouped", "fallback"):
         xi, wi = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-        y = (moe._grouped_mm()(xi, wi.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-             if name == "grouped" else moe.grouped_linear(xi, wi, counts))
+        y = (grouped._grouped_mm()(xi, wi.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+             if name == "grouped" else grouped.grouped_linear(xi, wi, counts))
         y.backward(dy)
         out[name] = (y.float(), xi.grad.float(), wi.grad.float())
-    assert not moe.grouped_kernel(x, w)  # the CPU takes the fallback in training
+    assert not grouped.grouped_kernel(x, w)  # the CPU takes the fallback in training
     for a, b in zip(out["grouped"], out["fallback"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16: each rounds its own fp32 sums
     assert torch.count_nonzero(out["fallback"][2][1]) == 0 and torch.count_nonzero(out["grouped"][2][1]) == 0
@@ -185,7 +185,7 @@ def test_the_gpu_grouped_gemm_layer_matches_the_per_expert_path():
     for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
         p = {n: v.to(device, dtype).requires_grad_(True) for n, v in ref.items()}
         xi = x.to(device, dtype)
-        assert moe.grouped_kernel(xi, moe.expert_weights(p, cfg)[0]) == (device == "cuda")
+        assert grouped.grouped_kernel(xi, moe.expert_weights(p, cfg)[0]) == (device == "cuda")
         out, counts = moe.routed_experts(p, xi, weights.to(device, dtype), experts.to(device), cfg)
         out.float().square().sum().backward()
         outs[device] = (out.float().cpu(), {n: v.grad.float().cpu() for n, v in p.items() if v.grad is not None},

@@ -22,7 +22,8 @@ This package is the bottom layer, so its ``__init__`` re-exports the public name
 
 from .load import config_from_dict, load_config, parse_override
 from .lora import EXPERT_TARGETS, LORA_TARGETS, LoraSection
-from .model import ARCHITECTURES, LLAMA3_ROPE_KEYS, MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig
+from .families import ARCHITECTURES, LLAMA3_ROPE_KEYS, MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from .model import ModelConfig
 from .execution import (EXECUTION_SECTIONS, ClusterSection, ComputeSection, ExperimentalSection, MemorySection, ParallelSection,
                         PrecisionSection, describe_resident)
 from .sections import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, DataSection, OptimConfig, TrainConfig,

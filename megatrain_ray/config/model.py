@@ -1,6 +1,7 @@
 """The model section: a decoder-only transformer's shape (Llama / Qwen2 / Qwen3 / Mistral, and the
-mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5 / gpt-oss), named as in Hugging Face config.json, and its
-mapping to and from such a config.json.
+mixtures of experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5 / gpt-oss), named as in Hugging Face
+config.json, and its mapping to and from such a config.json (the families and their own fields'
+checks: :mod:`megatrain_ray.config.families`).
 """
 
 from __future__ import annotations
@@ -12,39 +13,8 @@ from typing import Any
 from ..errors import ConfigError
 from .fields import require as _require
 from .fields import section_from_dict
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
-"""model_type -> the HF ``architectures`` entry of its causal LM: the one map of supported families
-(config.json is read and written through it, by :class:`ModelConfig` and megatrain_ray.io.hf_io)."""
-SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss")
-"""The mixture-of-experts families (see :mod:`megatrain_ray.model.moe`)."""
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
-              "router_aux_loss_coef", "output_router_logits")
-"""The fields only a mixture of experts has (a dense family's config.json carries none of them)."""
-GLM_FIELDS = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
-              "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers")
-"""The fields only glm4_moe has (GLM-4.5 / 4.5-Air / 4.6; the other families' config.json carry none)."""
-GLM_HF_DEFAULTS = dict(n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                       routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, partial_rotary_factor=0.5,
-                       num_nextn_predict_layers=1)
-"""transformers' Glm4MoeConfig defaults of those fields, for a config.json that leaves one out."""
-LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-"""The keys of a ``rope_type: llama3`` model.rope_scaling (Llama 3.1 / 3.2 / 3.3), as in HF config.json."""
-YARN_ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
-                  "attention_factor")
-"""The keys of a ``rope_type: yarn`` model.rope_scaling (gpt-oss), as in HF config.json: factor and
-original_max_position_embeddings required, beta_fast (32), beta_slow (1), truncate (true) and
-attention_factor (0.1 ln(factor) + 1) optional with transformers' defaults."""
-GPT_OSS_FIELDS = ("layer_types", "swiglu_alpha", "swiglu_limit")
-"""The fields only gpt-oss has (another family's config.json carries none of them)."""
-LAYER_TYPES = ("full_attention", "sliding_attention")
-"""The values of model.layer_types: causal attention over the whole sequence, or limited to the
-last model.sliding_window positions."""
+from .families import (ARCHITECTURES, GLM_FIELDS, GLM_HF_DEFAULTS, GPT_OSS_FIELDS, LAYER_TYPES, MOE_FIELDS,
+                       MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, validate_glm, validate_gpt_oss, validate_rope_scaling)
 
 
 @dataclass
@@ -271,7 +241,7 @@ class ModelConfig:
         _require(self.rms_norm_eps > 0, "model.rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
         _require(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
         if self.rope_scaling is not None:
-            self._validate_rope_scaling()
+            validate_rope_scaling(self.rope_scaling)
         _require(self.initializer_range > 0, "model.initializer_range",
                  f"must be positive, got {self.initializer_range}")
         if self.model_type != "glm4_moe":
@@ -279,7 +249,7 @@ class ModelConfig:
                 _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
                          f"is a glm4_moe setting, which a {self.model_type} model does not have; remove it")
         if self.model_type == "gpt_oss":
-            self._validate_gpt_oss()
+            validate_gpt_oss(self)
         else:
             for key in GPT_OSS_FIELDS:
                 _require(getattr(self, key) is None, f"model.{key}",
@@ -335,83 +305,7 @@ class ModelConfig:
             _require(self.shared_expert_intermediate_size > 0, "model.shared_expert_intermediate_size",
                      "must be positive for qwen2_moe (its shared expert's width)")
         if self.model_type == "glm4_moe":
-            self._validate_glm()
-
-    def _validate_glm(self) -> None:
-        for key in ("decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"):
-            _require(getattr(self, key) == getattr(ModelConfig(), key), f"model.{key}",
-                     "is not a setting of a glm4_moe model (its first first_k_dense_replace layers are dense, "
-                     "its shared experts n_shared_experts x moe_intermediate_size wide); remove it")
-        _require(not self.output_router_logits, "model.output_router_logits",
-                 "must be false for glm4_moe: transformers computes no load-balancing loss for it (its "
-                 "router's e_score_correction_bias, held frozen here, balances the load instead)")
-        e = self.num_experts
-        _require(self.n_group > 0 and e % self.n_group == 0 and (self.n_group == 1 or e // self.n_group >= 2),
-                 "model.n_group", f"must divide model.num_experts ({e}) into groups of at least 2, got {self.n_group}")
-        _require(0 < self.topk_group <= self.n_group, "model.topk_group",
-                 f"must be between 1 and model.n_group ({self.n_group}), got {self.topk_group}")
-        _require(self.topk_group * (e // self.n_group) >= self.num_experts_per_tok, "model.topk_group",
-                 f"keeps {self.topk_group} groups of {e // self.n_group} experts, fewer than "
-                 f"model.num_experts_per_tok ({self.num_experts_per_tok})")
-        _require(self.routed_scaling_factor > 0, "model.routed_scaling_factor",
-                 f"must be positive, got {self.routed_scaling_factor}")
-        _require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "model.first_k_dense_replace",
-                 f"must be between 0 and model.num_hidden_layers ({self.num_hidden_layers}), "
-                 f"got {self.first_k_dense_replace}")
-        for key in ("n_shared_experts", "num_nextn_predict_layers"):
-            _require(getattr(self, key) >= 0, f"model.{key}", f"must be >= 0, got {getattr(self, key)}")
-        f = self.partial_rotary_factor
-        _require(0 < f <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0, "model.partial_rotary_factor",
-                 f"must be in (0, 1] and rotate an even number of dims of model.head_dim ({self.head_size}), got {f}")
-
-    def _validate_gpt_oss(self) -> None:
-        types = self.layer_types
-        _require(isinstance(types, list) and len(types) == self.num_hidden_layers and all(t in LAYER_TYPES for t in types),
-                 "model.layer_types", f"must list one of {', '.join(LAYER_TYPES)} per layer "
-                 f"({self.num_hidden_layers}), got {types!r}")
-        _require(self.sliding_window is not None or "sliding_attention" not in types, "model.sliding_window",
-                 "must be set when model.layer_types has sliding_attention layers")
-        _require(self.swiglu_alpha > 0, "model.swiglu_alpha", f"must be positive, got {self.swiglu_alpha}")
-        _require(self.swiglu_limit > 0, "model.swiglu_limit", f"must be positive, got {self.swiglu_limit}")
-
-    def _validate_rope_scaling(self) -> None:
-        rs = self.rope_scaling
-        _require(isinstance(rs, dict), "model.rope_scaling", f"must be a mapping (or null), got {rs!r}")
-        rope_type = rs.get("rope_type")
-        _require(rope_type in ("llama3", "yarn"), "model.rope_scaling",
-                 f"has rope_type {rope_type!r}, which is not supported; supported are 'llama3' "
-                 "(Llama 3.1 to 3.3), 'yarn' (gpt-oss) and null (plain RoPE)")
-        if rope_type == "yarn":
-            return self._validate_yarn()
-        unknown = sorted(set(rs) - set(LLAMA3_ROPE_KEYS))
-        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
-                 f"is not a key of a llama3 rope_scaling; its keys are {', '.join(LLAMA3_ROPE_KEYS)}")
-        for key in LLAMA3_ROPE_KEYS[1:]:
-            value = rs.get(key)
-            _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"model.rope_scaling.{key}",
-                     f"must be a number, got {value!r}")
-        _require(rs["factor"] >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs['factor']}")
-        _require(rs["low_freq_factor"] > 0, "model.rope_scaling.low_freq_factor",
-                 f"must be positive, got {rs['low_freq_factor']}")
-        _require(rs["high_freq_factor"] > rs["low_freq_factor"], "model.rope_scaling.high_freq_factor",
-                 f"must exceed low_freq_factor ({rs['low_freq_factor']}), got {rs['high_freq_factor']}")
-        original = rs["original_max_position_embeddings"]
-        _require(original > 0 and float(original).is_integer(), "model.rope_scaling.original_max_position_embeddings",
-                 f"must be a positive integer, got {original!r}")
-
-    def _validate_yarn(self) -> None:
-        rs = self.rope_scaling
-        unknown = sorted(set(rs) - set(YARN_ROPE_KEYS))
-        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
-                 f"is not a supported key of a yarn rope_scaling; its keys are {', '.join(YARN_ROPE_KEYS)}")
-        for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
-            value = rs.get(key)
-            _require((value is None and key not in ("factor", "original_max_position_embeddings"))
-                     or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
-                     f"model.rope_scaling.{key}", f"must be a positive number, got {value!r}")
-        _require(rs["factor"] >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs['factor']}")
-        _require(isinstance(rs.get("truncate", True), bool), "model.rope_scaling.truncate",
-                 f"must be true or false, got {rs.get('truncate')!r}")
+            validate_glm(self)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":

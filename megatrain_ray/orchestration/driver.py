@@ -268,6 +268,9 @@ class Driver:
             self._handle_now(items)
 
     def _handle_now(self, items: list[dict]) -> None:
+        """Every item recorded first, then the lines said: a line's failure (an interrupt raised by the
+        log, a closed terminal) leaves no item of the batch unrecorded."""
+        notices = []
         for st in items:
             if "checkpoint" in st:
                 self.save_s = st["save_s"] + st.get("stall_s", 0.0)
@@ -275,10 +278,12 @@ class Driver:
                 self.gauges.checkpoint(st["step"])
                 waited = ("the compute worker paused for it" if st.get("by") == "compute" else
                           f"the sink waited {st.get('stall_s', 0.0):.2f} s for it")
-                self.log(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s "
-                         f"({waited})")
+                notices.append(f"checkpoint: step {st['step']} saved to {st['checkpoint']} in {st['save_s']:.2f} s "
+                               f"({waited})")
             else:
                 self.stats[st["step"]] = st
+        for line in notices:
+            self.log(line)
         for step in sorted(s for s in self.stats if s in self.outputs):
             self._log_step(self.outputs.pop(step), self.stats.pop(step))
 
