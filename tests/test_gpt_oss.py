@@ -9,7 +9,7 @@
   interleaved as transformers holds it, tensor for tensor equal to what save_pretrained wrote.
 - MXFP4: our dequantization equals transformers' bit for bit on random blocks (fp32 and bf16), and
   an MXFP4 checkpoint imports to the weights transformers dequantizes from it.
-- The load-balancing loss (transformers' over the biased logits' full softmax) and YaRN's tables.
+- YaRN's tables (the load-balancing loss: tests/test_moe_model.py, gpt_oss among the families there).
 - The config: from config.json and back, errors naming the key.
 - FLOPs: active parameters (an expert's biases with it), the window in PaLM's attention term, and
   the presets' totals as published (20.9B and 116.8B; 3.6B and 5.1B active without the embedding).
@@ -31,7 +31,7 @@ from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
 from megatrain_ray.io.gpt_oss import dequantize_mxfp4  # noqa: E402
 from megatrain_ray.model import flops, moe, presets  # noqa: E402
-from megatrain_ray.model.transformer import layer_mask, rms_norm, rope_cache, routed_layer, unit_names  # noqa: E402
+from megatrain_ray.model.transformer import rms_norm, rope_cache  # noqa: E402
 
 
 def _moved(store, cfg, ids, theirs, name, change, layer=0):
@@ -132,24 +132,6 @@ def test_an_mxfp4_checkpoint_imports_to_transformers_dequantized_weights(tmp_pat
     written = read_tensors(tmp_path / "out")
     for k, v in model.state_dict().items():
         assert torch.equal(written[k], v), k  # dequantized exactly, written in the bf16 form's layout
-
-
-def test_aux_loss_matches_transformers(tmp_path):
-    model = make_model("gpt_oss", output_router_logits=True)
-    model.save_pretrained(tmp_path / "hf")
-    cfg, _ = hf_io.read_config(str(tmp_path / "hf"))
-    mapping = hf_io.check_weights(cfg, str(tmp_path / "hf"), "the checkpoint")
-    ids = token_ids(batch=2, seq=16)
-    with torch.no_grad():
-        theirs = model(input_ids=ids).aux_loss
-    units = {u: hf_io.read_unit(str(tmp_path / "hf"), mapping, cfg, u) for u in unit_names(cfg)}
-    x = torch.nn.functional.embedding(ids, units["embed"]["weight"])
-    rope = rope_cache(cfg, ids.shape[1], ids.device, torch.float32)
-    stats = []
-    for i in range(cfg.num_hidden_layers):
-        x, s = routed_layer(units[f"layers.{i}"], x, rope, cfg, layer_mask(cfg, i, None, 16, ids.device))
-        stats.append(s)
-    torch.testing.assert_close(moe.aux_loss(stats, cfg.num_experts), theirs.float(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("truncate", [True, False])

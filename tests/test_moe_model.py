@@ -9,7 +9,7 @@
   logits and ``generate`` output unchanged.
 - The load-balancing loss from our per-layer router statistics equals transformers' aux_loss, and
   its gradient, taken layer by layer through :func:`aux_loss_of_layer`, equals autograd's of the whole
-  (GLM-4.5 has none in transformers: its config.json with output_router_logits is refused, naming the key).
+  (gpt-oss's too, its sliding windows applied; GLM-4.5 has none in transformers: its config.json with output_router_logits is refused, naming the key).
 - The grouped GEMM (``torch._grouped_mm``, which this torch runs on the CPU in bf16) agrees with the
   per-expert fallback forward and backward, an expert with no rows included (its gradient zero).
 - The config: MoE keys read from config.json under either name, errors naming the key.
@@ -32,7 +32,8 @@ from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
 from megatrain_ray.model import flops, grouped, moe  # noqa: E402
-from megatrain_ray.model.transformer import routed_layer, rms_norm, rope_cache, unit_names, unit_params  # noqa: E402
+from megatrain_ray.model.transformer import (layer_mask, rms_norm, rope_cache, routed_layer, unit_names,  # noqa: E402
+                                              unit_params)
 
 SPARSE = {"qwen3_moe": (0, 2), "mixtral": (0, 1), "qwen2_moe": (1, 3), "glm4_moe": (1, 2)}
 NO_AUX_LOSS = {"glm4_moe"}
@@ -104,7 +105,7 @@ def test_both_expert_layouts_import_and_export_loads_in_transformers(arch, tmp_p
     assert set(read_tensors(tmp_path / "exported")) == set(written)
 
 
-@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+@pytest.mark.parametrize("arch", [*sorted(MOE_ARCHS), "gpt_oss"])
 def test_aux_loss_and_its_layerwise_gradient_match_transformers(arch, tmp_path):
     model = make_model(arch, output_router_logits=True)
     model.save_pretrained(tmp_path / "hf")
@@ -125,12 +126,12 @@ def test_aux_loss_and_its_layerwise_gradient_match_transformers(arch, tmp_path):
     from megatrain_ray.model.transformer import decoder_layer
 
     for i in range(cfg.num_hidden_layers):
-        p = units[f"layers.{i}"]
+        p, mask = units[f"layers.{i}"], layer_mask(cfg, i, None, ids.shape[1], ids.device)  # gpt-oss: its windows
         if i in cfg.sparse_layers:
-            x, s = routed_layer(p, x, rope, cfg)
+            x, s = routed_layer(p, x, rope, cfg, mask)
             stats.append(s)
         else:
-            x = decoder_layer(p, x, rope, cfg)
+            x = decoder_layer(p, x, rope, cfg, mask)
     ours = moe.aux_loss(stats, cfg.num_experts)
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=1e-7)
     assert theirs > 1.0  # E x sum f P is k (2) at perfect balance, more otherwise
