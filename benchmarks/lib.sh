@@ -64,3 +64,15 @@ with open(path, "wb") as out:
 print(f"{path}: {size / 2**20:.1f} MiB of text from {len(files)} files")
 PY
 }
+# lora_ratio FILE OURS_JSON THEIRS_JSON: our tokens/s per layer (a bench JSON) over a resident LoRA run's
+# (lora_resident.py's JSON), printed and written to FILE
+lora_ratio() {
+  python3 - "$2" "$3" <<'PY' | tee "$1"
+import json, sys
+ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
+mine = ours["systems"]["megatrain_ray"]["tokens_per_s"] * ours["layers"]
+print(f"tokens/s per layer: ours {mine:,.0f} ({ours['layers']} layers), transformers + peft resident "
+      f"({theirs.get('base', 'bf16')} base) {theirs['layer_tokens_per_s']:,.0f} ({theirs['layers']} layers): "
+      f"{mine / theirs['layer_tokens_per_s']:.2f}x")
+PY
+}

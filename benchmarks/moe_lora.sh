@@ -14,15 +14,6 @@ source "$(dirname "$0")/lib.sh"
 parts=${2:-plan lora resident}
 rc=0
 LORA=(--set lora.rank=16 --set lora.alpha=32 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj)
-ratio() {  # ratio OURS_JSON THEIRS_JSON: our tokens/s per layer over theirs
-  python3 - "$1" "$2" <<'PY' | tee "$out/ratio.txt"
-import json, sys
-ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
-mine = ours["systems"]["megatrain_ray"]["tokens_per_s"] * ours["layers"]
-print(f"tokens/s per layer: ours {mine:,.0f} ({ours['layers']} layers), transformers + peft resident "
-      f"{theirs['layer_tokens_per_s']:,.0f} ({theirs['layers']} layers): {mine / theirs['layer_tokens_per_s']:.2f}x")
-PY
-}
 if smoke; then
   bench moe-lora-tiny 300 --preset small-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 \
     --set compute.device=cpu --set lora.rank=4 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj
@@ -30,7 +21,7 @@ if smoke; then
     --seq-len 128 --micro-batches 2 --steps 2 --rank 4 --targets q_proj,k_proj,v_proj,o_proj --device cpu \
     --tag moe-tiny --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-lora-moe-tiny.txt"
-  ratio "$out/bench-moe-lora-tiny.json" "$out/resident-lora-moe-tiny.json" || rc=$?
+  lora_ratio "$out/ratio.txt" "$out/bench-moe-lora-tiny.json" "$out/resident-lora-moe-tiny.json" || rc=$?
   stamp done; exit $rc
 fi
 step=(--tokens 262144 --seq-len 4096 --micro-batches 16 --steps 4)
@@ -49,6 +40,6 @@ case " $parts " in *" resident "*)  # as many of the same layers as fit the GPU 
     --targets q_proj,k_proj,v_proj,o_proj --tokens 262144 --seq-len 4096 --micro-batches 16 \
     --tag qwen3-30b-a3b-262144 --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-lora-moe.txt"
-  ratio "$out/bench-qwen3-30b-a3b-48l-lora-r16-262144.json" "$out/resident-lora-qwen3-30b-a3b-262144.json" || rc=$? ;;
+  lora_ratio "$out/ratio.txt" "$out/bench-qwen3-30b-a3b-48l-lora-r16-262144.json" "$out/resident-lora-qwen3-30b-a3b-262144.json" || rc=$? ;;
 esac
 stamp done; exit $rc

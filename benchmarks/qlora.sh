@@ -6,25 +6,31 @@
 # 30.5B) with rank-16 adapters, nf4 base, 262,144 tokens a step (16 micro-batches of 4 x 4,096; needs
 # LoRA on mixtures of experts), and the Llama-3.1-70B shape (80 layers, hidden 8192) with rank-16
 # adapters, nf4 base, 65,536 tokens a step (16 x 4 x 1,024), 10 steps.
-#   bash benchmarks/qlora.sh OUT [PARTS]   # one H200, 128 GiB; PARTS: any of "check plan qwen3 70b"
+#   bash benchmarks/qlora.sh OUT [PARTS]   # one H200, 128 GiB; PARTS: any of "check plan qwen3 resident 70b"
 #   bash benchmarks/qlora.sh OUT start70b  # the 70b part detached (setsid): returns at once
 #   bash benchmarks/qlora.sh OUT collect   # the detached run: running or done, its steps and figures
 #   SMOKE=1 bash benchmarks/qlora.sh OUT   # the CPU, the tiny preset
 # Writes OUT/bench-<tag>.json (megatrain-ray bench: s/step, tokens/s, TFLOPS, GPU busy, link GB/s, host
-# B/param), OUT/plan-*.txt and OUT/log_gpu-check.txt. BUDGET (s, default 570) is per command; the 70B
+# B/param), OUT/plan-*.txt and OUT/log_gpu-check.txt; part resident (after qwen3): transformers + peft +
+# bitsandbytes 4-bit resident on the GPU on the same shape, as many layers as fit (lora_resident.py --base
+# nf4: its nn.Linear layers in NF4, the fused experts bf16 as transformers leaves them), and
+# OUT/ratio-nf4.txt, the tokens/s per layer of the two. BUDGET (s, default 570) is per command; the 70B
 # run's 10 steps take longer than one 10-minute call at ~400 TFLOPS (about 70 s a step), so it runs
 # detached across calls: STEPS70 (default 10) sets them, BUDGET70 (default 3000) its limit. It trains
 # on real text, byte by byte (data.format windows over OUT/text.txt: this repository's documents and
 # the installed Python packages' descriptions, English prose) at a LoRA learning rate (1e-3), so that its
 # loss is seen to fall.
 source "$(dirname "$0")/lib.sh"
-parts=${2:-check plan qwen3 70b}
+parts=${2:-check plan qwen3 resident 70b}
 rc=0
 QLORA=(--set lora.rank=16 --set lora.alpha=32 --set lora.base_format=nf4)
 if smoke; then
   bench qlora-tiny 300 "${SMOKE_ARGS[@]}" --set lora.rank=4 --set lora.base_format=nf4
   run plan-qlora-tiny 120 python3 -m megatrain_ray.cli plan --device cpu $(shape_args tiny 2) --set lora.rank=4 \
     --set lora.base_format=nf4 || rc=$?
+  run resident-qlora-tiny 300 python3 benchmarks/lora_resident.py --preset tiny --layers 1 --tokens 1024 \
+    --seq-len 128 --micro-batches 2 --steps 2 --rank 4 --device cpu --base nf4 --tag tiny-nf4 --out "$out" || rc=$?
+  lora_ratio "$out/ratio-nf4.txt" "$out/bench-qlora-tiny.json" "$out/resident-lora-tiny-nf4.json" || rc=$?
   stamp done; exit $rc
 fi
 case " $parts " in *" check "*)
@@ -42,6 +48,14 @@ esac
 case " $parts " in *" qwen3 "*)
   bench qlora-qwen3-30b-a3b-nf4-262144 "$(left 600)" --preset qwen3-30b-a3b --tokens 262144 --seq-len 4096 \
     --micro-batches 16 --steps 4 "${QLORA[@]}" ;;
+esac
+case " $parts " in *" resident "*)  # transformers + peft + bitsandbytes 4-bit resident, as many layers as fit
+  run resident-qlora-moe 600 python3 benchmarks/lora_resident.py --preset qwen3-30b-a3b --layers 25 --rank 16 \
+    --targets q_proj,k_proj,v_proj,o_proj --tokens 262144 --seq-len 4096 --micro-batches 16 --base nf4 \
+    --tag qwen3-30b-a3b-nf4-262144 --out "$out" || rc=$?
+  grep "^resident-lora" "$out/log_resident-qlora-moe.txt"
+  lora_ratio "$out/ratio-nf4.txt" "$out/bench-qlora-qwen3-30b-a3b-nf4-262144.json" \
+    "$out/resident-lora-qwen3-30b-a3b-nf4-262144.json" || rc=$? ;;
 esac
 case " $parts " in *" start70b "*)
   setsid nohup bash "$PWD/benchmarks/qlora.sh" "$out" 70b > "$out/driver70b.txt" 2>&1 < /dev/null &

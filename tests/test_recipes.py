@@ -87,6 +87,10 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     if recipe == "lora.sh":  # the resident transformers + peft run beside it, and the plan's LoRA line
         assert json.loads((tmp_path / "resident-lora-tiny.json").read_text())["layers"] == 1
         assert re.search(r"^  LoRA .* B/param", (tmp_path / "log_plan-lora-tiny.txt").read_text(), re.M)
+    if recipe == "qlora.sh":  # transformers + peft + bitsandbytes 4-bit resident beside it
+        resident = json.loads((tmp_path / "resident-lora-tiny-nf4.json").read_text())
+        assert resident["base"] == "nf4" and resident["nf4_params"] > 0 and resident["layers"] == 1
+        assert re.search(r"^tokens/s per layer: ours .*\(nf4 base\).*x$", (tmp_path / "ratio-nf4.txt").read_text(), re.M)
     if recipe == "moe_lora.sh":  # LoRA on the experts, beside transformers + peft resident: tokens/s per layer
         assert report["model"]["num_experts"] and "lora.rank=4" in report["overrides"]
         assert json.loads((tmp_path / "resident-lora-moe-tiny.json").read_text())["layers"] == 1
