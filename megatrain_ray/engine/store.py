@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 
 import torch
@@ -52,6 +51,7 @@ from ..model.quant_layout import QuantLayout
 from ..model.transformer import hf_name
 from . import reaper, shm
 from .compact import BLOCK, num_blocks
+from .init_weights import draw_random
 from .quantized import QuantizedBase
 
 WEIGHT_KINDS = ("master", "stream", "exp_avg", "exp_avg_sq", "grad", "peer_grad")
@@ -375,7 +375,7 @@ class ParameterStore:
             if resume_from is not None and not spec.lora.enabled:
                 self.load_checkpoint(resume_from)
             elif init_from is None:
-                self._init_random(seed)
+                draw_random(self.store, self.spec, seed)
             else:
                 self._load_hf(init_from)
             if resume_from is not None and spec.lora.enabled:  # its checkpoint holds the adapters alone: the
@@ -387,53 +387,6 @@ class ParameterStore:
     def ready(self) -> int:
         """Bytes of shared memory held (called to wait for initialisation)."""
         return self.spec.nbytes()
-
-    def _init_random(self, seed: int) -> None:
-        """Normal(0, initializer_range) matrices, unit norms, zero biases; deterministic per unit and the
-        same values, rounded to the master dtype, for every master dtype.
-
-        Units are drawn on a pool of threads (torch's normal sampler is single-threaded, ~100 M
-        values/s: a minute for 7B on one core), each from its own generator, in place. A quantized
-        base's parameters are drawn one at a time into a transient of their own and quantized into
-        the store, with torch's operations on one thread each meanwhile (the pool is the parallelism:
-        its threads x intra-op threads would oversubscribe the cores many times over), so the
-        transient memory is one parameter per thread.
-        """
-        std = self.spec.model.initializer_range
-
-        quantized = self.store.base is not None
-        compute = self.spec.precision.compute
-
-        def init_unit(i: int) -> None:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            template = self.store.layout.templates[i]
-            if quantized:
-                params = ((name, torch.empty(shape, dtype=compute)) for name, shape, _ in template.params)
-            else:
-                params = self.store.params("master", i).items()
-            for name, p in params:
-                if p.dim() >= 2 and p.dtype == torch.float32:
-                    torch.randn(p.shape, generator=gen, out=p)
-                    p.mul_(std)
-                elif p.dim() >= 2:  # drawn in fp32 (a transient copy), as above: the same model rounded
-                    p.copy_(torch.randn(p.shape, generator=gen).mul_(std))
-                elif name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.zero_()
-                if quantized:
-                    self.store.write(i, name, p)
-            self.store.refresh_stream(i)
-
-        units = range(len(self.store.layout.units))
-        threads = torch.get_num_threads()
-        if quantized:
-            torch.set_num_threads(1)  # process-wide: the pool's threads see it too; restored below
-        try:
-            with ThreadPoolExecutor(max(1, threads)) as pool:
-                list(pool.map(init_unit, sorted(units, key=lambda i: -self.store.layout.templates[i].numel)))
-        finally:
-            torch.set_num_threads(threads)
 
     def _load_hf(self, directory: str) -> None:
         """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.io.hf_io`)."""
