@@ -135,6 +135,13 @@ def hub_form(cfg: ModelConfig, tensors: list) -> list:
     return out
 
 
+def interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t: [..., 2I, ...], along ``dim`` (>= 0) an expert's gate rows then its up rows (this project's
+    order) -> the same tensor with those rows interleaved (gate 0, up 0, gate 1, ...), the Hub's order."""
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
 def _stacked(cfg: ModelConfig, prefix: str, by_name: dict, dtype: torch.dtype, source_cls) -> list:
     h, i, n = cfg.hidden_size, cfg.expert_size, cfg.num_experts
 
@@ -146,8 +153,7 @@ def _stacked(cfg: ModelConfig, prefix: str, by_name: dict, dtype: torch.dtype, s
             rows = []
             for e in range(n):
                 g, u, _ = GPT_OSS_NAMES.expert_bias(e) if bias else GPT_OSS_NAMES.expert(e)
-                a, b = load(g), load(u)
-                both = torch.stack((a, b), dim=1).reshape(2 * i, *a.shape[1:])  # rows interleaved
+                both = interleave(torch.cat((load(g), load(u))), 0)
                 rows.append(both if bias else both.t())
             return torch.stack(rows).to(dtype).contiguous()
         return build
