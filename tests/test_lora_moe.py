@@ -51,10 +51,11 @@ import torch.nn.functional as F  # noqa: E402
 
 STEPS = 4
 SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16),
-          "glm4_moe": dict(n_routed_experts=16)}
+          "glm4_moe": dict(n_routed_experts=16), "gpt_oss": dict(num_local_experts=16)}
 
 
 def _model(arch, aux, attention="sdpa", experts="grouped_mm"):
+    attention = "eager" if arch == "gpt_oss" else attention  # its sinks: no sdpa in transformers
     model = make_model(arch, **SHAPES[arch], output_router_logits=aux, router_aux_loss_coef=0.05,
                        attn_implementation=attention)
     model.set_experts_implementation(experts)
@@ -122,7 +123,10 @@ def _reference(model, cfg, source, reverse=False):
                           "train.num_micro_batches=4"]),
     # GLM-4.5: the router trained in full beside its frozen score-correction bias, which stays bit for bit
     ("glm4_moe", False, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj", "lora.train_router=true"]),
-], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers", "glm4_moe-router"])
+    # gpt-oss: biased router and experts, the clamped SwiGLU, sinks and a window; its experts stored
+    # de-interleaved here, exported interleaved as transformers' gate_up_proj
+    ("gpt_oss", True, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj"]),
+], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers", "glm4_moe-router", "gpt_oss"])
 def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, shm_dir, tmp_path):
     _model(arch, aux).save_pretrained(tmp_path / "init")
     cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=8", "train.micro_batch_size=1",
@@ -226,6 +230,11 @@ def test_moe_lora_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="lora.target_modules names gate_proj, which on a glm4_moe model PEFT reads "
                                           "as its routed experts' parameters, so the adapters of its shared experts"):
         load_train_config(None, [*glm, "lora.target_modules=q_proj,gate_proj"])
+    oss = ["model.model_type=gpt_oss", "model.num_experts=4", "model.num_experts_per_tok=2", "model.num_hidden_layers=2",
+           "model.sliding_window=8", "model.layer_types=[sliding_attention,full_attention]", "lora.rank=4"]
+    assert load_train_config(None, oss).lora.target_experts == ("gate_up_proj", "down_proj")  # adapters on its experts
+    with pytest.raises(ConfigError, match="lora.train_router must be false on a gpt_oss model"):
+        load_train_config(None, [*oss, "lora.train_router=true"])
     cfg = load_train_config(None, [*moe, "lora.target_experts=[]"])
     assert cfg.lora.target_experts == () and not any(".experts." in n for t in
                                                       AdapterLayout.build(cfg.model, cfg.lora).templates
