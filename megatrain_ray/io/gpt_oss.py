@@ -17,7 +17,9 @@ tensors of their own (:data:`megatrain_ray.model.moe.GPT_OSS_NAMES`), like the o
 :func:`add_sources` maps each of them to its slice of a stacked tensor and the conversion that
 brings it into that layout (de-interleave, transpose, dequantize), so import reads one expert at a
 time (:mod:`megatrain_ray.io.experts`); :func:`hub_form` does the reverse for export, one
-stacked tensor at a time, in the bf16 form (which transformers loads). MXFP4 is dequantized once,
+stacked tensor at a time, in the bf16 form (which transformers loads; a LoRA run's merged export
+too). :func:`interleave` is that order of the gate and up rows, also what the adapters on the
+experts' gate_up_proj take in a PEFT adapter file (:mod:`megatrain_ray.io.peft_io`). MXFP4 is dequantized once,
 at import, to the store's dtype; keeping it MXFP4 in the store is not done.
 """
 
