@@ -1,7 +1,8 @@
 """LoRA on mixtures of experts through the real pipeline, against transformers + peft + torch.optim.AdamW.
 
-Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral, Qwen2-MoE (a shared expert) and
-GLM-4.5 (sigmoid router, score-correction bias, expert groups, shared experts)
+Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral, Qwen2-MoE (a shared expert),
+GLM-4.5 (sigmoid router, score-correction bias, expert groups, shared experts) and gpt-oss (biased
+router and experts, the clamped SwiGLU; its experts stored de-interleaved here, interleaved in peft)
 models, 16 experts each with top-2 and few tokens per step, so that in some step an expert that
 was routed before receives no token. Our pipeline (real Ray actors, real shared memory, fp32) trains
 adapters on attention, the shared expert and every routed expert (peft's ``target_parameters`` on

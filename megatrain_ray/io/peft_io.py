@@ -98,9 +98,9 @@ def peft_tensors(cfg: ModelConfig, lora: LoraSection, unit: str, views: dict[str
     ``ParamWrapper`` holds it, on transformers' ``mlp.experts`` module: A [E, r, in] as one
     [E * r, in] matrix, B [E, out, r] as one [out, r * E] matrix whose column j * E + e is expert e's
     column j (gpt-oss's gate_up_proj B with its rows first interleaved gate/up,
-    :func:`~megatrain_ray.io.gpt_oss.interleave`, as transformers' ``gate_up_proj`` [E, H, 2I] orders the
-    out features PEFT's B rows stand for); each targeted parameter wraps the one before it, so the first of :func:`target_parameters`
-    sits deepest (``mlp.experts.base_layer.lora_A.weight`` of gate_up_proj beside down_proj's
+    :func:`~megatrain_ray.io.gpt_oss.interleave`, as transformers' ``gate_up_proj`` [E, H, 2I]
+    orders the out features PEFT's B rows stand for); each targeted parameter wraps the one before
+    it, so the first of :func:`target_parameters` sits deepest (``mlp.experts.base_layer.lora_A.weight`` of gate_up_proj beside down_proj's
     ``mlp.experts.lora_A.weight``). A router trained in full is saved under transformers' module name
     (``mlp.gate.weight``), as PEFT's modules_to_save."""
     experts = expert_modules(cfg, lora)
