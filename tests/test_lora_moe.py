@@ -1,7 +1,8 @@
 """LoRA on mixtures of experts through the real pipeline, against transformers + peft + torch.optim.AdamW.
 
-Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral, Qwen2-MoE (a shared expert) and
-GLM-4.5 (sigmoid router, score-correction bias, expert groups, shared experts)
+Tiny random Qwen3-MoE (dense and sparse layers mixed), Mixtral, Qwen2-MoE (a shared expert),
+GLM-4.5 (sigmoid router, score-correction bias, expert groups, shared experts) and gpt-oss (biased
+router and experts, the clamped SwiGLU; its experts stored de-interleaved here, interleaved in peft)
 models, 16 experts each with top-2 and few tokens per step, so that in some step an expert that
 was routed before receives no token. Our pipeline (real Ray actors, real shared memory, fp32) trains
 adapters on attention, the shared expert and every routed expert (peft's ``target_parameters`` on
@@ -51,10 +52,11 @@ import torch.nn.functional as F  # noqa: E402
 
 STEPS = 4
 SHAPES = {"qwen3_moe": dict(num_experts=16), "mixtral": dict(num_local_experts=16), "qwen2_moe": dict(num_experts=16),
-          "glm4_moe": dict(n_routed_experts=16)}
+          "glm4_moe": dict(n_routed_experts=16), "gpt_oss": dict(num_local_experts=16)}
 
 
 def _model(arch, aux, attention="sdpa", experts="grouped_mm"):
+    attention = "eager" if arch == "gpt_oss" else attention  # its sinks: no sdpa in transformers
     model = make_model(arch, **SHAPES[arch], output_router_logits=aux, router_aux_loss_coef=0.05,
                        attn_implementation=attention)
     model.set_experts_implementation(experts)
@@ -122,7 +124,10 @@ def _reference(model, cfg, source, reverse=False):
                           "train.num_micro_batches=4"]),
     # GLM-4.5: the router trained in full beside its frozen score-correction bias, which stays bit for bit
     ("glm4_moe", False, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj", "lora.train_router=true"]),
-], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers", "glm4_moe-router"])
+    # gpt-oss: biased router and experts, the clamped SwiGLU, sinks and a window; its experts stored
+    # de-interleaved here, exported interleaved as transformers' gate_up_proj
+    ("gpt_oss", True, ["lora.target_modules=q_proj,k_proj,v_proj,o_proj"]),
+], ids=["qwen3_moe", "mixtral-router", "qwen2_moe-router", "qwen2_moe-two-workers", "glm4_moe-router", "gpt_oss"])
 def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, shm_dir, tmp_path):
     _model(arch, aux).save_pretrained(tmp_path / "init")
     cfg = load_train_config(None, [*parity_run(tmp_path, shm_dir, STEPS), "train.seq_len=8", "train.micro_batch_size=1",
@@ -226,6 +231,11 @@ def test_moe_lora_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="lora.target_modules names gate_proj, which on a glm4_moe model PEFT reads "
                                           "as its routed experts' parameters, so the adapters of its shared experts"):
         load_train_config(None, [*glm, "lora.target_modules=q_proj,gate_proj"])
+    oss = ["model.model_type=gpt_oss", "model.num_experts=4", "model.num_experts_per_tok=2", "model.num_hidden_layers=2",
+           "model.sliding_window=8", "model.layer_types=[sliding_attention,full_attention]", "lora.rank=4"]
+    assert load_train_config(None, oss).lora.target_experts == ("gate_up_proj", "down_proj")  # adapters on its experts
+    with pytest.raises(ConfigError, match="lora.train_router must be false on a gpt_oss model"):
+        load_train_config(None, [*oss, "lora.train_router=true"])
     cfg = load_train_config(None, [*moe, "lora.target_experts=[]"])
     assert cfg.lora.target_experts == () and not any(".experts." in n for t in
                                                       AdapterLayout.build(cfg.model, cfg.lora).templates
@@ -398,3 +408,73 @@ def test_moe_lora_resumes_bit_for_bit(ray_cluster, shm_dir, tmp_path):
     assert resumed.losses == straight.losses[2:] and resumed.grad_norms == straight.grad_norms[2:]
     ours, theirs = (load_file(os.path.join(r.run_dir, "adapter", "adapter_model.safetensors")) for r in (resumed, straight))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_gpt_oss_expert_adapters_export_loads_in_peft_and_merged(tmp_path):
+    """gpt-oss with adapters on attention and both stacked expert parameters (B random, so they
+    matter): the adapter directory loads with ``PeftModel.from_pretrained`` on transformers'
+    GptOssForCausalLM (its gate_up_proj's lora_B rows interleaved gate/up as that parameter's
+    columns are, transposed experts: in = H, out = 2I) and gives our logits; the merged export, the
+    Hub's stacked form, loads with AutoModelForCausalLM and gives them too, equals peft's own
+    ``merge_and_unload`` and keeps the experts' biases bit for bit."""
+    from megatrain_ray.config import LoraSection
+    from megatrain_ray.io import hf_io, peft_io
+    from megatrain_ray.io.evaluate import forward_logits
+    from megatrain_ray.model.layout import LayerTemplate
+
+    from artifacts import hf_logits, token_ids
+
+    base = make_model("gpt_oss")
+    base.save_pretrained(tmp_path / "base")
+    cfg = hf_io.read_config(str(tmp_path / "base"))[0]
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    layout = AdapterLayout.build(cfg, lora)
+    adapters, g = {}, torch.Generator().manual_seed(5)
+    for unit in layout.units:
+        adapters[unit] = layout.init(unit, seed=0)
+        for name, view in layout.template(unit).bind(adapters[unit]).items():
+            if ".lora_B." in name:
+                view.normal_(0, 0.2, generator=g)
+    assert any(".experts.gate_up_proj.lora_B" in n for t in layout.templates for n, _, _ in t.params)
+    peft_io.save_adapters(str(tmp_path / "adapter"), cfg, lora, adapters, base_model=str(tmp_path / "base"))
+    mapping = hf_io.check_weights(cfg, str(tmp_path / "base"), "the test model")
+
+    def reader(adapters):  # our units: base weights in a flat buffer (stacked expert views), adapters beside
+        def read(unit):
+            template = LayerTemplate.build(cfg, unit)
+            flat = torch.zeros(template.numel)
+            for name, t in hf_io.read_unit(str(tmp_path / "base"), mapping, cfg, unit).items():
+                template.bind(flat)[name].copy_(t)
+            params = template.bind(flat, fused=True)
+            return {**params, **layout.bind(unit, adapters[unit])} if unit in layout.units else params
+        return read
+
+    ids = token_ids()
+    ours = forward_logits(cfg, reader(adapters), ids)
+    loaded = peft.PeftModel.from_pretrained(make_model("gpt_oss"), str(tmp_path / "adapter")).eval()
+    assert {n for n, _ in loaded.named_parameters() if "lora_" in n} and all(
+        p.abs().max() > 0 for n, p in loaded.named_parameters() if "experts" in n and "lora_B" in n)
+    theirs = hf_logits(loaded, ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # the same fp32 ops, summed in other orders
+    assert (theirs - hf_logits(base, ids)).abs().max() > 1e-2  # the adapters matter, the experts' too
+    plain = {unit: flat.clone() for unit, flat in adapters.items()}
+    for unit in layout.units:  # without the experts' adapters the logits move: peft read them
+        for name, view in layout.template(unit).bind(plain[unit]).items():
+            if ".experts." in name and ".lora_B." in name:
+                view.zero_()
+    assert (forward_logits(cfg, reader(plain), ids) - theirs).abs().max() > 1e-3
+
+    peft_io.save_merged(str(tmp_path / "merged"), cfg, lora, adapters,
+                        lambda unit, name: hf_io.read_unit(str(tmp_path / "base"), mapping, cfg, unit)[name],
+                        torch.float32, source=str(tmp_path / "base"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).float().eval()
+    torch.testing.assert_close(hf_logits(merged, ids), theirs, rtol=1e-5, atol=1e-5)
+    written, init = read_tensors(tmp_path / "merged"), read_tensors(tmp_path / "base")
+    assert set(written) == set(init) and any(".experts.gate_up_proj" in k for k in written)
+    reference = loaded.merge_and_unload().state_dict()
+    for key, value in written.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-6, atol=1e-6)
+        if key.endswith("bias") or not any(m in key for m in (*lora.target_modules, "experts.gate_up", "experts.down")):
+            assert torch.equal(value, init[key]), key
+        else:
+            assert not torch.equal(value, init[key]), key

@@ -63,7 +63,8 @@ class LoraSection:
     dense model. The shared expert (Qwen2-MoE) is a set of linear layers, targeted by target_modules."""
     train_router: bool = False
     """Also train each sparse layer's router in full (PEFT's ``modules_to_save: [mlp.gate]``); by
-    default it stays frozen, so the routing moves only through the adapters upstream of it."""
+    default it stays frozen, so the routing moves only through the adapters upstream of it. Not on
+    gpt_oss (PEFT would train its router's bias with the weight)."""
     train_embedding: bool = False
     """Also train the token embedding in full (PEFT's ``modules_to_save: [embed_tokens]``)."""
     train_head: bool = False

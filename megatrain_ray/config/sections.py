@@ -348,9 +348,9 @@ class TrainConfig:
                  f"names {', '.join(mlp)}, which on a {self.model.model_type} model PEFT reads as its routed experts' "
                  "parameters, so the adapters of its shared experts would not load in PEFT; target the attention "
                  "projections (q_proj,k_proj,v_proj,o_proj) and the experts through lora.target_experts")
-        _require(self.model.model_type != "gpt_oss" or not self.lora.target_experts, "lora.target_experts",
-                 "must be [] on a gpt_oss model: its experts are stored here in a layout other than transformers' "
-                 "(gate and up de-interleaved and transposed), so adapters on them would not load in PEFT")
+        _require(self.model.model_type != "gpt_oss" or not self.lora.train_router, "lora.train_router",
+                 "must be false on a gpt_oss model: its router (mlp.router) carries a bias, which PEFT's "
+                 "modules_to_save would train with its weight; train the adapters alone")
         _require(not (sparse and self.lora.dropout), "lora.dropout",
                  f"must be 0 on a mixture of experts (got {self.lora.dropout}): PEFT's adapters on the experts' fused "
                  "parameters (target_parameters) take no dropout, so the adapters would not load in PEFT")

@@ -17,7 +17,9 @@ tensors of their own (:data:`megatrain_ray.model.moe.GPT_OSS_NAMES`), like the o
 :func:`add_sources` maps each of them to its slice of a stacked tensor and the conversion that
 brings it into that layout (de-interleave, transpose, dequantize), so import reads one expert at a
 time (:mod:`megatrain_ray.io.experts`); :func:`hub_form` does the reverse for export, one
-stacked tensor at a time, in the bf16 form (which transformers loads). MXFP4 is dequantized once,
+stacked tensor at a time, in the bf16 form (which transformers loads; a LoRA run's merged export
+too). :func:`interleave` is that order of the gate and up rows, also what the adapters on the
+experts' gate_up_proj take in a PEFT adapter file (:mod:`megatrain_ray.io.peft_io`). MXFP4 is dequantized once,
 at import, to the store's dtype; keeping it MXFP4 in the store is not done.
 """
 
@@ -135,6 +137,13 @@ def hub_form(cfg: ModelConfig, tensors: list) -> list:
     return out
 
 
+def interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t: [..., 2I, ...], along ``dim`` (>= 0) an expert's gate rows then its up rows (this project's
+    order) -> the same tensor with those rows interleaved (gate 0, up 0, gate 1, ...), the Hub's order."""
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
 def _stacked(cfg: ModelConfig, prefix: str, by_name: dict, dtype: torch.dtype, source_cls) -> list:
     h, i, n = cfg.hidden_size, cfg.expert_size, cfg.num_experts
 
@@ -146,8 +155,7 @@ def _stacked(cfg: ModelConfig, prefix: str, by_name: dict, dtype: torch.dtype, s
             rows = []
             for e in range(n):
                 g, u, _ = GPT_OSS_NAMES.expert_bias(e) if bias else GPT_OSS_NAMES.expert(e)
-                a, b = load(g), load(u)
-                both = torch.stack((a, b), dim=1).reshape(2 * i, *a.shape[1:])  # rows interleaved
+                both = interleave(torch.cat((load(g), load(u))), 0)
                 rows.append(both if bias else both.t())
             return torch.stack(rows).to(dtype).contiguous()
         return build

@@ -28,6 +28,7 @@ from ..model.lora import (PEFT_PREFIX, AdapterLayout, expert_merged_weight, expe
 from ..model.transformer import hf_name, unit_names, unit_params
 from .files import TensorSource, atomic_dir, write_json, write_safetensors
 from .generation import write_generation_config
+from .gpt_oss import hub_form, interleave
 from .hf_io import DEFAULT_SHARD_BYTES, write_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -96,13 +97,15 @@ def peft_tensors(cfg: ModelConfig, lora: LoraSection, unit: str, views: dict[str
     under :func:`~megatrain_ray.model.lora.peft_name`. A routed experts' adapter is saved as PEFT's
     ``ParamWrapper`` holds it, on transformers' ``mlp.experts`` module: A [E, r, in] as one
     [E * r, in] matrix, B [E, out, r] as one [out, r * E] matrix whose column j * E + e is expert e's
-    column j; each targeted parameter wraps the one before it, so the first of :func:`target_parameters`
-    sits deepest (``mlp.experts.base_layer.lora_A.weight`` of gate_up_proj beside down_proj's
+    column j (gpt-oss's gate_up_proj B with its rows first interleaved gate/up,
+    :func:`~megatrain_ray.io.gpt_oss.interleave`, as transformers' ``gate_up_proj`` [E, H, 2I]
+    orders the out features PEFT's B rows stand for); each targeted parameter wraps the one before
+    it, so the first of :func:`target_parameters` sits deepest (``mlp.experts.base_layer.lora_A.weight`` of gate_up_proj beside down_proj's
     ``mlp.experts.lora_A.weight``). A router trained in full is saved under transformers' module name
     (``mlp.gate.weight``), as PEFT's modules_to_save."""
     experts = expert_modules(cfg, lora)
     where = {module: len(experts) - 1 - k for k, (_, module, _) in enumerate(experts)}
-    router = moe.names(cfg).router
+    router, gate_up = moe.names(cfg).router, moe.names(cfg).stacked[0]
     out = []
     for name, t in views.items():
         if name.endswith(".lora_scaling"):
@@ -113,6 +116,8 @@ def peft_tensors(cfg: ModelConfig, lora: LoraSection, unit: str, views: dict[str
             if kind == "A.weight":
                 out.append((prefix + "lora_A.weight", t.reshape(-1, t.shape[-1])))
             else:
+                if module == gate_up and cfg.model_type == "gpt_oss":  # the Hub's interleaved gate/up rows
+                    t = interleave(t, 1)
                 out.append((prefix + "lora_B.weight", t.permute(1, 2, 0).reshape(t.shape[1], -1)))
         elif name == router:
             out.append((f"{PEFT_PREFIX}model.{unit}.{RUNTIME_BLOCK}.gate.weight", t))
@@ -195,6 +200,6 @@ def save_merged(out: str, cfg: ModelConfig, lora: LoraSection, adapters: dict[st
                                  layout.scaling).to(dtype)
         return load
 
-    tensors = [TensorSource(hf_name(unit, name), tuple(shape), dtype, reader(unit, name))
-               for unit in unit_names(cfg) for name, shape in unit_params(cfg, unit)]
+    tensors = hub_form(cfg, [TensorSource(hf_name(unit, name), tuple(shape), dtype, reader(unit, name))
+                             for unit in unit_names(cfg) for name, shape in unit_params(cfg, unit)])
     return write_model_dir(out, "the merged weights", cfg, dtype, tensors, shard_bytes, source, tokenizer)

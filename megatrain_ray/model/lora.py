@@ -210,6 +210,8 @@ def expert_merged_weight(cfg: ModelConfig, layout: AdapterLayout, views: Params,
     if kind != moe.EXPERT:
         return None
     gate, up, down = moe.names(cfg).expert(e)
+    if name not in (gate, up, down):  # a biased family's (gpt-oss's) expert bias: no adapter
+        return None
     gate_up_name, down_name = moe.names(cfg).stacked
     module, rows = ((down_name, slice(None)) if name == down else
                     (gate_up_name, slice(0, cfg.expert_size) if name == gate else slice(cfg.expert_size, None)))
