@@ -28,6 +28,10 @@ class PreflightError(ConfigError):
     :mod:`megatrain_ray.orchestration.preflight` before anything is allocated."""
 
 
+class Diverged(PipelineError):
+    """A step's gradient norm is not finite: its update is never applied and the run stops."""
+
+
 class ActorDied(PipelineError):
     """An actor of the pipeline died (killed, OOM, node failure): the run can restart from a checkpoint."""
 

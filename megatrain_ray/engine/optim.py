@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import OptimConfig
-from ..errors import PipelineError
+from ..errors import Diverged
 from . import adamw_native, compact
 
 
@@ -51,10 +51,6 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
-
-
-class Diverged(PipelineError):
-    """A step's gradient norm is not finite: its update is never applied and the run stops."""
 
 
 def step_clipping(step: int, norm: float, max_norm: float) -> float:

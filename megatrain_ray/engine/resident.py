@@ -35,8 +35,8 @@ import math
 import torch
 
 from ..config import OptimConfig, lr_at
-from ..errors import PipelineError
-from .optim import AdamWRunner, Diverged, adamw_unit, step_clipping
+from ..errors import Diverged, PipelineError
+from .optim import AdamWRunner, adamw_unit, step_clipping
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The store's kinds a resident unit keeps on the device (and copies back at a sync)."""

@@ -49,12 +49,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..config import lr_at
-from ..errors import PipelineError
+from ..errors import Diverged, PipelineError
 from . import affinity
 from .checkpointing import SinkCheckpoints
 from .experts import zero_skipped
 from .grad_reduce import rendezvous, sum_copies
-from .optim import AdamWRunner, Diverged, step_clipping
+from .optim import AdamWRunner, step_clipping
 from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
 from .schedule import Schedule
 from .settings import SinkSettings
