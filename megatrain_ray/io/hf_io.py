@@ -231,20 +231,19 @@ def read_unit(directory: str, mapping: dict[str, str], cfg: ModelConfig, unit: s
 
     from ..model.transformer import unit_params
 
-    out, by_file, where = {}, {}, sources(cfg, mapping, expected_names(cfg))
+    out, by_file, where, read = {}, {}, sources(cfg, mapping, expected_names(cfg)), reader(directory, mapping)
     for name, _ in unit_params(cfg, unit):
         source = where[hf_name(unit, name)]
         by_file.setdefault(mapping[source[0]], []).append((source, name))
     for filename, entries in by_file.items():
         with safe_open(os.path.join(directory, filename), framework="pt") as f:
             for source, name in entries:
-                out[name] = read_source(f, source, reader(directory, mapping)).to(dtype)
+                out[name] = read_source(f, source, read).to(dtype)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing a model directory.
-
 
 def token_ids(tokenizer: str | None) -> dict:
     """eos_token_id and bos_token_id (None: it has none) of a tokenizer directory or BYTE_LEVEL, for

@@ -145,7 +145,7 @@ class Names:
     @property
     def score_bias(self) -> str:
         """The router's score-correction bias [E] (GLM's ``mlp.gate.e_score_correction_bias``)."""
-        return f"{self.block}.gate.e_score_correction_bias"
+        return f"{self.block}.{self.gate}.e_score_correction_bias"
 
     @property
     def stacked(self) -> tuple[str, str]:
