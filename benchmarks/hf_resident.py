@@ -5,13 +5,14 @@ The model is transformers' class for a preset's shape cut to a number of decoder
 activation checkpointing per layer; a step is every micro-batch's forward and backward under bf16
 autocast, the gradients clipped to 1.0, then torch.optim.AdamW (fused on a GPU), on random tokens in
 the step shape megatrain-ray bench uses (--tokens per step in --micro-batches of --seq-len
-sequences). If it does not fit, one layer fewer is tried, down to one: the result names the layers
-it ran. A baseline gives :func:`main` its ``run(args, layers) -> result``.
+sequences). If it does not fit, the most layers that fit are searched (:func:`fit_layers`): the result
+names the layers it ran. A baseline gives :func:`main` its ``run(args, layers) -> result``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -72,17 +73,37 @@ def device_peak_bytes(args) -> int | None:
 
 
 def fit_layers(run, args) -> dict | None:
-    """``run(args, layers)`` with ``args.layers`` decoder layers, then one fewer while the GPU runs out of
-    memory, down to one; the first result, or None when not one layer fits."""
-    for layers in range(args.layers, 0, -1):
+    """``run(args, layers)`` with ``args.layers`` decoder layers; where the GPU runs out of memory, the
+    most layers that fit are searched by bisection, each count probed by one step of one micro-batch
+    of the same shape (the same model, optimizer and micro-batch: the same peak), and ``run`` is given
+    that count; None when not one layer fits."""
+    try:
+        return run(args, args.layers)
+    except torch.OutOfMemoryError:
+        print(f"{args.layers} layers do not fit the GPU; searching the most that do", flush=True)
+    _release()
+    probe = copy.copy(args)
+    probe.tokens, probe.micro_batches, probe.steps = args.tokens // args.micro_batches, 1, 1
+    fits, fails = 0, args.layers
+    while fails - fits > 1:
+        layers = (fits + fails) // 2
         try:
-            return run(args, layers)
+            run(probe, layers)
+            fits = layers
         except torch.OutOfMemoryError:
-            print(f"{layers} layers do not fit the GPU; trying {layers - 1}", flush=True)
-        gc.collect()  # the failed attempt's model and states, once its traceback is gone
-        torch.cuda.empty_cache()
-    print("not one layer fits the GPU")
-    return None
+            fails = layers
+        print(f"{layers} layers {'fit' if fits == layers else 'do not fit'} the GPU", flush=True)
+        _release()
+    if not fits:
+        print("not one layer fits the GPU")
+        return None
+    return run(args, fits)
+
+
+def _release() -> None:
+    """Free a failed attempt's model and states, once its traceback is gone."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def parser(description: str, tokens: int, seq_len: int) -> argparse.ArgumentParser:
@@ -90,7 +111,7 @@ def parser(description: str, tokens: int, seq_len: int) -> argparse.ArgumentPars
     (``tokens`` and ``seq_len`` by default), the device, the tag and output folder."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", required=True)
-    ap.add_argument("--layers", type=int, required=True, help="decoder layers to try first (then fewer until it fits)")
+    ap.add_argument("--layers", type=int, required=True, help="decoder layers to try first (where they do not fit, the most that do)")
     ap.add_argument("--tokens", type=int, default=tokens)
     ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--micro-batches", type=int, default=16)

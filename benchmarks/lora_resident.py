@@ -4,8 +4,8 @@ transformers' own model class built from a preset's shape with --layers decoder 
 in bf16 on the GPU, peft's LoRA (rank --rank, alpha 2 x rank, every linear layer of every decoder
 layer or those --targets names, and on a mixture of experts every routed expert through PEFT's
 ``target_parameters``, as megatrain_ray.io.peft_io writes them), trained as hf_resident.py says (bf16 autocast,
-checkpointing per layer, AdamW over the adapters after clipping their norm, random tokens; one layer
-fewer until it fits). FLOPs are those a LoRA step runs (megatrain_ray.model.flops: 4 per frozen
+checkpointing per layer, AdamW over the adapters after clipping their norm, random tokens; the most
+layers that fit). FLOPs are those a LoRA step runs (megatrain_ray.model.flops: 4 per frozen
 parameter and token, 6 per adapter parameter), so a run with fewer layers compares with ours per FLOP.
 With --base nf4 the base is bitsandbytes' 4-bit one (QLoRA) as transformers loads it: its nn.Linear
 layers in NF4, a mixture of experts' fused experts still bf16 (transformers quantizes no 3-D expert

@@ -35,8 +35,8 @@ esac
 case " $parts " in *" lora "*)
   bench qwen3-30b-a3b-48l-lora-r16-262144 "$(left 600)" --preset qwen3-30b-a3b "${step[@]}" "${LORA[@]}" ;;
 esac
-case " $parts " in *" resident "*)  # as many of the same layers as fit the GPU resident (one fewer until it fits)
-  run resident-lora-moe 600 python3 benchmarks/lora_resident.py --preset qwen3-30b-a3b --layers 24 --rank 16 \
+case " $parts " in *" resident "*)  # as many of the same layers as fit the GPU resident (all 48, or the most that fit)
+  run resident-lora-moe "$(left 600)" python3 benchmarks/lora_resident.py --preset qwen3-30b-a3b --layers 48 --rank 16 \
     --targets q_proj,k_proj,v_proj,o_proj --tokens 262144 --seq-len 4096 --micro-batches 16 \
     --tag qwen3-30b-a3b-262144 --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-lora-moe.txt"

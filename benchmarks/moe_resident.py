@@ -3,8 +3,8 @@
 transformers' own model class (Qwen3MoeForCausalLM, MixtralForCausalLM, ...; its experts through its
 default kernel, grouped_mm on a GPU) built from a preset's shape with --layers decoder layers, every
 weight and AdamW state on the GPU: fp32 master weights, trained as hf_resident.py says (bf16
-autocast, checkpointing per layer, clipping, fused AdamW, random tokens; one layer fewer until it
-fits). FLOPs count active parameters (megatrain_ray.model.flops: 6·N_active·T and PaLM's), so a run
+autocast, checkpointing per layer, clipping, fused AdamW, random tokens; the most
+layers that fit). FLOPs count active parameters (megatrain_ray.model.flops: 6·N_active·T and PaLM's), so a run
 with fewer layers compares with ours per FLOP.
 
     python3 benchmarks/moe_resident.py --preset qwen3-30b-a3b --layers 10 --tokens 262144 --out OUT

@@ -50,7 +50,7 @@ case " $parts " in *" qwen3 "*)
     --micro-batches 16 --steps 4 "${QLORA[@]}" ;;
 esac
 case " $parts " in *" resident "*)  # transformers + peft + bitsandbytes 4-bit resident, as many layers as fit
-  run resident-qlora-moe 600 python3 benchmarks/lora_resident.py --preset qwen3-30b-a3b --layers 25 --rank 16 \
+  run resident-qlora-moe "$(left 600)" python3 benchmarks/lora_resident.py --preset qwen3-30b-a3b --layers 48 --rank 16 \
     --targets q_proj,k_proj,v_proj,o_proj --tokens 262144 --seq-len 4096 --micro-batches 16 --base nf4 \
     --tag qwen3-30b-a3b-nf4-262144 --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-qlora-moe.txt"

@@ -161,3 +161,37 @@ def test_checkpoint_cost_smoke(tmp_path):
     assert report["background_stall_s"] >= 0 and report["7b"]["checkpoint_bytes"] == 7.62e9 * 12
     assert not (tmp_path / "ckpt").exists()  # the checkpoints are removed after the measurement
     assert proc.stdout.strip().splitlines()[-1].startswith("write rate for <= 5% at 7B")
+
+
+def test_a_resident_baseline_runs_the_most_layers_that_fit():
+    """benchmarks/hf_resident.fit_layers: the count asked when it fits; else bisection by one-micro-batch
+    probes of the same micro-batch shape, then the full run at the most that fit; None when none does."""
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.hf_resident import fit_layers
+
+    def runner(limit):
+        calls = []
+
+        def run(args, layers):
+            calls.append((layers, args.tokens // args.micro_batches, args.micro_batches, args.steps))
+            if layers > limit:
+                raise torch.OutOfMemoryError("out of memory")
+            return {"layers": layers}
+        return run, calls
+
+    args = argparse.Namespace(layers=48, tokens=262144, micro_batches=16, steps=4)
+    run, calls = runner(48)
+    assert fit_layers(run, args) == {"layers": 48} and calls == [(48, 16384, 16, 4)]
+    run, calls = runner(37)
+    assert fit_layers(run, args) == {"layers": 37}
+    assert calls[0] == (48, 16384, 16, 4) and calls[-1] == (37, 16384, 16, 4)
+    probes = calls[1:-1]
+    assert all(c[1:] == (16384, 1, 1) for c in probes) and len(probes) <= 6  # log2(48) probes at most
+    assert {layers for layers, *_ in probes} >= {37, 38}  # the boundary was probed from both sides
+    run, calls = runner(0)
+    assert fit_layers(run, args) is None and all(layers < 48 for layers, *_ in calls[1:])
+    assert args.layers == 48 and args.micro_batches == 16  # the caller's arguments are left as they were
