@@ -14,7 +14,8 @@
 # B/param), OUT/plan-*.txt and OUT/log_gpu-check.txt; part resident (after qwen3): transformers + peft +
 # bitsandbytes 4-bit resident on the GPU on the same shape, as many layers as fit (lora_resident.py --base
 # nf4: its nn.Linear layers in NF4, the fused experts bf16 as transformers leaves them), and
-# OUT/ratio-nf4.txt, the tokens/s per layer of the two. BUDGET (s, default 570) is per command; the 70B
+# OUT/ratio-nf4.txt, the tokens/s per layer of the two. BUDGET (s, default 570) is per command, STEPS (default 4)
+# the steps of each of those two runs (the first one's compile excluded from s/step); the 70B
 # run's 10 steps take longer than one 10-minute call at ~400 TFLOPS (about 70 s a step), so it runs
 # detached across calls: STEPS70 (default 10) sets them, BUDGET70 (default 3000) its limit. It trains
 # on real text, byte by byte (data.format windows over OUT/text.txt: this repository's documents and
@@ -47,11 +48,11 @@ case " $parts " in *" plan "*)
 esac
 case " $parts " in *" qwen3 "*)
   bench qlora-qwen3-30b-a3b-nf4-262144 "$(left 600)" --preset qwen3-30b-a3b --tokens 262144 --seq-len 4096 \
-    --micro-batches 16 --steps 4 "${QLORA[@]}" ;;
+    --micro-batches 16 --steps "${STEPS:-4}" "${QLORA[@]}" ;;
 esac
 case " $parts " in *" resident "*)  # transformers + peft + bitsandbytes 4-bit resident, as many layers as fit
   run resident-qlora-moe "$(left 600)" python3 benchmarks/lora_resident.py --preset qwen3-30b-a3b --layers 48 --rank 16 \
-    --targets q_proj,k_proj,v_proj,o_proj --tokens 262144 --seq-len 4096 --micro-batches 16 --base nf4 \
+    --targets q_proj,k_proj,v_proj,o_proj --tokens 262144 --seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}" --base nf4 \
     --tag qwen3-30b-a3b-nf4-262144 --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-qlora-moe.txt"
   lora_ratio "$out/ratio-nf4.txt" "$out/bench-qlora-qwen3-30b-a3b-nf4-262144.json" \
