@@ -328,3 +328,22 @@ def test_mxfp4_is_refused_by_name_where_it_does_not_fit():
                                           r"multiple of 32; choose nf4 or int8"):
         load_config(None, [*moe, "model.moe_intermediate_size=48"])
     assert load_config(None, [*moe, "model.moe_intermediate_size=64"]).lora.quantized
+
+
+def test_the_plan_prints_the_mxfp4_row_for_a_mixture_of_experts_alone():
+    """`megatrain-ray plan`'s LoRA rows: each lora.base_format, mxfp4 with its bytes per parameter of the layers and
+    the layers of this shape that fit, for a mixture of experts; none for a dense model."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.orchestration.store_modes import mode_notes
+
+    moe = load_config(None, ["model.model_type=qwen3_moe", "model.hidden_size=1024", "model.num_experts=64",
+                             "model.num_experts_per_tok=4", "model.moe_intermediate_size=512",
+                             "model.num_attention_heads=8", "model.num_key_value_heads=8"])
+    rows = [line for line in mode_notes(moe, "cuda", 100 * 2**30) if line.startswith("  LoRA")]
+    assert [r.split("frozen base, ")[1].split(")")[0] for r in rows] == ["compute", "int8", "nf4", "mxfp4"]
+    per_layer = bytes_per_param(moe.model, MXFP4, torch.bfloat16)[0]
+    assert f"layer(s) of this shape, {per_layer:.3f} B/param in the layers" in rows[-1]
+    layers = [int(r.split("(")[2].split(" layer")[0]) for r in rows]
+    assert layers[3] > layers[1] > layers[0] and layers[2] > layers[3]  # mxfp4 holds more than int8, less than nf4
+    dense = [line for line in mode_notes(load_config(None, []), "cuda", 100 * 2**30) if line.startswith("  LoRA")]
+    assert len(dense) == 3 and not any("mxfp4" in r for r in dense)
