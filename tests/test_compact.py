@@ -281,7 +281,7 @@ def test_gradients_held_for_the_norm_train_exactly_as_the_host_gradient_array(st
 def test_plan_shows_bytes_per_parameter_and_the_largest_model_of_each_mode(capsys):
     cfg = load_config(None, ["model.hidden_size=5120", "model.intermediate_size=27648", "model.num_hidden_layers=4",
                              "model.num_attention_heads=40", "model.num_key_value_heads=8", "model.vocab_size=152064"])
-    from megatrain_ray.orchestration.preflight import bytes_per_param, mode_notes
+    from megatrain_ray.orchestration.store_modes import bytes_per_param, mode_notes
 
     per = {m: bytes_per_param(cfg, "cuda", s, m2) for m, (s, m2) in
            {"fp32": ("fp32", "float32"), "bf16": ("fp32", "bfloat16"), "8bit": ("8bit", "bfloat16")}.items()}

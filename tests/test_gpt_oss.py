@@ -8,7 +8,8 @@
 - Export: the store written back (save_store, and the export command) is the Hub's stacked form,
   interleaved as transformers holds it, tensor for tensor equal to what save_pretrained wrote.
 - MXFP4: our dequantization equals transformers' bit for bit on random blocks (fp32 and bf16), and
-  an MXFP4 checkpoint imports to the weights transformers dequantizes from it.
+  an MXFP4 checkpoint imports to the weights transformers dequantizes from it (into an MXFP4 base as
+  it is: tests/test_quant_mxfp4.py).
 - YaRN's tables (the load-balancing loss: tests/test_moe_model.py, gpt_oss among the families there).
 - The config: from config.json and back, errors naming the key.
 - FLOPs: active parameters (an expert's biases with it), the window in PaLM's attention term, and
@@ -29,8 +30,8 @@ from megatrain_ray.config import ModelConfig  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import forward_logits, store_reader  # noqa: E402
-from megatrain_ray.io.gpt_oss import dequantize_mxfp4  # noqa: E402
 from megatrain_ray.model import flops, moe, presets  # noqa: E402
+from megatrain_ray.model.mxfp4 import dequantize_blocks  # noqa: E402
 from megatrain_ray.model.transformer import rms_norm, rope_cache  # noqa: E402
 
 
@@ -93,9 +94,9 @@ def test_mxfp4_dequantization_is_transformers_bit_for_bit(dtype):
     blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)  # [E, rows, in/32, 16]
     scales = torch.randint(110, 140, (3, 8, 2), generator=g, dtype=torch.uint8)
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, rows]
-    ours = dequantize_mxfp4(blocks, scales, dtype)  # [E, rows, in]
+    ours = dequantize_blocks(blocks, scales, dtype)  # [E, rows, in]
     assert ours.dtype == dtype and torch.equal(ours.transpose(1, 2), theirs)
-    assert torch.equal(dequantize_mxfp4(blocks, scales).to(dtype), ours)  # fp32 then cast: the same bits
+    assert torch.equal(dequantize_blocks(blocks, scales).to(dtype), ours)  # fp32 then cast: the same bits
 
 
 def test_an_mxfp4_checkpoint_imports_to_transformers_dequantized_weights(tmp_path, shm_dir):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .fields import require as _require
 
-BASE_FORMATS = ("compute", "int8", "nf4")
+BASE_FORMATS = ("compute", "int8", "nf4", "mxfp4")
 """lora.base_format's values (megatrain_ray.model.quant_layout)."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers an adapter may target, by their Hugging Face module names."""
@@ -35,6 +35,26 @@ PEFT_FUSED_MOE = ("qwen3_moe", "mixtral", "glm4_moe")
 maps to the routed experts' fused parameters when it builds or loads adapters on transformers 5's
 model (``peft.utils.transformers_weight_conversion``), so that a dense MLP layer of such a model
 cannot carry an adapter PEFT loads."""
+
+
+MX_BLOCK = 32
+"""Elements of an MXFP4 block along a weight's row (megatrain_ray.model.mxfp4)."""
+
+
+def mxfp4_refusal(model) -> str | None:
+    """Why lora.base_format mxfp4 does not fit ``model`` (a ModelConfig), as the end of a sentence that
+    names the key, or None where it fits: a mixture of experts whose routed experts' input widths
+    (model.hidden_size for gate and up, the expert width for down) are multiples of :data:`MX_BLOCK`."""
+    if not model.sparse_layers:
+        return (f"mxfp4 quantizes the routed experts of a mixture of experts, and a {model.model_type} model "
+                "without sparse layers has none; choose nf4 or int8 to quantize its projections")
+    width = "model.moe_intermediate_size" if model.moe_intermediate_size else "model.intermediate_size"
+    odd = [f"{k} ({v})" for k, v in (("model.hidden_size", model.hidden_size), (width, model.expert_size))
+           if v % MX_BLOCK]
+    if odd:
+        return (f"mxfp4 quantizes each routed expert's rows in blocks of {MX_BLOCK}, but {' and '.join(odd)} "
+                f"{'is' if len(odd) == 1 else 'are'} not a multiple of {MX_BLOCK}; choose nf4 or int8")
+    return None
 
 
 @dataclass
@@ -74,14 +94,20 @@ class LoraSection:
     """How the frozen base is stored in host memory and streamed: ``compute`` (the compute dtype, bf16 on
     CUDA: 2 bytes per parameter), ``int8`` (LLM.int8()'s row-wise int8 with an fp32 absmax per row,
     ~1 byte) or ``nf4`` (QLoRA's 4-bit NormalFloat, blocks of 64 with double-quantized absmax, ~0.52
-    byte), each as bitsandbytes stores it. The decoder layers' projection matrices are quantized once
-    as the base is loaded, held and streamed quantized, and dequantized on the device into the
-    compute dtype before each layer's pass, bit for bit as bitsandbytes dequantizes them; norms,
-    biases, routers, the embedding and the LM head stay in the compute dtype (megatrain_ray.model.quant)."""
+    byte), each as bitsandbytes stores it, which quantize the decoder layers' projection matrices;
+    or ``mxfp4`` (OCP Microscaling FP4: 4-bit e2m1 codes, an e8m0 scale per 32 along each row, 0.53
+    byte), which quantizes the routed experts' weights alone, as gpt-oss's Hub checkpoints hold them
+    (whose blocks and scales are then read as they are): a mixture of experts only, whose routed
+    experts' input widths (model.hidden_size, the expert width) are multiples of 32; a dense model
+    takes nf4 or int8. The quantized matrices are quantized once as the base is loaded, held and
+    streamed quantized, and dequantized on the device into the compute dtype before each layer's
+    pass (nf4, int8: bit for bit as bitsandbytes dequantizes them; mxfp4: as transformers does);
+    the rest (norms, biases, routers, the embedding and the LM head; with mxfp4 the attention and
+    the shared experts too) stays in the compute dtype (megatrain_ray.model.quant, .mxfp4)."""
 
     @property
     def quantized(self) -> bool:
-        """Whether the base is stored quantized (lora.base_format int8 or nf4)."""
+        """Whether the base is stored quantized (lora.base_format int8, nf4 or mxfp4)."""
         return self.enabled and self.base_format != "compute"
 
     @property

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .fields import require as _require
-from .lora import PEFT_FUSED_MOE, LoraSection
+from .lora import PEFT_FUSED_MOE, LoraSection, mxfp4_refusal
 from .host import unwritable, usable_cpus  # noqa: F401  (re-exported)
 from .model import ModelConfig
 from .execution import (AUTO_BUFFER_DEPTH, AUTO_LOSS_CHUNK_SIZE, AUTO_MLP_CHUNK, GRAD_REDUCE,  # noqa: F401  (re-exported)
@@ -351,6 +351,8 @@ class TrainConfig:
         _require(self.model.model_type != "gpt_oss" or not self.lora.train_router, "lora.train_router",
                  "must be false on a gpt_oss model: its router (mlp.router) carries a bias, which PEFT's "
                  "modules_to_save would train with its weight; train the adapters alone")
+        refusal = mxfp4_refusal(self.model) if self.lora.base_format == "mxfp4" else None
+        _require(refusal is None, "lora.base_format", refusal or "")
         _require(not (sparse and self.lora.dropout), "lora.dropout",
                  f"must be 0 on a mixture of experts (got {self.lora.dropout}): PEFT's adapters on the experts' fused "
                  "parameters (target_parameters) take no dropout, so the adapters would not load in PEFT")

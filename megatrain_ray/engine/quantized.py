@@ -1,13 +1,17 @@
 """A quantized frozen base: its bytes in the host store, and its dequantization into the device weight slots.
 
-With lora.base_format ``nf4`` or ``int8`` the store's ``master`` array of a LoRA run is the base's
-bytes in the :class:`~megatrain_ray.model.quant_layout.QuantLayout` (each projection matrix
-quantized on its own, the rest raw in the compute dtype), and the weights never exist on the host
-in the compute dtype, except transiently, one tensor at a time:
+With lora.base_format ``nf4``, ``int8`` or ``mxfp4`` the store's ``master`` array of a LoRA run is
+the base's bytes in the :class:`~megatrain_ray.model.quant_layout.QuantLayout` (each quantized
+matrix on its own: every projection matrix with nf4 and int8, the routed experts' with mxfp4; the
+rest raw in the compute dtype), and the weights never exist on the host in the compute dtype,
+except transiently, one tensor at a time:
 
 - **loading** (:meth:`QuantizedBase.write`): each parameter, as it is read from an HF checkpoint or
-  drawn at random, is quantized once into its record (through bitsandbytes where it is importable,
-  else by :mod:`megatrain_ray.model.quant`'s torch code, bit-identical to it);
+  drawn at random, is quantized once into its record (nf4 and int8 by
+  :mod:`megatrain_ray.model.quant`'s torch code, bit-identical to bitsandbytes'; mxfp4 by
+  :mod:`megatrain_ray.model.mxfp4`'s); a checkpoint that holds a weight already in the record's
+  format (a bitsandbytes nf4 checkpoint, gpt-oss's MXFP4 experts) gives its arrays as they are
+  (:meth:`QuantizedBase.write_pieces`);
 - **streaming**: the prefetcher's fetch of a unit moves its bytes (:meth:`QuantizedBase.fetch`: a
   sparse layer's routed fetch, the bytes of the routed parts' records alone) into a device *byte
   slot*; the compute worker then dequantizes them (:class:`DeviceDequant`) on its compute stream
@@ -27,8 +31,9 @@ import dataclasses
 import torch
 
 from ..model.layout import StoreLayout
+from ..model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from ..model.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
-from ..model.quant_layout import INT8, NF4, RAW, QuantLayout, QuantUnit, Record
+from ..model.quant_layout import INT8, MXFP4, NF4, RAW, QuantLayout, QuantUnit, Record
 
 
 def _piece(block: torch.Tensor, piece: tuple[int, int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -74,6 +79,8 @@ def dequantize_run(run: tuple[Record, ...], block: torch.Tensor, out: torch.Tens
                        _rows(block, run, 2, torch.float32), _rows(block, run, 3, torch.float32), dst)
     elif first.fmt == INT8:
         dequantize_int8(_rows(block, run, 0, torch.int8), _rows(block, run, 1, torch.float32), dst)
+    elif first.fmt == MXFP4:
+        dequantize_mxfp4(_rows(block, run, 0, torch.uint8), _rows(block, run, 1, torch.uint8), dst)
     else:
         dst.copy_(_rows(block, run, 0, out.dtype))
 
@@ -89,7 +96,7 @@ class QuantizedBase:
     """The host side of a quantized base (see the module docstring): the store's ``master`` array of bytes."""
 
     def __init__(self, model, fmt: str, dtype: torch.dtype, array: torch.Tensor):
-        """model: the ModelConfig; fmt: int8 or nf4; dtype: the compute dtype; array: [total] uint8."""
+        """model: the ModelConfig; fmt: int8, nf4 or mxfp4; dtype: the compute dtype; array: [total] uint8."""
         self.layout = QuantLayout.build(model, fmt, dtype)
         self.templates = StoreLayout.build(model).templates
         self.dtype, self.array = dtype, array
@@ -114,12 +121,16 @@ class QuantizedBase:
         """The record of unit i's parameter ``name``."""
         return next(r for r in self.layout.units[i].records if r.name == name)
 
-    def write_nf4(self, i: int, name: str, arrays) -> None:
-        """Set the nf4 record of unit i's ``name`` to ``arrays`` as :func:`~megatrain_ray.model.quant.quantize_nf4`
-        returns them (codes, absmax codes, absmax2, offset)."""
-        block = self.block(i)
-        for piece, array in zip(self.record(i, name).pieces, arrays):
-            _piece(block, piece).copy_(array.contiguous().view(torch.uint8))
+    def write_pieces(self, i: int, name: str, arrays) -> None:
+        """Set the quantized record of unit i's ``name`` to ``arrays`` as its format's quantizer returns
+        them: nf4's (codes, absmax codes, absmax2, offset) of :func:`~megatrain_ray.model.quant.quantize_nf4`,
+        mxfp4's (codes, scales) of :func:`~megatrain_ray.model.mxfp4.quantize_mxfp4`; each array's
+        bytes must fill its piece."""
+        block, record = self.block(i), self.record(i, name)
+        if record.fmt not in (NF4, MXFP4) or len(arrays) != len(record.pieces):
+            raise ValueError(f"{name} of unit {i} is a {record.fmt} record of {len(record.pieces)} arrays")
+        for piece, array in zip(record.pieces, arrays):
+            _piece(block, piece).copy_(array.contiguous().reshape(-1).view(torch.uint8))
 
     def write(self, i: int, name: str, value: torch.Tensor) -> None:
         """Quantize ``value`` (the parameter ``name`` of unit i, any float dtype) into its record: cast to
@@ -130,7 +141,9 @@ class QuantizedBase:
         if record.fmt == RAW:
             _piece(block, p[0], self.dtype).copy_(value.reshape(-1))
         elif record.fmt == NF4:
-            self.write_nf4(i, name, quantize_nf4(value))
+            self.write_pieces(i, name, quantize_nf4(value))
+        elif record.fmt == MXFP4:
+            self.write_pieces(i, name, quantize_mxfp4(value))
         else:
             codes, stats = quantize_int8(value)
             _piece(block, p[0], torch.int8).copy_(codes)

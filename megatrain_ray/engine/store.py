@@ -3,7 +3,7 @@
 Kinds (each one segment, each unit a page-aligned block at the same element offset in all):
 
 - ``master``      master weights (precision policy: fp32, or bf16); a LoRA run's frozen base in the
-                  compute dtype, or stored quantized (lora.base_format nf4, int8): its bytes, one
+                  compute dtype, or stored quantized (lora.base_format nf4, int8, mxfp4): its bytes, one
                   record per parameter (:mod:`megatrain_ray.engine.quantized`)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
 - ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32; with the compact state (optim.state 8bit) uint8

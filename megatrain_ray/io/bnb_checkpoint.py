@@ -131,6 +131,6 @@ def load_into(store, directory: str) -> None:
             record = base.record(i, name)
             arrays = read_nf4(f, key, record.shape)
             if record.fmt == NF4:
-                base.write_nf4(i, name, arrays)
+                base.write_pieces(i, name, arrays)
             else:  # kept raw here: bitsandbytes' weight, dequantized
                 store.write(i, name, dequantize_nf4(*arrays, torch.empty(record.numel, dtype=torch.float32)))

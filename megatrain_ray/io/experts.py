@@ -5,7 +5,8 @@ or a layer's experts stacked in 3-D tensors (``mlp.experts.gate_up_proj`` [E, 2I
 holds them). :func:`sources` maps each parameter to its tensor, or to its slice of a stacked one, so
 that :mod:`megatrain_ray.io.hf_io` reads either form one expert at a time. gpt-oss's experts are
 only stacked on the Hub, in a layout of their own (or MXFP4): their sources carry the conversion
-into this project's layout (:mod:`megatrain_ray.io.gpt_oss`).
+into this project's layout (:mod:`megatrain_ray.io.gpt_oss`), or, into an mxfp4 base, their MXFP4
+bytes as they are (:func:`write_source`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.moe import QWEN_NAMES, names
+from ..model.quant_layout import MXFP4
 from . import gpt_oss
 
 Source = tuple
@@ -76,6 +78,20 @@ def read_source(f, source: Source, read: Callable[[str, tuple], torch.Tensor] | 
     key, index, *convert = source
     t = f.get_slice(key)[index] if index else f.get_tensor(key)
     return convert[0](t, read) if convert else t
+
+
+def write_source(store, i: int, name: str, f, source: Source, read: Callable[[str, tuple], torch.Tensor]) -> None:
+    """Set unit i's parameter ``name`` in ``store`` (a HostStore) from ``source`` in the open file ``f``:
+    where the source is an MXFP4 weight and the store's record of it is mxfp4 (gpt-oss's experts into
+    an mxfp4 base), the checkpoint's blocks and scales as they are (:attr:`~megatrain_ray.io.gpt_oss.Convert.packed`);
+    else the parameter read and converted (:func:`read_source`), quantized as it is written for a quantized base."""
+    convert = source[2] if len(source) > 2 else None
+    if convert is not None and convert.packed is not None and store.base is not None \
+            and store.base.record(i, name).fmt == MXFP4:
+        key, index = source[:2]
+        store.base.write_pieces(i, name, convert.packed(f.get_slice(key)[index], read))
+    else:
+        store.write(i, name, read_source(f, source, read))
 
 
 def reader(directory: str, mapping: dict[str, str]) -> Callable[[str, tuple], torch.Tensor]:

@@ -7,10 +7,10 @@ The Hub holds a gpt-oss layer's experts only stacked, in one of two forms:
   the last dim (gate = [..., 0::2], up = [..., 1::2]) and applied as x @ W; ``gate_up_proj_bias``
   [E, 2I] interleaved the same way; ``down_proj`` [E, I, H]; ``down_proj_bias`` [E, H].
 - **MXFP4** (the published checkpoints): ``gate_up_proj_blocks`` [E, 2I, H/32, 16] and
-  ``down_proj_blocks`` [E, H, I/32, 16] uint8, two fp4 (e2m1) codes per byte, low nibble first,
-  each code an index into :data:`FP4_VALUES`; ``*_scales`` [E, rows, in/32] uint8, one e8m0 scale per
-  32 values (the value times 2^(scale - 127)); the biases as in the bf16 form. Dequantized, a
-  block tensor is [E, out, in] (rows interleaved as above), the transpose of the bf16 form.
+  ``down_proj_blocks`` [E, H, I/32, 16] uint8, two fp4 (e2m1) codes per byte, low nibble first;
+  ``*_scales`` [E, rows, in/32] uint8, one e8m0 scale per 32 values (:mod:`megatrain_ray.model.mxfp4`);
+  the biases as in the bf16 form. Dequantized, a block tensor is [E, out, in] (rows interleaved as
+  above), the transpose of the bf16 form.
 
 This project keeps each expert's gate, up and down weights [I, H], [I, H], [H, I] and biases as
 tensors of their own (:data:`megatrain_ray.model.moe.GPT_OSS_NAMES`), like the other families.
@@ -19,8 +19,13 @@ brings it into that layout (de-interleave, transpose, dequantize), so import rea
 time (:mod:`megatrain_ray.io.experts`); :func:`hub_form` does the reverse for export, one
 stacked tensor at a time, in the bf16 form (which transformers loads; a LoRA run's merged export
 too). :func:`interleave` is that order of the gate and up rows, also what the adapters on the
-experts' gate_up_proj take in a PEFT adapter file (:mod:`megatrain_ray.io.peft_io`). MXFP4 is dequantized once,
-at import, to the store's dtype; keeping it MXFP4 in the store is not done.
+experts' gate_up_proj take in a PEFT adapter file (:mod:`megatrain_ray.io.peft_io`).
+
+An MXFP4 expert weight is dequantized once, at import, into a store of weights (full fine-tuning,
+or a LoRA base in the compute dtype, int8 or nf4); into a LoRA base stored as MXFP4 (lora.base_format
+mxfp4) its blocks and scales go as they are (:attr:`Convert.packed`: our gate weight is the rows
+0::2 of the expert's ``gate_up_proj_blocks`` and ``_scales``, up the rows 1::2, down its
+``down_proj_blocks`` and ``_scales``), with no dequantization and no second quantization.
 """
 
 from __future__ import annotations
@@ -32,23 +37,10 @@ import torch
 
 from ..config import ModelConfig
 from ..model.moe import GPT_OSS_NAMES
+from ..model.mxfp4 import dequantize_blocks
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The fp4 e2m1 value of each 4-bit code (sign bit 3, two exponent bits, one mantissa bit)."""
 STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 """The Hub's bf16 tensors of a layer's experts, under ``mlp.experts.``."""
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """blocks: [..., G, 16] uint8 (two codes per byte, low nibble first), scales: [..., G] uint8 (e8m0)
-    -> [..., G * 32] in ``dtype``: each code's fp4 value times 2^(its block's scale - 127)."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    blocks = blocks.to(torch.uint8)
-    out = torch.empty(*blocks.shape[:-1], blocks.shape[-1] * 2, dtype=dtype, device=blocks.device)
-    out[..., 0::2] = lut[(blocks & 0x0F).long()]
-    out[..., 1::2] = lut[(blocks >> 4).long()]
-    exponent = scales.to(torch.int32) - 127
-    return torch.ldexp(out, exponent[..., None]).flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -62,6 +54,9 @@ class Convert:
     """(the source's slice, read(other key, index)) -> the parameter."""
     others: tuple[str, ...] = ()
     """Other tensors ``fn`` reads (an MXFP4 weight's scales)."""
+    packed: Callable[[torch.Tensor, Callable[[str, tuple], torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
+    """For an MXFP4 weight: (the source's slice, read) -> (codes [rows * in / 2], scales [rows * in / 32])
+    uint8, the checkpoint's bytes as they are, what an mxfp4 record holds (see the module docstring)."""
 
     def __call__(self, t: torch.Tensor, read: Callable[[str, tuple], torch.Tensor]) -> torch.Tensor:
         return self.fn(t, read)
@@ -89,8 +84,11 @@ def _bf16_sources(prefix: str, cfg: ModelConfig, e: int) -> dict:
 def _mxfp4(blocks: str, scales: str, shape: tuple[int, ...], e: int, rows: slice) -> Convert:
     """Expert e's weight rows ``rows`` of an MXFP4 pair: blocks [E, R, G, 16], scales [E, R, G]."""
     def fn(t, read):
-        return dequantize_mxfp4(t[rows], read(scales, (e,))[rows])
-    return Convert({blocks: shape, scales: shape[:-1]}, fn, (scales,))
+        return dequantize_blocks(t[rows], read(scales, (e,))[rows])
+
+    def packed(t, read):
+        return t[rows].reshape(-1), read(scales, (e,))[rows].reshape(-1)
+    return Convert({blocks: shape, scales: shape[:-1]}, fn, (scales,), packed)
 
 
 def add_sources(cfg: ModelConfig, mapping: dict[str, str], out: dict) -> None:

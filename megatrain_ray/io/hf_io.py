@@ -39,7 +39,7 @@ from ..data.tokenizer import BYTE_LEVEL, TOKENIZER_FILES, is_tokenizer_dir, load
 from ..errors import ConfigError, DataError
 from ..model.transformer import hf_name
 from . import checkpoint
-from .experts import read_source, reader, source_keys, source_shapes, sources
+from .experts import read_source, reader, source_keys, source_shapes, sources, write_source
 from .files import TORCH_DTYPES, CorruptFile, TensorSource, atomic_dir, read_header, write_json, write_shards
 from .generation import write_generation_config
 from .gpt_oss import hub_form
@@ -219,7 +219,7 @@ def load_into(store, directory: str, what: str = "train.init_from") -> None:
     units, read = store.layout.units, reader(directory, mapping)
     for key, (unit, name) in sorted(expected_names(cfg).items(), key=lambda kv: (mapping[where[kv[0]][0]], kv[0])):
         with safe_open(os.path.join(directory, mapping[where[key][0]]), framework="pt") as f:
-            store.write(units.index(unit), name, read_source(f, where[key], read))
+            write_source(store, units.index(unit), name, f, where[key], read)
     for i in range(len(units)):
         store.refresh_stream(i)
 

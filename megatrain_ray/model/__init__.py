@@ -8,8 +8,9 @@
   compute templates);
 - :mod:`.lora`: low-rank adapters beside the projections (names, shapes, PEFT's initialisation,
   binding next to a unit's weights, merging);
-- :mod:`.quant`, :mod:`.quant_layout`: a LoRA run's quantized base (NF4, int8 as bitsandbytes stores
-  them): the arithmetic as torch ops, and each unit's bytes in the store;
+- :mod:`.quant`, :mod:`.mxfp4`, :mod:`.quant_layout`: a LoRA run's quantized base (NF4, int8 as
+  bitsandbytes stores them; MXFP4 as gpt-oss's checkpoints do): the arithmetic as torch ops, and each
+  unit's bytes in the store;
 - :mod:`.precision`: the precision policy (master, compute, gradient and stream dtypes), stated once;
 - :mod:`.presets`: named model shapes (tiny, 1b, 3b, 7b);
 - :mod:`.flops`: the model's training FLOPs in the two conventions we report (6·N·T and PaLM's),

@@ -1,7 +1,7 @@
 """Byte layout of a quantized base in the store: each unit one page-aligned run of bytes, one record per parameter.
 
 A LoRA run's frozen base may be stored quantized (lora.base_format ``nf4`` or ``int8``, the formats of
-:mod:`megatrain_ray.model.quant`). Each parameter is quantized on its own, as bitsandbytes quantizes
+:mod:`megatrain_ray.model.quant`, or ``mxfp4``, :mod:`megatrain_ray.model.mxfp4`). Each parameter is quantized on its own, as bitsandbytes quantizes
 each ``Linear`` weight, into a :class:`Record` of the unit's bytes; the records follow the
 parameters' order in the unit's :class:`~megatrain_ray.model.layout.LayerTemplate`, so any element
 range of the template that covers whole parameters (a sparse layer's parts do:
@@ -9,8 +9,10 @@ range of the template that covers whole parameters (a sparse layer's parts do:
 (:meth:`QuantUnit.byte_ranges`), and a routed fetch moves only the routed experts' codes and
 statistics.
 
-What is quantized: the projection matrices of the decoder layers (attention, the MLP, a mixture of
-experts' shared and routed experts). The rest stays in the compute dtype (``raw`` records): norms,
+What is quantized (:func:`quantized`): with nf4 and int8, the projection matrices of the decoder
+layers (attention, the MLP, a mixture of experts' shared and routed experts); with mxfp4, the routed
+experts' weights alone (each expert's gate, up and down projection of a sparse layer, in every
+family), as gpt-oss's Hub checkpoints hold them, the attention, shared experts and dense MLPs raw. The rest stays in the compute dtype (``raw`` records): norms,
 biases, the routers (the top-k choice is kept exact) and the embedding and LM head units, whose
 bytes are then exactly the compute-dtype block (each raw record starts where the template's element
 offset puts it), so a unit of raw records alone is read as its weights with no copy.
@@ -25,9 +27,13 @@ import torch
 
 from ..config import ModelConfig
 from .layout import PARAM_ALIGN, UNIT_ALIGN, StoreLayout
+from .moe import EXPERT, part_of
+from .mxfp4 import mxfp4_bytes
 from .quant import int8_bytes, nf4_bytes
 
-RAW, INT8, NF4 = "raw", "int8", "nf4"
+RAW, INT8, NF4, MXFP4 = "raw", "int8", "nf4", "mxfp4"
+FORMATS = (INT8, NF4, MXFP4)
+"""The quantized formats of a base (lora.base_format's values but ``compute``)."""
 PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                          "w1", "w2", "w3"})
 """The modules whose weight a quantized base quantizes (Hugging Face names; w1..w3: Mixtral's experts')."""
@@ -35,10 +41,12 @@ PIECE_ALIGN = 16
 """Bytes; each array of a quantized record starts at this alignment (fp32 views, vector loads)."""
 
 
-def quantized(unit: str, name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a quantized base quantizes the parameter ``name`` of ``unit`` (see the module docstring)."""
+def quantized(unit: str, name: str, shape: tuple[int, ...], fmt: str = NF4) -> bool:
+    """Whether a base in format ``fmt`` quantizes the parameter ``name`` of ``unit`` (see the module docstring)."""
     parts = name.split(".")
-    return unit.startswith("layers.") and len(shape) == 2 and parts[-1] == "weight" and parts[-2] in PROJECTIONS
+    if not (unit.startswith("layers.") and len(shape) == 2 and parts[-1] == "weight"):
+        return False
+    return part_of(name)[0] == EXPERT if fmt == MXFP4 else parts[-2] in PROJECTIONS
 
 
 def _round_up(n: int, k: int) -> int:
@@ -54,12 +62,12 @@ class Record:
     offset: int
     """Its element offset in the unit's template (where its weights go in a weight slot)."""
     fmt: str
-    """:data:`RAW` (compute dtype), :data:`INT8` or :data:`NF4`."""
+    """:data:`RAW` (compute dtype), :data:`INT8`, :data:`NF4` or :data:`MXFP4`."""
     start: int
     """Its first byte in the unit's block."""
     pieces: tuple[tuple[int, int], ...]
     """(start, end) bytes of its arrays: raw: the values; int8: codes, row absmax (fp32); nf4: codes,
-    absmax codes, absmax2 (fp32), offset (fp32)."""
+    absmax codes, absmax2 (fp32), offset (fp32); mxfp4: codes, scales (e8m0 bytes)."""
 
     @property
     def numel(self) -> int:
@@ -76,6 +84,8 @@ def _pieces(fmt: str, shape: tuple[int, ...], start: int, itemsize: int) -> tupl
     elif fmt == INT8:
         codes, rows = int8_bytes(shape)
         sizes = [codes, 4 * rows]
+    elif fmt == MXFP4:
+        sizes = list(mxfp4_bytes(shape))
     else:
         codes, blocks, stats = nf4_bytes(math.prod(shape))
         sizes = [codes, blocks, 4 * stats, 4]
@@ -141,15 +151,15 @@ class QuantLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> "QuantLayout":
-        """The layout of ``cfg``'s base in format ``fmt`` (int8 or nf4), raw parameters in ``dtype``."""
-        if fmt not in (INT8, NF4):
-            raise ValueError(f"a quantized base's format is int8 or nf4, got {fmt!r}")
+        """The layout of ``cfg``'s base in format ``fmt`` (:data:`FORMATS`), raw parameters in ``dtype``."""
+        if fmt not in FORMATS:
+            raise ValueError(f"a quantized base's format is one of {', '.join(FORMATS)}, got {fmt!r}")
         layout, itemsize = StoreLayout.build(cfg), dtype.itemsize
         units, offsets, total = [], [], 0
         for unit, template in zip(layout.units, layout.templates):
             records, pos = [], 0
             for name, shape, _ in sorted(template.params, key=lambda p: p[2]):
-                kind = fmt if quantized(unit, name, shape) else RAW
+                kind = fmt if quantized(unit, name, shape, fmt) else RAW
                 offset = next(o for n, _, o in template.params if n == name)
                 pos = _round_up(pos, PARAM_ALIGN * itemsize)
                 pieces = _pieces(kind, shape, pos, itemsize)

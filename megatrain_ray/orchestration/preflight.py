@@ -46,8 +46,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
-from ..config import LoraSection, TrainConfig
-from ..config.lora import BASE_FORMATS
+from ..config import TrainConfig
 from ..data.builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS
 from ..engine.activations import recomputed_layers
 from ..engine.store import StoreSpec, VersionWords, resident_units
@@ -55,13 +54,13 @@ from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; cal
 from ..model import flops
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
-from ..model.quant_layout import bytes_per_param as quant_bytes_per_param
 from ..model.precision import resolve_precision
 from .cluster import cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
                             _pinned_size, activation_counts, activation_note, activation_placement, device_rows,
                             device_total, fmt, resolve_resident)
 from .pace import Pace, expected_pace, timeout_line
+from .store_modes import mode_notes
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
 from .machine import (gpu_memory, gpu_name, guess_device, host_available, ray_monitor_margin, ray_threshold,
                       same_filesystem)
@@ -80,12 +79,6 @@ _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to 
                 "grad": "gradients (host side)",
                 "peer_grad": "the other workers' gradient copies (experimental.grad_reduce=host)", "exp_avg_scale": "8-bit exp_avg block scales",
                 "exp_avg_sq_scale": "8-bit exp_avg_sq block scales"}
-MODES = (("fp32", "float32", "exact AdamW, fp32 master (optim.state fp32)"),
-         ("fp32", "bfloat16", "bf16 master (precision.master_dtype bfloat16)"),
-         ("8bit", "bfloat16", "compact (optim.state 8bit)"))
-"""(optim.state, precision.master_dtype, label) of the optimizer modes the plan compares."""
-
-
 @dataclass
 class Plan:
     """The memory a run needs, what the machine has, and the largest micro-batch that fits."""
@@ -326,78 +319,11 @@ def _scale_kinds(spec: StoreSpec) -> tuple[str, ...]:
     return tuple(k for k in spec.kinds() if k.endswith("_scale"))
 
 
-def bytes_per_param(cfg: TrainConfig, device: str, state: str, master_dtype: str,
-                    resident: tuple[int, ...] = ()) -> float:
-    """Host-store bytes per parameter of ``cfg``'s model in one optimizer mode, with the run's clipping
-    and ``resident`` units (a gradient ring of unit slots counts as O(one unit), not per parameter)."""
-    given = dataclasses.replace(cfg.precision, master_dtype=master_dtype)
-    precision = resolve_precision(given, device, state)
-    spec = StoreSpec.of_run(dataclasses.replace(cfg, precision=given), precision, device, 0, "plan", resident)
-    ring = spec.numel("grad") * spec.dtype("grad").itemsize if spec.grad_slots else 0
-    return (spec.nbytes() - ring) / StoreLayout.build(cfg.model).num_params
-
-
-def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, ...] = ()) -> list[str]:
-    """One line per optimizer mode: its bytes per parameter and about the largest model whose store fits
-    ``budget`` (the host RAM left once everything but the store is counted), at this model's shape, and
-    for a dense model the LoRA mode's (a frozen base; the rank does not change the store)."""
-    clip = "with clipping" if cfg.optim.max_grad_norm > 0 else "without clipping"
-    lines = [f"optimizer modes ({clip}, {device}): host-store bytes per parameter and the largest model "
-             f"whose store fits the {fmt(max(0, budget))} of host RAM left for it"]
-    for state, master, label in MODES:
-        per = bytes_per_param(dataclasses.replace(cfg, lora=LoraSection()), device, state, master, resident)
-        fits = int(max(0, budget) / per)
-        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {flops.fmt_count(fits)} parameters{_layers_note(cfg.model, fits)}")
-    if cfg.model.sparse_layers:  # adapters on the experts are not built
-        return lines
-    lora = cfg.lora if cfg.lora.enabled else LoraSection(rank=16)  # its store does not depend on the rank
-    precision = resolve_precision(cfg.precision, device, cfg.optim.state)
-    for base in BASE_FORMATS:  # the frozen base in each storage format (lora.base_format; embedding, head raw)
-        run = dataclasses.replace(cfg, lora=dataclasses.replace(lora, base_format=base))
-        per = bytes_per_param(run, device, cfg.optim.state, cfg.precision.master_dtype)
-        layers = _base_layers(run, device, max(0, budget))
-        label = f"LoRA (lora.rank > 0: a frozen base, {base})"
-        fits = flops.num_params(dataclasses.replace(cfg.model, num_hidden_layers=layers, mlp_only_layers=[]))
-        in_layers = (f", {quant_bytes_per_param(cfg.model, base, precision.compute)[0]:.3f} B/param in the layers"
-                     if base != "compute" else "")
-        lines.append(f"  {label:<46}{per:6.2f} B/param  -> {flops.fmt_count(fits if layers else 0)} parameters "
-                     f"({layers} layer(s) of this shape{in_layers})")
-    return lines
-
-
 def _store_label(spec: StoreSpec, kind: str) -> str:
     """A store row's label: its kind's, or a quantized base's format (lora.base_format)."""
     if kind == "master" and spec.lora.quantized:
         return f"frozen base, {spec.lora.base_format} (lora.base_format; embedding, head, norms in the compute dtype)"
     return _KIND_LABELS[kind]
-
-
-def _base_layers(cfg: TrainConfig, device: str, budget: int) -> int:
-    """Decoder layers of ``cfg``'s model shape whose LoRA base store (its lora.base_format) fits ``budget`` bytes."""
-    precision = resolve_precision(cfg.precision, device, cfg.optim.state)
-
-    def store(n: int) -> int:
-        model = dataclasses.replace(cfg.model, num_hidden_layers=n, mlp_only_layers=[])
-        return StoreSpec.of_run(dataclasses.replace(cfg, model=model), precision, device, 0, "plan").nbytes()
-
-    one, two = store(1), store(2)
-    return max(0, (budget - (2 * one - two)) // (two - one))
-
-
-def _dense_layers(model, fits: int) -> int:
-    """Decoder layers of ``model``'s shape (its embedding and head included) that ``fits`` parameters hold."""
-    one, two = (flops.num_params(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
-    return max(0, (fits - (2 * one - two)) // (two - one))
-
-
-def _layers_note(model, fits: int) -> str:
-    """The layers of this shape that ``fits`` parameters hold (:func:`_dense_layers`), and a mixture of
-    experts' active parameters in them."""
-    layers = _dense_layers(model, fits)
-    if not model.is_moe:
-        return f" ({layers} layer(s) of this shape)"
-    cut = dataclasses.replace(model, num_hidden_layers=layers, mlp_only_layers=[])
-    return f" ({layers} layer(s) of this shape: {flops.fmt_count(flops.active_params(cut))} active)" if layers else ""
 
 
 def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
