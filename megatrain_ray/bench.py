@@ -66,7 +66,10 @@ def base_sections(preset: str | None, config: str | None, model_dir: str | None,
     else:
         base = {"model": dataclasses.asdict(preset_model(preset or DEFAULTS["cuda"]["preset"]))}
     if layers:
-        base["model"]["num_hidden_layers"] = layers
+        model = base["model"]
+        model["num_hidden_layers"] = layers
+        if model.get("layer_types"):  # per-layer attention (gpt-oss): the first layers', cycled where deeper
+            model["layer_types"] = [model["layer_types"][i % len(model["layer_types"])] for i in range(layers)]
     return base
 
 

@@ -189,3 +189,14 @@ def test_summarize_takes_the_median_period_of_the_steps_after_the_warm_up():
     assert out["step_s"] == 2.0  # median of 2.0, 2.5, 2.0 (step 1's 3.0 is warm-up)
     assert out["compute_busy_frac"] == 0.5
     assert bench.summarize(rows[:2])["steady_periods"] == 1
+
+
+@pytest.mark.parametrize("layers", [2, 5, 40])
+def test_layers_cut_a_per_layer_attention_list_with_the_model(layers):
+    """--layers on gpt-oss (whose model.layer_types lists each layer's attention): the list follows the
+    depth, the first layers' types cycled where the model is deeper, and the config is valid."""
+    base = bench.base_sections("gpt-oss-20b", None, None, layers)
+    types = base["model"]["layer_types"]
+    full = presets.preset_model("gpt-oss-20b").layer_types
+    assert len(types) == layers and types == [full[i % len(full)] for i in range(layers)]
+    ModelConfig(**base["model"]).validate()

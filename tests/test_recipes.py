@@ -71,6 +71,7 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
     ("lora.sh", ["lora-tiny"]),
     ("qlora.sh", ["qlora-tiny"]),
     ("moe_lora.sh", ["moe-lora-tiny"]),
+    ("gpt_oss.sh", ["gpt-oss-tiny-mxfp4", "glm-tiny-nf4"]),
 ])
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)
@@ -95,6 +96,9 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
         assert report["model"]["num_experts"] and "lora.rank=4" in report["overrides"]
         assert json.loads((tmp_path / "resident-lora-moe-tiny.json").read_text())["layers"] == 1
         assert re.search(r"^tokens/s per layer: ours .*x$", (tmp_path / "ratio.txt").read_text(), re.M)
+    if recipe == "gpt_oss.sh":  # both 100B+ families' stand-ins, each over its quantized base
+        for tag, fmt in (("gpt-oss-tiny-mxfp4", "mxfp4"), ("glm-tiny-nf4", "nf4")):
+            assert f"lora.base_format={fmt}" in _bench(tmp_path, tag)["overrides"]
     assert printed.strip().splitlines()[-1].endswith("done")
 
 

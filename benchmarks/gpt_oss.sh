@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# What do the 100B+ mixtures of experts train at with LoRA on one GPU and 128 GiB of host memory?
+# gpt-oss-120b whole (36 layers of 128 experts, top-4; 116.8B) with rank-16 adapters (alpha 32) on
+# attention and every routed expert over its MXFP4 base (lora.base_format=mxfp4: the experts held and
+# streamed as the Hub stores them, 4.25 bits a weight, dequantized on the GPU; the rest bf16), at 65,536
+# and 262,144 tokens a step (16 micro-batches of 1 or 4 x 4,096); GLM-4.5-Air whole (46 layers, 106.9B)
+# the same over a 4-bit (nf4) base; gpt-oss-20b over its MXFP4 base beside transformers + peft resident
+# on the GPU (its experts bf16, as transformers dequantizes them; as many layers as fit), tokens/s per layer.
+#   bash benchmarks/gpt_oss.sh OUT [PARTS]   # one H200, 128 GiB; PARTS: any of
+#                                            # "plan 120b-65k 120b-262k air-65k air-262k 20b resident"
+#   SMOKE=1 bash benchmarks/gpt_oss.sh OUT   # the CPU: 2-layer stand-ins of both families
+# Writes OUT/bench-<tag>.json (megatrain-ray bench: s/step, tokens/s, TFLOPS in both conventions as a
+# LoRA step runs them with active parameters, GPU busy, host B/param, peaks), OUT/plan-*.txt, and with
+# part resident (after 20b) OUT/resident-lora-<tag>.json and OUT/ratio-20b.txt. Each part is one
+# command: BUDGET (s, default 570) bounds each, STEPS (default 4) the steps of each run.
+source "$(dirname "$0")/lib.sh"
+parts=${2:-plan 120b-65k 120b-262k air-65k air-262k 20b resident}
+rc=0
+LORA=(--set lora.rank=16 --set lora.alpha=32 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj)
+steps=(--seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}")
+if smoke; then
+  tiny=(--layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 --set compute.device=cpu
+        --set model.hidden_size=64 --set model.num_attention_heads=4 --set model.num_key_value_heads=2
+        --set model.head_dim=16 --set model.vocab_size=260 --set model.num_experts=4 --set model.num_experts_per_tok=2
+        --set lora.rank=4 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj)
+  bench gpt-oss-tiny-mxfp4 300 --preset gpt-oss-20b "${tiny[@]}" --set model.intermediate_size=64 \
+    --set lora.base_format=mxfp4
+  bench glm-tiny-nf4 300 --preset glm-4.5-air "${tiny[@]}" --set model.intermediate_size=128 \
+    --set model.moe_intermediate_size=32 --set lora.base_format=nf4
+  stamp done; exit $rc
+fi
+case " $parts " in *" plan "*)
+  for p in "gpt-oss-120b mxfp4" "glm-4.5-air nf4"; do
+    set -- $p
+    run "plan-$1" 120 python3 -m megatrain_ray.cli plan --device cuda $(shape_args "$1") "${LORA[@]}" \
+      --set lora.base_format="$2" --set train.seq_len=4096 --set train.micro_batch_size=4 \
+      --set train.num_micro_batches=16 || rc=$?
+    cp "$out/log_plan-$1.txt" "$out/plan-$1.txt"; grep "LoRA\|frozen base" "$out/plan-$1.txt"
+  done ;;
+esac
+case " $parts " in *" 120b-65k "*)
+  bench gpt-oss-120b-mxfp4-65536 "$(left 600)" --preset gpt-oss-120b --tokens 65536 "${steps[@]}" "${LORA[@]}" \
+    --set lora.base_format=mxfp4 ;;
+esac
+case " $parts " in *" 120b-262k "*)
+  bench gpt-oss-120b-mxfp4-262144 "$(left 600)" --preset gpt-oss-120b --tokens 262144 "${steps[@]}" "${LORA[@]}" \
+    --set lora.base_format=mxfp4 ;;
+esac
+case " $parts " in *" air-65k "*)
+  bench glm-4.5-air-nf4-65536 "$(left 600)" --preset glm-4.5-air --tokens 65536 "${steps[@]}" "${LORA[@]}" \
+    --set lora.base_format=nf4 ;;
+esac
+case " $parts " in *" air-262k "*)
+  bench glm-4.5-air-nf4-262144 "$(left 600)" --preset glm-4.5-air --tokens 262144 "${steps[@]}" "${LORA[@]}" \
+    --set lora.base_format=nf4 ;;
+esac
+case " $parts " in *" 20b "*)
+  bench gpt-oss-20b-mxfp4-65536 "$(left 600)" --preset gpt-oss-20b --tokens 65536 "${steps[@]}" "${LORA[@]}" \
+    --set lora.base_format=mxfp4 ;;
+esac
+case " $parts " in *" resident "*)  # transformers + peft resident, experts bf16: all 24 layers, or the most that fit
+  run resident-lora-20b "$(left 600)" python3 benchmarks/lora_resident.py --preset gpt-oss-20b --layers 24 --rank 16 \
+    --targets q_proj,k_proj,v_proj,o_proj --tokens 65536 --seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}" \
+    --tag gpt-oss-20b-65536 --out "$out" || rc=$?
+  grep "^resident-lora" "$out/log_resident-lora-20b.txt"
+  lora_ratio "$out/ratio-20b.txt" "$out/bench-gpt-oss-20b-mxfp4-65536.json" "$out/resident-lora-gpt-oss-20b-65536.json" \
+    || rc=$? ;;
+esac
+stamp done; exit $rc
