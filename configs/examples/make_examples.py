@@ -9,7 +9,11 @@
 - ``alpaca.json``: alpaca rows made from the same grammar (an instruction, and the response that
   continues it), for alpaca-sft.yaml and lora-sft.yaml;
 - ``model/``: a tiny randomly initialised Qwen2 (2 layers, hidden 32, the tokenizer's vocabulary;
-  bf16 safetensors, 70 KB) standing in for the pretrained model those two fine-tune (``train.init_from``).
+  bf16 safetensors, 70 KB) standing in for the pretrained model those two fine-tune (``train.init_from``);
+- ``gpt-oss/``: a tiny randomly initialised gpt-oss (2 layers, hidden 32, 4 experts, top-2) saved as the
+  Hub saves gpt-oss: its routed experts as MXFP4 ``*_blocks`` / ``*_scales`` (quantized by
+  :func:`megatrain_ray.model.mxfp4.quantize_mxfp4`), the rest bf16, ``quantization_config``
+  mxfp4 — the stand-in base of gpt-oss-lora.yaml.
 
 The tokenizer and the rows are deterministic: tests/test_examples.py checks that the committed ones
 are what this script builds, and that every config in configs/ plans as written.
@@ -80,12 +84,40 @@ def build_model(directory: str, vocab_size: int) -> None:
     model.save_pretrained(directory)
 
 
+def build_gpt_oss(directory: str, vocab_size: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from megatrain_ray.model.mxfp4 import MX_BLOCK, quantize_mxfp4
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=16,
+                          eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    model = GptOssForCausalLM(config).to(torch.bfloat16)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for key in [k for k in state if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        w = state.pop(key).transpose(1, 2)  # [E, out, in]: the Hub's blocks run along each output row
+        codes, scales = quantize_mxfp4(w.reshape(-1, w.shape[2]))
+        state[key + "_blocks"] = codes.view(*w.shape[:2], w.shape[2] // MX_BLOCK, MX_BLOCK // 2)
+        state[key + "_scales"] = scales.view(*w.shape[:2], w.shape[2] // MX_BLOCK)
+    os.makedirs(directory, exist_ok=True)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    hf = config.to_dict()
+    hf.update(architectures=["GptOssForCausalLM"], dtype="bfloat16", quantization_config={"quant_method": "mxfp4"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+
+
 def main() -> None:
     hf = build_tokenizer(os.path.join(HERE, "tokenizer"))
     with open(os.path.join(HERE, "alpaca.json"), "w") as f:
         f.write("[\n" + ",\n".join(json.dumps(row) for row in alpaca_rows()) + "\n]\n")  # a row a line
     build_model(os.path.join(HERE, "model"), len(hf))
-    print(f"wrote {HERE}: tokenizer ({len(hf)} ids), alpaca.json ({len(alpaca_rows())} rows), model/")
+    build_gpt_oss(os.path.join(HERE, "gpt-oss"), len(hf))
+    print(f"wrote {HERE}: tokenizer ({len(hf)} ids), alpaca.json ({len(alpaca_rows())} rows), model/, gpt-oss/")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def mode_notes(cfg: TrainConfig, device: str, budget: int, resident: tuple[int, 
         per = bytes_per_param(run, device, cfg.optim.state, cfg.precision.master_dtype)
         layers = _base_layers(run, device, max(0, budget))
         label = f"LoRA (lora.rank > 0: a frozen base, {base})"
-        fits = flops.num_params(dataclasses.replace(cfg.model, num_hidden_layers=layers, mlp_only_layers=[]))
+        fits = _of_layers(flops.num_params, cfg.model, layers)
         in_layers = (f", {quant_bytes_per_param(cfg.model, base, precision.compute)[0]:.3f} B/param in the layers"
                      if base != "compute" else "")
         lines.append(f"  {label:<46}{per:6.2f} B/param  -> {flops.fmt_count(fits if layers else 0)} parameters "
@@ -73,9 +73,17 @@ def _base_layers(cfg: TrainConfig, device: str, budget: int) -> int:
     return max(0, (budget - (2 * one - two)) // (two - one))
 
 
+def _of_layers(count, model, layers: int) -> int:
+    """``count`` (a function of a model config: its parameters, its active ones) of ``model``'s shape
+    with ``layers`` decoder layers of its kind, extrapolated from one and two layers (the count is
+    affine in the layers; counting a model of 10^5 layers itself would take minutes)."""
+    one, two = (count(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
+    return one + (layers - 1) * (two - one)
+
+
 def _dense_layers(model, fits: int) -> int:
     """Decoder layers of ``model``'s shape (its embedding and head included) that ``fits`` parameters hold."""
-    one, two = (flops.num_params(dataclasses.replace(model, num_hidden_layers=n, mlp_only_layers=[])) for n in (1, 2))
+    one, two = (_of_layers(flops.num_params, model, n) for n in (1, 2))
     return max(0, (fits - (2 * one - two)) // (two - one))
 
 
@@ -85,5 +93,5 @@ def _layers_note(model, fits: int) -> str:
     layers = _dense_layers(model, fits)
     if not model.is_moe:
         return f" ({layers} layer(s) of this shape)"
-    cut = dataclasses.replace(model, num_hidden_layers=layers, mlp_only_layers=[])
-    return f" ({layers} layer(s) of this shape: {flops.fmt_count(flops.active_params(cut))} active)" if layers else ""
+    active = _of_layers(flops.active_params, model, layers)
+    return f" ({layers} layer(s) of this shape: {flops.fmt_count(active)} active)" if layers else ""
