@@ -28,17 +28,18 @@ from ..errors import PipelineError
 from .experts import ExpertTraffic
 from .resident import ResidentUnits, step_sq_norm
 from .policy import NONE, UnitPolicy
-from .schedule import Schedule
 from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 
 
 class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
-    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, resident: ResidentUnits | None = None,
-                 policies: tuple[UnitPolicy, ...] = (), adapters=None, traffic: ExpertTraffic | None = None):
+    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, resident: ResidentUnits | None,
+                 policies: tuple[UnitPolicy, ...], update_order: tuple[int, ...], adapters=None,
+                 traffic: ExpertTraffic | None = None):
         """policies: each unit's (:mod:`megatrain_ray.engine.policy`); the gradients of units whose
-        policy has none (frozen units) are never sent; adapters: a LoRA run's
+        policy has none (frozen units) are never sent; update_order: the schedule's (held gradients
+        go out in it); adapters: a LoRA run's
         (:class:`~megatrain_ray.engine.adapters.DeviceAdapters`), updated at the end of each step;
         traffic: the worker's record of its sparse layers' routing, which says what of their
         gradients crosses (None: all of every gradient)."""
@@ -49,7 +50,8 @@ class GradOut:
         self.resident = resident
         self.adapters = adapters
         self.frozen = {u for u, p in enumerate(policies) if p.gradient == NONE}
-        self.policies = policies or (UnitPolicy(),) * len(self.layout.units)
+        self.policies = policies
+        self.update_order = update_order
         self.traffic = traffic
         self.reducer = None
         """The worker's data-parallel group (set when it joins one), or None."""
@@ -173,8 +175,7 @@ class GradOut:
             return slot, handle, step_sq()
 
         by_unit = {unit: (grad, sq_norm) for unit, grad, sq_norm in held}
-        for unit in (u for u in Schedule.build(self.layout, self.store.spec.model.tie_word_embeddings).update
-                     if u in by_unit):
+        for unit in (u for u in self.update_order if u in by_unit):
             grad, sq_norm = by_unit.pop(unit)
             ranges, skipped = self._ranges(unit, step, grad)
             self.outbox.put((unit, step, -1, lambda u=unit, g=grad, s=sq_norm, r=ranges: send(u, g, s, r), -1.0,

@@ -55,8 +55,7 @@ from .checkpointing import SinkCheckpoints
 from .experts import zero_skipped
 from .grad_reduce import rendezvous, sum_copies
 from .optim import AdamWRunner, step_clipping
-from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
-from .schedule import Schedule
+from .policy import NONE
 from .settings import SinkSettings
 from .shards import OptimizerShards
 from .store import HostStore, StoreSpec
@@ -84,22 +83,19 @@ class GradientSink:
         self.optim = settings.optim
         self.grad_q, self.stats_q, self.grad_slot_q = grad_q, stats_q, grad_slot_q
         self.timeout_s = timeout_s = settings.timeout_s
-        self.policies = settings.policies or policies_of_run(len(self.layout.units), spec.resident, EXACT)
+        self.policies = settings.policies
         """Each unit's :class:`~megatrain_ray.engine.policy.UnitPolicy`."""
-        self.order = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
-                      if self.policies[u].optimizer not in (DEVICE, NONE)]
+        self.order = settings.updates
         """The units this sink updates, in update order."""
-        self.frozen = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
-                       if self.policies[u] == FROZEN]
+        self.frozen = settings.frozen
         """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
-        self.after_norm = self.optim.max_grad_norm > 0 or settings.sharded
-        """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
-        update order, after the last gradient), unless it comes with the tickets (held gradients)."""
+        self.after_norm = settings.after_norm
+        """Whether the updates wait for the step's norm (see :attr:`SinkSettings.after_norm`)."""
         self.tickets_per_unit = settings.workers
         """Tickets per unit and step: one per compute worker of the node, each for its shard of the
         summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
         whole gradient in a host copy of its own, which this sink sums (experimental.grad_reduce=host)."""
-        self.host_sum = settings.host_sum and self.tickets_per_unit > 1
+        self.host_sum = settings.host_sum
         self.threads = max(1, settings.threads)
         self.spans: list[tuple] = []
         self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
