@@ -36,6 +36,7 @@ from megatrain_ray.model.transformer import hf_name
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
 from artifacts import read_tensors
+from resolved import sink_settings
 from conftest import interrupt_after_checkpoint, kill_in_turn
 
 transformers = pytest.importorskip("transformers")
@@ -155,8 +156,6 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     weights, written in the background) is finished first, not left a temporary by the run's teardown."""
     import queue
 
-    from megatrain_ray.config import OptimConfig
-    from megatrain_ray.engine.settings import SinkSettings
     from megatrain_ray.engine.sink import GradientSink
     from megatrain_ray.engine.tickets import GradTicket
     from megatrain_ray.errors import PipelineError
@@ -171,7 +170,8 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     ps = _store(shm_dir, "diverge")
     root = str(tmp_path / "ckpts")
     grad_q, stats_q = queue.Queue(), queue.Queue()
-    sink = GradientSink(ps.spec, SinkSettings(OptimConfig(lr=1e-3), 3, timeout_s=30, threads=1), grad_q, stats_q,
+    settings = sink_settings(load_config(None, ["optim.lr=1e-3", "train.steps=3"]), timeout_s=30, threads=1)
+    sink = GradientSink(ps.spec, settings, grad_q, stats_q,
                         checkpoint=checkpoint.CheckpointSettings(root, every=1, keep=2, run_config={}, run_id="r"))
     try:
         units = range(len(ps.store.layout.units))

@@ -33,6 +33,7 @@ from megatrain_ray.orchestration.driver import Driver, RunResult
 from megatrain_ray.orchestration.metrics import RunMetrics
 from megatrain_ray.orchestration.pipeline import _rewind, train
 from megatrain_ray.orchestration.queues import QueueClient, QueueHost
+from resolved import resolved
 
 
 def _cfg(shm_dir, run_dir, *extra):
@@ -307,7 +308,7 @@ def test_after_a_death_the_driver_records_the_finished_steps_and_the_stats_left_
                        grad_norms=[1.0, 1.1, 1.2], fetches=[{}] * 4)
     lines = []
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        driver = Driver(cfg, roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), lines.append)
+        driver = Driver(resolved(cfg), roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), lines.append)
         driver.outputs[3] = ray.get(finished.remote(3))  # collected; its stats were still on the queue
         driver.submitted = {4: [finished.remote(4)], 5: [died.remote()], 6: [finished.remote(6)]}
         driver._salvage(within=10)
@@ -332,7 +333,7 @@ def test_a_line_that_fails_loses_no_stats_of_its_batch(tmp_path):
             raise KeyboardInterrupt
 
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        driver = Driver(cfg, roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), log)
+        driver = Driver(resolved(cfg), roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), log)
         with pytest.raises(KeyboardInterrupt):
             driver._handle([{"checkpoint": "ckpt/step-000002", "step": 2, "save_s": 0.1},
                             {"step": 3, "grad_norm": 4.0, "lr": 1e-3, "update_busy_s": 0.01, "spans": []}])

@@ -64,7 +64,6 @@ from .experts import ExpertTraffic
 from .grad_out import GradOut
 from .quantized import DeviceDequant
 from .passes import LayerWeights, StepLayers, layer_passes
-from .policy import EXACT, policies_of_run
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .resident import ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
@@ -128,13 +127,13 @@ class ComputeWorker(GroupMember):
                                 pinned) if spec.resident else None
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
                                        checkpoint, resume_from) if spec.lora.enabled else None
-        self.policies = s.policies or policies_of_run(len(self.layout.units), spec.resident, EXACT, spec.lora.enabled)
+        self.policies = s.policies
         """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
         gets no weight gradient computed, only its input gradient (and its adapters')."""
         self._stop = threading.Event()
         self.traffic = ExpertTraffic(self.layout, self.backend, self._stop)
         self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, self.policies,
-                                 self.adapters, self.traffic)
+                                 s.update_order, self.adapters, self.traffic)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()

@@ -32,6 +32,7 @@ STREAMED, RESIDENT = "streamed", "resident"
 HOST, DEVICE, NONE = "host", "device", "none"
 EXACT, SPLIT, COMPACT = "exact", "split", "compact"
 """The optimizers of the host (``device`` and ``none`` as above)."""
+HOST_OPTIMIZERS = (EXACT, SPLIT, COMPACT)
 ROUTED, ALL = "routed", "all"
 """Which of a sparse unit's routed experts send a gradient: those the step's routing chose, or all."""
 WEIGHTS, GRADIENTS, OPTIMIZERS = (STREAMED, RESIDENT), (HOST, DEVICE, NONE), (EXACT, SPLIT, COMPACT, DEVICE, NONE)

@@ -15,7 +15,7 @@ from ..config import OptimConfig
 from .policy import UnitPolicy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ComputeSettings:
     """A compute worker's part of the run."""
 
@@ -43,13 +43,16 @@ class ComputeSettings:
     """The AdamW settings, for the units resident on its device."""
     total_steps: int
     """The run's steps (train.steps), for the learning-rate schedule of the resident units."""
-    policies: tuple[UnitPolicy, ...] = ()
-    """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): as ``StoreSpec.resident`` says."""
+    policies: tuple[UnitPolicy, ...]
+    """Each unit's policy (:mod:`megatrain_ray.engine.policy`)."""
+    update_order: tuple[int, ...]
+    """Every unit in the schedule's update order (:attr:`~megatrain_ray.engine.schedule.Schedule.update`):
+    the order in which gradients held on the device until the step's norm go out."""
     seed: int = 0
     """train.seed: a LoRA run's adapters are initialised from it (:mod:`megatrain_ray.engine.adapters`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SinkSettings:
     """A gradient sink's part of the run."""
 
@@ -60,6 +63,10 @@ class SinkSettings:
     """How long it waits on another role (cluster.actor_timeout_s)."""
     threads: int
     """CPU threads of the AdamW update (parallel.optimizer_threads, resolved)."""
+    threads_per_pinned_cpu: bool = False
+    """parallel.optimizer_threads is 0 (one per CPU): where the sink is pinned to CPUs
+    (experimental.cpu_affinity), AdamW runs one thread per CPU it is given instead of ``threads``
+    (:meth:`pinned_threads`)."""
     workers: int = 1
     """Compute workers of its node: the tickets per unit and step (see :mod:`megatrain_ray.engine.grad_reduce`)."""
     host_sum: bool = False
@@ -67,6 +74,20 @@ class SinkSettings:
     (experimental.grad_reduce=host with several workers)."""
     sharded: bool = False
     """The nodes' sinks share the AdamW work (parallel.optimizer_sharding=sharded with several nodes)."""
-    policies: tuple[UnitPolicy, ...] = ()
-    """Each unit's policy (:mod:`megatrain_ray.engine.policy`); (): every unit streamed and updated here
-    exactly, but those resident on the compute worker (``StoreSpec.resident``)."""
+    policies: tuple[UnitPolicy, ...]
+    """Each unit's policy (:mod:`megatrain_ray.engine.policy`)."""
+    updates: tuple[int, ...]
+    """The units this sink updates (those with a host optimizer), in the schedule's update order."""
+    frozen: tuple[int, ...]
+    """The units never updated (:data:`~megatrain_ray.engine.policy.FROZEN`, a LoRA run's base), in
+    update order: each step's end makes them current for the next step."""
+
+    @property
+    def after_norm(self) -> bool:
+        """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
+        update order, after the last gradient), unless it comes with the tickets (held gradients)."""
+        return self.optim.max_grad_norm > 0 or self.sharded
+
+    def pinned_threads(self, cpus: int) -> int:
+        """AdamW's threads once the sink is pinned to ``cpus`` CPUs (see ``threads_per_pinned_cpu``)."""
+        return cpus if self.threads_per_pinned_cpu else self.threads

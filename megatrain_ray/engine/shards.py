@@ -11,6 +11,10 @@ unit, in the same order (the update order: embedding, layers, head), so a node's
 own units run while the others' arrive on the group's threads. The bytes are moved as raw bytes:
 every replica's master weights stay bit-identical to the owner's.
 
+To the gradient sink, a sharded optimizer is each unit's optimizer wrapped (:class:`ShardedOptimizer`,
+the protocol of :mod:`megatrain_ray.engine.updates`): the update where this node owns the unit,
+then its exchange; :data:`UNSHARDED` stands for the group where there is none.
+
 The AdamW states of a unit are only current on its owner. They are gathered to every node (one
 broadcast per unit and state) at each checkpoint boundary and at the end of the run, so the first
 node's checkpoints and exports hold the whole optimizer state.
@@ -105,3 +109,36 @@ class OptimizerShards:
     def close(self) -> None:
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+class ShardedOptimizer:
+    """A unit's optimizer in a sharded run (the protocol of :mod:`megatrain_ray.engine.updates`):
+    ``update`` applies it where this node owns the unit, then exchanges the unit's master weights;
+    it returns None where another node owns it (whose weights, once received, set its version)."""
+
+    def __init__(self, inner, shards: OptimizerShards):
+        self.inner, self.shards = inner, shards
+
+    def update(self, unit: int, grad: torch.Tensor, coef: float, step: int) -> bool | None:
+        done = self.inner.update(unit, grad, coef, step) if self.shards.owns(unit) else None
+        self.shards.share(unit, step + 1)
+        return done
+
+    def finish(self, unit: int, step: int) -> None:
+        self.inner.finish(unit, step)
+
+
+class Unsharded:
+    """No sharded optimizer: this sink updates every unit, and exchanges nothing."""
+
+    def end_step(self) -> None:
+        pass
+
+    def gather_states(self, step: int, units: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+UNSHARDED = Unsharded()

@@ -1,15 +1,19 @@
 """The gradient sink: AdamW on the CPU, one unit at a time, as gradients arrive.
 
-One loop over the run: for every step, take :class:`~megatrain_ray.engine.tickets.GradTicket` s from the
-grad queue (each names a unit whose gradient is complete in its host grad block, and carries its
-squared norm, taken on the device) and add them up. Without clipping each unit is updated the moment its
-gradient arrives (and, when the store keeps the gradients in a ring of slots, the slot is handed
-back to the compute worker right after). With clipping the factor needs the global norm, so the updates run once the last
-gradient (the embedding's) is in, in the order the next step's forward needs them — embedding,
-layer 0, 1, ... — so the next forward can start on layer 0 while later layers are still updating;
-unless the compute worker held the gradients on its device until the norm was known
-(``StoreSpec.hold_grads``): then they arrive in that order through the ring, each ticket carrying
-the step's norm, and each unit is clipped and updated as it arrives.
+One loop over the run; each step reads: take the step's tickets -> the norm -> the clipping factor
+-> each unit's update by its optimizer. A :class:`~megatrain_ray.engine.tickets.GradTicket` names
+a unit whose gradient is complete in its host grad block (or a slot of the store's gradient ring)
+and carries its squared norm, taken on the device; the step's tickets and norm come from
+:mod:`megatrain_ray.engine.step_gradients`, which also says when each unit's update may run and
+with which factor. Without clipping each unit is updated the moment its gradient arrives. With
+clipping the factor needs the global norm, so the updates run once the last gradient (the
+embedding's) is in, in the order the next step's forward needs them — embedding, layer 0, 1, ... —
+so the next forward can start on layer 0 while later layers are still updating; unless the compute
+worker held the gradients on its device until the norm was known (``StoreSpec.hold_grads``): then
+they arrive in that order through the ring, each ticket carrying the step's norm, and each unit is
+clipped and updated as it arrives. Every update takes the one path (:meth:`GradientSink._update`):
+its optimizer's ``update``, the versions that completes, then the ring slot handed back to the
+compute worker (a release callback; nothing to hand back without a ring).
 After a unit's update its stream copy is refreshed and only then its version bumped, which is what
 lets the prefetcher stream it for the next step.
 
@@ -27,38 +31,35 @@ step's gradients land in the stream blocks, which the second pass does not touch
 
 With several compute workers on the node, a unit is complete once every worker's ticket for it is
 in: each for its shard of the all-reduced gradient, or (experimental.grad_reduce=host) for its own
-whole gradient, which the sink then sums (:func:`~megatrain_ray.engine.grad_reduce.sum_copies`).
+whole gradient, which the sink then sums (:class:`~megatrain_ray.engine.step_gradients.HostSums`).
 With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.shards`) the updates also wait
-for the last gradient, and the sink updates only its own units, receiving the others'.
+for the last gradient, and each unit's optimizer is wrapped
+(:class:`~megatrain_ray.engine.shards.ShardedOptimizer`): the sink updates only its own units,
+receiving the others'.
 
 Each unit's update is its policy's (:mod:`megatrain_ray.engine.policy`): a host optimizer of the
 one protocol of :mod:`megatrain_ray.engine.updates` (exact, split, compact), or none here for the
-units resident on the compute worker's device, whose tickets carry only their norms. So the loop
-reads: take the step's tickets -> the norm -> the clipping factor -> for each unit in update
-order, its optimizer's update. A sparse layer's ticket may name parts whose gradient did not cross
-(routed experts no token chose): their ranges of the gradient block are zeroed first, so the update
-is that of their zero gradient (:mod:`megatrain_ray.engine.experts`). Checkpoints are started at step boundaries and written beside the
+units resident on the compute worker's device, whose tickets carry only their norms. A sparse
+layer's ticket may name parts whose gradient did not cross (routed experts no token chose): their
+ranges of the gradient block are zeroed first, so the update is that of their zero gradient
+(:mod:`megatrain_ray.engine.experts`). Checkpoints are started at step boundaries and written beside the
 updates (:mod:`megatrain_ray.engine.checkpointing`).
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from ..config import lr_at
 from ..errors import Diverged, PipelineError
 from . import affinity
 from .checkpointing import SinkCheckpoints
-from .experts import zero_skipped
-from .grad_reduce import rendezvous, sum_copies
+from .grad_reduce import rendezvous
 from .optim import AdamWRunner, step_clipping
-from .policy import DEVICE, EXACT, FROZEN, NONE, policies_of_run
-from .schedule import Schedule
 from .settings import SinkSettings
-from .shards import OptimizerShards
+from .shards import UNSHARDED, OptimizerShards, ShardedOptimizer
+from .step_gradients import AsArrived, Carried, HostSums, InUpdateOrder, StepTickets
 from .store import HostStore, StoreSpec
 from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
 from .updates import host_optimizer
@@ -84,40 +85,42 @@ class GradientSink:
         self.optim = settings.optim
         self.grad_q, self.stats_q, self.grad_slot_q = grad_q, stats_q, grad_slot_q
         self.timeout_s = timeout_s = settings.timeout_s
-        self.policies = settings.policies or policies_of_run(len(self.layout.units), spec.resident, EXACT)
+        self.policies = settings.policies
         """Each unit's :class:`~megatrain_ray.engine.policy.UnitPolicy`."""
-        self.order = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
-                      if self.policies[u].optimizer not in (DEVICE, NONE)]
+        self.order = settings.updates
         """The units this sink updates, in update order."""
-        self.frozen = [u for u in Schedule.build(self.layout, spec.model.tie_word_embeddings, spec.resident).update
-                       if self.policies[u] == FROZEN]
+        self.frozen = settings.frozen
         """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
-        self.after_norm = self.optim.max_grad_norm > 0 or settings.sharded
-        """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
-        update order, after the last gradient), unless it comes with the tickets (held gradients)."""
-        self.tickets_per_unit = settings.workers
-        """Tickets per unit and step: one per compute worker of the node, each for its shard of the
-        summed gradient (see :mod:`megatrain_ray.engine.grad_reduce`), or with ``host_sum`` for its
-        whole gradient in a host copy of its own, which this sink sums (experimental.grad_reduce=host)."""
-        self.host_sum = settings.host_sum and self.tickets_per_unit > 1
-        self.threads = max(1, settings.threads)
         self.spans: list[tuple] = []
+        self.tickets = (HostSums(self.store, self.policies, settings.workers, self._get, self.order,
+                                 max(1, settings.threads), self._note) if settings.host_sum
+                        else StepTickets(self.store, self.policies, settings.workers, self._get))
+        """The step's whole tickets: one per compute worker and unit (see :mod:`megatrain_ray.engine.step_gradients`)."""
+        norm = Carried if spec.hold_grads else InUpdateOrder if settings.after_norm else AsArrived
+        self.step_norm = norm(self.tickets, self.order, self._clipping)
+        """When each unit is updated, with which clipping factor (:mod:`megatrain_ray.engine.step_gradients`)."""
         self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
-                                           self.order if self.after_norm else self.order[::-1], spec.resident, grad_q)
-        self.sharding: OptimizerShards | None = None
-        """This sink's part of the sharded optimizer (:meth:`join_shards`), or None: it updates every unit."""
+                                           self.order if settings.after_norm else self.order[::-1], spec.resident, grad_q)
+        self.sharding: OptimizerShards = UNSHARDED
+        """This sink's part of the sharded optimizer (:meth:`join_shards`), or UNSHARDED: it updates every unit."""
         self._set_runner(settings.threads)
-        self._sum_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grad-sum") if self.host_sum else None
+        self.release = self._free_slot if grad_slot_q is not None else _keep
+        """Hands a gradient ring slot back to the compute worker once its update has read it."""
+        self._versions = {True: self._whole, False: self._first_pass, None: _elsewhere}
+        """What an update's result completes (:meth:`_update`)."""
         self._second: list[int] = []
         """Units whose update's second pass is still to run (:meth:`_finish`)."""
         for slot in range(spec.grad_slots):  # the gradient ring starts empty: every slot is free
             grad_slot_q.put(slot, timeout=timeout_s)
 
     def _set_runner(self, threads: int) -> None:
-        """The AdamW kernel on ``threads`` threads, and each unit's optimizer over it."""
+        """The AdamW kernel on ``threads`` threads, and each unit's optimizer over it (with a sharded
+        optimizer, wrapped: :class:`~megatrain_ray.engine.shards.ShardedOptimizer`)."""
         self.runner = AdamWRunner(threads)
         self.optimizers = {u: host_optimizer(self.policies[u].optimizer, self.store, self.runner, self.optim,
                                              self.settings.total_steps) for u in self.order}
+        if self.sharding is not UNSHARDED:
+            self.optimizers = {u: ShardedOptimizer(o, self.sharding) for u, o in self.optimizers.items()}
 
     def run(self, start_step: int, end_step: int) -> int:
         """Apply the updates of steps [start_step, end_step); returns the number of steps done.
@@ -127,59 +130,48 @@ class GradientSink:
         """
         for step in range(start_step, end_step):
             self._boundary(step, start_step, end_step)
-            lr = lr_at(self.optim, step, self.settings.total_steps)
-            waiting, held = set(), None
-            for ticket in self._tickets(step):
-                if ticket.skipped:  # a sparse layer's experts without a token: their zero gradient did not cross
-                    zero_skipped(self.store.grad_block(ticket.unit, ticket.slot), self.layout.records[ticket.unit],
-                                 ticket.skipped)
-                held = ticket.step_sq_norm if ticket.step_sq_norm != -1.0 else None  # the step's, with held gradients
-                coef = 1.0 if held is None else self._clipping(step, math.sqrt(held))
-                if ticket.unit not in self.optimizers:
-                    continue  # updated on the device (its ticket carries only its norm), or never
-                if self.after_norm and held is None:
-                    waiting.add(ticket.unit)
-                    continue
-                self._update(ticket.unit, step, coef, ticket.slot)
-            norm = math.sqrt(self.sq_norm if held is None else held)
-            coef = self._clipping(step, norm)
-            for unit in (u for u in self.order if u in waiting):
-                self._update(unit, step, coef)
-            for unit in self.frozen:  # never updated: the next step may stream it
-                self.store.set_version(unit, step + 1)
-            if self.sharding is not None:
-                self.sharding.end_step()
-            self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr,
-                              "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
-                              "spans": self.spans}, timeout=self.timeout_s)
-            self.spans = []  # the second passes below are reported with the next step, as they run beside it
-            self._finish(step)
-        if self.sharding is not None:  # the export and any checkpoint after the run need every state
-            self.sharding.gather_states(end_step, len(self.layout.units))
+            for ticket, coef in self.step_norm.updates(step):  # the tickets -> the norm -> the clipping factor
+                self._update(ticket, step, coef)
+            self._end_step(step, self.step_norm.value)
+        self.sharding.gather_states(end_step, len(self.layout.units))  # what the export and a checkpoint need
         self._boundary(end_step, start_step, end_step)
         self.checkpoints.report(wait=True)
         return end_step - start_step
 
-    def _tickets(self, step: int):
-        """The ticket of each unit of ``step`` once its gradient is whole: every worker's ticket for it
-        is in (and, with ``host_sum``, their copies summed). Meanwhile ``sq_norm`` sums the step's
-        squared norms, ticket by ticket in the order they came (a host sum's once it is done)."""
-        self.sq_norm = 0.0
-        pending = dict.fromkeys((u for u, p in enumerate(self.policies) if p.gradient != NONE), self.tickets_per_unit)
-        while pending:
-            ticket = self._get()
-            if ticket.step != step or ticket.unit not in pending:
-                raise PipelineError(f"unexpected gradient of {self.layout.units[ticket.unit]} for step "
-                                    f"{ticket.step} while collecting step {step}.")
-            if not self.host_sum:
-                self.sq_norm += ticket.sq_norm
-            pending[ticket.unit] -= 1
-            if pending[ticket.unit]:
-                continue  # other workers' shards of this unit are still on their way
-            del pending[ticket.unit]
-            if self.host_sum and ticket.unit in self.optimizers:
-                self.sq_norm += self._sum_copies(ticket.unit)
-            yield ticket
+    def _update(self, ticket: GradTicket, step: int, coef: float) -> None:
+        """Apply step ``step``'s update to the ticket's unit (clipped by ``coef``; its gradient in the
+        ticket's ring slot, or -1: its grad block) by its optimizer, set the versions it completes,
+        and hand the ring slot back."""
+        unit = ticket.unit
+        self.doing = (step, unit)
+        self.checkpoints.before_update(unit)  # the checkpoint being written has this unit's bytes
+        start = time.time()
+        done = self.optimizers[unit].update(unit, self.store.grad_block(unit, ticket.slot), coef, step)
+        self._versions[done](unit, step, start)
+        self.release(ticket.slot)
+
+    def _whole(self, unit: int, step: int, start: float) -> None:
+        """The update is whole: the unit is current for the next step."""
+        self.store.set_version(unit, step + 1)
+        self._note(self.layout.units[unit], start, time.time())
+
+    def _first_pass(self, unit: int, step: int, start: float) -> None:
+        """Its stream copy and moments are: the master weights follow in the second pass (:meth:`_finish`)."""
+        self.store.set_stream_version(unit, step + 1)
+        self._second.append(unit)
+        self._note(self.layout.units[unit], start, time.time())
+
+    def _end_step(self, step: int, norm: float) -> None:
+        """After step ``step``'s updates: the frozen units made current, the shards' exchange awaited,
+        the step's stats out, then the second passes."""
+        for unit in self.frozen:  # never updated: the next step may stream it
+            self.store.set_version(unit, step + 1)
+        self.sharding.end_step()
+        self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr_at(self.optim, step, self.settings.total_steps),
+                          "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
+                          "spans": self.spans}, timeout=self.timeout_s)
+        self.spans = []  # the second passes below are reported with the next step, as they run beside it
+        self._finish(step)
 
     def _clipping(self, step: int, norm: float) -> float:
         """Step ``step``'s clipping factor (:func:`step_clipping`); where the norm is not finite, the save
@@ -201,15 +193,14 @@ class GradientSink:
     def join_shards(self, node: int, nodes: int, address: str, port: int) -> int:
         """Join the other nodes' sinks as a sharded optimizer (all call this at once); returns node."""
         self.sharding = OptimizerShards(self.store, node, nodes, address, port, self.timeout_s)
+        self.optimizers = {u: ShardedOptimizer(o, self.sharding) for u, o in self.optimizers.items()}
         return node
 
     def close(self) -> None:
         """Stop the AdamW thread pool (an actor's process ends with it anyway)."""
         self.runner.close()
-        if self._sum_pool is not None:
-            self._sum_pool.shutdown()
-        if self.sharding is not None:
-            self.sharding.close()
+        self.tickets.close()
+        self.sharding.close()
 
     def pin_cpus(self, cpus: list[int], threads: int) -> int:
         """Run every thread of the sink on ``cpus`` from now on, AdamW on ``threads`` of them (see
@@ -219,13 +210,9 @@ class GradientSink:
             self._set_runner(threads)
         return affinity.pin_process(cpus)
 
-    def _sum_copies(self, unit: int) -> float:
-        """Sum the workers' host copies of ``unit``'s gradient into its grad block; its squared norm."""
-        start = time.time()
-        copies = [self.store.grad_block(unit, -1, k) for k in range(self.tickets_per_unit)]
-        sq_norm = sum_copies(copies, self._sum_pool, self.threads)
-        self.spans.append(("adamw", f"sum {self.layout.units[unit]}", start, time.time(), 0))
-        return sq_norm
+    def _note(self, what: str, start: float, end: float) -> None:
+        """An AdamW span of this step (a unit's update, or a host sum)."""
+        self.spans.append(("adamw", what, start, end, 0))
 
     def _boundary(self, step: int, start_step: int, end_step: int) -> None:
         """The boundary after ``step`` updates: report a save that has completed; start the
@@ -234,8 +221,7 @@ class GradientSink:
         self.checkpoints.report()
         if self.checkpoints.due(step, start_step, end_step):
             self.checkpoints.report(wait=True)
-            if self.sharding is not None:
-                self.sharding.gather_states(step, len(self.layout.units))
+            self.sharding.gather_states(step, len(self.layout.units))
             self.checkpoints.start(step)
 
     def _get(self) -> GradTicket:
@@ -245,24 +231,9 @@ class GradientSink:
             raise PipelineError(f"the gradient sink waited {self.timeout_s:.0f} s for a gradient while no message "
                                 f"moved between the roles; {NO_PROGRESS}") from None
 
-    def _update(self, unit: int, step: int, coef: float, slot: int = -1) -> None:
-        """Apply step ``step``'s update to ``unit`` (clipped by ``coef``; its gradient in ring slot
-        ``slot``, or -1: its grad block) by its optimizer and bump the versions it completes; with a
-        sharded optimizer, only where this node owns it, then exchanged (:mod:`megatrain_ray.engine.shards`)."""
-        self.doing = (step, unit)
-        self.checkpoints.before_update(unit)  # the checkpoint being written has this unit's bytes
-        if self.sharding is None or self.sharding.owns(unit):
-            start = time.time()
-            if self.optimizers[unit].update(unit, self.store.grad_block(unit, slot), coef, step):
-                self.store.set_version(unit, step + 1)
-            else:  # its stream copy and moments: the master weights follow in the second pass
-                self.store.set_stream_version(unit, step + 1)
-                self._second.append(unit)
-            self.spans.append(("adamw", self.layout.units[unit], start, time.time(), 0))
-        if self.sharding is not None:
-            self.sharding.share(unit, step + 1)
-        if slot >= 0:
-            self.grad_slot_q.put(slot, timeout=self.timeout_s)
+    def _free_slot(self, slot: int) -> None:
+        """Ring slot ``slot`` back to the compute worker."""
+        self.grad_slot_q.put(slot, timeout=self.timeout_s)
 
     def _finish(self, step: int) -> None:
         """The second passes of step ``step``'s split updates, in update order, while the next step runs."""
@@ -273,4 +244,12 @@ class GradientSink:
             start = time.time()
             self.optimizers[unit].finish(unit, step)
             self.store.set_state_version(unit, step + 1)
-            self.spans.append(("adamw", self.layout.units[unit] + " master", start, time.time(), 0))
+            self._note(self.layout.units[unit] + " master", start, time.time())
+
+
+def _keep(slot: int) -> None:
+    """No gradient ring: a grad block is the unit's own, nothing to hand back."""
+
+
+def _elsewhere(unit: int, step: int, start: float) -> None:
+    """Another node's unit (a sharded optimizer): its weights, once received, set its version."""

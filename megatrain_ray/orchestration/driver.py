@@ -21,7 +21,6 @@ from typing import Any
 
 import ray
 
-from ..config import TrainConfig
 from ..data.datasets import run_tokenizer
 from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
 from ..engine.resident import checkpoint_due, sync_due
@@ -33,6 +32,7 @@ from .calls import get as _get
 from .labels import step_task
 from .metrics import RunMetrics
 from .step_notes import StepNotes
+from .resolve import ResolvedRun
 from .roles import Roles
 
 
@@ -93,17 +93,18 @@ class Driver:
 
     WINDOW = 2
 
-    def __init__(self, cfg: TrainConfig, roles: Roles, loops: dict, checkpoints: checkpoint.CheckpointSettings | None,
+    def __init__(self, run: ResolvedRun, roles: Roles, loops: dict, checkpoints: checkpoint.CheckpointSettings | None,
                  result: RunResult, metrics_file, gauges: RunMetrics, log, eval_ref=None, health=None):
-        self.cfg, self.roles, self.loops, self.checkpoints = cfg, roles, loops, checkpoints
+        """run: the resolved run whose roles ``roles`` are (its config and call timeout)."""
+        self.cfg, self.roles, self.loops, self.checkpoints = run.config, roles, loops, checkpoints
         self.head = roles.head
         self.eval_ref = eval_ref
         self.health = health
         """A :class:`~megatrain_ray.orchestration.health.Health` checked while a step is awaited, or None."""
         """The validation batch (an object ref) that rides along every train.eval_every-th step, or None."""
         self.result, self.metrics_file, self.gauges, self.log = result, metrics_file, gauges, log
-        self.steps = cfg.train.steps
-        self.timeout = cfg.cluster.actor_timeout_s
+        self.steps = run.config.train.steps
+        self.timeout = run.call_timeout_s
         self.submitted: dict[int, Any] = {}
         """step -> refs of its run_step calls (one per compute worker), until their results are in."""
         self.outputs: dict[int, dict] = {}

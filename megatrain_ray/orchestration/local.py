@@ -55,11 +55,11 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
             rows.append(compute.run_step(step, source.batch(step), eval_batch if cfg.train.eval_due(step) else None,
                                          sync=sync_due(None, step, 0, steps)))  # the end: the resident units' copy
         for row in rows:
-            stats = roles.stats_q.get(timeout=cfg.cluster.actor_timeout_s)
+            stats = roles.stats_q.get(timeout=run.call_timeout_s)
             row["spans"] = row["spans"] + stats.pop("spans")
             row.update(stats)
         for t in threads:
-            t.join(timeout=cfg.cluster.actor_timeout_s)
+            t.join(timeout=run.call_timeout_s)
         if errors:
             raise errors[0]
         return rows

@@ -354,12 +354,12 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     calls.mark_oom_kills()
     nodes = cfg.parallel.nodes
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
-    timeout, start_s = cfg.cluster.actor_timeout_s, cfg.cluster.start_timeout_s
+    timeout, start_s = run.call_timeout_s, cfg.cluster.start_timeout_s
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: calls.get_started(ref, role, start_s))
     roles = spawn_roles(run, specs, spawner, resume, checkpoints, loader)
-    spawner.form_group(roles.computes)
+    spawner.form_group(roles.computes, run.call_timeout_s)
     spawner.form_shards([n.sink for n in roles.nodes])
-    place_cpus(cfg, roles, device, spawner.get, log)
+    place_cpus(run, roles, spawner.get, log)
     log(placement_line(roles.activations, device, cfg.memory.activations))
     log(roles.pace.line())
     steps, n_data = cfg.train.steps, cfg.data.num_workers
@@ -387,4 +387,4 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
         result = RunResult(run_id=run_id, run_dir=run_dir, final_dir=os.path.join(run_dir, "final"), start_step=start)
     gauges = RunMetrics(run_id, cfg.model, cfg.train.seq_len, spec.nbytes(), active.trackers, cfg.lora)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:  # a restart appends (after _rewind)
-        return Driver(cfg, roles, loops, checkpoints, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)
+        return Driver(run, roles, loops, checkpoints, result, metrics, gauges, log, eval_ref, health).run(batch_ref, start)

@@ -26,7 +26,7 @@ import torch
 
 from ..config import TrainConfig, describe_resident, usable_cpus
 from ..errors import PreflightError
-from ..engine.policy import ALL, ROUTED, UnitPolicy, host_optimizer, policies_of_run
+from ..engine.policy import ALL, FROZEN, HOST_OPTIMIZERS, ROUTED, UnitPolicy, host_optimizer, policies_of_run
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store import StoreSpec, resident_units
@@ -95,6 +95,9 @@ class ResolvedRun:
     wait_s: float
     """How long a role waits for its next message before the run counts it stalled (from the
     expected step time and cluster.actor_timeout_s, :func:`~megatrain_ray.orchestration.pace.role_wait_s`)."""
+    call_timeout_s: float
+    """How long the driver waits for a call to a role to return, and the compute workers' data-parallel
+    group for its collectives (cluster.actor_timeout_s)."""
 
     @property
     def pace(self) -> Pace:
@@ -150,6 +153,8 @@ class ResolvedRun:
             f"compile {'on' if c.compile else 'off'}, attention {c.attention_backend}"
             + (f", {c.threads} CPU threads" if c.threads else ""),
             f"  host optimizer: AdamW on {k.threads} CPU thread{'s' if k.threads > 1 else ''}"
+            + (" (one per CPU left to it where experimental.cpu_affinity pins it beside a GPU)"
+               if k.threads_per_pinned_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
             + (f", sharded across {cfg.parallel.nodes} nodes" if cfg.parallel.sharded_optimizer else ""),
         ]
         return "\n".join(lines)
@@ -207,11 +212,14 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         compile_threads=cfg.compute.compile_threads, attention_backend=cfg.compute.attention_backend,
         activations=activations,
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
-        total_steps=cfg.train.steps, policies=policies, seed=cfg.train.seed)
-    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
-                        threads=cfg.parallel.adamw_threads(), workers=cfg.parallel.compute_workers, host_sum=cfg.experimental.grad_reduce == "host",
-                        sharded=cfg.parallel.sharded_optimizer, policies=policies)
-    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink, memory, wait)
+        total_steps=cfg.train.steps, policies=policies, update_order=schedule.update, seed=cfg.train.seed)
+    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait, threads=cfg.parallel.adamw_threads(),
+                        threads_per_pinned_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
+                        host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
+                        updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
+                        frozen=tuple(u for u in schedule.update if policies[u] == FROZEN))
+    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink, memory,
+                       wait, cfg.cluster.actor_timeout_s)
 
 
 def _fits_an_idle_machine(result: preflight.Plan, cfg: TrainConfig) -> bool:

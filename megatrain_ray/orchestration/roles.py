@@ -150,12 +150,14 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
     return Roles(nodes, loaders, run.compute.activations, run.pace)
 
 
-def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) -> list[str]:
+def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
     """Pin each node's compute workers to CPUs near their GPUs and its sink's AdamW to the rest
-    (experimental.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start;
+    (experimental.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start,
+    AdamW on the threads ``run`` resolved for it (:meth:`~megatrain_ray.engine.settings.SinkSettings.pinned_threads`);
     returns the lines logged, one per node (or one saying why nothing was pinned)."""
     from ..engine.affinity import format_cpulist, plan_cpus
 
+    cfg, device = run.config, run.device
     if not cfg.experimental.cpu_affinity or device != "cuda":
         why = "experimental.cpu_affinity is false" if not cfg.experimental.cpu_affinity else "no GPU to be near on the cpu device"
         lines = [f"cpu placement: none ({why}); threads run where the OS puts them"]
@@ -171,7 +173,7 @@ def place_cpus(cfg: TrainConfig, roles: Roles, device: str, get: Callable, log) 
                 continue
             get([c.pin_cpus.remote(cpus) for c, cpus in zip(node.computes, picks) if cpus], "compute")
             if rest:
-                get(node.sink.pin_cpus.remote(rest, cfg.parallel.optimizer_threads or len(rest)), "grad-sink")
+                get(node.sink.pin_cpus.remote(rest, run.sink.pinned_threads(len(rest))), "grad-sink")
             workers = ", ".join(
                 f"compute-{w} (GPU {t['pci']}, NUMA node {t['numa_node'] if t['numa_node'] is not None else '?'}) "
                 f"on CPUs {format_cpulist(cpus) if cpus else 'any (unknown topology)'}"
@@ -310,14 +312,15 @@ class RaySpawner:
     def ready(self, handle, role: str) -> None:
         self.get(handle.ready.remote(), role)
 
-    def form_group(self, computes: list) -> None:
-        """Make the compute workers one data-parallel group (nothing to do for one worker)."""
+    def form_group(self, computes: list, timeout_s: float) -> None:
+        """Make the compute workers one data-parallel group (nothing to do for one worker), whose
+        collectives wait ``timeout_s`` (the run's :attr:`~megatrain_ray.orchestration.resolve.ResolvedRun.call_timeout_s`)."""
         if len(computes) < 2:
             return
         address, port = self.get(computes[0].rendezvous.remote(), "compute")
-        self.get([c.join_group.remote(rank, len(computes), rank % self.cfg.parallel.compute_workers, self.cfg.parallel.compute_workers, address,
-                                      port, self.cfg.cluster.actor_timeout_s, self.cfg.experimental.grad_reduce) for rank, c in enumerate(computes)],
-                 "compute")
+        workers = self.cfg.parallel.compute_workers
+        self.get([c.join_group.remote(rank, len(computes), rank % workers, workers, address, port, timeout_s,
+                                      self.cfg.experimental.grad_reduce) for rank, c in enumerate(computes)], "compute")
 
     def form_shards(self, sinks: list) -> None:
         """Make the nodes' sinks one sharded optimizer (parallel.optimizer_sharding=sharded, several nodes)."""
