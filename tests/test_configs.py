@@ -30,7 +30,7 @@ from megatrain_ray.orchestration.pipeline import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
-NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "lora-sft", "qwen2.5-7b", "long-context",
+NAMES = ["tiny", "tiny-moe", "text-pretrain", "alpaca-sft", "lora-sft", "gpt-oss-lora", "qwen2.5-7b", "long-context",
          "long-context-512k"]
 BIG = {"qwen2.5-7b", "long-context", "long-context-512k"}
 H200 = ["--device", "cuda", "--gpu-memory", "141", "--host-memory", "120"]  # a 128 GiB box has ~120 available
@@ -271,6 +271,28 @@ def test_lora_sft_trains_adapters_that_peft_loads(tmp_path, ray_cluster, shm_dir
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(tuned(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # a Ray run from an MXFP4 checkpoint
+def test_gpt_oss_lora_trains_over_its_mxfp4_base_and_peft_loads_the_adapter(tmp_path, ray_cluster, shm_dir):
+    """configs/gpt-oss-lora.yaml as written, made short: the stand-in gpt-oss's experts are held as its
+    checkpoint's MXFP4 bytes; the adapter loads with peft on transformers' own load of that checkpoint
+    (its experts dequantized) and gives the logits of final/, the adapters merged into that base."""
+    peft = pytest.importorskip("peft")
+    cfg = load_config(_path("gpt-oss-lora"), [
+        *COMMON, "train.steps=2", "train.eval_every=2",
+        "train.seq_len=40", "train.micro_batch_size=2", "train.num_micro_batches=2", "data.num_workers=1",
+        f"train.run_dir={tmp_path / 'runs'}", f"memory.shm_dir={shm_dir}"])
+    assert cfg.model.model_type == "gpt_oss" and cfg.lora.base_format == "mxfp4"
+    assert cfg.lora.target_experts == ("gate_up_proj", "down_proj")
+    result, _ = _train_small(cfg, tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        cfg.train.init_from, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    tuned = peft.PeftModel.from_pretrained(base, os.path.join(result.run_dir, "adapter"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(result.final_dir, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():  # final/ is bf16: the merged weights rounded once
+        torch.testing.assert_close(tuned(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=2e-2, atol=2e-2)
 
 
 def _readme_sample() -> str:
