@@ -38,26 +38,14 @@ case " $parts " in *" plan "*)
     cp "$out/log_plan-$1.txt" "$out/plan-$1.txt"; grep "LoRA\|frozen base" "$out/plan-$1.txt"
   done ;;
 esac
-case " $parts " in *" 120b-65k "*)
-  bench gpt-oss-120b-mxfp4-65536 "$(left 600)" --preset gpt-oss-120b --tokens 65536 "${steps[@]}" "${LORA[@]}" \
-    --set lora.base_format=mxfp4 ;;
-esac
-case " $parts " in *" 120b-262k "*)
-  bench gpt-oss-120b-mxfp4-262144 "$(left 600)" --preset gpt-oss-120b --tokens 262144 "${steps[@]}" "${LORA[@]}" \
-    --set lora.base_format=mxfp4 ;;
-esac
-case " $parts " in *" air-65k "*)
-  bench glm-4.5-air-nf4-65536 "$(left 600)" --preset glm-4.5-air --tokens 65536 "${steps[@]}" "${LORA[@]}" \
-    --set lora.base_format=nf4 ;;
-esac
-case " $parts " in *" air-262k "*)
-  bench glm-4.5-air-nf4-262144 "$(left 600)" --preset glm-4.5-air --tokens 262144 "${steps[@]}" "${LORA[@]}" \
-    --set lora.base_format=nf4 ;;
-esac
-case " $parts " in *" 20b "*)
-  bench gpt-oss-20b-mxfp4-65536 "$(left 600)" --preset gpt-oss-20b --tokens 65536 "${steps[@]}" "${LORA[@]}" \
-    --set lora.base_format=mxfp4 ;;
-esac
+for row in "120b-65k gpt-oss-120b mxfp4 65536" "120b-262k gpt-oss-120b mxfp4 262144" \
+           "air-65k glm-4.5-air nf4 65536" "air-262k glm-4.5-air nf4 262144" "20b gpt-oss-20b mxfp4 65536"; do
+  read -r part preset base tokens <<< "$row"
+  case " $parts " in *" $part "*)
+    bench "$preset-$base-$tokens" "$(left 600)" --preset "$preset" --tokens "$tokens" "${steps[@]}" "${LORA[@]}" \
+      --set lora.base_format="$base" ;;
+  esac
+done
 case " $parts " in *" resident "*)  # transformers + peft resident, experts bf16: all 24 layers, or the most that fit
   run resident-lora-20b "$(left 600)" python3 benchmarks/lora_resident.py --preset gpt-oss-20b --layers 24 --rank 16 \
     --targets q_proj,k_proj,v_proj,o_proj --tokens 65536 --seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}" \

@@ -98,37 +98,45 @@ def test_gpu_dequantization_time_of_one_layer(preset, fmt):
     assert ms < 200
 
 
-def test_lora_over_an_nf4_base_trains_on_cuda(ray_cluster, shm_dir, tmp_path):
-    """A tiny Llama (hidden 256) trained with LoRA over an nf4 base on the GPU: the loss falls as the same run's
-    over the bf16 base does (and near it), and each layer crosses the link as its nf4 bytes."""
-    from artifacts import make_model
-
+def _lora_over_bf16_and(quantized: str, model, tmp_path, shm_dir, *extra: str):
+    """``model`` (transformers') trained with LoRA on cuda over the bf16 base and over a ``quantized`` one
+    (lora.base_format), 12 steps each: the loss falls in both (~1.0 on the CPU in fp32) and ends near
+    the bf16 base's. Returns ({format: layers.0's bytes over the link}, the run's config)."""
     from megatrain_ray.io.hf_io import load_train_config
     from megatrain_ray.orchestration.pipeline import train
 
-    make_model("llama2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-               num_key_value_heads=4).save_pretrained(tmp_path / "init", safe_serialization=True)
+    model.save_pretrained(tmp_path / "init", safe_serialization=True)
     rng = np.random.default_rng(1)
     tokens = np.where(rng.random(20000) < 0.1, rng.integers(0, 96, size=20000), (np.arange(20000) * 7) % 96)
     np.save(tmp_path / "tokens.npy", tokens)
     losses, h2d = {}, {}
-    for fmt in ("compute", "nf4"):
+    for fmt in ("compute", quantized):
         cfg = load_train_config(None, [
             f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
             f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / fmt}", "compute.device=cuda",
             "train.steps=12", "train.seq_len=64", "train.micro_batch_size=4", "train.num_micro_batches=2",
             "train.checkpoint_every=0", "optim.lr=1e-2", "optim.warmup_steps=2",
-            "lora.rank=8", "lora.alpha=16", f"lora.base_format={fmt}",
+            "lora.rank=8", "lora.alpha=16", *extra, f"lora.base_format={fmt}",
         ])
         result = train(cfg, log=lambda line: None)
         losses[fmt] = result.losses
         h2d[fmt] = max(n for lane, label, _, _, n in result.timeline if lane == "h2d" and label == "layers.0")
-    print("losses, bf16 base:", " ".join(f"{x:.3f}" for x in losses["compute"]))
-    print("losses, nf4 base: ", " ".join(f"{x:.3f}" for x in losses["nf4"]))
-    print(f"layers.0 over the link: bf16 {h2d['compute']} bytes, nf4 {h2d['nf4']} bytes")
     for fmt, ls in losses.items():
-        assert all(np.isfinite(ls)) and ls[-1] < ls[0] - 0.3, fmt  # ~1.0 on the CPU in fp32
-    assert abs(losses["nf4"][-1] - losses["compute"][-1]) < 0.1 * losses["compute"][0]
+        print(f"losses, {fmt} base:", " ".join(f"{x:.3f}" for x in ls))
+    print(f"layers.0 over the link: bf16 {h2d['compute']} bytes, {quantized} {h2d[quantized]} bytes")
+    for fmt, ls in losses.items():
+        assert all(np.isfinite(ls)) and ls[-1] < ls[0] - 0.3, fmt
+    assert abs(losses[quantized][-1] - losses["compute"][-1]) < 0.1 * losses["compute"][0]
+    return h2d, cfg
+
+
+def test_lora_over_an_nf4_base_trains_on_cuda(ray_cluster, shm_dir, tmp_path):
+    """A tiny Llama (hidden 256) trained with LoRA over an nf4 base on the GPU: the loss falls as the same run's
+    over the bf16 base does (and near it), and each layer crosses the link as its nf4 bytes."""
+    from artifacts import make_model
+
+    model = make_model("llama2", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    h2d, _ = _lora_over_bf16_and("nf4", model, tmp_path, shm_dir)
     assert h2d["nf4"] < 0.3 * h2d["compute"]
 
 
@@ -138,33 +146,9 @@ def test_lora_over_an_mxfp4_base_trains_on_cuda(ray_cluster, shm_dir, tmp_path):
     and each sparse layer crosses the link as its bytes with the experts in MXFP4."""
     from artifacts import make_model
 
-    from megatrain_ray.io.hf_io import load_train_config
-    from megatrain_ray.model.layout import StoreLayout
-    from megatrain_ray.orchestration.pipeline import train
-
-    make_model("qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8, num_attention_heads=4,
-               num_key_value_heads=4, head_dim=64, mlp_only_layers=[]).save_pretrained(tmp_path / "init")
-    rng = np.random.default_rng(1)
-    tokens = np.where(rng.random(20000) < 0.1, rng.integers(0, 96, size=20000), (np.arange(20000) * 7) % 96)
-    np.save(tmp_path / "tokens.npy", tokens)
-    losses, h2d = {}, {}
-    for fmt in ("compute", "mxfp4"):
-        cfg = load_train_config(None, [
-            f"train.init_from={tmp_path / 'init'}", f"data.path={tmp_path / 'tokens.npy'}",
-            f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path / fmt}", "compute.device=cuda",
-            "train.steps=12", "train.seq_len=64", "train.micro_batch_size=4", "train.num_micro_batches=2",
-            "train.checkpoint_every=0", "optim.lr=1e-2", "optim.warmup_steps=2",
-            "lora.rank=8", "lora.alpha=16", "lora.target_modules=q_proj,k_proj,v_proj,o_proj", f"lora.base_format={fmt}",
-        ])
-        result = train(cfg, log=lambda line: None)
-        losses[fmt] = result.losses
-        h2d[fmt] = max(n for lane, label, _, _, n in result.timeline if lane == "h2d" and label == "layers.0")
-    print("losses, bf16 base: ", " ".join(f"{x:.3f}" for x in losses["compute"]))
-    print("losses, mxfp4 base:", " ".join(f"{x:.3f}" for x in losses["mxfp4"]))
-    print(f"layers.0 over the link: bf16 {h2d['compute']} bytes, mxfp4 {h2d['mxfp4']} bytes")
-    for fmt, ls in losses.items():
-        assert all(np.isfinite(ls)) and ls[-1] < ls[0] - 0.3, fmt
-    assert abs(losses["mxfp4"][-1] - losses["compute"][-1]) < 0.1 * losses["compute"][0]
+    model = make_model("qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8, num_attention_heads=4,
+                       num_key_value_heads=4, head_dim=64, mlp_only_layers=[])
+    h2d, cfg = _lora_over_bf16_and("mxfp4", model, tmp_path, shm_dir, "lora.target_modules=q_proj,k_proj,v_proj,o_proj")
     layer = StoreLayout.build(cfg.model).templates[1]
     experts = sum(np.prod(s) for n, s, _ in layer.params if ".experts." in n)
     assert h2d["mxfp4"] < h2d["compute"] - 0.99 * experts * (2 - 4.25 / 8)  # the experts at 4.25 bits, not 16 (padding aside)

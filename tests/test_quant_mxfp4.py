@@ -27,13 +27,14 @@ torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 
 from artifacts import import_store, make_model  # noqa: E402
+from test_quant_store import _base, _config, routed_fetch  # noqa: E402
 from megatrain_ray.config.model import ModelConfig  # noqa: E402
-from megatrain_ray.engine.quantized import DeviceDequant, QuantizedBase, runs  # noqa: E402
+from megatrain_ray.engine.quantized import DeviceDequant, runs  # noqa: E402
 from megatrain_ray.model import mxfp4 as M  # noqa: E402
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.model.moe import EXPERT, part_of  # noqa: E402
 from megatrain_ray.model.quant import quantize_nf4  # noqa: E402
-from megatrain_ray.model.quant_layout import MXFP4, RAW, QuantLayout, bytes_per_param  # noqa: E402
+from megatrain_ray.model.quant_layout import MXFP4, RAW, bytes_per_param  # noqa: E402
 
 
 def torchao_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,25 +123,11 @@ def test_dequantize_is_transformers_bit_for_bit_for_every_scale(dtype, bits, mon
     assert torch.equal(out.view(bits), theirs.view(2, -1).view(bits))
 
 
-def _config(arch: str, **kw) -> ModelConfig:
-    return ModelConfig.from_hf_dict(make_model(arch, **kw).config.to_dict())
-
-
-def _base(cfg: ModelConfig, dtype: torch.dtype) -> QuantizedBase:
-    layout = QuantLayout.build(cfg, MXFP4, dtype)
-    base = QuantizedBase(cfg, MXFP4, dtype, torch.zeros(layout.total, dtype=torch.uint8))
-    g = torch.Generator().manual_seed(0)
-    for i, t in enumerate(base.templates):
-        for name, shape, _ in t.params:
-            base.write(i, name, torch.randn(shape, generator=g) * 0.05)
-    return base
-
-
 @pytest.mark.parametrize("arch,kw", [("qwen3_moe", {}), ("qwen2_moe", {}), ("mixtral", dict(intermediate_size=64)),
                                      ("glm4_moe", {}), ("gpt_oss", {})])
 def test_the_routed_experts_alone_are_mxfp4_and_a_routed_fetch_moves_their_bytes(arch, kw):
     cfg = _config(arch, **kw)
-    base, layout = _base(cfg, torch.bfloat16), StoreLayout.build(cfg)
+    base, layout = _base(cfg, MXFP4, torch.bfloat16), StoreLayout.build(cfg)
     slots = [torch.zeros(base.layout.largest(range(len(layout.units))), dtype=torch.uint8) for _ in range(2)]
     dq = DeviceDequant(base.layout, layout.templates, slots, torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -169,13 +156,7 @@ def test_the_routed_experts_alone_are_mxfp4_and_a_routed_fetch_moves_their_bytes
         slots[0][:host.numel()].copy_(host)
         whole = layout.templates[i].bind(dq.weights(0, i, None).clone())
         assert all(torch.equal(whole[n], params[n]) for n in params)
-        routed = [unit.parts[0], *unit.experts[1::2]]  # attention and every second expert
-        ranges = unit.ranges(routed)
-        host, copies = base.fetch(i, ranges)
-        slots[1].fill_(0xFF)
-        dq.weight_slots[1].fill_(7.0)
-        for a, b in copies:
-            slots[1][a:b].copy_(host[a:b])
+        _, ranges, copies = routed_fetch(base, dq, slots, unit, i)  # attention and every second expert
         left = [r for r in q.records if r not in q.covered(ranges)]
         assert left and sum(b - a for a, b in copies) <= q.nbytes - sum(r.end - r.start for r in left)
         got = layout.templates[i].bind(dq.weights(1, i, ranges))

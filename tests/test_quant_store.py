@@ -17,8 +17,8 @@ from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.quant_layout import NF4, RAW, QuantLayout, bytes_per_param, quantized
 
 
-def _config(arch: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(make_model(arch).config.to_dict())
+def _config(arch: str, **kw) -> ModelConfig:
+    return ModelConfig.from_hf_dict(make_model(arch, **kw).config.to_dict())
 
 
 def _base(cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> QuantizedBase:
@@ -30,6 +30,20 @@ def _base(cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> QuantizedBase:
         for name, shape, _ in t.params:
             base.write(i, name, torch.randn(shape, generator=g) * 0.05)
     return base
+
+
+def routed_fetch(base, dq, slots, unit, i: int):
+    """A routed fetch of sparse unit ``i`` (its attention and every second expert) into byte slot 1, whose
+    bytes and weights were set to other values first: (the parts fetched, their element ranges, the
+    byte ranges copied)."""
+    routed = [unit.parts[0], *unit.experts[1::2]]
+    ranges = unit.ranges(routed)
+    host, copies = base.fetch(i, ranges)
+    slots[1].fill_(0xFF)
+    dq.weight_slots[1].fill_(7.0)
+    for a, b in copies:
+        slots[1][a:b].copy_(host[a:b])
+    return routed, ranges, copies
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3"])
@@ -59,13 +73,7 @@ def test_routed_fetches_of_a_quantized_sparse_layer(arch, fmt, dtype):
             assert (r.fmt != RAW) == quantized(unit.name, r.name, r.shape)
         if not unit.parts:
             continue
-        routed = [unit.parts[0], *unit.experts[1::2]]  # attention and every second expert
-        ranges = unit.ranges(routed)
-        host, copies = base.fetch(i, ranges)
-        slots[1].fill_(0xFF)
-        dq.weight_slots[1].fill_(7.0)
-        for a, b in copies:
-            slots[1][a:b].copy_(host[a:b])
+        routed, ranges, copies = routed_fetch(base, dq, slots, unit, i)  # attention and every second expert
         assert sum(b - a for a, b in copies) < q.nbytes * 0.8
         got = layout.templates[i].bind(dq.weights(1, i, ranges))
         inside = {n for p in routed for n, _, o in layout.templates[i].params if any(a <= o < b for a, b in p.ranges)}
