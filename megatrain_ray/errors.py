@@ -6,6 +6,8 @@ that family: the user stopped the run (it is a ``KeyboardInterrupt``), which is 
 nor a bug.
 """
 
+import traceback
+
 
 class MegatrainError(Exception):
     """Base class of errors caused by the user's input or environment, not by a bug."""
@@ -61,3 +63,15 @@ class CorruptFile(ValueError):
     """A file is not what was written: the message is the reason (callers name the file and what to
     do). Internal to io's checks, which turn it into a CheckpointError or DataError sentence."""
 
+
+def thread_failed(e: BaseException, thread: str, doing: str = "") -> MegatrainError:
+    """The error a role's helper ``thread`` (named as the sentence says it) ended with: its own sentence
+    where it is a :class:`MegatrainError` (a dead queue host's ActorDied), else one naming the thread,
+    what it was ``doing`` and the error's first line (a CUDA error runs on with advice over several),
+    with the thread's traceback as the error's ``detail`` (the run's log file keeps it)."""
+    if isinstance(e, MegatrainError):
+        return type(e)(str(e))
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    error = PipelineError(f"{thread} failed{f' {doing}' if doing else ''}: {first or type(e).__name__}")
+    error.detail = "".join(traceback.format_exception(e))
+    return error

@@ -22,7 +22,8 @@ from .engine.adapters import DeviceAdapters
 from .engine.store import ParameterStore, StoreSpec
 from .errors import ConfigError
 from .io import checkpoint, run_lock
-from .io.hf_io import DTYPES, is_weights_dir
+from .io.hf_io import DTYPES
+from .io.locate import is_weights_dir
 from .io.resume import resume_config
 from .model.precision import resolve_precision
 

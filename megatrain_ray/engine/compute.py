@@ -47,12 +47,11 @@ import collections
 import queue
 import threading
 import time
-import traceback
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError, MegatrainError, PipelineError
+from ..errors import ConfigError, MegatrainError, PipelineError, thread_failed
 from ..model.layout import DECODER_LAYER, Unit
 from ..model.transformer import embed
 from .activations import KEEP, ActivationStore
@@ -70,7 +69,7 @@ from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (C
 from .routing import StepRouting
 from .settings import ComputeSettings
 from .store import HostStore, StoreSpec, largest_streamed
-from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
+from .tickets import NO_PROGRESS, FetchTicket, drain, wait_while_moving
 from .worker_group import GroupMember
 
 
@@ -143,7 +142,7 @@ class ComputeWorker(GroupMember):
         self.doing: dict[str, str] = {}
         """Helper thread -> what it does now (a unit's copy to the device, a slot handed back)."""
         loops = ((self._load_loop, "loader"), (self._release_loop, "releaser"),
-                 (lambda: self.grads_out.run(self._drain), "grad-sender"))
+                 (lambda: self.grads_out.run(self._stop), "grad-sender"))
         self._threads = [threading.Thread(target=self._guard, args=(f, n), daemon=True, name=n) for f, n in loops]
         for t in self._threads:
             t.start()
@@ -160,19 +159,8 @@ class ComputeWorker(GroupMember):
             self._arrived.put(None)
 
     def _thread_error(self) -> MegatrainError:
-        """The error a helper thread ended with: its own sentence (a dead queue host's ActorDied), or
-        one naming the thread, what it was doing and the error's first line (a CUDA error runs on
-        with advice over several), with the thread's traceback as the error's ``detail`` (the run's
-        log file keeps it: :func:`~megatrain_ray.orchestration.calls.actor_error`)."""
-        e = self._error
-        if isinstance(e, MegatrainError):
-            return type(e)(str(e))
-        name, doing = self._failed
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        error = PipelineError(f"the compute worker's {name} thread failed{f' {doing}' if doing else ''}: "
-                              f"{first or type(e).__name__}")
-        error.detail = "".join(traceback.format_exception(e))
-        return error
+        """The error a helper thread ended with (:func:`~megatrain_ray.errors.thread_failed`)."""
+        return thread_failed(self._error, f"the compute worker's {self._failed[0]} thread", self._failed[1])
 
     def _load_loop(self) -> None:
         """Take fetch tickets as the prefetcher issues them and start each copy into its slot."""
@@ -187,17 +175,9 @@ class ComputeWorker(GroupMember):
             handle = self.backend.load(ticket.slot, host, self.layout.units[ticket.unit], copies)
             self._arrived.put((ticket, handle, ranges))
 
-    def _drain(self, inbox: queue.Queue):
-        """Items of an outgoing local queue until stopped and empty."""
-        while not self._stop.is_set() or not inbox.empty():
-            try:
-                yield inbox.get(timeout=0.2)
-            except queue.Empty:
-                continue
-
     def _release_loop(self) -> None:
         """Hand freed slot ids back to the prefetcher, as soon as the compute has queued its last use."""
-        for slot in self._drain(self._releases):
+        for slot in drain(self._releases, self._stop):
             self.doing["releaser"] = f"handing device slot {slot} back to the prefetcher"
             wait_while_moving(lambda t: self.release_q.put(slot, timeout=t) or True, self.release_q, self.timeout_s)
 

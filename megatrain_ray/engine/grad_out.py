@@ -29,7 +29,7 @@ so the compute never blocks on them.
 from __future__ import annotations
 
 import queue
-from typing import Callable, Iterator
+import threading
 
 import torch
 
@@ -37,7 +37,7 @@ from ..errors import PipelineError
 from .experts import ExpertTraffic
 from .resident import ResidentUnits, step_sq_norm
 from .policy import NONE, UnitPolicy
-from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
+from .tickets import NO_PROGRESS, GradTicket, drain, wait_while_moving
 
 
 class GradOut:
@@ -91,10 +91,10 @@ class GradOut:
             return NormOnly(self)
         return ToHost(self)
 
-    def run(self, drain: Callable[[queue.Queue], Iterator]) -> None:
-        """The grad-sender thread: each ticket goes out once its copy to the host store is complete
-        (``drain``: the worker's items of a local queue until it stops)."""
-        for unit, step, parts, skipped in drain(self.outbox):
+    def run(self, stop: threading.Event) -> None:
+        """The grad-sender thread: each ticket goes out once its copy to the host store is complete,
+        until the worker sets ``stop`` and the outbox is empty."""
+        for unit, step, parts, skipped in drain(self.outbox, stop):
             self.doing = f"sending the gradient of {self.layout.units[unit]} to the host store and the gradient sink"
             slot, handle, step_sq = parts()  # a held gradient's slot and copy are taken here
             self.grad_q.put(GradTicket(unit, step, handle.result(), slot, step_sq, skipped), timeout=self.timeout_s)

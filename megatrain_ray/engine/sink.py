@@ -232,8 +232,9 @@ class GradientSink:
                                 f"moved between the roles; {NO_PROGRESS}") from None
 
     def _free_slot(self, slot: int) -> None:
-        """Ring slot ``slot`` back to the compute worker."""
-        self.grad_slot_q.put(slot, timeout=self.timeout_s)
+        """Ring slot ``slot`` back to the compute worker (-1: the unit's own grad block, nothing to hand back)."""
+        if slot >= 0:
+            self.grad_slot_q.put(slot, timeout=self.timeout_s)
 
     def _finish(self, step: int) -> None:
         """The second passes of step ``step``'s split updates, in update order, while the next step runs."""

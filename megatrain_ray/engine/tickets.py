@@ -9,7 +9,7 @@ progress.
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +73,12 @@ class GradTicket:
     """Indices into the unit's :attr:`~megatrain_ray.model.layout.Unit.parts` whose gradient was not
     sent: routed experts no token of the step chose, whose gradient is zero; the sink zeroes their
     ranges of the gradient block before the update (:mod:`megatrain_ray.engine.experts`)."""
+
+
+def drain(inbox: queue.Queue, stop) -> Iterator[Any]:
+    """The items of a local outgoing queue until ``stop`` (a threading.Event) is set and it is empty."""
+    while not stop.is_set() or not inbox.empty():
+        try:
+            yield inbox.get(timeout=0.2)
+        except queue.Empty:
+            continue

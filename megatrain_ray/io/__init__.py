@@ -4,7 +4,8 @@
   directories) and the one safetensors header check;
 - :mod:`.hf_io`: HF config.json / safetensors import and export, and loading a run's config with
   ``train.init_from``'s model shape; :mod:`.experts`: the two layouts of a mixture of experts'
-  routed experts in such a checkpoint (per expert, or stacked in 3-D);
+  routed experts in such a checkpoint (per expert, or stacked in 3-D); :mod:`.locate`: where a run's
+  or a checkpoint's HF-format weights are (its final/, else its newest valid checkpoint);
 - :mod:`.peft_io`: LoRA adapters out, as a PEFT adapter directory and as a merged HF model;
   :mod:`.bnb_checkpoint`: a bitsandbytes 4-bit checkpoint read into an nf4 base as it is;
 - :mod:`.checkpoint`: one flat, layout-independent directory per step boundary, written atomically,

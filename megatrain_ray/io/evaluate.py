@@ -23,6 +23,7 @@ from ..config import EXECUTION_SECTIONS, ModelConfig
 from ..errors import DataError
 from ..model.transformer import IGNORE_INDEX, UnitReader, forward_hidden, token_loss_sum
 from . import hf_io
+from .locate import resolve_checkpoint
 from ..data.tokenizer import BYTE_LEVEL
 
 
@@ -101,7 +102,7 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
 
     The data settings are the run's own (runs/<id>/config.json, or the checkpoint's meta.json),
     overridden by ``config`` and ``overrides``; the model is the checkpoint's config.json. The
-    tokenizer is the run's (see :attr:`megatrain_ray.io.hf_io.Checkpoint.tokenizer`): byte-level for a
+    tokenizer is the run's (see :attr:`megatrain_ray.io.locate.Checkpoint.tokenizer`): byte-level for a
     byte-level run, else a tokenizer directory, the one saved next to the weights when the run's
     own is gone. With no data settings at all, the built-in corpus's held-out documents are read.
     ``connect``: how to reach Ray if the data must be tokenized first (see
@@ -113,7 +114,7 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
         raise DataError(f"--split must be val or train, got {split!r}.")
     if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
         raise DataError("--batch-size and --max-batches must be positive.")
-    ckpt = hf_io.resolve_checkpoint(src)
+    ckpt = resolve_checkpoint(src)
     model_cfg, read = checkpoint_reader(ckpt.weights_dir)
     base = {k: dict(v) for k, v in (ckpt.run_config or {}).items() if k in SECTIONS and isinstance(v, dict)}
     base.pop("model", None)
