@@ -132,6 +132,8 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     with HostMemoryPeak(shm_dir=cfg.memory.shm_dir) as mem:
         def log(line: str) -> None:  # the run's lines as its progress; where threads and activations went kept
             print(f"  {line}", flush=True)
+            if line.lstrip().startswith("step"):
+                mem.sample()  # the store surely exists while steps log, whatever the sampler's timing
             if line.startswith(("cpu placement", "activations")):
                 placement.append(line)
 

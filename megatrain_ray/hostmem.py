@@ -77,12 +77,15 @@ class HostMemoryPeak:
     """Samples host memory in a thread while a run is inside ``with``; see the module docstring.
 
     Attributes after the block: ``added`` (bytes), ``accounted`` (bytes), ``accounted_shm`` (the
-    shared-memory part of it) and ``by_process`` ({process name: private bytes} at that peak).
+    shared-memory part of it), ``by_process`` ({process name: private bytes} at that peak) and
+    ``shm_peak`` (the most the shared-memory directory gained at any sample: with a small store,
+    the accounted peak can fall after the store is gone, when processes alone weigh more).
     """
 
     def __init__(self, period_s: float = 0.25, shm_dir: str = "/dev/shm", settle_s: float = 60.0):
         self.period_s, self.shm_dir, self.settle_s = period_s, shm_dir, settle_s
-        self.accounted, self.accounted_shm, self.by_process = 0, 0, {}
+        self.accounted, self.accounted_shm, self.by_process, self.shm_peak = 0, 0, {}, 0
+        self._lock = threading.Lock()  # the thread's samples and the caller's, one at a time
 
     def __enter__(self):
         self.baseline = self.peak = settled_used_bytes(self.settle_s)
@@ -94,8 +97,13 @@ class HostMemoryPeak:
 
     def sample(self) -> None:
         """Take one sample now (the thread calls this every ``period_s``)."""
+        with self._lock:
+            self._sample_once()
+
+    def _sample_once(self) -> None:
         self.peak = max(self.peak, used_bytes())
         shm = max(0, shm_bytes(self.shm_dir) - self.shm_baseline)
+        self.shm_peak = max(self.shm_peak, shm)
         per = {}
         for proc in process_tree():
             try:
@@ -130,5 +138,6 @@ class HostMemoryPeak:
                 "host_accounted_gib": self.accounted / 2**30,
                 "host_accounted_bytes_per_param": self.accounted / num_params,
                 "host_accounted_shm_gib": self.accounted_shm / 2**30,
+                "host_shm_peak_gib": self.shm_peak / 2**30,
                 "host_accounted_processes_gib": (self.accounted - self.accounted_shm) / 2**30,
                 "host_private_by_process_gib": {k: round(v / 2**30, 3) for k, v in top}}

@@ -49,11 +49,12 @@ def test_bench_tiny_on_cpu(ray_cluster, tmp_path, shm_dir, capsys):
     # what the defaults did with the activations (on the CPU, auto recomputes every layer), also printed
     assert ours["activations"] == ("activations (memory.activations=auto): 0 of 2 layers kept whole on the device, "
                                    "2 checkpointed there, 0 offloaded to host memory")
-    # the shared memory it counts is the store, exactly (every page of it is touched at start-up)
+    # the shared memory it counts is the store, exactly (every page of it is touched at start-up);
+    # sampled at each step line too, so the store is seen whatever the sampler thread's timing
     cfg = load_config(None, [f"model.{k}={v}" for k, v in presets.preset_shape("tiny", 2).items()])
     precision = resolve_precision(cfg.precision, "cpu")
     store_bytes = StoreSpec(cfg.model, precision, shm_dir, 0, "x", grad_slots=grad_slots_for(precision, 1.0)).nbytes()
-    assert abs(ours["host_accounted_shm_gib"] * 2**30 - store_bytes) <= 0.01 * store_bytes + 2**20
+    assert abs(ours["host_shm_peak_gib"] * 2**30 - store_bytes) <= 0.01 * store_bytes + 2**20
     assert ours["host_accounted_processes_gib"] > 0.1  # the driver and the Ray actors with torch loaded
     assert ours["wall_s"] > sum(r["step_s"] for r in report["rows"])
     assert os.listdir(shm_dir) == []

@@ -21,6 +21,7 @@ def test_counts_child_private_memory_and_shm(shm_dir):
         mem.sample()
         proc.wait()
     assert 64 * 2**20 <= mem.accounted_shm < 65 * 2**20
+    assert mem.shm_peak == mem.accounted_shm  # the segment stayed to the end
     assert mem.accounted - mem.accounted_shm >= 256 * 2**20  # the child's array: private, resident
     assert mem.added > 0
     s = mem.summary(num_params=2**20)
