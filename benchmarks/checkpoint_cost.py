@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.checkpoint import CheckpointSettings  # noqa: E402
 from megatrain_ray.io.writer import CheckpointWriter, checkpoint_bytes  # noqa: E402
 from megatrain_ray.model.precision import Precision  # noqa: E402

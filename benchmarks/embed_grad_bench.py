@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.probes import cuda_ms  # noqa: E402
-from megatrain_ray.engine.embed_grad import add_embedding_grad  # noqa: E402
+from megatrain_ray.engine.compute.embed_grad import add_embedding_grad  # noqa: E402
 
 
 def case(vocab: int, hidden: int, tokens: int) -> dict:

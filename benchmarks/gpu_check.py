@@ -108,7 +108,7 @@ def check_config(directory: str, steps: int = 24, extra: list[str] = ()) -> Trai
     import numpy as np
 
     from megatrain_ray.config import load_config
-    from megatrain_ray.engine.store import ParameterStore, StoreSpec
+    from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
     from megatrain_ray.io.hf_io import load_train_config
     from megatrain_ray.model.precision import resolve_precision
 

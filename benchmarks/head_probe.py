@@ -1,6 +1,6 @@
 """The 7B LM head's step time, eager vs compiled, on one CUDA GPU.
 
-Times :func:`~megatrain_ray.engine.head.head_forward_backward` (final norm, LM head, fp32
+Times :func:`~megatrain_ray.engine.compute.head.head_forward_backward` (final norm, LM head, fp32
 cross-entropy, forward and backward over loss chunks) at the Qwen2.5-7B head (vocabulary 152,064,
 hidden 3,584, untied, bf16) over 65,536 tokens (4 micro-batches of 16 x 1,024) in chunks of 8,192,
 eagerly and with the chunk loss through torch.compile as the compute worker runs it with
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from megatrain_ray.engine.head import chunk_loss_sum, head_forward_backward
-from megatrain_ray.engine.sequence import CompiledLayer
+from megatrain_ray.engine.compute.head import chunk_loss_sum, head_forward_backward
+from megatrain_ray.engine.compute.sequence import CompiledLayer
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.presets import preset_model
 

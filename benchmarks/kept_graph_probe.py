@@ -19,8 +19,8 @@ from torch._inductor import compile_fx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.probes import cuda_ms  # noqa: E402
-from megatrain_ray.engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept  # noqa: E402
-from megatrain_ray.engine.sequence import CompiledLayer  # noqa: E402
+from megatrain_ray.engine.compute.activations import kept_backward, kept_bytes_per_token, layer_forward_kept  # noqa: E402
+from megatrain_ray.engine.compute.sequence import CompiledLayer  # noqa: E402
 from megatrain_ray.model import transformer as M  # noqa: E402
 from megatrain_ray.model.layout import LayerTemplate  # noqa: E402
 from megatrain_ray.model.presets import preset_model  # noqa: E402

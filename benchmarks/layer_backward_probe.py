@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.engine.sequence import CompiledLayer, LayerRunner, tiled_backward_bytes  # noqa: E402
+from megatrain_ray.engine.compute.sequence import CompiledLayer, LayerRunner, tiled_backward_bytes  # noqa: E402
 from megatrain_ray.model import transformer as M  # noqa: E402
 from megatrain_ray.model.layout import LayerTemplate  # noqa: E402
 from megatrain_ray.model.presets import preset_model  # noqa: E402

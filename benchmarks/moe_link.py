@@ -2,7 +2,7 @@
 
 One decoder layer of a preset's mixture-of-experts shape, in pinned host memory as the store holds
 it (compute dtype), copied to a device slot by the compute worker's own backend
-(:mod:`megatrain_ray.engine.device`) with the ranges the engine picks
+(:mod:`megatrain_ray.engine.compute.device`) with the ranges the engine picks
 (:class:`~megatrain_ray.engine.experts.ExpertTraffic`), against a dense block of the same bytes
 copied whole:
 
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from megatrain_ray.engine.device import make_backend
+from megatrain_ray.engine.compute.device import make_backend
 from megatrain_ray.engine.experts import ExpertTraffic
 from megatrain_ray.engine.policy import ROUTED, UnitPolicy
 from megatrain_ray.model.layout import StoreLayout

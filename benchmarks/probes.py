@@ -35,11 +35,11 @@ def layer_probe(cfg, micro_batches: int) -> dict:
     backward of all micro-batches, as the compute worker runs them (views of a flat slot, gradients
     into a flat fp32 buffer), eager and compiled; the same for a layer kept whole (forward with its
     graph, backward without recompute) with the bytes per token its graph holds (against
-    :func:`~megatrain_ray.engine.activations.kept_bytes_per_token`); eager forward + backward under
+    :func:`~megatrain_ray.engine.compute.activations.kept_bytes_per_token`); eager forward + backward under
     each SDPA backend."""
-    from megatrain_ray.engine.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
-    from megatrain_ray.engine.attention import sdpa_backend
-    from megatrain_ray.engine.sequence import CompiledLayer, LayerRunner, layer_backward
+    from megatrain_ray.engine.compute.activations import kept_backward, kept_bytes_per_token, layer_forward_kept
+    from megatrain_ray.engine.compute.attention import sdpa_backend
+    from megatrain_ray.engine.compute.sequence import CompiledLayer, LayerRunner, layer_backward
     from megatrain_ray.model import transformer as M
     from megatrain_ray.model.layout import LayerTemplate
 

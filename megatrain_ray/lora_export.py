@@ -4,7 +4,7 @@ A LoRA checkpoint holds the adapters alone (:mod:`megatrain_ray.io.lora_checkpoi
 where the run took it (``train.init_from``, or train.seed's draw). The export rebuilds what the run's
 compute worker held at that step, in this process, without Ray: the base in a host store (as the run
 loaded it, in the run's compute dtype) and the adapters from the checkpoint, then writes them as the
-run's own end does (:meth:`~megatrain_ray.engine.adapters.DeviceAdapters.export`): ``OUT`` is a
+run's own end does (:meth:`~megatrain_ray.engine.compute.adapters.DeviceAdapters.export`): ``OUT`` is a
 Hugging Face model directory of the merged weights (``from_pretrained`` loads it), ``OUT/adapter``
 the PEFT adapter directory (``PeftModel.from_pretrained`` loads it on top of the base).
 """
@@ -18,8 +18,8 @@ import uuid
 import torch
 
 from .data.datasets import run_tokenizer
-from .engine.adapters import DeviceAdapters
-from .engine.store import ParameterStore, StoreSpec
+from .engine.compute.adapters import DeviceAdapters
+from .engine.store.host_store import ParameterStore, StoreSpec
 from .errors import ConfigError
 from .io import checkpoint, run_lock
 from .io.hf_io import DTYPES

@@ -122,7 +122,7 @@ def import_store(directory, shm_dir, master_dtype: str = "float32"):
     """A real shared-memory ParameterStore holding the HF checkpoint ``directory`` (fp32 master by
     default; the caller closes it)."""
     from megatrain_ray.config import PrecisionSection
-    from megatrain_ray.engine.store import ParameterStore, StoreSpec
+    from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
     from megatrain_ray.io import hf_io
     from megatrain_ray.model.precision import resolve_precision
 

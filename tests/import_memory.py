@@ -15,7 +15,7 @@ import torch  # noqa: F401  (imported before the baseline)
 from safetensors import safe_open  # noqa: F401
 
 from megatrain_ray.config import PrecisionSection
-from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.io import hf_io
 from megatrain_ray.model.precision import resolve_precision
 

@@ -14,7 +14,7 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
-from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.io import writer
 from megatrain_ray.model.precision import Precision
 

@@ -25,13 +25,13 @@ from saved_bytes import layer_inputs, saved_bytes
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
-from megatrain_ray.engine.activations import GPU, HOST, KEEP, kept_bytes_per_token, layer_modes, recompute_spans
-from megatrain_ray.engine.attention import sdpa_backend
-from megatrain_ray.engine.compute import ComputeWorker
-from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.compute.activations import GPU, HOST, KEEP, kept_bytes_per_token, layer_modes, recompute_spans
+from megatrain_ray.engine.compute.attention import sdpa_backend
+from megatrain_ray.engine.compute.compute_worker import ComputeWorker
+from megatrain_ray.engine.prefetch.prefetcher import Prefetcher
 from megatrain_ray.engine.schedule import Schedule
-from megatrain_ray.engine.sequence import LayerRunner
-from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.engine.compute.sequence import LayerRunner
+from megatrain_ray.engine.store.host_store import HostStore, ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import LayerTemplate, StoreLayout
@@ -67,8 +67,8 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves(lean, family
     on the CPU copies v rather than holding the fused q/k/v output (c(q + kv) less; at the 7B shape
     it does not). Lean, the backward recomputes elementwise work only: as many GEMMs as with torch's
     settings (2 per fused projection: input and weight gradients), no attention forward."""
-    from megatrain_ray.engine.activations import LEAN_PARTITIONER
-    from megatrain_ray.engine.compute import CompiledLayer
+    from megatrain_ray.engine.compute.activations import LEAN_PARTITIONER
+    from megatrain_ray.engine.compute.compute_worker import CompiledLayer
 
     extra = ["model.head_dim=32"] if family == "qwen3" else []
     cfg = load_config(None, SMALL + [f"model.model_type={family}", *extra]).model
@@ -108,7 +108,7 @@ def test_the_lean_partitioner_saves_31_percent_at_the_7b_shape_where_torch_has_i
     bytes per token with the lean settings, 167032 with torch's (both measured with the inductor
     backend on this CPU); a torch without one of the settings gets its default partitioner and the
     figure that goes with it."""
-    from megatrain_ray.engine import activations
+    from megatrain_ray.engine.compute import activations
     from megatrain_ray.model.presets import preset_model
 
     cfg = preset_model("7b")
@@ -248,7 +248,7 @@ def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_
     partitioner settings, the same values bit for bit: what the lean ones recompute in the
     backward are the same ops on the same values as the forward that saved them otherwise. (With
     the inductor backend on this CPU, checked once by hand: also bit for bit.)"""
-    from megatrain_ray.engine.compute import CompiledLayer
+    from megatrain_ray.engine.compute.compute_worker import CompiledLayer
 
     cfg = _config(tmp_path, shm_dir)
     torch._dynamo.reset()
@@ -260,7 +260,7 @@ def test_kept_graphs_of_the_compiled_layer_train_as_its_recompute(tmp_path, shm_
         return compiled[key]
     from torch._dynamo.utils import counters
 
-    from megatrain_ray.engine.activations import LEAN_PARTITIONER
+    from megatrain_ray.engine.compute.activations import LEAN_PARTITIONER
 
     ref, ref_grads = _cpu_step(cfg, shm_dir, (GPU,) * 3, wrap=wrap)
     assert all(c.training_config == LEAN_PARTITIONER for c in compiled.values())  # lean: this torch has them

@@ -18,7 +18,7 @@ from benchmarks import compare
 from megatrain_ray import bench, cli
 from megatrain_ray.config import ModelConfig, load_config
 from megatrain_ray.errors import ConfigError
-from megatrain_ray.engine.store import StoreSpec, grad_slots_for
+from megatrain_ray.engine.store.host_store import StoreSpec, grad_slots_for
 from megatrain_ray.model import presets
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision

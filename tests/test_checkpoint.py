@@ -28,7 +28,7 @@ from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.data.corpus import CorpusSource
 from megatrain_ray.data.loader import BatchSource, uses_windows
-from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint, files, hf_io, resume, writer
 from megatrain_ray.model.precision import Precision
@@ -156,7 +156,7 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     weights, written in the background) is finished first, not left a temporary by the run's teardown."""
     import queue
 
-    from megatrain_ray.engine.sink import GradientSink
+    from megatrain_ray.engine.sink.gradient_sink import GradientSink
     from megatrain_ray.engine.tickets import GradTicket
     from megatrain_ray.errors import PipelineError
 
@@ -402,7 +402,7 @@ def test_the_advice_for_the_last_checkpoint_of_a_run_is_export_not_resume(shm_di
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, sys, torch
     from megatrain_ray.config import load_config
-    from megatrain_ray.engine.store import ParameterStore, StoreSpec
+    from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
     from megatrain_ray.io import writer
     from megatrain_ray.model.precision import Precision
     shm_dir, root = sys.argv[1], sys.argv[2]

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from megatrain_ray.config import load_config
-from megatrain_ray.engine import shm
+from megatrain_ray.engine.store import shm
 from megatrain_ray.orchestration.pipeline import train
 
 KINDS = {"master", "exp_avg", "exp_avg_sq", "grad", "versions"}  # cpu + float32: no separate stream copy

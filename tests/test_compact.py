@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from megatrain_ray import cli
 from megatrain_ray.config import ModelConfig, OptimConfig, load_config
 from megatrain_ray.engine import adamw_native, compact, optim
-from megatrain_ray.engine.store import ParameterStore, StoreSpec, grad_slots_for
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec, grad_slots_for
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.model.layout import StoreLayout

@@ -260,3 +260,68 @@ def test_the_generator_runs_as_a_script(name):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, name), "--check"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _package_names() -> tuple[set[str], dict[str, set[str]]]:
+    """Every class, function and assigned name the package defines; and per module (or package,
+    by its folder's name) the names it holds (a package: its modules and sub-packages)."""
+    import ast
+
+    defined: set[str] = set()
+    held: dict[str, set[str]] = {}
+    for path in glob.glob(os.path.join(ROOT, "megatrain_ray", "**", "*.py"), recursive=True):
+        folder, stem = os.path.split(path)
+        names = held.setdefault(os.path.basename(folder) if stem == "__init__.py" else stem[:-3], set())
+        if stem == "__init__.py":
+            names |= {n[:-3] if n.endswith(".py") else n for n in os.listdir(folder) if not n.startswith("_")}
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                found = {node.name}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                found = {node.target.id}
+            elif isinstance(node, ast.Assign):
+                found = {t.id if isinstance(t, ast.Name) else t.attr for t in node.targets
+                         if isinstance(t, (ast.Name, ast.Attribute))}
+            else:
+                continue
+            defined |= found
+            names |= found
+    return defined, held
+
+
+def cited_names_missing(text: str, defined: set[str], held: dict[str, set[str]]) -> list[str]:
+    """What ``text`` cites in backticks that the package lacks: a ``.py`` path (from the repository
+    or the package root), a class (``CamelCase``, alone or in a dotted name) or ``module.Name``."""
+    import builtins
+
+    missing = []
+    for cited in re.findall(r"`([^`\n]+)`", text):
+        name = cited.split("(")[0].strip()
+        if re.fullmatch(r"[\w/.-]+\.py", name):
+            if not any(os.path.exists(os.path.join(ROOT, base, name)) for base in ("", "megatrain_ray")):
+                missing.append(cited)
+            continue
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name) or name.startswith("torch.") \
+                or name in dir(builtins):
+            continue
+        parts = name.split(".")
+        classes = [p for p in parts if re.fullmatch(r"[A-Z]\w*", p) and any(c.islower() for c in p)]
+        if len(parts) > 1 and parts[0] in held and classes:
+            if parts[1] not in held[parts[0]]:
+                missing.append(cited)
+        elif classes and any(p not in defined and p not in held for p in parts):
+            missing.append(cited)
+    return missing
+
+
+@pytest.mark.parametrize("doc", ["docs/architecture.md", "megatrain_ray/engine/README.md"])
+def test_the_architecture_notes_cite_what_exists(doc):
+    """Every module path, class and ``module.Class`` the architecture notes cite is in the package."""
+    defined, held = _package_names()
+    assert cited_names_missing(_text(doc), defined, held) == []
+
+
+def test_the_citation_check_catches_what_it_should():
+    defined, held = _package_names()
+    text = "`engine/store.py`, `GradOutput`, `store.VersionWords`, `host_store.VersionWords`, `memory.resident`"
+    assert cited_names_missing(text, defined, held) == ["engine/store.py", "GradOutput", "store.VersionWords"]

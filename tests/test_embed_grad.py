@@ -1,4 +1,4 @@
-"""The embedding's backward (:mod:`megatrain_ray.engine.embed_grad`): the same sums as ``index_add_``,
+"""The embedding's backward (:mod:`megatrain_ray.engine.compute.embed_grad`): the same sums as ``index_add_``,
 in a fixed order, so that a GPU run is the same on every run and a resumed run equals a straight one.
 
 On the CPU, ``index_add_`` adds the tokens' rows one after another in token order, which is exactly
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray.engine.embed_grad import add_embedding_grad
+from megatrain_ray.engine.compute.embed_grad import add_embedding_grad
 
 from artifacts import read_tensors
 

@@ -218,7 +218,7 @@ def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypa
     clipping: where the resolved run chooses it) against the same run with the one-pass optimizer
     put in its place: the same losses, and the same master weights and moments in the store at the
     end (read just before the run removes it), bit for bit; and the second passes really ran."""
-    from megatrain_ray.engine import shm
+    from megatrain_ray.engine.store import shm
     from megatrain_ray.orchestration import local, resolve
 
     if adamw_native.kernel() is None:
@@ -318,7 +318,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     """Without clipping and without a stream copy (here fp32 on the CPU; bf16 master on a GPU) the
     store keeps a ring of 3 unit-sized gradient slots instead of a whole-model array: same losses
     bit for bit, and the store shrinks by the array minus the ring."""
-    from megatrain_ray.engine import store as S
+    from megatrain_ray.engine.store import host_store as S
     from megatrain_ray.model.precision import Precision
     from megatrain_ray.orchestration.local import train_local
 
@@ -333,7 +333,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
     assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
     ring = [r["loss"] for r in train_local(load_config(None, overrides), 0)]
-    monkeypatch.setattr("megatrain_ray.engine.store.grad_slots_for", lambda precision, max_grad_norm, workers=1, hold=False: 0)
+    monkeypatch.setattr("megatrain_ray.engine.store.host_store.grad_slots_for", lambda precision, max_grad_norm, workers=1, hold=False: 0)
     whole = [r["loss"] for r in train_local(load_config(None, overrides), 0)]  # the whole-model array
     assert ring == whole and len(set(ring)) == 3
     cfg = load_config(None, overrides)
@@ -348,7 +348,7 @@ def test_compiled_layer_matches_eager_and_falls_back_when_compiling_fails():
     gradients, and with torch's own partitioner settings the same bits as with its lean ones (which
     recompute, in the backward, elementwise values the forward would have saved); a compiler that
     fails makes it warn once and run eagerly instead of failing the run."""
-    from megatrain_ray.engine.compute import CompiledLayer
+    from megatrain_ray.engine.compute.compute_worker import CompiledLayer
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64)

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from artifacts import dtype_kwarg, save_model, save_tokenizer  # noqa: E402
 
 from megatrain_ray.config import PrecisionSection, load_config  # noqa: E402
-from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader, run_eval  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model.precision import resolve_precision  # noqa: E402

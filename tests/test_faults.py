@@ -8,7 +8,7 @@
 - A role whose process is frozen (SIGSTOP) is noticed within cluster.health_timeout_s (idle roles)
   or the next health check (busy ones on this node), not after a queue timeout of minutes.
 - ``kill -9`` of a real driver: the run's shared-memory segments are gone within seconds and so are
-  the role processes (the reapers of :mod:`megatrain_ray.engine.reaper`).
+  the role processes (the reapers of :mod:`megatrain_ray.engine.store.reaper`).
 """
 
 import json
@@ -27,7 +27,7 @@ import pytest
 import ray
 
 from megatrain_ray.config import load_config
-from megatrain_ray.engine import reaper
+from megatrain_ray.engine.store import reaper
 from megatrain_ray.errors import ActorDied
 from megatrain_ray.orchestration.driver import Driver, RunResult
 from megatrain_ray.orchestration.metrics import RunMetrics

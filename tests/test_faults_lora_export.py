@@ -11,7 +11,7 @@ import torch
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.io import lora_checkpoint
 from megatrain_ray.io.checkpoint import CheckpointSettings
 from megatrain_ray.model.lora import AdapterLayout

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.store import ParameterStore
+from megatrain_ray.engine.store.host_store import ParameterStore
 from megatrain_ray.errors import CheckpointError, ConfigError
 from megatrain_ray.io.checkpoint import CheckpointSettings, step_dirs
 from megatrain_ray.io.writer import CheckpointWriter

@@ -11,10 +11,10 @@ import uuid
 import pytest
 import ray
 
-from megatrain_ray.engine.compute import ComputeWorker
-from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.compute.compute_worker import ComputeWorker
+from megatrain_ray.engine.prefetch.prefetcher import Prefetcher
 from megatrain_ray.engine.schedule import Schedule
-from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.errors import PipelineError
 from megatrain_ray.data.loader import source_from_config
 from megatrain_ray.model.layout import StoreLayout

@@ -18,12 +18,12 @@ import torch
 
 from megatrain_ray.config import load_config
 from megatrain_ray.data.loader import source_from_config
-from megatrain_ray.engine.activations import GPU, HOST
-from megatrain_ray.engine.compute import ComputeWorker
-from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.compute.activations import GPU, HOST
+from megatrain_ray.engine.compute.compute_worker import ComputeWorker
+from megatrain_ray.engine.prefetch.prefetcher import Prefetcher
 from benchmarks.reference import ResidentModel
 from megatrain_ray.engine.schedule import Schedule
-from megatrain_ray.engine.store import HostStore, ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import HostStore, ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
 from megatrain_ray.orchestration.resolve import Facts, resolve
@@ -125,8 +125,8 @@ def test_packed_documents_flex_attention_matches_the_dense_mask(compiled):
     dense [B, 1, S, S] mask through SDPA (the CPU path, exact there against per-document HF runs:
     tests/test_longctx.py) gives the same output and gradients within bf16 rounding (2e-2
     relative: a few bf16 ulps, 2^-8 each, through a layer), with and without the MLP tiled."""
-    from megatrain_ray.engine.compute import CompiledLayer
-    from megatrain_ray.engine.sequence import LayerRunner, step_contexts
+    from megatrain_ray.engine.compute.compute_worker import CompiledLayer
+    from megatrain_ray.engine.compute.sequence import LayerRunner, step_contexts
     from megatrain_ray.model import transformer as M
     from megatrain_ray.model.layout import LayerTemplate
 
@@ -168,7 +168,7 @@ def test_packed_documents_flex_attention_is_each_document_alone_through_sdpa(com
     float64 (tests/test_longctx.py, packed_against_each_document): the packed path may deviate by
     at most twice what the per-document bf16 run itself deviates (the two kernels block and sum
     differently; a wrong mask or position is an O(1) error). The CPU runs it with the dense mask."""
-    from megatrain_ray.engine.compute import CompiledLayer
+    from megatrain_ray.engine.compute.compute_worker import CompiledLayer
     from test_longctx import packed_against_each_document
 
     wrap = (lambda fn: CompiledLayer(fn=fn)) if compiled else None
@@ -178,12 +178,12 @@ def test_packed_documents_flex_attention_is_each_document_alone_through_sdpa(com
 
 
 def test_copies_stay_inside_one_registration_of_host_memory(shm_dir):
-    """Host memory pinned in pieces (:func:`megatrain_ray.engine.device.pin_in_pieces`): a block inside
+    """Host memory pinned in pieces (:func:`megatrain_ray.engine.compute.device.pin_in_pieces`): a block inside
     one piece copies to and from the device; the cuts follow the blocks, so no block crosses two
     pieces. A copy that did cross two registrations is what the driver refuses ("invalid argument",
     the crash of a LoRA base past 64 GiB); shown here on a small mapping, so the cause stays on record."""
-    from megatrain_ray.engine import shm
-    from megatrain_ray.engine.device import PAGE, CudaBackend
+    from megatrain_ray.engine.store import shm
+    from megatrain_ray.engine.compute.device import PAGE, CudaBackend
 
     blocks = [0, 256 * PAGE, 384 * PAGE]  # bytes: three blocks, the last one 128 pages long
     host = shm.create(os.path.join(shm_dir, "pinned"), 512 * PAGE, torch.uint8)  # /dev/shm, as the store's

@@ -19,11 +19,11 @@ from test_actplace import finish_prefetch, step_grads
 from test_gpu import _config  # noqa: F401  (the shape and data of tests/test_gpu.py)
 
 from megatrain_ray.data.loader import source_from_config
-from megatrain_ray.engine.activations import GPU, KEEP, kept_bytes_per_token, layer_modes
-from megatrain_ray.engine.compute import ComputeWorker
-from megatrain_ray.engine.prefetch import Prefetcher
+from megatrain_ray.engine.compute.activations import GPU, KEEP, kept_bytes_per_token, layer_modes
+from megatrain_ray.engine.compute.compute_worker import ComputeWorker
+from megatrain_ray.engine.prefetch.prefetcher import Prefetcher
 from megatrain_ray.engine.schedule import Schedule
-from megatrain_ray.engine.store import ParameterStore, StoreSpec
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision
 from megatrain_ray.orchestration.resolve import Facts, resolve

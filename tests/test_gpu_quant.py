@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatrain_ray.config.model import ModelConfig
-from megatrain_ray.engine.quantized import DeviceDequant, QuantizedBase
+from megatrain_ray.engine.store.quantized import DeviceDequant, QuantizedBase
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.presets import preset_model
 from megatrain_ray.model.quant_layout import QuantLayout

@@ -2,7 +2,7 @@
 reference that writes the scores out.
 
 :func:`~megatrain_ray.model.sink_attention.flex_sink_attention` (the path a CUDA run takes, with the
-engine's BlockMask of :func:`~megatrain_ray.engine.sequence.attention_mask`: causal, a sliding window,
+engine's BlockMask of :func:`~megatrain_ray.engine.compute.sequence.attention_mask`: causal, a sliding window,
 packed documents) and :func:`~megatrain_ray.model.sink_attention.sink_attention` (the CPU path, a dense
 mask of the same rule) in fp32 on the GPU: the outputs and the gradients of q, k, v and the sinks
 agree within fp32 rounding of a softmax over S keys (atol 1e-4 relative to values of order 1), eager
@@ -13,7 +13,7 @@ gradient by far more than that, and the sinks' gradient is checked non-zero.
 import pytest
 import torch
 
-from megatrain_ray.engine.sequence import attention_mask
+from megatrain_ray.engine.compute.sequence import attention_mask
 from megatrain_ray.model.sink_attention import flex_sink_attention, sink_attention, window_mask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

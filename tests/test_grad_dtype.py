@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatrain_ray.config import PrecisionSection, load_config
-from megatrain_ray.engine.store import GRAD_RING_SLOTS, StoreSpec, grad_slots_for
+from megatrain_ray.engine.store.host_store import GRAD_RING_SLOTS, StoreSpec, grad_slots_for
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import resolve_precision

@@ -15,7 +15,7 @@ import torch
 
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.grad_reduce import SUM_CHUNK, sum_copies
-from megatrain_ray.engine.store import HostStore, StoreSpec, peer_grads_for
+from megatrain_ray.engine.store.host_store import HostStore, StoreSpec, peer_grads_for
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model.precision import resolve_precision
 
@@ -65,7 +65,7 @@ def test_peer_grad_copies_in_the_store(shm_dir):
         with pytest.raises(ValueError, match="gradient copy 3 is not one of the store's 2 peer copies"):
             store.grad_block(1, -1, 3)
     finally:
-        from megatrain_ray.engine import shm
+        from megatrain_ray.engine.store import shm
 
         shm.remove_run(shm_dir, 1, "peers")
 

@@ -1,4 +1,4 @@
-"""The LM head (engine.head): chunked loss and gradients, eager and through torch.compile (Inductor,
+"""The LM head (engine.compute.head): chunked loss and gradients, eager and through torch.compile (Inductor,
 on the CPU here), tied and untied, with a shorter last chunk and ignored labels; a compiler that
 fails makes the head warn once and run eagerly."""
 
@@ -8,8 +8,8 @@ import torch._dynamo
 import torch._dynamo.utils
 
 from megatrain_ray.config import ModelConfig
-from megatrain_ray.engine.head import chunk_loss_sum, head_forward_backward
-from megatrain_ray.engine.sequence import CompiledLayer
+from megatrain_ray.engine.compute.head import chunk_loss_sum, head_forward_backward
+from megatrain_ray.engine.compute.sequence import CompiledLayer
 from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import LayerTemplate, StoreLayout
 

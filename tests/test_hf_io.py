@@ -33,7 +33,7 @@ from artifacts import (ARCHS, dtype_kwarg, import_store, imported_logits_match, 
                        save_tokenizer, token_ids)
 
 from megatrain_ray.config import PrecisionSection, load_config  # noqa: E402
-from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io import hf_io  # noqa: E402
 from megatrain_ray.io.evaluate import checkpoint_reader, forward_logits, store_reader  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from megatrain_ray.config import ModelConfig, load_config
 from megatrain_ray.data.packing import IGNORE_INDEX as DATA_IGNORE
 from megatrain_ray.data.packing import document_positions, eos_starts, pack_rows, packed_row
-from megatrain_ray.engine.sequence import LayerRunner, attention_mask, step_contexts
+from megatrain_ray.engine.compute.sequence import LayerRunner, attention_mask, step_contexts
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import LayerTemplate

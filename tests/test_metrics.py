@@ -18,7 +18,7 @@ import torch
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.engine.store.host_store import StoreSpec
 from megatrain_ray.model import flops
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration import grafana

@@ -11,7 +11,7 @@
   gradient copies moved to the host (its timeline's d2h bytes, counted from the tensors copied) are
   exactly every unit's gradient less the idle experts'. (The training parity of the same path,
   idle experts included, is tests/test_moe_training.py.)
-- A sparse layer kept whole (its graph, engine.passes.KeptRouted): the planner's bytes per token
+- A sparse layer kept whole (its graph, engine.compute.passes.KeptRouted): the planner's bytes per token
   bound what autograd saves, and a run with every layer kept trains bit for bit as one with every
   layer recomputed.
 """
@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 from artifacts import make_model, parity_run, read_tensors  # noqa: E402
 from saved_bytes import layer_inputs, saved_bytes  # noqa: E402
 
-from megatrain_ray.engine.activations import sparse_kept_bytes_per_token  # noqa: E402
+from megatrain_ray.engine.compute.activations import sparse_kept_bytes_per_token  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
 from megatrain_ray.model import transformer as M  # noqa: E402
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402

@@ -17,7 +17,9 @@ import ray
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.engine import prefetch, sink, tickets
+from megatrain_ray.engine.prefetch import prefetcher
+from megatrain_ray.engine.sink import gradient_sink
+from megatrain_ray.engine import tickets
 from megatrain_ray.engine.tickets import wait_while_moving
 from megatrain_ray.errors import ActorDied
 from megatrain_ray.model import flops
@@ -85,7 +87,7 @@ def test_the_roles_wait_twice_the_stall_window_which_follows_the_step_time():
 def test_only_the_health_check_calls_a_run_stalled():
     import inspect
 
-    for module in (prefetch, sink, tickets):
+    for module in (prefetcher, gradient_sink, tickets):
         assert "stalled" not in inspect.getsource(module), module.__name__
 
 

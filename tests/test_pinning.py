@@ -1,5 +1,5 @@
 """Pinning a store too large for one registration: host memory registered in pieces
-(:func:`megatrain_ray.engine.device.pin_in_pieces`), tested on the CPU with a small piece size and
+(:func:`megatrain_ray.engine.compute.device.pin_in_pieces`), tested on the CPU with a small piece size and
 the kernel's own page locking (``mlock``/``munlock``) standing in for ``cudaHostRegister``: the
 locked bytes are read back from /proc/self/status (VmLck), so the test sees what really is pinned.
 A piece ends only where a block starts, so no copy of a block runs from one registration into the next
@@ -13,8 +13,8 @@ import mmap
 import pytest
 import torch
 
-from megatrain_ray.engine.device import PAGE, PIN_PIECE_BYTES, pin_in_pieces
-from megatrain_ray.engine.store import StoreSpec
+from megatrain_ray.engine.compute.device import PAGE, PIN_PIECE_BYTES, pin_in_pieces
+from megatrain_ray.engine.store.host_store import StoreSpec
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.presets import preset_model

@@ -3,7 +3,7 @@ code allocates.
 
 On the CPU every tensor the recompute-backward of one layer allocates is recorded
 (tests/allocations.py) and the largest live set compared with
-:func:`~megatrain_ray.engine.sequence.tiled_backward_bytes`, which the plan's "one layer's working
+:func:`~megatrain_ray.engine.compute.sequence.tiled_backward_bytes`, which the plan's "one layer's working
 set" row is made of: the figure must cover the recorded peak but for the layer's compute-dtype
 weight gradients, which the row adds on top of it (``numel x itemsize``), and must not exceed it.
 The shapes are chosen so that each eager moment is the peak once (an MLP chunk's backward, the
@@ -17,8 +17,8 @@ import torch
 
 from allocations import AllocationRecorder
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.attention import sdpa_backend
-from megatrain_ray.engine.sequence import LayerRunner, tiled_backward_bytes
+from megatrain_ray.engine.compute.attention import sdpa_backend
+from megatrain_ray.engine.compute.sequence import LayerRunner, tiled_backward_bytes
 from megatrain_ray.model import transformer as M
 from megatrain_ray.model.layout import LayerTemplate
 from megatrain_ray.orchestration import preflight

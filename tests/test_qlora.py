@@ -42,7 +42,7 @@ from float64_truth import assert_as_close_to_truth, float64_only, to_float64  # 
 from test_lora_training import _peft, _reference  # noqa: E402
 
 from megatrain_ray.data.loader import BatchSource  # noqa: E402
-from megatrain_ray.engine.store import ParameterStore, StoreSpec  # noqa: E402
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config, read_config  # noqa: E402
 from megatrain_ray.model.lora import merged_weight  # noqa: E402
 from megatrain_ray.model.quant_layout import QuantLayout, quantized  # noqa: E402

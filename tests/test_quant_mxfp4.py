@@ -29,7 +29,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: 
 from artifacts import import_store, make_model  # noqa: E402
 from test_quant_store import _base, _config, routed_fetch  # noqa: E402
 from megatrain_ray.config.model import ModelConfig  # noqa: E402
-from megatrain_ray.engine.quantized import DeviceDequant, runs  # noqa: E402
+from megatrain_ray.engine.store.quantized import DeviceDequant, runs  # noqa: E402
 from megatrain_ray.model import mxfp4 as M  # noqa: E402
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.model.moe import EXPERT, part_of  # noqa: E402
@@ -210,7 +210,7 @@ def _mxfp4_checkpoint(model, directory, random: bool = False) -> dict:
 
 
 def _lora_store(directory, shm_dir, fmt: str):
-    from megatrain_ray.engine.store import ParameterStore, StoreSpec
+    from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
     from megatrain_ray.io.hf_io import load_train_config
     from megatrain_ray.model.precision import resolve_precision
     import os

@@ -1,4 +1,4 @@
-"""A quantized base's bytes (model.quant_layout, engine.quantized) on the CPU: layout, routed fetches, batched dequantization.
+"""A quantized base's bytes (model.quant_layout, engine.store.quantized) on the CPU: layout, routed fetches, batched dequantization.
 
 Each unit's records follow its template, so a sparse layer's parts (its attention, shared expert and
 each routed expert) are byte ranges of the quantized unit: fetching only some experts' bytes and
@@ -12,7 +12,7 @@ import torch
 
 from artifacts import make_model
 from megatrain_ray.config.model import ModelConfig
-from megatrain_ray.engine.quantized import DeviceDequant, QuantizedBase, dequantize, runs
+from megatrain_ray.engine.store.quantized import DeviceDequant, QuantizedBase, dequantize, runs
 from megatrain_ray.model.layout import StoreLayout
 from megatrain_ray.model.quant_layout import NF4, RAW, QuantLayout, bytes_per_param, quantized
 

@@ -1,4 +1,4 @@
-"""Units updated on the compute worker's device (memory.resident, megatrain_ray.engine.resident).
+"""Units updated on the compute worker's device (memory.resident, megatrain_ray.engine.compute.resident).
 
 On the CPU backend the resident units go through the sink's own AdamW kernel on the gradient the sink
 would have read, clipped by the same factor (the same squared norms summed in the same order), so a
@@ -18,9 +18,9 @@ import torch
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.device import CpuBackend
-from megatrain_ray.engine.resident import ResidentUnits, checkpoint_due, sync_due
-from megatrain_ray.engine.store import ParameterStore, StoreSpec, resident_units
+from megatrain_ray.engine.compute.device import CpuBackend
+from megatrain_ray.engine.compute.resident import ResidentUnits, checkpoint_due, sync_due
+from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec, resident_units
 from megatrain_ray.errors import ConfigError, PipelineError
 from megatrain_ray.io import checkpoint, writer
 from megatrain_ray.model.layout import StoreLayout

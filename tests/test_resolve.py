@@ -7,7 +7,7 @@ import uuid
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.activations import GPU, KEEP
+from megatrain_ray.engine.compute.activations import GPU, KEEP
 from megatrain_ray.orchestration import preflight
 from megatrain_ray.orchestration.cluster import cluster_to_join
 from megatrain_ray.orchestration.resolve import Facts, resolve

@@ -1,4 +1,4 @@
-"""Recompute spans (megatrain_ray.engine.activations.SPAN): layers without a checkpoint of their own,
+"""Recompute spans (megatrain_ray.engine.compute.activations.SPAN): layers without a checkpoint of their own,
 whose inputs the backward brings back by running the span's forward again from the checkpoint
 before them.
 
@@ -17,7 +17,7 @@ import torch
 
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.activations import GPU, HOST, KEEP, SPAN, layer_modes, recompute_spans, recomputed_layers
+from megatrain_ray.engine.compute.activations import GPU, HOST, KEEP, SPAN, layer_modes, recompute_spans, recomputed_layers
 from megatrain_ray.engine.schedule import Schedule
 from megatrain_ray.model import flops
 from megatrain_ray.model.layout import StoreLayout

@@ -118,7 +118,7 @@ class MemorySection:
     None (default) = off up to 65536 tokens per sequence, 16384 beyond (see ``mlp_chunk_size_for``)."""
     activations: str = "auto"
     """Where each decoder layer's activations wait for its backward (see
-    megatrain_ray.engine.activations): auto (default) = on cuda, chosen by the planner from the GPU's
+    megatrain_ray.engine.compute.activations): auto (default) = on cuda, chosen by the planner from the GPU's
     memory: as many layers as fit keep their whole forward graph on the GPU (no recompute in the
     backward: ~25% less GEMM work for those layers), the rest keep their input checkpoint on the GPU,
     and where even those do not fit, the first layers' checkpoints go to pinned host memory, and
@@ -149,7 +149,7 @@ class MemorySection:
     those units in device memory (fp32 master and moments, compute-dtype weights; Qwen2.5-7B shape:
     14.2 GiB, less 1.8 GiB of weight slots that shrink to a decoder layer's; ``plan`` counts both),
     never streamed; their host copy is brought up to date at checkpoint boundaries and at the end.
-    One compute worker, fp32 master weights and moments (see megatrain_ray.engine.resident)."""
+    One compute worker, fp32 master weights and moments (see megatrain_ray.engine.compute.resident)."""
     resident_layers: int = 0
     """With memory.resident embed_head: the first this many decoder layers are resident too (layer 0
     is the next the forward waits for after the embedding)."""
@@ -227,7 +227,7 @@ class ParallelSection:
     updates every unit of its own replica, no traffic) or sharded (node k updates the units
     u % nodes == k and broadcasts their new weights to the others: 1/nodes of the CPU work per
     node; the AdamW states are gathered at checkpoint boundaries and at the end, so an interrupt
-    saves no checkpoint of its own). See megatrain_ray.engine.shards."""
+    saves no checkpoint of its own). See megatrain_ray.engine.sink.shards."""
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
     compute worker's kernel launches)."""

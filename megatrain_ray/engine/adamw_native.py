@@ -10,7 +10,7 @@ fused AdamW, downcast). The arithmetic follows ``torch._fused_adamw_`` (decouple
 The same update also runs split in two passes (:func:`stream_pass`, :func:`master_pass`) where
 the next forward waits on it: the first writes the moments and the stream copy (24 bytes per
 parameter), the second, later, the fp32 master from the new moments (16 bytes); the same
-arithmetic, so the same bits (see :mod:`megatrain_ray.engine.sink`).
+arithmetic, so the same bits (see :mod:`megatrain_ray.engine.sink.gradient_sink`).
 
 The kernel has no threads of its own: :class:`~megatrain_ray.engine.optim.AdamWRunner` calls it from a
 pool of Python threads on pieces of a unit (``ctypes`` releases the GIL for the call). It is

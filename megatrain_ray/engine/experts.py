@@ -14,7 +14,7 @@ knows once its forward has run the layer:
   experts are two copies, and all experts routed is the whole block, one copy). The slot's ranges of
   the other experts hold stale bytes, which nothing reads: an expert without a token has zero rows
   in the grouped GEMMs, so zero gradient whatever its weights (:func:`~megatrain_ray.model.moe.routed_experts`);
-  the recompute is given the forward's choice (:class:`~megatrain_ray.engine.routing.StepRouting`),
+  the recompute is given the forward's choice (:class:`~megatrain_ray.engine.compute.routing.StepRouting`),
   so it uses exactly the experts that came;
 - **gradient**: with the unit's policy ``experts: routed`` (:mod:`megatrain_ray.engine.policy`), only
   the same parts' ranges go to the host; the ticket names the parts left out

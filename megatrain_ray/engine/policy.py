@@ -13,14 +13,14 @@ A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.
   zero, implicitly, and its update still applies it) or ``all`` (every expert's gradient crosses:
   data-parallel workers each see only their share of the step's routing); "" for a unit without;
 - ``optimizer``: which update it gets, by whom: ``exact`` (AdamW on the host in one pass),
-  ``split`` (the same update in two passes, the stream copy first, see :mod:`megatrain_ray.engine.sink`),
+  ``split`` (the same update in two passes, the stream copy first, see :mod:`megatrain_ray.engine.sink.gradient_sink`),
   ``compact`` (8-bit moments, :mod:`megatrain_ray.engine.compact`), ``device`` (AdamW on the compute
-  worker's device, :mod:`megatrain_ray.engine.resident`) or ``none`` (never updated).
+  worker's device, :mod:`megatrain_ray.engine.compute.resident`) or ``none`` (never updated).
 
 Policies are resolved once per run (:func:`policies_of_run`, from the settings the run resolved)
 and the roles take their behaviour from them: the prefetcher streams the ``streamed`` units, the
 compute worker holds the ``resident`` ones and sends gradients as ``gradient`` says, and the sink
-runs each unit's ``optimizer`` (:mod:`megatrain_ray.engine.updates`). A new kind of unit joins by
+runs each unit's ``optimizer`` (:mod:`megatrain_ray.engine.sink.updates`). A new kind of unit joins by
 being given a policy, not by a new branch in those loops.
 """
 
@@ -70,7 +70,7 @@ class UnitPolicy:
 
 
 FROZEN = UnitPolicy(STREAMED, DEVICE, NONE)
-"""A LoRA run's base unit (:mod:`megatrain_ray.engine.adapters`): streamed, never updated, so no
+"""A LoRA run's base unit (:mod:`megatrain_ray.engine.compute.adapters`): streamed, never updated, so no
 gradient of its weights is computed (:attr:`UnitPolicy.trains`); the gradient that stays on the
 device is its adapters', whose squared norm goes to the sink."""
 

@@ -30,7 +30,7 @@ class Schedule:
     update: tuple[int, ...]
     """Every unit, in the order the next step's forward needs them: embedding, layers, head."""
     resident: tuple[int, ...] = ()
-    """Units resident on the compute worker's device, updated there (see :mod:`megatrain_ray.engine.resident`)."""
+    """Units resident on the compute worker's device, updated there (see :mod:`megatrain_ray.engine.compute.resident`)."""
     routed: tuple[bool, ...] = ()
     """For each entry of ``fetch``: whether it is not its unit's first fetch of the step, so that the
     step's routing through the unit is known by then (the forward has run it) and a sparse layer's
@@ -40,7 +40,7 @@ class Schedule:
     def build(cls, layout: StoreLayout, tied: bool, resident: tuple[int, ...] = (),
               spans: tuple[tuple[int, int], ...] = ()) -> Schedule:
         """``spans``: (first, last) decoder layer of each recompute span
-        (:func:`~megatrain_ray.engine.activations.recompute_spans`)."""
+        (:func:`~megatrain_ray.engine.compute.activations.recompute_spans`)."""
         layers = sorted({u.layer for u in layout.layers})
         group = {i: [u.index for u in layout.records if u.layer == i] for i in layers}
         embed, head = layout.embed.index, layout.head.index

@@ -34,7 +34,7 @@ class ComputeSettings:
     attention_backend: str
     """The SDPA kernel (compute.attention_backend)."""
     activations: tuple[str, ...]
-    """Each decoder layer's activation placement (:func:`~megatrain_ray.engine.activations.layer_modes`)."""
+    """Each decoder layer's activation placement (:func:`~megatrain_ray.engine.compute.activations.layer_modes`)."""
     threads: int | None
     """torch's CPU threads in the worker (all usable CPUs on the cpu device); None: torch's default."""
     timeout_s: float
@@ -49,7 +49,7 @@ class ComputeSettings:
     """Every unit in the schedule's update order (:attr:`~megatrain_ray.engine.schedule.Schedule.update`):
     the order in which gradients held on the device until the step's norm go out."""
     seed: int = 0
-    """train.seed: a LoRA run's adapters are initialised from it (:mod:`megatrain_ray.engine.adapters`)."""
+    """train.seed: a LoRA run's adapters are initialised from it (:mod:`megatrain_ray.engine.compute.adapters`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

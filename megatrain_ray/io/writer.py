@@ -204,7 +204,7 @@ class CheckpointWriter:
 
     def _release_resident(self, step: int) -> None:
         """Let the compute worker overwrite the copy of its units that it held for this write
-        (:mod:`megatrain_ray.engine.resident`); a checkpoint copy of a later boundary is not this write's."""
+        (:mod:`megatrain_ray.engine.compute.resident`); a checkpoint copy of a later boundary is not this write's."""
         if self.store.spec.resident and self.store.checkpoint_copy() == step:
             self.store.set_checkpoint_copy(None)
 

@@ -100,9 +100,9 @@ def recompute_flops(model: ModelConfig, seq_len: int, tokens: int, layers: float
     """Forward FLOPs the backward runs again over ``tokens`` in sequences of ``seq_len``, in PaLM's
     convention: for each of ``layers`` decoder layers recomputed from a checkpoint, per token 2 x the
     layer's projections up to the down projection (the recompute stops before it, see
-    :mod:`megatrain_ray.engine.sequence`) plus 4 S d for the attention scores and values (a third of
+    :mod:`megatrain_ray.engine.compute.sequence`) plus 4 S d for the attention scores and values (a third of
     :func:`attention_flops_per_token`'s per layer); for each of ``reforwards`` whole layer forwards
-    run again within recompute spans (:mod:`megatrain_ray.engine.activations`), the down projection too."""
+    run again within recompute spans (:mod:`megatrain_ray.engine.compute.activations`), the down projection too."""
     h, inter = model.hidden_size, model.intermediate_size
     q, kv = model.num_attention_heads * model.head_size, model.num_key_value_heads * model.head_size
     span = attended(model, seq_len) / model.num_hidden_layers  # S, or less with sliding windows

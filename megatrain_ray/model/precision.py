@@ -28,7 +28,7 @@ gradient) = 14 with fp32 master and bf16 compute; 2 + 8 + 2 (bf16 gradient) = 12
 Without clipping (``optim.max_grad_norm=0``), or with the gradients held on the device until the
 step's norm is known (``experimental.hold_grads``, the default on cuda: 2 bytes per parameter of device
 memory instead), the last two need no whole-model gradient array, only a ring of three unit-sized
-slots (see :mod:`megatrain_ray.engine.store`): 10 and 12 bytes per parameter plus O(one unit).
+slots (see :mod:`megatrain_ray.engine.store.host_store`): 10 and 12 bytes per parameter plus O(one unit).
 With ``optim.state: 8bit``: 2 + 2 = 4 bytes per parameter, plus 2 for the gradient array where it
 is not held on the device (6).
 """

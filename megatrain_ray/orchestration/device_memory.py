@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from ..engine.activations import (kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers,
+from ..engine.compute.activations import (kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers,
                                   sparse_kept_bytes_per_token)
-from ..engine.sequence import tiled_backward_bytes
-from ..engine.store import StoreSpec, largest_streamed, resident_units
+from ..engine.compute.sequence import tiled_backward_bytes
+from ..engine.store.host_store import StoreSpec, largest_streamed, resident_units
 from ..model.flops import recompute_flops
 from ..model.quant import DEQUANT_CHUNK
 from ..model.quant_layout import QuantLayout
@@ -123,7 +123,7 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
 
 
 def _logit_bytes(c: int, compiled: bool) -> int:
-    """Device bytes per logit of one loss chunk at its peak (:mod:`megatrain_ray.engine.head`), for a
+    """Device bytes per logit of one loss chunk at its peak (:mod:`megatrain_ray.engine.compute.head`), for a
     compute dtype of ``c`` bytes. Eager: the logits (c), their fp32 upcast and log-softmax (4 + 4, the
     latter saved for the backward) and its fp32 gradient (4). Compiled: the logits and their gradient
     in the compute dtype (2c), the fp32 softmax fused into the kernels around the two GEMMs. Checked
@@ -140,7 +140,7 @@ def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer
     their gradients) and q, k, v with the attention output and their gradients; the MLP: 5
     [tokens, intermediate] tensors (see the module docstring). Tiled (memory.mlp_chunk_size, the
     long-context path): the peak of its moments as
-    :func:`~megatrain_ray.engine.sequence.tiled_backward_bytes` counts them, the attention kernel's
+    :func:`~megatrain_ray.engine.compute.sequence.tiled_backward_bytes` counts them, the attention kernel's
     scratch on CUDA among them. Both: the layer's fp32 gradient with a compute-dtype weight gradient
     (``layer_numel`` elements; 0: a LoRA run's frozen base, which has none). A sparse layer (never tiled)
     instead: its tokens x top-k dispatched rows through the experts (the gathered rows, gate/up, the
@@ -171,7 +171,7 @@ def _layer_working_set(cfg: TrainConfig, device: str, tokens: int, c: int, layer
 def _kept_per_token(cfg: TrainConfig, device: str, c: int) -> int:
     """Device bytes per token of one layer's kept graph: the larger of a dense layer's and, in a
     mixture of experts, a sparse layer's (its dispatched rows: tokens x top-k through the experts,
-    :func:`~megatrain_ray.engine.activations.sparse_kept_bytes_per_token`), of the kinds the model has."""
+    :func:`~megatrain_ray.engine.compute.activations.sparse_kept_bytes_per_token`), of the kinds the model has."""
     m = cfg.model
     dense = len(m.sparse_layers) < m.num_hidden_layers
     return max([kept_bytes_per_token(m, c, compiled=cfg.compute.compile_on(device))] * dense
@@ -286,7 +286,7 @@ def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) ->
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None,
                          resident: tuple[int, ...] | None = None, host_bytes: int | None = None) -> tuple[str, ...]:
-    """Each decoder layer's activation placement (:func:`megatrain_ray.engine.activations.layer_modes`)
+    """Each decoder layer's activation placement (:func:`megatrain_ray.engine.compute.activations.layer_modes`)
     for the run's micro-batch on a device of ``device_bytes`` (None: unknown; nothing is kept or
     offloaded then unless memory.activations says so), with ``host_bytes`` of host RAM free for
     offloaded checkpoints (None: unlimited)."""
@@ -358,7 +358,7 @@ def placement_line(modes: tuple[str, ...], device: str, setting: str) -> str:
 def _slot_rows(cfg, layout, depth: int, c: int, dtype, resident) -> list[Row]:
     """The weight slots: ``depth`` of the largest streamed unit; with a quantized base (lora.base_format),
     as many byte slots of its largest unit's bytes, each with a weight slot of its largest quantized unit
-    (:mod:`megatrain_ray.engine.quantized`)."""
+    (:mod:`megatrain_ray.engine.store.quantized`)."""
     if not cfg.lora.quantized:
         return [Row(f"weight slots ({depth} x largest unit{' streamed' if resident else ''})", "device",
                     depth * largest_streamed(layout, resident) * c)]

@@ -23,7 +23,7 @@ import ray
 
 from ..data.datasets import run_tokenizer
 from ..errors import ActorDied, Interrupted, MegatrainError, PipelineError
-from ..engine.resident import checkpoint_due, sync_due
+from ..engine.compute.resident import checkpoint_due, sync_due
 from ..io import checkpoint
 from ..io.files import replacing
 from ..progress import Eta
@@ -181,7 +181,7 @@ class Driver:
             due = self.cfg.train.eval_due(step)
             batch = batch_ref(step)  # the whole step's batch: each worker takes its share
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
-            resident = (sync_due(self.checkpoints, step, self.start, self.steps),  # the resident units' copy (engine.resident)
+            resident = (sync_due(self.checkpoints, step, self.start, self.steps),  # the resident units' copy (engine.compute.resident)
                      checkpoint_due(self.checkpoints, step, self.start, self.steps))
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
                                                                          self.eval_ref if due and rank == 0 else None,
@@ -218,7 +218,7 @@ class Driver:
         self.result.fetches.append(out["fetches"])
         self.outputs[step] = out
         self.notes.ended(out)
-        if "checkpoint" in out:  # a LoRA run's, written by the compute worker (engine.adapters)
+        if "checkpoint" in out:  # a LoRA run's, written by the compute worker (engine.compute.adapters)
             self._handle([out.pop("checkpoint")])
 
     def _salvage(self, within: float = 2.0) -> None:

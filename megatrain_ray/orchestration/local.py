@@ -13,8 +13,8 @@ import uuid
 
 from ..config import TrainConfig
 from ..data.loader import source_from_config
-from ..engine import shm
-from ..engine.resident import sync_due
+from ..engine.store import shm
+from ..engine.compute.resident import sync_due
 from ..errors import ConfigError
 from ..model.precision import resolve_device
 from .cluster import connect_ray

@@ -3,7 +3,7 @@
 The step time is the step's FLOPs per GPU over the rate the GPU reaches: the model FLOPs in PaLM's
 convention (attention's S x S work counted, :mod:`megatrain_ray.model.flops`) plus the forward the
 backward recomputes for every layer that has no kept graph (:func:`~megatrain_ray.model.flops.recompute_flops`;
-more within recompute spans, see :func:`~megatrain_ray.engine.activations.recomputed_layers`),
+more within recompute spans, see :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`),
 at :data:`ACHIEVED` of the GPU's nominal bf16 dense rate (by its name, :data:`NOMINAL_TFLOPS`; or
 the rate ``megatrain-ray plan --gpu-tflops`` gives, e.g. one measured by ``megatrain-ray bench``).
 On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit of
@@ -87,7 +87,7 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
                   gpu_name: str | None = None) -> Pace:
     """The pace of ``cfg`` on ``device`` with ``recomputed`` decoder layers' forwards run again in
     the backward and ``reforwarded`` more within recompute spans (see
-    :func:`~megatrain_ray.engine.activations.recomputed_layers`); ``tflops``: the device's rate
+    :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`); ``tflops``: the device's rate
     (default: nominal, by ``gpu_name`` on cuda)."""
     t = cfg.train
     tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers

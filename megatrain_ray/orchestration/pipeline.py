@@ -46,7 +46,7 @@ import torch
 
 from ..config import TrainConfig, describe_resident
 from ..data.loader import check_resume_data, run_data, source_from_config
-from ..engine import reaper, shm
+from ..engine.store import reaper, shm
 from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, PipelineError  # noqa: F401  (Interrupted: raised by the driver)
 from ..io import checkpoint, run_lock
 from ..io.lora_checkpoint import check_adapters

@@ -14,7 +14,7 @@ Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
 - **device** (the GPU; on a CPU run, host RAM): ``buffer_depth`` weight slots of the largest unit;
   the activations, placed per layer by :func:`activation_counts` (memory.activations): a layer's
   checkpoint (its input, for every micro-batch: tokens per step x hidden), or its whole forward
-  graph (:func:`megatrain_ray.engine.activations.kept_bytes_per_token` per token, plus a copy of
+  graph (:func:`megatrain_ray.engine.compute.activations.kept_bytes_per_token` per token, plus a copy of
   its weights), or its checkpoint in host RAM (leaving ~3 layers' worth in flight on the device),
   and the last layer's output; the input gradients of every micro-batch; the fp32 embedding and
   head gradients; and, never at the same time (so the device total counts the larger, see
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..data.builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS
-from ..engine.activations import recomputed_layers
-from ..engine.store import StoreSpec, VersionWords, resident_units
+from ..engine.compute.activations import recomputed_layers
+from ..engine.store.host_store import StoreSpec, VersionWords, resident_units
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
 from ..model import flops
 from ..model.layout import StoreLayout

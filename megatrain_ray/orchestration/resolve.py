@@ -4,7 +4,7 @@ the machine it runs on, before anything is spawned.
 ``resolve(config, facts) -> ResolvedRun`` is computed once by the driver (the Ray pipeline and the
 single-process driver) and by ``megatrain-ray plan``, which prints exactly it
 (:meth:`ResolvedRun.describe`). Every role is built from its part of it (the store's
-:class:`~megatrain_ray.engine.store.StoreSpec`, the compute worker's
+:class:`~megatrain_ray.engine.store.host_store.StoreSpec`, the compute worker's
 :class:`~megatrain_ray.engine.settings.ComputeSettings`, the gradient sink's
 :class:`~megatrain_ray.engine.settings.SinkSettings`); nothing is planned again at spawn, and the
 config is never rewritten: what the user wrote stays in ``config``, what it resolved to is here.
@@ -29,12 +29,12 @@ from ..errors import PreflightError
 from ..engine.policy import ALL, FROZEN, HOST_OPTIMIZERS, ROUTED, UnitPolicy, host_optimizer, policies_of_run
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
-from ..engine.store import StoreSpec, resident_units
+from ..engine.store.host_store import StoreSpec, resident_units
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
-from ..engine.activations import recompute_spans
+from ..engine.compute.activations import recompute_spans
 from .device_memory import resolve_resident
 from .machine import gpu_free_memory, guess_device
 from .pace import Pace, role_wait_s

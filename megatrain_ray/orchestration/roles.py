@@ -1,10 +1,10 @@
 """Who runs where: the pipeline's roles of every node, spawned and joined by queues in one place.
 
-Per node: one :class:`~megatrain_ray.engine.store.ParameterStore` (owns that node's shared memory),
-and per compute worker (one per GPU) a :class:`~megatrain_ray.engine.prefetch.Prefetcher` with its
+Per node: one :class:`~megatrain_ray.engine.store.host_store.ParameterStore` (owns that node's shared memory),
+and per compute worker (one per GPU) a :class:`~megatrain_ray.engine.prefetch.prefetcher.Prefetcher` with its
 own fetch and release queues (the worker's device slots) and a
-:class:`~megatrain_ray.engine.compute.ComputeWorker`; one
-:class:`~megatrain_ray.engine.sink.GradientSink` takes the node's gradient tickets (one per worker
+:class:`~megatrain_ray.engine.compute.compute_worker.ComputeWorker`; one
+:class:`~megatrain_ray.engine.sink.gradient_sink.GradientSink` takes the node's gradient tickets (one per worker
 and unit: each worker sends its shard of the summed gradient). The data loaders run on the first
 node. Checkpoints are written by the first node's sink only (every replica holds the same state).
 The queues of a node live in one actor of their own, the node's queue host
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import TrainConfig, usable_cpus
-from ..engine.compute import ComputeWorker
-from ..engine.prefetch import Prefetcher
-from ..engine.sink import GradientSink
-from ..engine.store import ParameterStore, StoreSpec
+from ..engine.compute.compute_worker import ComputeWorker
+from ..engine.prefetch.prefetcher import Prefetcher
+from ..engine.sink.gradient_sink import GradientSink
+from ..engine.store.host_store import ParameterStore, StoreSpec
 from ..errors import PipelineError
 from .calls import forget_roles, name_role
 from .pace import Pace

@@ -8,7 +8,7 @@ import dataclasses
 
 from ..config import LoraSection, TrainConfig
 from ..config.lora import BASE_FORMATS, mxfp4_refusal
-from ..engine.store import StoreSpec
+from ..engine.store.host_store import StoreSpec
 from ..model import flops
 from ..model.layout import StoreLayout
 from ..model.precision import resolve_precision

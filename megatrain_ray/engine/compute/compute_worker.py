@@ -7,26 +7,26 @@ and the slot is released as soon as the unit is done. One step, as one loop:
 1. embedding of every micro-batch;
 2. forward of layer 0..L-1 for every micro-batch, keeping each layer's input as the checkpoint (on
    the device or offloaded to host memory) or, for the layers placed so, its whole autograd graph
-   (see :mod:`megatrain_ray.engine.activations`);
+   (see :mod:`megatrain_ray.engine.compute.activations`);
 3. head: final norm, LM head and loss in chunks of tokens (never the full logits), forward and
    backward at once; its gradient goes out;
 4. backward of layer L-1..0, recomputing each layer from its checkpoint (or differentiating its
    kept graph), for every micro-batch, accumulating the weight gradient in fp32; each layer's
    gradient goes out as soon as it is done;
 5. embedding gradient (the input gradients added into their ids' rows in a fixed order, see
-   :mod:`megatrain_ray.engine.embed_grad`; plus the head's when tied) goes out.
+   :mod:`megatrain_ray.engine.compute.embed_grad`; plus the head's when tied) goes out.
 
 A mixture of experts' sparse layers (units with parts: attention and router, shared expert, each
-routed expert) run through :meth:`~megatrain_ray.engine.sequence.LayerRunner.forward_routed`, their
-router statistics gathered by a :class:`~megatrain_ray.engine.routing.StepRouting`: the
+routed expert) run through :meth:`~megatrain_ray.engine.compute.sequence.LayerRunner.forward_routed`, their
+router statistics gathered by a :class:`~megatrain_ray.engine.compute.routing.StepRouting`: the
 load-balancing loss joins the step's loss, its gradient joins each sparse layer's backward
-(recomputed from its checkpoint, or through its kept graph: :mod:`megatrain_ray.engine.passes`), and
+(recomputed from its checkpoint, or through its kept graph: :mod:`megatrain_ray.engine.compute.passes`), and
 the tokens each expert received are returned with the step. An expert that received no token has an exactly zero
 gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.engine.experts`).
 
-Units resident on the worker's device (memory.resident, :mod:`megatrain_ray.engine.resident`) are not fetched:
+Units resident on the worker's device (memory.resident, :mod:`megatrain_ray.engine.compute.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
-updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.adapters`).
+updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.compute.adapters`).
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
@@ -38,7 +38,7 @@ Every model call of the step runs under the SDPA backend of ``compute.attention_
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
 fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
 back to the prefetcher, and the *grad sender* waits for each gradient's copy to the host store to
-complete before sending its ticket to the sink (:mod:`megatrain_ray.engine.grad_out`).
+complete before sending its ticket to the sink (:mod:`megatrain_ray.engine.compute.grad_out`).
 """
 
 from __future__ import annotations
@@ -51,25 +51,25 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, MegatrainError, PipelineError, thread_failed
-from ..model.layout import DECODER_LAYER, Unit
-from ..model.transformer import embed
+from ...errors import ConfigError, MegatrainError, PipelineError, thread_failed
+from ...model.layout import DECODER_LAYER, Unit
+from ...model.transformer import embed
 from .activations import KEEP, ActivationStore
 from .adapters import DeviceAdapters
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
-from .experts import ExpertTraffic
+from ..experts import ExpertTraffic
 from .grad_out import GradOut
-from .quantized import DeviceDequant
+from ..store.quantized import DeviceDequant
 from .passes import LayerWeights, StepLayers, layer_passes
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .resident import ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
 from .routing import StepRouting
-from .settings import ComputeSettings
-from .store import HostStore, StoreSpec, largest_streamed
-from .tickets import NO_PROGRESS, FetchTicket, drain, wait_while_moving
+from ..settings import ComputeSettings
+from ..store.host_store import HostStore, StoreSpec, largest_streamed
+from ..tickets import NO_PROGRESS, FetchTicket, drain, wait_while_moving
 from .worker_group import GroupMember
 
 
@@ -89,7 +89,7 @@ class ComputeWorker(GroupMember):
         self.runner = LayerRunner(s.mlp_chunk_size, wrap)
         self.head_loss_fn = (CompiledLayer(threads=s.compile_threads, fn=chunk_loss_sum, what="LM head",
                                            backward_at_forward=True) if s.compile else chunk_loss_sum)
-        """One loss chunk of the head (:mod:`megatrain_ray.engine.head`), compiled with the layers."""
+        """One loss chunk of the head (:mod:`megatrain_ray.engine.compute.head`), compiled with the layers."""
         self._compile_pool = self.runner.compiled()[0] if s.compile and s.compile_threads > 1 else None
         """The compiled layer whose worker pool is still to be shut down after the first step."""
         self.store = HostStore(spec)
@@ -112,7 +112,7 @@ class ComputeWorker(GroupMember):
                               f"{self.cfg.num_hidden_layers}; check memory.activations.")
         self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
         self.passes = layer_passes(self.cfg, placement)
-        """Each decoder layer's pass (:mod:`megatrain_ray.engine.passes`): kept, recomputed or routed."""
+        """Each decoder layer's pass (:mod:`megatrain_ray.engine.compute.passes`): kept, recomputed or routed."""
         offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
         if s.attention_backend not in offered:
             raise ConfigError(f"compute.attention_backend {s.attention_backend!r} is not available on {device}; "
@@ -235,7 +235,7 @@ class ComputeWorker(GroupMember):
         """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None;
         sync: the boundary after this step is a checkpoint's or the run's end, so the resident units'
         state goes to the host store after their update; for_checkpoint: a checkpoint's, so that copy stays
-        until the checkpoint has it (:func:`~megatrain_ray.engine.resident.sync_due`, ``checkpoint_due``).
+        until the checkpoint has it (:func:`~megatrain_ray.engine.compute.resident.sync_due`, ``checkpoint_due``).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
         seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
@@ -292,7 +292,7 @@ class ComputeWorker(GroupMember):
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Embedding and every decoder layer forward, for every micro-batch (and the validation
         sequences alongside: no extra weight traffic), each layer leaving for its backward what its
-        pass says (:mod:`megatrain_ray.engine.passes`; a sparse layer's router statistics into
+        pass says (:mod:`megatrain_ray.engine.compute.passes`; a sparse layer's router statistics into
         ``s.routing``). Returns the last hidden states of both."""
         template = self.layout.templates[self.layout.embed.index]
         ticket, flat = self._take(self.layout.embed.index, step)
@@ -343,7 +343,7 @@ class ComputeWorker(GroupMember):
     @torch.no_grad()
     def _span_forward(self, step: int, s: StepLayers, first: int, last: int) -> None:
         """Layers first..last-1 forward again from ``first``'s checkpoint, each output held as the next
-        layer's input for its backward (a recompute span, :mod:`megatrain_ray.engine.activations`)."""
+        layer's input for its backward (a recompute span, :mod:`megatrain_ray.engine.compute.activations`)."""
         xs = self.activations.take(first)
         self.activations.set_inputs(first, xs)
         for unit in [u for u in self.layout.layers if first <= u.layer < last]:
@@ -426,7 +426,7 @@ class ComputeWorker(GroupMember):
         return loss, dxs, val_loss
 
     def lora(self, call: str, *args):
-        """A LoRA run's adapters' ``export`` or ``checkpoint`` (:mod:`megatrain_ray.engine.adapters`)."""
+        """A LoRA run's adapters' ``export`` or ``checkpoint`` (:mod:`megatrain_ray.engine.compute.adapters`)."""
         return getattr(self.adapters, call)(*args)
 
     def sync_resident(self) -> None:

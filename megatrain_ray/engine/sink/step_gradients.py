@@ -1,5 +1,5 @@
 """A step's gradients as the gradient sink takes them: whole tickets, the step's norm, and the
-clipping factor each unit's update gets (:mod:`megatrain_ray.engine.sink`).
+clipping factor each unit's update gets (:mod:`megatrain_ray.engine.sink.gradient_sink`).
 
 Tickets (:class:`StepTickets`): a unit's gradient is whole once every compute worker's ticket for
 it is in, each for its shard of the all-reduced gradient (the step's squared norm sums each
@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import PipelineError
-from .experts import zero_skipped
-from .grad_reduce import sum_copies
-from .policy import NONE, UnitPolicy
-from .tickets import GradTicket
+from ...errors import PipelineError
+from ..experts import zero_skipped
+from ..grad_reduce import sum_copies
+from ..policy import NONE, UnitPolicy
+from ..tickets import GradTicket
 
 Updates = Iterator[tuple[GradTicket, float]]
 """(the ticket of a unit to update now, its clipping factor)."""

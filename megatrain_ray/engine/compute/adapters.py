@@ -9,12 +9,12 @@ that the forward binds beside the layer's streamed weights. The gradient norm th
 theirs alone (the frozen base has none): each layer's squared norm goes to the sink in that
 layer's ticket (0 for the embedding and the head), which sums them in arrival order for the step's
 stats, and this worker sums the same floats in the same order for the clipping factor
-(:func:`~megatrain_ray.engine.resident.step_sq_norm`), then updates every adapter at the end of the
+(:func:`~megatrain_ray.engine.compute.resident.step_sq_norm`), then updates every adapter at the end of the
 step's backward through the optimizer protocol of the device-side units of memory.resident
-(:class:`~megatrain_ray.engine.resident.DeviceAdamW`).
+(:class:`~megatrain_ray.engine.compute.resident.DeviceAdamW`).
 
 With several compute workers each holds its own copy of the adapters, initialised alike, and each
-unit's gradient is summed over them (the all-reduce of :class:`~megatrain_ray.engine.grad_out.GradOut`)
+unit's gradient is summed over them (the all-reduce of :class:`~megatrain_ray.engine.compute.grad_out.GradOut`)
 before its norm is taken, so every copy takes the same update; the first worker writes the
 checkpoints and the export.
 """
@@ -28,13 +28,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import OptimConfig
-from ..errors import CheckpointError, PipelineError
-from ..io import lora_checkpoint, peft_io
-from ..io.writer import driver_gone
-from ..model.lora import AdapterLayout, dropout_masks, is_adapter
-from ..model.transformer import Params, hf_name
-from .optim import AdamWRunner, step_clipping
+from ...config import OptimConfig
+from ...errors import CheckpointError, PipelineError
+from ...io import lora_checkpoint, peft_io
+from ...io.writer import driver_gone
+from ...model.lora import AdapterLayout, dropout_masks, is_adapter
+from ...model.transformer import Params, hf_name
+from ..optim import AdamWRunner, step_clipping
 from .resident import DeviceAdamW
 
 
@@ -49,7 +49,7 @@ class DeviceAdapters:
 
     def __init__(self, store, seed: int, device: torch.device, optim: OptimConfig, total_steps: int, threads: int = 1,
                  checkpoints=None, resume_from: str | None = None):
-        """store: the compute worker's :class:`~megatrain_ray.engine.store.HostStore` (its spec's model,
+        """store: the compute worker's :class:`~megatrain_ray.engine.store.host_store.HostStore` (its spec's model,
         lora section and compute dtype; its base, for the merged export); seed: of the adapters'
         initialisation; plan: the run's
         :class:`~megatrain_ray.io.checkpoint.CheckpointSettings` (None: no checkpoints); resume_from: a LoRA
@@ -81,7 +81,7 @@ class DeviceAdapters:
                                 "exp_avg_sq": torch.zeros_like(master), "weights": weights}
         self.optimizer = DeviceAdamW({i: self.state[u] for i, (u, _) in enumerate(self.layout.trained)}, self.runner,
                                      optim, total_steps, _Templates(tuple(t for _, t in self.layout.trained)))
-        """The device units' optimizer protocol (:class:`~megatrain_ray.engine.resident.DeviceAdamW`), by index."""
+        """The device units' optimizer protocol (:class:`~megatrain_ray.engine.compute.resident.DeviceAdamW`), by index."""
         self.grads: dict[str, torch.Tensor] = {}
         """unit -> this step's gradient [numel] fp32, accumulated over the micro-batches, until the update."""
         self.version = 0

@@ -4,7 +4,7 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 
 - ``master``      master weights (precision policy: fp32, or bf16); a LoRA run's frozen base in the
                   compute dtype, or stored quantized (lora.base_format nf4, int8, mxfp4): its bytes, one
-                  record per parameter (:mod:`megatrain_ray.engine.quantized`)
+                  record per parameter (:mod:`megatrain_ray.engine.store.quantized`)
 - ``stream``      compute-dtype copy that is streamed to the device (only when it differs)
 - ``exp_avg``, ``exp_avg_sq``  AdamW states, fp32; with the compact state (optim.state 8bit) uint8
                   codes, and ``exp_avg_scale``, ``exp_avg_sq_scale`` their fp32 block scales, one per
@@ -25,9 +25,9 @@ Kinds (each one segment, each unit a page-aligned block at the same element offs
 - ``versions``    int64, two per unit: how many optimizer updates its stream copy has received
                   (what the prefetcher waits for), then how many its master weights and moments
                   have (what a checkpoint waits for); they differ only while the sink's second
-                  pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink`);
+                  pass of a split update is on its way (see :mod:`megatrain_ray.engine.sink.gradient_sink`);
                   then one more: the *checkpoint copy*, set while a checkpoint still reads the host copy
-                  of the units resident on the compute worker (memory.resident, :mod:`megatrain_ray.engine.resident`)
+                  of the units resident on the compute worker (memory.resident, :mod:`megatrain_ray.engine.compute.resident`)
 
 :class:`HostStore` maps the segments (any actor on the node); :class:`ParameterStore` owns them:
 it creates, initialises (random, or from a Hugging Face checkpoint, shard by shard), saves
@@ -44,13 +44,13 @@ import torch
 
 import dataclasses
 
-from ..config import LoraSection, ModelConfig, TrainConfig
-from ..model.layout import StoreLayout
-from ..model.precision import Precision
-from ..model.quant_layout import QuantLayout
-from ..model.transformer import hf_name
+from ...config import LoraSection, ModelConfig, TrainConfig
+from ...model.layout import StoreLayout
+from ...model.precision import Precision
+from ...model.quant_layout import QuantLayout
+from ...model.transformer import hf_name
 from . import reaper, shm
-from .compact import BLOCK, num_blocks
+from ..compact import BLOCK, num_blocks
 from .init_weights import draw_random
 from .quantized import QuantizedBase
 
@@ -145,11 +145,11 @@ class StoreSpec:
     resident: tuple[int, ...] = ()
     """Units resident on the compute worker (memory.resident): it keeps their weights and AdamW states on
     its device and updates them there; none is fetched or updated by the sink, and their blocks here
-    are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.resident`)."""
+    are a copy brought up to date at checkpoint boundaries (see :mod:`megatrain_ray.engine.compute.resident`)."""
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
     """A LoRA run's adapters (lora.rank > 0): the base is frozen, stored as its master weights alone, in
     the compute dtype (no moments, no gradients, no stream copy); the adapters live on the compute
-    worker's device (:mod:`megatrain_ray.engine.adapters`)."""
+    worker's device (:mod:`megatrain_ray.engine.compute.adapters`)."""
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, precision: Precision, device: str, owner_pid: int, run_id: str,
@@ -175,7 +175,7 @@ class StoreSpec:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
 
     def dtype(self, kind: str) -> torch.dtype:
-        if kind == "master" and self.lora.quantized:  # the base's bytes (megatrain_ray.engine.quantized)
+        if kind == "master" and self.lora.quantized:  # the base's bytes (megatrain_ray.engine.store.quantized)
             return torch.uint8
         if kind == "master":
             return self.precision.master
@@ -199,7 +199,7 @@ class StoreSpec:
     def block_starts(self, kind: str) -> list[int]:
         """Element offsets in one kind's array where a block starts (a unit's block, a ring slot, a
         peer copy's unit): no copy to or from the device crosses one, so pinned memory may be
-        registered in pieces cut there (:func:`megatrain_ray.engine.device.pin_in_pieces`)."""
+        registered in pieces cut there (:func:`megatrain_ray.engine.compute.device.pin_in_pieces`)."""
         if kind == "master" and self.lora.quantized:  # a quantized base's bytes
             return list(QuantLayout.build(self.model, self.lora.base_format, self.precision.compute).offsets)
         layout = StoreLayout.build(self.model)
@@ -242,7 +242,7 @@ class HostStore:
         self.versions = open_(spec.path("versions"), self.words.numel, torch.int64)
         self.base = QuantizedBase(spec.model, spec.lora.base_format, spec.precision.compute,
                                   self.arrays["master"]) if spec.lora.quantized else None
-        """A quantized base's bytes (lora.base_format, :mod:`megatrain_ray.engine.quantized`), or None."""
+        """A quantized base's bytes (lora.base_format, :mod:`megatrain_ray.engine.store.quantized`), or None."""
 
     def block(self, kind: str, i: int) -> torch.Tensor:
         """Unit i's flat block [numel] of one kind.
@@ -356,7 +356,7 @@ class HostStore:
 class ParameterStore:
     """Owner of the shared-memory store (plain class; made a Ray actor at spawn).
 
-    ``reap``: start a :mod:`~megatrain_ray.engine.reaper` that removes the segments if this process
+    ``reap``: start a :mod:`~megatrain_ray.engine.store.reaper` that removes the segments if this process
     dies without closing them (a pipeline's stores do; a store made for a test or a tool need not).
     """
 
@@ -390,7 +390,7 @@ class ParameterStore:
 
     def _load_hf(self, directory: str) -> None:
         """Copy an HF checkpoint into the master blocks, shard by shard (see :mod:`megatrain_ray.io.hf_io`)."""
-        from ..io import bnb_checkpoint, hf_io
+        from ...io import bnb_checkpoint, hf_io
 
         if bnb_checkpoint.quantization(directory) is not None:  # a bitsandbytes 4-bit checkpoint, read as it is
             bnb_checkpoint.load_into(self.store, directory)
@@ -409,8 +409,8 @@ class ParameterStore:
         """Write the master weights as a sharded HF safetensors checkpoint plus config.json and the run's
         ``tokenizer`` (a directory or BYTE_LEVEL; None: train.init_from's, if it has one); see
         :func:`megatrain_ray.io.hf_io.save_store`."""
-        from ..data.tokenizer import is_tokenizer_dir
-        from ..io import hf_io
+        from ...data.tokenizer import is_tokenizer_dir
+        from ...io import hf_io
 
         if tokenizer is None and is_tokenizer_dir(self.init_from):
             tokenizer = self.init_from
@@ -419,7 +419,7 @@ class ParameterStore:
     def _frozen_at(self, directory: str) -> None:
         """Mark a LoRA run's frozen base as at the step of its checkpoint ``directory``: a frozen unit's
         version counts the steps done (its update is none)."""
-        from ..io import checkpoint
+        from ...io import checkpoint
 
         step = checkpoint.read_meta(directory)["step"]
         for i in range(len(self.store.layout.units)):
@@ -428,7 +428,7 @@ class ParameterStore:
     def load_checkpoint(self, directory: str) -> int:
         """Master weights, AdamW states and unit versions from a training checkpoint; returns its step
         (see :mod:`megatrain_ray.io.checkpoint`)."""
-        from ..io import checkpoint
+        from ...io import checkpoint
 
         return checkpoint.load_into(self.store, directory)
 
@@ -436,7 +436,7 @@ class ParameterStore:
         """Write the store, which must be at the boundary after ``step`` updates, as a training
         checkpoint of ``checkpoints`` (a :class:`~megatrain_ray.io.checkpoint.CheckpointSettings`) through the run's
         one writer, :class:`~megatrain_ray.io.writer.CheckpointWriter`; returns its path."""
-        from ..io.writer import CheckpointWriter
+        from ...io.writer import CheckpointWriter
 
         return CheckpointWriter(self.store, checkpoints).save(step)
 

@@ -6,7 +6,7 @@ a time, so what grows with the sequence is only the input gradient being filled 
 compute dtype); the [S, vocabulary] logits never exist whole.
 
 With ``compute.compile`` on, a chunk's loss (:func:`chunk_loss_sum`) runs through ``torch.compile``
-(:class:`~megatrain_ray.engine.sequence.CompiledLayer`, with its eager fallback): Inductor fuses the
+(:class:`~megatrain_ray.engine.compute.sequence.CompiledLayer`, with its eager fallback): Inductor fuses the
 fp32 upcast, log-softmax and NLL, and in the backward the softmax minus the one-hot and its cast
 back, around the two GEMMs, so that a chunk keeps its bf16 logits for the backward rather than
 writing and reading several [chunk, V] fp32 tensors. Same math as the eager chunk: the softmax in
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..model.transformer import IGNORE_INDEX, final_norm, lm_head_weight, token_loss_sum
+from ...model.transformer import IGNORE_INDEX, final_norm, lm_head_weight, token_loss_sum
 
 
 def chunk_loss_sum(norm_weight: torch.Tensor, w: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, cfg

@@ -13,10 +13,10 @@ worker was built (:meth:`GradOut.sender_of`):
 - :class:`HeldToHost` (the same, with ``StoreSpec.hold_grads``): the gradient waits on the device
   until the step's norm is known, then goes through the ring in update order, each ticket carrying
   that norm (:meth:`GradOut.end_step`);
-- :class:`NormOnly` (weights resident, gradient device; :mod:`megatrain_ray.engine.resident`): the
+- :class:`NormOnly` (weights resident, gradient device; :mod:`megatrain_ray.engine.compute.resident`): the
   gradient stays on the device and only its norm goes out; the worker updates the unit itself at
   the end of the step with the step's norm, summed from every unit's as the sink sums them;
-- :class:`AdapterNorm` (every unit of a LoRA run, :mod:`megatrain_ray.engine.adapters`): the
+- :class:`AdapterNorm` (every unit of a LoRA run, :mod:`megatrain_ray.engine.compute.adapters`): the
   gradient of its adapters (or of the matrix it trains in full) stays on the device; only its
   squared norm goes out (zero for a frozen unit without adapters), and the adapters are updated at
   the end of the step as resident units are;
@@ -33,11 +33,11 @@ import threading
 
 import torch
 
-from ..errors import PipelineError
-from .experts import ExpertTraffic
+from ...errors import PipelineError
+from ..experts import ExpertTraffic
 from .resident import ResidentUnits, step_sq_norm
-from .policy import NONE, UnitPolicy
-from .tickets import NO_PROGRESS, GradTicket, drain, wait_while_moving
+from ..policy import NONE, UnitPolicy
+from ..tickets import NO_PROGRESS, GradTicket, drain, wait_while_moving
 
 
 class GradOut:
@@ -48,7 +48,7 @@ class GradOut:
                  traffic: ExpertTraffic | None = None):
         """policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
         update_order: the schedule's (held gradients go out in it); adapters: a LoRA run's
-        (:class:`~megatrain_ray.engine.adapters.DeviceAdapters`), updated at the end of each step;
+        (:class:`~megatrain_ray.engine.compute.adapters.DeviceAdapters`), updated at the end of each step;
         traffic: the worker's record of its sparse layers' routing, which says what of their
         gradients crosses (None: all of every gradient)."""
         self.store, self.backend = store, backend
@@ -107,7 +107,7 @@ class GradOut:
     def end_step(self, step: int, sync: bool, for_checkpoint: bool = False) -> None:
         """After the last gradient of step ``step``: send the held ones, or update the resident units
         (and with ``sync`` copy them to the host store, ``for_checkpoint``: for a checkpoint; see
-        :func:`~megatrain_ray.engine.resident.sync_due`) or the adapters."""
+        :func:`~megatrain_ray.engine.compute.resident.sync_due`) or the adapters."""
         norms, self.sq_norms = self.sq_norms, []  # summed as the sink sums the tickets' norms: the same float
         for end in self.step_ends:
             end(step, norms, sync, for_checkpoint)
@@ -218,7 +218,7 @@ class NormOnly(Sender):
 
 class AdapterNorm(Sender):
     """The ticket of a unit of a LoRA run: its gradient (its adapters', or with ``grad``, that of the
-    matrix it trains in full, :meth:`~megatrain_ray.engine.adapters.DeviceAdapters.hold`) stays on
+    matrix it trains in full, :meth:`~megatrain_ray.engine.compute.adapters.DeviceAdapters.hold`) stays on
     the device, summed over the data-parallel group where there is one; only a squared norm goes
     to the sink (of this worker's shard of the sum, as the sink sums a unit's shards), the whole
     one to this worker's clipping factor (the same on every worker)."""

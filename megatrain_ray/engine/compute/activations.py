@@ -84,7 +84,7 @@ def recomputed_layers(modes: Sequence[str]) -> tuple[int, int]:
 
 LEAN_PARTITIONER = {"ban_recompute_used_far_apart": False, "ban_recompute_long_fusible_chains": False,
                     "ban_recompute_materialized_backward": False}
-"""torch._functorch.config settings under which :class:`~megatrain_ray.engine.sequence.CompiledLayer`
+"""torch._functorch.config settings under which :class:`~megatrain_ray.engine.compute.sequence.CompiledLayer`
 compiles the layer's training graph: the min-cut partitioner with three of its bans on recomputation
 lifted, so it recomputes the norms' outputs and silu(gate) * up in the backward (elementwise work
 fused into the backward's kernels) instead of saving them: -31% kept bytes at the 7B shape. The
@@ -110,7 +110,7 @@ def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False, lean: bool 
     cache not counted, the layer's input counted), for a compute dtype of ``itemsize`` bytes, run
     eagerly or (``compiled``) through torch.compile, whose partitioner recomputes cheap elementwise
     work in the backward instead of saving it; ``lean``: compiled under :data:`LEAN_PARTITIONER`
-    (None: as :class:`~megatrain_ray.engine.sequence.CompiledLayer` does with this torch).
+    (None: as :class:`~megatrain_ray.engine.compute.sequence.CompiledLayer` does with this torch).
 
     What :func:`~megatrain_ray.model.transformer.decoder_layer`'s autograd saves (tests/test_actplace.py
     checks it against saved-tensor hooks on Llama-shaped layers, with qk_norm too, eager and compiled,
@@ -203,9 +203,9 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
 
     flat: the layer's weights in their slot, copied first, since the slot is reused before the
     backward and the graph saves the weights it multiplied by. The same function on the same values
-    as the recompute of :func:`~megatrain_ray.engine.sequence.layer_backward`, so the backward of the kept graph is that of the
+    as the recompute of :func:`~megatrain_ray.engine.compute.sequence.layer_backward`, so the backward of the kept graph is that of the
     recompute, without running it (the untiled layer: a kept graph holds every MLP chunk anyway).
-    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.sequence.step_contexts`, or (rope,
+    contexts: M x (rope, mask), see :func:`~megatrain_ray.engine.compute.sequence.step_contexts`, or (rope,
     mask, tokens) for a sparse layer's ``layer_fn``, which takes tokens after mask. adapters: a
     LoRA run's adapters of the layer (resident, not copied), leaves that train; frozen: the layer's
     own weights do not (its policy), so the graph's backward computes no gradient for them; dropout:
@@ -223,7 +223,7 @@ def layer_forward_kept(layer_fn, template, flat: torch.Tensor, xs: list[torch.Te
 
 
 def kept_backward(graph: KeptGraph, grads: dict[str, torch.Tensor], dx: list[torch.Tensor]) -> None:
-    """:func:`~megatrain_ray.engine.sequence.layer_backward` for a layer whose forward graph was kept: dx (M x [B, S, H]) replaced
+    """:func:`~megatrain_ray.engine.compute.sequence.layer_backward` for a layer whose forward graph was kept: dx (M x [B, S, H]) replaced
     by the input gradients, the graph freed micro-batch by micro-batch."""
     for m in range(len(dx)):
         dx[m] = graph_backward(graph.leaves, graph.inputs[m], graph.outputs[m], dx[m], grads)

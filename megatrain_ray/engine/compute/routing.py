@@ -27,8 +27,8 @@ from dataclasses import replace
 
 import torch
 
-from ..config import ModelConfig
-from ..model.moe import RouterStats, aux_loss_of_layer
+from ...config import ModelConfig
+from ...model.moe import RouterStats, aux_loss_of_layer
 
 
 class StepRouting:

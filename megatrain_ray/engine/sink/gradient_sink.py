@@ -4,7 +4,7 @@ One loop over the run; each step reads: take the step's tickets -> the norm -> t
 -> each unit's update by its optimizer. A :class:`~megatrain_ray.engine.tickets.GradTicket` names
 a unit whose gradient is complete in its host grad block (or a slot of the store's gradient ring)
 and carries its squared norm, taken on the device; the step's tickets and norm come from
-:mod:`megatrain_ray.engine.step_gradients`, which also says when each unit's update may run and
+:mod:`megatrain_ray.engine.sink.step_gradients`, which also says when each unit's update may run and
 with which factor. Without clipping each unit is updated the moment its gradient arrives. With
 clipping the factor needs the global norm, so the updates run once the last gradient (the
 embedding's) is in, in the order the next step's forward needs them — embedding, layer 0, 1, ... —
@@ -26,24 +26,24 @@ the stream copy (24 bytes per parameter) and bumps the unit's stream version, wh
 forward needs; once every unit has had it and the step's stats are out, the second writes the
 master weights from the new moments (16 bytes per parameter) while the next step's forward and
 backward run, and bumps the unit's state version (what checkpoints wait for, see
-:class:`~megatrain_ray.engine.store.HostStore`). The same arithmetic, so the same bits; the next
+:class:`~megatrain_ray.engine.store.host_store.HostStore`). The same arithmetic, so the same bits; the next
 step's gradients land in the stream blocks, which the second pass does not touch.
 
 With several compute workers on the node, a unit is complete once every worker's ticket for it is
 in: each for its shard of the all-reduced gradient, or (experimental.grad_reduce=host) for its own
-whole gradient, which the sink then sums (:class:`~megatrain_ray.engine.step_gradients.HostSums`).
-With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.shards`) the updates also wait
+whole gradient, which the sink then sums (:class:`~megatrain_ray.engine.sink.step_gradients.HostSums`).
+With a sharded optimizer across nodes (:mod:`megatrain_ray.engine.sink.shards`) the updates also wait
 for the last gradient, and each unit's optimizer is wrapped
-(:class:`~megatrain_ray.engine.shards.ShardedOptimizer`): the sink updates only its own units,
+(:class:`~megatrain_ray.engine.sink.shards.ShardedOptimizer`): the sink updates only its own units,
 receiving the others'.
 
 Each unit's update is its policy's (:mod:`megatrain_ray.engine.policy`): a host optimizer of the
-one protocol of :mod:`megatrain_ray.engine.updates` (exact, split, compact), or none here for the
+one protocol of :mod:`megatrain_ray.engine.sink.updates` (exact, split, compact), or none here for the
 units resident on the compute worker's device, whose tickets carry only their norms. A sparse
 layer's ticket may name parts whose gradient did not cross (routed experts no token chose): their
 ranges of the gradient block are zeroed first, so the update is that of their zero gradient
 (:mod:`megatrain_ray.engine.experts`). Checkpoints are started at step boundaries and written beside the
-updates (:mod:`megatrain_ray.engine.checkpointing`).
+updates (:mod:`megatrain_ray.engine.sink.checkpointing`).
 """
 
 from __future__ import annotations
@@ -51,17 +51,17 @@ from __future__ import annotations
 import queue
 import time
 
-from ..config import lr_at
-from ..errors import Diverged, PipelineError
-from . import affinity
+from ...config import lr_at
+from ...errors import Diverged, PipelineError
+from .. import affinity
 from .checkpointing import SinkCheckpoints
-from .grad_reduce import rendezvous
-from .optim import AdamWRunner, step_clipping
-from .settings import SinkSettings
+from ..grad_reduce import rendezvous
+from ..optim import AdamWRunner, step_clipping
+from ..settings import SinkSettings
 from .shards import UNSHARDED, OptimizerShards, ShardedOptimizer
 from .step_gradients import AsArrived, Carried, HostSums, InUpdateOrder, StepTickets
-from .store import HostStore, StoreSpec
-from .tickets import NO_PROGRESS, GradTicket, wait_while_moving
+from ..store.host_store import HostStore, StoreSpec
+from ..tickets import NO_PROGRESS, GradTicket, wait_while_moving
 from .updates import host_optimizer
 
 
@@ -78,7 +78,7 @@ class GradientSink:
         back to the compute worker (None without a ring); checkpoint: the run's
         :class:`~megatrain_ray.io.checkpoint.CheckpointSettings` or None, written here with ``writes_checkpoints``
         (the first node's sink; the others only hand their AdamW states over at its boundaries, see
-        :mod:`megatrain_ray.engine.shards`)."""
+        :mod:`megatrain_ray.engine.sink.shards`)."""
         self.settings = settings
         self.store = HostStore(spec)
         self.layout = self.store.layout
@@ -95,10 +95,10 @@ class GradientSink:
         self.tickets = (HostSums(self.store, self.policies, settings.workers, self._get, self.order,
                                  max(1, settings.threads), self._note) if settings.host_sum
                         else StepTickets(self.store, self.policies, settings.workers, self._get))
-        """The step's whole tickets: one per compute worker and unit (see :mod:`megatrain_ray.engine.step_gradients`)."""
+        """The step's whole tickets: one per compute worker and unit (see :mod:`megatrain_ray.engine.sink.step_gradients`)."""
         norm = Carried if spec.hold_grads else InUpdateOrder if settings.after_norm else AsArrived
         self.step_norm = norm(self.tickets, self.order, self._clipping)
-        """When each unit is updated, with which clipping factor (:mod:`megatrain_ray.engine.step_gradients`)."""
+        """When each unit is updated, with which clipping factor (:mod:`megatrain_ray.engine.sink.step_gradients`)."""
         self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
                                            self.order if settings.after_norm else self.order[::-1], spec.resident, grad_q)
         self.sharding: OptimizerShards = UNSHARDED
@@ -115,7 +115,7 @@ class GradientSink:
 
     def _set_runner(self, threads: int) -> None:
         """The AdamW kernel on ``threads`` threads, and each unit's optimizer over it (with a sharded
-        optimizer, wrapped: :class:`~megatrain_ray.engine.shards.ShardedOptimizer`)."""
+        optimizer, wrapped: :class:`~megatrain_ray.engine.sink.shards.ShardedOptimizer`)."""
         self.runner = AdamWRunner(threads)
         self.optimizers = {u: host_optimizer(self.policies[u].optimizer, self.store, self.runner, self.optim,
                                              self.settings.total_steps) for u in self.order}

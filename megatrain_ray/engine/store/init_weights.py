@@ -8,8 +8,8 @@ import torch
 
 
 def draw_random(store, spec, seed: int) -> None:
-    """Fill ``store`` (a :class:`~megatrain_ray.engine.store.HostStore`, laid out by ``spec``, a
-    :class:`~megatrain_ray.engine.store.StoreSpec`) with: Normal(0, initializer_range) matrices, unit norms, zero biases; deterministic per unit and the
+    """Fill ``store`` (a :class:`~megatrain_ray.engine.store.host_store.HostStore`, laid out by ``spec``, a
+    :class:`~megatrain_ray.engine.store.host_store.StoreSpec`) with: Normal(0, initializer_range) matrices, unit norms, zero biases; deterministic per unit and the
     same values, rounded to the master dtype, for every master dtype.
 
     Units are drawn on a pool of threads (torch's normal sampler is single-threaded, ~100 M

@@ -7,7 +7,7 @@ weights come back (~0.15 s a step at the Qwen2.5-7B shape, plus ~0.05 s waiting 
 update at the end of the forward; benchmarks/results/2026-12-01_h200_defaults-7b/NOTES.md).
 
 With memory.resident embed_head the compute worker holds the embedding and the head (``StoreSpec.resident``, see
-:func:`~megatrain_ray.engine.store.resident_units`): their fp32 master weights and AdamW moments live
+:func:`~megatrain_ray.engine.store.host_store.resident_units`): their fp32 master weights and AdamW moments live
 in its device memory for the whole attempt, with a compute-dtype copy of the weights that the
 forward reads, so they are never fetched; their gradients stay on the device, and only a ticket
 with the squared norm goes to the sink, which counts it in the step's norm and updates the rest.
@@ -23,7 +23,7 @@ interrupt. A copy made for a checkpoint must stay until that checkpoint has writ
 worker may reach its next copy first (the sink starts a checkpoint only once it has updated the
 steps before it, and may still be finishing the previous write; with a checkpoint every step the
 worker is one boundary ahead by then). So the copy for a checkpoint sets the store's *checkpoint copy*
-(:meth:`~megatrain_ray.engine.store.HostStore.set_checkpoint_copy`); the sink waits for the copy before
+(:meth:`~megatrain_ray.engine.store.host_store.HostStore.set_checkpoint_copy`); the sink waits for the copy before
 it starts that checkpoint, whose writer writes the resident units first and releases the copy once
 their bytes are out; the next copy waits for the release.
 """
@@ -34,9 +34,9 @@ import math
 
 import torch
 
-from ..config import OptimConfig, lr_at
-from ..errors import Diverged, PipelineError
-from .optim import AdamWRunner, adamw_unit, step_clipping
+from ...config import OptimConfig, lr_at
+from ...errors import Diverged, PipelineError
+from ..optim import AdamWRunner, adamw_unit, step_clipping
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The store's kinds a resident unit keeps on the device (and copies back at a sync)."""
@@ -65,7 +65,7 @@ def step_sq_norm(sq_norms: list[torch.Tensor]) -> float:
 
 
 class DeviceAdamW:
-    """The optimizer protocol (:mod:`megatrain_ray.engine.updates`) on the device state of resident
+    """The optimizer protocol (:mod:`megatrain_ray.engine.sink.updates`) on the device state of resident
     units: AdamW in one pass, through the sink's kernel on the CPU backend, else
     ``torch._fused_adamw_`` in one call per span."""
 
@@ -93,7 +93,7 @@ class ResidentUnits:
 
     def __init__(self, store, backend, optim: OptimConfig, total_steps: int, timeout_s: float,
                  threads: int = 1, registered: tuple[str, ...] = ()):
-        """store: the worker's :class:`~megatrain_ray.engine.store.HostStore`; backend: its device
+        """store: the worker's :class:`~megatrain_ray.engine.store.host_store.HostStore`; backend: its device
         backend; registered: the store's kinds whose whole arrays the backend has pinned already
         (the resident blocks of the others are pinned here, for full-speed copies)."""
         self.store, self.backend = store, backend

@@ -9,12 +9,12 @@ One protocol, two calls, whatever the update's precision or number of passes:
   ``finish``;
 - ``finish(unit, step)``: the rest of an update that returned False.
 
-The sink sets the versions the call completes (:class:`~megatrain_ray.engine.store.HostStore`) and
+The sink sets the versions the call completes (:class:`~megatrain_ray.engine.store.host_store.HostStore`) and
 knows nothing else of the update. :func:`host_optimizer` builds the one a policy names
 (:mod:`megatrain_ray.engine.policy`): :class:`ExactAdamW`, :class:`SplitAdamW` or
 :class:`CompactAdamW`, all over the same :class:`~megatrain_ray.engine.optim.AdamWRunner` and the
 store's blocks; the device-side optimizer of resident units implements the same protocol on the
-compute worker (:class:`~megatrain_ray.engine.resident.DeviceAdamW`).
+compute worker (:class:`~megatrain_ray.engine.compute.resident.DeviceAdamW`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Protocol
 
 import torch
 
-from ..config import OptimConfig, lr_at
-from .optim import AdamWRunner
-from .policy import COMPACT, EXACT, SPLIT
+from ...config import OptimConfig, lr_at
+from ..optim import AdamWRunner
+from ..policy import COMPACT, EXACT, SPLIT
 
 
 class UnitOptimizer(Protocol):

@@ -3,11 +3,11 @@
 A store removes its segments itself on every orderly exit, and the driver removes them on every exit
 path it lives to see. Neither runs when a process is killed with SIGKILL: ``kill -9`` of the driver
 makes Ray end the actors (the store among them) without a word, and the segments stayed in /dev/shm
-until the next run's :func:`~megatrain_ray.engine.shm.remove_stale`.
+until the next run's :func:`~megatrain_ray.engine.store.shm.remove_stale`.
 
 So two reapers watch each run's segments (:func:`start`): the driver starts one for the segments of
 the run on its node (every attempt's, as a glob pattern), watching itself; each
-:class:`~megatrain_ray.engine.store.ParameterStore` starts one for its own segments, watching its
+:class:`~megatrain_ray.engine.store.host_store.ParameterStore` starts one for its own segments, watching its
 own process (on every node, where the driver cannot be watched). A reaper is a small process of its
 own session, outside Ray's process tree (started through a launcher that exits at once, so Ray's
 clean-up of a dead worker's children does not take it along), which polls every 0.2 s: when a

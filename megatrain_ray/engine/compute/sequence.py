@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PipelineError
-from ..model.sink_attention import window_mask
-from ..model.transformer import (IGNORE_INDEX, attention_block, decoder_layer, document_ids, document_mask,
+from ...errors import PipelineError
+from ...model.sink_attention import window_mask
+from ...model.transformer import (IGNORE_INDEX, attention_block, decoder_layer, document_ids, document_mask,
                                  low_rank, mlp_activation, mlp_block, rope_at, rope_cache, routed_layer)
 from .activations import lean_partitioner
 
@@ -252,7 +252,7 @@ def layer_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads: 
                    dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
     """Recompute one layer per micro-batch from its checkpoint and backpropagate through it.
 
-    runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.sequence`);
+    runner: how the layer runs (tiled or not, compiled or not; :mod:`megatrain_ray.engine.compute.sequence`);
     params: the layer's views into its device slot (and, in a LoRA run, its adapters beside them);
     grads: views into the fp32 gradient buffer of what trains (the same names; a LoRA run's adapters
     only), accumulated into; inputs, dx: M x [B, S, H] checkpoints and output gradients, the latter
@@ -270,7 +270,7 @@ def routed_backward(runner: LayerRunner, params: dict[str, torch.Tensor], grads:
                     inputs: list[torch.Tensor], dx: list[torch.Tensor], contexts: list[tuple], cfg, routing,
                     layer: int, dropout: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
     """:func:`layer_backward` for sparse decoder layer ``layer``; routing: the step's
-    :class:`~megatrain_ray.engine.routing.StepRouting`, which gives each micro-batch's gradient of the
+    :class:`~megatrain_ray.engine.compute.routing.StepRouting`, which gives each micro-batch's gradient of the
     load-balancing loss with respect to the router probabilities and the experts the forward chose;
     contexts: M x (rope, mask, tokens) (:attr:`MicroBatches.routed_ctx`)."""
     leaves = trainable_leaves(params, grads)
@@ -284,12 +284,12 @@ class CompiledLayer:
     every layer (same shapes), fusing the elementwise work (RMSNorm, RoPE, SwiGLU, residuals) around
     the GEMMs and attention, forward and backward. If compiling fails (no Triton, an unsupported
     GPU, a compiler bug) the run goes on eagerly, with one warning, rather than dying at step 1.
-    The LM head's chunk loss (:func:`~megatrain_ray.engine.head.chunk_loss_sum`) is compiled through
+    The LM head's chunk loss (:func:`~megatrain_ray.engine.compute.head.chunk_loss_sum`) is compiled through
     it too (``what``: the name in the warning).
 
     The training graph (gradients on: a kept forward, a recompute) is partitioned under
     ``partitioner``: torch._functorch.config settings, None for torch's own, or "lean" (the
-    default) for :func:`~megatrain_ray.engine.activations.lean_partitioner`'s, which save less for
+    default) for :func:`~megatrain_ray.engine.compute.activations.lean_partitioner`'s, which save less for
     the backward and recompute the difference there, elementwise work only (torch's own where this
     torch lacks them). They are applied around calls with gradients on only, so the no-grad
     forward's graph is compiled as before; Dynamo does not guard on them, so they cause no
@@ -302,7 +302,7 @@ class CompiledLayer:
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = threads  # 1: no worker pool (its host memory)
-        self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.sequence)
+        self.fn = fn  # decoder_layer, or one of its halves when the MLP is tiled (engine.compute.sequence)
         self.compiled = torch.compile(fn, dynamic=False, backend=backend)
         import torch._functorch.config as functorch_config
 
@@ -310,7 +310,7 @@ class CompiledLayer:
         """torch._functorch.config settings of the calls with gradients on: the partitioner's, and with
         ``backward_at_forward`` the backward graph compiled in the forward call (AOTAutograd lowers it
         lazily, at the first backward, by default), so that its failure too is caught here and the
-        call runs eagerly; the LM head (:mod:`megatrain_ray.engine.head`) differentiates every call at once."""
+        call runs eagerly; the LM head (:mod:`megatrain_ray.engine.compute.head`) differentiates every call at once."""
         if backward_at_forward and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
             self.training_config["force_non_lazy_backward_lowering"] = True
         self.failure: BaseException | None = None

@@ -30,10 +30,10 @@ import dataclasses
 
 import torch
 
-from ..model.layout import StoreLayout
-from ..model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from ..model.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
-from ..model.quant_layout import INT8, MXFP4, NF4, RAW, QuantLayout, QuantUnit, Record
+from ...model.layout import StoreLayout
+from ...model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from ...model.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from ...model.quant_layout import INT8, MXFP4, NF4, RAW, QuantLayout, QuantUnit, Record
 
 
 def _piece(block: torch.Tensor, piece: tuple[int, int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:

@@ -12,7 +12,7 @@ own units run while the others' arrive on the group's threads. The bytes are mov
 every replica's master weights stay bit-identical to the owner's.
 
 To the gradient sink, a sharded optimizer is each unit's optimizer wrapped (:class:`ShardedOptimizer`,
-the protocol of :mod:`megatrain_ray.engine.updates`): the update where this node owns the unit,
+the protocol of :mod:`megatrain_ray.engine.sink.updates`): the update where this node owns the unit,
 then its exchange; :data:`UNSHARDED` stands for the group where there is none.
 
 The AdamW states of a unit are only current on its owner. They are gathered to every node (one
@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from .store import HostStore
+from ..store.host_store import HostStore
 
 
 class OptimizerShards:
@@ -112,7 +112,7 @@ class OptimizerShards:
 
 
 class ShardedOptimizer:
-    """A unit's optimizer in a sharded run (the protocol of :mod:`megatrain_ray.engine.updates`):
+    """A unit's optimizer in a sharded run (the protocol of :mod:`megatrain_ray.engine.sink.updates`):
     ``update`` applies it where this node owns the unit, then exchanges the unit's master weights;
     it returns None where another node owns it (whose weights, once received, set its version)."""
 

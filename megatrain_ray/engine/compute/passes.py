@@ -3,13 +3,13 @@ and the layer's kind: its forward over the step's micro-batches, what it leaves 
 and that backward.
 
 - :class:`Recomputed`: the layer's inputs are its checkpoint (on the device, offloaded to host
-  memory, or none for a recompute span's layer: :meth:`~megatrain_ray.engine.activations.ActivationStore.put`
+  memory, or none for a recompute span's layer: :meth:`~megatrain_ray.engine.compute.activations.ActivationStore.put`
   places them as the placement says); the backward recomputes the layer from them
-  (:func:`~megatrain_ray.engine.sequence.layer_backward`).
+  (:func:`~megatrain_ray.engine.compute.sequence.layer_backward`).
 - :class:`Routed`: a sparse (mixture-of-experts) layer, recomputed the same way, whose forward also
   records its router statistics and whose backward takes the load-balancing loss's gradient.
 - :class:`Kept`: the forward's whole autograd graph stays for the backward
-  (:func:`~megatrain_ray.engine.activations.layer_forward_kept`), which differentiates it;
+  (:func:`~megatrain_ray.engine.compute.activations.layer_forward_kept`), which differentiates it;
   :class:`KeptRouted` the same for a sparse layer, its router's probability sums kept with it for
   the load-balancing loss's gradient.
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .activations import KEEP, ActivationStore, graph_backward, kept_backward, layer_forward_kept
-from .experts import ExpertTraffic
+from ..experts import ExpertTraffic
 from .routing import StepRouting
 from .sequence import LayerRunner, MicroBatches, layer_backward, routed_backward
 
@@ -159,7 +159,7 @@ class KeptRouted(Kept):
 
 def layer_passes(cfg, modes: tuple[str, ...]) -> tuple[Recomputed | Kept, ...]:
     """Each decoder layer's pass under the activation placement ``modes``
-    (:func:`~megatrain_ray.engine.activations.layer_modes`) and its kind (dense or sparse)."""
+    (:func:`~megatrain_ray.engine.compute.activations.layer_modes`) and its kind (dense or sparse)."""
     def of(layer: int, mode: str):
         if mode == KEEP:
             return KeptRouted() if cfg.is_sparse(layer) else Kept()

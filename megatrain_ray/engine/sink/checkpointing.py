@@ -7,7 +7,7 @@ none of this step's has begun (a step boundary), and written in the background b
 sink waits only until that unit's bytes are written (:meth:`SinkCheckpoints.before_update`,
 usually long since). The last boundary is saved after the loop, and waited for.
 
-Units resident on the compute worker's device (:mod:`megatrain_ray.engine.resident`) are copied into
+Units resident on the compute worker's device (:mod:`megatrain_ray.engine.compute.resident`) are copied into
 the store by the worker right after their update at a checkpoint's boundary (their state versions
 then say that boundary); the sink waits for that before it starts the checkpoint, whose writer
 writes their bytes first.
@@ -15,9 +15,9 @@ writes their bytes first.
 
 from __future__ import annotations
 
-from ..errors import PipelineError
-from ..io.writer import CheckpointWriter
-from .tickets import NO_PROGRESS, wait_while_moving
+from ...errors import PipelineError
+from ...io.writer import CheckpointWriter
+from ..tickets import NO_PROGRESS, wait_while_moving
 
 
 class SinkCheckpoints:
@@ -25,9 +25,9 @@ class SinkCheckpoints:
 
     def __init__(self, store, checkpoints, writes: bool, stats_q, timeout_s: float, order: list[int],
                  resident: tuple[int, ...] = (), grad_q=None):
-        """store: the sink's :class:`~megatrain_ray.engine.store.HostStore`; checkpoints: the run's
+        """store: the sink's :class:`~megatrain_ray.engine.store.host_store.HostStore`; checkpoints: the run's
         CheckpointSettings or None; writes: whether this sink writes them (the first node's; the others
-        only know the boundaries, see :mod:`megatrain_ray.engine.shards`); order: the units in the
+        only know the boundaries, see :mod:`megatrain_ray.engine.sink.shards`); order: the units in the
         order this step's updates will reach them; resident: the units the compute worker updates;
         grad_q: the sink's gradient queue (while messages move on it, the wait for the resident
         units' copy goes on)."""
@@ -63,7 +63,7 @@ class SinkCheckpoints:
 
     def _await_resident(self, step: int) -> None:
         """Wait until the compute worker has copied the resident units' state of boundary ``step``
-        into the store (:meth:`~megatrain_ray.engine.resident.ResidentUnits.sync`)."""
+        into the store (:meth:`~megatrain_ray.engine.compute.resident.ResidentUnits.sync`)."""
         store = self.store
 
         def copied(within: float) -> bool | None:

@@ -140,7 +140,7 @@ class CpuBackend:
         return torch.empty(shape, dtype=dtype)
 
     def stash(self, dev: torch.Tensor, host: torch.Tensor, label: str = "") -> None:
-        """Copy an activation out to a host buffer (see :mod:`megatrain_ray.engine.activations`)."""
+        """Copy an activation out to a host buffer (see :mod:`megatrain_ray.engine.compute.activations`)."""
         t0 = time.time()
         host.copy_(dev)
         self._spans.add("d2h", label, t0, time.time(), host.numel() * host.element_size())

@@ -1,7 +1,7 @@
 """Where a compute worker sits and the data-parallel group it joins: the methods the roles' wiring
 (:mod:`megatrain_ray.orchestration.roles`) calls on each compute worker at spawn, before any step.
 
-A mixin of :class:`~megatrain_ray.engine.compute.ComputeWorker`, whose ``backend``, ``device_name``,
+A mixin of :class:`~megatrain_ray.engine.compute.compute_worker.ComputeWorker`, whose ``backend``, ``device_name``,
 ``store``, ``layout`` and ``grads_out`` it reads.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import affinity
-from .grad_reduce import GradReducer, rendezvous
+from .. import affinity
+from ..grad_reduce import GradReducer, rendezvous
 
 
 class GroupMember:

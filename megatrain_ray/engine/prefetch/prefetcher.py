@@ -15,10 +15,10 @@ import collections
 import queue
 import time
 
-from ..errors import PipelineError
-from .store import HostStore, StoreSpec
-from .schedule import Schedule
-from .tickets import NO_PROGRESS, FetchTicket, wait_while_moving
+from ...errors import PipelineError
+from ..store.host_store import HostStore, StoreSpec
+from ..schedule import Schedule
+from ..tickets import NO_PROGRESS, FetchTicket, wait_while_moving
 
 
 class Prefetcher:

@@ -1,0 +1,12 @@
+"""The compute role: the worker that runs each step's layers on its device.
+
+- :mod:`.compute_worker`: :class:`~.compute_worker.ComputeWorker`, one loop over the step's units;
+- :mod:`.device`: its CPU and CUDA backends (slots, copy streams, the step's timeline);
+- :mod:`.passes`, :mod:`.sequence`, :mod:`.activations`, :mod:`.attention`, :mod:`.routing`: each
+  decoder layer's pass (kept, recomputed, routed) and where its inputs wait for the backward;
+- :mod:`.head`, :mod:`.embed_grad`: the loss head and the embedding's gradient;
+- :mod:`.resident`, :mod:`.adapters`: units and LoRA adapters that live on the device, with their
+  device-side AdamW;
+- :mod:`.grad_out`: the gradient sender (one per unit policy) toward the sink;
+- :mod:`.worker_group`: data-parallel workers' reduction group.
+"""

@@ -1,0 +1,1 @@
+"""The prefetch role: :mod:`.prefetcher` decides which unit goes into which device slot, when."""
