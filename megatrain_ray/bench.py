@@ -44,7 +44,7 @@ from .model import flops as model_flops
 from .model.layout import StoreLayout
 from .model.presets import PRESETS, preset_model
 from .hostmem import HostMemoryPeak
-from .orchestration.preflight import guess_device
+from .orchestration.machine import guess_device
 
 DEFAULTS = {"cuda": dict(preset="1b", tokens=65536, seq_len=1024, micro_batches=4),
             "cpu": dict(preset="tiny", tokens=1024, seq_len=64, micro_batches=2)}

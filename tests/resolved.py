@@ -8,12 +8,20 @@ import dataclasses
 
 from megatrain_ray.config import TrainConfig
 from megatrain_ray.engine.settings import SinkSettings
+from megatrain_ray.orchestration.preflight import Plan
 from megatrain_ray.orchestration.resolve import Facts, ResolvedRun, resolve
 
 
 def resolved(cfg: TrainConfig, device: str = "cpu") -> ResolvedRun:
     """The run of ``cfg`` on ``device`` (this machine's facts otherwise)."""
     return resolve(cfg, Facts(device))
+
+
+def planned(cfg: TrainConfig, device: str = "cpu", device_bytes: int | None = None, starts_ray: bool = False,
+            host_bytes: int | None = None) -> Plan:
+    """The memory plan of ``cfg`` as a run on ``device`` with these facts resolves it (the plan counts
+    what :func:`resolve` decided; it decides nothing itself)."""
+    return resolve(cfg, Facts(device, device_bytes, starts_ray, host_bytes=host_bytes)).memory
 
 
 def sink_settings(cfg: TrainConfig, device: str = "cpu", **changes) -> SinkSettings:

@@ -23,10 +23,12 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.orchestration import preflight  # noqa: E402
+from megatrain_ray.orchestration.cluster import cluster_to_join  # noqa: E402
 from megatrain_ray.orchestration.resolve import Facts, resolve  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config as load_config  # noqa: E402  (configs may name train.init_from)
 from megatrain_ray.model.layout import StoreLayout  # noqa: E402
 from megatrain_ray.orchestration.pipeline import train  # noqa: E402
+from resolved import planned  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -101,7 +103,7 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, capsy
     assert largest >= cfg.train.micro_batch_size
     # Host RAM: this machine's verdict depends on its size; what a 128 GiB machine (the H200 box)
     # would see is asserted instead: the need without Ray's margin for this machine, plus 5% of 128 GiB.
-    plan = preflight.plan(cfg, "cuda", 141 * GiB, host_memory=120 * GiB)
+    plan = planned(cfg, "cuda", 141 * GiB, cluster_to_join(cfg.cluster)[0] is None, host_bytes=120 * GiB)
     margin = sum(r.nbytes for r in plan.rows if r.component.startswith("Ray memory monitor"))
     assert plan.total("host") - margin + 0.05 * 128 * GiB < 0.95 * 128 * GiB
     if name == "long-context":

@@ -142,14 +142,29 @@ def _wait_for(condition, seconds: float) -> float:
     return time.monotonic() - start
 
 
-def _reapers(pattern: str) -> list[psutil.Process]:
-    """The reaper processes watching ``pattern`` (detached: found by their command line)."""
+def _reapers(*patterns: str) -> list[psutil.Process]:
+    """The reaper processes watching ``patterns`` (detached: found by their command line)."""
     found = []
     for p in psutil.process_iter():
         line = _cmdline(p)
-        if "reaper.py" in line and json.dumps([pattern]) in line:
+        if "reaper.py" in line and json.dumps(list(patterns)) in line:
             found.append(p)
     return found
+
+
+def _polling(p: psutil.Process) -> bool:
+    """Whether reaper ``p`` waits in its poll's sleep, so has looked at its processes and paths once and
+    found nothing to do (a reaper that reaps unlinks and exits instead of sleeping): the kernel says
+    where a process waits (/proc/PID/wchan, a nanosleep; 0 while it runs); where it hides that (0
+    always), whether it sleeps."""
+    try:
+        with open(f"/proc/{p.pid}/wchan") as f:
+            where = f.read().strip()
+    except OSError:
+        where = ""
+    if where in ("", "0"):
+        return p.status() == psutil.STATUS_SLEEPING
+    return "nanosleep" in where
 
 
 def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_path):
@@ -159,7 +174,8 @@ def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_p
     for p in (*paths, other):
         p.write_bytes(b"\0" * 64)
     reaper.start([str(p) for p in paths], [owner.pid])
-    time.sleep(0.5)
+    (watching,) = _reapers(*map(str, paths))
+    _wait_for(lambda: _polling(watching), 30)  # it has looked once
     assert all(p.exists() for p in paths)  # the owner lives: nothing happens
     owner.kill()  # a zombie until reaped: counts as dead
     # on the death (well before the sleeper's own end at 120 s), however busy the machine
@@ -185,16 +201,23 @@ def test_the_reaper_unlinks_when_its_process_dies_and_leaves_when_released(tmp_p
     _wait_for(lambda: not (tmp_path / "megatrain-1-run2-master").exists(), 30)  # not on a timer of its own
 
 
-def test_the_reaper_goes_away_once_the_segments_are_gone(tmp_path):
+def test_the_reaper_goes_away_once_the_segments_are_gone(tmp_path, monkeypatch):
     path = tmp_path / "megatrain-1-run-master"
     path.write_bytes(b"\0")
+    polled = threading.Event()
+
+    def poll_sleep(seconds: float) -> None:  # the watch's sleep between looks: it has looked once
+        polled.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(reaper, "time", SimpleNamespace(sleep=poll_sleep))
     done = []
     thread = threading.Thread(target=lambda: done.append(reaper.watch([str(path)], [os.getpid()])), daemon=True)
     thread.start()
-    time.sleep(0.3)
+    assert polled.wait(timeout=30)
     assert not done
     path.unlink()
-    thread.join(timeout=5)
+    thread.join(timeout=30)  # on its next look, however busy the machine
     assert done == ["gone"]
 
 

@@ -301,6 +301,7 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
     import dataclasses
 
     from megatrain_ray.orchestration import preflight as P
+    from resolved import planned
 
     shape = ["model.hidden_size=3584", "model.intermediate_size=18944", "model.num_attention_heads=28",
              "model.num_key_value_heads=4", "model.vocab_size=152064", "model.model_type=qwen2",
@@ -310,7 +311,7 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
     found = {}
     for tiling in ("null", "0"):
         cfg = load_config(None, shape + [f"memory.mlp_chunk_size={tiling}"])
-        plan = P.plan(cfg, "cuda", device_bytes=gpu, starts_ray=False)
+        plan = planned(cfg, "cuda", device_bytes=gpu, starts_ray=False)
         plan.host_available = 2**50
         longest = found[tiling] = P.longest_context(cfg, "cuda", plan)
 

@@ -2,7 +2,10 @@
 during a step, the peak they add up to (:func:`device_total`: phases that never overlap count once),
 and where each decoder layer's activations go (:func:`activation_placement`, chosen from the
 device's memory or set by memory.activations), and which units are resident on the device
-(:func:`resolve_resident`, memory.resident). Each takes the resident units as an argument
+(:func:`resolve_resident`, memory.resident). Those two choices are made once for a run, by
+:func:`megatrain_ray.orchestration.resolve.resolve`; the plan then counts the rows of what it chose
+(:func:`placed_rows`), and places the activations again only to ask what would fit at another
+micro-batch size or context length (:func:`device_rows`). Each takes the resident units as an argument
 (``resident``: unit indices; None = as an explicit memory.resident names them, none for auto),
 so the plan of a run is computed from what the run resolved, never from a rewritten config. See :mod:`megatrain_ray.orchestration.preflight`
 for what each row stands for and how the estimates were checked on an H200.
@@ -13,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from ..engine.compute.activations import (kept_bytes_per_token, layer_modes, recompute_spans, recomputed_layers,
-                                  sparse_kept_bytes_per_token)
+from ..engine.compute.activations import (HOST, KEEP, SPAN, kept_bytes_per_token, layer_modes, recompute_spans,
+                                          recomputed_layers, sparse_kept_bytes_per_token)
 from ..engine.compute.sequence import tiled_backward_bytes
 from ..engine.store.host_store import StoreSpec, largest_streamed, resident_units
 from ..model.flops import recompute_flops
@@ -67,6 +70,15 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_byt
     and ``host_bytes`` of host RAM free for offloaded checkpoints."""
     fixed = _fixed_device_rows(cfg, device, micro_batch_size, resident)
     counts = activation_counts(cfg, device, micro_batch_size, device_bytes, device_total(fixed), host_bytes)
+    return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, *counts) + fixed[1:]
+
+
+def placed_rows(cfg: TrainConfig, device: str, micro_batch_size: int, resident: tuple[int, ...],
+                placement: tuple[str, ...]) -> list[Row]:
+    """The device-memory components of one step at ``micro_batch_size`` with the activations placed as
+    ``placement`` (one mode per decoder layer, :func:`activation_placement`) has them."""
+    fixed = _fixed_device_rows(cfg, device, micro_batch_size, resident)
+    counts = placement.count(KEEP), placement.count(HOST), placement.count(SPAN)
     return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, *counts) + fixed[1:]
 
 

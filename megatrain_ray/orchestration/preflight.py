@@ -4,6 +4,13 @@
 with the table and one sentence, a run that would not fit host RAM or memory.shm_dir instead of
 letting the OOM killer end it hours later.
 
+This module counts and decides nothing: the device, the store (its precision), the units resident on
+the device, each layer's activation placement and the expected step time are chosen once by
+:func:`megatrain_ray.orchestration.resolve.resolve` and handed to :func:`count` as
+:class:`Decisions`; :func:`count` turns them into rows (bytes per place), and the table says
+whether they fit. Only its what-if questions (the largest micro-batch, the longest context that
+would fit) place the activations again, for the shapes they try.
+
 Where the bytes go (see :mod:`megatrain_ray.model.precision` for the dtypes):
 
 - **/dev/shm** (counted in host RAM too): the host store, one array per kind (master weights,
@@ -48,22 +55,19 @@ from dataclasses import dataclass, field
 
 from ..config import TrainConfig
 from ..data.builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS
-from ..engine.compute.activations import recomputed_layers
-from ..engine.store.host_store import StoreSpec, VersionWords, resident_units
+from ..engine.store.host_store import StoreSpec, VersionWords
+from ..engine.store.host_store import resident_units  # noqa: F401  (tests reach it from here, beside device_rows)
 from ..errors import PreflightError  # noqa: F401  (raised by resolve.check; callers catch it from here)
 from ..model import flops
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
-from ..model.precision import resolve_precision
-from .cluster import cluster_to_join
 from .device_memory import (CUDA_CONTEXT_BYTES, GPU_USABLE, Row, _activation_rows, _fixed_device_rows,  # noqa: F401
                             _pinned_size, activation_counts, activation_note, activation_placement, device_rows,
-                            device_total, fmt, resolve_resident)
-from .pace import Pace, expected_pace, timeout_line
+                            device_total, fmt, placed_rows, resolve_resident)
+from .pace import Pace, timeout_line
 from .store_modes import mode_notes
 from .machine import RAY_MEMORY_THRESHOLD  # noqa: F401  (the pipeline's messages quote it from here)
-from .machine import (gpu_memory, gpu_name, guess_device, host_available, ray_monitor_margin, ray_threshold,
-                      same_filesystem)
+from .machine import host_available, ray_monitor_margin, ray_threshold, same_filesystem
 
 PROCESS_BYTES = 350 * 2**20
 """Resident memory of one actor process with torch imported (measured ~300 MiB on CPU builds)."""
@@ -100,13 +104,14 @@ class Plan:
     max_positions: int = 2**62
     """model.max_position_embeddings: the longest context the table offers (memory may allow more)."""
     pace: Pace | None = None
-    """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`)."""
+    """The expected step time and what it follows from (:mod:`megatrain_ray.orchestration.pace`), as
+    the run decided it (:class:`Decisions`)."""
     resident: tuple[int, ...] = ()
-    """The units resident on the device that the plan counts (memory.resident, resolved)."""
+    """The units resident on the device that the plan counts (memory.resident, as the run decided it)."""
     activation_host_bytes: int | None = None
     """Host RAM left for offloaded activation checkpoints once everything else is counted."""
     placement: tuple[str, ...] = ()
-    """Each decoder layer's activation placement in this plan (:func:`activation_placement`)."""
+    """Each decoder layer's activation placement that the plan counts, as the run decided it."""
 
     def total(self, where: str) -> int:
         """Bytes needed in ``shm``, ``host`` (shm included, and the device on a CPU run) or ``device``."""
@@ -224,35 +229,48 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     fits(hi * step)  # records what the next length would exceed
     return lo * step
-def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
-         starts_ray: bool | None = None, device_tflops: float | None = None,
-         resident: tuple[int, ...] | None = None, host_memory: int | None = None) -> Plan:
-    """The memory plan of ``cfg`` on this machine (nothing is allocated); a run's is part of its
-    :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`.
+@dataclass(frozen=True)
+class Decisions:
+    """What a run's memory plan counts with and never chooses: each decided once, by
+    :func:`~megatrain_ray.orchestration.resolve.resolve`, and held by its
+    :class:`~megatrain_ray.orchestration.resolve.ResolvedRun` (which :func:`count` counts again, with
+    the same decisions, when the machine's free memory changes)."""
 
-    ``device``: cpu or cuda (default: :func:`guess_device`); ``device_bytes``: GPU memory to plan
-    for (default: this process's GPU 0); ``starts_ray``: whether this process will start Ray
-    (and so its object store), by default when it would not join a cluster
-    (:func:`megatrain_ray.orchestration.cluster.cluster_to_join`); ``device_tflops``: the GPU's
-    bf16 dense rate for the expected step time (default: nominal, see :mod:`.pace`); ``resident``:
-    the units resident on the device (default: memory.resident as :func:`resolve_resident`
-    resolves it here); ``host_memory``: host RAM available to plan for (default: what this machine
-    has available now), which also bounds the offloaded activation checkpoints.
-    """
-    device = device or guess_device(cfg)
-    if device == "cuda" and device_bytes is None:
-        device_bytes = gpu_memory()
-    if resident is None:
-        resident = resident_units(cfg.model, resolve_resident(cfg, device, device_bytes))
-    if starts_ray is None:
-        starts_ray = cluster_to_join(cfg.cluster)[0] is None
-    m = cfg.model
-    spec = StoreSpec.of_run(cfg, resolve_precision(cfg.precision, device, cfg.optim.state), device, 0, "plan", resident)
-    precision = spec.precision  # as the store keeps it (a LoRA run's base: in the compute dtype)
-    layout = StoreLayout.build(m)
-    rows = [Row(f"{_store_label(spec, k)}{f' ({spec.grad_slots} unit slots)' if k == 'grad' and spec.grad_slots else ''} "
-                f"({str(spec.dtype(k)).removeprefix('torch.')})", "shm", spec.numel(k) * spec.dtype(k).itemsize)
-            for k in spec.kinds()]
+    device: str
+    """cpu or cuda."""
+    device_bytes: int | None
+    """The GPU memory the run is planned against (None: unknown, or the cpu device)."""
+    store: StoreSpec
+    """The host store: its arrays and their dtypes (``store.precision``: the run's precision as the store
+    keeps it, a LoRA run's frozen base in the compute dtype)."""
+    resident: tuple[int, ...]
+    """The units resident on the device by memory.resident (a LoRA run's embedding or head trained in
+    full are on the device too, but counted with the adapters)."""
+    placement: tuple[str, ...]
+    """Each decoder layer's activation placement (:func:`activation_placement`)."""
+    pace: Pace
+    """The expected step time (:func:`~megatrain_ray.orchestration.pace.expected_pace`)."""
+
+
+def host_for(host_bytes: int | None) -> int:
+    """The host RAM a run is planned against: ``host_bytes`` where given, else what this machine has
+    available now."""
+    return host_available() if host_bytes is None else host_bytes
+
+
+def offload_room(cfg: TrainConfig, device: str, store: StoreSpec, starts_ray: bool, host: int) -> int:
+    """Of ``host`` bytes of host RAM, those left for offloaded activation checkpoints once everything
+    else on the host is counted (what :func:`activation_placement` may offload into)."""
+    return host - sum(r.nbytes for r in _host_rows(cfg, device, store, starts_ray))
+
+
+def _host_rows(cfg: TrainConfig, device: str, store: StoreSpec, starts_ray: bool) -> list[Row]:
+    """Every /dev/shm and host-RAM row but the offloaded activation checkpoints' (see the module
+    docstring); ``starts_ray``: whether this process starts Ray (its object store then counts)."""
+    layout = StoreLayout.build(cfg.model)
+    rows = [Row(f"{_store_label(store, k)}{f' ({store.grad_slots} unit slots)' if k == 'grad' and store.grad_slots else ''} "
+                f"({str(store.dtype(k)).removeprefix('torch.')})", "shm", store.numel(k) * store.dtype(k).itemsize)
+            for k in store.kinds()]
     rows.append(Row("unit versions", "shm", 8 * VersionWords(len(layout.units)).numel))
     if starts_ray:
         same_fs = same_filesystem(cfg.memory.shm_dir, "/dev/shm")
@@ -277,12 +295,24 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
                         int(cfg.train.checkpoint_staging_gib * 2**30)))
     if cfg.train.save_final:
         rows.append(Row("one shard of the final export", "host",
-                        min(EXPORT_SHARD_BYTES, layout.num_params * precision.master.itemsize)))
-    host = host_available() if host_memory is None else host_memory
+                        min(EXPORT_SHARD_BYTES, layout.num_params * store.precision.master.itemsize)))
+    return rows
+
+
+def count(cfg: TrainConfig, decided: Decisions, host: int, starts_ray: bool) -> Plan:
+    """The memory plan of ``cfg`` run as ``decided`` (nothing is allocated, nothing is chosen here): its
+    rows, what the machine has (``host`` bytes of host RAM, what is free in memory.shm_dir now), the
+    largest micro-batch and the longest context that would fit, and the notes; a run's is part of its
+    :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`. ``starts_ray``: whether this process
+    starts Ray (its object store then counts)."""
+    device, store, resident = decided.device, decided.store, decided.resident
+    m = cfg.model
+    precision = store.precision  # as the store keeps it (a LoRA run's base: in the compute dtype)
+    n_params = StoreLayout.build(m).num_params
+    rows = _host_rows(cfg, device, store, starts_ray)
     room = host - sum(r.nbytes for r in rows)  # what offloaded checkpoints may take
-    rows += device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident, room)
+    rows += placed_rows(cfg, device, cfg.train.micro_batch_size, resident, decided.placement)
     shm_free = shutil.disk_usage(cfg.memory.shm_dir).free
-    n_params = layout.num_params
     experts = (f", {flops.fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")
     if cfg.lora.enabled:
@@ -295,23 +325,20 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
              + (f"; per node of {cfg.parallel.nodes}, {cfg.parallel.compute_workers} GPU(s) each taking 1/{cfg.parallel.workers} "
                 "of the micro-batches (device rows: per GPU)" if cfg.parallel.workers > 1 else ""))
-    result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
-                  resident=resident, activation_host_bytes=room)
+    result = Plan(title, device, rows, shm_free, host, decided.device_bytes, cfg.train.micro_batch_size, None,
+                  pace=decided.pace, resident=resident, activation_host_bytes=room, placement=decided.placement)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
     result.max_positions = cfg.model.max_position_embeddings
-    result.placement = activation_placement(cfg, device, result.device_bytes, result.resident, room)
-    result.pace = expected_pace(cfg, device, *recomputed_layers(result.placement), tflops=device_tflops,
-                                gpu_name=gpu_name() if device == "cuda" else None)
-    result.notes += [activation_note(cfg, device, result), result.pace.line(),
-                     timeout_line(result.pace, cfg.cluster.actor_timeout_s)]
+    result.notes += [activation_note(cfg, device, result), decided.pace.line(),
+                     timeout_line(decided.pace, cfg.cluster.actor_timeout_s)]
     if cfg.lora.enabled:  # the adapters' fp32 master and moments; the frozen base is not written
         checkpoint_bytes = 12 * AdapterLayout.build(m, cfg.lora).num_params
     else:
         checkpoint_bytes = n_params * precision.master.itemsize + sum(
-            spec.numel(k) * spec.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(spec)))
+            store.numel(k) * store.dtype(k).itemsize for k in ("exp_avg", "exp_avg_sq", *_scale_kinds(store)))
     result.notes.append(_checkpoint_note(cfg, checkpoint_bytes))
-    result.notes += mode_notes(cfg, device, host - (result.total("host") - spec.nbytes()), resident)
+    result.notes += mode_notes(cfg, device, host - (result.total("host") - store.nbytes()), resident)
     return result
 
 

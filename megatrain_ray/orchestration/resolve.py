@@ -12,6 +12,11 @@ config is never rewritten: what the user wrote stays in ``config``, what it reso
 The facts (:class:`Facts`) are what the config cannot say: the device the cluster offers, the GPU
 memory free for the run (which decides memory.resident=auto and memory.activations=auto), and
 whether this process will start Ray (its object store then counts in the memory plan).
+
+Every choice the memory plan depends on is made here, once: the device, the precision and the store,
+the units resident on the device, each layer's activation placement and the expected step time
+(:class:`~megatrain_ray.orchestration.preflight.Decisions`); :mod:`~megatrain_ray.orchestration.preflight`
+only counts what they take, and :func:`check` counts again with the same decisions.
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
-from ..engine.compute.activations import recompute_spans
-from .device_memory import resolve_resident
-from .machine import gpu_free_memory, guess_device
-from .pace import Pace, role_wait_s
+from ..engine.compute.activations import recompute_spans, recomputed_layers
+from .device_memory import activation_placement, resolve_resident
+from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
+from .pace import Pace, expected_pace, role_wait_s
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,9 @@ class ResolvedRun:
     """The store of every node (its owner and run id filled in by :meth:`store_spec`)."""
     compute: ComputeSettings
     sink: SinkSettings
+    decisions: preflight.Decisions
+    """What the memory plan counts with: the device memory planned against, the store, the units
+    resident by memory.resident, the activation placement (the compute workers' too) and the pace."""
     memory: preflight.Plan
     """The memory plan: host RAM, /dev/shm and device rows, and whether the run fits; with the
     expected step time (``memory.pace``, :mod:`megatrain_ray.orchestration.pace`)."""
@@ -102,7 +110,7 @@ class ResolvedRun:
     @property
     def pace(self) -> Pace:
         """The expected step time the roles' waits follow from."""
-        return self.memory.pace
+        return self.decisions.pace
 
     @property
     def device(self) -> str:
@@ -191,13 +199,14 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     resident_layers = resolve_resident(cfg, device, facts.device_bytes)
     resident = resident_units(cfg.model, resident_layers)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
-    memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident,
-                            facts.host_bytes)
-    activations = memory.placement  # every GPU alike: the same share of the micro-batches
+    host = preflight.host_for(facts.host_bytes)
+    decisions = _decide(cfg, facts, store, resident, host)
+    memory = preflight.count(cfg, decisions, host, facts.starts_ray)
+    activations = decisions.placement  # every GPU alike: the same share of the micro-batches
     # a LoRA run's embedding / head trained in full: on the compute worker's device beside the adapters
     trained = tuple(layout.units.index(t.unit) for t in AdapterLayout.build(cfg.model, cfg.lora).full)
     schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident + trained, recompute_spans(activations))
-    wait = role_wait_s(memory.pace, cfg.cluster.actor_timeout_s)  # a role's wait for its next message
+    wait = role_wait_s(decisions.pace, cfg.cluster.actor_timeout_s)  # a role's wait for its next message
     host_sum = cfg.experimental.grad_reduce == "host" and cfg.parallel.compute_workers > 1
     # Two passes where the updates wait for the norm and one optimizer has the node's whole gradient
     # (no host sum, no shards, no gradients held on the device), from fp32 master weights to a stream copy.
@@ -218,8 +227,23 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         frozen=tuple(u for u in schedule.update if policies[u] == FROZEN))
-    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink, memory,
-                       wait, cfg.cluster.actor_timeout_s)
+    return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
+                       decisions, memory, wait, cfg.cluster.actor_timeout_s)
+
+
+def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[int, ...],
+            host: int) -> preflight.Decisions:
+    """The memory plan's decisions beyond the store and the resident units: the GPU memory it is
+    planned against (the facts', or where they do not say, the whole of this process's GPU 0), each
+    layer's activation placement in what that leaves (offloaded checkpoints within what ``host``
+    bytes of host RAM leave), and the pace that placement gives."""
+    device = facts.device
+    device_bytes = gpu_memory() if device == "cuda" and facts.device_bytes is None else facts.device_bytes
+    room = preflight.offload_room(cfg, device, store, facts.starts_ray, host)
+    placement = activation_placement(cfg, device, device_bytes, resident, room)
+    pace = expected_pace(cfg, device, *recomputed_layers(placement), tflops=facts.device_tflops,
+                         gpu_name=gpu_name() if device == "cuda" else None)
+    return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
 
 
 def _fits_an_idle_machine(result: preflight.Plan, cfg: TrainConfig) -> bool:
@@ -236,7 +260,9 @@ RELEASE_POLL_S = 2.0
 
 def check(run: ResolvedRun, log=print) -> preflight.Plan:
     """The memory plan of ``run`` about to start, once memory that a run which just ended is still releasing has come back; prints the
-    table and raises PreflightError if it does not fit."""
+    table and raises PreflightError if it does not fit. While it waits it counts the plan again, with the
+    machine's free memory as it is then and the run's own decisions (:attr:`ResolvedRun.decisions`):
+    nothing is chosen again."""
     cfg, facts = run.config, run.facts
     result = run.memory
     problems = result.problems()
@@ -246,8 +272,7 @@ def check(run: ResolvedRun, log=print) -> preflight.Plan:
         # unlinked, but mappings live until then): wait while the free memory is still growing.
         time.sleep(RELEASE_POLL_S)
         waited += RELEASE_POLL_S
-        again = preflight.plan(cfg, facts.device, facts.device_bytes, facts.starts_ray, facts.device_tflops,
-                               run.schedule.resident, facts.host_bytes)
+        again = preflight.count(cfg, run.decisions, preflight.host_for(facts.host_bytes), facts.starts_ray)
         growing = again.shm_free > result.shm_free or again.host_available > result.host_available
         if waited == RELEASE_POLL_S and growing:
             log("waiting for the memory of a run that just ended to be released")
