@@ -19,6 +19,7 @@ exits with 130 after cleaning up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, resume, _ = resume_config(args.resume, args.config, args.overrides)
             else:
                 cfg = load_train_config(args.config, args.overrides)
-            cfg.train.run_dir = job_path(cfg.train.run_dir, "train.run_dir")
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+                cfg.train, run_dir=job_path(cfg.train.run_dir, "train.run_dir")))
             train(cfg, resume=resume)
         elif args.command == "plan":
             return _plan(args)

@@ -1,9 +1,11 @@
 """Configuration loading and validation: bad input fails early with a ConfigError naming the key.
 
 No Ray here: everything goes through ``load_config(path, overrides)`` (``load_train_config`` where
-train.init_from's config.json defines the model) and ``ModelConfig.from_hf_dict``.
+train.init_from's config.json defines the model) and ``ModelConfig.from_hf_dict``. A loaded config is
+frozen: the loader's own changes (init_from's model, the run directory of a resume) are new values.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -389,3 +391,57 @@ def test_buffer_depth_and_loss_chunk_default_to_the_benchmarks_settings_per_devi
     mem = load_config(_write(tmp_path, "c.yaml", "memory:\n  buffer_depth: null\n  loss_chunk_size: null\n")).memory
     assert mem.buffer_depth_on("cuda") == 3
     assert "memory.loss_chunk_size" in _error(overrides=["memory.loss_chunk_size=0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A loaded config is frozen; what the loader works out is a new value, the same as before.
+
+def test_a_loaded_config_refuses_assignment_to_sections_and_fields():
+    cfg = load_config(None, ["train.steps=7"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train = TrainSection()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.run_dir = "elsewhere"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.num_key_value_heads = 1  # a field the model's construction fills in
+    for section in cfg.sections():  # every section, not only those above
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, dataclasses.fields(section)[0].name, None)
+    assert (cfg.train.steps, cfg.train.run_dir) == (7, TrainSection().run_dir)
+    assert cfg.model.num_key_value_heads == cfg.model.num_attention_heads
+
+
+def test_init_from_gives_the_model_of_its_config_json_in_a_frozen_config(tmp_path):
+    hf = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = load_train_config(None, [f"train.init_from={tmp_path}", "train.seq_len=32"])
+    assert cfg.model == ModelConfig.from_hf_dict(hf) != ModelConfig()
+    assert (cfg.model.model_type, cfg.model.num_key_value_heads, cfg.model.attention_bias) == ("qwen2", 2, True)
+    assert cfg.train.init_from == str(tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model = ModelConfig()
+
+
+def test_resume_continues_in_the_folder_of_the_checkpoints_run_in_a_frozen_config(tmp_path, monkeypatch):
+    """Unless train.run_dir is set anew, a resumed run's train.run_dir is the folder that holds the
+    checkpoint's run, whatever folder the run was started with (megatrain_ray.io.resume)."""
+    from megatrain_ray.io import checkpoint
+    from megatrain_ray.io.resume import resume_config
+
+    monkeypatch.chdir(tmp_path)
+    saved = load_config(None, ["train.run_dir=started-in", "train.steps=4"]).to_dict()
+    step = tmp_path / "moved" / "run-1" / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    meta = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, "step": 2,
+            "config": saved, "model": ModelConfig().to_hf_dict()}
+    meta["meta_crc32"] = checkpoint.meta_checksum(meta)
+    (step / checkpoint.META_FILE).write_text(json.dumps(meta))
+    cfg, directory, _ = resume_config(str(step), None, [])
+    assert directory == str(step)
+    assert (cfg.train.run_dir, cfg.train.steps) == (str(tmp_path / "moved"), 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.run_dir = "started-in"
+    cfg, _, _ = resume_config(str(step), None, ["train.run_dir=another"])
+    assert cfg.train.run_dir == "another"

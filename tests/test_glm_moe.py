@@ -15,6 +15,7 @@ MOE_ARCHS).
   import; bad settings name their key.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -168,7 +169,7 @@ def test_the_multi_token_prediction_layer_is_skipped_on_import(tmp_path):
     cfg, raw = hf_io.read_config(str(tmp_path / "hf"))
     assert raw["num_nextn_predict_layers"] == cfg.num_nextn_predict_layers == 1
     hf_io.check_weights(cfg, str(tmp_path / "hf"), "the checkpoint")
-    cfg.num_nextn_predict_layers = 0
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     with pytest.raises(ConfigError, match="holds 2 tensor"):
         hf_io.check_weights(cfg, str(tmp_path / "hf"), "the checkpoint")
 

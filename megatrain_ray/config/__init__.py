@@ -7,6 +7,9 @@ overrides one field. Model fields carry Hugging Face ``config.json`` names, so a
 :class:`ModelConfig` directly (:meth:`ModelConfig.from_hf_dict`).
 
 Every check raises :class:`~megatrain_ray.errors.ConfigError` with one sentence that names the key.
+Every section is a frozen dataclass: a loaded config is never changed afterwards; code that needs
+another setting builds a new value with ``dataclasses.replace`` (the loader does so with
+``train.init_from``'s model, ``train --resume`` with the run directory).
 
 - :mod:`.model`: :class:`ModelConfig` and its HF config.json mapping;
 - :mod:`.sections`: optim, train and data, :func:`lr_at` and :class:`TrainConfig`;

@@ -53,7 +53,7 @@ def _one_of(value: str, values: tuple[str, ...], key: str) -> None:
     _require(value in values, key, f"must be {', '.join(values[:-1])} or {values[-1]}, got {value!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionSection:
     """The dtypes of the weights the device computes with, of the master weights and of the gradients."""
 
@@ -72,7 +72,7 @@ class PrecisionSection:
         _one_of(self.grad_dtype, ("auto", "float32", "bfloat16"), "precision.grad_dtype")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ComputeSection:
     """The device the layers run on and the kernels they run with."""
 
@@ -100,7 +100,7 @@ class ComputeSection:
         _one_of(self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math"), "compute.attention_backend")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemorySection:
     """What lives where: the device's weight slots and chunks, each layer's activations, the units
     resident on the device, and the host store's directory."""
@@ -208,7 +208,7 @@ class MemorySection:
         _require(why is None, "memory.shm_dir", f"{self.shm_dir!r} cannot be written to ({why})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelSection:
     """How the work is spread: data-parallel compute workers and nodes, the AdamW work among nodes,
     and the AdamW threads of each node."""
@@ -254,7 +254,7 @@ class ParallelSection:
                  f"must be >= 0 (0 = one per CPU but one), got {self.optimizer_threads}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterSection:
     """Which Ray the run uses, its dashboard, and how the run notices and survives a role that stops."""
 
@@ -303,7 +303,7 @@ class ClusterSection:
                  f"must be positive, got {self.health_timeout_s}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExperimentalSection:
     """Switches kept to measure one choice against another; their defaults are what a run should use."""
 

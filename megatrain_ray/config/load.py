@@ -72,7 +72,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def load_config(path: str | None = None, overrides: list[str] = (), base: dict | None = None,
                 model_from: Callable[[str, dict], ModelConfig] | None = None,
                 skip: tuple[str, ...] = ()) -> TrainConfig:
-    """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate.
+    """Load a YAML file (or start from ``base``), apply ``--set`` overrides, validate; returns a new,
+    frozen TrainConfig.
 
     ``skip``: sections of the file left out (their defaults apply), for a caller that uses none of
     their settings: the benchmark's data section (it trains on random tokens). ``base`` is a run
@@ -124,5 +125,5 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: dict |
             raise ConfigError("train.init_from needs its config.json read for the model shape; load this "
                               "configuration with megatrain_ray.io.hf_io.load_train_config.")
         given = {k: getattr(cfg.model, k) for k, v in (data.get("model") or {}).items() if v is not None}
-        cfg.model = model_from(cfg.train.init_from, given)  # given: the model.* values set, to check
+        cfg = dataclasses.replace(cfg, model=model_from(cfg.train.init_from, given))  # given: the model.* set, to check
     return cfg.validate()

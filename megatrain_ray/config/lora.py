@@ -57,7 +57,7 @@ def mxfp4_refusal(model) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraSection:
     """Low-rank adapters (LoRA) on a frozen base; rank 0 trains the whole model instead."""
 

@@ -17,7 +17,7 @@ from .families import (ARCHITECTURES, GLM_FIELDS, GLM_HF_DEFAULTS, GPT_OSS_FIELD
                        MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, validate_glm, validate_gpt_oss, validate_rope_scaling)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral /
     Qwen2-MoE / GLM-4.5 / gpt-oss), named as in HF config.json."""
@@ -134,19 +134,23 @@ class ModelConfig:
     none): their tensors are skipped on import, and the number is written back to config.json."""
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.attention_bias is None:
-            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe", "gpt_oss")
-        if self.norm_topk_prob is None:
-            self.norm_topk_prob = self.model_type in ("mixtral", "gpt_oss")
-        if self.partial_rotary_factor is None:
-            self.partial_rotary_factor = GLM_HF_DEFAULTS["partial_rotary_factor"] if self.model_type == "glm4_moe" else 1.0
+        """Fill the fields whose None means "the family's default" (part of construction: the
+        dataclass is frozen, so they are set through ``object.__setattr__``, once)."""
+        for key, value in self._defaults().items():
+            object.__setattr__(self, key, value)
+
+    def _defaults(self) -> dict[str, Any]:
+        """The values of the fields left None that the family decides (num_key_value_heads,
+        attention_bias, norm_topk_prob, partial_rotary_factor; gpt_oss's layer_types and swiglu_*)."""
+        glm = self.model_type == "glm4_moe"
+        family = {"num_key_value_heads": self.num_attention_heads,
+                  "attention_bias": self.model_type in ("qwen2", "qwen2_moe", "gpt_oss"),
+                  "norm_topk_prob": self.model_type in ("mixtral", "gpt_oss"),
+                  "partial_rotary_factor": GLM_HF_DEFAULTS["partial_rotary_factor"] if glm else 1.0}
         if self.model_type == "gpt_oss":
-            if self.layer_types is None:
-                self.layer_types = [LAYER_TYPES[(i + 1) % 2] for i in range(self.num_hidden_layers)]
-            self.swiglu_alpha = 1.702 if self.swiglu_alpha is None else self.swiglu_alpha
-            self.swiglu_limit = 7.0 if self.swiglu_limit is None else self.swiglu_limit
+            family.update(layer_types=[LAYER_TYPES[(i + 1) % 2] for i in range(self.num_hidden_layers)],
+                          swiglu_alpha=1.702, swiglu_limit=7.0)
+        return {key: value for key, value in family.items() if getattr(self, key) is None}
 
     @property
     def head_size(self) -> int:

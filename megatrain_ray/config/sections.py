@@ -25,7 +25,7 @@ LOGGERS = ("tensorboard", "mlflow", "wandb")
 """Values in train.loggers (the trackers of megatrain_ray.orchestration.trackers)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     """AdamW with decoupled weight decay, global-norm clipping and a warmup + cosine schedule."""
 
@@ -83,7 +83,7 @@ def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSection:
     """What the run starts from, how many steps, the shape of each step's batch, and what it writes."""
 
@@ -157,7 +157,7 @@ class TrainSection:
                      f"must be a Hugging Face model directory with a config.json, got {self.init_from!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSection:
     """Where the training tokens come from and how they become batches (see megatrain_ray.data.datasets)."""
 
@@ -236,9 +236,12 @@ _DATA_EXTENSIONS = (".txt", ".npy", ".jsonl", ".json", ".parquet", ".arrow")
 _DATA_FORMATS = ("auto", "windows", "text", "alpaca", "sharegpt", "tokens")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """A whole run: model shape, optimizer, steps and batch shape, data, adapters, and how it executes."""
+    """A whole run: model shape, optimizer, steps and batch shape, data, adapters, and how it executes.
+
+    Frozen, as every section: a loaded config is never changed; a changed setting is a new value
+    (``dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=...))``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape (ignored fields are replaced by train.init_from's config.json when set)."""

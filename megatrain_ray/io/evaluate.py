@@ -12,6 +12,7 @@ Precision: weights are upcast to float32 and everything runs in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -123,8 +124,7 @@ def run_eval(src: str, config: str | None = None, overrides: list[str] = (), spl
     if tokenizer not in (None, BYTE_LEVEL):
         base.setdefault("data", {})["tokenizer"] = tokenizer
     cfg = hf_io.load_train_config(config, list(overrides), base=base)
-    cfg.model = model_cfg
-    cfg.validate()
+    cfg = dataclasses.replace(cfg, model=model_cfg).validate()
     source = source_from_config(cfg, split, log, connect)
     result = evaluate(model_cfg, read, source.eval_batches(batch_size), max_batches)
     log(f"eval: {split} loss {result.loss:.4f} | perplexity {result.perplexity:.3f} | "

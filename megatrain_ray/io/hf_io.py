@@ -25,6 +25,7 @@ the tests). Export materialises at most one shard of tensors (``shard_bytes``) b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -83,7 +84,7 @@ def _init_from_model(directory: str, given: dict) -> ModelConfig:
                               "its weights hold an lm_head.weight unlike model.embed_tokens.weight; set "
                               "model.tie_word_embeddings=false to train that head (transformers loads this "
                               "directory untied too), or remove lm_head.weight from the files to tie it.")
-        model.tie_word_embeddings = False  # the user's choice: the head the files hold
+        model = dataclasses.replace(model, tie_word_embeddings=False)  # the user's choice: the head the files hold
         given = {k: v for k, v in given.items() if k != "tie_word_embeddings"}
     for key, value in given.items():
         theirs = getattr(model, key)

@@ -16,6 +16,7 @@ to another folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -84,7 +85,7 @@ def resume_config(path: str, config_file: str | None, overrides: list[str], log=
     check_model(meta, cfg.model, directory)
     run = run_lock.run_of(directory)
     if cfg.train.run_dir == (base.get("train") or {}).get("run_dir") and run != directory:
-        cfg.train.run_dir = os.path.dirname(run)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=os.path.dirname(run)))
     return cfg, directory, meta
 
 
