@@ -47,7 +47,8 @@ class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
     def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float,
-                 resident: ResidentUnits | NoResidentUnits, policies: tuple[UnitPolicy, ...], update_order: tuple[int, ...], adapters, traffic: ExpertTraffic):
+                 resident: ResidentUnits | NoResidentUnits, policies: tuple[UnitPolicy, ...],
+                 update_order: tuple[int, ...], adapters, traffic: ExpertTraffic):
         """resident: the units resident on the worker's device (the empty set without), updated at the end
         of each step; policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
         update_order: the schedule's (held gradients go out in it); adapters: a LoRA run's
@@ -76,7 +77,8 @@ class GradOut:
         self.senders = tuple(self.sender_of(unit, policy) for unit, policy in enumerate(policies))
         """Each unit's sender, chosen once by its policy."""
         self.step_ends = (*((self._send_held,) if store.spec.hold_grads else ()), self._update_on_device)
-        """What ends each step (:meth:`end_step`): the held gradients sent, the resident units and the adapters updated."""
+        """What ends each step (:meth:`end_step`): the held gradients sent; the resident units and the
+        adapters updated."""
         self.doing = ""
         """What the grad-sender thread does now (for the error that ends it)."""
 
