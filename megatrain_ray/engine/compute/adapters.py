@@ -240,10 +240,11 @@ class DeviceAdapters:
 class NoAdapters:
     """The adapters of a run without LoRA: an empty set (see the module docstring)."""
 
-    blocks: dict[int, torch.Tensor] = {}
-    """No store unit is trained in full here."""
-    covered = range(0)
-    """No unit's ticket carries an adapters' norm: each goes out as its policy says."""
+    def __init__(self):
+        self.blocks: dict[int, torch.Tensor] = {}
+        """No store unit is trained in full here."""
+        self.covered = range(0)
+        """No unit's ticket carries an adapters' norm: each goes out as its policy says."""
 
     def params(self, unit: str) -> Params:
         return {}
