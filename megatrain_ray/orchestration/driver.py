@@ -3,7 +3,9 @@
 Steps go to every compute worker (each takes its share of the step's micro-batches); two steps
 are kept queued at each, so no worker waits on the driver. A step's outputs (the workers' losses
 summed, timings of the first worker) and the first node's sink stats (grad norm, lr) are joined
-into one metrics row when both are in.
+into one metrics row when both are in. What the run saves at its end and on an interrupt, and
+which role writes it (the store, or a LoRA run's first compute worker), is one object chosen when
+the driver is built (:mod:`megatrain_ray.orchestration.saves`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .metrics import RunMetrics
 from .step_notes import StepNotes
 from .resolve import ResolvedRun
 from .roles import Roles
+from .saves import AdapterSaves, StoreSaves
 
 
 @dataclass
@@ -118,6 +121,8 @@ class Driver:
         """The time left, from the pace of the steps logged after the first (compile and warm-up)."""
         self.notes = StepNotes(log, self.steps, self.head.fetch_qs[0] if self.head.fetch_qs else None)
         """The lines while a long step runs."""
+        self.saves = (AdapterSaves if run.config.lora.enabled else StoreSaves)(run, roles, checkpoints, log)
+        """What the run saves and who writes it: the store, or a LoRA run's first compute worker."""
 
     def run(self, batch_ref, start: int) -> RunResult:
         self.start = start
@@ -148,9 +153,7 @@ class Driver:
         with open(os.path.join(r.run_dir, "timeline.json"), "w") as f:
             json.dump(r.timeline, f)
         loss = f"final loss {r.losses[-1]:.4f}, " if r.losses else ""
-        saved = f"weights saved to {r.final_dir}" if self.cfg.train.save_final else "final weights not saved"
-        if self.cfg.lora.enabled and self.cfg.train.save_final:
-            saved = f"adapters saved to {os.path.join(r.run_dir, 'adapter')}, merged into {r.final_dir}"
+        saved = self.saves.said(r) if self.cfg.train.save_final else "final weights not saved"
         again = (f" (after {r.restarts} restart{'s' if r.restarts > 1 else ''}, which trained {r.repeated_steps} "
                  f"step{'' if r.repeated_steps == 1 else 's'} twice)") if r.restarts else ""
         self.log(f"done: {self.steps - r.start_step} steps{again}, {loss}{r.tokens_per_s:,.0f} tokens/s; {saved}")
@@ -159,22 +162,9 @@ class Driver:
     def _save_final(self) -> None:
         """The final weights (and a LoRA run's adapters), replacing those of an earlier session of a
         resumed run, with the tokenizer the data was read with (for generate())."""
-        r = self.result
-        adapter_dir = os.path.join(r.run_dir, "adapter")
-        with replacing(r.final_dir, *((adapter_dir,) if self.cfg.lora.enabled else ())):
+        with replacing(*self.saves.final_dirs(self.result)):
             tokenizer = run_tokenizer(dataclasses.asdict(self.cfg.data), self.cfg.train.init_from)
-            if self.cfg.lora.enabled:  # the adapters (PEFT's format) and the merged model, from the compute worker
-                _get(self.roles.computes[0].lora.remote("export", adapter_dir, r.final_dir, tokenizer,
-                                                        self.cfg.train.init_from), "compute", self.timeout)
-            elif self.checkpoints is not None and not self.checkpoints.every:  # the weights on disk before the export
-                try:
-                    r.checkpoints.append(_get(self.head.store.save_checkpoint.remote(self.checkpoints, self.steps), "store",
-                                              self.timeout))
-                    self.log(f"checkpoint: step {self.steps} saved to {r.checkpoints[-1]}")
-                except MegatrainError as e:  # it needs 3x the export's space: the export may still fit
-                    self.log(f"warning: {str(e).rstrip('.')}; exporting the final weights without it")
-            if not self.cfg.lora.enabled:
-                _get(self.head.store.save_hf.remote(r.final_dir, tokenizer=tokenizer), "store", self.timeout)
+            self.saves.final(self.result, tokenizer)
 
     def _submit(self, step: int, batch_ref) -> None:
         with _signals_deferred():
@@ -355,11 +345,7 @@ class Driver:
             # The store actor waits until the sink has applied every submitted step's update; the
             # compute worker's own units (memory.resident) it copies in first. A LoRA run's
             # checkpoint is the adapters', which the compute worker writes itself.
-            if self.cfg.lora.enabled:
-                save = self.roles.computes[0].lora.remote("checkpoint", boundary)
-            else:
-                _get(self.roles.computes[0].sync_resident.remote(), "compute", self.timeout)
-                save = self.head.store.save_checkpoint.remote(self.checkpoints, boundary)
+            save = self.saves.checkpoint(boundary)
             while True:
                 ready, _ = ray.wait([save, *self.loops], num_returns=1, timeout=1.0)
                 if save in ready:
@@ -367,8 +353,7 @@ class Driver:
                 for r in ready:
                     _get(r, self.loops.pop(r), self.timeout)
                 self._handle(self.head.stats_q.drain())
-            path = _get(save, "store", self.timeout)
-            path = path["checkpoint"] if self.cfg.lora.enabled else path  # a LoRA run's: the compute worker's notice
+            path = self.saves.path(_get(save, "store", self.timeout))
             self._handle(self.head.stats_q.drain())
         except MegatrainError as e:
             return None, f"no checkpoint could be saved ({e})"

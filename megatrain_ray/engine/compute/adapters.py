@@ -17,6 +17,10 @@ With several compute workers each holds its own copy of the adapters, initialise
 unit's gradient is summed over them (the all-reduce of :class:`~megatrain_ray.engine.compute.grad_out.GradOut`)
 before its norm is taken, so every copy takes the same update; the first worker writes the
 checkpoints and the export.
+
+A run without adapters holds the empty set, :class:`NoAdapters` (no unit trained here, none of
+their parameters or gradients, nothing to update at a step's end), so the compute worker's step
+asks its adapters what to bind and never whether there are any.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ...io.writer import driver_gone
 from ...model.lora import AdapterLayout, dropout_masks, is_adapter
 from ...model.transformer import Params, hf_name
 from ..optim import AdamWRunner, step_clipping
-from .resident import DeviceAdamW
+from .resident import DeviceAdamW, step_sq_norm
 
 
 class _Templates(NamedTuple):
@@ -86,6 +90,9 @@ class DeviceAdapters:
         """unit -> this step's gradient [numel] fp32, accumulated over the micro-batches, until the update."""
         self.version = 0
         """Updates applied."""
+        self.covered = range(len(store.layout.units))
+        """The store's units whose gradient tickets carry this set's gradient norm: every one (a unit
+        without adapters sends a zero norm; :class:`~megatrain_ray.engine.compute.grad_out.AdapterNorm`)."""
         self.checkpoints = checkpoints
         if resume_from is not None:
             self.resume(resume_from)
@@ -155,6 +162,22 @@ class DeviceAdapters:
             self.optimizer.update(i, grads[unit], coef, step)  # the gradient: fp32, scaled in place
         self.version = step + 1
 
+    def end_step(self, step: int, sq_norms: list[torch.Tensor], backend) -> None:
+        """At the end of step ``step``'s backward: :meth:`update`, clipped by the squared norm summed from
+        every unit's ``sq_norms`` (:func:`~megatrain_ray.engine.compute.resident.step_sq_norm`), a compute
+        span of ``backend``'s."""
+        with backend.compute("adamw (adapters)"):
+            self.update(step, step_sq_norm(sq_norms))
+
+    def step_result(self, boundary: int, for_checkpoint: bool) -> dict:
+        """What the step ending at ``boundary`` adds to its result: the notice of the checkpoint the
+        adapters write there ({"checkpoint": :meth:`checkpoint`'s notice}) where it is a checkpoint's
+        (``for_checkpoint``) and this worker writes them (the first: it has the checkpoint settings);
+        else nothing."""
+        if not for_checkpoint or self.checkpoints is None:
+            return {}
+        return {"checkpoint": self.checkpoint(boundary)}
+
     def masters(self) -> dict[str, torch.Tensor]:
         """unit -> its adapters' fp32 master [numel], copied to the CPU."""
         return {unit: s["master"].cpu() for unit, s in self.state.items()}
@@ -212,3 +235,38 @@ class DeviceAdapters:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+
+
+class NoAdapters:
+    """The adapters of a run without LoRA: an empty set (see the module docstring)."""
+
+    def __init__(self):
+        self.blocks: dict[int, torch.Tensor] = {}
+        """No store unit is trained in full here."""
+        self.covered = range(0)
+        """No unit's ticket carries an adapters' norm: each goes out as its policy says."""
+
+    def params(self, unit: str) -> Params:
+        return {}
+
+    def grad(self, unit: str) -> Params:
+        return {}
+
+    def dropout(self, unit: str, step: int, rows: tuple[int, int], first: int = 0) -> None:
+        return None
+
+    def end_step(self, step: int, sq_norms: list[torch.Tensor], backend) -> None:
+        pass
+
+    def step_result(self, boundary: int, for_checkpoint: bool) -> dict:
+        return {}
+
+    def export(self, *args, **kwargs) -> list[str]:
+        raise PipelineError("this run has no LoRA adapters to export (lora.rank is 0): its weights are the store's.")
+
+    def checkpoint(self, step: int) -> dict:
+        raise PipelineError(f"this run has no LoRA adapters to checkpoint at step {step} (lora.rank is 0): its "
+                            "checkpoints are the store's.")
+
+    def close(self) -> None:
+        pass

@@ -32,6 +32,11 @@ With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
 step's token count, and each gradient is summed over all workers before its shard goes out.
 
+The resident units, the adapters and the data-parallel group are always there, each chosen once
+when the worker is built: a run without them holds the empty set (no resident unit, no adapter)
+and a group of one (:class:`~megatrain_ray.engine.compute.worker_group.GroupOfOne`), so the step
+asks them and never whether they exist.
+
 Every model call of the step runs under the SDPA backend of ``compute.attention_backend``
 (:func:`sdpa_backend`), applied around the model, which stays a pure function.
 
@@ -55,22 +60,22 @@ from ...errors import ConfigError, MegatrainError, PipelineError, thread_failed
 from ...model.layout import DECODER_LAYER, Unit
 from ...model.transformer import embed
 from .activations import KEEP, ActivationStore
-from .adapters import DeviceAdapters
+from .adapters import DeviceAdapters, NoAdapters
 from .attention import SDPA_BACKENDS, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from ..experts import ExpertTraffic
 from .grad_out import GradOut
-from ..store.quantized import DeviceDequant
 from .passes import LayerWeights, StepLayers, layer_passes
 from .head import chunk_loss_sum, head_forward_backward, head_loss
-from .resident import ResidentUnits
+from .resident import NoResidentUnits, ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
 from .routing import StepRouting
 from ..settings import ComputeSettings
-from ..store.host_store import HostStore, StoreSpec, largest_streamed
+from .slot_weights import slot_shape, slot_weights
+from ..store.host_store import HostStore, StoreSpec
 from ..tickets import NO_PROGRESS, FetchTicket, drain, wait_while_moving
-from .worker_group import GroupMember
+from .worker_group import GroupMember, GroupOfOne
 
 
 class ComputeWorker(GroupMember):
@@ -99,13 +104,10 @@ class ComputeWorker(GroupMember):
         self.timeout_s = timeout_s = s.timeout_s
         self.fetch_q, self.release_q = fetch_q, release_q
         self.device_name = device = s.device
-        self.reducer = None  # this worker's data-parallel group, once it joins one (GroupMember.join_group)
-        streamed = largest_streamed(self.layout, spec.resident)
-        base = self.store.base  # a quantized base: fetches land in byte slots, dequantized into weight slots
-        self.backend = make_backend(device, s.buffer_depth, streamed if base is None else base.layout.largest(
-            range(len(self.layout.units))), self.dtype if base is None else torch.uint8)
-        self.dequant = None if base is None else DeviceDequant(base.layout, self.layout.templates, self.backend.slots,
-                                                               self.dtype)
+        self.reducer = GroupOfOne()  # this worker's data-parallel group, until it joins one (GroupMember.join_group)
+        self.backend = make_backend(device, s.buffer_depth, *slot_shape(self.store, self.dtype))
+        self.slot_weights = slot_weights(self.store, self.backend, self.dtype)
+        """A streamed unit's weights in its slot: as fetched, or a quantized base's dequantized."""
         placement = s.activations
         if len(placement) != self.cfg.num_hidden_layers:
             raise ConfigError(f"the activation placement names {len(placement)} layers but the model has "
@@ -123,9 +125,9 @@ class ComputeWorker(GroupMember):
             if kind in self.store.arrays:
                 self.backend.register_host(self.store.arrays[kind], spec.block_starts(kind))
         self.resident = ResidentUnits(self.store, self.backend, s.optim, s.total_steps, timeout_s, s.threads or 1,
-                                pinned) if spec.resident else None
+                                      pinned) if spec.resident else NoResidentUnits()
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
-                                       checkpoint, resume_from) if spec.lora.enabled else None
+                                       checkpoint, resume_from) if spec.lora.enabled else NoAdapters()
         self.policies = s.policies
         """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
         gets no weight gradient computed, only its input gradient (and its adapters')."""
@@ -186,7 +188,7 @@ class ComputeWorker(GroupMember):
     def _take(self, unit: int, step: int) -> tuple[FetchTicket | None, torch.Tensor]:
         """Wait for ``unit``'s weights of version ``step``; returns the ticket and its flat slot (no
         ticket, and the resident weights, for a unit resident on this worker)."""
-        if self.resident is not None and unit in self.resident.units:
+        if unit in self.resident.units:
             weights = self.resident.weights(unit, step)
             if weights is None:  # diverged: wait as for weights that never come (on the queue that would bring
                 try:  # them) while the sink stops the run, finishing the checkpoint being written first
@@ -195,7 +197,7 @@ class ComputeWorker(GroupMember):
                     pass
                 raise PipelineError(self.resident.diverged)  # then say what it says
             return None, weights
-        if self.adapters is not None and unit in self.adapters.blocks:  # a LoRA run's, trained in full here
+        if unit in self.adapters.blocks:  # a LoRA run's, trained in full here
             return None, self.adapters.weights(unit)
         waited = time.time()
         try:
@@ -217,10 +219,7 @@ class ComputeWorker(GroupMember):
         self.backend.wait(handle)
         record = self.layout.records[unit]
         self.fetches["layers" if record.kind == DECODER_LAYER else record.name] += 1
-        if self.dequant is not None:  # a quantized base: dequantized on the compute stream, into the weight slot
-            with self.backend.compute(self.layout.units[unit] + " dequant"):
-                return ticket, self.dequant.weights(ticket.slot, unit, ranges)
-        return ticket, self.backend.slots[ticket.slot][:self.layout.templates[unit].numel]
+        return ticket, self.slot_weights.weights(ticket.slot, unit, ranges)
 
     def _release(self, ticket: FetchTicket | None) -> None:
         if ticket is None:  # a resident unit's weights
@@ -271,20 +270,17 @@ class ComputeWorker(GroupMember):
         loss, dx, val_loss = self._head(step, xs, mb.labels, mb.n_tokens, embed_grad,
                                         None if evaluation is None else (es, evaluation.labels))
         xs = es = None  # the head has used the last hidden states
-        aux = routing.aux_loss()
-        if aux is not None:
-            loss = loss + aux
+        loss = routing.with_aux(loss)  # a mixture of experts' load-balancing loss joins it
         self._backward(step, layers, dx, embed_grad)
         embed_grad = None
         self.grads_out.end_step(step, sync, for_checkpoint)
-        writes = self.adapters is not None and self.adapters.checkpoints is not None  # LoRA's first worker
-        saved = {"checkpoint": self.adapters.checkpoint(step + 1)} if writes and for_checkpoint else {}
-        return {**self._report(step, start, loss, mb.n_tokens, val_loss, routing, aux), **saved}
+        saved = self.adapters.step_result(step + 1, for_checkpoint)  # a LoRA checkpoint's notice (the first worker's)
+        return {**self._report(step, start, loss, mb.n_tokens, val_loss, routing), **saved}
 
     def _batch(self, batch: dict[str, Any], seq: int | None = None) -> MicroBatches:
         """The step's micro-batches on the device (this worker's share, in a data-parallel group);
         ``seq``: the training sequences' length, for a validation batch riding along (whole)."""
-        share = None if seq is not None or self.reducer is None else (self.reducer.rank, self.reducer.world)
+        share = None if seq is not None else (self.reducer.rank, self.reducer.world)
         return MicroBatches.of(self.cfg, batch, self.backend.device, self.dtype, share, seq)
 
     @torch.no_grad()
@@ -326,7 +322,7 @@ class ComputeWorker(GroupMember):
             with self.backend.compute(unit.name + " bwd"):
                 grad = self._weight_grad(unit.index)  # None: a frozen unit, whose weights get no gradient
                 grads = {**({} if grad is None else w.template.bind(grad, fused=True)),
-                         **(self.adapters.grad(unit.name) if self.adapters else {})}  # what trains: views to add into
+                         **self.adapters.grad(unit.name)}  # what trains: views to add into
                 self.passes[unit.layer].backward(s, unit.layer, w, grads, inputs, dx)
             del inputs
             self._release(ticket)
@@ -354,12 +350,13 @@ class ComputeWorker(GroupMember):
             self.activations.set_inputs(unit.layer + 1, xs)
 
     def _weights(self, unit: Unit, step: int, s: StepLayers) -> tuple[FetchTicket | None, LayerWeights]:
-        """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters,
-        whether its own weights are frozen (its policy) and its adapters' dropout in this step."""
+        """Wait for decoder-layer ``unit``'s weights of version ``step`` (:meth:`_take`); with its adapters
+        (a LoRA run's, resident on the device; {} for a unit without), whether its own weights are frozen
+        (its policy) and its adapters' dropout in this step."""
         ticket, flat = self._take(unit.index, step)
-        first = 0 if self.reducer is None else self.reducer.rank * len(s.mb.ids)  # this worker's share's first
-        dropout = self.adapters.dropout(unit.name, step, tuple(s.mb.ids.shape[1:]), first) if self.adapters else None
-        return ticket, LayerWeights(self.layout.templates[unit.index], flat, self._adapters(unit.name),
+        first = self.reducer.rank * len(s.mb.ids)  # the step's index of this worker's first micro-batch
+        dropout = self.adapters.dropout(unit.name, step, tuple(s.mb.ids.shape[1:]), first)
+        return ticket, LayerWeights(self.layout.templates[unit.index], flat, self.adapters.params(unit.name),
                                     not self.policies[unit.index].trains, dropout)
 
     def _weight_grad(self, unit: int) -> torch.Tensor | None:
@@ -369,22 +366,15 @@ class ComputeWorker(GroupMember):
             return None
         return torch.zeros(self.layout.templates[unit].numel, dtype=torch.float32, device=self.backend.device)
 
-    def _adapters(self, unit: str) -> dict[str, torch.Tensor]:
-        """``unit``'s adapters (a LoRA run's, resident on the device) to bind beside its weights; {} without."""
-        return self.adapters.params(unit) if self.adapters else {}
-
-    def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting,
-                aux) -> dict[str, Any]:
+    def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting
+                ) -> dict[str, Any]:
         """The step's result, once the device is done with it (see :meth:`run_step`)."""
         spans = self.backend.end_step()  # waits for the device without spinning a core
         loss = float(loss)
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()
             self._compile_pool = None
-        extra = {} if val_loss is None else {"val_loss": float(val_loss)}
-        if routing.stats:
-            extra["expert_tokens"] = routing.expert_tokens()
-            extra["aux_loss"] = 0.0 if aux is None else float(aux)
+        extra = {**({} if val_loss is None else {"val_loss": float(val_loss)}), **routing.report()}
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
@@ -417,7 +407,8 @@ class ComputeWorker(GroupMember):
         with self.backend.compute("head"):
             loss, dxs, head_grad = head_forward_backward(
                 self.cfg, self.layout, self.chunk, wh, we, hidden, labels, n_tokens, embed_grad, self.head_loss_fn,
-                train_norm=trains and self.adapters is None, train_w=trains or (tied and embed_grad is not None))
+                train_norm=trains and unit not in self.adapters.blocks,  # a unit trained in full beside adapters
+                train_w=trains or (tied and embed_grad is not None))
             val_loss = None if evaluation is None else head_loss(self.cfg, self.layout, self.chunk,
                                                                  wh.detach(), we, *evaluation)
         for t in tickets:
@@ -426,22 +417,19 @@ class ComputeWorker(GroupMember):
         return loss, dxs, val_loss
 
     def lora(self, call: str, *args):
-        """A LoRA run's adapters' ``export`` or ``checkpoint`` (:mod:`megatrain_ray.engine.compute.adapters`)."""
+        """A LoRA run's adapters' ``export`` or ``checkpoint`` (:mod:`megatrain_ray.engine.compute.adapters`;
+        refused by a run without)."""
         return getattr(self.adapters, call)(*args)
 
     def sync_resident(self) -> None:
         """Bring the host store's copy of the resident units up to date (an interrupt's checkpoint)."""
-        if self.resident is not None and self.resident.version is not None:
-            self.resident.sync()
+        self.resident.sync()
 
     def close(self) -> None:
-        if self.resident is not None:
-            self.resident.close()
-        if self.adapters is not None:
-            self.adapters.close()
+        self.resident.close()
+        self.adapters.close()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
         self.backend.close()
-        if self.reducer is not None:
-            self.reducer.close()
+        self.reducer.close()

@@ -5,11 +5,12 @@ moment its backward is done (:meth:`GradOut.send`), by the sender its policy cho
 worker was built (:meth:`GradOut.sender_of`):
 
 - :class:`ToHost` (weights streamed, gradient host): summed over the data-parallel group first
-  where there is one (this worker then sends its shard, see :mod:`megatrain_ray.engine.grad_reduce`),
+  (this worker then sends its shard, see :mod:`megatrain_ray.engine.grad_reduce`; alone, in a
+  :class:`~megatrain_ray.engine.compute.worker_group.GroupOfOne`, all of its own gradient),
   copied to the unit's host grad block (or a slot of the store's gradient ring) on the copy-out
   stream, and a :class:`~megatrain_ray.engine.tickets.GradTicket` with its squared norm goes to the
-  sink once the copy is complete; a sparse layer's, only for the parts the step's routing used,
-  with the ticket naming the others (:mod:`megatrain_ray.engine.experts`);
+  sink once the copy is complete; a sparse layer's (policy ``experts: routed``), only for the parts
+  the step's routing used, with the ticket naming the others (:mod:`megatrain_ray.engine.experts`);
 - :class:`HeldToHost` (the same, with ``StoreSpec.hold_grads``): the gradient waits on the device
   until the step's norm is known, then goes through the ring in update order, each ticket carrying
   that norm (:meth:`GradOut.end_step`);
@@ -19,7 +20,8 @@ worker was built (:meth:`GradOut.sender_of`):
 - :class:`AdapterNorm` (every unit of a LoRA run, :mod:`megatrain_ray.engine.compute.adapters`): the
   gradient of its adapters (or of the matrix it trains in full) stays on the device; only its
   squared norm goes out (zero for a frozen unit without adapters), and the adapters are updated at
-  the end of the step as resident units are;
+  the end of the step as resident units are (a run without LoRA holds the empty set,
+  :class:`~megatrain_ray.engine.compute.adapters.NoAdapters`, which covers no unit);
 - :class:`Nothing` (a unit whose policy has no gradient): no ticket; the sink waits for none.
 
 The waits for copies and ring slots are the worker's *grad-sender* thread's (:meth:`GradOut.run`),
@@ -35,22 +37,24 @@ import torch
 
 from ...errors import PipelineError
 from ..experts import ExpertTraffic
-from .resident import ResidentUnits, step_sq_norm
-from ..policy import NONE, UnitPolicy
+from .resident import NoResidentUnits, ResidentUnits
+from ..policy import NONE, ROUTED, UnitPolicy
+from .worker_group import GroupOfOne
 from ..tickets import NO_PROGRESS, GradTicket, drain, wait_while_moving
 
 
 class GradOut:
     """The gradient out-path of one compute worker (see the module docstring)."""
 
-    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float, resident: ResidentUnits | None,
-                 policies: tuple[UnitPolicy, ...], update_order: tuple[int, ...], adapters=None,
-                 traffic: ExpertTraffic | None = None):
-        """policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
+    def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float,
+                 resident: ResidentUnits | NoResidentUnits, policies: tuple[UnitPolicy, ...],
+                 update_order: tuple[int, ...], adapters, traffic: ExpertTraffic):
+        """resident: the units resident on the worker's device (the empty set without), updated at the end
+        of each step; policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
         update_order: the schedule's (held gradients go out in it); adapters: a LoRA run's
-        (:class:`~megatrain_ray.engine.compute.adapters.DeviceAdapters`), updated at the end of each step;
-        traffic: the worker's record of its sparse layers' routing, which says what of their
-        gradients crosses (None: all of every gradient)."""
+        (:class:`~megatrain_ray.engine.compute.adapters.DeviceAdapters`; the empty set without), updated at
+        the end of each step; traffic: the worker's record of its sparse layers' routing, which says
+        what of their gradients crosses."""
         self.store, self.backend = store, backend
         self.layout = store.layout
         self.grad_q, self.grad_slot_q = grad_q, grad_slot_q  # grad_slot_q: free ring slots, from the sink
@@ -60,8 +64,8 @@ class GradOut:
         self.policies = policies
         self.update_order = update_order
         self.traffic = traffic
-        self.reducer = None
-        """The worker's data-parallel group (set when it joins one), or None."""
+        self.reducer: GroupOfOne = GroupOfOne()
+        """The worker's data-parallel group (replaced when it joins one)."""
         self.outbox: queue.Queue = queue.Queue()
         """(unit, step, what the ticket needs: a callable giving (slot, handle of its squared norm, the
         step's squared norm), parts skipped) for the grad-sender thread."""
@@ -72,22 +76,21 @@ class GradOut:
         units updated on the device, resident ones or adapters, are clipped by)."""
         self.senders = tuple(self.sender_of(unit, policy) for unit, policy in enumerate(policies))
         """Each unit's sender, chosen once by its policy."""
-        self.step_ends = tuple(end for end, used in ((self._send_held, store.spec.hold_grads),
-                                                     (self._update_resident, resident is not None),
-                                                     (self._update_adapters, adapters is not None)) if used)
-        """What ends each step (:meth:`end_step`): the held gradients sent, the resident units or the adapters updated."""
+        self.step_ends = (*((self._send_held,) if store.spec.hold_grads else ()), self._update_on_device)
+        """What ends each step (:meth:`end_step`): the held gradients sent; the resident units and the
+        adapters updated."""
         self.doing = ""
         """What the grad-sender thread does now (for the error that ends it)."""
 
     def sender_of(self, unit: int, policy: UnitPolicy) -> Sender:
         """The sender of ``unit``, of ``policy`` (see the module docstring)."""
-        if self.adapters is not None:
+        if unit in self.adapters.covered:  # every unit of a LoRA run
             return AdapterNorm(self)
         if policy.gradient == NONE:
             return Nothing(self)
         if self.store.spec.hold_grads:
             return HeldToHost(self)
-        if self.resident is not None and unit in self.resident.units:  # weights resident, gradient device
+        if unit in self.resident.units:  # weights resident, gradient device
             return NormOnly(self)
         return ToHost(self)
 
@@ -112,15 +115,10 @@ class GradOut:
         for end in self.step_ends:
             end(step, norms, sync, for_checkpoint)
 
-    def _update_resident(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
-        with self.backend.compute("adamw (resident units)"):
-            self.resident.update(step, step_sq_norm(norms))
-        if sync:
-            self.resident.sync(for_checkpoint)
-
-    def _update_adapters(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
-        with self.backend.compute("adamw (adapters)"):
-            self.adapters.update(step, step_sq_norm(norms))
+    def _update_on_device(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
+        """The resident units' and the adapters' updates, with the step's norm (an empty set: nothing)."""
+        self.resident.end_step(step, norms, sync, for_checkpoint)
+        self.adapters.end_step(step, norms, self.backend)
 
     def _send_held(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
         """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order
@@ -151,8 +149,10 @@ class GradOut:
             self.outbox.put((unit, step, lambda u=unit, g=grad, s=sq_norm, r=ranges: send(u, g, s, r), skipped))
 
     def ranges(self, unit: int, step: int, host: torch.Tensor) -> tuple[list | None, tuple[int, ...]]:
-        """What of ``unit``'s gradient crosses to ``host`` (:meth:`~megatrain_ray.engine.experts.ExpertTraffic.grad_ranges`)."""
-        if self.traffic is None:
+        """What of ``unit``'s gradient crosses to ``host``: a sparse layer's routed parts under its policy's
+        ``experts: routed`` (:meth:`~megatrain_ray.engine.experts.ExpertTraffic.grad_ranges`), else all of it
+        (under ``all``: a data-parallel worker's shard of the group's sum, whose bytes no expert counts)."""
+        if self.policies[unit].experts != ROUTED:
             return None, ()
         return self.traffic.grad_ranges(unit, step, self.policies[unit], host.element_size())
 
@@ -182,13 +182,10 @@ class ToHost(Sender):
     def send(self, unit: int, step: int, grad: torch.Tensor) -> None:
         out = self.out
         slot = out.free_slot(unit) if out.store.spec.grad_slots else -1
-        host = out.store.grad_block(unit, slot, out.reducer.copy if out.reducer is not None else 0)
-        ranges, skipped = None, ()
-        if out.reducer is not None:  # this worker's shard of the group's sum
-            lo, hi = out.reducer.reduce(grad)
-            grad, host = grad[lo:hi], host[lo:hi]
-        else:
-            ranges, skipped = out.ranges(unit, step, host)
+        host = out.store.grad_block(unit, slot, out.reducer.copy)
+        lo, hi = out.reducer.reduce(grad)  # this worker's shard of the group's sum (alone: all of its own)
+        grad, host = grad[lo:hi], host[lo:hi]
+        ranges, skipped = out.ranges(unit, step, host)
         sq_norm = torch.dot(grad, grad)
         out.sq_norms.append(sq_norm)
         handle = out.backend.store(grad.to(host.dtype), host, sq_norm, out.layout.units[unit], ranges)
@@ -230,11 +227,10 @@ class AdapterNorm(Sender):
         whole = out.adapters.gradient(out.layout.units[unit])
         if whole is None:  # a frozen unit without adapters
             sq_norm = ticket = torch.zeros((), dtype=torch.float32, device=out.backend.device)
-        elif out.reducer is not None:
-            lo, hi = out.reducer.reduce(whole)
-            sq_norm, ticket = torch.dot(whole, whole), torch.dot(whole[lo:hi], whole[lo:hi])
         else:
-            sq_norm = ticket = torch.dot(whole, whole)
+            lo, hi = out.reducer.reduce(whole)  # summed over the group (alone: itself, all of it this worker's)
+            sq_norm = torch.dot(whole, whole)
+            ticket = sq_norm if hi - lo == whole.numel() else torch.dot(whole[lo:hi], whole[lo:hi])
         out.sq_norms.append(sq_norm)
         scalar = out.backend.scalar(ticket)
         out.outbox.put((unit, step, lambda: (-1, scalar, -1.0), ()))

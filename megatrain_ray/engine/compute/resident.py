@@ -26,6 +26,10 @@ worker is one boundary ahead by then). So the copy for a checkpoint sets the sto
 (:meth:`~megatrain_ray.engine.store.host_store.HostStore.set_checkpoint_copy`); the sink waits for the copy before
 it starts that checkpoint, whose writer writes the resident units first and releases the copy once
 their bytes are out; the next copy waits for the release.
+
+A run with no unit resident holds the empty set, :class:`NoResidentUnits` (no units: nothing to
+update at a step's end, nothing to copy), so the compute worker asks its resident units whether a
+unit is one of them and never whether there are any.
 """
 
 from __future__ import annotations
@@ -165,10 +169,22 @@ class ResidentUnits:
         self.version = step + 1
         return True
 
+    def end_step(self, step: int, sq_norms: list[torch.Tensor], sync: bool, for_checkpoint: bool) -> None:
+        """At the end of step ``step``'s backward: :meth:`update`, clipped by the squared norm summed from
+        every unit's ``sq_norms`` (:func:`step_sq_norm`), then with ``sync`` :meth:`sync` (``for_checkpoint``:
+        a checkpoint's copy; see :func:`sync_due`)."""
+        with self.backend.compute("adamw (resident units)"):
+            self.update(step, step_sq_norm(sq_norms))
+        if sync:
+            self.sync(for_checkpoint)
+
     def sync(self, for_checkpoint: bool = False) -> None:
         """Copy the device state into the resident units' host blocks and mark them at its version, once
         no checkpoint needs the previous copy (the checkpoint copy); ``for_checkpoint``: this copy is a checkpoint's
-        (:func:`checkpoint_due`), kept until its writer releases it."""
+        (:func:`checkpoint_due`), kept until its writer releases it. Nothing before the first step has
+        loaded the state (the host store's blocks are the state then)."""
+        if self.version is None:
+            return
         if not self.store.wait_until(lambda: self.store.checkpoint_copy() is None, self.timeout_s, pause=0.005):
             raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
                                 f"{self.store.checkpoint_copy()} to write {', '.join(self.names.values())}: the gradient "
@@ -187,3 +203,19 @@ class ResidentUnits:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+
+
+class NoResidentUnits:
+    """The resident units of a run with none (memory.resident none): an empty set."""
+
+    units: tuple[int, ...] = ()
+    """No unit is resident: :meth:`ResidentUnits.weights` is never asked for one."""
+
+    def end_step(self, step: int, sq_norms: list[torch.Tensor], sync: bool, for_checkpoint: bool) -> None:
+        pass
+
+    def sync(self, for_checkpoint: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

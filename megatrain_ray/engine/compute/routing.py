@@ -42,6 +42,8 @@ class StepRouting:
         """Each sparse layer's statistics, by decoder layer."""
         self.experts: dict[int, list[torch.Tensor]] = {}
         """Each sparse layer's choice per micro-batch: [N, k] in the narrowest integer type that holds E."""
+        self.aux: torch.Tensor | None = None
+        """The step's load-balancing loss as :meth:`with_aux` added it (None: none)."""
 
     def record(self, layer: int, stats: list[RouterStats]) -> None:
         """The forward's statistics of sparse layer ``layer``, one per micro-batch (no graph)."""
@@ -69,6 +71,19 @@ class StepRouting:
             total = total + sum(aux_loss_of_layer(per_mb[m], counts, rows, self.cfg.num_experts)
                                 for per_mb in self.stats.values())
         return self.scale * total
+
+    def with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (scalar) with this worker's share of the load-balancing loss added (:meth:`aux_loss`),
+        or ``loss`` itself where there is none (no sparse layer, or the loss off)."""
+        self.aux = self.aux_loss()
+        return loss if self.aux is None else loss + self.aux
+
+    def report(self) -> dict:
+        """The step's ``expert_tokens`` (:meth:`expert_tokens`) and ``aux_loss`` (what :meth:`with_aux`
+        added, 0.0 for none) for its result; {} for a model without sparse layers."""
+        if not self.stats:
+            return {}
+        return {"expert_tokens": self.expert_tokens(), "aux_loss": 0.0 if self.aux is None else float(self.aux)}
 
     def prob_grad(self, m: int) -> torch.Tensor | None:
         """The loss's gradient with respect to any sparse layer's probability sums [E] in micro-batch

@@ -2,7 +2,8 @@
 (:mod:`megatrain_ray.orchestration.roles`) calls on each compute worker at spawn, before any step.
 
 A mixin of :class:`~megatrain_ray.engine.compute.compute_worker.ComputeWorker`, whose ``backend``, ``device_name``,
-``store``, ``layout`` and ``grads_out`` it reads.
+``store``, ``layout`` and ``grads_out`` it reads. A worker that trains alone is in a group of one
+(:class:`GroupOfOne`): rank 0 of 1, its share of a step all of it, its gradient the group's sum.
 """
 
 from __future__ import annotations
@@ -10,15 +11,34 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from .. import affinity
 from ..grad_reduce import GradReducer, rendezvous
+
+
+class GroupOfOne:
+    """The data-parallel group of a worker that trains alone: no collective, no shard split."""
+
+    rank, world = 0, 1
+    local_rank, local_world = 0, 1
+    copy = 0
+    """This worker writes the unit's own grad block (as :attr:`GradReducer.copy`)."""
+
+    def reduce(self, grad: torch.Tensor) -> tuple[int, int]:
+        """grad: [numel] fp32; the sum over a group of one is ``grad`` itself, and all of it is this
+        worker's part: (0, numel)."""
+        return 0, grad.numel()
+
+    def close(self) -> None:
+        pass
 
 
 class GroupMember:
     """A compute worker's placement on the machine and its data-parallel group."""
 
-    reducer: GradReducer | None = None
-    """This worker's data-parallel group (:meth:`join_group`); None when it trains alone."""
+    reducer: GradReducer | GroupOfOne
+    """This worker's data-parallel group: a :class:`GroupOfOne` until it joins one (:meth:`join_group`)."""
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): where the data-parallel group meets (rank 0's)."""
