@@ -85,8 +85,8 @@ def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str, 
     on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
     if frozen:
         return tuple(on_device if u in resident else FROZEN for u in range(units))
-    routed = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
-    return tuple(on_device if u in resident else routed if u in sparse else on_host for u in range(units))
+    with_experts = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
+    return tuple(on_device if u in resident else with_experts if u in sparse else on_host for u in range(units))
 
 
 def host_optimizer(compact: bool, splits: bool) -> str:

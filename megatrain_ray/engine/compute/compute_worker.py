@@ -170,7 +170,7 @@ class ComputeWorker(GroupMember):
             except queue.Empty:
                 continue
             self.doing["loader"] = f"copying {self.layout.units[ticket.unit]} to the device"
-            ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.routed)  # a sparse layer's: routed
+            ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.refetch)  # a sparse layer's: routed
             host, copies = self.store.fetch(ticket.unit, ranges)  # a quantized base's: its bytes
             handle = self.backend.load(ticket.slot, host, self.layout.units[ticket.unit], copies)
             self._arrived.put((ticket, handle, ranges))
