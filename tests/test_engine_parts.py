@@ -333,7 +333,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
     assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
     ring = [r["loss"] for r in train_local(load_config(None, overrides), 0)]
-    monkeypatch.setattr("megatrain_ray.engine.store.host_store.grad_slots_for", lambda precision, max_grad_norm, workers=1, hold=False: 0)
+    monkeypatch.setattr("megatrain_ray.engine.store.host_store.grad_slots_for", lambda precision, max_grad_norm, workers=1, hold_grads=False: 0)
     whole = [r["loss"] for r in train_local(load_config(None, overrides), 0)]  # the whole-model array
     assert ring == whole and len(set(ring)) == 3
     cfg = load_config(None, overrides)
