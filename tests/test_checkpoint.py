@@ -265,9 +265,9 @@ def test_a_checkpoint_written_while_the_sink_updates_equals_one_taken_paused(shm
 def test_the_staging_budget_is_a_checked_setting_counted_by_plan():
     with pytest.raises(ConfigError, match=r"^train\.checkpoint_staging_gib must be >= 0"):
         load_config(None, ["train.checkpoint_staging_gib=-1"])
-    from megatrain_ray.orchestration.preflight import plan
+    from megatrain_ray.orchestration.preflight import memory_plan
 
-    rows = plan(load_config(None, ["train.checkpoint_staging_gib=1.5"]), "cpu", starts_ray=False).rows
+    rows = memory_plan(load_config(None, ["train.checkpoint_staging_gib=1.5"]), "cpu", starts_ray=False).rows
     assert [(r.where, r.nbytes) for r in rows if "train.checkpoint_staging_gib" in r.component] == \
         [("host", int(1.5 * 2**30))]
 

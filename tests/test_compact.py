@@ -261,7 +261,7 @@ def test_gradients_held_for_the_norm_train_exactly_as_the_host_gradient_array(st
     instead of a whole-model host gradient array. The same gradients, the same norm (summed in the same
     order) and the same updates: losses and norms bit for bit; the store is 2 bytes per parameter smaller."""
     from megatrain_ray.orchestration.local import train_local
-    from megatrain_ray.orchestration.preflight import plan
+    from megatrain_ray.orchestration.preflight import memory_plan
 
     base = [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}", "train.steps=4", "compute.device=cpu",
             "precision.compute_dtype=bfloat16", "precision.master_dtype=bfloat16", f"optim.state={state}",
@@ -270,7 +270,7 @@ def test_gradients_held_for_the_norm_train_exactly_as_the_host_gradient_array(st
     got = {hold: [(r["loss"], r["grad_norm"]) for r in rows] for hold, rows in runs.items()}
     assert got["true"] == got["false"]
     assert min(n for _, n in got["true"]) > 1.0  # clipping was active (optim.max_grad_norm 1)
-    plans = {hold: plan(load_config(None, base + [f"experimental.hold_grads={hold}"]), "cpu", starts_ray=False)
+    plans = {hold: memory_plan(load_config(None, base + [f"experimental.hold_grads={hold}"]), "cpu", starts_ray=False)
              for hold in ("false", "true")}
     n = StoreLayout.build(load_config(None, base).model).num_params
     grads = {h: sum(r.nbytes for r in p.rows if r.component.startswith("gradients (host side)")) for h, p in plans.items()}

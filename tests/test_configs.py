@@ -101,7 +101,7 @@ def test_7b_examples_plan_for_an_h200(name, params, layers, shape, tokens, capsy
     assert largest >= cfg.train.micro_batch_size
     # Host RAM: this machine's verdict depends on its size; what a 128 GiB machine (the H200 box)
     # would see is asserted instead: the need without Ray's margin for this machine, plus 5% of 128 GiB.
-    plan = preflight.plan(cfg, "cuda", 141 * GiB, host_memory=120 * GiB)
+    plan = preflight.memory_plan(cfg, "cuda", 141 * GiB, host_memory=120 * GiB)
     margin = sum(r.nbytes for r in plan.rows if r.component.startswith("Ray memory monitor"))
     assert plan.total("host") - margin + 0.05 * 128 * GiB < 0.95 * 128 * GiB
     if name == "long-context":

@@ -310,7 +310,7 @@ def test_plan_prints_the_longest_context_that_fits_the_device_and_tiling_lengthe
     found = {}
     for tiling in ("null", "0"):
         cfg = load_config(None, shape + [f"memory.mlp_chunk_size={tiling}"])
-        plan = P.plan(cfg, "cuda", device_bytes=gpu, starts_ray=False)
+        plan = P.memory_plan(cfg, "cuda", device_bytes=gpu, starts_ray=False)
         plan.host_available = 2**50
         longest = found[tiling] = P.longest_context(cfg, "cuda", plan)
 

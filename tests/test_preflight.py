@@ -32,7 +32,7 @@ def _bytes(text: str) -> int:
 
 def test_store_rows_match_the_segments_a_real_store_creates(shm_dir):
     cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "compute.device=cpu", "model.num_hidden_layers=3"])
-    plan = preflight.plan(cfg, "cpu", starts_ray=False)
+    plan = preflight.memory_plan(cfg, "cpu", starts_ray=False)
     store = ParameterStore(StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(),
                                      "plan"), seed=0)
     try:
@@ -52,7 +52,7 @@ def test_store_rows_match_the_segments_a_real_store_creates(shm_dir):
 def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
     cfg = load_config(None, ["model.hidden_size=1024", "model.num_hidden_layers=8", "model.intermediate_size=2816",
                              "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=512"])
-    plan = preflight.plan(cfg, "cuda", device_bytes=8 * 2**30, starts_ray=False)
+    plan = preflight.memory_plan(cfg, "cuda", device_bytes=8 * 2**30, starts_ray=False)
     rows = {r.component: r for r in plan.rows}
     total = StoreLayout.build(cfg.model).total
     assert rows["stream copy (streamed to the device) (bfloat16)"].nbytes == total * 2
@@ -122,7 +122,7 @@ def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypa
     import dataclasses
 
     cfg = load_config(None, [f"train.run_dir={tmp_path}"])
-    real = preflight.plan(cfg, "cpu", starts_ray=False)
+    real = preflight.memory_plan(cfg, "cpu", starts_ray=False)
     need = real.total("shm")
     frees = iter([need // 2, need // 2 + need // 4, need * 2])  # releasing, still short, then enough
     monkeypatch.setattr(resolve_module, "RELEASE_POLL_S", 0.01)
@@ -164,7 +164,7 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
     base = ["model.hidden_size=1008", "model.num_hidden_layers=6", "model.intermediate_size=2816",
             "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=500",
             "train.micro_batch_size=3", "train.num_micro_batches=2", "memory.activations=offload"]
-    rows = {r.component: r for r in preflight.plan(load_config(None, base), "cuda", device_bytes=80 * 2**30,
+    rows = {r.component: r for r in preflight.memory_plan(load_config(None, base), "cuda", device_bytes=80 * 2**30,
                                                    starts_ray=False).rows}
     assert rows["CUDA context, host side (1 compute worker(s))"].where == "host"
     assert not any("compile worker" in name for name in rows)
@@ -176,13 +176,13 @@ def test_host_rows_for_cuda_compile_workers_offload_and_ray_margin(monkeypatch):
     assert margin.nbytes == int(0.05 * total)
 
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
-    plan = preflight.plan(load_config(None, base + ["compute.compile_threads=8"]), "cuda",
+    plan = preflight.memory_plan(load_config(None, base + ["compute.compile_threads=8"]), "cuda",
                           device_bytes=80 * 2**30, starts_ray=False)
     names = [r.component for r in plan.rows]
     assert not any(n.startswith("Ray memory monitor") for n in names)
     workers = next(r for r in plan.rows if "compile worker" in r.component)
     assert workers.nbytes == 8 * preflight.COMPILE_WORKER_BYTES
-    cpu_rows = [r.component for r in preflight.plan(load_config(None, base + ["compute.compile_threads=8"]), "cpu",
+    cpu_rows = [r.component for r in preflight.memory_plan(load_config(None, base + ["compute.compile_threads=8"]), "cpu",
                                                     starts_ray=False).rows]
     assert not any("compile worker" in n or "CUDA context" in n for n in cpu_rows)  # no compile on the CPU
 
@@ -194,7 +194,7 @@ def test_device_rows_use_the_buffer_depth_and_loss_chunk_resolved_for_the_device
                              "memory.resident=none"])  # every unit streamed through the slots
     layout = StoreLayout.build(cfg.model)
     for device, depth, chunk, itemsize in (("cuda", 3, 8192, 2), ("cpu", 2, 1024, 4)):
-        rows = {r.component: r.nbytes for r in preflight.plan(cfg, device, device_bytes=80 * 2**30,
+        rows = {r.component: r.nbytes for r in preflight.memory_plan(cfg, device, device_bytes=80 * 2**30,
                                                                starts_ray=False).rows}
         assert rows[f"weight slots ({depth} x largest unit)"] == depth * layout.max_unit_numel * itemsize
         assert f"loss chunk ({chunk} tokens x 4096 logits)" in rows
@@ -208,7 +208,7 @@ def test_the_object_store_is_counted_only_when_the_run_starts_ray():
     names a cluster that keeps its own."""
     for address, counted in (("local", True), ("127.0.0.1:1", False)):
         cfg = load_config(None, [f"cluster.ray_address={address}"])
-        names = [r.component for r in preflight.plan(cfg, "cpu").rows]
+        names = [r.component for r in preflight.memory_plan(cfg, "cpu").rows]
         assert ("Ray object store" in names) == counted
 
 
@@ -217,7 +217,7 @@ def test_plan_for_several_gpus_counts_each_gpus_share_and_each_worker():
     while the node's host side holds N prefetch + compute processes and N CUDA contexts."""
     base = ["model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8",
             "train.seq_len=256", "train.micro_batch_size=2", "train.num_micro_batches=4", "memory.activations=recompute"]
-    one, two = (preflight.plan(load_config(None, base + [f"parallel.compute_workers={n}"]), "cuda",
+    one, two = (preflight.memory_plan(load_config(None, base + [f"parallel.compute_workers={n}"]), "cuda",
                                device_bytes=80 * 2**30, starts_ray=False) for n in (1, 2))
     rows1, rows2 = ({r.component: r for r in p.rows} for p in (one, two))
     assert rows1["activation checkpoints (5 x 4 x 512 tokens x 512)"].nbytes == \

@@ -80,7 +80,7 @@ _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to 
                 "peer_grad": "the other workers' gradient copies (experimental.grad_reduce=host)", "exp_avg_scale": "8-bit exp_avg block scales",
                 "exp_avg_sq_scale": "8-bit exp_avg_sq block scales"}
 @dataclass
-class Plan:
+class MemoryPlan:
     """The memory a run needs, what the machine has, and the largest micro-batch that fits."""
 
     title: str
@@ -190,7 +190,7 @@ def _tokens_in_data(path: str | None, builtin_document_tokens: int = 0) -> int:
     return os.path.getsize(path)
 
 
-def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
+def longest_context(cfg: TrainConfig, device: str, base: MemoryPlan) -> int | None:
     """The longest train.seq_len (a multiple of 1024) whose device total fits the device (90% of a
     GPU) and whose host total (the store, processes, and offloaded checkpoints at that length) fits
     the host's available memory, at ``cfg``'s micro-batch shape; 0 if none; None if the GPU's memory
@@ -224,9 +224,9 @@ def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     fits(hi * step)  # records what the next length would exceed
     return lo * step
-def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
-         starts_ray: bool | None = None, device_tflops: float | None = None,
-         resident: tuple[int, ...] | None = None, host_memory: int | None = None) -> Plan:
+def memory_plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
+                starts_ray: bool | None = None, device_tflops: float | None = None,
+                resident: tuple[int, ...] | None = None, host_memory: int | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` on this machine (nothing is allocated); a run's is part of its
     :class:`~megatrain_ray.orchestration.resolve.ResolvedRun`.
 
@@ -295,7 +295,7 @@ def plan(cfg: TrainConfig, device: str | None = None, device_bytes: int | None =
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
              + (f"; per node of {cfg.parallel.nodes}, {cfg.parallel.compute_workers} GPU(s) each taking 1/{cfg.parallel.workers} "
                 "of the micro-batches (device rows: per GPU)" if cfg.parallel.workers > 1 else ""))
-    result = Plan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
+    result = MemoryPlan(title, device, rows, shm_free, host, device_bytes, cfg.train.micro_batch_size, None,
                   resident=resident, activation_host_bytes=room)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
@@ -341,7 +341,7 @@ def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
             f"cluster.actor_timeout_s ({cfg.cluster.actor_timeout_s:.0f} s) must exceed its write time")
 
 
-def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | None:
+def _largest_micro_batch(cfg: TrainConfig, device: str, base: MemoryPlan) -> int | None:
     if device == "cpu":
         budget = base.host_available - (base.total("host") - base.total("device"))
     elif base.device_bytes is None:

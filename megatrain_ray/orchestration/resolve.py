@@ -89,7 +89,7 @@ class ResolvedRun:
     """The store of every node (its owner and run id filled in by :meth:`store_spec`)."""
     compute: ComputeSettings
     sink: SinkSettings
-    memory: preflight.Plan
+    memory: preflight.MemoryPlan
     """The memory plan: host RAM, /dev/shm and device rows, and whether the run fits; with the
     expected step time (``memory.pace``, :mod:`megatrain_ray.orchestration.pace`)."""
     wait_s: float
@@ -191,7 +191,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     resident_layers = resolve_resident(cfg, device, facts.device_bytes)
     resident = resident_units(cfg.model, resident_layers)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
-    memory = preflight.plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident,
+    memory = preflight.memory_plan(cfg, device, facts.device_bytes, facts.starts_ray, facts.device_tflops, resident,
                             facts.host_bytes)
     activations = memory.placement  # every GPU alike: the same share of the micro-batches
     # a LoRA run's embedding / head trained in full: on the compute worker's device beside the adapters
@@ -222,7 +222,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
                        wait, cfg.cluster.actor_timeout_s)
 
 
-def _fits_an_idle_machine(result: preflight.Plan, cfg: TrainConfig) -> bool:
+def _fits_an_idle_machine(result: preflight.MemoryPlan, cfg: TrainConfig) -> bool:
     """Whether the run would fit this machine with nothing else on it (then waiting may help)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return (result.total("shm") <= shutil.disk_usage(cfg.memory.shm_dir).total
@@ -234,7 +234,7 @@ RELEASE_WAIT_S = 30.0
 RELEASE_POLL_S = 2.0
 
 
-def check(run: ResolvedRun, log=print) -> preflight.Plan:
+def check(run: ResolvedRun, log=print) -> preflight.MemoryPlan:
     """The memory plan of ``run`` about to start, once memory that a run which just ended is still releasing has come back; prints the
     table and raises PreflightError if it does not fit."""
     cfg, facts = run.config, run.facts
@@ -246,7 +246,7 @@ def check(run: ResolvedRun, log=print) -> preflight.Plan:
         # unlinked, but mappings live until then): wait while the free memory is still growing.
         time.sleep(RELEASE_POLL_S)
         waited += RELEASE_POLL_S
-        again = preflight.plan(cfg, facts.device, facts.device_bytes, facts.starts_ray, facts.device_tflops,
+        again = preflight.memory_plan(cfg, facts.device, facts.device_bytes, facts.starts_ray, facts.device_tflops,
                                run.schedule.resident, facts.host_bytes)
         growing = again.shm_free > result.shm_free or again.host_available > result.host_available
         if waited == RELEASE_POLL_S and growing:

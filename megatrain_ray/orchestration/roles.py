@@ -155,7 +155,7 @@ def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
     (experimental.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start,
     AdamW on the threads ``run`` resolved for it (:meth:`~megatrain_ray.engine.settings.SinkSettings.pinned_threads`);
     returns the lines logged, one per node (or one saying why nothing was pinned)."""
-    from ..engine.affinity import format_cpulist, plan_cpus
+    from ..engine.affinity import format_cpulist, pick_cpus
 
     cfg, device = run.config, run.device
     if not cfg.experimental.cpu_affinity or device != "cuda":
@@ -166,7 +166,7 @@ def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
         for k, node in enumerate(roles.nodes):
             at = f" on node {k}" if len(roles.nodes) > 1 else ""
             tops = get([c.cpu_topology.remote() for c in node.computes], "compute")
-            picks, rest = plan_cpus([t["local_cpus"] for t in tops], tops[0]["usable"])
+            picks, rest = pick_cpus([t["local_cpus"] for t in tops], tops[0]["usable"])
             if not any(picks):
                 lines.append(f"cpu placement{at}: none (the machine does not say which CPUs are near its GPUs"
                              f"{'' if tops[0]['pci'] else ': no PCI address'}); threads run where the OS puts them")
