@@ -18,5 +18,5 @@ def resolved(cfg: TrainConfig, device: str = "cpu") -> ResolvedRun:
 
 def sink_settings(cfg: TrainConfig, device: str = "cpu", **changes) -> SinkSettings:
     """The gradient sink's settings of ``cfg``, with ``changes`` to what does not decide a unit's
-    policy (timeout_s, threads)."""
+    policy (timeout_s, optimizer_threads)."""
     return dataclasses.replace(resolved(cfg, device).sink, **changes)

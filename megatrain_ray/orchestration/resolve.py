@@ -152,9 +152,9 @@ class ResolvedRun:
             f"MLP {'in chunks of %d tokens' % c.mlp_chunk_size if c.mlp_chunk_size else 'untiled'}, "
             f"compile {'on' if c.compile else 'off'}, attention {c.attention_backend}"
             + (f", {c.threads} CPU threads" if c.threads else ""),
-            f"  host optimizer: AdamW on {k.threads} CPU thread{'s' if k.threads > 1 else ''}"
+            f"  host optimizer: AdamW on {k.optimizer_threads} CPU thread{'s' if k.optimizer_threads > 1 else ''}"
             + (" (one per CPU left to it where experimental.cpu_affinity pins it beside a GPU)"
-               if k.threads_per_pinned_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
+               if k.optimizer_threads_per_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
             + (f", sharded across {cfg.parallel.nodes} nodes" if cfg.parallel.sharded_optimizer else ""),
         ]
         return "\n".join(lines)
@@ -213,8 +213,9 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         activations=activations,
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
         total_steps=cfg.train.steps, policies=policies, update_order=schedule.update, seed=cfg.train.seed)
-    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait, threads=cfg.parallel.adamw_threads(),
-                        threads_per_pinned_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
+    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
+                        optimizer_threads=cfg.parallel.resolved_optimizer_threads(),
+                        optimizer_threads_per_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         frozen=tuple(u for u in schedule.update if policies[u] == FROZEN))

@@ -153,7 +153,7 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
 def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
     """Pin each node's compute workers to CPUs near their GPUs and its sink's AdamW to the rest
     (experimental.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start,
-    AdamW on the threads ``run`` resolved for it (:meth:`~megatrain_ray.engine.settings.SinkSettings.pinned_threads`);
+    AdamW on the threads ``run`` resolved for it (:meth:`~megatrain_ray.engine.settings.SinkSettings.pinned_optimizer_threads`);
     returns the lines logged, one per node (or one saying why nothing was pinned)."""
     from ..engine.affinity import format_cpulist, pick_cpus
 
@@ -173,7 +173,7 @@ def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
                 continue
             get([c.pin_cpus.remote(cpus) for c, cpus in zip(node.computes, picks) if cpus], "compute")
             if rest:
-                get(node.sink.pin_cpus.remote(rest, run.sink.pinned_threads(len(rest))), "grad-sink")
+                get(node.sink.pin_cpus.remote(rest, run.sink.pinned_optimizer_threads(len(rest))), "grad-sink")
             workers = ", ".join(
                 f"compute-{w} (GPU {t['pci']}, NUMA node {t['numa_node'] if t['numa_node'] is not None else '?'}) "
                 f"on CPUs {format_cpulist(cpus) if cpus else 'any (unknown topology)'}"

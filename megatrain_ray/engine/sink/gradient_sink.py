@@ -93,7 +93,7 @@ class GradientSink:
         """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
         self.spans: list[tuple] = []
         self.tickets = (HostSums(self.store, self.policies, settings.workers, self._get, self.order,
-                                 max(1, settings.threads), self._note) if settings.host_sum
+                                 max(1, settings.optimizer_threads), self._note) if settings.host_sum
                         else StepTickets(self.store, self.policies, settings.workers, self._get))
         """The step's whole tickets: one per compute worker and unit (see :mod:`megatrain_ray.engine.sink.step_gradients`)."""
         norm = Carried if spec.hold_grads else InUpdateOrder if settings.after_norm else AsArrived
@@ -103,7 +103,7 @@ class GradientSink:
                                            self.order if settings.after_norm else self.order[::-1], spec.resident, grad_q)
         self.sharding: OptimizerShards = UNSHARDED
         """This sink's part of the sharded optimizer (:meth:`join_shards`), or UNSHARDED: it updates every unit."""
-        self._set_runner(settings.threads)
+        self._set_runner(settings.optimizer_threads)
         self.release = self._free_slot if grad_slot_q is not None else _keep
         """Hands a gradient ring slot back to the compute worker once its update has read it."""
         self._versions = {True: self._whole, False: self._first_pass, None: _elsewhere}
