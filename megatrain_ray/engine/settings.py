@@ -78,9 +78,9 @@ class SinkSettings:
     """Each unit's policy (:mod:`megatrain_ray.engine.policy`)."""
     updates: tuple[int, ...]
     """The units this sink updates (those with a host optimizer), in the schedule's update order."""
-    frozen: tuple[int, ...]
-    """The units never updated (:data:`~megatrain_ray.engine.policy.FROZEN`, a LoRA run's base), in
-    update order: each step's end makes them current for the next step."""
+    version_only: tuple[int, ...]
+    """The units whose version alone moves (:data:`~megatrain_ray.engine.policy.FROZEN`, a LoRA run's
+    base: never updated), in update order: each step's end makes them current for the next step."""
 
     @property
     def after_norm(self) -> bool:

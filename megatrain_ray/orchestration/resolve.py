@@ -218,7 +218,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
                         optimizer_threads_per_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
-                        frozen=tuple(u for u in schedule.update if policies[u] == FROZEN))
+                        version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink, memory,
                        wait, cfg.cluster.actor_timeout_s)
 

@@ -89,7 +89,7 @@ class GradientSink:
         """Each unit's :class:`~megatrain_ray.engine.policy.UnitPolicy`."""
         self.order = settings.updates
         """The units this sink updates, in update order."""
-        self.frozen = settings.frozen
+        self.version_only = settings.version_only
         """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
         self.spans: list[tuple] = []
         self.tickets = (HostSums(self.store, self.policies, settings.workers, self._get, self.order,
@@ -162,9 +162,9 @@ class GradientSink:
         self._note(self.layout.units[unit], start, time.time())
 
     def _end_step(self, step: int, norm: float) -> None:
-        """After step ``step``'s updates: the frozen units made current, the shards' exchange awaited,
+        """After step ``step``'s updates: the version-only units (:data:`~megatrain_ray.engine.policy.FROZEN`) made current, the shards' exchange awaited,
         the step's stats out, then the second passes."""
-        for unit in self.frozen:  # never updated: the next step may stream it
+        for unit in self.version_only:  # never updated: the next step may stream it
             self.store.set_version(unit, step + 1)
         self.sharding.end_step()
         self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr_at(self.optim, step, self.settings.total_steps),
