@@ -245,7 +245,7 @@ def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypa
             f"data.path={data}", "compute.device=cpu", "precision.compute_dtype=bfloat16", "optim.weight_decay=0.1",
             "optim.max_grad_norm=0.05", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}"])
         rows = local.train_local(cfg, 0)
-        masters = sum(1 for r in rows for lane, label, *_ in r["spans"] if lane == "adamw" and label.endswith("master"))
+        masters = sum(1 for r in rows for lane, label, *_ in r["intervals"] if lane == "adamw" and label.endswith("master"))
         assert masters == (3 * (3 + 2) if split == "true" else 0)  # steps 1-3's, reported with the next step
         assert any(r["grad_norm"] > 0.05 for r in rows)  # clipped
         losses[split] = [r["loss"] for r in rows]
@@ -308,7 +308,7 @@ def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
             f"memory.activations={'offload' if offload == 'true' else 'recompute'}"])
         rows = train_local(cfg, 0)
         results[offload] = [r["loss"] for r in rows]
-        moved = sum(n for r in rows for lane, label, _, _, n in r["spans"] if lane == "d2h" and "inputs" in label)
+        moved = sum(n for r in rows for lane, label, _, _, n in r["intervals"] if lane == "d2h" and "inputs" in label)
         # each layer's inputs (micro_batches x [2, 32, 64] fp32) go out once per step when offloaded
         assert moved == (3 * 3 * 2 * 32 * 64 * 4 * 3 if offload == "true" else 0)
     assert results["true"] == results["false"]

@@ -238,7 +238,7 @@ class ComputeWorker(GroupMember):
         until the checkpoint has it (:func:`~megatrain_ray.engine.compute.resident.sync_due`, ``checkpoint_due``).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
-        seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
+        seconds and bytes per lane (h2d, compute, d2h) and the intervals themselves. With an
         ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
         ``step`` updates), computed alongside the forward and the head, without gradients.
         """
@@ -376,7 +376,7 @@ class ComputeWorker(GroupMember):
     def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting,
                 aux) -> dict[str, Any]:
         """The step's result, once the device is done with it (see :meth:`run_step`)."""
-        spans = self.backend.end_step()  # waits for the device without spinning a core
+        intervals = self.backend.end_step()  # waits for the device without spinning a core
         loss = float(loss)
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()
@@ -385,12 +385,12 @@ class ComputeWorker(GroupMember):
         if routing.stats:
             extra["expert_tokens"] = routing.expert_tokens()
             extra["aux_loss"] = 0.0 if aux is None else float(aux)
-        busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
+        busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in intervals if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
-        moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
+        moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in intervals if ln == lane) for lane in ("h2d", "d2h")}
         extra.update(self.traffic.report(step))
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
-                "start": start, "step_s": time.time() - start, **busy, **moved, "spans": spans,
+                "start": start, "step_s": time.time() - start, **busy, **moved, "intervals": intervals,
                 "device_peak_bytes": self.backend.peak_bytes(), **extra}
 
     def _head(self, step: int, hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int,

@@ -91,7 +91,7 @@ class GradientSink:
         """The units this sink updates, in update order."""
         self.version_only = settings.version_only
         """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
-        self.spans: list[tuple] = []
+        self.intervals: list[tuple] = []
         self.tickets = (HostSums(self.store, self.policies, settings.workers, self._get, self.order,
                                  max(1, settings.optimizer_threads), self._note) if settings.host_sum
                         else StepTickets(self.store, self.policies, settings.workers, self._get))
@@ -125,7 +125,7 @@ class GradientSink:
     def run(self, start_step: int, end_step: int) -> int:
         """Apply the updates of steps [start_step, end_step); returns the number of steps done.
 
-        After each step, puts {step, grad_norm, lr, update_busy_s, spans} on the stats queue; after
+        After each step, puts {step, grad_norm, lr, update_busy_s, intervals} on the stats queue; after
         each checkpoint, {checkpoint: path, step, save_s}.
         """
         for step in range(start_step, end_step):
@@ -168,9 +168,9 @@ class GradientSink:
             self.store.set_version(unit, step + 1)
         self.sharding.end_step()
         self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr_at(self.optim, step, self.settings.total_steps),
-                          "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
-                          "spans": self.spans}, timeout=self.timeout_s)
-        self.spans = []  # the second passes below are reported with the next step, as they run beside it
+                          "update_busy_s": sum(e - b for _, _, b, e, _ in self.intervals),
+                          "intervals": self.intervals}, timeout=self.timeout_s)
+        self.intervals = []  # the second passes below are reported with the next step, as they run beside it
         self._finish(step)
 
     def _clipping(self, step: int, norm: float) -> float:
@@ -212,7 +212,7 @@ class GradientSink:
 
     def _note(self, what: str, start: float, end: float) -> None:
         """An AdamW span of this step (a unit's update, or a host sum)."""
-        self.spans.append(("adamw", what, start, end, 0))
+        self.intervals.append(("adamw", what, start, end, 0))
 
     def _boundary(self, step: int, start_step: int, end_step: int) -> None:
         """The boundary after ``step`` updates: report a save that has completed; start the
