@@ -126,7 +126,7 @@ def test_check_waits_while_a_finished_run_releases_its_memory(tmp_path, monkeypa
     need = real.total("shm")
     frees = iter([need // 2, need // 2 + need // 4, need * 2])  # releasing, still short, then enough
     monkeypatch.setattr(resolve_module, "RELEASE_POLL_S", 0.01)
-    monkeypatch.setattr(preflight, "plan", lambda *a, **k: dataclasses.replace(real, shm_free=next(frees)))
+    monkeypatch.setattr(preflight, "memory_plan", lambda *a, **k: dataclasses.replace(real, shm_free=next(frees)))
     lines = []
     run = resolve(cfg, Facts("cpu"))
     short = dataclasses.replace(run, memory=dataclasses.replace(real, shm_free=next(frees)))
