@@ -153,19 +153,19 @@ def run_pipeline(cfg) -> tuple[dict, list[tuple]]:
     return summary, result.timeline
 
 
-def plot_timeline(spans: list[tuple], path: str) -> None:
-    """One PNG row per lane (h2d, compute, d2h, adamw) of one step's spans."""
+def plot_timeline(intervals: list[tuple], path: str) -> None:
+    """One PNG row per lane (h2d, compute, d2h, adamw) of one step's intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lanes = ["wait", "h2d", "compute", "d2h", "adamw"]
-    t0 = min(s[2] for s in spans)
+    t0 = min(s[2] for s in intervals)
     fig, ax = plt.subplots(figsize=(14, 3.2))
     colors = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange", "adamw": "tab:red",
               "wait": "tab:gray"}
-    for lane, label, start, end, _ in spans:
+    for lane, label, start, end, _ in intervals:
         y = lanes.index(lane)
         ax.broken_barh([(start - t0, end - start)], (y - 0.4, 0.8), color=colors[lane], alpha=0.8)
     ax.set_yticks(range(len(lanes)), lanes)

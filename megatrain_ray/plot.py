@@ -8,7 +8,7 @@
   before both were recorded carry one ``model_tflops``, which was PaLM's: read as such;
 - ``stages.png``: busy share of each step per pipeline stage (copy in, compute, copy out, wait,
   adamw); stages overlap in time, so the shares do not add up to one;
-- ``timeline.png``: the spans of the run's last two steps, one row per stage (when the run
+- ``timeline.png``: the intervals of the run's last two steps, one row per stage (when the run
   finished and wrote timeline.json);
 - ``experts.png`` (a mixture of experts): the load of each expert of each sparse layer over the run
   (tokens it received / the mean of its layer; 1 is a perfect balance), a heatmap of sparse layers
@@ -185,15 +185,15 @@ def figures(run_dir: str) -> dict:
         out["experts.png"] = _experts_figure(plt, routed, layers or _sparse_layers(run_dir, len(routed[-1][1])))
 
     timeline = os.path.join(run_dir, "timeline.json")
-    spans = []
+    intervals = []
     if os.path.isfile(timeline):
         with open(timeline) as f:
-            spans = json.load(f)
-    if spans:
-        t0 = min(s[2] for s in spans)
+            intervals = json.load(f)
+    if intervals:
+        t0 = min(s[2] for s in intervals)
         fig, ax = plt.subplots(figsize=(10, 3))
         for row, stage in enumerate(STAGES):
-            bars = [(s[2] - t0, s[3] - s[2]) for s in spans if s[0] == stage]
+            bars = [(s[2] - t0, s[3] - s[2]) for s in intervals if s[0] == stage]
             ax.broken_barh(bars, (row - 0.4, 0.8))
         ax.set_yticks(range(len(STAGES)), [labels[s] for s in STAGES])
         ax.set_xlabel("seconds")

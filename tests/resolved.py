@@ -26,5 +26,5 @@ def planned(cfg: TrainConfig, device: str = "cpu", device_bytes: int | None = No
 
 def sink_settings(cfg: TrainConfig, device: str = "cpu", **changes) -> SinkSettings:
     """The gradient sink's settings of ``cfg``, with ``changes`` to what does not decide a unit's
-    policy (timeout_s, threads)."""
+    policy (timeout_s, optimizer_threads)."""
     return dataclasses.replace(resolved(cfg, device).sink, **changes)

@@ -222,7 +222,7 @@ def test_every_placement_gives_the_recompute_path_s_loss_and_gradients_bit_for_b
         for unit, named in grads.items():
             for key, g in named.items():
                 assert torch.equal(g, ref_grads[unit][key]), f"{name}: unit {unit} {key}"
-        moved = sum(n for lane, label, _, _, n in result["spans"] if lane == "d2h" and "inputs" in label)
+        moved = sum(n for lane, label, _, _, n in result["intervals"] if lane == "d2h" and "inputs" in label)
         offloaded = sum(mode == HOST for mode in placements[name])
         assert moved == offloaded * 3 * 2 * 32 * 64 * 4  # micro-batches x [2, 32, 64] fp32 per offloaded layer
     assert any(float(g.abs().sum()) > 0 for g in ref_grads[1].values())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatrain_ray.engine import affinity
-from megatrain_ray.engine.affinity import format_cpulist, local_cpus, parse_cpulist, pci_address, plan_cpus
+from megatrain_ray.engine.affinity import format_cpulist, local_cpus, parse_cpulist, pci_address, pick_cpus
 
 
 def test_cpu_lists_and_pci_addresses():
@@ -36,24 +36,24 @@ def test_local_cpus_from_a_sysfs_tree(tmp_path):
 
 def test_plan_on_two_sockets_puts_each_worker_near_its_gpu_and_adamw_on_the_rest():
     socket0, socket1 = list(range(0, 16)), list(range(16, 32))
-    picks, rest = plan_cpus([socket0, socket1], list(range(32)), per_worker=2)
+    picks, rest = pick_cpus([socket0, socket1], list(range(32)), per_worker=2)
     assert picks == [[0, 1], [16, 17]]
     assert rest == [c for c in range(32) if c not in (0, 1, 16, 17)]
 
 
 def test_plan_with_gpus_on_one_socket_gives_disjoint_cpus():
     socket0 = list(range(0, 16))
-    picks, rest = plan_cpus([socket0, socket0, socket0], list(range(32)))  # 4 each by default
+    picks, rest = pick_cpus([socket0, socket0, socket0], list(range(32)))  # 4 each by default
     assert picks == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert set(rest) == set(range(12, 32))
 
 
 def test_plan_respects_the_usable_cpus_and_unknown_topologies():
-    picks, rest = plan_cpus([list(range(16)), None], [6, 7, 8, 9, 20, 21], 2)  # taskset 6-9,20-21
+    picks, rest = pick_cpus([list(range(16)), None], [6, 7, 8, 9, 20, 21], 2)  # taskset 6-9,20-21
     assert picks == [[6, 7], None] and rest == [8, 9, 20, 21]
-    assert plan_cpus([None, None], list(range(8))) == ([None, None], None)  # nothing known: nothing pinned
-    assert plan_cpus([[0, 1]], [0, 1]) == ([[0, 1]], None)  # no CPU left for AdamW: it stays unpinned
-    picks, rest = plan_cpus([[0, 1, 2], [0, 1, 2]], list(range(4)), 2)  # the second worker gets what is left
+    assert pick_cpus([None, None], list(range(8))) == ([None, None], None)  # nothing known: nothing pinned
+    assert pick_cpus([[0, 1]], [0, 1]) == ([[0, 1]], None)  # no CPU left for AdamW: it stays unpinned
+    picks, rest = pick_cpus([[0, 1, 2], [0, 1, 2]], list(range(4)), 2)  # the second worker gets what is left
     assert picks == [[0, 1], [2]] and rest == [3]
 
 

@@ -170,7 +170,7 @@ def test_a_diverged_step_lets_the_save_being_written_finish_first(shm_dir, tmp_p
     ps = _store(shm_dir, "diverge")
     root = str(tmp_path / "ckpts")
     grad_q, stats_q = queue.Queue(), queue.Queue()
-    settings = sink_settings(load_config(None, ["optim.lr=1e-3", "train.steps=3"]), timeout_s=30, threads=1)
+    settings = sink_settings(load_config(None, ["optim.lr=1e-3", "train.steps=3"]), timeout_s=30, optimizer_threads=1)
     sink = GradientSink(ps.spec, settings, grad_q, stats_q,
                         checkpoint=checkpoint.CheckpointSettings(root, every=1, keep=2, run_config={}, run_id="r"))
     try:

@@ -171,7 +171,7 @@ def test_tiny_moe_plan_counts_active_parameters_and_the_layers_each_mode_fits(ca
 
 
 def test_moe_sparse_layers_are_planned_kept_whole_where_they_fit(capsys):
-    """A sparse layer's graph may be kept whole like a dense one's (engine.compute.passes.KeptRouted): on the
+    """A sparse layer's graph may be kept whole like a dense one's (engine.compute.passes.KeptSparse): on the
     H200 every tiny-moe layer is, each counted at a sparse layer's kept bytes per token (its top-2
     dispatched rows); the working set is a sparse layer's; asking for some is taken as written."""
     from megatrain_ray.engine.compute.activations import sparse_kept_bytes_per_token

@@ -128,7 +128,7 @@ try:
     for overrides in json.loads(sys.argv[1]):  # one cluster for every run: its start-up is most of the cost
         result = train(load_config(None, overrides), log=lambda line: None)
         print(json.dumps({"final_dir": result.final_dir, "losses": result.losses, "checkpoints": result.checkpoints,
-                          "updates": sum(lane == "adamw" for lane, *_ in result.last_spans)}))
+                          "updates": sum(lane == "adamw" for lane, *_ in result.last_intervals)}))
 finally:
     ray.shutdown()
     cluster.shutdown()

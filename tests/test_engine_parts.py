@@ -245,7 +245,7 @@ def test_split_update_trains_bit_for_bit_as_one_pass(shm_dir, tmp_path, monkeypa
             f"data.path={data}", "compute.device=cpu", "precision.compute_dtype=bfloat16", "optim.weight_decay=0.1",
             "optim.max_grad_norm=0.05", f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}"])
         rows = local.train_local(cfg, 0)
-        masters = sum(1 for r in rows for lane, label, *_ in r["spans"] if lane == "adamw" and label.endswith("master"))
+        masters = sum(1 for r in rows for lane, label, *_ in r["intervals"] if lane == "adamw" and label.endswith("master"))
         assert masters == (3 * (3 + 2) if split == "true" else 0)  # steps 1-3's, reported with the next step
         assert any(r["grad_norm"] > 0.05 for r in rows)  # clipped
         losses[split] = [r["loss"] for r in rows]
@@ -308,7 +308,7 @@ def test_offloaded_activations_train_exactly_as_kept_ones(shm_dir, tmp_path):
             f"memory.activations={'offload' if offload == 'true' else 'recompute'}"])
         rows = train_local(cfg, 0)
         results[offload] = [r["loss"] for r in rows]
-        moved = sum(n for r in rows for lane, label, _, _, n in r["spans"] if lane == "d2h" and "inputs" in label)
+        moved = sum(n for r in rows for lane, label, _, _, n in r["intervals"] if lane == "d2h" and "inputs" in label)
         # each layer's inputs (micro_batches x [2, 32, 64] fp32) go out once per step when offloaded
         assert moved == (3 * 3 * 2 * 32 * 64 * 4 * 3 if offload == "true" else 0)
     assert results["true"] == results["false"]
@@ -333,7 +333,7 @@ def test_gradient_ring_without_clipping_trains_exactly_as_the_whole_gradient_arr
     assert S.grad_slots_for(fp32, 0.0) == S.GRAD_RING_SLOTS and S.grad_slots_for(fp32, 1.0) == 0
     assert S.grad_slots_for(Precision(torch.float32, torch.bfloat16), 0.0) == 0  # lives in the stream copy
     ring = [r["loss"] for r in train_local(load_config(None, overrides), 0)]
-    monkeypatch.setattr("megatrain_ray.engine.store.host_store.grad_slots_for", lambda precision, max_grad_norm, workers=1, hold=False: 0)
+    monkeypatch.setattr("megatrain_ray.engine.store.host_store.grad_slots_for", lambda precision, max_grad_norm, workers=1, hold_grads=False: 0)
     whole = [r["loss"] for r in train_local(load_config(None, overrides), 0)]  # the whole-model array
     assert ring == whole and len(set(ring)) == 3
     cfg = load_config(None, overrides)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.data.builtin import BUILTIN_LONG_DOCUMENTS, BUILTIN_LONG_VAL_DOCUMENTS  # noqa: E402
-from megatrain_ray.data.datasets import fingerprint, plan  # noqa: E402
+from megatrain_ray.data.datasets import dataset_spec, fingerprint  # noqa: E402
 from megatrain_ray.data.loader import source_from_config  # noqa: E402
 from megatrain_ray.errors import ConfigError  # noqa: E402
 from megatrain_ray.io.hf_io import load_train_config  # noqa: E402
@@ -125,7 +125,7 @@ def test_the_long_context_data_fills_each_sequence(name, tmp_path, monkeypatch):
     assert again.ref.path == train.ref.path and np.array_equal(again.tokens, train.tokens)
     longer = load_train_config(os.path.join("configs", f"{name}.yaml"), [
         "data.builtin_document_tokens=2049", f"train.run_dir={tmp_path}"])
-    assert fingerprint(plan(longer.data, None, None)) != fingerprint(plan(cfg.data, None, None))
+    assert fingerprint(dataset_spec(longer.data, None, None)) != fingerprint(dataset_spec(cfg.data, None, None))
 
 
 def test_your_own_data_replaces_the_long_documents(tmp_path, monkeypatch):
@@ -134,7 +134,7 @@ def test_your_own_data_replaces_the_long_documents(tmp_path, monkeypatch):
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("One long book.\n\nIts second chapter.")
     cfg = load_train_config(os.path.join(ROOT, "configs", "long-context.yaml"), [f"data.path={tmp_path / 'books'}"])
-    p = plan(cfg.data, None, cfg.data.path)
+    p = dataset_spec(cfg.data, None, cfg.data.path)
     assert (p.kind, p.format, p.document_tokens) == ("txt", "text", 0)
     assert p.where == f"data.path {str(tmp_path / 'books')!r}"
 

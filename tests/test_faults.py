@@ -313,7 +313,7 @@ def test_after_a_death_the_driver_records_the_finished_steps_and_the_stats_left_
     @ray.remote(num_cpus=0)
     def finished(step):
         return {"step": step, "loss": 2.0 - step / 10, "tokens": 64, "start": 0.0, "step_s": 0.1,
-                "fetches": {"h2d": 4}, "spans": []}
+                "fetches": {"h2d": 4}, "intervals": []}
 
     @ray.remote(num_cpus=0, max_retries=0)
     def died():
@@ -322,7 +322,7 @@ def test_after_a_death_the_driver_records_the_finished_steps_and_the_stats_left_
     host = ray.remote(QueueHost).options(num_cpus=0).remote()
     stats_q = QueueClient(host, "stats")
     for step in (3, 4):
-        stats_q.put({"step": step, "grad_norm": 1.0 + step, "lr": 1e-3, "update_busy_s": 0.01, "spans": []})
+        stats_q.put({"step": step, "grad_norm": 1.0 + step, "lr": 1e-3, "update_busy_s": 0.01, "intervals": []})
     stats_q.put({"checkpoint": "ckpt/step-000005", "step": 5, "save_s": 0.1})
     cfg = _cfg("/dev/shm", tmp_path, "train.steps=8")
     head = SimpleNamespace(stats_q=stats_q, grad_q=QueueClient(host, "grad"), fetch_qs=[QueueClient(host, "fetch-0")])
@@ -359,5 +359,5 @@ def test_a_line_that_fails_loses_no_stats_of_its_batch(tmp_path):
         driver = Driver(resolved(cfg), roles, {}, None, result, f, RunMetrics("r", cfg.model, 32, 0), log)
         with pytest.raises(KeyboardInterrupt):
             driver._handle([{"checkpoint": "ckpt/step-000002", "step": 2, "save_s": 0.1},
-                            {"step": 3, "grad_norm": 4.0, "lr": 1e-3, "update_busy_s": 0.01, "spans": []}])
+                            {"step": 3, "grad_norm": 4.0, "lr": 1e-3, "update_busy_s": 0.01, "intervals": []}])
     assert result.checkpoints == ["ckpt/step-000002"] and sorted(driver.stats) == [3]

@@ -57,7 +57,7 @@ def test_a_resume_names_the_steps_whose_rows_were_lost(tmp_path):
     lines.clear()
     _rows_resumed(str(tmp_path), 8, lines.append)  # every row there: nothing said
     assert lines == []
-    assert metrics_file.spans([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert metrics_file.step_ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
 
 
 def test_a_run_branched_from_a_checkpoint_counts_its_rows_from_that_step(tmp_path):

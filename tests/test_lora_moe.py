@@ -353,8 +353,8 @@ PLACEMENTS = {"keep": ((), ("keep",) * 3), "recompute": ((), ("gpu",) * 3),
 
 def test_moe_lora_trains_alike_kept_recomputed_or_in_a_span(ray_cluster, shm_dir, tmp_path):
     """A Qwen3-MoE (dense and sparse layers, the load-balancing loss on) with adapters on attention
-    and the experts and its routers trained: every layer kept whole (engine.compute.passes.KeptRouted), every
-    layer recomputed (Routed), and every layer but the first in a recompute span (its forward run
+    and the experts and its routers trained: every layer kept whole (engine.compute.passes.KeptSparse), every
+    layer recomputed (RecomputedSparse), and every layer but the first in a recompute span (its forward run
     again from weights fetched without the idle experts): the same losses and adapters bit for bit."""
     from safetensors.torch import load_file
 

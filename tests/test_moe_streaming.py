@@ -11,7 +11,7 @@
   gradient copies moved to the host (its timeline's d2h bytes, counted from the tensors copied) are
   exactly every unit's gradient less the idle experts'. (The training parity of the same path,
   idle experts included, is tests/test_moe_training.py.)
-- A sparse layer kept whole (its graph, engine.compute.passes.KeptRouted): the planner's bytes per token
+- A sparse layer kept whole (its graph, engine.compute.passes.KeptSparse): the planner's bytes per token
   bound what autograd saves, and a run with every layer kept trains bit for bit as one with every
   layer recomputed.
 """

@@ -138,7 +138,7 @@ def test_the_copy_waits_while_a_checkpoint_reads_the_previous_one(shm_dir):
         before = resident.weights(0, 0).clone()
         head = cfg.model.num_hidden_layers + 1
         for u in (0, head):
-            resident.hold(u, torch.ones(ps.store.layout.templates[u].numel))
+            resident.take_grad(u, torch.ones(ps.store.layout.templates[u].numel))
         assert resident.update(0, 4.0) and resident.version == 1
         assert not torch.equal(resident.weights(0, 1), before)
         assert torch.equal(ps.store.block("master", 0), before)  # the host copy is untouched until a sync
@@ -184,7 +184,7 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
         def update(step: int) -> None:  # the step's update of the resident units, on the "device"
             resident.weights(0, step)
             for u in resident.units:
-                resident.hold(u, torch.full((store.layout.templates[u].numel,), 0.1 * (step + 1)))
+                resident.take_grad(u, torch.full((store.layout.templates[u].numel,), 0.1 * (step + 1)))
             assert resident.update(step, 1.0)
 
         update(0)

@@ -48,7 +48,7 @@ def test_the_spawned_roles_hold_what_the_run_resolved(shm_dir, tmp_path):
         assert compute.store.spec == sink.store.spec == prefetcher.store.spec == spec
         assert spec.resident == run.schedule.resident and compute.resident.units == run.schedule.resident
         assert tuple(prefetcher.order) == run.schedule.fetch and tuple(sink.order) == run.schedule.sink_updates
-        assert sink.runner.threads == run.sink.threads == cfg.parallel.adamw_threads()
+        assert sink.runner.threads == run.sink.optimizer_threads == cfg.parallel.resolved_optimizer_threads()
         assert sink.policies == compute.settings.policies == run.policies
         assert [str(p) for p in run.policies] == [
             "weights resident, gradient device, optimizer device", *["weights streamed, gradient host, optimizer "

@@ -79,7 +79,7 @@ def test_spans_give_per_layer_checkpoints_losses_and_gradients_bit_for_bit(place
     assert len(calls) == micro_batches * (3 + recomputed + again)  # the forwards, the recomputes, the spans' forwards
     assert again == sum(b - a for a, b in recompute_spans(placement)) > 0
     assert got["fetches"]["layers"] == ref["fetches"]["layers"] + again == 2 * 3 + again
-    moved = sum(n for lane, label, _, _, n in got["spans"] if lane == "d2h" and "inputs" in label)
+    moved = sum(n for lane, label, _, _, n in got["intervals"] if lane == "d2h" and "inputs" in label)
     assert moved == placement.count(HOST) * micro_batches * 2 * 32 * 64 * 4  # only the offloaded checkpoints go out
 
 

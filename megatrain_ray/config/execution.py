@@ -242,8 +242,8 @@ class ParallelSection:
         """Whether the nodes split the AdamW work (``optimizer_sharding`` sharded, several nodes)."""
         return self.optimizer_sharding == "sharded" and self.nodes > 1
 
-    def adamw_threads(self) -> int:
-        """Threads of the AdamW update (see ``optimizer_threads``)."""
+    def resolved_optimizer_threads(self) -> int:
+        """``optimizer_threads`` resolved: the AdamW update's threads (0 made one per CPU but one)."""
         return self.optimizer_threads or max(1, usable_cpus() - 1)
 
     def validate(self) -> None:

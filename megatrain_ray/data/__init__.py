@@ -3,8 +3,8 @@
 - :mod:`.builtin`: byte-level token ids and the generated built-in corpus (no files needed);
 - :mod:`.tokenizer`: text to token ids (byte-level or a local Hugging Face tokenizer), documents
   and chat examples;
-- :mod:`.datasets`: planning a dataset from the config (files, format, tokenizer, cache key, split);
-- :mod:`.prepare`: tokenizing a planned dataset with a Ray Data actor pool into the cache;
+- :mod:`.datasets`: a dataset resolved from the config (files, format, tokenizer, cache key, split);
+- :mod:`.prepare`: tokenizing a resolved dataset with a Ray Data actor pool into the cache;
 - :mod:`.corpus`: batches from a prepared corpus;
 - :mod:`.loader`: random windows of a token stream, and which loader a config gets.
 

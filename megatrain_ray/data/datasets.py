@@ -1,6 +1,6 @@
 """Which training data a config names: files, format, tokenizer, cache key and validation split.
 
-A dataset is planned from the ``data`` config section (:func:`plan`): its files (one file, or a
+A dataset is resolved from the ``data`` config section (:func:`dataset_spec`): its files (one file, or a
 directory of files of one kind: ``.txt``, ``.jsonl``/``.json``, ``.parquet``, ``.arrow``, ``.npy``),
 its format and its tokenizer. :func:`megatrain_ray.data.prepare.prepare` then turns it into a
 *corpus* (a :class:`CorpusRef`): token ids in document order on disk, memory-mapped by every
@@ -17,7 +17,7 @@ length in tokens (``data.builtin_document_tokens``: :func:`megatrain_ray.data.pr
 - ``tokens``: pre-tokenized ``input_ids`` (optionally ``labels`` with -100 or a 0/1 ``loss_mask``);
   a 1-D ``.npy`` stream or a 2-D ``.npy`` array of rows is memory-mapped in place, not copied.
 
-Tokenizing and caching a plan's corpus is :mod:`megatrain_ray.data.prepare`'s work.
+Tokenizing and caching a dataset's corpus is :mod:`megatrain_ray.data.prepare`'s work.
 
 Validation split: a document goes to ``val`` when a fixed hash of its index falls below
 ``data.val_fraction`` (independent of the training seed), else to ``train``; or all of
@@ -45,7 +45,7 @@ SPLIT_SALT = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
-class DataPlan:
+class DatasetSpec:
     """A dataset as resolved from the config: files, format, tokenizer (small and picklable)."""
 
     files: tuple[str, ...]
@@ -195,8 +195,8 @@ def detect_format(files: tuple[str, ...], kind: str, text_key: str, where: str, 
                     f"data.format, or data.text_key for plain text.")
 
 
-def plan(data, init_from: str | None, path: str | None, key: str = "data.path") -> DataPlan:
-    """Resolve a DataSection (``data``) and one of its paths into a DataPlan."""
+def dataset_spec(data, init_from: str | None, path: str | None, key: str = "data.path") -> DatasetSpec:
+    """Resolve a DataSection (``data``) and one of its paths into a DatasetSpec."""
     files, kind = list_files(path, key)
     long = data.builtin_document_tokens if kind == "builtin" else 0
     where = f"{key} {path!r}" if path else "the built-in corpus's long documents" if long else "the built-in corpus"
@@ -205,7 +205,7 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
     if fmt == "windows":
         if kind not in ("txt", "npy", "builtin") or len(files) > 1:
             raise DataError(f"data.format windows reads one .txt or 1-D .npy file, not {where}.")
-        return DataPlan(files, kind, fmt, None, data.text_key, False, 0.0, where)
+        return DatasetSpec(files, kind, fmt, None, data.text_key, False, 0.0, where)
     if kind == "npy" and len(files) > 1:
         raise DataError(f"{where} holds {len(files)} .npy files; concatenate them into one token array.")
     if kind == "npy" and fmt != "tokens":
@@ -226,7 +226,7 @@ def plan(data, init_from: str | None, path: str | None, key: str = "data.path") 
     tokenizer = data.tokenizer or (init_from if is_tokenizer_dir(init_from) else None)
     if fmt == "tokens":
         tokenizer = None
-    return DataPlan(files, kind, fmt, tokenizer and os.path.abspath(tokenizer), data.text_key, has_labels,
+    return DatasetSpec(files, kind, fmt, tokenizer and os.path.abspath(tokenizer), data.text_key, has_labels,
                     data.val_fraction, where, long)
 
 
@@ -248,7 +248,7 @@ def run_tokenizer(data: dict, init_from: str | None) -> str | None:
     return None if fmt == "tokens" or kind == "npy" else BYTE_LEVEL
 
 
-def fingerprint(p: DataPlan) -> str:
+def fingerprint(p: DatasetSpec) -> str:
     """Cache key: files (path, size, mtime), format, tokenizer files, split, the built-in documents' length."""
     try:
         stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in p.files]

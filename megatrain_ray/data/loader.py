@@ -138,9 +138,9 @@ class BatchSource:
 
 def uses_windows(cfg) -> bool:
     """Whether the config's training data is read by :class:`BatchSource` (random windows)."""
-    from .datasets import plan
+    from .datasets import dataset_spec
 
-    return plan(cfg.data, cfg.train.init_from, cfg.data.path).format == "windows"
+    return dataset_spec(cfg.data, cfg.train.init_from, cfg.data.path).format == "windows"
 
 
 def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = None):
@@ -152,7 +152,7 @@ def corpus_ref(cfg, split: str = "train", log=print, connect: Connect | None = N
     """
     from .prepare import prepare
 
-    p, cache = _corpus_plan(cfg, split)
+    p, cache = _corpus_spec(cfg, split)
     check_vocab(p, cfg.model.vocab_size)
 
     def join() -> None:
@@ -167,7 +167,7 @@ def corpus_fingerprint(cfg) -> str | None:
     tokenizing; None for random windows (whose fingerprint hashes the tokens: :class:`BatchSource`)."""
     from .datasets import fingerprint
 
-    return None if uses_windows(cfg) else fingerprint(_corpus_plan(cfg, "train")[0])
+    return None if uses_windows(cfg) else fingerprint(_corpus_spec(cfg, "train")[0])
 
 
 def check_resume_data(state: dict, saved_data: dict, cfg, checkpoint: str) -> None:
@@ -188,13 +188,13 @@ def check_resume_data(state: dict, saved_data: dict, cfg, checkpoint: str) -> No
                     f"train.init_from={checkpoint}` (no --resume).")
 
 
-def _corpus_plan(cfg, split: str):
-    """(DataPlan of the corpus of one split, cache root): see :func:`corpus_ref`."""
-    from .datasets import plan
+def _corpus_spec(cfg, split: str):
+    """(DatasetSpec of the corpus of one split, cache root): see :func:`corpus_ref`."""
+    from .datasets import dataset_spec
 
     d = cfg.data
     separate = split == "val" and bool(d.val_path)
-    p = plan(d, cfg.train.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
+    p = dataset_spec(d, cfg.train.init_from, d.val_path if separate else d.path, "data.val_path" if separate else "data.path")
     check_first_row(p)
     builtin_val = split == "val" and not separate and not d.val_fraction and p.kind == "builtin"
     if split == "val" and not separate and not d.val_fraction and not builtin_val:

@@ -1,4 +1,4 @@
-"""Preparing a planned dataset (:mod:`megatrain_ray.data.datasets`) into a corpus on disk: read
+"""Preparing a resolved dataset (:mod:`megatrain_ray.data.datasets`) into a corpus on disk: read
 local files with Ray Data, tokenize in a pool of CPU actors, write the cache.
 
 Tokenization runs as ``map_batches`` over an actor pool of ``data.num_workers`` actors (each
@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import DataError, MegatrainError
 from ..progress import still
-from .datasets import CACHE_VERSION, CorpusRef, DataPlan, arrow_batches, fingerprint, is_val
+from .datasets import CACHE_VERSION, CorpusRef, DatasetSpec, arrow_batches, fingerprint, is_val
 from .locate import first_bad_record
 from .tokenizer import as_token_ids, load_tokenizer, messages_from_row
 
@@ -139,9 +139,9 @@ class CacheWriter:
         return out
 
 
-def prepare(p: DataPlan, cache_root: str, num_workers: int, connect: Callable[[], None] | None = None,
+def prepare(p: DatasetSpec, cache_root: str, num_workers: int, connect: Callable[[], None] | None = None,
             log=print, *, stall_s: float) -> CorpusRef:
-    """The corpus of a plan: a .npy array in place, else the cache, tokenizing first if it is missing.
+    """The corpus of a dataset: a .npy array in place, else the cache, tokenizing first if it is missing.
 
     ``stall_s`` (cluster.actor_timeout_s): how long the actor pool may write no block, once one of
     its actors died, before the step is stopped (:mod:`megatrain_ray.data.watchdog`)."""
@@ -211,7 +211,7 @@ def _remove_unfinished(cache_root: str, log) -> None:
                 "which is gone")
 
 
-def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
+def _write_arrow(p: DatasetSpec, writer: CacheWriter) -> None:
     """.arrow files (Arrow IPC, which Ray Data does not read), batch by batch in this process: token
     rows copied into the cache, text or chat rows tokenized. A row refused is named by its number
     (:func:`~megatrain_ray.data.locate.first_bad_record`), as a .jsonl file's line is; a file cut
@@ -230,7 +230,7 @@ def _write_arrow(p: DataPlan, writer: CacheWriter) -> None:
                 raise DataError(found if found.endswith(".") else f"{found}.") from None
 
 
-def _readable_batches(p: DataPlan, path: str):
+def _readable_batches(p: DatasetSpec, path: str):
     """The record batches of the .arrow file ``path`` of ``p``; one that cannot be read is a DataError."""
     import pyarrow as pa
 
@@ -248,7 +248,7 @@ def _readable_batches(p: DataPlan, path: str):
         rows += batch.num_rows
 
 
-def _write_builtin(p: DataPlan, writer: CacheWriter) -> None:
+def _write_builtin(p: DatasetSpec, writer: CacheWriter) -> None:
     """The built-in corpus's documents of one split, tokenized here (too small for an actor pool)."""
     import pyarrow as pa
 
@@ -291,7 +291,7 @@ def _write_table(writer: CacheWriter, table) -> None:
     writer.add(ids.flatten().to_numpy(), offsets - offsets[0], table.column("mask").combine_chunks().flatten().to_numpy())
 
 
-def _write_ray_data(p: DataPlan, writer: CacheWriter, num_workers: int, stall_s: float) -> None:
+def _write_ray_data(p: DatasetSpec, writer: CacheWriter, num_workers: int, stall_s: float) -> None:
     """Read with Ray Data, tokenize on an actor pool of ``num_workers``, write in document order;
     watched by a :class:`~megatrain_ray.data.watchdog.TokenizeWatchdog` (``stall_s``)."""
     import ray
@@ -357,7 +357,7 @@ def _silent(record) -> bool:
     return False
 
 
-def _located(e: BaseException, p: DataPlan) -> MegatrainError:
+def _located(e: BaseException, p: DatasetSpec) -> MegatrainError:
     """A failed tokenization as one sentence, naming the file and line of the record it failed on
     where a record is to blame (:mod:`megatrain_ray.data.locate`): a row the pool refused, or JSON
     that Ray Data could not parse."""

@@ -6,7 +6,7 @@ local to it in ``/sys/bus/pci/devices/<pci address>/local_cpulist`` (and its NUM
 ``numa_node``). A compute worker's threads (the Python thread launching kernels, the loader,
 releaser and grad-sender threads that wait on its copy streams) run best there, and the gradient
 sink's AdamW threads on every other CPU, so the two never compete for a core:
-:func:`plan_cpus` picks :data:`COMPUTE_CPUS` CPUs local to each worker's GPU (disjoint between
+:func:`pick_cpus` picks :data:`COMPUTE_CPUS` CPUs local to each worker's GPU (disjoint between
 workers) and leaves the rest to AdamW. Where the machine gives no topology (no GPU, no sysfs entry)
 nothing is pinned. The plan is a plain function of the topology, so it is tested on synthetic
 machines; :func:`pin_process` applies it to every thread of the calling process.
@@ -99,7 +99,7 @@ def local_cpus(pci: str | None, sysfs: str = SYSFS) -> tuple[int | None, list[in
     return (node if node >= 0 else None), (cpus or None)
 
 
-def plan_cpus(worker_local: list[list[int] | None], usable: list[int],
+def pick_cpus(worker_local: list[list[int] | None], usable: list[int],
               per_worker: int = COMPUTE_CPUS) -> tuple[list[list[int] | None], list[int] | None]:
     """(the CPUs of each compute worker, the CPUs left for AdamW) on one node.
 

@@ -102,11 +102,11 @@ class ExpertTraffic:
 
     # -- the loader thread ---------------------------------------------------------------------
 
-    def fetch_ranges(self, unit: int, step: int, routed: bool) -> list[tuple[int, int]] | None:
+    def fetch_ranges(self, unit: int, step: int, refetch: bool) -> list[tuple[int, int]] | None:
         """The ranges of ``unit``'s block a fetch copies: None (whole) for a unit without parts or its
         first fetch of the step, else those of the parts the step's routing uses (waits for it)."""
         record = self.records[unit]
-        if not record.parts or not routed:
+        if not record.parts or not refetch:
             return None
         used = self._used(unit, step)
         ranges = None if used is None else record.ranges(used)

@@ -62,8 +62,8 @@ def step_clipping(step: int, norm: float, max_norm: float) -> float:
     return clip_coefficient(norm, max_norm)
 
 
-def decay_spans(numel: int, decay_numel: int, cfg: OptimConfig) -> tuple[tuple[int, int, float], ...]:
-    """(start, end, weight decay) of a unit's two spans: its matrices [0, decay_numel) get
+def decay_ranges(numel: int, decay_numel: int, cfg: OptimConfig) -> tuple[tuple[int, int, float], ...]:
+    """(start, end, weight decay) of a unit's two ranges: its matrices [0, decay_numel) get
     cfg.weight_decay, the norms and biases after them too with cfg.decay_norms_and_biases, else none."""
     rest = cfg.weight_decay if cfg.decay_norms_and_biases else 0.0
     return (0, decay_numel, cfg.weight_decay), (decay_numel, numel, rest)
@@ -101,7 +101,7 @@ class AdamWRunner:
     def _by_pieces(self, numel: int, decay_numel: int, cfg: OptimConfig, call) -> None:
         """``call(a, b, weight_decay)`` for every piece [a, b) of a unit of ``numel`` elements (at most
         CHUNK, within one decay span), on the thread pool."""
-        pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_spans(numel, decay_numel, cfg)
+        pieces = [(a, min(hi, a + CHUNK), wd) for lo, hi, wd in decay_ranges(numel, decay_numel, cfg)
                   for a in range(lo, hi, CHUNK)]
         run_pieces(self._pool, self.threads, len(pieces), lambda i: call(*pieces[i]))
 
@@ -180,7 +180,7 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     it may alias ``stream``, since each piece's gradient is read before its stream copy is
     rewritten; exp_avg, exp_avg_sq: [n] fp32; stream: [n] compute-dtype copy to refresh, or None.
     The first ``decay_numel`` elements (the matrices) get weight decay, the rest only with
-    ``cfg.decay_norms_and_biases`` (:func:`decay_spans`). ``step`` is the 1-based AdamW step. The
+    ``cfg.decay_norms_and_biases`` (:func:`decay_ranges`). ``step`` is the 1-based AdamW step. The
     tensors may live on any one device; ``pieces`` False updates each span in one call (on a GPU,
     where cache-sized pieces would only add kernel launches).
     """
@@ -190,7 +190,7 @@ def adamw_unit(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     fp32 = dict(dtype=torch.float32, device=master.device)
     g_buf = torch.empty(piece, **fp32) if grad.dtype != torch.float32 else None  # an upcast gradient piece
     p_buf = torch.empty(piece, **fp32) if master.dtype != torch.float32 else None
-    for lo, hi, weight_decay in decay_spans(master.numel(), decay_numel, cfg):
+    for lo, hi, weight_decay in decay_ranges(master.numel(), decay_numel, cfg):
         for a in range(lo, hi, size):
             b = min(hi, a + size)
             # An fp32 gradient is scaled in place: its block is scratch once read (even when it

@@ -7,7 +7,9 @@ A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.
   whole run: today the units of memory.resident);
 - ``gradient``: ``host`` (its gradient crosses to the host store and a ticket tells the sink),
   ``device`` (it stays on the device, and only its squared norm goes to the sink, which counts it
-  in the step's norm), or ``none`` (it has no gradient: a frozen unit);
+  in the step's norm), or ``none`` (no gradient at all, not even its adapters': no run gives one
+  today; a *frozen* unit, one that does not train, is :data:`FROZEN`, whose adapters' gradient
+  stays on the device);
 - ``experts``: for a unit with routed experts (a sparse layer, :class:`~megatrain_ray.model.layout.Part`),
   ``routed`` (an expert that no token of the step chose sends no gradient back: its gradient is
   zero, implicitly, and its update still applies it) or ``all`` (every expert's gradient crosses:
@@ -64,7 +66,7 @@ class UnitPolicy:
     @property
     def trains(self) -> bool:
         """Whether the unit's own weights are trained: only then does its backward compute their
-        gradient (a frozen unit's weights are no autograd leaves that require one, so its backward
+        gradient (a frozen unit, one that does not train: its weights are no autograd leaves that require one, so its backward
         runs only the input-gradient GEMMs, and its adapters' where it has some)."""
         return self.optimizer != NONE
 
@@ -75,18 +77,18 @@ gradient of its weights is computed (:attr:`UnitPolicy.trains`); the gradient th
 device is its adapters', whose squared norm goes to the sink."""
 
 
-def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str, frozen: bool = False,
+def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str, lora: bool = False,
                     sparse: tuple[int, ...] = (), experts: str = ROUTED) -> tuple[UnitPolicy, ...]:
     """Each of ``units`` units' policy: the ``resident`` ones on the device (weights, gradient and
     AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``,
     the ``sparse`` ones' (units with routed experts) sending their experts' gradients as ``experts``
-    says; ``frozen`` (a LoRA run): every other unit :data:`FROZEN` (its resident ones: the embedding
+    says; ``lora`` (a LoRA run): every other unit :data:`FROZEN` (its resident ones: the embedding
     or head trained in full beside the adapters)."""
     on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
-    if frozen:
+    if lora:
         return tuple(on_device if u in resident else FROZEN for u in range(units))
-    routed = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
-    return tuple(on_device if u in resident else routed if u in sparse else on_host for u in range(units))
+    with_experts = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
+    return tuple(on_device if u in resident else with_experts if u in sparse else on_host for u in range(units))
 
 
 def host_optimizer(compact: bool, splits: bool) -> str:

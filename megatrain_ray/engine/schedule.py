@@ -31,10 +31,10 @@ class Schedule:
     """Every unit, in the order the next step's forward needs them: embedding, layers, head."""
     resident: tuple[int, ...] = ()
     """Units resident on the compute worker's device, updated there (see :mod:`megatrain_ray.engine.compute.resident`)."""
-    routed: tuple[bool, ...] = ()
-    """For each entry of ``fetch``: whether it is not its unit's first fetch of the step, so that the
-    step's routing through the unit is known by then (the forward has run it) and a sparse layer's
-    fetch moves only the parts that routing uses (:mod:`megatrain_ray.engine.experts`)."""
+    refetch: tuple[bool, ...] = ()
+    """For each entry of ``fetch``: whether it is a later fetch of its unit in the step (not the
+    first), so that the step's routing through the unit is known by then (the forward has run it)
+    and a sparse layer's fetch moves only the parts that routing uses (:mod:`megatrain_ray.engine.experts`)."""
 
     @classmethod
     def build(cls, layout: StoreLayout, tied: bool, resident: tuple[int, ...] = (),
@@ -48,8 +48,8 @@ class Schedule:
         again = {last: range(first, last) for first, last in spans}  # layers run forward again before `last`
         backward = [u for i in reversed(layers) for j in (*again.get(i, ()), i) for u in group[j]]
         fetch = tuple(u for u in forward + backward if u not in resident)
-        routed = tuple(u in fetch[:k] for k, u in enumerate(fetch))
-        return cls(fetch, tuple(u.index for u in layout.records), tuple(resident), routed)
+        refetch = tuple(u in fetch[:k] for k, u in enumerate(fetch))
+        return cls(fetch, tuple(u.index for u in layout.records), tuple(resident), refetch)
 
     def owner(self, unit: int) -> str:
         """:data:`COMPUTE` for a resident unit, else :data:`SINK`."""

@@ -61,12 +61,12 @@ class SinkSettings:
     """The run's steps (train.steps), for the learning-rate schedule."""
     timeout_s: float
     """How long it waits on another role (cluster.actor_timeout_s)."""
-    threads: int
+    optimizer_threads: int
     """CPU threads of the AdamW update (parallel.optimizer_threads, resolved)."""
-    threads_per_pinned_cpu: bool = False
+    optimizer_threads_per_cpu: bool = False
     """parallel.optimizer_threads is 0 (one per CPU): where the sink is pinned to CPUs
-    (experimental.cpu_affinity), AdamW runs one thread per CPU it is given instead of ``threads``
-    (:meth:`pinned_threads`)."""
+    (experimental.cpu_affinity), AdamW runs one thread per CPU it is given instead of ``optimizer_threads``
+    (:meth:`pinned_optimizer_threads`)."""
     workers: int = 1
     """Compute workers of its node: the tickets per unit and step (see :mod:`megatrain_ray.engine.grad_reduce`)."""
     host_sum: bool = False
@@ -78,9 +78,9 @@ class SinkSettings:
     """Each unit's policy (:mod:`megatrain_ray.engine.policy`)."""
     updates: tuple[int, ...]
     """The units this sink updates (those with a host optimizer), in the schedule's update order."""
-    frozen: tuple[int, ...]
-    """The units never updated (:data:`~megatrain_ray.engine.policy.FROZEN`, a LoRA run's base), in
-    update order: each step's end makes them current for the next step."""
+    version_only: tuple[int, ...]
+    """The units whose version alone moves (:data:`~megatrain_ray.engine.policy.FROZEN`, a LoRA run's
+    base: never updated), in update order: each step's end makes them current for the next step."""
 
     @property
     def after_norm(self) -> bool:
@@ -88,6 +88,6 @@ class SinkSettings:
         update order, after the last gradient), unless it comes with the tickets (held gradients)."""
         return self.optim.max_grad_norm > 0 or self.sharded
 
-    def pinned_threads(self, cpus: int) -> int:
-        """AdamW's threads once the sink is pinned to ``cpus`` CPUs (see ``threads_per_pinned_cpu``)."""
-        return cpus if self.threads_per_pinned_cpu else self.threads
+    def pinned_optimizer_threads(self, cpus: int) -> int:
+        """AdamW's threads once the sink is pinned to ``cpus`` CPUs (see ``optimizer_threads_per_cpu``)."""
+        return cpus if self.optimizer_threads_per_cpu else self.optimizer_threads

@@ -50,8 +50,8 @@ class FetchTicket:
     unit: int
     step: int
     slot: int
-    routed: bool = False
-    """Not the unit's first fetch of the step (:attr:`~megatrain_ray.engine.schedule.Schedule.routed`):
+    refetch: bool = False
+    """A later fetch of the unit in the step, not its first (:attr:`~megatrain_ray.engine.schedule.Schedule.refetch`):
     a sparse layer's copy moves only the parts the step's routing uses."""
 
 

@@ -6,7 +6,7 @@ a pipe whose reader is gone (``... | tee`` and tee killed by the same Ctrl-C) or
 hung up, the console falls silent (the stream is pointed at ``/dev/null``, so neither Ray's threads
 nor Python's exit flush fail on it either) and the file keeps the lines; so a line logged while the
 interrupt checkpoint is saved can never abort the save. Lines logged before the run's directory
-exists are held and written first when the file is opened (:meth:`Console.attach`).
+exists are kept pending and written first when the file is opened (:meth:`Console.attach`).
 
 Output that the user cannot act on goes to the active console's file only (:func:`quiet`):
 
@@ -103,7 +103,7 @@ class Console:
         self.show_line = show
         self.silent = False
         self.file = None
-        self.held: list[str] = []
+        self.pending: list[str] = []
         self.lock = threading.Lock()
         self.depth = 0
         self.failing = False
@@ -128,11 +128,11 @@ class Console:
                 silence(sys.stdout)
 
     def keep(self, line: str) -> None:
-        """The line in the run's log file (held until it is opened), without terminal colour codes."""
+        """The line in the run's log file (pending until it is opened), without terminal colour codes."""
         stamped = f"{time.strftime('%H:%M:%S')} {ANSI.sub('', line)}"
         with self.lock:
             if self.file is None:
-                self.held.append(stamped)
+                self.pending.append(stamped)
                 return
             try:
                 self.file.write(stamped + "\n")
@@ -146,14 +146,14 @@ class Console:
         self.failing = True
 
     def attach(self, run_dir: str) -> str:
-        """Open ``run_dir``'s log file (appending) and write the lines held so far; its path."""
+        """Open ``run_dir``'s log file (appending) and write the lines pending so far; its path."""
         path = os.path.join(run_dir, LOG_FILE)
         with self.lock:
             if self.file is None:
                 self.file = open(path, "a")
-                self.file.writelines(line + "\n" for line in self.held)
+                self.file.writelines(line + "\n" for line in self.pending)
                 self.file.flush()
-                self.held = []
+                self.pending = []
         return path
 
     def close(self) -> None:

@@ -331,7 +331,7 @@ def span_note(cfg: TrainConfig, modes: tuple[str, ...], step_flops: float) -> st
 def activation_note(cfg: TrainConfig, device: str, result) -> str:
     """The activation placement the run gets, one line (layers kept whole / checkpointed on the
     device / offloaded / in recompute spans, and what each takes) of a
-    :class:`~megatrain_ray.orchestration.preflight.Plan`."""
+    :class:`~megatrain_ray.orchestration.preflight.MemoryPlan`."""
     rows = [r for r in result.rows if r.component.startswith("activation")]
     keep = sum(r.nbytes for r in rows if "kept whole" in r.component)
     host = sum(r.nbytes for r in rows if r.where == "host")

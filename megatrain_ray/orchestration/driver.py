@@ -53,9 +53,9 @@ class RunResult:
     fetches: list[dict[str, int]] = field(default_factory=list)
     tokens_per_s: float = 0.0
     timeline: list[tuple] = field(default_factory=list)
-    """(lane, label, start, end, bytes) spans of the last two steps: h2d, compute, d2h, wait
+    """(lane, label, start, end, bytes) intervals of the last two steps: h2d, compute, d2h, wait
     (the compute thread blocked on weights) and adamw."""
-    last_spans: list[tuple] = field(default_factory=list, repr=False)
+    last_intervals: list[tuple] = field(default_factory=list, repr=False)
     start_step: int = 0
     """First step this run trained (the checkpoint's step when resumed)."""
     checkpoints: list[str] = field(default_factory=list)
@@ -283,8 +283,8 @@ class Driver:
         r.grad_norms.append(stats["grad_norm"])
         if "val_loss" in out:
             r.val_losses[step] = out["val_loss"]
-        spans = out["spans"] + stats["spans"]
-        r.timeline, r.last_spans = r.last_spans + spans, spans
+        intervals = out["intervals"] + stats["intervals"]
+        r.timeline, r.last_intervals = r.last_intervals + intervals, intervals
         now = time.perf_counter()
         elapsed = now - self.clock
         self.eta.step(now, out["step_s"])

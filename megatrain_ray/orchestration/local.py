@@ -56,7 +56,7 @@ def train_local(cfg: TrainConfig, gpus_available: float) -> list[dict]:
                                          sync=sync_due(None, step, 0, steps)))  # the end: the resident units' copy
         for row in rows:
             stats = roles.stats_q.get(timeout=run.call_timeout_s)
-            row["spans"] = row["spans"] + stats.pop("spans")
+            row["intervals"] = row["intervals"] + stats.pop("intervals")
             row.update(stats)
         for t in threads:
             t.join(timeout=run.call_timeout_s)

@@ -57,7 +57,7 @@ def missing_steps(run_dir: str, first: int, last: int) -> list[int]:
     return [s for s in range(first + 1, last + 1) if s not in have]
 
 
-def spans(steps: list[int]) -> str:
+def step_ranges(steps: list[int]) -> str:
     """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10"."""
     out, k = [], 0
     while k < len(steps):

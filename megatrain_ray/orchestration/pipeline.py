@@ -294,7 +294,7 @@ def _rows_resumed(run_dir: str, step: int, log) -> None:
             "(the run was stopped while writing it)")
     missing = metrics_file.missing_steps(run_dir, _first_step(run_dir), step)
     if missing:
-        which = f"step {missing[0]} has" if len(missing) == 1 else f"steps {metrics_file.spans(missing)} have"
+        which = f"step {missing[0]} has" if len(missing) == 1 else f"steps {metrics_file.step_ranges(missing)} have"
         log(f"warning: {which} no row in metrics.jsonl: trained and in the checkpoint of step {step}, but their "
             "stats (loss, grad norm, lr) were lost with the process that ran them.")
 

@@ -84,7 +84,7 @@ _KIND_LABELS = {"master": "master weights", "stream": "stream copy (streamed to 
                 "peer_grad": "the other workers' gradient copies (experimental.grad_reduce=host)", "exp_avg_scale": "8-bit exp_avg block scales",
                 "exp_avg_sq_scale": "8-bit exp_avg_sq block scales"}
 @dataclass
-class Plan:
+class MemoryPlan:
     """The memory a run needs, what the machine has, and the largest micro-batch that fits."""
 
     title: str
@@ -195,7 +195,7 @@ def _tokens_in_data(path: str | None, builtin_document_tokens: int = 0) -> int:
     return os.path.getsize(path)
 
 
-def longest_context(cfg: TrainConfig, device: str, base: Plan) -> int | None:
+def longest_context(cfg: TrainConfig, device: str, base: MemoryPlan) -> int | None:
     """The longest train.seq_len (a multiple of 1024) whose device total fits the device (90% of a
     GPU) and whose host total (the store, processes, and offloaded checkpoints at that length) fits
     the host's available memory, at ``cfg``'s micro-batch shape; 0 if none; None if the GPU's memory
@@ -299,7 +299,7 @@ def _host_rows(cfg: TrainConfig, device: str, store: StoreSpec, starts_ray: bool
     return rows
 
 
-def count(cfg: TrainConfig, decided: Decisions, host: int, starts_ray: bool) -> Plan:
+def count(cfg: TrainConfig, decided: Decisions, host: int, starts_ray: bool) -> MemoryPlan:
     """The memory plan of ``cfg`` run as ``decided`` (nothing is allocated, nothing is chosen here): its
     rows, what the machine has (``host`` bytes of host RAM, what is free in memory.shm_dir now), the
     largest micro-batch and the longest context that would fit, and the notes; a run's is part of its
@@ -325,8 +325,8 @@ def count(cfg: TrainConfig, decided: Decisions, host: int, starts_ray: bool) -> 
              f"{cfg.train.micro_batch_size} sequences of {cfg.train.seq_len} tokens per step"
              + (f"; per node of {cfg.parallel.nodes}, {cfg.parallel.compute_workers} GPU(s) each taking 1/{cfg.parallel.workers} "
                 "of the micro-batches (device rows: per GPU)" if cfg.parallel.workers > 1 else ""))
-    result = Plan(title, device, rows, shm_free, host, decided.device_bytes, cfg.train.micro_batch_size, None,
-                  pace=decided.pace, resident=resident, activation_host_bytes=room, placement=decided.placement)
+    result = MemoryPlan(title, device, rows, shm_free, host, decided.device_bytes, cfg.train.micro_batch_size, None,
+                        pace=decided.pace, resident=resident, activation_host_bytes=room, placement=decided.placement)
     result.largest_micro_batch = _largest_micro_batch(cfg, device, result)
     result.longest_context = longest_context(cfg, device, result)
     result.max_positions = cfg.model.max_position_embeddings
@@ -368,7 +368,7 @@ def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
             f"cluster.actor_timeout_s ({cfg.cluster.actor_timeout_s:.0f} s) must exceed its write time")
 
 
-def _largest_micro_batch(cfg: TrainConfig, device: str, base: Plan) -> int | None:
+def _largest_micro_batch(cfg: TrainConfig, device: str, base: MemoryPlan) -> int | None:
     if device == "cpu":
         budget = base.host_available - (base.total("host") - base.total("device"))
     elif base.device_bytes is None:

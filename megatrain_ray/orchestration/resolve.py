@@ -97,7 +97,7 @@ class ResolvedRun:
     decisions: preflight.Decisions
     """What the memory plan counts with: the device memory planned against, the store, the units
     resident by memory.resident, the activation placement (the compute workers' too) and the pace."""
-    memory: preflight.Plan
+    memory: preflight.MemoryPlan
     """The memory plan: host RAM, /dev/shm and device rows, and whether the run fits; with the
     expected step time (``memory.pace``, :mod:`megatrain_ray.orchestration.pace`)."""
     wait_s: float
@@ -160,9 +160,9 @@ class ResolvedRun:
             f"MLP {'in chunks of %d tokens' % c.mlp_chunk_size if c.mlp_chunk_size else 'untiled'}, "
             f"compile {'on' if c.compile else 'off'}, attention {c.attention_backend}"
             + (f", {c.threads} CPU threads" if c.threads else ""),
-            f"  host optimizer: AdamW on {k.threads} CPU thread{'s' if k.threads > 1 else ''}"
+            f"  host optimizer: AdamW on {k.optimizer_threads} CPU thread{'s' if k.optimizer_threads > 1 else ''}"
             + (" (one per CPU left to it where experimental.cpu_affinity pins it beside a GPU)"
-               if k.threads_per_pinned_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
+               if k.optimizer_threads_per_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
             + (f", sharded across {cfg.parallel.nodes} nodes" if cfg.parallel.sharded_optimizer else ""),
         ]
         return "\n".join(lines)
@@ -222,11 +222,12 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         activations=activations,
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
         total_steps=cfg.train.steps, policies=policies, update_order=schedule.update, seed=cfg.train.seed)
-    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait, threads=cfg.parallel.adamw_threads(),
-                        threads_per_pinned_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
+    sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
+                        optimizer_threads=cfg.parallel.resolved_optimizer_threads(),
+                        optimizer_threads_per_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
-                        frozen=tuple(u for u in schedule.update if policies[u] == FROZEN))
+                        version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
                        decisions, memory, wait, cfg.cluster.actor_timeout_s)
 
@@ -246,7 +247,7 @@ def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[in
     return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
 
 
-def _fits_an_idle_machine(result: preflight.Plan, cfg: TrainConfig) -> bool:
+def _fits_an_idle_machine(result: preflight.MemoryPlan, cfg: TrainConfig) -> bool:
     """Whether the run would fit this machine with nothing else on it (then waiting may help)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return (result.total("shm") <= shutil.disk_usage(cfg.memory.shm_dir).total
@@ -258,7 +259,7 @@ RELEASE_WAIT_S = 30.0
 RELEASE_POLL_S = 2.0
 
 
-def check(run: ResolvedRun, log=print) -> preflight.Plan:
+def check(run: ResolvedRun, log=print) -> preflight.MemoryPlan:
     """The memory plan of ``run`` about to start, once memory that a run which just ended is still releasing has come back; prints the
     table and raises PreflightError if it does not fit. While it waits it counts the plan again, with the
     machine's free memory as it is then and the run's own decisions (:attr:`ResolvedRun.decisions`):

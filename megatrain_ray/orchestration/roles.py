@@ -153,9 +153,9 @@ def spawn_roles(run, specs: list[StoreSpec], spawner, resume: str | None = None,
 def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
     """Pin each node's compute workers to CPUs near their GPUs and its sink's AdamW to the rest
     (experimental.cpu_affinity; see :mod:`megatrain_ray.engine.affinity`), before their loops start,
-    AdamW on the threads ``run`` resolved for it (:meth:`~megatrain_ray.engine.settings.SinkSettings.pinned_threads`);
+    AdamW on the threads ``run`` resolved for it (:meth:`~megatrain_ray.engine.settings.SinkSettings.pinned_optimizer_threads`);
     returns the lines logged, one per node (or one saying why nothing was pinned)."""
-    from ..engine.affinity import format_cpulist, plan_cpus
+    from ..engine.affinity import format_cpulist, pick_cpus
 
     cfg, device = run.config, run.device
     if not cfg.experimental.cpu_affinity or device != "cuda":
@@ -166,14 +166,14 @@ def place_cpus(run, roles: Roles, get: Callable, log) -> list[str]:
         for k, node in enumerate(roles.nodes):
             at = f" on node {k}" if len(roles.nodes) > 1 else ""
             tops = get([c.cpu_topology.remote() for c in node.computes], "compute")
-            picks, rest = plan_cpus([t["local_cpus"] for t in tops], tops[0]["usable"])
+            picks, rest = pick_cpus([t["local_cpus"] for t in tops], tops[0]["usable"])
             if not any(picks):
                 lines.append(f"cpu placement{at}: none (the machine does not say which CPUs are near its GPUs"
                              f"{'' if tops[0]['pci'] else ': no PCI address'}); threads run where the OS puts them")
                 continue
             get([c.pin_cpus.remote(cpus) for c, cpus in zip(node.computes, picks) if cpus], "compute")
             if rest:
-                get(node.sink.pin_cpus.remote(rest, run.sink.pinned_threads(len(rest))), "grad-sink")
+                get(node.sink.pin_cpus.remote(rest, run.sink.pinned_optimizer_threads(len(rest))), "grad-sink")
             workers = ", ".join(
                 f"compute-{w} (GPU {t['pci']}, NUMA node {t['numa_node'] if t['numa_node'] is not None else '?'}) "
                 f"on CPUs {format_cpulist(cpus) if cpus else 'any (unknown topology)'}"

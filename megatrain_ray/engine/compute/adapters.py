@@ -118,7 +118,7 @@ class DeviceAdapters:
         """The flat weights [numel] of store unit ``index``, trained in full here (one of :attr:`blocks`)."""
         return self.blocks[index]
 
-    def hold(self, index: int, grad: torch.Tensor) -> None:
+    def take_grad(self, index: int, grad: torch.Tensor) -> None:
         """Store unit ``index``'s gradient of this step ([numel] fp32, a unit of :attr:`blocks`): its
         trained matrix's part is updated at the end of the step."""
         unit = self.store.layout.units[index]

@@ -172,7 +172,7 @@ class ComputeWorker(GroupMember):
             except queue.Empty:
                 continue
             self.doing["loader"] = f"copying {self.layout.units[ticket.unit]} to the device"
-            ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.routed)  # a sparse layer's: routed
+            ranges = self.traffic.fetch_ranges(ticket.unit, ticket.step, ticket.refetch)  # a sparse layer's: routed
             host, copies = self.store.fetch(ticket.unit, ranges)  # a quantized base's: its bytes
             handle = self.backend.load(ticket.slot, host, self.layout.units[ticket.unit], copies)
             self._arrived.put((ticket, handle, ranges))
@@ -237,7 +237,7 @@ class ComputeWorker(GroupMember):
         until the checkpoint has it (:func:`~megatrain_ray.engine.compute.resident.sync_due`, ``checkpoint_due``).
 
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
-        seconds and bytes per lane (h2d, compute, d2h) and the spans themselves. With an
+        seconds and bytes per lane (h2d, compute, d2h) and the intervals themselves. With an
         ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
         ``step`` updates), computed alongside the forward and the head, without gradients.
         """
@@ -369,18 +369,18 @@ class ComputeWorker(GroupMember):
     def _report(self, step: int, start: float, loss: torch.Tensor, n_tokens: int, val_loss, routing: StepRouting
                 ) -> dict[str, Any]:
         """The step's result, once the device is done with it (see :meth:`run_step`)."""
-        spans = self.backend.end_step()  # waits for the device without spinning a core
+        intervals = self.backend.end_step()  # waits for the device without spinning a core
         loss = float(loss)
         if self._compile_pool is not None:  # both graphs are compiled by now: give the pool's memory back
             self._compile_pool.release_workers()
             self._compile_pool = None
         extra = {**({} if val_loss is None else {"val_loss": float(val_loss)}), **routing.report()}
-        busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in spans if ln == lane)
+        busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in intervals if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
-        moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in spans if ln == lane) for lane in ("h2d", "d2h")}
+        moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in intervals if ln == lane) for lane in ("h2d", "d2h")}
         extra.update(self.traffic.report(step))
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
-                "start": start, "step_s": time.time() - start, **busy, **moved, "spans": spans,
+                "start": start, "step_s": time.time() - start, **busy, **moved, "intervals": intervals,
                 "device_peak_bytes": self.backend.peak_bytes(), **extra}
 
     def _head(self, step: int, hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int,

@@ -12,7 +12,7 @@ A backend owns the device weight slots and the two copy directions:
   host bytes are complete and returns the scalar as a float; ``scalar(value)``: the same for a
   device scalar alone;
 - ``compute(label)``: a context around one unit's compute;
-- ``begin_step()`` / ``end_step()``: the step's timeline, as (lane, label, start, end) spans in
+- ``begin_step()`` / ``end_step()``: the step's timeline, as (lane, label, start, end) intervals in
   wall-clock seconds, for lanes ``h2d``, ``compute`` and ``d2h``.
 
 :class:`CpuBackend` does plain synchronous copies. :class:`CudaBackend` registers the host store's
@@ -75,7 +75,7 @@ def pin_in_pieces(ptr: int, nbytes: int, register, unregister, piece_bytes: int 
     return done
 
 
-class _Spans:
+class _Intervals:
     """Thread-safe list of (lane, label, start, end) records of the current step."""
 
     def __init__(self) -> None:
@@ -100,7 +100,7 @@ class CpuBackend:
     def __init__(self, num_slots: int, slot_numel: int, dtype: torch.dtype):
         self.device = torch.device("cpu")
         self.slots = [torch.empty(slot_numel, dtype=dtype) for _ in range(num_slots)]
-        self._spans = _Spans()
+        self._intervals = _Intervals()
 
     def register_host(self, tensor: torch.Tensor, starts: Sequence[int] = ()) -> None:
         """Nothing to pin on the CPU."""
@@ -110,7 +110,7 @@ class CpuBackend:
         pairs = _pieces(self.slots[slot], host, ranges)
         for dev, src in pairs:
             dev.copy_(src)
-        self._spans.add("h2d", label, t0, time.time(), _nbytes(pairs))
+        self._intervals.add("h2d", label, t0, time.time(), _nbytes(pairs))
 
     def wait(self, handle: None) -> None:
         pass
@@ -124,7 +124,7 @@ class CpuBackend:
         pairs = _pieces(dev, host, ranges)
         for src, dst in pairs:
             dst.copy_(src)
-        self._spans.add("d2h", label, t0, time.time(), _nbytes(pairs))
+        self._intervals.add("d2h", label, t0, time.time(), _nbytes(pairs))
         return _Done(float(scalar))
 
     def scalar(self, value: torch.Tensor) -> "_Done":
@@ -134,7 +134,7 @@ class CpuBackend:
     def compute(self, label: str):
         t0 = time.time()
         yield
-        self._spans.add("compute", label, t0, time.time(), 0)
+        self._intervals.add("compute", label, t0, time.time(), 0)
 
     def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -143,13 +143,13 @@ class CpuBackend:
         """Copy an activation out to a host buffer (see :mod:`megatrain_ray.engine.compute.activations`)."""
         t0 = time.time()
         host.copy_(dev)
-        self._spans.add("d2h", label, t0, time.time(), host.numel() * host.element_size())
+        self._intervals.add("d2h", label, t0, time.time(), host.numel() * host.element_size())
 
     def unstash(self, host: torch.Tensor, done: None, label: str = "") -> tuple[torch.Tensor, None]:
         """A device copy of a stashed activation, and the handle to :meth:`wait` on before use."""
         t0 = time.time()
         dev = host.clone()
-        self._spans.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
+        self._intervals.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
         return dev, None
 
     def mark(self) -> None:
@@ -161,16 +161,16 @@ class CpuBackend:
 
     def note(self, lane: str, label: str, start: float, end: float) -> None:
         """Record a host-side span (e.g. the compute thread waiting for weights)."""
-        self._spans.add(lane, label, start, end, 0)
+        self._intervals.add(lane, label, start, end, 0)
 
     def begin_step(self) -> None:
-        self._spans.take()
+        self._intervals.take()
 
     def peak_bytes(self) -> int:
         return 0
 
     def end_step(self) -> list[tuple]:
-        return self._spans.take()
+        return self._intervals.take()
 
     def synchronize(self) -> None:
         pass
@@ -211,7 +211,7 @@ class CudaBackend:
         self.d2h = torch.cuda.Stream(self.device)
         self._slot_free = [None] * num_slots
         self._registered: list[int] = []
-        self._spans = _Spans()
+        self._intervals = _Intervals()
         self._origin = (time.time(), self._event())
 
     @staticmethod
@@ -250,7 +250,7 @@ class CudaBackend:
             for dev, src in pairs:
                 dev.copy_(src, non_blocking=True)
             ready = self._event()
-        self._spans.add("h2d", label, start, ready, _nbytes(pairs))
+        self._intervals.add("h2d", label, start, ready, _nbytes(pairs))
         return ready
 
     def wait(self, handle: torch.cuda.Event) -> None:
@@ -275,7 +275,7 @@ class CudaBackend:
     def compute(self, label: str):
         start = self._event()
         yield
-        self._spans.add("compute", label, start, self._event(), 0)
+        self._intervals.add("compute", label, start, self._event(), 0)
 
     def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -299,7 +299,7 @@ class CudaBackend:
                 dev.record_stream(self.d2h)
             done = self._event(blocking=True)
         if label is not None:
-            self._spans.add("d2h", label, start, done, _nbytes(pairs[:1]) if nbytes is None else nbytes)
+            self._intervals.add("d2h", label, start, done, _nbytes(pairs[:1]) if nbytes is None else nbytes)
         return done
 
     def unstash(self, host: torch.Tensor, done: torch.cuda.Event, label: str = "") -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -313,7 +313,7 @@ class CudaBackend:
             start = self._event()
             dev.copy_(host, non_blocking=True)
             ready = self._event()
-        self._spans.add("h2d", label, start, ready, host.numel() * host.element_size())
+        self._intervals.add("h2d", label, start, ready, host.numel() * host.element_size())
         return dev, ready
 
     def mark(self) -> torch.cuda.Event:
@@ -326,7 +326,7 @@ class CudaBackend:
 
     def note(self, lane: str, label: str, start: float, end: float) -> None:
         """Record a host-side span (e.g. the compute thread waiting for weights)."""
-        self._spans.add(lane, label, start, end, 0)
+        self._intervals.add(lane, label, start, end, 0)
 
     def begin_step(self) -> None:
         pass
@@ -335,8 +335,8 @@ class CudaBackend:
         return torch.cuda.max_memory_allocated(self.device)
 
     def end_step(self) -> list[tuple]:
-        """Wait for the device, then turn the step's event pairs into wall-clock spans."""
-        spans = self._spans.take()
+        """Wait for the device, then turn the step's event pairs into wall-clock intervals."""
+        intervals = self._intervals.take()
         for stream in (torch.cuda.current_stream(self.device), self.h2d, self.d2h):
             with torch.cuda.stream(stream):
                 self._event(blocking=True).synchronize()
@@ -344,7 +344,7 @@ class CudaBackend:
 
         def wall(t):
             return t if isinstance(t, float) else wall0 + ev0.elapsed_time(t) / 1e3
-        return [(lane, label, wall(a), wall(b), nbytes) for lane, label, a, b, nbytes in spans]
+        return [(lane, label, wall(a), wall(b), nbytes) for lane, label, a, b, nbytes in intervals]
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

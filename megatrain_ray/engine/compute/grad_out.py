@@ -208,14 +208,14 @@ class NormOnly(Sender):
         out = self.out
         sq_norm = torch.dot(grad, grad)
         out.sq_norms.append(sq_norm)
-        out.resident.hold(unit, grad)
+        out.resident.take_grad(unit, grad)
         scalar = out.backend.scalar(sq_norm)
         out.outbox.put((unit, step, lambda: (-1, scalar, -1.0), ()))
 
 
 class AdapterNorm(Sender):
     """The ticket of a unit of a LoRA run: its gradient (its adapters', or with ``grad``, that of the
-    matrix it trains in full, :meth:`~megatrain_ray.engine.compute.adapters.DeviceAdapters.hold`) stays on
+    matrix it trains in full, :meth:`~megatrain_ray.engine.compute.adapters.DeviceAdapters.take_grad`) stays on
     the device, summed over the data-parallel group where there is one; only a squared norm goes
     to the sink (of this worker's shard of the sum, as the sink sums a unit's shards), the whole
     one to this worker's clipping factor (the same on every worker)."""
@@ -223,7 +223,7 @@ class AdapterNorm(Sender):
     def send(self, unit: int, step: int, grad: torch.Tensor | None) -> None:
         out = self.out
         if grad is not None:
-            out.adapters.hold(unit, grad)
+            out.adapters.take_grad(unit, grad)
         whole = out.adapters.gradient(out.layout.units[unit])
         if whole is None:  # a frozen unit without adapters
             sq_norm = ticket = torch.zeros((), dtype=torch.float32, device=out.backend.device)

@@ -6,11 +6,12 @@ and that backward.
   memory, or none for a recompute span's layer: :meth:`~megatrain_ray.engine.compute.activations.ActivationStore.put`
   places them as the placement says); the backward recomputes the layer from them
   (:func:`~megatrain_ray.engine.compute.sequence.layer_backward`).
-- :class:`Routed`: a sparse (mixture-of-experts) layer, recomputed the same way, whose forward also
-  records its router statistics and whose backward takes the load-balancing loss's gradient.
+- :class:`RecomputedSparse`: a sparse (mixture-of-experts) layer, recomputed the same way, whose
+  forward also records its router statistics and whose backward takes the load-balancing loss's
+  gradient.
 - :class:`Kept`: the forward's whole autograd graph stays for the backward
   (:func:`~megatrain_ray.engine.compute.activations.layer_forward_kept`), which differentiates it;
-  :class:`KeptRouted` the same for a sparse layer, its router's probability sums kept with it for
+  :class:`KeptSparse` the same for a sparse layer, its router's probability sums kept with it for
   the load-balancing loss's gradient.
 
 The compute worker's loops ask each layer's pass, never the placement or the layer's kind.
@@ -91,7 +92,7 @@ class Recomputed:
         layer_backward(s.runner, w.params, grads, inputs, dx, s.mb.ctx_of(layer), s.cfg, w.dropout)
 
 
-class Routed(Recomputed):
+class RecomputedSparse(Recomputed):
     """A sparse layer: recomputed, with its router statistics (see the module docstring)."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -132,9 +133,9 @@ class Kept:
         kept_backward(graph, grads, dx)
 
 
-class KeptRouted(Kept):
+class KeptSparse(Kept):
     """A sparse layer's forward graph kept whole, its router's probability sums with it: the backward
-    takes the load-balancing loss's gradient through them, as :class:`Routed`'s recompute does."""
+    takes the load-balancing loss's gradient through them, as :class:`RecomputedSparse`'s recompute does."""
 
     def forward(self, s: StepLayers, layer: int, w: LayerWeights, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         graph = layer_forward_kept(s.runner.routed, w.template, w.flat, xs, s.mb.routed_ctx_of(layer), s.cfg, w.adapters,
@@ -162,7 +163,7 @@ def layer_passes(cfg, modes: tuple[str, ...]) -> tuple[Recomputed | Kept, ...]:
     (:func:`~megatrain_ray.engine.compute.activations.layer_modes`) and its kind (dense or sparse)."""
     def of(layer: int, mode: str):
         if mode == KEEP:
-            return KeptRouted() if cfg.is_sparse(layer) else Kept()
-        return Routed() if cfg.is_sparse(layer) else Recomputed()
+            return KeptSparse() if cfg.is_sparse(layer) else Kept()
+        return RecomputedSparse() if cfg.is_sparse(layer) else Recomputed()
 
     return tuple(of(layer, mode) for layer, mode in enumerate(modes))

@@ -150,7 +150,7 @@ class ResidentUnits:
             self.state[u] = state
         self.version = step
 
-    def hold(self, unit: int, grad: torch.Tensor) -> None:
+    def take_grad(self, unit: int, grad: torch.Tensor) -> None:
         """Keep ``unit``'s gradient of this step (grad: [numel] fp32 on the device) for :meth:`update`."""
         self.grads[unit] = grad
 

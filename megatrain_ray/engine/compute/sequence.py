@@ -151,7 +151,7 @@ class LayerRunner:
         """Whether a [B, S, H] input runs tiled (chunking on and S longer than one chunk)."""
         return 0 < self.chunk < x.shape[1]
 
-    def _spans(self, s: int):
+    def _chunks(self, s: int):
         return ((a, min(a + self.chunk, s)) for a in range(0, s, self.chunk))
 
     def forward(self, p, x: torch.Tensor, context: tuple, cfg) -> torch.Tensor:
@@ -162,7 +162,7 @@ class LayerRunner:
             return self.layer(p, x, rope, cfg, mask)
         h = self.attn(p, x, rope, cfg, mask)
         out = torch.empty_like(h) if torch.is_grad_enabled() else h
-        for a, b in self._spans(x.shape[1]):
+        for a, b in self._chunks(x.shape[1]):
             out[:, a:b] = self.mlp(rows(p, a, b), h[:, a:b], cfg)
         return out
 
@@ -189,7 +189,7 @@ class LayerRunner:
         with torch.enable_grad():
             h = self.attn(leaves, x, rope, cfg, mask)
         dh = torch.empty_like(dy)
-        for a, b in self._spans(x.shape[1]):
+        for a, b in self._chunks(x.shape[1]):
             hc = h.detach()[:, a:b].requires_grad_(True)
             chunk = rows(leaves, a, b)
             with torch.enable_grad():

@@ -32,7 +32,7 @@ class Prefetcher:
         fetch order it issues every step."""
         self.store = HostStore(spec)
         self.units = self.store.layout.units
-        self.order, self.routed = schedule.fetch, schedule.routed
+        self.order, self.refetch = schedule.fetch, schedule.refetch
         self.depth = buffer_depth
         self.fetch_q, self.release_q = fetch_q, release_q
         self.timeout_s = timeout_s
@@ -43,12 +43,12 @@ class Prefetcher:
         free = collections.deque(range(self.depth))
         issued = 0
         for step in range(start_step, end_step):
-            for unit, routed in zip(self.order, self.routed):
+            for unit, refetch in zip(self.order, self.refetch):
                 self.doing = (step, unit)
                 if not free:
                     free.append(self._get(self.release_q, "a free device slot"))
                 self._wait_version(unit, step)
-                ticket = FetchTicket(unit, step, free.popleft(), routed)
+                ticket = FetchTicket(unit, step, free.popleft(), refetch)
                 wait_while_moving(lambda t: self.fetch_q.put(ticket, timeout=t) or True, self.fetch_q, self.timeout_s)
                 issued += 1
         return {"issued": issued, "version_wait_s": self.version_wait_s}

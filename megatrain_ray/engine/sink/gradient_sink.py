@@ -89,11 +89,11 @@ class GradientSink:
         """Each unit's :class:`~megatrain_ray.engine.policy.UnitPolicy`."""
         self.order = settings.updates
         """The units this sink updates, in update order."""
-        self.frozen = settings.frozen
+        self.version_only = settings.version_only
         """A LoRA run's base units, in update order (:data:`~megatrain_ray.engine.policy.FROZEN`)."""
-        self.spans: list[tuple] = []
+        self.intervals: list[tuple] = []
         self.tickets = (HostSums(self.store, self.policies, settings.workers, self._get, self.order,
-                                 max(1, settings.threads), self._note) if settings.host_sum
+                                 max(1, settings.optimizer_threads), self._note) if settings.host_sum
                         else StepTickets(self.store, self.policies, settings.workers, self._get))
         """The step's whole tickets: one per compute worker and unit (see :mod:`megatrain_ray.engine.sink.step_gradients`)."""
         norm = Carried if spec.hold_grads else InUpdateOrder if settings.after_norm else AsArrived
@@ -103,7 +103,7 @@ class GradientSink:
                                            self.order if settings.after_norm else self.order[::-1], spec.resident, grad_q)
         self.sharding: OptimizerShards = UNSHARDED
         """This sink's part of the sharded optimizer (:meth:`join_shards`), or UNSHARDED: it updates every unit."""
-        self._set_runner(settings.threads)
+        self._set_runner(settings.optimizer_threads)
         self.release = self._free_slot if grad_slot_q is not None else _keep
         """Hands a gradient ring slot back to the compute worker once its update has read it."""
         self._versions = {True: self._whole, False: self._first_pass, None: _elsewhere}
@@ -125,7 +125,7 @@ class GradientSink:
     def run(self, start_step: int, end_step: int) -> int:
         """Apply the updates of steps [start_step, end_step); returns the number of steps done.
 
-        After each step, puts {step, grad_norm, lr, update_busy_s, spans} on the stats queue; after
+        After each step, puts {step, grad_norm, lr, update_busy_s, intervals} on the stats queue; after
         each checkpoint, {checkpoint: path, step, save_s}.
         """
         for step in range(start_step, end_step):
@@ -162,15 +162,15 @@ class GradientSink:
         self._note(self.layout.units[unit], start, time.time())
 
     def _end_step(self, step: int, norm: float) -> None:
-        """After step ``step``'s updates: the frozen units made current, the shards' exchange awaited,
+        """After step ``step``'s updates: the version-only units (:data:`~megatrain_ray.engine.policy.FROZEN`) made current, the shards' exchange awaited,
         the step's stats out, then the second passes."""
-        for unit in self.frozen:  # never updated: the next step may stream it
+        for unit in self.version_only:  # never updated: the next step may stream it
             self.store.set_version(unit, step + 1)
         self.sharding.end_step()
         self.stats_q.put({"step": step, "grad_norm": norm, "lr": lr_at(self.optim, step, self.settings.total_steps),
-                          "update_busy_s": sum(e - b for _, _, b, e, _ in self.spans),
-                          "spans": self.spans}, timeout=self.timeout_s)
-        self.spans = []  # the second passes below are reported with the next step, as they run beside it
+                          "update_busy_s": sum(e - b for _, _, b, e, _ in self.intervals),
+                          "intervals": self.intervals}, timeout=self.timeout_s)
+        self.intervals = []  # the second passes below are reported with the next step, as they run beside it
         self._finish(step)
 
     def _clipping(self, step: int, norm: float) -> float:
@@ -212,7 +212,7 @@ class GradientSink:
 
     def _note(self, what: str, start: float, end: float) -> None:
         """An AdamW span of this step (a unit's update, or a host sum)."""
-        self.spans.append(("adamw", what, start, end, 0))
+        self.intervals.append(("adamw", what, start, end, 0))
 
     def _boundary(self, step: int, start_step: int, end_step: int) -> None:
         """The boundary after ``step`` updates: report a save that has completed; start the

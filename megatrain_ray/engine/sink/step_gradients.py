@@ -152,11 +152,11 @@ class Carried(StepNorm):
     """Held gradients: each ticket carries the step's squared norm, so each unit's update as it comes."""
 
     def updates(self, step: int) -> Updates:
-        held = 0.0
+        step_sq_norm = 0.0
         for ticket in self.tickets(step):
-            held = ticket.step_sq_norm
-            coef = self.factor(step, math.sqrt(held))
+            step_sq_norm = ticket.step_sq_norm
+            coef = self.factor(step, math.sqrt(step_sq_norm))
             if ticket.unit in self._updated:
                 yield ticket, coef
-        self.value = math.sqrt(held)
+        self.value = math.sqrt(step_sq_norm)
         self.factor(step, self.value)

@@ -61,12 +61,12 @@ GRAD_RING_SLOTS = 3
 """Slots of the gradient ring (see the module docstring): one being written, one being updated, one spare."""
 
 
-def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> int:
+def grad_slots_for(precision: Precision, max_grad_norm: float, workers: int = 1, hold_grads: bool = False) -> int:
     """``StoreSpec.grad_slots`` of a run: a ring when the gradient has no stream block to live in
     and no clipping factor holds the updates back until the whole model's gradient is in (or the
     gradients wait for it on the device: :func:`holds_grads`), with one compute worker per store
     (several would have to agree on each slot); else 0."""
-    ring = not precision.grad_in_stream_block and workers == 1 and (max_grad_norm <= 0 or hold)
+    ring = not precision.grad_in_stream_block and workers == 1 and (max_grad_norm <= 0 or hold_grads)
     return GRAD_RING_SLOTS if ring else 0
 
 
@@ -74,10 +74,11 @@ def peer_grads_for(grad_reduce: str, workers: int) -> int:
     """``StoreSpec.peer_grads`` of a run: with experimental.grad_reduce=host, one gradient array per
     compute worker of the node but the first; with allreduce none."""
     return workers - 1 if grad_reduce == "host" else 0
-def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, hold: bool = False) -> bool:
-    """``StoreSpec.hold_grads`` of a run: experimental.hold_grads (``hold``, resolved) where it saves the
-    whole-model host gradient array, i.e. with clipping, no stream block and one compute worker."""
-    return hold and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
+def holds_grads(precision: Precision, max_grad_norm: float, workers: int = 1, hold_grads: bool = False) -> bool:
+    """``StoreSpec.hold_grads`` of a run: experimental.hold_grads (``hold_grads``, resolved) where it
+    saves the whole-model host gradient array, i.e. with clipping, no stream block and one compute
+    worker."""
+    return hold_grads and max_grad_norm > 0 and not precision.grad_in_stream_block and workers == 1
 
 
 def largest_streamed(layout: StoreLayout, resident: tuple[int, ...]) -> int:
@@ -164,12 +165,12 @@ class StoreSpec:
             return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), cfg.memory.shm_dir,
                        owner_pid, run_id, lora=cfg.lora)
         sharded = cfg.parallel.sharded_optimizer
-        hold = not sharded and not resident and holds_grads(precision, clip, cfg.parallel.workers,
-                                                         cfg.experimental.hold_grads_on(device))
-        slots = 0 if sharded else grad_slots_for(precision, clip, cfg.parallel.compute_workers, hold)
+        hold_grads = not sharded and not resident and holds_grads(precision, clip, cfg.parallel.workers,
+                                                               cfg.experimental.hold_grads_on(device))
+        slots = 0 if sharded else grad_slots_for(precision, clip, cfg.parallel.compute_workers, hold_grads)
         return cls(cfg.model, precision, cfg.memory.shm_dir, owner_pid, run_id, grad_slots=slots,
                    peer_grads=peer_grads_for(cfg.experimental.grad_reduce, cfg.parallel.compute_workers),
-                   hold_grads=hold, resident=resident)
+                   hold_grads=hold_grads, resident=resident)
 
     def path(self, kind: str) -> str:
         return shm.segment_path(self.shm_dir, self.owner_pid, self.run_id, kind)
