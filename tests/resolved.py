@@ -8,7 +8,7 @@ import dataclasses
 
 from megatrain_ray.config import TrainConfig
 from megatrain_ray.engine.settings import SinkSettings
-from megatrain_ray.orchestration.preflight import Plan
+from megatrain_ray.orchestration.preflight import MemoryPlan
 from megatrain_ray.orchestration.resolve import Facts, ResolvedRun, resolve
 
 
@@ -18,7 +18,7 @@ def resolved(cfg: TrainConfig, device: str = "cpu") -> ResolvedRun:
 
 
 def planned(cfg: TrainConfig, device: str = "cpu", device_bytes: int | None = None, starts_ray: bool = False,
-            host_bytes: int | None = None) -> Plan:
+            host_bytes: int | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` as a run on ``device`` with these facts resolves it (the plan counts
     what :func:`resolve` decided; it decides nothing itself)."""
     return resolve(cfg, Facts(device, device_bytes, starts_ray, host_bytes=host_bytes)).memory
