@@ -98,3 +98,40 @@ def test_no_checkpoint_is_written_once_the_driver_is_gone(tmp_path, shm_dir):
                 shutil.rmtree(tmp_path / "checkpoints")
         finally:
             store.close()
+
+
+def test_no_adapter_checkpoint_is_written_once_the_driver_is_gone(tmp_path, shm_dir):
+    """A LoRA run's checkpoints are written by its first compute worker from the adapters it holds
+    (:meth:`DeviceAdapters.checkpoint`): with the driver killed, that worker refuses too, in the same
+    sentence, and leaves no step directory; with the driver alive (or on a machine this one cannot
+    see) the adapters' checkpoint is written and reads back as one."""
+    import torch
+
+    from megatrain_ray.engine.compute.adapters import DeviceAdapters
+    from megatrain_ray.io import lora_checkpoint
+
+    cfg = load_config(None, ["compute.device=cpu", "lora.rank=4", "lora.alpha=8", f"memory.shm_dir={shm_dir}",
+                             f"train.run_dir={tmp_path}"])
+    driver = subprocess.Popen([sys.executable, "-c", "pass"])
+    driver.wait()  # its process is gone
+    run = resolve(cfg, Facts("cpu"))
+    settings = CheckpointSettings(str(tmp_path / "checkpoints"), 1, 2, cfg.to_dict(), "r", {})
+    for owner, host in ((driver.pid, socket.gethostname()), (os.getpid(), socket.gethostname()), (driver.pid, "")):
+        store = ParameterStore(run.store_spec(owner, "a-" + uuid.uuid4().hex[:6], host), cfg.train.seed)
+        adapters = DeviceAdapters(store.store, cfg.train.seed, torch.device("cpu"), cfg.optim, cfg.train.steps,
+                                  checkpoints=settings)
+        try:
+            if owner == driver.pid and host:
+                with pytest.raises(CheckpointError) as info:
+                    adapters.checkpoint(0)
+                assert str(info.value) == (f"refusing to checkpoint step 0: the run's driver (process {driver.pid}) "
+                                           "is gone, so its roles write no checkpoint it did not ask for.")
+                assert not (tmp_path / "checkpoints").exists() or step_dirs(str(tmp_path / "checkpoints")) == []
+            else:  # the driver alive, or on a machine this one cannot see: written
+                notice = adapters.checkpoint(0)
+                assert notice["step"] == 0 and notice["by"] == "compute"
+                assert lora_checkpoint.load(notice["checkpoint"], cfg.model, cfg.lora)[0] == 0
+                shutil.rmtree(tmp_path / "checkpoints")
+        finally:
+            adapters.close()
+            store.close()

@@ -10,6 +10,7 @@ of the role's process in a running pipeline (the real local Ray of tests/conftes
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -133,4 +134,59 @@ def test_an_interrupt_while_the_final_weights_are_written_names_the_final_checkp
     run_dir = os.path.dirname(os.path.dirname(saved))
     assert not [n for n in os.listdir(run_dir) if n.startswith("final")]  # neither final/ nor its temporary
     assert "export its weights" in checkpoint.advice(saved)
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # a private Ray in a subprocess, its queue host killed with -9
+def test_the_queue_host_killed_without_restarts_leaves_the_terminal_its_sentence_alone(shm_dir, tmp_path):
+    """``megatrain-ray train`` as a user runs it, cluster.max_restarts 0; once it steps, ``kill -9`` of
+    its queue host: the command ends with status 2, its last line the run's one sentence naming the
+    queues actor, and nothing of Ray's after it (no "Unhandled error", no traceback, on stdout or
+    stderr); what Ray reported of the calls the death failed is in the run's train.log."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from processes import finish
+    from test_faults import _cmdline
+
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain_ray.cli", "train", "--set", "cluster.ray_address=local",
+                             "--set", "compute.device=cpu", "--set", "train.steps=100000", "--set",
+                             "cluster.max_restarts=0", "--set", f"memory.shm_dir={shm_dir}", "--set",
+                             f"train.run_dir={tmp_path / 'runs'}"],
+                            cwd=tmp_path, env=env, stdout=open(tmp_path / "stdout.txt", "w"),
+                            stderr=open(tmp_path / "stderr.txt", "w"))
+    try:
+        deadline = time.monotonic() + 400
+        while "step     2/" not in (tmp_path / "stdout.txt").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stdout.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        (host,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if _cmdline(p).startswith("ray::QueueHost")]
+        host.send_signal(signal.SIGKILL)
+        finish(proc, 300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = (tmp_path / "stdout.txt").read_text(), (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 2, (out + err)[-3000:]
+    said = [line for line in err.splitlines() if line.strip()]
+    assert said and said[-1].startswith("error: the queues actor died (its process was killed by a signal or "
+                                        "crashed"), err[-3000:]
+    after = err[err.index("error: the queues actor died"):]
+    assert "\n" not in after.strip(), after[-3000:]  # the sentence is the last thing on the terminal
+    for text in (out, err):
+        assert "Unhandled error" not in text and "Traceback" not in text and "RayActorError" not in text, text[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"step\s+2/100000", log) and "\x1b" not in log, log[-3000:]
+    # Ray reports the failed calls nobody read as their references are freed: during the run, or as
+    # the process exits (then appended to the ended run's file), or not before the exit at all.
+    reports = log.split("Unhandled error")[1:]
+    assert all("(pid=" in r for r in reports), log[-3000:]  # each whole, as Ray wrote it
     assert os.listdir(shm_dir) == []

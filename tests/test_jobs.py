@@ -263,6 +263,13 @@ def test_job_stop_checkpoints_and_exits_cleanly(head, long_job):
     assert step >= 2
     assert "interrupted: the run was stopped after saving a checkpoint" in logs
     assert "Traceback" not in logs
+    # `ray job stop` sends SIGTERM (to the job's process group): the interrupt line says that a repeated
+    # one waits for the save, never that Ctrl-C would stop it; every row written has its step line.
+    (said,) = re.findall(r"interrupted: finishing the steps up to \d+ and saving a checkpoint.*", logs)
+    assert said.endswith("(a repeated SIGTERM waits for it)") and "Ctrl-C" not in logs, said
+    (metrics,) = glob.glob(str(run_dir / "*" / "metrics.jsonl"))
+    rows = [json.loads(line)["step"] for line in open(metrics)]
+    assert [int(n) for n in re.findall(r"step\s+(\d+)/100000 \| loss", logs)] == rows and rows[-1] == step, logs[-4000:]
     # The checkpoint is complete and consistent, and everything else was cleaned up.
     meta = checkpoint.read_meta(path)
     assert meta["step"] == step and set(meta["versions"].values()) == {step}

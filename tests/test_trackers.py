@@ -146,3 +146,54 @@ def test_a_tracker_that_cannot_start_is_dropped_with_one_line(tmp_path, read_onl
     assert lines[0].startswith("warning: the tensorboard tracker could not start (") and "Read-only" in lines[0], lines
     assert lines[1].startswith("warning: the mlflow tracker could not start (") and "not a database" in lines[1], lines
     assert all(line.endswith("; the run goes on without it") for line in lines)
+
+
+@pytest.fixture
+def wandb_unreachable(monkeypatch):
+    """W&B online (an API key given) at a server that is not there, with a 5 s bound on its start: as
+    on a machine without a network. W&B reads its settings from the environment once a process, so
+    its state is torn down around the test, as a fresh process would have it."""
+    import wandb
+
+    for key, value in {"WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "0" * 40,
+                       "WANDB_INIT_TIMEOUT": "5"}.items():
+        monkeypatch.setenv(key, value)
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_online_without_a_network_is_dropped_with_one_line(tmp_path, wandb_unreachable, capfd):
+    import time
+
+    lines = []
+    started = time.monotonic()
+    tracked = trackers.Trackers(["wandb"], str(tmp_path), "r1", {"train": {"steps": 1}}, lines.append)
+    assert tracked.active == {} and time.monotonic() - started < 60  # its own bound, not W&B's 90 s default
+    tracked.log({"loss": 1.0}, 1)
+    tracked.close("FINISHED")
+    (line,) = lines
+    assert line.startswith("warning: the wandb tracker could not start (CommError: ") and "\n" not in line, line
+    assert line.endswith("; the run goes on without it"), line
+    out, err = capfd.readouterr()  # nothing of W&B's own on the terminal (not its login line either)
+    assert out == "" and err == "", (out, err)
+
+
+def test_a_run_whose_tracker_cannot_start_trains_on_and_writes_every_row(ray_cluster, shm_dir, tmp_path,
+                                                                         wandb_unreachable):
+    """A whole run with train.loggers [tensorboard, wandb] and W&B unreachable: one warning line for
+    W&B, every step trained, each one's row in metrics.jsonl, and TensorBoard given every step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}", "train.steps=3",
+                             "compute.device=cpu", "train.save_final=false", "train.loggers=[tensorboard, wandb]"])
+    lines = []
+    result = train(cfg, log=lines.append)
+    (warning,) = [line for line in lines if line.startswith("warning:")]
+    assert warning.startswith("warning: the wandb tracker could not start (CommError: "), warning
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["loss"] for r in rows] == result.losses
+    assert warning in open(os.path.join(result.run_dir, "train.log")).read()
+    events = EventAccumulator(os.path.join(result.run_dir, "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]

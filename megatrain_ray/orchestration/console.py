@@ -227,10 +227,11 @@ def _keep_only(line: str) -> None:
 
 
 def _append(path: str, line: str) -> None:
-    """``line`` at the end of the closed log file ``path`` (nothing if it cannot be written)."""
+    """``line`` at the end of the closed log file ``path``, without terminal colour codes (nothing if
+    it cannot be written)."""
     try:
         with open(path, "a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            f.write(f"{time.strftime('%H:%M:%S')} {ANSI.sub('', line)}\n")
     except OSError:
         pass
 

@@ -12,7 +12,8 @@ one scalar per gauge and tag (``loss``, ``tokens_per_s``, ``stage_busy_s/h2d``, 
   experiment ``megatrain_ray``, one MLflow run per run id, continued by a resumed run; browse it with
   ``mlflow ui --backend-store-uri sqlite:///runs/<id>/mlflow.db``;
 - ``wandb``: offline (no network, no account) unless ``WANDB_MODE`` says otherwise, in
-  ``runs/<id>/wandb``; ``wandb sync runs/<id>/wandb/offline-run-*`` uploads it later.
+  ``runs/<id>/wandb``; ``wandb sync runs/<id>/wandb/offline-run-*`` uploads it later. W&B prints
+  nothing on the terminal (not its login line either); its own logs are in that folder.
 
 The libraries are optional (``pip install 'megatrain-ray[trackers]'``); one asked for but missing
 is a ConfigError before the run starts (:func:`check`). A tracker that fails to start (W&B online
@@ -110,9 +111,10 @@ class _WandB:
     def __init__(self, run_dir: str, run_id: str, config: dict):
         import wandb
 
+        quiet = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        wandb.setup(settings=quiet)  # silent from the start: its login line too (what fails is our warning)
         self.run = wandb.init(project=EXPERIMENT, name=run_id, id=run_id, resume="allow", config=config,
-                              dir=run_dir, mode=os.environ.get("WANDB_MODE", "offline"),
-                              settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+                              dir=run_dir, mode=os.environ.get("WANDB_MODE", "offline"), settings=quiet)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
