@@ -20,6 +20,7 @@ import pytest
 
 from megatrain_ray.bench import base_sections, bench_config
 from megatrain_ray.config.moved import MOVED
+from megatrain_ray.io.hf_io import load_train_config
 from megatrain_ray.orchestration import pace
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
@@ -71,12 +72,25 @@ def recorded_runs() -> list[tuple[str, object, int, float, str]]:
         recomputed = cfg.model.num_hidden_layers - kept
         runs.append((f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
                      ours["step_s"], report["device"]))
-    return runs
+    return runs + [_long_context()]
+
+
+def _long_context() -> tuple[str, object, int, float, str]:
+    """configs/long-context-512k.yaml's one step (2026-12-01_h200_long-context-512k: metrics.jsonl, its
+    only step, compile included; plan.txt: no layer kept whole, every one recomputed)."""
+    directory = os.path.join(RESULTS, "2026-12-01_h200_long-context-512k")
+    step = json.loads(open(os.path.join(directory, "metrics.jsonl")).readline())
+    placement = open(os.path.join(directory, "plan.txt")).read()
+    kept = int(re.search(r"(\d+) layers kept whole", placement).group(1))
+    cfg = load_train_config(os.path.join(os.path.dirname(__file__), "..", "configs", "long-context-512k.yaml"),
+                            skip=("data",))
+    gpu = re.search(r"the (NVIDIA [^']+)'s nominal", placement).group(1)
+    return "long-context-512k/train", cfg, cfg.model.num_hidden_layers - kept, step["step_s"], gpu
 
 
 def test_the_expected_step_time_is_within_a_tenth_of_every_recorded_h200_step():
     runs = recorded_runs()
-    assert len(runs) >= 20, "the recorded H200 results are missing"
+    assert len(runs) >= 23, "the recorded H200 results are missing"
     rows, misses = [], []
     for name, cfg, recomputed, measured, gpu in runs:
         p = pace.expected_pace(cfg, "cuda", recomputed, gpu_name=gpu)

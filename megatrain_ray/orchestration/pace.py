@@ -39,15 +39,15 @@ embedding, activations, the loss) counted in. Fitted, with :data:`ATTENTION_TFLO
 :data:`EXPERT_TFLOPS` and :data:`UNIT_PASS_S`, on the recorded H200 runs of
 benchmarks/results (tests/test_pace_recorded.py lists them and how far each prediction is); the
 bench's bare-GEMM probe gives ~790 (``gemm_tflops`` in those bench-*.json)."""
-ATTENTION_TFLOPS = 524.0
+ATTENTION_TFLOPS = 492.0
 """TFLOP/s of the attention kernels (scores and values, forward, backward and recompute), counting
 the causal half of the S x S matrix that they compute (PaLM's convention counts all of it): fitted
 on the same runs, pinned by the 7B width's 524,288-token sequences, where attention is ~85% of the step."""
-EXPERT_TFLOPS = 247.0
+EXPERT_TFLOPS = 216.0
 """TFLOP/s of a mixture of experts' grouped expert GEMMs (the routed experts' gate, up and down
 projections): fitted on the same runs, pinned by the Qwen3-30B-A3B runs at 16 x 4 x 4,096 tokens
 (~1,000 tokens per expert per micro-batch), where the experts are ~60% of the step."""
-UNIT_PASS_S = 0.00146
+UNIT_PASS_S = 0.00144
 """Seconds each unit (decoder layer, embedding, head) costs per micro-batch beyond its FLOPs (the
 launches, tickets and copies of one micro-batch through one unit, forward and backward together):
 fitted on the same runs, pinned by the small models (1b, 3b: 16 and 36 layers x 4 micro-batches)."""
@@ -56,7 +56,7 @@ DEQUANT_PARAMS_PER_S = 110e9
 a step (its forward and its backward fetch): the nf4 base's step less the bf16 base's, both LoRA over
 the whole Qwen3-30B-A3B shape (20.16-20.38 s against 19.72 s for 61 G parameters dequantized), ~8 ms
 per layer of the 70B shape. Measured, not fitted."""
-HOST_PARAM_S = 1.75e-11
+HOST_PARAM_S = 1.735e-11
 """Seconds per parameter the host's optimizer updates that a full-parameter step waits beyond its GPU
 work: the gradients out, the update and the weights back in, of the units at the step's turn, which
 the pipeline does not hide (the GPU is 81-99% busy in those runs, 99.8% in LoRA runs, whose adapters
