@@ -1,15 +1,46 @@
 """The pace a run should keep: its expected step time, and the queue timeouts that follow from it.
 
-The step time is the step's FLOPs per GPU over the rate the GPU reaches: the model FLOPs in PaLM's
-convention (attention's S x S work counted, :mod:`megatrain_ray.model.flops`) plus the forward the
-backward recomputes for every layer that has no kept graph (:func:`~megatrain_ray.model.flops.recompute_flops`;
-more within recompute spans, see :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`),
-at :data:`ACHIEVED` of the GPU's nominal bf16 dense rate (by its name, :data:`NOMINAL_TFLOPS`; or
-the rate ``megatrain-ray plan --gpu-tflops`` gives, e.g. one measured by ``megatrain-ray bench``).
-On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit of
-the store (decoder layers, embedding, head) a step passes through: the fixed cost of its fetch,
-tickets and small GEMMs, which is most of a small model's step. It is an estimate to plan by (measured
-steps differ from it by tens of percent, see :data:`ACHIEVED`), and a bound for the timeouts:
+On a GPU the step time is the step's work, by the kind of kernel that runs it
+(:func:`step_work`), over the rate each kind reaches on an H200 (scaled by the GPU's nominal bf16
+rate, :data:`NOMINAL_TFLOPS`, or the one ``megatrain-ray plan --gpu-tflops`` gives, over
+:data:`REFERENCE_TFLOPS`):
+
+- the dense GEMMs (projections, dense MLPs, routers, shared experts, the LM head, adapters; a frozen
+  base's weight gradients not run) at :data:`GEMM_TFLOPS`, with the forwards the backward
+  recomputes (:func:`~megatrain_ray.engine.compute.activations.recomputed_layers`);
+- attention's scores and values, the causal half of the S x S matrix, at :data:`ATTENTION_TFLOPS`;
+- a mixture of experts' routed expert GEMMs at :data:`EXPERT_TFLOPS`;
+- a quantized base's dequantization, each layer twice a step, at :data:`DEQUANT_PARAMS_PER_S`;
+- :data:`UNIT_PASS_S` for each unit (decoder layers, embedding, head) and micro-batch;
+- in a full-parameter run, :data:`HOST_PARAM_S` per parameter: the host update's turn;
+
+and never less than the layers' streamed bytes over the link (:data:`LINK_GBPS`). The PaLM model
+FLOPs (:mod:`megatrain_ray.model.flops`) and the recomputed ones are printed beside it. The five
+fitted constants were fitted (least largest relative error) on the 23 recorded single-H200 runs
+of benchmarks/results that tests/test_pace_recorded.py reads (the 1b, 3b and 7b of the peers'
+comparison, the 7B defaults and placements, the 20.1 B with the 8-bit state, one 524,288-token
+sequence at 4 and 28 layers of the 7B width, the Qwen3-30B-A3B shape at 12 layers and with LoRA at
+48 over bf16 and nf4 bases, LoRA at the 32B width over 100 layers and over the 70B shape's nf4
+base); each prediction is within 10% of its run's step (the test's table, ``pytest -s``):
+
+- peers' 1b, 3b, 7b at 14 and 28 layers: 1.32, 3.20, 3.73, 6.52 s measured; 1.19, 2.98, 3.43, 6.44
+  expected (-9.7, -7.1, -8.1, -1.2%);
+- the 7B's defaults and placements (8 runs, 2026-12-01): 5.43-5.72 measured, 5.89-6.01 expected
+  (+3.0 to +9.8%); 9 layers kept, auto, every layer recomputed: 6.20, 6.15, 6.50 measured; 6.08,
+  6.44, 6.44 expected (-1.9, +4.6, -0.9%);
+- the 20.1 B with the 8-bit state: 19.24 measured, 17.37 expected (-9.7%);
+- one 524,288-token sequence at the 7B width, 4 layers: 77.30, 73.62 (-4.8%); 28 layers
+  (configs/long-context-512k.yaml, its only step, compile included): 549.98, 496.91 (-9.7%);
+- Qwen3-30B-A3B, 12 layers: 6.45, 7.08 (+9.8%); with LoRA at 48 layers over bf16 and nf4 bases:
+  19.72, 20.38, 20.16 measured; 19.51, 20.06, 20.06 expected (-1.0, -1.6, -0.5%);
+- LoRA at the 32B width, 100 layers: 33.08, 33.82 (+2.3%); over the 70B shape's nf4 base: 43.44,
+  47.70 (+9.8%).
+
+The largest misses (9.7-9.8%) bound one another: the same 7B step measured 5.43 to 6.52 s on
+different commits, and the 70B's wide GEMMs run faster than the 1b's narrow ones at one rate. On
+the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit the
+step passes through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small
+model's step. It is an estimate to plan by, and a bound for the timeouts:
 
 every queue of the pipeline carries messages every step, so no wait for the next message should
 last longer than a step. Whether the run is stalled is the health check's verdict alone
@@ -36,21 +67,22 @@ GEMM_TFLOPS = 562.0
 """TFLOP/s an H200 reaches in a step's dense GEMMs (the decoder's projections, dense MLPs, routers and
 the LM head, forward, backward and recompute), with the elementwise work between them (norms, rotary
 embedding, activations, the loss) counted in. Fitted, with :data:`ATTENTION_TFLOPS`,
-:data:`EXPERT_TFLOPS` and :data:`UNIT_PASS_S`, on the recorded H200 runs of
-benchmarks/results (tests/test_pace_recorded.py lists them and how far each prediction is); the
-bench's bare-GEMM probe gives ~790 (``gemm_tflops`` in those bench-*.json)."""
+:data:`EXPERT_TFLOPS`, :data:`UNIT_PASS_S` and :data:`HOST_PARAM_S`, on the recorded H200 runs
+the module docstring lists (tests/test_pace_recorded.py reads them); most of the dense 7B, 20.1 B
+and LoRA steps. The bench's bare-GEMM probe reaches ~790 (``gemm_tflops`` in those bench-*.json)."""
 ATTENTION_TFLOPS = 492.0
 """TFLOP/s of the attention kernels (scores and values, forward, backward and recompute), counting
 the causal half of the S x S matrix that they compute (PaLM's convention counts all of it): fitted
-on the same runs, pinned by the 7B width's 524,288-token sequences, where attention is ~85% of the step."""
+on the same runs, pinned by the 7B width's 524,288-token sequences, where attention is ~87-90% of
+the step."""
 EXPERT_TFLOPS = 216.0
 """TFLOP/s of a mixture of experts' grouped expert GEMMs (the routed experts' gate, up and down
 projections): fitted on the same runs, pinned by the Qwen3-30B-A3B runs at 16 x 4 x 4,096 tokens
-(~1,000 tokens per expert per micro-batch), where the experts are ~60% of the step."""
+(~1,000 tokens per expert per micro-batch), where the experts are 57-60% of the step."""
 UNIT_PASS_S = 0.00144
 """Seconds each unit (decoder layer, embedding, head) costs per micro-batch beyond its FLOPs (the
 launches, tickets and copies of one micro-batch through one unit, forward and backward together):
-fitted on the same runs, pinned by the small models (1b, 3b: 16 and 36 layers x 4 micro-batches)."""
+fitted on the same runs (8-9% of the 1b's and 3b's steps: 18 and 38 units x 4 micro-batches)."""
 DEQUANT_PARAMS_PER_S = 110e9
 """Parameters an H200 dequantizes per second from a quantized base (nf4) into bf16, each layer twice
 a step (its forward and its backward fetch): the nf4 base's step less the bf16 base's, both LoRA over
@@ -176,8 +208,8 @@ class Pace:
             return (head + f", at {_flop(self.tflops * 1e12)}/s: {self.rate_note}"
                     + (f"; + {duration(self.fixed_s)} of fixed costs, {self.units} units x "
                        f"{duration(self.fixed_s / self.units)}" if self.fixed_s else "") + ")")
-        parts = ", ".join(f"{what} {duration(s)}" + (f" ({_flop(n)})" if "FLOP" in what or what in _FLOP_PARTS
-                                                     else f" ({n / 1e9:,.0f} G parameters)")
+        parts = ", ".join(f"{what} {duration(s)}" + (f" ({_flop(n)})" if what in _FLOP_PARTS
+                                                     else f" ({n / 1e9:,.1f} G parameters)")
                           for what, n, s in self.parts if s)
         bound = (f"; the link, {duration(self.link_s)} for the streamed weights, is the longer"
                  if self.link_s > self.compute_s else f"; the link {duration(self.link_s)}, overlapped")
