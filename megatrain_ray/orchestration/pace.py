@@ -87,7 +87,7 @@ DEQUANT_PARAMS_PER_S = 110e9
 """Parameters an H200 dequantizes per second from a quantized base (nf4) into bf16, each layer twice
 a step (its forward and its backward fetch): the nf4 base's step less the bf16 base's, both LoRA over
 the whole Qwen3-30B-A3B shape (20.16-20.38 s against 19.72 s for 61 G parameters dequantized), ~8 ms
-per layer of the 70B shape. Measured, not fitted."""
+per layer of the 70B shape. Measured, not fitted; int8 and mxfp4 bases are assumed alike (not measured)."""
 HOST_PARAM_S = 1.735e-11
 """Seconds per parameter the host's optimizer updates that a full-parameter step waits beyond its GPU
 work: the gradients out, the update and the weights back in, of the units at the step's turn, which
@@ -157,7 +157,7 @@ def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0) -> StepWo
     span = attended(m, t.seq_len)
     attention = tokens * q * (6.0 * span + 2.0 * (recomputed + reforwarded) * span / layers)
     layer_params = num_params(m) - m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    quantized = cfg.lora.enabled and cfg.lora.base_format != "compute"
+    quantized = cfg.lora.quantized
     per_byte = bytes_per_param(m, cfg.lora.base_format, torch.bfloat16)[0] if quantized else 2.0
     micro_batches = -(-t.num_micro_batches // cfg.parallel.workers)
     return StepWork(dense, attention, experts, 2.0 * layer_params if quantized else 0.0,
