@@ -269,7 +269,8 @@ def setup(args: argparse.Namespace) -> Bench:
     args.out = job_path(args.out, "--out")
     report = {"preset": preset, "name": name, "model": dataclasses.asdict(model),
               "layers": model.num_hidden_layers, "params": StoreLayout.build(model).num_params,
-              "overrides": args.set, "tokens_per_step": args.tokens,
+              "overrides": args.set, "tokens_per_step": args.tokens, "seq_len": args.seq_len,
+              "micro_batches": args.micro_batches,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     return Bench(args, base, extra, shape, model, preset, name, report)
 

@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", type=float, metavar="GIB",
                       help="host RAM available to plan for, in GiB (default: what this machine has available)")
     plan.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
-                      help="the GPU's bf16 dense rate for the expected step time, e.g. one measured by "
-                           "`megatrain-ray bench` (default: nominal, by the GPU's name)")
+                      help="the GPU's nominal bf16 dense rate: the expected step time's rates, measured on an "
+                           "H200, are scaled by it over the H200's 989 (default: by the GPU's name)")
     plot = sub.add_parser("plot", help="write PNG plots (loss, throughput, stage busy time) of a run",
                           description="Write PNG plots (loss, throughput, stage busy time) of a run's metrics.jsonl.")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run id>) with a metrics.jsonl")

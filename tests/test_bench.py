@@ -107,6 +107,7 @@ def test_bench_without_arguments_on_the_cpu_runs_trains_tiny_step(ray_cluster, t
     assert cli.main(["bench", "--out", str(out), "--set", f"memory.shm_dir={shm_dir}"]) == 0
     report = json.loads((out / "bench-tiny.json").read_text())
     assert report["preset"] == "tiny" and report["tokens_per_step"] == 1024
+    assert (report["seq_len"], report["micro_batches"]) == (64, 2)  # the step shape, for tests/test_pace_recorded.py
     assert report["params"] == StoreLayout.build(load_config(None).model).num_params
     assert len(report["systems"]["megatrain_ray"]["losses"]) == 5
 

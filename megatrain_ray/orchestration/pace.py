@@ -1,15 +1,46 @@
 """The pace a run should keep: its expected step time, and the queue timeouts that follow from it.
 
-The step time is the step's FLOPs per GPU over the rate the GPU reaches: the model FLOPs in PaLM's
-convention (attention's S x S work counted, :mod:`megatrain_ray.model.flops`) plus the forward the
-backward recomputes for every layer that has no kept graph (:func:`~megatrain_ray.model.flops.recompute_flops`;
-more within recompute spans, see :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`),
-at :data:`ACHIEVED` of the GPU's nominal bf16 dense rate (by its name, :data:`NOMINAL_TFLOPS`; or
-the rate ``megatrain-ray plan --gpu-tflops`` gives, e.g. one measured by ``megatrain-ray bench``).
-On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit of
-the store (decoder layers, embedding, head) a step passes through: the fixed cost of its fetch,
-tickets and small GEMMs, which is most of a small model's step. It is an estimate to plan by (measured
-steps differ from it by tens of percent, see :data:`ACHIEVED`), and a bound for the timeouts:
+On a GPU the step time is the step's work, by the kind of kernel that runs it
+(:func:`step_work`), over the rate each kind reaches on an H200 (scaled by the GPU's nominal bf16
+rate, :data:`NOMINAL_TFLOPS`, or the one ``megatrain-ray plan --gpu-tflops`` gives, over
+:data:`REFERENCE_TFLOPS`):
+
+- the dense GEMMs (projections, dense MLPs, routers, shared experts, the LM head, adapters; a frozen
+  base's weight gradients not run) at :data:`GEMM_TFLOPS`, with the forwards the backward
+  recomputes (:func:`~megatrain_ray.engine.compute.activations.recomputed_layers`);
+- attention's scores and values, the causal half of the S x S matrix, at :data:`ATTENTION_TFLOPS`;
+- a mixture of experts' routed expert GEMMs at :data:`EXPERT_TFLOPS`;
+- a quantized base's dequantization, each layer twice a step, at :data:`DEQUANT_PARAMS_PER_S`;
+- :data:`UNIT_PASS_S` for each unit (decoder layers, embedding, head) and micro-batch;
+- in a full-parameter run, :data:`HOST_PARAM_S` per parameter: the host update's turn;
+
+and never less than the layers' streamed bytes over the link (:data:`LINK_GBPS`). The PaLM model
+FLOPs (:mod:`megatrain_ray.model.flops`) and the recomputed ones are printed beside it. The five
+fitted constants were fitted (least largest relative error) on the 23 recorded single-H200 runs
+of benchmarks/results that tests/test_pace_recorded.py reads (the 1b, 3b and 7b of the peers'
+comparison, the 7B defaults and placements, the 20.1 B with the 8-bit state, one 524,288-token
+sequence at 4 and 28 layers of the 7B width, the Qwen3-30B-A3B shape at 12 layers and with LoRA at
+48 over bf16 and nf4 bases, LoRA at the 32B width over 100 layers and over the 70B shape's nf4
+base); each prediction is within 10% of its run's step (the test's table, ``pytest -s``):
+
+- peers' 1b, 3b, 7b at 14 and 28 layers: 1.32, 3.20, 3.73, 6.52 s measured; 1.19, 2.98, 3.43, 6.44
+  expected (-9.7, -7.1, -8.1, -1.2%);
+- the 7B's defaults and placements (8 runs, 2026-12-01): 5.43-5.72 measured, 5.89-6.01 expected
+  (+3.0 to +9.8%); 9 layers kept, auto, every layer recomputed: 6.20, 6.15, 6.50 measured; 6.08,
+  6.44, 6.44 expected (-1.9, +4.6, -0.9%);
+- the 20.1 B with the 8-bit state: 19.24 measured, 17.37 expected (-9.7%);
+- one 524,288-token sequence at the 7B width, 4 layers: 77.30, 73.62 (-4.8%); 28 layers
+  (configs/long-context-512k.yaml, its only step, compile included): 549.98, 496.91 (-9.7%);
+- Qwen3-30B-A3B, 12 layers: 6.45, 7.08 (+9.8%); with LoRA at 48 layers over bf16 and nf4 bases:
+  19.72, 20.38, 20.16 measured; 19.51, 20.06, 20.06 expected (-1.0, -1.6, -0.5%);
+- LoRA at the 32B width, 100 layers: 33.08, 33.82 (+2.3%); over the 70B shape's nf4 base: 43.44,
+  47.70 (+9.8%).
+
+The largest misses (9.7-9.8%) bound one another: the same 7B step measured 5.43 to 6.52 s on
+different commits, and the 70B's wide GEMMs run faster than the 1b's narrow ones at one rate. On
+the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit the
+step passes through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small
+model's step. It is an estimate to plan by, and a bound for the timeouts:
 
 every queue of the pipeline carries messages every step, so no wait for the next message should
 last longer than a step. Whether the run is stalled is the health check's verdict alone
@@ -26,16 +57,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig, usable_cpus
-from ..model.flops import flops_6nt, lora_flops, palm_model_flops, recompute_flops
+import torch
 
-ACHIEVED = 0.85
-"""Share of the nominal rate a step's FLOPs (model + recompute, PaLM's convention) run at. Measured
-on an H200 (989 nominal): the whole Qwen2.5-7B shape on one 524,288-token sequence ran 532 s per step
-(first step, compile included; 468 PFLOP: 0.89), the 7B at 64 x 1,024 tokens 5.43 s (3.2 PFLOP:
-0.60; short sequences leave the GPU waiting on the host more); LoRA over the Llama-3.1-70B shape
-(nf4 base, 64 x 1,024 tokens) 44.1 s for 25.3 PFLOP (0.58); LoRA on the whole Qwen3-30B-A3B shape
-(16 x 4 x 4,096 tokens) 19.7 s for 7.7 PFLOP (0.39: its grouped expert GEMMs run well below a dense
-GEMM's rate). The expected step time is therefore optimistic for mixtures of experts and LoRA runs."""
+from ..model.flops import attended, flops_6nt, lora_flops, num_params, palm_model_flops, recompute_flops
+from ..model.lora import AdapterLayout
+from ..model.quant_layout import bytes_per_param
+
+GEMM_TFLOPS = 562.0
+"""TFLOP/s an H200 reaches in a step's dense GEMMs (the decoder's projections, dense MLPs, routers and
+the LM head, forward, backward and recompute), with the elementwise work between them (norms, rotary
+embedding, activations, the loss) counted in. Fitted, with :data:`ATTENTION_TFLOPS`,
+:data:`EXPERT_TFLOPS`, :data:`UNIT_PASS_S` and :data:`HOST_PARAM_S`, on the recorded H200 runs
+the module docstring lists (tests/test_pace_recorded.py reads them); most of the dense 7B, 20.1 B
+and LoRA steps. The bench's bare-GEMM probe reaches ~790 (``gemm_tflops`` in those bench-*.json)."""
+ATTENTION_TFLOPS = 492.0
+"""TFLOP/s of the attention kernels (scores and values, forward, backward and recompute), counting
+the causal half of the S x S matrix that they compute (PaLM's convention counts all of it): fitted
+on the same runs, pinned by the 7B width's 524,288-token sequences, where attention is ~87-90% of
+the step."""
+EXPERT_TFLOPS = 216.0
+"""TFLOP/s of a mixture of experts' grouped expert GEMMs (the routed experts' gate, up and down
+projections): fitted on the same runs, pinned by the Qwen3-30B-A3B runs at 16 x 4 x 4,096 tokens
+(~1,000 tokens per expert per micro-batch), where the experts are 57-60% of the step."""
+UNIT_PASS_S = 0.00144
+"""Seconds each unit (decoder layer, embedding, head) costs per micro-batch beyond its FLOPs (the
+launches, tickets and copies of one micro-batch through one unit, forward and backward together):
+fitted on the same runs (8-9% of the 1b's and 3b's steps: 18 and 38 units x 4 micro-batches)."""
+DEQUANT_PARAMS_PER_S = 110e9
+"""Parameters an H200 dequantizes per second from a quantized base (nf4) into bf16, each layer twice
+a step (its forward and its backward fetch): the nf4 base's step less the bf16 base's, both LoRA over
+the whole Qwen3-30B-A3B shape (20.16-20.38 s against 19.72 s for 61 G parameters dequantized), ~8 ms
+per layer of the 70B shape. Measured, not fitted; int8 and mxfp4 bases are assumed alike (not measured)."""
+HOST_PARAM_S = 1.735e-11
+"""Seconds per parameter the host's optimizer updates that a full-parameter step waits beyond its GPU
+work: the gradients out, the update and the weights back in, of the units at the step's turn, which
+the pipeline does not hide (the GPU is 81-99% busy in those runs, 99.8% in LoRA runs, whose adapters
+stay on the GPU). Fitted on the same runs (1 / 57 G parameters per second)."""
+LINK_GBPS = 55.0
+"""GB/s of the host-to-GPU link each way (the H200's PCIe: h2d_gbps 53-55 in the bench-*.json of
+the runs the link was busy in). A step is never shorter than its streamed bytes over it."""
+REFERENCE_TFLOPS = 989.0
+"""The nominal rate of the GPU the rates above were measured on (an H200's); another GPU's are
+scaled by its nominal rate (or the one given) over this."""
 NOMINAL_TFLOPS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
                   ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
                   ("A10", 125.0), ("RTX 4090", 165.0))
@@ -52,6 +115,57 @@ WAIT_STEPS = 3
 
 
 @dataclass(frozen=True)
+class StepWork:
+    """One GPU's work in a step, by the kind of kernel that runs it (see the module docstring)."""
+
+    dense: float
+    """FLOPs of the dense GEMMs: projections, dense MLPs, routers, shared experts, LM head, adapters."""
+    attention: float
+    """FLOPs of the attention scores and values, the causal half of the S x S matrix."""
+    experts: float
+    """FLOPs of the routed experts' grouped GEMMs."""
+    dequantized: float
+    """Parameters a quantized base dequantizes (each layer twice a step)."""
+    unit_passes: int
+    """Units x micro-batches: each unit's fixed cost per micro-batch (:data:`UNIT_PASS_S`)."""
+    link_bytes: float
+    """Bytes the layers stream in over the link a step (each layer twice)."""
+    host_updated: float
+    """Parameters the host's optimizer updates a step (none in a LoRA run: its adapters stay on the GPU)."""
+
+
+def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0) -> StepWork:
+    """The work of one GPU's step of ``cfg`` with ``recomputed`` decoder layers' forwards run again
+    (up to the down projection) and ``reforwarded`` whole forwards within recompute spans. A frozen
+    base (LoRA) runs no weight-gradient GEMMs: 4 FLOPs per parameter per token instead of 6."""
+    m, t = cfg.model, cfg.train
+    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers
+    layers, sparse = m.num_hidden_layers, len(m.sparse_layers)
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
+    attn = 2 * h * q + 2 * h * kv
+    mlp = 3 * h * m.intermediate_size * (layers - sparse)  # the dense layers' MLPs, all layers together
+    shared = sparse * (3 * h * m.shared_expert_size + (h if m.shared_expert_intermediate_size else 0))
+    router = sparse * m.num_experts * h
+    routed = sparse * m.num_experts_per_tok * 3 * h * m.expert_size
+    per_param = 4.0 if cfg.lora.enabled else 6.0
+    adapters = AdapterLayout.build(m, cfg.lora).active_params(m) if cfg.lora.enabled else 0
+    again = (recomputed + reforwarded) / layers  # share of the layers whose forward runs again
+    down = reforwarded / layers  # ... with the down projection (a third of the MLP) too
+    dense = tokens * (per_param * (layers * attn + mlp + shared + router + m.vocab_size * h) + 6.0 * adapters
+                      + 2.0 * (again * (layers * attn + router + 2 / 3 * (mlp + shared)) + down / 3 * (mlp + shared)))
+    experts = tokens * (per_param * routed + 2.0 * (again * 2 / 3 + down / 3) * routed)
+    span = attended(m, t.seq_len)
+    attention = tokens * q * (6.0 * span + 2.0 * (recomputed + reforwarded) * span / layers)
+    layer_params = num_params(m) - m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+    quantized = cfg.lora.quantized
+    per_byte = bytes_per_param(m, cfg.lora.base_format, torch.bfloat16)[0] if quantized else 2.0
+    micro_batches = -(-t.num_micro_batches // cfg.parallel.workers)
+    return StepWork(dense, attention, experts, 2.0 * layer_params if quantized else 0.0,
+                    (layers + 2) * micro_batches, 2.0 * layer_params * per_byte,
+                    0.0 if cfg.lora.enabled else float(num_params(m)))
+
+
+@dataclass(frozen=True)
 class Pace:
     """One GPU's share of a step: its FLOPs and the time they should take."""
 
@@ -62,57 +176,88 @@ class Pace:
     recompute: float
     """Forward FLOPs the backward recomputes (PaLM's convention)."""
     tflops: float
-    """The rate assumed: ACHIEVED of the nominal (or given) rate, TFLOP/s."""
+    """The rate the time follows from, TFLOP/s: on the CPU, what its cores reach; on a GPU, its
+    nominal (or given) rate, which scales the H200's measured rates (:data:`REFERENCE_TFLOPS`)."""
     rate_note: str
     """Where the rate comes from, for the plan's line."""
     fixed_s: float = 0.0
-    """Seconds beyond the FLOPs: the units' fixed costs (on the CPU, :data:`CPU_UNIT_S` each)."""
+    """Seconds beyond the FLOPs: the units' fixed costs (:data:`CPU_UNIT_S` or :data:`UNIT_PASS_S` each)."""
     units: int = 0
-    """Units a step passes through (what ``fixed_s`` counts)."""
+    """Units a step passes through (what ``fixed_s`` counts; on a GPU, units x micro-batches)."""
+    parts: tuple[tuple[str, float, float], ...] = ()
+    """On a GPU: (what, FLOPs or parameters, seconds) of each kind of work (:class:`StepWork`)."""
+    link_s: float = 0.0
+    """On a GPU: the streamed bytes' time over the link (:data:`LINK_GBPS`)."""
+
+    @property
+    def compute_s(self) -> float:
+        if self.parts:
+            return sum(s for _, _, s in self.parts) + self.fixed_s
+        return (self.palm + self.recompute) / (self.tflops * 1e12) + self.fixed_s
 
     @property
     def step_s(self) -> float:
-        return (self.palm + self.recompute) / (self.tflops * 1e12) + self.fixed_s
+        return max(self.compute_s, self.link_s)
 
     def line(self) -> str:
         """The plan's line: ``expected step time: ~9 min (...)``."""
-        return (f"expected step time: ~{duration(self.step_s)} ({_flop(self.palm + self.recompute)} per GPU: "
+        head = (f"expected step time: ~{duration(self.step_s)} ({_flop(self.palm + self.recompute)} per GPU: "
                 f"{_flop(self.palm)} of the model counting attention (PaLM; 6NT: {_flop(self.six_nt)}) + "
-                f"{_flop(self.recompute)} recomputed in the backward, at {_flop(self.tflops * 1e12)}/s: {self.rate_note}"
-                + (f"; + {duration(self.fixed_s)} of fixed costs, {self.units} units x "
-                   f"{duration(self.fixed_s / self.units)}" if self.fixed_s else "") + ")")
+                f"{_flop(self.recompute)} recomputed in the backward")
+        if not self.parts:
+            return (head + f", at {_flop(self.tflops * 1e12)}/s: {self.rate_note}"
+                    + (f"; + {duration(self.fixed_s)} of fixed costs, {self.units} units x "
+                       f"{duration(self.fixed_s / self.units)}" if self.fixed_s else "") + ")")
+        parts = ", ".join(f"{what} {duration(s)}" + (f" ({_flop(n)})" if what in _FLOP_PARTS
+                                                     else f" ({n / 1e9:,.1f} G parameters)")
+                          for what, n, s in self.parts if s)
+        bound = (f"; the link, {duration(self.link_s)} for the streamed weights, is the longer"
+                 if self.link_s > self.compute_s else f"; the link {duration(self.link_s)}, overlapped")
+        return (head + f"; {self.rate_note}: {parts}, {duration(self.fixed_s)} for {self.units} unit x "
+                f"micro-batch passes{bound})")
+
+
+_FLOP_PARTS = ("dense GEMMs", "attention", "expert GEMMs")
 
 
 def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: int = 0, tflops: float | None = None,
                   gpu_name: str | None = None) -> Pace:
     """The pace of ``cfg`` on ``device`` with ``recomputed`` decoder layers' forwards run again in
     the backward and ``reforwarded`` more within recompute spans (see
-    :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`); ``tflops``: the device's rate
-    (default: nominal, by ``gpu_name`` on cuda)."""
-    t = cfg.train
+    :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`); ``tflops``: the device's
+    nominal rate (default: by ``gpu_name`` on cuda)."""
+    t, m = cfg.train, cfg.model
     tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers
-    if tflops is not None:
-        rate, note = tflops * ACHIEVED, f"{ACHIEVED:.0%} of the {tflops:,.0f} given"
-    elif device == "cpu":
-        cores = usable_cpus()
-        rate, note = CPU_TFLOPS_PER_CORE * cores, f"a nominal {CPU_TFLOPS_PER_CORE * 1e3:.0f} GFLOP/s per CPU core x {cores}"
-    else:
-        nominal = next((r for part, r in NOMINAL_TFLOPS if gpu_name and part in gpu_name), None)
-        if nominal is None:
-            nominal, what = DEFAULT_GPU_TFLOPS, (f"an H100/H200's (the {gpu_name} is not in the table"
-                                                 if gpu_name else "an H100/H200's (no GPU visible here") + \
-                "; --gpu-tflops sets it)"
-        else:
-            what = f"the {gpu_name}'s"
-        rate, note = nominal * ACHIEVED, f"{ACHIEVED:.0%} of {what} nominal {nominal:,.0f} bf16"
-    m = cfg.model
     if cfg.lora.enabled:  # no weight-gradient GEMMs for the frozen base (megatrain_ray.model.flops)
         six, palm = lora_flops(m, cfg.lora, t.seq_len, int(tokens))
     else:
         six, palm = flops_6nt(m, tokens), palm_model_flops(m, t.seq_len, tokens)
+    recompute = recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded)
     units = m.num_hidden_layers + 2  # the decoder layers, the embedding and the head
-    fixed = CPU_UNIT_S * units if device == "cpu" and tflops is None else 0.0
-    return Pace(palm, six, recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note, fixed, units)
+    if device == "cpu" and tflops is None:
+        cores = usable_cpus()
+        return Pace(palm, six, recompute, CPU_TFLOPS_PER_CORE * cores,
+                    f"a nominal {CPU_TFLOPS_PER_CORE * 1e3:.0f} GFLOP/s per CPU core x {cores}", CPU_UNIT_S * units, units)
+    if tflops is not None:
+        nominal, note = tflops, f"at the H200's rates x {tflops:,.0f}/{REFERENCE_TFLOPS:,.0f} (the rate given)"
+    else:
+        nominal = next((r for part, r in NOMINAL_TFLOPS if gpu_name and part in gpu_name), None)
+        if nominal is None:
+            nominal, note = DEFAULT_GPU_TFLOPS, ("at an H200's rates (" + (f"the {gpu_name} is not in the table"
+                                                 if gpu_name else "no GPU visible here") + "; --gpu-tflops sets it)")
+        elif nominal == REFERENCE_TFLOPS:
+            note = f"at the rates measured on an H200 (the {gpu_name}'s nominal {nominal:,.0f} bf16)"
+        else:
+            note = f"at an H200's rates x {nominal:,.0f}/{REFERENCE_TFLOPS:,.0f} (the {gpu_name}'s nominal bf16)"
+    scale = nominal / REFERENCE_TFLOPS
+    w = step_work(cfg, recomputed, reforwarded)
+    parts = (("dense GEMMs", w.dense, w.dense / (GEMM_TFLOPS * 1e12 * scale)),
+             ("attention", w.attention, w.attention / (ATTENTION_TFLOPS * 1e12 * scale)),
+             ("expert GEMMs", w.experts, w.experts / (EXPERT_TFLOPS * 1e12 * scale)),
+             ("dequantization", w.dequantized, w.dequantized / (DEQUANT_PARAMS_PER_S * scale)),
+             ("the host update's turn", w.host_updated, w.host_updated * HOST_PARAM_S))
+    return Pace(palm, six, recompute, nominal, note, UNIT_PASS_S * w.unit_passes, w.unit_passes, parts,
+                w.link_bytes / (LINK_GBPS * 1e9))
 
 
 def stall_s(pace: Pace, floor: float) -> float:

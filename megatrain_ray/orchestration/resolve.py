@@ -56,7 +56,8 @@ class Facts:
     starts_ray: bool = False
     """Whether this process starts a private Ray (whose object store the memory plan then counts)."""
     device_tflops: float | None = None
-    """The GPU's bf16 dense rate for the expected step time (None: nominal, by the GPU's name)."""
+    """The GPU's nominal bf16 dense rate, which scales the expected step time's H200 rates (None: by
+    the GPU's name, :data:`~megatrain_ray.orchestration.pace.NOMINAL_TFLOPS`)."""
     host_bytes: int | None = None
     """Host RAM available to the run (None: what this machine has available when it is planned),
     which also bounds the activation checkpoints it may offload."""

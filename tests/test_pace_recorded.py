@@ -1,0 +1,104 @@
+"""The plan's expected step time against every recorded single-H200 benchmark (benchmarks/results/*/bench-*.json).
+
+Each run's config is rebuilt as ``megatrain-ray bench`` built it (its preset, --layers and --set
+overrides, :func:`megatrain_ray.bench.base_sections` and :func:`~megatrain_ray.bench.bench_config`;
+settings since renamed are written under their new names, execution settings that the step's
+arithmetic does not read are left out), its activation placement is the one the run recorded (the
+layers kept whole; every layer recomputed where the run recorded none, as the engines of those
+commits did), and :func:`megatrain_ray.orchestration.pace.expected_pace` is asked for the step time
+on the recorded GPU. Every prediction must be within 10% of the recorded steady step time
+(``systems.megatrain_ray.step_s``). The constants of pace.py were fitted on these same runs (its
+docstrings say which); the table printed (``pytest -s``) is the one pace.py's docstring quotes.
+"""
+
+import glob
+import json
+import os
+import re
+
+import pytest
+
+from megatrain_ray.bench import base_sections, bench_config
+from megatrain_ray.config.moved import MOVED
+from megatrain_ray.io.hf_io import load_train_config
+from megatrain_ray.orchestration import pace
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+TOLERANCE = 0.10
+SHAPES = {"qwen3-30b-a3b-12l-262144": (4096, 16), "qwen3-30b-a3b-48l-lora-r16-262144": (4096, 16),
+          "qlora-qwen3-30b-a3b-nf4-262144": (4096, 16), "lora-32bw-100l-r16": (1024, 16), "qlora-70b-nf4-65536": (1024, 16)}
+"""(train.seq_len, micro-batches) by the bench's tag, of the runs whose bench-*.json predates those fields and whose
+shape is not bench's default (1,024 x 4, or one sequence of all the tokens where the run raised
+max_position_embeddings to them): from the commands in each directory's NOTES.md (the Qwen3 runs'
+recipes, benchmarks/moe.sh, moe_lora.sh and qlora.sh: 16 micro-batches of 4 x 4,096; the LoRA runs
+of the 32B width and the 70B shape: 16 micro-batches of 4 x 1,024)."""
+
+RECOMPUTED_EVERY_LAYER = {"qwen3-30b-a3b-12l-262144": "its NOTES.md: the log's '5 of 12 layers kept whole' is what "
+                          "that commit's planner printed; its engine recomputed every sparse layer"}
+"""Runs whose recorded activation placement is not what their engine ran, by the bench's tag."""
+
+
+def _override(item: str) -> str | None:
+    key, value = item.split("=", 1)
+    if key.startswith("data."):
+        return None  # the run's own data: the step's arithmetic does not read it
+    if key.startswith("runtime."):  # renamed since; runtime.device_adamw and runtime.activations place work only
+        if key[len("runtime."):] not in MOVED:
+            return None
+        key = MOVED[key[len("runtime."):]]
+    return f"{key}={value}"
+
+
+def recorded_runs() -> list[tuple[str, object, int, float, str]]:
+    """(name, config, recomputed layers, measured step_s, GPU name) of every single-H200 bench result."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*_h200_*", "bench-*.json"))):
+        report = json.load(open(path))
+        ours = report["systems"]["megatrain_ray"]
+        directory = os.path.basename(os.path.dirname(path))
+        tokens, overrides = report["tokens_per_step"], report.get("overrides") or []
+        if "seq_len" in report:
+            seq_len, micro_batches = report["seq_len"], report["micro_batches"]
+        elif report.get("name") in SHAPES:
+            seq_len, micro_batches = SHAPES[report["name"]]
+        elif any(o.endswith(f"max_position_embeddings={tokens}") for o in overrides):
+            seq_len, micro_batches = tokens, 1
+        else:
+            seq_len, micro_batches = 1024, 4
+        cfg = bench_config(base_sections(report["preset"], None, None, report["layers"]), tokens, seq_len,
+                           micro_batches, 3, None, [o for o in map(_override, overrides) if o])
+        kept = re.search(r"(\d+) of \d+ layers kept whole", ours.get("activations", ""))
+        kept = 0 if kept is None or report.get("name") in RECOMPUTED_EVERY_LAYER else int(kept.group(1))
+        recomputed = cfg.model.num_hidden_layers - kept
+        runs.append((f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
+                     ours["step_s"], report["device"]))
+    return runs + [_long_context()]
+
+
+def _long_context() -> tuple[str, object, int, float, str]:
+    """configs/long-context-512k.yaml's one step (2026-12-01_h200_long-context-512k: metrics.jsonl, its
+    only step, compile included; plan.txt: no layer kept whole, every one recomputed)."""
+    directory = os.path.join(RESULTS, "2026-12-01_h200_long-context-512k")
+    step = json.loads(open(os.path.join(directory, "metrics.jsonl")).readline())
+    placement = open(os.path.join(directory, "plan.txt")).read()
+    kept = int(re.search(r"(\d+) layers kept whole", placement).group(1))
+    cfg = load_train_config(os.path.join(os.path.dirname(__file__), "..", "configs", "long-context-512k.yaml"),
+                            skip=("data",))
+    gpu = re.search(r"the (NVIDIA [^']+)'s nominal", placement).group(1)
+    return "long-context-512k/train", cfg, cfg.model.num_hidden_layers - kept, step["step_s"], gpu
+
+
+def test_the_expected_step_time_is_within_a_tenth_of_every_recorded_h200_step():
+    runs = recorded_runs()
+    assert len(runs) >= 23, "the recorded H200 results are missing"
+    rows, misses = [], []
+    for name, cfg, recomputed, measured, gpu in runs:
+        p = pace.expected_pace(cfg, "cuda", recomputed, gpu_name=gpu)
+        ratio = p.step_s / measured
+        parts = " ".join(f"{what} {s:.2f}" for what, _, s in p.parts if s)
+        rows.append(f"| {name} | {measured:.2f} | {p.step_s:.2f} | {ratio - 1:+.1%} | {parts} fixed {p.fixed_s:.2f} "
+                    f"link {p.link_s:.2f} |")
+        if abs(ratio - 1) > TOLERANCE:
+            misses.append(name)
+    print("\n| run | measured s | expected s | off | seconds by part |\n|---|---|---|---|---|\n" + "\n".join(rows))
+    assert not misses, f"more than {TOLERANCE:.0%} off: {misses}\n" + "\n".join(rows)
