@@ -115,7 +115,7 @@ def summarize(rows: list[dict]) -> dict:
     out = {"step_s": step_s, "steady_periods": len(periods), "losses": [r["loss"] for r in rows],
            "fetches": rows[-1]["fetches"],
            "tokens": rows[-1]["tokens"], "device_peak_gib": max(r["device_peak_bytes"] for r in rows) / 2**30}
-    for lane in ("compute", "h2d", "d2h", "update", "wait"):
+    for lane in ("compute", "h2d", "d2h", "update", "device_update", "wait"):  # update: the host's AdamW
         out[f"{lane}_busy_frac"] = med(f"{lane}_busy_s") / step_s
     out["outside_run_step_s"] = step_s - med("step_s")
     out["h2d_gbps"] = med("h2d_bytes") / max(med("h2d_busy_s"), 1e-9) / 1e9

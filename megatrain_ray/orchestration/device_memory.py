@@ -19,6 +19,7 @@ from ..config import TrainConfig
 from ..engine.compute.activations import (HOST, KEEP, SPAN, kept_bytes_per_token, layer_modes, recompute_spans,
                                           recomputed_layers, sparse_kept_bytes_per_token)
 from ..engine.compute.sequence import tiled_backward_bytes
+from ..engine.policy import updated_on_device
 from ..engine.store.host_store import StoreSpec, largest_streamed, resident_units
 from ..model.flops import recompute_flops
 from ..model.quant import DEQUANT_CHUNK
@@ -126,12 +127,26 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "experimental.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
+        *_device_update_rows(cfg, layout, resident, c if precision.separate_stream_copy else 0),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * _logit_bytes(c, cfg.compute.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
     if device == "cuda":
         rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
     return rows
+
+
+def _device_update_rows(cfg: TrainConfig, layout: StoreLayout, resident: tuple[int, ...], stream: int) -> list[Row]:
+    """optim.placement device: the streamed units' fp32 gradients, held until the step's end, and one
+    unit's state while it is updated (fp32 master and moments, and its ``stream``-byte stream copy)."""
+    units = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
+    if not units:
+        return []
+    held = sum(layout.templates[u].numel for u in units)
+    largest = max(layout.templates[u].numel for u in units)
+    return [Row(f"gradients of the {len(units)} streamed units updated on the device (fp32, optim.placement device)",
+                "device", held * 4),
+            Row("one unit's AdamW state while it is updated on the device", "device", largest * (12 + stream))]
 
 
 def _logit_bytes(c: int, compiled: bool) -> int:

@@ -49,6 +49,12 @@ CPU_UNIT_S = 0.012
 units, 101 ms a step on 2 cores against 51 ms of FLOPs at the rate above)."""
 WAIT_STEPS = 3
 """Expected step times a role waits for its next message before giving up (see the module docstring)."""
+HOST_ADAMW_PARAMS_PER_THREAD_S = 3.9e9 / 16
+"""Parameters one CPU thread updates per second with exact AdamW (the native kernel: 3.9 G params/s
+measured on the H200 box's 16 threads)."""
+LINK_BYTES_S = 55e9
+"""Host-to-device bytes per second, each way (pinned copies on the H200 box), which a device update's
+state crosses."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,46 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
     units = m.num_hidden_layers + 2  # the decoder layers, the embedding and the head
     fixed = CPU_UNIT_S * units if device == "cpu" and tflops is None else 0.0
     return Pace(palm, six, recompute_flops(m, t.seq_len, tokens, recomputed, reforwarded), rate, note, fixed, units)
+
+
+@dataclass(frozen=True)
+class UpdatePace:
+    """Where a step's AdamW updates run (optim.placement) and what each path should take."""
+
+    host_params: int
+    """Parameters the gradient sink updates on the host's CPU threads."""
+    host_threads: int
+    """The sink's AdamW threads."""
+    device_params: int
+    """Parameters of the streamed units updated on the compute worker's device (optim.placement device)."""
+    device_bytes_in: int
+    """Bytes per such parameter copied in: fp32 master weights and two moments."""
+    device_bytes_out: int
+    """Bytes per such parameter written back: the same, and the stream copy where the store keeps one."""
+
+    @property
+    def host_s(self) -> float:
+        """The host's update time per step (beside the device's step, as the updates overlap the next one)."""
+        return self.host_params / (HOST_ADAMW_PARAMS_PER_THREAD_S * max(1, self.host_threads))
+
+    @property
+    def device_s(self) -> float:
+        """The device updates' time per step: their state across the link, in then out (the update
+        itself, memory-bound on the device, is a small fraction of it), added to the device's step."""
+        return self.device_params * (self.device_bytes_in + self.device_bytes_out) / LINK_BYTES_S
+
+    def step_s(self, pace: Pace) -> float:
+        """The expected step time with the updates: the device's step and its updates, or the host's
+        updates where they take longer."""
+        return max(pace.step_s + self.device_s, self.host_s)
+
+    def line(self, pace: Pace) -> str:
+        """The plan's line on the updates."""
+        host = (f"host {self.host_params / 1e9:,.3f} G params on {self.host_threads} CPU threads (~{duration(self.host_s)} "
+                f"at {HOST_ADAMW_PARAMS_PER_THREAD_S * 16 / 1e9:.1f} G params/s per 16)")
+        device = (f"device {self.device_params / 1e9:,.3f} G params (~{duration(self.device_s)}: "
+                  f"{self.device_bytes_in} B/param in, {self.device_bytes_out} out at {LINK_BYTES_S / 1e9:.0f} GB/s)")
+        return (f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}")
 
 
 def stall_s(pace: Pace, floor: float) -> float:

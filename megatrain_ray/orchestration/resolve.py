@@ -31,7 +31,8 @@ import torch
 
 from ..config import TrainConfig, describe_resident, usable_cpus
 from ..errors import PreflightError
-from ..engine.policy import ALL, FROZEN, HOST_OPTIMIZERS, ROUTED, UnitPolicy, host_optimizer, policies_of_run
+from ..engine.policy import (ALL, DEVICE, FROZEN, HOST_OPTIMIZERS, ROUTED, STREAMED_ON_DEVICE, UnitPolicy, host_optimizer,
+                             policies_of_run, updated_on_device)
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store.host_store import StoreSpec, resident_units
@@ -42,7 +43,7 @@ from . import preflight
 from ..engine.compute.activations import recompute_spans, recomputed_layers
 from .device_memory import activation_placement, resolve_resident
 from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
-from .pace import Pace, expected_pace, role_wait_s
+from .pace import Pace, UpdatePace, expected_pace, role_wait_s
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ class ResolvedRun:
     call_timeout_s: float
     """How long the driver waits for a call to a role to return, and the compute workers' data-parallel
     group for its collectives (cluster.actor_timeout_s)."""
+    updates: UpdatePace
+    """Where the step's AdamW updates run (the host's threads, the compute worker's device: each unit's
+    policy says) and the time each path should take (optim.placement)."""
 
     @property
     def pace(self) -> Pace:
@@ -164,6 +168,8 @@ class ResolvedRun:
             + (" (one per CPU left to it where experimental.cpu_affinity pins it beside a GPU)"
                if k.optimizer_threads_per_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
             + (f", sharded across {cfg.parallel.nodes} nodes" if cfg.parallel.sharded_optimizer else ""),
+            f"  updated where: {_placements(self.policies)} (optim.placement={cfg.optim.placement})",
+            f"  {self.updates.line(self.pace)}",
         ]
         return "\n".join(lines)
 
@@ -174,6 +180,18 @@ def _by_policy(names: list[str], policies) -> list[tuple]:
     for name, policy in zip(names, policies):
         groups.setdefault(policy, []).append(name)
     return list(groups.items())
+
+
+def _placements(policies) -> str:
+    """How many units each update path takes: "4 on the host's CPU threads, 2 on the device (...)"."""
+    host = sum(p.optimizer in HOST_OPTIMIZERS for p in policies)
+    streamed = sum(p == STREAMED_ON_DEVICE for p in policies)
+    resident = sum(p.optimizer == DEVICE for p in policies) - streamed
+    never = sum(not p.trains for p in policies)
+    parts = [f"{host} units on the host's CPU threads",
+             f"{streamed} streamed units on the device (state copied in and written back each step)",
+             f"{resident} resident units on the device"]
+    return ", ".join(parts) + (f", {never} never updated" if never else "")
 
 
 def _names(names: list[str]) -> str:
@@ -213,8 +231,9 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     splits = (cfg.optim.max_grad_norm > 0 and not cfg.parallel.sharded_optimizer and not host_sum
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
+    on_device = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
     policies = policies_of_run(len(layout.units), resident + trained, host_optimizer(precision.compact, splits),
-                               cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED)
+                               cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED, on_device)
     compute = ComputeSettings(
         device=device, buffer_depth=cfg.memory.buffer_depth_on(device), loss_chunk_size=cfg.memory.loss_chunk_size_on(device),
         mlp_chunk_size=cfg.memory.mlp_chunk_size_for(cfg.train.seq_len), compile=cfg.compute.compile_on(device),
@@ -228,8 +247,12 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
+    numel = layout.templates
+    updates = UpdatePace(sum(numel[u].numel for u in sink.updates), sink.optimizer_threads,
+                         sum(numel[u].numel for u in on_device), 12,
+                         12 + (precision.compute.itemsize if precision.separate_stream_copy else 0))
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
-                       decisions, memory, wait, cfg.cluster.actor_timeout_s)
+                       decisions, memory, wait, cfg.cluster.actor_timeout_s, updates)
 
 
 def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[int, ...],
