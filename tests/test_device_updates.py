@@ -22,6 +22,7 @@ import torch
 from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.compute.device import CpuBackend
+from megatrain_ray.engine.compute import device_updates
 from megatrain_ray.engine.compute.device_updates import StreamedUpdates
 from megatrain_ray.engine.optim import AdamWRunner
 from megatrain_ray.engine.policy import STREAMED_ON_DEVICE, UnitPolicy
@@ -83,10 +84,14 @@ def _store(shm_dir: str, run_id: str, cfg) -> ParameterStore:
     return ParameterStore(spec, seed=0)
 
 
+@pytest.mark.parametrize("piece", [device_updates.PIECE, 1000])
 @pytest.mark.parametrize("decay_norms", [False, True])
-def test_one_device_update_equals_the_host_update_on_the_same_gradient(decay_norms, shm_dir):
+def test_one_device_update_equals_the_host_update_on_the_same_gradient(decay_norms, piece, shm_dir, monkeypatch):
     """Unit by unit, step by step: the state the device update writes back is the host's, bit for bit,
-    for the step's clipping factor, learning rate and both decay ranges; the versions say the step."""
+    for the step's clipping factor, learning rate and both decay ranges, whether a unit is updated in
+    one piece or in many (1000 elements: pieces across the boundary of the decay spans); the versions
+    say the step."""
+    monkeypatch.setattr(device_updates, "PIECE", piece)
     cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "compute.device=cpu", "optim.weight_decay=0.1",
                              f"optim.decay_norms_and_biases={str(decay_norms).lower()}", "optim.warmup_steps=1"])
     host, dev = _store(shm_dir, "host", cfg), _store(shm_dir, "dev", cfg)
@@ -200,7 +205,7 @@ def test_checkpoints_interrupt_resume_and_export_with_device_updates_match_the_h
 
 
 @pytest.mark.parametrize("extra,says", [
-    (("optim.placement=gpu",), "optim.placement must be one of host, device, got 'gpu'"),
+    (("optim.placement=gpu",), "optim.placement must be one of host, device, auto, got 'gpu'"),
     ((DEVICE, "optim.state=8bit"), "optim.placement device needs optim.state fp32 (got 8bit): the 8-bit state is "
      "updated on the host only; set optim.placement host"),
     ((DEVICE, "precision.master_dtype=bfloat16"), "optim.placement device needs fp32 master weights"),

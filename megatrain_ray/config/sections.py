@@ -59,8 +59,15 @@ class OptimConfig:
     host's CPU threads, from the gradient the compute worker sends) or device (the compute worker's
     device: the unit's gradient stays there, and after the step's norm its fp32 master weights and
     moments are copied in, updated with the same AdamW and written back to the host store, so the
-    host's CPUs update nothing; needs one compute worker, fp32 master weights and optim.state fp32).
-    Units resident on the device (memory.resident) are updated there either way."""
+    host's CPUs update nothing; needs one compute worker, fp32 master weights and optim.state fp32),
+    or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
+    on the host where the host's update of all of them takes no longer than the device's step, else
+    units from the last layers on to the device while that shortens the step (the host's AdamW rate
+    per thread against each unit's state crossing the link) and their held gradients fit the device
+    memory the plan leaves; all on the host where the device update cannot serve the run (the cpu
+    device, the 8-bit state, bf16 master weights, several compute workers, LoRA). ``plan`` prints
+    where each unit's update runs. Units resident on the device (memory.resident) are updated there
+    either way."""
 
     def validate(self) -> None:
         for key in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"):
@@ -81,7 +88,7 @@ class OptimConfig:
 
 OPTIM_STATES = ("fp32", "8bit")
 """Values of optim.state."""
-OPTIM_PLACEMENTS = ("host", "device")
+OPTIM_PLACEMENTS = ("host", "device", "auto")
 """Values of optim.placement."""
 
 

@@ -32,7 +32,7 @@ import torch
 from ..config import TrainConfig, describe_resident, usable_cpus
 from ..errors import PreflightError
 from ..engine.policy import (ALL, DEVICE, FROZEN, HOST_OPTIMIZERS, ROUTED, STREAMED_ON_DEVICE, UnitPolicy, host_optimizer,
-                             policies_of_run, updated_on_device)
+                             policies_of_run)
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store.host_store import StoreSpec, resident_units
@@ -41,9 +41,10 @@ from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
 from ..engine.compute.activations import recompute_spans, recomputed_layers
-from .device_memory import activation_placement, resolve_resident
+from .device_memory import activation_placement, device_total, placed_rows, resolve_resident
 from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
 from .pace import Pace, UpdatePace, expected_pace, role_wait_s
+from .placement import units_on_device, update_pace
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,10 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
     host = preflight.host_for(facts.host_bytes)
     decisions = _decide(cfg, facts, store, resident, host)
+    threads = cfg.parallel.resolved_optimizer_threads()
+    on_device = units_on_device(cfg, device, layout, resident, decisions.pace, threads, precision,
+                                None if store.hold_grads else _device_room(cfg, decisions))  # held: all to the host
+    decisions = dataclasses.replace(decisions, on_device=on_device)
     memory = preflight.count(cfg, decisions, host, facts.starts_ray)
     activations = decisions.placement  # every GPU alike: the same share of the micro-batches
     # a LoRA run's embedding / head trained in full: on the compute worker's device beside the adapters
@@ -231,7 +236,6 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     splits = (cfg.optim.max_grad_norm > 0 and not cfg.parallel.sharded_optimizer and not host_sum
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
-    on_device = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
     policies = policies_of_run(len(layout.units), resident + trained, host_optimizer(precision.compact, splits),
                                cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED, on_device)
     compute = ComputeSettings(
@@ -242,15 +246,12 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
         total_steps=cfg.train.steps, policies=policies, update_order=schedule.update, seed=cfg.train.seed)
     sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
-                        optimizer_threads=cfg.parallel.resolved_optimizer_threads(),
+                        optimizer_threads=threads,
                         optimizer_threads_per_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
-    numel = layout.templates
-    updates = UpdatePace(sum(numel[u].numel for u in sink.updates), sink.optimizer_threads,
-                         sum(numel[u].numel for u in on_device), 12,
-                         12 + (precision.compute.itemsize if precision.separate_stream_copy else 0))
+    updates = update_pace(layout, sink.updates, threads, on_device, precision)
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
                        decisions, memory, wait, cfg.cluster.actor_timeout_s, updates)
 
@@ -268,6 +269,15 @@ def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[in
     pace = expected_pace(cfg, device, *recomputed_layers(placement), tflops=facts.device_tflops,
                          gpu_name=gpu_name() if device == "cuda" else None)
     return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
+
+
+def _device_room(cfg: TrainConfig, decided: preflight.Decisions) -> int | None:
+    """The device memory the plan leaves with the activations placed and no unit updated on the device
+    (None: unknown)."""
+    if decided.device_bytes is None:
+        return None
+    rows = placed_rows(cfg, decided.device, cfg.train.micro_batch_size, decided.resident, decided.placement, ())
+    return decided.device_bytes - device_total(rows)
 
 
 def _fits_an_idle_machine(result: preflight.MemoryPlan, cfg: TrainConfig) -> bool:

@@ -6,12 +6,14 @@ step's micro-batches accumulated it, stays on the device, and only its squared n
 gradient sink, which counts it in the step's norm as it counts every ticket's. At the end of the
 step's backward, once the step's norm is known here (the same squared norms summed in the same
 order as the sink sums its tickets', :func:`~megatrain_ray.engine.compute.resident.step_sq_norm`),
-each such unit, in update order, has its fp32 master weights and AdamW moments copied in from the
-host store, updated by the optimizer of the resident units
-(:class:`~megatrain_ray.engine.compute.resident.DeviceAdamW`: on the CPU backend the sink's own
-kernel, so bit for bit the host update where the gradient dtype is fp32; on a GPU
-``torch._fused_adamw_``), and written back (with the stream copy, where the store keeps one), after
-which its versions say ``step + 1`` and the prefetcher may stream it for the next step. So the host
+each such unit, in update order, piece by piece (:data:`PIECE` elements at a time, so the device
+holds one piece's state, never a whole unit's), has its fp32 master weights and AdamW moments
+copied in from the host store, updated by the arithmetic of the resident units' update (on the CPU
+backend the sink's own kernel, :class:`~megatrain_ray.engine.optim.AdamWRunner`, so bit for bit the
+host update where the gradient dtype is fp32: the update is elementwise, so its pieces do not
+change its bits; on a GPU ``torch._fused_adamw_``, :func:`~megatrain_ray.engine.optim.adamw_unit`),
+each piece's decay span as the unit's, and written back (with the stream copy, where the store keeps
+one); then its versions say ``step + 1`` and the prefetcher may stream it for the next step. So the host
 store holds each such unit's state at every step boundary (checkpoints, the export and an interrupt
 find it there), and the host's CPUs update nothing of it.
 
@@ -34,10 +36,14 @@ import math
 
 import torch
 
-from ...config import OptimConfig
+from ...config import OptimConfig, lr_at
 from ...errors import Diverged, PipelineError
-from ..optim import AdamWRunner, step_clipping
-from .resident import STATE_KINDS, DeviceAdamW, step_sq_norm
+from ..optim import AdamWRunner, adamw_unit, step_clipping
+from .resident import STATE_KINDS, step_sq_norm
+
+PIECE = 1 << 26
+"""Elements of a unit's state on the device at a time (256 MiB per fp32 kind): what the plan counts
+for the update beside the held gradients."""
 
 
 class StreamedUpdates:
@@ -51,13 +57,9 @@ class StreamedUpdates:
         full-speed copies)."""
         self.store, self.backend, self.units = store, backend, units
         self.names = {u: store.layout.units[u] for u in units}
-        self.optim, self.timeout_s = optim, timeout_s
+        self.optim, self.total_steps, self.timeout_s = optim, total_steps, timeout_s
         self.runner = AdamWRunner(threads) if backend.device.type == "cpu" else None
         """The sink's kernel on the CPU backend (the same bits as a host update); None on a GPU."""
-        self.state: dict[int, dict[str, torch.Tensor]] = {}
-        """unit -> its state on the device while it is updated (master, exp_avg, exp_avg_sq [numel] fp32,
-        weights: the stream copy to refresh, or the master itself)."""
-        self.optimizer = DeviceAdamW(self.state, self.runner, optim, total_steps, store.layout)
         self.grads: dict[int, torch.Tensor] = {}
         """unit -> this step's gradient [numel] fp32 on the device, until the update."""
         for kind in STATE_KINDS:
@@ -85,20 +87,27 @@ class StreamedUpdates:
             self.store.set_checkpoint_copy(step + 1)
 
     def _update(self, unit: int, grad: torch.Tensor, coef: float, step: int) -> None:
-        """One unit: its state in, AdamW, its state (and stream copy) back to the host store, its versions."""
-        name, dev, store = self.names[unit], self.backend.device, self.store
-        with self.backend.compute(f"adamw {name}"):
-            state = {kind: store.block(kind, unit).to(dev, copy=True) for kind in STATE_KINDS}
-            state["weights"] = (torch.empty_like(state["master"], dtype=store.spec.precision.compute)
-                                if store.separate_stream_copy else state["master"])
-            self.state[unit] = state
-            self.optimizer.update(unit, grad, coef, step)  # the gradient: fp32, scaled in place
-            del self.state[unit]
+        """One unit, piece by piece: its state in, AdamW, its state (and stream copy) back to the host
+        store; then its versions. grad: [numel] fp32 on the device."""
+        name, store = self.names[unit], self.store
+        numel, decay = grad.numel(), store.layout.templates[unit].decay_numel
         done = None
-        for kind in STATE_KINDS:
-            done = self.backend.stash(state[kind], store.block(kind, unit), f"{name} {kind}")
-        if store.separate_stream_copy:
-            done = self.backend.stash(state["weights"], store.block("stream", unit), f"{name} stream")
+        for a in range(0, numel, PIECE):
+            b = min(numel, a + PIECE)
+            with self.backend.compute(f"adamw {name}"):
+                state = {kind: store.block(kind, unit)[a:b].to(self.backend.device, copy=True) for kind in STATE_KINDS}
+                stream = (torch.empty(b - a, dtype=store.spec.precision.compute, device=self.backend.device)
+                          if store.separate_stream_copy else None)
+                args = (state["master"], grad[a:b], state["exp_avg"], state["exp_avg_sq"], stream,
+                        min(max(decay - a, 0), b - a), step + 1, lr_at(self.optim, step, self.total_steps), self.optim)
+                if self.runner is not None:  # the gradient: fp32, scaled in place
+                    self.runner.update(*args, grad_scale=coef, unit=unit)
+                else:
+                    adamw_unit(*args, grad_scale=coef, unit=unit, pieces=False)
+            for kind in STATE_KINDS:
+                done = self.backend.stash(state[kind], store.block(kind, unit)[a:b], f"{name} {kind}")
+            if stream is not None:
+                done = self.backend.stash(stream, store.block("stream", unit)[a:b], f"{name} stream")
         self.backend.host_wait(done)
         store.set_version(unit, step + 1)
 
