@@ -31,7 +31,8 @@ from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint
 from megatrain_ray.model.precision import Precision
-from megatrain_ray.orchestration.device_memory import _fixed_device_rows
+from megatrain_ray.model.presets import preset_shape
+from megatrain_ray.orchestration.device_memory import _fixed_device_rows, device_total
 from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 from megatrain_ray.orchestration.resolve import Facts, resolve
@@ -245,3 +246,41 @@ def test_the_plan_says_where_each_update_runs_and_counts_the_held_gradients():
     assert held == [numel * 4]
     assert not any("updated on the device" in k for k in (r.component for r in _fixed_device_rows(
         load_config(None, ["compute.device=cpu"]), "cpu", 1)))
+
+
+def _moe_run(*extra, gib: float = 139):
+    """The Qwen3-30B-A3B shape at 8 layers, 4 x 4 x 4,096 tokens a step, planned for an H200 (16
+    AdamW threads): its host update (~4.4 G params) outlasts the GPU's step (~0.5 s of FLOPs)."""
+    shape = [f"model.{k}={v}" for k, v in preset_shape("qwen3-30b-a3b", 8).items()]
+    cfg = load_config(None, ["compute.device=cuda", *shape, "model.max_position_embeddings=4096", "train.seq_len=4096",
+                             "train.micro_batch_size=4", "train.num_micro_batches=4", "parallel.optimizer_threads=16",
+                             *extra])
+    return resolve(cfg, Facts("cuda", device_bytes=int(gib * 2**30), host_bytes=2**40, device_tflops=989.0))
+
+
+def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_and_their_gradients_fit():
+    host, auto = _moe_run("optim.placement=host"), _moe_run("optim.placement=auto")
+    moved = [u for u, p in enumerate(auto.policies) if p == STREAMED_ON_DEVICE]
+    assert host.updates.host_s > host.pace.step_s and STREAMED_ON_DEVICE not in host.policies  # the host paces it
+    layers = [u.index for u in auto.layout.layers]
+    assert moved and moved == layers[len(layers) - len(moved):]  # the last layers (the head is resident)
+    assert auto.updates.step_s(auto.pace) < host.updates.step_s(host.pace)
+    assert device_total(auto.memory.rows) <= auto.facts.device_bytes  # their held gradients are counted, and fit
+    held = [r for r in auto.memory.rows if r.component.startswith(f"gradients of the {len(moved)} streamed units")]
+    assert len(held) == 1 and held[0].nbytes == 4 * sum(auto.layout.templates[u].numel for u in moved)
+    # The sink updates the others.
+    assert auto.sink.updates == tuple(u for u in host.sink.updates if u not in moved)
+    # Where the device update cannot serve the run, auto leaves every unit on the host (no refusal).
+    for extra in (("optim.state=8bit",), ("precision.master_dtype=bfloat16",)):
+        assert STREAMED_ON_DEVICE not in _moe_run("optim.placement=auto", *extra).policies, extra
+
+
+def test_auto_keeps_every_update_on_the_host_where_the_step_hides_it_and_on_the_cpu():
+    shape = [f"model.{k}={v}" for k, v in preset_shape("7b").items()]
+    cfg = load_config(None, ["compute.device=cuda", *shape, "optim.placement=auto", "parallel.optimizer_threads=16",
+                             "model.max_position_embeddings=4096",
+                             "train.seq_len=4096", "train.micro_batch_size=4", "train.num_micro_batches=4"])
+    dense = resolve(cfg, Facts("cuda", device_bytes=139 * 2**30, host_bytes=2**40, device_tflops=989.0))
+    assert dense.updates.host_s < dense.pace.step_s and STREAMED_ON_DEVICE not in dense.policies
+    cpu = resolve(load_config(None, ["compute.device=cpu", "optim.placement=auto"]), Facts("cpu"))
+    assert STREAMED_ON_DEVICE not in cpu.policies
