@@ -26,7 +26,9 @@ gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.e
 
 Units resident on the worker's device (memory.resident, :mod:`megatrain_ray.engine.compute.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
-updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.compute.adapters`).
+updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.compute.adapters`)
+and, with optim.placement device or auto, the streamed units whose policy says so, their state
+copied in and written back (:mod:`megatrain_ray.engine.compute.device_updates`).
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
