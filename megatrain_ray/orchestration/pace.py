@@ -154,11 +154,12 @@ class UpdatePace:
 
     def line(self, pace: Pace) -> str:
         """The plan's line on the updates."""
-        host = (f"host {self.host_params / 1e9:,.3f} G params on {self.host_threads} CPU threads (~{duration(self.host_s)} "
-                f"at {HOST_ADAMW_PARAMS_PER_THREAD_S * 16 / 1e9:.1f} G params/s per 16)")
-        device = (f"device {self.device_params / 1e9:,.3f} G params (~{duration(self.device_s)}: "
-                  f"{self.device_bytes_in} B/param in, {self.device_bytes_out} out at {LINK_BYTES_S / 1e9:.0f} GB/s)")
-        return (f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}")
+        host = (f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), ~{duration(self.host_s)} "
+                f"at {HOST_ADAMW_PARAMS_PER_THREAD_S / 1e6:.0f}M parameters/s per thread, beside the next step")
+        device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step: their state "
+                  f"over the link, {self.device_bytes_in} bytes per parameter in and {self.device_bytes_out} out at "
+                  f"{LINK_BYTES_S / 1e9:.0f} GB/s")
+        return f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}"
 
 
 def stall_s(pace: Pace, floor: float) -> float:
@@ -194,6 +195,14 @@ def duration(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def _count(n: float) -> str:
+    """1.2B, 340.5M, 12.0K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f}{unit}"
+    return f"{n:,.0f}"
 
 
 def _flop(n: float) -> str:

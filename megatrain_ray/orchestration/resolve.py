@@ -145,6 +145,9 @@ class ResolvedRun:
             grads = f"to a ring of {s.grad_slots} unit slots in the host store"
         else:
             grads = "to a whole-model gradient array in the host store"
+        if self.updates.device_params:
+            grads += (f"; but those of the {sum(p == STREAMED_ON_DEVICE for p in self.policies)} streamed units updated "
+                      "on the device stay there until the step's end")
         if k.workers > 1:
             grads += (f"; {k.workers} workers' copies summed by the sink (experimental.grad_reduce=host)" if k.host_sum
                       else f"; summed over {k.workers} workers by an all-reduce, each sending its shard")
