@@ -38,7 +38,7 @@ from megatrain_ray.orchestration.pipeline import Interrupted, train
 from megatrain_ray.orchestration.resolve import Facts, resolve
 
 from artifacts import read_tensors
-from conftest import interrupt_after_checkpoint
+from conftest import interrupt_after_checkpoint, kill_in_turn
 
 STEPS = 8
 CLIPPED = ("optim.max_grad_norm=0.5", "optim.weight_decay=0.1", "optim.warmup_steps=2")
@@ -202,6 +202,21 @@ def test_checkpoints_interrupt_resume_and_export_with_device_updates_match_the_h
     rows_c = [json.loads(line) for line in open(c_run / "metrics.jsonl")]
     assert [(r["loss"], r["grad_norm"]) for r in rows_c] == [(r["loss"], r["grad_norm"]) for r in rows_a]
     assert all(r["device_update_busy_s"] > 0 for r in rows_c)
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow  # kills actors and restarts the pipeline
+def test_a_killed_compute_worker_mid_run_restarts_from_the_checkpoint_and_still_ends_bit_for_bit(host_run, shm_dir,
+                                                                                               tmp_path):
+    """The compute worker dies while it may be writing its units back (the store is half a step on):
+    the restart resumes from the last checkpoint; then the sink dies."""
+    lines = []
+    result = train(_cfg(shm_dir, tmp_path, DEVICE, "train.checkpoint_every=2", f"train.keep_checkpoints={STEPS}",
+                        "cluster.max_restarts=2"), log=kill_in_turn(["compute", "grad-sink"], lines))
+    assert sum(line.startswith("restart ") for line in lines) == 2, "\n".join(lines)
+    assert not _equal(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
+    assert not _equal(read_tensors(os.path.join(host_run.run_dir, "checkpoints", f"step-{STEPS:06d}")),
+                      read_tensors(os.path.join(result.run_dir, "checkpoints", f"step-{STEPS:06d}")))
     assert os.listdir(shm_dir) == []
 
 
