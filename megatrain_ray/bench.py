@@ -160,11 +160,11 @@ def plot_timeline(intervals: list[tuple], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lanes = ["wait", "h2d", "compute", "d2h", "adamw"]
+    lanes = ["wait", "h2d", "compute", "d2h", "device_update", "adamw"]  # device_update: optim.placement device
     t0 = min(s[2] for s in intervals)
     fig, ax = plt.subplots(figsize=(14, 3.2))
     colors = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange", "adamw": "tab:red",
-              "wait": "tab:gray"}
+              "wait": "tab:gray", "device_update": "tab:purple"}
     for lane, label, start, end, _ in intervals:
         y = lanes.index(lane)
         ax.broken_barh([(start - t0, end - start)], (y - 0.4, 0.8), color=colors[lane], alpha=0.8)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..config import TrainConfig
 from ..engine.compute.activations import (HOST, KEEP, SPAN, kept_bytes_per_token, layer_modes, recompute_spans,
                                           recomputed_layers, sparse_kept_bytes_per_token)
-from ..engine.compute.device_updates import PIECE
+from ..engine.compute.device_updates import IN_FLIGHT, PIECE
 from ..engine.compute.sequence import tiled_backward_bytes
 from ..engine.policy import updated_on_device
 from ..engine.store.host_store import StoreSpec, largest_streamed, resident_units
@@ -141,8 +141,8 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
 def _device_update_rows(cfg: TrainConfig, layout: StoreLayout, resident: tuple[int, ...],
                         units: tuple[int, ...] | None, stream: int) -> list[Row]:
     """The streamed units updated on the device (``units``; None: as optim.placement device names them):
-    their fp32 gradients, held until the step's end, and one piece of a unit's state while it is
-    updated (fp32 master and moments, and its ``stream``-byte stream copy)."""
+    their fp32 gradients, held until the step's end, and the pieces of a unit's state on the device
+    while it is updated (fp32 master and moments, and its ``stream``-byte stream copy)."""
     if units is None:
         units = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
     if not units:
@@ -151,8 +151,8 @@ def _device_update_rows(cfg: TrainConfig, layout: StoreLayout, resident: tuple[i
     largest = min(PIECE, max(layout.templates[u].numel for u in units))
     return [Row(f"gradients of the {len(units)} streamed units updated on the device (fp32, optim.placement device)",
                 "device", held * 4),
-            Row("one piece of a unit's AdamW state while it is updated on the device", "device",
-                largest * (12 + stream))]
+            Row(f"{IN_FLIGHT} pieces of a unit's AdamW state while it is updated on the device (in, updated, out)",
+                "device", IN_FLIGHT * largest * (12 + stream))]
 
 
 def _logit_bytes(c: int, compiled: bool) -> int:

@@ -53,8 +53,11 @@ HOST_ADAMW_PARAMS_PER_THREAD_S = 3.9e9 / 16
 """Parameters one CPU thread updates per second with exact AdamW (the native kernel: 3.9 G params/s
 measured on the H200 box's 16 threads)."""
 LINK_BYTES_S = 55e9
-"""Host-to-device bytes per second, each way (pinned copies on the H200 box), which a device update's
+"""Host-device bytes per second, each way (pinned copies on the H200 box), which a device update's
 state crosses."""
+LINK_BOTH_BYTES_S = 100e9
+"""Host-device bytes per second both ways at once (the H200 box): a device update's copies in and out
+run side by side."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +146,10 @@ class UpdatePace:
 
     @property
     def device_s(self) -> float:
-        """The device updates' time per step: their state across the link, in then out (the update
-        itself, memory-bound on the device, is a small fraction of it), added to the device's step."""
-        return self.device_params * (self.device_bytes_in + self.device_bytes_out) / LINK_BYTES_S
+        """The device updates' time per step: their state across the link, in and out side by side (the
+        update itself, memory-bound on the device, is a small fraction of it), added to the device's step."""
+        n, i, o = self.device_params, self.device_bytes_in, self.device_bytes_out
+        return max(n * i / LINK_BYTES_S, n * o / LINK_BYTES_S, n * (i + o) / LINK_BOTH_BYTES_S)
 
     def step_s(self, pace: Pace) -> float:
         """The expected step time with the updates: the device's step and its updates, or the host's
@@ -158,7 +162,7 @@ class UpdatePace:
                 f"at {HOST_ADAMW_PARAMS_PER_THREAD_S / 1e6:.0f}M parameters/s per thread, beside the next step")
         device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step: their state "
                   f"over the link, {self.device_bytes_in} bytes per parameter in and {self.device_bytes_out} out at "
-                  f"{LINK_BYTES_S / 1e9:.0f} GB/s")
+                  f"{LINK_BYTES_S / 1e9:.0f} GB/s each way, {LINK_BOTH_BYTES_S / 1e9:.0f} both)")
         return f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}"
 
 

@@ -11,8 +11,8 @@
   parameter), else moves units to the device, from the end of the update order (the last the next
   forward needs), one at a time while that shortens the step (both paths finish closer together),
   and only as many as the device memory the plan leaves holds (their fp32 gradients until the step's
-  end, one piece of a unit's state while it is updated). It moves none where the device update cannot serve the
-  run (the cpu device, whose "device" is the host; the 8-bit state; bf16 master weights; several
+  end, the pieces of a unit's state on the device while it is updated). It moves none where the
+  device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state; bf16 master weights; several
   compute workers; LoRA; gradients held on the device for the host, experimental.hold_grads) or where
   the GPU memory is not known.
 """
@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from ..config import TrainConfig
-from ..engine.compute.device_updates import PIECE
+from ..engine.compute.device_updates import IN_FLIGHT, PIECE
 from ..engine.policy import updated_on_device
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
@@ -59,7 +59,7 @@ def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident
     def held(device_units: list[int]) -> int:
         numel = [layout.templates[u].numel for u in device_units]
         stream = precision.compute.itemsize if precision.separate_stream_copy else 0
-        return 4 * sum(numel) + (12 + stream) * min(PIECE, max(numel, default=0))
+        return 4 * sum(numel) + IN_FLIGHT * (12 + stream) * min(PIECE, max(numel, default=0))
 
     for u in reversed(streamed):
         if step_s(moved + [u]) >= step_s(moved) or held(moved + [u]) > budget:

@@ -386,7 +386,7 @@ class ComputeWorker(GroupMember):
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in intervals if ln == lane) for lane in ("h2d", "d2h")}
         busy["device_update_busy_s"] = sum(e - b for ln, what, b, e, _ in intervals  # AdamW here: the other update path
-                                           if ln == "compute" and what.startswith("adamw"))
+                                           if ln == "device_update" or ln == "compute" and what.startswith("adamw"))
         extra.update(self.traffic.report(step))
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
                 "start": start, "step_s": time.time() - start, **busy, **moved, "intervals": intervals,

@@ -7,13 +7,16 @@ gradient sink, which counts it in the step's norm as it counts every ticket's. A
 step's backward, once the step's norm is known here (the same squared norms summed in the same
 order as the sink sums its tickets', :func:`~megatrain_ray.engine.compute.resident.step_sq_norm`),
 each such unit, in update order, piece by piece (:data:`PIECE` elements at a time, so the device
-holds one piece's state, never a whole unit's), has its fp32 master weights and AdamW moments
+holds a few pieces' state, never a whole unit's, and a piece comes in while the one before is
+updated and the one before that goes out), has its fp32 master weights and AdamW moments
 copied in from the host store, updated by the arithmetic of the resident units' update (on the CPU
 backend the sink's own kernel, :class:`~megatrain_ray.engine.optim.AdamWRunner`, so bit for bit the
 host update where the gradient dtype is fp32: the update is elementwise, so its pieces do not
 change its bits; on a GPU ``torch._fused_adamw_``, :func:`~megatrain_ray.engine.optim.adamw_unit`),
 each piece's decay span as the unit's, and written back (with the stream copy, where the store keeps
-one); then its versions say ``step + 1`` and the prefetcher may stream it for the next step. So the host
+one); then its versions say ``step + 1`` and the prefetcher may stream it for the next step. The
+span from the first copy in to the last copy out is the step's ``device_update`` interval (the
+step metrics' ``device_update_busy_s``, beside the sink's ``update_busy_s``). So the host
 store holds each such unit's state at every step boundary (checkpoints, the export and an interrupt
 find it there), and the host's CPUs update nothing of it.
 
@@ -33,6 +36,7 @@ A run without such units holds the empty set, :class:`NoStreamedUpdates`.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -42,8 +46,11 @@ from ..optim import AdamWRunner, adamw_unit, step_clipping
 from .resident import STATE_KINDS, step_sq_norm
 
 PIECE = 1 << 26
-"""Elements of a unit's state on the device at a time (256 MiB per fp32 kind): what the plan counts
-for the update beside the held gradients."""
+"""Elements of a piece of a unit's state on the device (256 MiB per fp32 kind); up to three pieces
+are on the device at once (one coming in, one updated, one going out): what the plan counts for the
+update beside the held gradients."""
+IN_FLIGHT = 3
+"""Pieces of state on the device at once (see :data:`PIECE`)."""
 
 
 class StreamedUpdates:
@@ -80,36 +87,57 @@ class StreamedUpdates:
             coef = step_clipping(step, math.sqrt(step_sq_norm(sq_norms)), self.optim.max_grad_norm)
         except Diverged:
             return  # nothing applied: the sink stops the run on the same norm
+        began = time.time()
         self._await_copy(step + 1)
-        for u in self.units:
-            self._update(u, grads.pop(u), coef, step)
+        self._update_all(grads, coef, step)
+        self.backend.note("device_update", "adamw of the streamed units", began, time.time())
         if for_checkpoint:
             self.store.set_checkpoint_copy(step + 1)
 
-    def _update(self, unit: int, grad: torch.Tensor, coef: float, step: int) -> None:
-        """One unit, piece by piece: its state in, AdamW, its state (and stream copy) back to the host
-        store; then its versions. grad: [numel] fp32 on the device."""
-        name, store = self.names[unit], self.store
-        numel, decay = grad.numel(), store.layout.templates[unit].decay_numel
-        done = None
-        for a in range(0, numel, PIECE):
-            b = min(numel, a + PIECE)
-            with self.backend.compute(f"adamw {name}"):
-                state = {kind: store.block(kind, unit)[a:b].to(self.backend.device, copy=True) for kind in STATE_KINDS}
-                stream = (torch.empty(b - a, dtype=store.spec.precision.compute, device=self.backend.device)
-                          if store.separate_stream_copy else None)
-                args = (state["master"], grad[a:b], state["exp_avg"], state["exp_avg_sq"], stream,
-                        min(max(decay - a, 0), b - a), step + 1, lr_at(self.optim, step, self.total_steps), self.optim)
+    def _update_all(self, grads: dict[int, torch.Tensor], coef: float, step: int) -> None:
+        """Every unit, piece by piece, as a pipeline on the device's streams: the next piece's state
+        comes in (the copy-in stream) while this one is updated (the compute stream) and the one before
+        goes out (the copy-out stream); a unit's versions move once its last piece is out, while the
+        next unit's pieces are under way. grads: unit -> [numel] fp32 on the device."""
+        store, lr = self.store, lr_at(self.optim, step, self.total_steps)
+        pieces = [(u, a, min(grads[u].numel(), a + PIECE)) for u in self.units for a in range(0, grads[u].numel(), PIECE)]
+        ahead = self._load(*pieces[0]) if pieces else {}
+        written: tuple[int, object] | None = None  # (unit, its last copy-out) not yet waited for
+        for i, (unit, a, b) in enumerate(pieces):
+            state, ahead = ahead, self._load(*pieces[i + 1]) if i + 1 < len(pieces) else {}
+            for _, ready in state.values():
+                self.backend.wait(ready)
+            master, exp_avg, exp_avg_sq = (state[kind][0] for kind in STATE_KINDS)
+            stream = (torch.empty(b - a, dtype=store.spec.precision.compute, device=self.backend.device)
+                      if store.separate_stream_copy else None)
+            decay = min(max(store.layout.templates[unit].decay_numel - a, 0), b - a)
+            args = (master, grads[unit][a:b], exp_avg, exp_avg_sq, stream, decay, step + 1, lr, self.optim)
+            with self.backend.compute(f"{self.names[unit]} update"):
                 if self.runner is not None:  # the gradient: fp32, scaled in place
                     self.runner.update(*args, grad_scale=coef, unit=unit)
                 else:
                     adamw_unit(*args, grad_scale=coef, unit=unit, pieces=False)
-            for kind in STATE_KINDS:
-                done = self.backend.stash(state[kind], store.block(kind, unit)[a:b], f"{name} {kind}")
+            done = None
+            for kind, value in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
+                done = self.backend.stash(value, store.block(kind, unit)[a:b], f"{self.names[unit]} {kind} out")
             if stream is not None:
-                done = self.backend.stash(stream, store.block("stream", unit)[a:b], f"{name} stream")
-        self.backend.host_wait(done)
-        store.set_version(unit, step + 1)
+                done = self.backend.stash(stream, store.block("stream", unit)[a:b], f"{self.names[unit]} stream out")
+            if b == grads[unit].numel():  # the unit's last piece: the one before may move on
+                self._written(written, step)
+                written = (unit, done)
+        self._written(written, step)
+
+    def _load(self, unit: int, a: int, b: int) -> dict[str, tuple[torch.Tensor, object]]:
+        """Start the copy of ``unit``'s state [a, b) to the device: kind -> (tensor, its ready handle)."""
+        return {kind: self.backend.unstash(self.store.block(kind, unit)[a:b], self.backend.mark(),
+                                           f"{self.names[unit]} {kind} in") for kind in STATE_KINDS}
+
+    def _written(self, written: tuple[int, object] | None, step: int) -> None:
+        """Once a unit's last copy-out is complete, it is at ``step + 1`` updates (its state, then its
+        stream copy: what the prefetcher waits for)."""
+        if written is not None:
+            self.backend.host_wait(written[1])
+            self.store.set_version(written[0], step + 1)
 
     def _await_copy(self, boundary: int) -> None:
         """Wait until no checkpoint of a boundary before ``boundary`` holds the host copy."""
