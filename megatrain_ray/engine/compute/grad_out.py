@@ -51,7 +51,7 @@ class GradOut:
     def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float,
                  resident: ResidentUnits | NoResidentUnits, policies: tuple[UnitPolicy, ...],
                  update_order: tuple[int, ...], adapters, traffic: ExpertTraffic,
-                 device_updates: StreamedUpdates | NoStreamedUpdates = NoStreamedUpdates()):
+                 device_updates: StreamedUpdates | NoStreamedUpdates):
         """resident: the units resident on the worker's device (the empty set without), updated at the end
         of each step; device_updates: the streamed units updated on its device (the empty set without),
         updated after them; policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
