@@ -158,10 +158,12 @@ class UpdatePace:
 
     def line(self, pace: Pace) -> str:
         """The plan's line on the updates."""
-        host = (f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), ~{duration(self.host_s)} "
-                f"at {HOST_ADAMW_PARAMS_PER_THREAD_S / 1e6:.0f}M parameters/s per thread, beside the next step")
-        device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step (their state "
-                  f"over the link: {self.device_bytes_in} bytes per parameter in and {self.device_bytes_out} out at "
+        host = (f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), "
+                f"~{duration(self.host_s)} at {HOST_ADAMW_PARAMS_PER_THREAD_S / 1e6:.0f}M parameters/s per thread, "
+                "beside the next step")
+        device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step "
+                  f"(their state over the link: {self.device_bytes_in} bytes per parameter in and "
+                  f"{self.device_bytes_out} out at "
                   f"{LINK_BYTES_S / 1e9:.0f} GB/s each way, {LINK_BOTH_BYTES_S / 1e9:.0f} both)")
         return f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}"
 

@@ -12,9 +12,9 @@
   forward needs), one at a time while that shortens the step (both paths finish closer together),
   and only as many as the device memory the plan leaves holds (their fp32 gradients until the step's
   end, the pieces of a unit's state on the device while it is updated). It moves none where the
-  device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state; bf16 master weights; several
-  compute workers; LoRA; gradients held on the device for the host, experimental.hold_grads) or where
-  the GPU memory is not known.
+  device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state;
+  bf16 master weights; several compute workers; LoRA; gradients held on the device for the host,
+  experimental.hold_grads) or where the GPU memory is not known.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ import torch
 
 from ..config import TrainConfig, describe_resident, usable_cpus
 from ..errors import PreflightError
-from ..engine.policy import (ALL, DEVICE, FROZEN, HOST_OPTIMIZERS, ROUTED, STREAMED_ON_DEVICE, UnitPolicy, host_optimizer,
-                             policies_of_run)
+from ..engine.policy import (ALL, DEVICE, FROZEN, HOST_OPTIMIZERS, ROUTED, STREAMED_ON_DEVICE, UnitPolicy,
+                             host_optimizer, policies_of_run)
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store.host_store import StoreSpec, resident_units
@@ -146,8 +146,8 @@ class ResolvedRun:
         else:
             grads = "to a whole-model gradient array in the host store"
         if self.updates.device_params:
-            grads += (f"; but those of the {sum(p == STREAMED_ON_DEVICE for p in self.policies)} streamed units updated "
-                      "on the device stay there until the step's end")
+            on_device = sum(p == STREAMED_ON_DEVICE for p in self.policies)
+            grads += f"; but those of the {on_device} streamed units updated on the device stay there until the step's end"
         if k.workers > 1:
             grads += (f"; {k.workers} workers' copies summed by the sink (experimental.grad_reduce=host)" if k.host_sum
                       else f"; summed over {k.workers} workers by an all-reduce, each sending its shard")

@@ -100,7 +100,8 @@ class StreamedUpdates:
         goes out (the copy-out stream); a unit's versions move once its last piece is out, while the
         next unit's pieces are under way. grads: unit -> [numel] fp32 on the device."""
         store, lr = self.store, lr_at(self.optim, step, self.total_steps)
-        pieces = [(u, a, min(grads[u].numel(), a + PIECE)) for u in self.units for a in range(0, grads[u].numel(), PIECE)]
+        pieces = [(u, a, min(grads[u].numel(), a + PIECE))
+                  for u in self.units for a in range(0, grads[u].numel(), PIECE)]
         ahead = self._load(*pieces[0]) if pieces else {}
         written: tuple[int, object] | None = None  # (unit, its last copy-out) not yet waited for
         for i, (unit, a, b) in enumerate(pieces):
