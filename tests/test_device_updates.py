@@ -80,6 +80,21 @@ def test_streamed_units_updated_on_the_device_give_the_host_update_bit_for_bit(e
     assert os.listdir(shm_dir) == []
 
 
+def test_a_mixture_of_experts_updated_on_the_device_gives_the_host_update_bit_for_bit(shm_dir, tmp_path):
+    """Sparse layers: an expert no token chose has a zero gradient on the device, which its update
+    applies as the host's applies the zeroed ranges; no expert's gradient crosses the link."""
+    root = Path(__file__).resolve().parents[1]
+    rows = {placement: train_local(load_config(str(root / "configs" / "tiny-moe.yaml"), [
+        f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}", "compute.device=cpu", "train.steps=6",
+        "optim.max_grad_norm=0.5", "optim.weight_decay=0.1", f"optim.placement={placement}"]), 0)
+        for placement in ("host", "device")}
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in rows["host"]] == [r[key] for r in rows["device"]], key
+    assert any(b for r in rows["host"] for layer in r["expert_grad_bytes"] for b in layer)
+    assert not any(b for r in rows["device"] for layer in r["expert_grad_bytes"] for b in layer)
+    assert os.listdir(shm_dir) == []
+
+
 def _store(shm_dir: str, run_id: str, cfg) -> ParameterStore:
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), shm_dir, os.getpid(), run_id)
     return ParameterStore(spec, seed=0)
