@@ -115,7 +115,7 @@ def summarize(rows: list[dict]) -> dict:
     out = {"step_s": step_s, "steady_periods": len(periods), "losses": [r["loss"] for r in rows],
            "fetches": rows[-1]["fetches"],
            "tokens": rows[-1]["tokens"], "device_peak_gib": max(r["device_peak_bytes"] for r in rows) / 2**30}
-    for lane in ("compute", "h2d", "d2h", "update", "wait"):
+    for lane in ("compute", "h2d", "d2h", "update", "device_update", "wait"):  # update: the host's AdamW
         out[f"{lane}_busy_frac"] = med(f"{lane}_busy_s") / step_s
     out["outside_run_step_s"] = step_s - med("step_s")
     out["h2d_gbps"] = med("h2d_bytes") / max(med("h2d_busy_s"), 1e-9) / 1e9
@@ -160,11 +160,11 @@ def plot_timeline(intervals: list[tuple], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lanes = ["wait", "h2d", "compute", "d2h", "adamw"]
+    lanes = ["wait", "h2d", "compute", "d2h", "device_update", "adamw"]  # device_update: optim.placement device
     t0 = min(s[2] for s in intervals)
     fig, ax = plt.subplots(figsize=(14, 3.2))
     colors = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange", "adamw": "tab:red",
-              "wait": "tab:gray"}
+              "wait": "tab:gray", "device_update": "tab:purple"}
     for lane, label, start, end, _ in intervals:
         y = lanes.index(lane)
         ax.broken_barh([(start - t0, end - start)], (y - 0.4, 0.8), color=colors[lane], alpha=0.8)

@@ -15,13 +15,14 @@ from refusals import refused
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("resident", ["none", "embed_head"])  # embed_head: the compute worker updates its units too
-def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(resident, ray_cluster, shm_dir, tmp_path, capsys,
+@pytest.mark.parametrize("setting", ["memory.resident=none", "memory.resident=embed_head", "optim.placement=device"])
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(setting, ray_cluster, shm_dir, tmp_path, capsys,
                                                                  monkeypatch):
+    """embed_head: the compute worker updates its units too; optim.placement device: all of them."""
     # lr 1e30: step 1 is finite, its update blows the weights up, step 2's loss is not finite.
     line = refused(["train", "--set", f"memory.shm_dir={shm_dir}", "--set", "compute.device=cpu",
                  "--set", "optim.lr=1e30", "--set", "train.steps=6", "--set", "train.checkpoint_every=1",
-                 "--set", "cluster.actor_timeout_s=120", "--set", f"memory.resident={resident}"],
+                 "--set", "cluster.actor_timeout_s=120", "--set", setting],
                 tmp_path, capsys, monkeypatch)
     runs = os.listdir(tmp_path / "runs")
     ckpts = tmp_path / "runs" / runs[0] / "checkpoints"

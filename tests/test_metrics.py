@@ -111,12 +111,12 @@ def test_gauges_are_exported_on_the_node_metrics_endpoint(finished_run):
     spec = StoreSpec(cfg.model, Precision(torch.float32, torch.float32), "/dev/shm", 0, "x")  # cpu: fp32
     assert found[("host_store_bytes", ())] == spec.nbytes()
     assert found[("host_memory_used_bytes", ())] > 0
-    for stage in ("h2d", "compute", "d2h", "wait", "adamw"):
+    for stage in ("h2d", "compute", "d2h", "wait", "device_update", "adamw"):
         busy = found[("stage_busy_s", (("stage", stage),))]
         key = "update_busy_s" if stage == "adamw" else f"{stage}_busy_s"
         assert busy == pytest.approx(last[key], rel=1e-6, abs=1e-12)
         assert found[("stage_busy_fraction", (("stage", stage),))] == pytest.approx(busy / last["step_s"], rel=1e-6)
-        if stage != "adamw":  # one worker: its own lanes are the step's
+        if stage not in ("adamw", "device_update"):  # one worker: its own lanes are the step's
             assert found[("worker_busy_fraction", (("stage", stage), ("worker", "0")))] == pytest.approx(
                 busy / last["step_s"], rel=1e-6)
     assert found[("stage_busy_s", (("stage", "compute"),))] > 0
@@ -163,7 +163,7 @@ def test_stage_gauges_name_their_role(finished_run):
         if tags.get("run_id") == result.run_id:
             roles[tags["stage"]] = tags["role"]
     assert roles == STAGE_ROLE == {"h2d": "compute", "compute": "compute", "d2h": "compute", "wait": "compute",
-                                   "adamw": "grad-sink"}
+                                   "device_update": "compute", "adamw": "grad-sink"}
 
 
 def test_metrics_file_and_console_line(finished_run):
@@ -223,7 +223,7 @@ def test_plots_name_the_cpu_copy_lanes_and_keep_legends_off_the_data(finished_ru
     try:
         stages = figs["stages.png"].axes[0]
         labels = [t.get_text() for t in stages.get_legend().get_texts()]
-        assert labels == ["copy in", "compute", "copy out", "wait", "adamw"]
+        assert labels == ["copy in", "compute", "copy out", "wait", "device_update", "adamw"]
         timeline = figs["timeline.png"].axes[0]
         assert [t.get_text() for t in timeline.get_yticklabels()] == labels
 

@@ -211,7 +211,7 @@ def test_a_copy_for_a_checkpoint_stays_until_its_writer_has_written_it(shm_dir, 
         checkpoints = checkpoint.CheckpointSettings(str(tmp_path), 1, 5, cfg.to_dict(), "r", {})
         write = writer.CheckpointWriter(store, checkpoints)
         head = cfg.model.num_hidden_layers + 1
-        write.start(1, [0, head, *range(1, head)])  # as the sink orders them: the resident units first
+        write.start(1, [0, head, *range(1, head)], held=(0, head))  # as the sink orders them: the resident units first
         ahead.join(timeout=60)
         notice = write.finish()
         assert not ahead.is_alive() and store.checkpoint_copy() == 2 and store.state_version(0) == 2

@@ -54,6 +54,20 @@ class OptimConfig:
     or 8bit (compact, ~4 bytes per parameter plus the gradient: block-quantized 8-bit moments and bf16
     master weights, all rounded stochastically, whatever precision.master_dtype says; see
     megatrain_ray.engine.compact)."""
+    placement: str = "host"
+    """Where the AdamW update of each streamed unit runs: host (default: the gradient sink, on the
+    host's CPU threads, from the gradient the compute worker sends) or device (the compute worker's
+    device: the unit's gradient stays there, and after the step's norm its fp32 master weights and
+    moments are copied in, updated with the same AdamW and written back to the host store, so the
+    host's CPUs update nothing; needs one compute worker, fp32 master weights and optim.state fp32),
+    or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
+    on the host where the host's update of all of them takes no longer than the device's step, else
+    units from the last layers on to the device while that shortens the step (the host's AdamW rate
+    per thread against each unit's state crossing the link) and their held gradients fit the device
+    memory the plan leaves; all on the host where the device update cannot serve the run (the cpu
+    device, the 8-bit state, bf16 master weights, several compute workers, LoRA). ``plan`` prints
+    where each unit's update runs. Units resident on the device (memory.resident) are updated there
+    either way."""
 
     def validate(self) -> None:
         for key in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"):
@@ -68,10 +82,14 @@ class OptimConfig:
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         _require(self.state in OPTIM_STATES, "optim.state",
                  f"must be one of {', '.join(OPTIM_STATES)}, got {self.state!r}")
+        _require(self.placement in OPTIM_PLACEMENTS, "optim.placement",
+                 f"must be one of {', '.join(OPTIM_PLACEMENTS)}, got {self.placement!r}")
 
 
 OPTIM_STATES = ("fp32", "8bit")
 """Values of optim.state."""
+OPTIM_PLACEMENTS = ("host", "device", "auto")
+"""Values of optim.placement."""
 
 
 def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -316,11 +334,28 @@ class TrainConfig:
                  "optim.decay_norms_and_biases",
                  f"cannot be set for a {self.model.model_type} model: weight decay would move its routers' "
                  "score-correction biases (mlp.gate.e_score_correction_bias), which are held frozen; set it to false")
+        if self.optim.placement == "device":
+            self._validate_device_updates(par)
         if self.lora.enabled:
             self._validate_lora(par.workers)
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self
+
+    def _validate_device_updates(self, par) -> None:
+        """What optim.placement device does not combine with, each in one sentence naming the key."""
+        _require(self.optim.state == "fp32", "optim.placement",
+                 f"device needs optim.state fp32 (got {self.optim.state}): the 8-bit state is updated on the host "
+                 "only; set optim.placement host")
+        _require(self.precision.master_dtype == "float32", "optim.placement",
+                 f"device needs fp32 master weights (precision.master_dtype {self.precision.master_dtype}); set "
+                 "optim.placement host")
+        _require(par.workers == 1, "optim.placement",
+                 f"device needs one compute worker in the whole run (got {par.compute_workers} x {par.nodes}): each "
+                 "would update its own copy; set optim.placement host")
+        _require(not self.lora.enabled, "optim.placement",
+                 f"device has nothing to place with lora.rank {self.lora.rank}: the base is frozen and the adapters "
+                 "train on the device anyway; set optim.placement host")
 
     def _validate_lora(self, workers: int) -> None:
         """What a LoRA run (lora.rank > 0) does not combine with yet, each named by its key."""

@@ -17,7 +17,9 @@ A :class:`UnitPolicy` says, for one unit (a :class:`~megatrain_ray.model.layout.
 - ``optimizer``: which update it gets, by whom: ``exact`` (AdamW on the host in one pass),
   ``split`` (the same update in two passes, the stream copy first, see :mod:`megatrain_ray.engine.sink.gradient_sink`),
   ``compact`` (8-bit moments, :mod:`megatrain_ray.engine.compact`), ``device`` (AdamW on the compute
-  worker's device, :mod:`megatrain_ray.engine.compute.resident`) or ``none`` (never updated).
+  worker's device: a resident unit's, :mod:`megatrain_ray.engine.compute.resident`, or a streamed unit's,
+  :data:`STREAMED_ON_DEVICE`, whose state is copied in and written back, optim.placement device,
+  :mod:`megatrain_ray.engine.compute.device_updates`) or ``none`` (never updated).
 
 Policies are resolved once per run (:func:`policies_of_run`, from the settings the run resolved)
 and the roles take their behaviour from them: the prefetcher streams the ``streamed`` units, the
@@ -55,9 +57,12 @@ class UnitPolicy:
                                      (self.optimizer, OPTIMIZERS, "optimizer"), (self.experts, EXPERTS, "experts")):
             if value not in allowed:
                 raise ValueError(f"a unit policy's {what} must be one of {', '.join(allowed)}, got {value!r}")
-        if (self.optimizer == DEVICE) != (self.weights == RESIDENT and self.gradient == DEVICE):
-            raise ValueError("a unit is updated on the device exactly when its weights are resident there and its "
-                             f"gradient stays there, got {self}")
+        if self.optimizer == DEVICE and self.gradient != DEVICE:
+            raise ValueError(f"a unit updated on the device keeps its gradient there, got {self}")
+        if self.weights == RESIDENT and self.optimizer != DEVICE:
+            raise ValueError(f"a unit resident on the device is updated there, got {self}")
+        if self.gradient == DEVICE and self.optimizer not in (DEVICE, NONE):
+            raise ValueError(f"a unit whose gradient stays on the device is updated there or not at all, got {self}")
 
     def __str__(self) -> str:
         experts = f", experts {self.experts}" if self.experts else ""
@@ -77,18 +82,34 @@ gradient of its weights is computed (:attr:`UnitPolicy.trains`); the gradient th
 device is its adapters', whose squared norm goes to the sink."""
 
 
+STREAMED_ON_DEVICE = UnitPolicy(STREAMED, DEVICE, DEVICE)
+"""A streamed unit updated on the compute worker's device (optim.placement device,
+:mod:`megatrain_ray.engine.compute.device_updates`): its weights are fetched as any streamed unit's,
+its whole fp32 gradient stays on the device (only its squared norm goes to the sink), and at the
+step's end its master weights and moments are copied in, updated and written back to the host store."""
+
+
 def policies_of_run(units: int, resident: tuple[int, ...], host_optimizer: str, lora: bool = False,
-                    sparse: tuple[int, ...] = (), experts: str = ROUTED) -> tuple[UnitPolicy, ...]:
+                    sparse: tuple[int, ...] = (), experts: str = ROUTED,
+                    on_device: tuple[int, ...] = ()) -> tuple[UnitPolicy, ...]:
     """Each of ``units`` units' policy: the ``resident`` ones on the device (weights, gradient and
-    AdamW), the others streamed, their gradients to the host, updated there by ``host_optimizer``,
+    AdamW), the ``on_device`` ones streamed and updated on the device (:data:`STREAMED_ON_DEVICE`),
+    the others streamed, their gradients to the host, updated there by ``host_optimizer``,
     the ``sparse`` ones' (units with routed experts) sending their experts' gradients as ``experts``
     says; ``lora`` (a LoRA run): every other unit :data:`FROZEN` (its resident ones: the embedding
     or head trained in full beside the adapters)."""
-    on_device, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
+    resident_policy, on_host = UnitPolicy(RESIDENT, DEVICE, DEVICE), UnitPolicy(STREAMED, HOST, host_optimizer)
     if lora:
-        return tuple(on_device if u in resident else FROZEN for u in range(units))
+        return tuple(resident_policy if u in resident else FROZEN for u in range(units))
     with_experts = UnitPolicy(STREAMED, HOST, host_optimizer, experts)
-    return tuple(on_device if u in resident else with_experts if u in sparse else on_host for u in range(units))
+    return tuple(resident_policy if u in resident else STREAMED_ON_DEVICE if u in on_device
+                 else with_experts if u in sparse else on_host for u in range(units))
+
+
+def updated_on_device(units: int, resident: tuple[int, ...], placement: str) -> tuple[int, ...]:
+    """The streamed units whose update runs on the compute worker's device under optim.placement
+    ``placement``: every unit not ``resident`` for device, none for host."""
+    return tuple(u for u in range(units) if u not in resident) if placement == DEVICE else ()
 
 
 def host_optimizer(compact: bool, splits: bool) -> str:

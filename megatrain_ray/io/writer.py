@@ -90,14 +90,19 @@ class CheckpointWriter:
         """(unit, group) -> {kind: copy of the unit's flat block}, taken by before_update while the budget lasts."""
         self._staged_bytes = 0
         self._order: list[int] = []
+        self._held: tuple[int, ...] = ()
+        """The units whose host copy the compute worker holds for the write being made (see :meth:`start`)."""
 
     # -- the sink's side: in the background --------------------------------------------------
 
-    def start(self, step: int, order: list[int] | None = None) -> None:
+    def start(self, step: int, order: list[int] | None = None, held: tuple[int, ...] = ()) -> None:
         """Begin writing the boundary after ``step`` updates in the background, the units in ``order``
         (the order of the sink's next updates; default: the layout's). A write still running is
-        finished first (:meth:`finish`)."""
+        finished first (:meth:`finish`). ``held``: the units whose host copy the compute worker
+        holds for this write (the checkpoint copy, :mod:`megatrain_ray.engine.compute.resident`),
+        released once they are written."""
         self.finish()
+        self._held = tuple(held)
         units = range(len(self.store.layout.units))
         self._check_boundary(step)
         self._written = {(i, group): threading.Event() for i in units for group in GROUPS}
@@ -198,14 +203,14 @@ class CheckpointWriter:
 
     def _release(self, unit: int, group: str) -> None:
         self._written[unit, group].set()
-        resident = self.store.spec.resident
-        if unit in resident and all(self._written[u, g].is_set() for u in resident for g in GROUPS):
+        held = self._held
+        if unit in held and all(self._written[u, g].is_set() for u in held for g in GROUPS):
             self._release_resident(self._outcome["step"])
 
     def _release_resident(self, step: int) -> None:
         """Let the compute worker overwrite the copy of its units that it held for this write
         (:mod:`megatrain_ray.engine.compute.resident`); a checkpoint copy of a later boundary is not this write's."""
-        if self.store.spec.resident and self.store.checkpoint_copy() == step:
+        if self._held and self.store.checkpoint_copy() == step:
             self.store.set_checkpoint_copy(None)
 
     # -- the store actor's side: in the foreground -------------------------------------------

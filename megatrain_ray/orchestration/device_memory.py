@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from ..config import TrainConfig
 from ..engine.compute.activations import (HOST, KEEP, SPAN, kept_bytes_per_token, layer_modes, recompute_spans,
                                           recomputed_layers, sparse_kept_bytes_per_token)
+from ..engine.compute.device_updates import IN_FLIGHT, PIECE
 from ..engine.compute.sequence import tiled_backward_bytes
+from ..engine.policy import updated_on_device
 from ..engine.store.host_store import StoreSpec, largest_streamed, resident_units
 from ..model.flops import recompute_flops
 from ..model.quant import DEQUANT_CHUNK
@@ -74,10 +76,11 @@ def device_rows(cfg: TrainConfig, device: str, micro_batch_size: int, device_byt
 
 
 def placed_rows(cfg: TrainConfig, device: str, micro_batch_size: int, resident: tuple[int, ...],
-                placement: tuple[str, ...]) -> list[Row]:
+                placement: tuple[str, ...], on_device: tuple[int, ...] | None = None) -> list[Row]:
     """The device-memory components of one step at ``micro_batch_size`` with the activations placed as
-    ``placement`` (one mode per decoder layer, :func:`activation_placement`) has them."""
-    fixed = _fixed_device_rows(cfg, device, micro_batch_size, resident)
+    ``placement`` (one mode per decoder layer, :func:`activation_placement`) has them, and the
+    streamed units ``on_device`` updated on the device (None: as optim.placement names them)."""
+    fixed = _fixed_device_rows(cfg, device, micro_batch_size, resident, on_device)
     counts = placement.count(KEEP), placement.count(HOST), placement.count(SPAN)
     return fixed[:1] + _activation_rows(cfg, device, micro_batch_size, *counts) + fixed[1:]
 
@@ -95,7 +98,7 @@ def configured_resident(cfg: TrainConfig, resident: tuple[int, ...] | None) -> t
 
 
 def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
-                       resident: tuple[int, ...] | None = None) -> list[Row]:
+                       resident: tuple[int, ...] | None = None, on_device: tuple[int, ...] | None = None) -> list[Row]:
     """Every device row but the activations' (the weight slots first)."""
     m = cfg.model
     c, tokens, mbs, h = _shape(cfg, device, micro_batch_size)
@@ -126,12 +129,30 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "experimental.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
+        *_device_update_rows(cfg, layout, resident, on_device, c if precision.separate_stream_copy else 0),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * _logit_bytes(c, cfg.compute.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
     if device == "cuda":
         rows.append(Row("CUDA context", "device", CUDA_CONTEXT_BYTES))
     return rows
+
+
+def _device_update_rows(cfg: TrainConfig, layout: StoreLayout, resident: tuple[int, ...],
+                        units: tuple[int, ...] | None, stream: int) -> list[Row]:
+    """The streamed units updated on the device (``units``; None: as optim.placement device names them):
+    their fp32 gradients, held until the step's end, and the pieces of a unit's state on the device
+    while it is updated (fp32 master and moments, and its ``stream``-byte stream copy)."""
+    if units is None:
+        units = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
+    if not units:
+        return []
+    held = sum(layout.templates[u].numel for u in units)
+    largest = min(PIECE, max(layout.templates[u].numel for u in units))
+    return [Row(f"gradients of the {len(units)} streamed units updated on the device (fp32, optim.placement device)",
+                "device", held * 4),
+            Row(f"{IN_FLIGHT} pieces of a unit's AdamW state while it is updated on the device (in, updated, out)",
+                "device", IN_FLIGHT * largest * (12 + stream))]
 
 
 def _logit_bytes(c: int, compiled: bool) -> int:

@@ -54,7 +54,7 @@ class RunResult:
     tokens_per_s: float = 0.0
     timeline: list[tuple] = field(default_factory=list)
     """(lane, label, start, end, bytes) intervals of the last two steps: h2d, compute, d2h, wait
-    (the compute thread blocked on weights) and adamw."""
+    (the compute thread blocked on weights), device_update (AdamW of streamed units on the device) and adamw."""
     last_intervals: list[tuple] = field(default_factory=list, repr=False)
     start_step: int = 0
     """First step this run trained (the checkpoint's step when resumed)."""

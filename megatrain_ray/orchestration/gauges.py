@@ -6,11 +6,14 @@ and ``megatrain-ray plot`` labels its axes with them. Nothing heavy is imported 
 command stays quick).
 """
 
-STAGES = ("h2d", "compute", "d2h", "wait", "adamw")
+STAGES = ("h2d", "compute", "d2h", "wait", "device_update", "adamw")
 """The pipeline stages, as metrics.jsonl, timeline.json and the gauges' ``stage`` tag name them."""
 
-STAGE_ROLE = {"h2d": "compute", "compute": "compute", "d2h": "compute", "wait": "compute", "adamw": "grad-sink"}
-"""The role whose busy time each stage is: the compute worker's four lanes, the sink's AdamW."""
+STAGE_ROLE = {"h2d": "compute", "compute": "compute", "d2h": "compute", "wait": "compute", "device_update": "compute",
+              "adamw": "grad-sink"}
+"""The role whose busy time each stage is: the compute worker's four lanes and its AdamW on the device
+(units resident there, streamed units under optim.placement device, a LoRA run's adapters; within its
+compute and copy lanes), the sink's AdamW on the host."""
 
 UNITS = {
     "tokens_per_s": "tokens/s", "tflops_6nt": "TFLOP/s", "tflops_palm": "TFLOP/s", "step_time_s": "s",

@@ -12,7 +12,8 @@ tflops_6nt                  model TFLOP/s counted as 6 x every parameter x token
 tflops_palm                 model TFLOP/s counted as PaLM does: 6 x matmul parameters + attention, per token
 step_time_s                 wall time of the last step on the compute worker
 stage_busy_s{stage,role}    busy seconds of the last step per stage: h2d, compute, d2h, wait (the
-                            compute worker's lanes, role compute), adamw (role grad-sink)
+                            compute worker's lanes, role compute), device_update (its AdamW on the
+                            device, within those lanes), adamw (the host's, role grad-sink)
 stage_busy_fraction{..}     the same, divided by the step time
 link_gbps{direction}        GB/s of the host-device copies while busy (h2d, d2h)
 loss, learning_rate, grad_norm

@@ -112,6 +112,15 @@ CPU_UNIT_S = 0.012
 units, 101 ms a step on 2 cores against 51 ms of FLOPs at the rate above)."""
 WAIT_STEPS = 3
 """Expected step times a role waits for its next message before giving up (see the module docstring)."""
+HOST_ADAMW_PARAMS_PER_THREAD_S = 3.9e9 / 16
+"""Parameters one CPU thread updates per second with exact AdamW (the native kernel: 3.9 G params/s
+measured on the H200 box's 16 threads)."""
+LINK_BYTES_S = 55e9
+"""Host-device bytes per second, each way (pinned copies on the H200 box), which a device update's
+state crosses."""
+LINK_BOTH_BYTES_S = 100e9
+"""Host-device bytes per second both ways at once (the H200 box): a device update's copies in and out
+run side by side."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +269,50 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
                 w.link_bytes / (LINK_GBPS * 1e9))
 
 
+@dataclass(frozen=True)
+class UpdatePace:
+    """Where a step's AdamW updates run (optim.placement) and what each path should take."""
+
+    host_params: int
+    """Parameters the gradient sink updates on the host's CPU threads."""
+    host_threads: int
+    """The sink's AdamW threads."""
+    device_params: int
+    """Parameters of the streamed units updated on the compute worker's device (optim.placement device)."""
+    device_bytes_in: int
+    """Bytes per such parameter copied in: fp32 master weights and two moments."""
+    device_bytes_out: int
+    """Bytes per such parameter written back: the same, and the stream copy where the store keeps one."""
+
+    @property
+    def host_s(self) -> float:
+        """The host's update time per step (beside the device's step, as the updates overlap the next one)."""
+        return self.host_params / (HOST_ADAMW_PARAMS_PER_THREAD_S * max(1, self.host_threads))
+
+    @property
+    def device_s(self) -> float:
+        """The device updates' time per step: their state across the link, in and out side by side (the
+        update itself, memory-bound on the device, is a small fraction of it), added to the device's step."""
+        n, i, o = self.device_params, self.device_bytes_in, self.device_bytes_out
+        return max(n * i / LINK_BYTES_S, n * o / LINK_BYTES_S, n * (i + o) / LINK_BOTH_BYTES_S)
+
+    def step_s(self, pace: Pace) -> float:
+        """The expected step time with the updates: the device's step and its updates, or the host's
+        updates where they take longer."""
+        return max(pace.step_s + self.device_s, self.host_s)
+
+    def line(self, pace: Pace) -> str:
+        """The plan's line on the updates."""
+        host = (f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), "
+                f"~{duration(self.host_s)} at {HOST_ADAMW_PARAMS_PER_THREAD_S / 1e6:.0f}M parameters/s per thread, "
+                "beside the next step")
+        device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step "
+                  f"(their state over the link: {self.device_bytes_in} bytes per parameter in and "
+                  f"{self.device_bytes_out} out at "
+                  f"{LINK_BYTES_S / 1e9:.0f} GB/s each way, {LINK_BOTH_BYTES_S / 1e9:.0f} both)")
+        return f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}"
+
+
 def stall_s(pace: Pace, floor: float) -> float:
     """How long no message may move on a node's queues before the health check calls the run
     stalled: :data:`WAIT_STEPS` expected steps, at least ``floor`` (cluster.actor_timeout_s)."""
@@ -293,6 +346,14 @@ def duration(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def _count(n: float) -> str:
+    """1.2B, 340.5M, 12.0K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f}{unit}"
+    return f"{n:,.0f}"
 
 
 def _flop(n: float) -> str:

@@ -250,6 +250,8 @@ class Decisions:
     """Each decoder layer's activation placement (:func:`activation_placement`)."""
     pace: Pace
     """The expected step time (:func:`~megatrain_ray.orchestration.pace.expected_pace`)."""
+    on_device: tuple[int, ...] = ()
+    """The streamed units updated on the device (optim.placement, :mod:`~megatrain_ray.orchestration.placement`)."""
 
 
 def host_for(host_bytes: int | None) -> int:
@@ -311,7 +313,7 @@ def count(cfg: TrainConfig, decided: Decisions, host: int, starts_ray: bool) -> 
     n_params = StoreLayout.build(m).num_params
     rows = _host_rows(cfg, device, store, starts_ray)
     room = host - sum(r.nbytes for r in rows)  # what offloaded checkpoints may take
-    rows += placed_rows(cfg, device, cfg.train.micro_batch_size, resident, decided.placement)
+    rows += placed_rows(cfg, device, cfg.train.micro_batch_size, resident, decided.placement, decided.on_device)
     shm_free = shutil.disk_usage(cfg.memory.shm_dir).free
     experts = (f", {flops.fmt_count(flops.active_params(m))} active: {m.num_experts_per_tok} of {m.num_experts} experts in "
                f"{len(m.sparse_layers)} sparse layers" if m.is_moe else "")

@@ -31,7 +31,8 @@ import torch
 
 from ..config import TrainConfig, describe_resident, usable_cpus
 from ..errors import PreflightError
-from ..engine.policy import ALL, FROZEN, HOST_OPTIMIZERS, ROUTED, UnitPolicy, host_optimizer, policies_of_run
+from ..engine.policy import (ALL, DEVICE, FROZEN, HOST_OPTIMIZERS, ROUTED, STREAMED_ON_DEVICE, UnitPolicy,
+                             host_optimizer, policies_of_run)
 from ..engine.schedule import Schedule
 from ..engine.settings import ComputeSettings, SinkSettings
 from ..engine.store.host_store import StoreSpec, resident_units
@@ -40,9 +41,10 @@ from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
 from ..engine.compute.activations import recompute_spans, recomputed_layers
-from .device_memory import activation_placement, resolve_resident
+from .device_memory import activation_placement, device_total, placed_rows, resolve_resident
 from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
-from .pace import Pace, expected_pace, role_wait_s
+from .pace import Pace, UpdatePace, expected_pace, role_wait_s
+from .placement import units_on_device, update_pace
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class ResolvedRun:
     call_timeout_s: float
     """How long the driver waits for a call to a role to return, and the compute workers' data-parallel
     group for its collectives (cluster.actor_timeout_s)."""
+    updates: UpdatePace
+    """Where the step's AdamW updates run (the host's threads, the compute worker's device: each unit's
+    policy says) and the time each path should take (optim.placement)."""
 
     @property
     def pace(self) -> Pace:
@@ -141,6 +146,9 @@ class ResolvedRun:
             grads = f"to a ring of {s.grad_slots} unit slots in the host store"
         else:
             grads = "to a whole-model gradient array in the host store"
+        if self.updates.device_params:
+            on_device = sum(p == STREAMED_ON_DEVICE for p in self.policies)
+            grads += f"; but those of the {on_device} streamed units updated on the device stay there until the step's end"
         if k.workers > 1:
             grads += (f"; {k.workers} workers' copies summed by the sink (experimental.grad_reduce=host)" if k.host_sum
                       else f"; summed over {k.workers} workers by an all-reduce, each sending its shard")
@@ -165,6 +173,8 @@ class ResolvedRun:
             + (" (one per CPU left to it where experimental.cpu_affinity pins it beside a GPU)"
                if k.optimizer_threads_per_cpu and cfg.experimental.cpu_affinity and self.device == "cuda" else "")
             + (f", sharded across {cfg.parallel.nodes} nodes" if cfg.parallel.sharded_optimizer else ""),
+            f"  updated where: {_placements(self.policies)} (optim.placement={cfg.optim.placement})",
+            f"  {self.updates.line(self.pace)}",
         ]
         return "\n".join(lines)
 
@@ -175,6 +185,18 @@ def _by_policy(names: list[str], policies) -> list[tuple]:
     for name, policy in zip(names, policies):
         groups.setdefault(policy, []).append(name)
     return list(groups.items())
+
+
+def _placements(policies) -> str:
+    """How many units each update path takes: "4 on the host's CPU threads, 2 on the device (...)"."""
+    host = sum(p.optimizer in HOST_OPTIMIZERS for p in policies)
+    streamed = sum(p == STREAMED_ON_DEVICE for p in policies)
+    resident = sum(p.optimizer == DEVICE for p in policies) - streamed
+    never = sum(not p.trains for p in policies)
+    parts = [f"{host} units on the host's CPU threads",
+             f"{streamed} streamed units on the device (state copied in and written back each step)",
+             f"{resident} resident units on the device"]
+    return ", ".join(parts) + (f", {never} never updated" if never else "")
 
 
 def _names(names: list[str]) -> str:
@@ -202,6 +224,10 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
     host = preflight.host_for(facts.host_bytes)
     decisions = _decide(cfg, facts, store, resident, host)
+    threads = cfg.parallel.resolved_optimizer_threads()
+    on_device = units_on_device(cfg, device, layout, resident, decisions.pace, threads, precision,
+                                None if store.hold_grads else _device_room(cfg, decisions))  # held: all to the host
+    decisions = dataclasses.replace(decisions, on_device=on_device)
     memory = preflight.count(cfg, decisions, host, facts.starts_ray)
     activations = decisions.placement  # every GPU alike: the same share of the micro-batches
     # a LoRA run's embedding / head trained in full: on the compute worker's device beside the adapters
@@ -215,7 +241,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
               and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
     policies = policies_of_run(len(layout.units), resident + trained, host_optimizer(precision.compact, splits),
-                               cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED)
+                               cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED, on_device)
     compute = ComputeSettings(
         device=device, buffer_depth=cfg.memory.buffer_depth_on(device), loss_chunk_size=cfg.memory.loss_chunk_size_on(device),
         mlp_chunk_size=cfg.memory.mlp_chunk_size_for(cfg.train.seq_len), compile=cfg.compute.compile_on(device),
@@ -224,13 +250,14 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         threads=usable_cpus() if device == "cpu" else None, timeout_s=wait, optim=cfg.optim,
         total_steps=cfg.train.steps, policies=policies, update_order=schedule.update, seed=cfg.train.seed)
     sink = SinkSettings(optim=cfg.optim, total_steps=cfg.train.steps, timeout_s=wait,
-                        optimizer_threads=cfg.parallel.resolved_optimizer_threads(),
+                        optimizer_threads=threads,
                         optimizer_threads_per_cpu=not cfg.parallel.optimizer_threads, workers=cfg.parallel.compute_workers,
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
+    updates = update_pace(layout, sink.updates, threads, on_device, precision)
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
-                       decisions, memory, wait, cfg.cluster.actor_timeout_s)
+                       decisions, memory, wait, cfg.cluster.actor_timeout_s, updates)
 
 
 def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[int, ...],
@@ -246,6 +273,15 @@ def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[in
     pace = expected_pace(cfg, device, *recomputed_layers(placement), tflops=facts.device_tflops,
                          gpu_name=gpu_name() if device == "cuda" else None)
     return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
+
+
+def _device_room(cfg: TrainConfig, decided: preflight.Decisions) -> int | None:
+    """The device memory the plan leaves with the activations placed and no unit updated on the device
+    (None: unknown)."""
+    if decided.device_bytes is None:
+        return None
+    rows = placed_rows(cfg, decided.device, cfg.train.micro_batch_size, decided.resident, decided.placement, ())
+    return decided.device_bytes - device_total(rows)
 
 
 def _fits_an_idle_machine(result: preflight.MemoryPlan, cfg: TrainConfig) -> bool:

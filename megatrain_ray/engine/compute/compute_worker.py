@@ -26,7 +26,9 @@ gradient: it is neither fetched for the backward nor sent (:mod:`megatrain_ray.e
 
 Units resident on the worker's device (memory.resident, :mod:`megatrain_ray.engine.compute.resident`) are not fetched:
 their weights stay on the device, their gradients too (only their norms go out), and they are
-updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.compute.adapters`).
+updated here at the end of the step; so are a LoRA run's adapters (:mod:`megatrain_ray.engine.compute.adapters`)
+and, with optim.placement device or auto, the streamed units whose policy says so, their state
+copied in and written back (:mod:`megatrain_ray.engine.compute.device_updates`).
 
 With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad_reduce`) each
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
@@ -68,11 +70,13 @@ from ..experts import ExpertTraffic
 from .grad_out import GradOut
 from .passes import LayerWeights, StepLayers, layer_passes
 from .head import chunk_loss_sum, head_forward_backward, head_loss
+from .device_updates import NoStreamedUpdates, StreamedUpdates
 from .resident import NoResidentUnits, ResidentUnits
 from .sequence import CompiledLayer, LayerRunner, MicroBatches  # noqa: F401  (CompiledLayer: re-exported)
 from .routing import StepRouting
 from ..settings import ComputeSettings
 from .slot_weights import slot_shape, slot_weights
+from ..policy import STREAMED_ON_DEVICE
 from ..store.host_store import HostStore, StoreSpec
 from ..tickets import NO_PROGRESS, FetchTicket, drain, wait_while_moving
 from .worker_group import GroupMember, GroupOfOne
@@ -129,12 +133,15 @@ class ComputeWorker(GroupMember):
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
                                        checkpoint, resume_from) if spec.lora.enabled else NoAdapters()
         self.policies = s.policies
+        on_device = tuple(u for u in s.update_order if s.policies[u] == STREAMED_ON_DEVICE)
+        self.device_updates = StreamedUpdates(self.store, self.backend, on_device, s.optim, s.total_steps, timeout_s,
+                                              s.threads or 1, pinned) if on_device else NoStreamedUpdates()
         """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
         gets no weight gradient computed, only its input gradient (and its adapters')."""
         self._stop = threading.Event()
         self.traffic = ExpertTraffic(self.layout, self.backend, self._stop)
         self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, self.policies,
-                                 s.update_order, self.adapters, self.traffic)
+                                 s.update_order, self.adapters, self.traffic, self.device_updates)
         self.fetches: collections.Counter[str] = collections.Counter()
         self._arrived: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
@@ -378,6 +385,8 @@ class ComputeWorker(GroupMember):
         busy = {f"{lane}_busy_s": sum(e - b for ln, _, b, e, _ in intervals if ln == lane)
                 for lane in ("h2d", "compute", "d2h", "wait")}
         moved = {f"{lane}_bytes": sum(n for ln, _, _, _, n in intervals if ln == lane) for lane in ("h2d", "d2h")}
+        busy["device_update_busy_s"] = sum(e - b for ln, what, b, e, _ in intervals  # AdamW here: the other update path
+                                           if ln == "device_update" or ln == "compute" and what.startswith("adamw"))
         extra.update(self.traffic.report(step))
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
                 "start": start, "step_s": time.time() - start, **busy, **moved, "intervals": intervals,
@@ -427,6 +436,7 @@ class ComputeWorker(GroupMember):
 
     def close(self) -> None:
         self.resident.close()
+        self.device_updates.close()
         self.adapters.close()
         self._stop.set()
         for t in self._threads:

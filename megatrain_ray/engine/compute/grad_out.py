@@ -14,7 +14,8 @@ worker was built (:meth:`GradOut.sender_of`):
 - :class:`HeldToHost` (the same, with ``StoreSpec.hold_grads``): the gradient waits on the device
   until the step's norm is known, then goes through the ring in update order, each ticket carrying
   that norm (:meth:`GradOut.end_step`);
-- :class:`NormOnly` (weights resident, gradient device; :mod:`megatrain_ray.engine.compute.resident`): the
+- :class:`NormOnly` (gradient device, optimizer device: a resident unit, :mod:`megatrain_ray.engine.compute.resident`,
+  or a streamed one updated on the device, :mod:`megatrain_ray.engine.compute.device_updates`): the
   gradient stays on the device and only its norm goes out; the worker updates the unit itself at
   the end of the step with the step's norm, summed from every unit's as the sink sums them;
 - :class:`AdapterNorm` (every unit of a LoRA run, :mod:`megatrain_ray.engine.compute.adapters`): the
@@ -37,6 +38,7 @@ import torch
 
 from ...errors import PipelineError
 from ..experts import ExpertTraffic
+from .device_updates import NoStreamedUpdates, StreamedUpdates
 from .resident import NoResidentUnits, ResidentUnits
 from ..policy import NONE, ROUTED, UnitPolicy
 from .worker_group import GroupOfOne
@@ -48,9 +50,11 @@ class GradOut:
 
     def __init__(self, store, backend, grad_q, grad_slot_q, timeout_s: float,
                  resident: ResidentUnits | NoResidentUnits, policies: tuple[UnitPolicy, ...],
-                 update_order: tuple[int, ...], adapters, traffic: ExpertTraffic):
+                 update_order: tuple[int, ...], adapters, traffic: ExpertTraffic,
+                 device_updates: StreamedUpdates | NoStreamedUpdates):
         """resident: the units resident on the worker's device (the empty set without), updated at the end
-        of each step; policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
+        of each step; device_updates: the streamed units updated on its device (the empty set without),
+        updated after them; policies: each unit's (:mod:`megatrain_ray.engine.policy`), which picks its sender;
         update_order: the schedule's (held gradients go out in it); adapters: a LoRA run's
         (:class:`~megatrain_ray.engine.compute.adapters.DeviceAdapters`; the empty set without), updated at
         the end of each step; traffic: the worker's record of its sparse layers' routing, which says
@@ -60,6 +64,7 @@ class GradOut:
         self.grad_q, self.grad_slot_q = grad_q, grad_slot_q  # grad_slot_q: free ring slots, from the sink
         self.timeout_s = timeout_s
         self.resident = resident
+        self.device_updates = device_updates
         self.adapters = adapters
         self.policies = policies
         self.update_order = update_order
@@ -88,10 +93,12 @@ class GradOut:
             return AdapterNorm(self)
         if policy.gradient == NONE:
             return Nothing(self)
+        if unit in self.device_updates.units:  # streamed, gradient and optimizer on the device
+            return NormOnly(self, self.device_updates)
         if self.store.spec.hold_grads:
             return HeldToHost(self)
         if unit in self.resident.units:  # weights resident, gradient device
-            return NormOnly(self)
+            return NormOnly(self, self.resident)
         return ToHost(self)
 
     def run(self, stop: threading.Event) -> None:
@@ -116,8 +123,11 @@ class GradOut:
             end(step, norms, sync, for_checkpoint)
 
     def _update_on_device(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
-        """The resident units' and the adapters' updates, with the step's norm (an empty set: nothing)."""
+        """The resident units', the streamed units' updated on the device (after the resident units' copy,
+        which a checkpoint's copy waits for first) and the adapters' updates, with the step's norm (an
+        empty set: nothing)."""
         self.resident.end_step(step, norms, sync, for_checkpoint)
+        self.device_updates.end_step(step, norms, sync, for_checkpoint)
         self.adapters.end_step(step, norms, self.backend)
 
     def _send_held(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
@@ -201,14 +211,18 @@ class HeldToHost(Sender):
 
 
 class NormOnly(Sender):
-    """A resident unit's: its gradient stays on the device, updated there at the end of the step;
-    only its squared norm goes to the sink."""
+    """A unit updated on the device: its gradient stays there, for its updater (the resident units, or
+    the streamed units updated on the device) at the end of the step; only its squared norm goes to the sink."""
+
+    def __init__(self, out: GradOut, updater):
+        super().__init__(out)
+        self.updater = updater
 
     def send(self, unit: int, step: int, grad: torch.Tensor) -> None:
         out = self.out
         sq_norm = torch.dot(grad, grad)
         out.sq_norms.append(sq_norm)
-        out.resident.take_grad(unit, grad)
+        self.updater.take_grad(unit, grad)
         scalar = out.backend.scalar(sq_norm)
         out.outbox.put((unit, step, lambda: (-1, scalar, -1.0), ()))
 

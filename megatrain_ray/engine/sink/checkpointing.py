@@ -7,10 +7,12 @@ none of this step's has begun (a step boundary), and written in the background b
 sink waits only until that unit's bytes are written (:meth:`SinkCheckpoints.before_update`,
 usually long since). The last boundary is saved after the loop, and waited for.
 
-Units resident on the compute worker's device (:mod:`megatrain_ray.engine.compute.resident`) are copied into
-the store by the worker right after their update at a checkpoint's boundary (their state versions
-then say that boundary); the sink waits for that before it starts the checkpoint, whose writer
-writes their bytes first.
+The units the compute worker updates (those resident on its device,
+:mod:`megatrain_ray.engine.compute.resident`, copied into the store right after their update at a
+checkpoint's boundary; and the streamed units updated on its device,
+:mod:`megatrain_ray.engine.compute.device_updates`, written back after every update) have their
+state versions set by the worker; the sink waits for them to say the boundary before it starts the
+checkpoint, whose writer writes their bytes first and then lets the worker overwrite them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class SinkCheckpoints:
         if self.writer is None:
             return
         self._await_resident(step)
-        self.writer.start(step, [*self.resident, *self.order])
+        self.writer.start(step, [*self.resident, *self.order], held=self.resident)
 
     def before_update(self, unit: int) -> None:
         """Wait until the checkpoint being written has ``unit``'s bytes (the update will change them)."""

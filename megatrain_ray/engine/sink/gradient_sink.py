@@ -39,7 +39,8 @@ receiving the others'.
 
 Each unit's update is its policy's (:mod:`megatrain_ray.engine.policy`): a host optimizer of the
 one protocol of :mod:`megatrain_ray.engine.sink.updates` (exact, split, compact), or none here for the
-units resident on the compute worker's device, whose tickets carry only their norms. A sparse
+units the compute worker updates on its device (resident ones, and streamed ones under optim.placement
+device, :mod:`megatrain_ray.engine.compute.device_updates`), whose tickets carry only their norms. A sparse
 layer's ticket may name parts whose gradient did not cross (routed experts no token chose): their
 ranges of the gradient block are zeroed first, so the update is that of their zero gradient
 (:mod:`megatrain_ray.engine.experts`). Checkpoints are started at step boundaries and written beside the
@@ -57,6 +58,7 @@ from .. import affinity
 from .checkpointing import SinkCheckpoints
 from ..grad_reduce import rendezvous
 from ..optim import AdamWRunner, step_clipping
+from ..policy import STREAMED_ON_DEVICE
 from ..settings import SinkSettings
 from .shards import UNSHARDED, OptimizerShards, ShardedOptimizer
 from .step_gradients import AsArrived, Carried, HostSums, InUpdateOrder, StepTickets
@@ -99,8 +101,10 @@ class GradientSink:
         norm = Carried if spec.hold_grads else InUpdateOrder if settings.after_norm else AsArrived
         self.step_norm = norm(self.tickets, self.order, self._clipping)
         """When each unit is updated, with which clipping factor (:mod:`megatrain_ray.engine.sink.step_gradients`)."""
+        by_worker = (*spec.resident, *(u for u, p in enumerate(self.policies) if p == STREAMED_ON_DEVICE))
+        """The units the compute worker updates, whose state a checkpoint waits for and writes first."""
         self.checkpoints = SinkCheckpoints(self.store, checkpoint, writes_checkpoints, stats_q, timeout_s,
-                                           self.order if settings.after_norm else self.order[::-1], spec.resident, grad_q)
+                                           self.order if settings.after_norm else self.order[::-1], by_worker, grad_q)
         self.sharding: OptimizerShards = UNSHARDED
         """This sink's part of the sharded optimizer (:meth:`join_shards`), or UNSHARDED: it updates every unit."""
         self._set_runner(settings.optimizer_threads)

@@ -165,8 +165,8 @@ class StoreSpec:
             return cls(cfg.model, dataclasses.replace(precision, master=precision.compute), cfg.memory.shm_dir,
                        owner_pid, run_id, lora=cfg.lora)
         sharded = cfg.parallel.sharded_optimizer
-        hold_grads = not sharded and not resident and holds_grads(precision, clip, cfg.parallel.workers,
-                                                               cfg.experimental.hold_grads_on(device))
+        hold_grads = (not sharded and not resident and cfg.optim.placement != "device"  # else: updated on the device
+                      and holds_grads(precision, clip, cfg.parallel.workers, cfg.experimental.hold_grads_on(device)))
         slots = 0 if sharded else grad_slots_for(precision, clip, cfg.parallel.compute_workers, hold_grads)
         return cls(cfg.model, precision, cfg.memory.shm_dir, owner_pid, run_id, grad_slots=slots,
                    peer_grads=peer_grads_for(cfg.experimental.grad_reduce, cfg.parallel.compute_workers),

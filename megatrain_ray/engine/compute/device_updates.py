@@ -1,0 +1,166 @@
+"""Streamed units updated on the compute worker's device (optim.placement device).
+
+A streamed unit whose policy is :data:`~megatrain_ray.engine.policy.STREAMED_ON_DEVICE` is fetched as
+any streamed unit, but its gradient does not cross to the host: its whole fp32 gradient, as the
+step's micro-batches accumulated it, stays on the device, and only its squared norm goes to the
+gradient sink, which counts it in the step's norm as it counts every ticket's. At the end of the
+step's backward, once the step's norm is known here (the same squared norms summed in the same
+order as the sink sums its tickets', :func:`~megatrain_ray.engine.compute.resident.step_sq_norm`),
+each such unit, in update order, piece by piece (:data:`PIECE` elements at a time, so the device
+holds a few pieces' state, never a whole unit's, and a piece comes in while the one before is
+updated and the one before that goes out), has its fp32 master weights and AdamW moments
+copied in from the host store, updated by the arithmetic of the resident units' update (on the CPU
+backend the sink's own kernel, :class:`~megatrain_ray.engine.optim.AdamWRunner`, so bit for bit the
+host update where the gradient dtype is fp32: the update is elementwise, so its pieces do not
+change its bits; on a GPU ``torch._fused_adamw_``, :func:`~megatrain_ray.engine.optim.adamw_unit`),
+each piece's decay span as the unit's, and written back (with the stream copy, where the store keeps
+one); then its versions say ``step + 1`` and the prefetcher may stream it for the next step. The
+span from the first copy in to the last copy out is the step's ``device_update`` interval (the
+step metrics' ``device_update_busy_s``, beside the sink's ``update_busy_s``). So the host
+store holds each such unit's state at every step boundary (checkpoints, the export and an interrupt
+find it there), and the host's CPUs update nothing of it.
+
+A checkpoint reads the host store while the next step runs: before its first write-back the worker
+waits until no checkpoint of an earlier boundary still holds the copy (the store's *checkpoint copy*,
+the handshake of the resident units' sync, :mod:`megatrain_ray.engine.compute.resident`), and after
+the writes of a checkpoint's boundary it holds the copy for that checkpoint itself; the sink's
+writer writes these units first and releases it.
+
+A step whose gradient norm is not finite applies nothing: the sink stops the run on it
+(:func:`~megatrain_ray.engine.optim.step_clipping`), and these units stay at the versions the
+prefetcher then waits on.
+
+A run without such units holds the empty set, :class:`NoStreamedUpdates`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ...config import OptimConfig, lr_at
+from ...errors import Diverged, PipelineError
+from ..optim import AdamWRunner, adamw_unit, step_clipping
+from .resident import STATE_KINDS, step_sq_norm
+
+PIECE = 1 << 26
+"""Elements of a piece of a unit's state on the device (256 MiB per fp32 kind); up to three pieces
+are on the device at once (one coming in, one updated, one going out): what the plan counts for the
+update beside the held gradients."""
+IN_FLIGHT = 3
+"""Pieces of state on the device at once (see :data:`PIECE`)."""
+
+
+class StreamedUpdates:
+    """The device updates of streamed units (see the module docstring)."""
+
+    def __init__(self, store, backend, units: tuple[int, ...], optim: OptimConfig, total_steps: int,
+                 timeout_s: float, threads: int = 1, registered: tuple[str, ...] = ()):
+        """store: the worker's :class:`~megatrain_ray.engine.store.host_store.HostStore`; backend: its
+        device backend; units: those updated here, in update order; registered: the store's kinds whose
+        arrays the backend has pinned already (the units' blocks of the others are pinned here, for
+        full-speed copies)."""
+        self.store, self.backend, self.units = store, backend, units
+        self.names = {u: store.layout.units[u] for u in units}
+        self.optim, self.total_steps, self.timeout_s = optim, total_steps, timeout_s
+        self.runner = AdamWRunner(threads) if backend.device.type == "cpu" else None
+        """The sink's kernel on the CPU backend (the same bits as a host update); None on a GPU."""
+        self.grads: dict[int, torch.Tensor] = {}
+        """unit -> this step's gradient [numel] fp32 on the device, until the update."""
+        for kind in STATE_KINDS:
+            if kind not in registered:
+                for u in units:
+                    backend.register_host(store.block(kind, u))
+
+    def take_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """Keep ``unit``'s gradient of this step (grad: [numel] fp32 on the device) for :meth:`end_step`."""
+        self.grads[unit] = grad
+
+    def end_step(self, step: int, sq_norms: list[torch.Tensor], sync: bool, for_checkpoint: bool) -> None:
+        """Update every unit of step ``step``, clipped by the step's norm from every unit's squared norm
+        ``sq_norms``, writing each back to the host store; ``for_checkpoint``: the boundary after it is a
+        checkpoint's, which holds the copy (``sync``: the resident units' concern, every update is written)."""
+        grads, self.grads = self.grads, {}
+        try:
+            coef = step_clipping(step, math.sqrt(step_sq_norm(sq_norms)), self.optim.max_grad_norm)
+        except Diverged:
+            return  # nothing applied: the sink stops the run on the same norm
+        began = time.time()
+        self._await_copy(step + 1)
+        self._update_all(grads, coef, step)
+        self.backend.note("device_update", "adamw of the streamed units", began, time.time())
+        if for_checkpoint:
+            self.store.set_checkpoint_copy(step + 1)
+
+    def _update_all(self, grads: dict[int, torch.Tensor], coef: float, step: int) -> None:
+        """Every unit, piece by piece, as a pipeline on the device's streams: the next piece's state
+        comes in (the copy-in stream) while this one is updated (the compute stream) and the one before
+        goes out (the copy-out stream); a unit's versions move once its last piece is out, while the
+        next unit's pieces are under way. grads: unit -> [numel] fp32 on the device."""
+        store, lr = self.store, lr_at(self.optim, step, self.total_steps)
+        pieces = [(u, a, min(grads[u].numel(), a + PIECE))
+                  for u in self.units for a in range(0, grads[u].numel(), PIECE)]
+        ahead = self._load(*pieces[0]) if pieces else {}
+        written: tuple[int, object] | None = None  # (unit, its last copy-out) not yet waited for
+        for i, (unit, a, b) in enumerate(pieces):
+            state, ahead = ahead, self._load(*pieces[i + 1]) if i + 1 < len(pieces) else {}
+            for _, ready in state.values():
+                self.backend.wait(ready)
+            master, exp_avg, exp_avg_sq = (state[kind][0] for kind in STATE_KINDS)
+            stream = (torch.empty(b - a, dtype=store.spec.precision.compute, device=self.backend.device)
+                      if store.separate_stream_copy else None)
+            decay = min(max(store.layout.templates[unit].decay_numel - a, 0), b - a)
+            args = (master, grads[unit][a:b], exp_avg, exp_avg_sq, stream, decay, step + 1, lr, self.optim)
+            with self.backend.compute(f"{self.names[unit]} update"):
+                if self.runner is not None:  # the gradient: fp32, scaled in place
+                    self.runner.update(*args, grad_scale=coef, unit=unit)
+                else:
+                    adamw_unit(*args, grad_scale=coef, unit=unit, pieces=False)
+            done = None
+            for kind, value in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
+                done = self.backend.stash(value, store.block(kind, unit)[a:b], f"{self.names[unit]} {kind} out")
+            if stream is not None:
+                done = self.backend.stash(stream, store.block("stream", unit)[a:b], f"{self.names[unit]} stream out")
+            if b == grads[unit].numel():  # the unit's last piece: the one before may move on
+                self._written(written, step)
+                written = (unit, done)
+        self._written(written, step)
+
+    def _load(self, unit: int, a: int, b: int) -> dict[str, tuple[torch.Tensor, object]]:
+        """Start the copy of ``unit``'s state [a, b) to the device: kind -> (tensor, its ready handle)."""
+        return {kind: self.backend.unstash(self.store.block(kind, unit)[a:b], self.backend.mark(),
+                                           f"{self.names[unit]} {kind} in") for kind in STATE_KINDS}
+
+    def _written(self, written: tuple[int, object] | None, step: int) -> None:
+        """Once a unit's last copy-out is complete, it is at ``step + 1`` updates (its state, then its
+        stream copy: what the prefetcher waits for)."""
+        if written is not None:
+            self.backend.host_wait(written[1])
+            self.store.set_version(written[0], step + 1)
+
+    def _await_copy(self, boundary: int) -> None:
+        """Wait until no checkpoint of a boundary before ``boundary`` holds the host copy."""
+        store = self.store
+        if not store.wait_until(lambda: store.checkpoint_copy() in (None, boundary), self.timeout_s, pause=0.005):
+            raise PipelineError(f"the compute worker waited {self.timeout_s:.0f} s for the checkpoint of step "
+                                f"{store.checkpoint_copy()} to write the units it updates: the gradient sink or the "
+                                "checkpoint writer is stalled (a slow disk?); raise cluster.actor_timeout_s if it is "
+                                "just slow.")
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+class NoStreamedUpdates:
+    """A run whose streamed units are all updated by the gradient sink: an empty set."""
+
+    units: tuple[int, ...] = ()
+
+    def end_step(self, step: int, sq_norms: list[torch.Tensor], sync: bool, for_checkpoint: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

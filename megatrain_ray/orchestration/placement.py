@@ -1,0 +1,68 @@
+"""Where each streamed unit's AdamW update runs (optim.placement), decided once by the resolved run.
+
+- ``host``: every streamed unit by the gradient sink, on the host's CPU threads;
+- ``device``: every streamed unit on the compute worker's device
+  (:mod:`megatrain_ray.engine.compute.device_updates`), its state copied in and written back;
+- ``auto``: from the plan's arithmetic (:class:`~megatrain_ray.orchestration.pace.UpdatePace`). The
+  host's updates of a step run beside the device's next step, so they cost nothing while they take
+  less than it; the device's updates run at the step's end, so each unit moved there adds its state's
+  trip over the link to the device's step. Auto keeps every unit on the host where the host's update
+  of all of them takes no longer than the device's step (most dense runs at their FLOPs per
+  parameter), else moves units to the device, from the end of the update order (the last the next
+  forward needs), one at a time while that shortens the step (both paths finish closer together),
+  and only as many as the device memory the plan leaves holds (their fp32 gradients until the step's
+  end, the pieces of a unit's state on the device while it is updated). It moves none where the
+  device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state;
+  bf16 master weights; several compute workers; LoRA; gradients held on the device for the host,
+  experimental.hold_grads) or where the GPU memory is not known.
+"""
+
+from __future__ import annotations
+
+from ..config import TrainConfig
+from ..engine.compute.device_updates import IN_FLIGHT, PIECE
+from ..engine.policy import updated_on_device
+from ..model.layout import StoreLayout
+from ..model.precision import Precision
+from .pace import Pace, UpdatePace
+
+MEMORY_MARGIN = 0.9
+"""Share of the device memory the plan leaves that auto's held gradients may take."""
+
+
+def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, precision: Precision) -> UpdatePace:
+    """The arithmetic of a split: ``host_units`` updated on ``host_threads`` CPU threads, ``on_device``
+    on the device (fp32 master and moments in, the same and the stream copy out)."""
+    numel = layout.templates
+    return UpdatePace(sum(numel[u].numel for u in host_units), host_threads, sum(numel[u].numel for u in on_device),
+                      12, 12 + (precision.compute.itemsize if precision.separate_stream_copy else 0))
+
+
+def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], pace: Pace,
+                    host_threads: int, precision: Precision, free_bytes: int | None) -> tuple[int, ...]:
+    """The streamed units whose update runs on the device, in layout order (see the module docstring);
+    ``free_bytes``: the device memory the plan leaves (None: unknown)."""
+    placement, n = cfg.optim.placement, len(layout.units)
+    if cfg.lora.enabled or placement != "auto":
+        return () if cfg.lora.enabled else updated_on_device(n, resident, placement)
+    if (device != "cuda" or free_bytes is None or cfg.optim.state != "fp32" or precision.master.itemsize != 4
+            or cfg.parallel.workers > 1):
+        return ()
+    streamed = [u for u in range(n) if u not in resident]
+    budget = free_bytes * MEMORY_MARGIN
+    moved: list[int] = []
+
+    def step_s(device_units: list[int]) -> float:
+        host = [u for u in streamed if u not in device_units]
+        return update_pace(layout, host, host_threads, device_units, precision).step_s(pace)
+
+    def held(device_units: list[int]) -> int:
+        numel = [layout.templates[u].numel for u in device_units]
+        stream = precision.compute.itemsize if precision.separate_stream_copy else 0
+        return 4 * sum(numel) + IN_FLIGHT * (12 + stream) * min(PIECE, max(numel, default=0))
+
+    for u in reversed(streamed):
+        if step_s(moved + [u]) >= step_s(moved) or held(moved + [u]) > budget:
+            break
+        moved.append(u)
+    return tuple(sorted(moved))
