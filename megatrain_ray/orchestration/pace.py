@@ -112,15 +112,16 @@ CPU_UNIT_S = 0.012
 units, 101 ms a step on 2 cores against 51 ms of FLOPs at the rate above)."""
 WAIT_STEPS = 3
 """Expected step times a role waits for its next message before giving up (see the module docstring)."""
-HOST_ADAMW_PARAMS_PER_THREAD_S = 3.9e9 / 16
-"""Parameters one CPU thread updates per second with exact AdamW (the native kernel: 3.9 G params/s
-measured on the H200 box's 16 threads)."""
-LINK_BYTES_S = 55e9
-"""Host-device bytes per second, each way (pinned copies on the H200 box), which a device update's
-state crosses."""
-LINK_BOTH_BYTES_S = 100e9
-"""Host-device bytes per second both ways at once (the H200 box): a device update's copies in and out
+HOST_ADAMW_PARAMS_PER_THREAD_S = 3.25e9 / 16
+"""Parameters one of the gradient sink's threads updates per second with exact AdamW, as a run keeps
+it up: the sink busy 82% of a 1.632 s step for 4.36 G parameters on the H200 box's 16 threads (the
+Qwen3-30B-A3B shape at 8 layers, 65,536 tokens, the host pacing it); the bare kernel reaches 3.9 G
+parameters/s there."""
+LINK_BOTH_GBPS = 100.0
+"""GB/s of the host-to-GPU link both ways at once (the H200 box): a device update's state in and out
 run side by side."""
+HOST_TURN = "the host update's turn"
+"""The name of the part of :attr:`Pace.parts` that :data:`HOST_PARAM_S` counts."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,12 @@ class Pace:
     def step_s(self) -> float:
         return max(self.compute_s, self.link_s)
 
+    @property
+    def forward_s(self) -> float:
+        """The step's work before its backward sends the first gradient: its forward, a third of the
+        FLOPs' and fixed costs' time (the host update's turn left out)."""
+        return (self.compute_s - sum(s for what, _, s in self.parts if what == HOST_TURN)) / 3
+
     def line(self) -> str:
         """The plan's line: ``expected step time: ~9 min (...)``."""
         head = (f"expected step time: ~{duration(self.step_s)} ({_flop(self.palm + self.recompute)} per GPU: "
@@ -264,7 +271,7 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
              ("attention", w.attention, w.attention / (ATTENTION_TFLOPS * 1e12 * scale)),
              ("expert GEMMs", w.experts, w.experts / (EXPERT_TFLOPS * 1e12 * scale)),
              ("dequantization", w.dequantized, w.dequantized / (DEQUANT_PARAMS_PER_S * scale)),
-             ("the host update's turn", w.host_updated, w.host_updated * HOST_PARAM_S))
+             (HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S))
     return Pace(palm, six, recompute, nominal, note, UNIT_PASS_S * w.unit_passes, w.unit_passes, parts,
                 w.link_bytes / (LINK_GBPS * 1e9))
 
@@ -294,12 +301,14 @@ class UpdatePace:
         """The device updates' time per step: their state across the link, in and out side by side (the
         update itself, memory-bound on the device, is a small fraction of it), added to the device's step."""
         n, i, o = self.device_params, self.device_bytes_in, self.device_bytes_out
-        return max(n * i / LINK_BYTES_S, n * o / LINK_BYTES_S, n * (i + o) / LINK_BOTH_BYTES_S)
+        return max(n * i, n * o, n * (i + o) * LINK_GBPS / LINK_BOTH_GBPS) / (LINK_GBPS * 1e9)
 
     def step_s(self, pace: Pace) -> float:
-        """The expected step time with the updates: the device's step and its updates, or the host's
-        updates where they take longer."""
-        return max(pace.step_s + self.device_s, self.host_s)
+        """The expected step time with the updates, the longer of two paths: the device's step with its
+        own updates (the units it updates leave the host update's turn, :data:`HOST_PARAM_S`), or the
+        host's updates after the forward that comes before the backward's first gradient (a step's
+        updates cannot start earlier, and the next forward waits for its first units' updates)."""
+        return max(pace.step_s - HOST_PARAM_S * self.device_params + self.device_s, pace.forward_s + self.host_s)
 
     def line(self, pace: Pace) -> str:
         """The plan's line on the updates."""
@@ -309,7 +318,7 @@ class UpdatePace:
         device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step "
                   f"(their state over the link: {self.device_bytes_in} bytes per parameter in and "
                   f"{self.device_bytes_out} out at "
-                  f"{LINK_BYTES_S / 1e9:.0f} GB/s each way, {LINK_BOTH_BYTES_S / 1e9:.0f} both)")
+                  f"{LINK_GBPS:.0f} GB/s each way, {LINK_BOTH_GBPS:.0f} both)")
         return f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}"
 
 

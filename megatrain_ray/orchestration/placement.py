@@ -4,11 +4,11 @@
 - ``device``: every streamed unit on the compute worker's device
   (:mod:`megatrain_ray.engine.compute.device_updates`), its state copied in and written back;
 - ``auto``: from the plan's arithmetic (:class:`~megatrain_ray.orchestration.pace.UpdatePace`). The
-  host's updates of a step run beside the device's next step, so they cost nothing while they take
-  less than it; the device's updates run at the step's end, so each unit moved there adds its state's
-  trip over the link to the device's step. Auto keeps every unit on the host where the host's update
-  of all of them takes no longer than the device's step (most dense runs at their FLOPs per
-  parameter), else moves units to the device, from the end of the update order (the last the next
+  host's updates of a step run beside the device's next step, so they cost nothing while they and the
+  forward before the first gradient take less than it; the device's updates run at the step's end, so
+  each unit moved there adds its state's trip over the link to the device's step. Auto keeps every
+  unit on the host where that host path is no longer than the device's step (most dense runs at
+  their FLOPs per parameter), else moves units to the device, from the end of the update order (the last the next
   forward needs), one at a time while that shortens the step (both paths finish closer together),
   and only as many as the device memory the plan leaves holds (their fp32 gradients until the step's
   end, the pieces of a unit's state on the device while it is updated). It moves none where the
