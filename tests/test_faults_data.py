@@ -467,7 +467,12 @@ def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sente
     """``megatrain-ray train`` as a user runs it; once the cache has its first tokens, a tokenizer actor of
     the pool is killed (kill -9, or SIGTERM): the command ends with status 2 and one line, naming what
     died and what to do; nothing of Ray's (not the raylet's account of the worker) on the terminal; no
-    cache, no temporary one, no run directory; none of its processes left."""
+    cache, no temporary one, no run directory; none of its processes left.
+
+    The pool may have handed out its last block before the signal lands (the writer trails the actors
+    by as much as Ray Data buffers, more so on a busy machine); the actor then held no work, and the run
+    goes on: that outcome passes only with a clean terminal and a cache equal, file for file, to the
+    documents tokenized here in this process."""
     import subprocess
     import sys
     import threading
@@ -514,6 +519,11 @@ def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sente
     finally:
         killer.join()
     assert killed, out[-3000:]
+    if proc.returncode == 0:  # the killed actor held no block any more: nothing lost, the run went on
+        _assert_the_cache_is_whole(tmp_path / "cache", data)
+        assert "Traceback" not in out and "raylet" not in out and "(pid=" not in out, out[-3000:]
+        assert not [line for line in out.splitlines() if "error" in line.lower() or "died" in line], out[-3000:]
+        return
     assert proc.returncode == 2, out[-3000:]
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[-1] == (f"error: a tokenizer actor of data.path '{data}' died (its process was killed or crashed) "
@@ -524,6 +534,31 @@ def test_a_tokenizer_actor_killed_mid_tokenization_ends_the_command_in_one_sente
     assert os.listdir(tmp_path / "cache") == [] and not list(tmp_path.glob("runs/*/config.json"))
     gone, alive = psutil.wait_procs(list(family.values()), timeout=60)
     assert not alive, [_cmdline(p)[:80] for p in alive]
+
+
+def _assert_the_cache_is_whole(cache, data) -> None:
+    """The one finished cache under ``cache`` holds, byte for byte, what tokenizing every row of the
+    JSONL file ``data`` in this process writes (same tokenizer, same train/val split)."""
+    import filecmp
+
+    import pyarrow.json
+
+    from megatrain_ray.data.prepare import CacheWriter, TokenizeBatch, _write_table
+
+    done = [d for d in os.listdir(cache) if os.path.isfile(cache / d / "meta.json")]
+    assert done == os.listdir(cache), os.listdir(cache)  # one cache and no temporary one beside it
+    with open(cache / done[0] / "meta.json") as f:
+        plan = json.load(f)["plan"]
+    expected = cache.parent / "expected"
+    expected.mkdir()
+    writer = CacheWriter(str(expected), plan["val_fraction"], plan["has_labels"])
+    work = TokenizeBatch(plan["format"], plan["tokenizer"], plan["text_key"], plan["kind"])
+    for batch in pyarrow.json.read_json(data).to_batches(max_chunksize=4096):
+        _write_table(writer, work(pyarrow.Table.from_batches([batch])))
+    writer.close()
+    names = sorted(n for n in os.listdir(expected))
+    assert names == sorted(n for n in os.listdir(cache / done[0]) if n != "meta.json")
+    assert all(filecmp.cmp(expected / n, cache / done[0] / n, shallow=False) for n in names), names
 
 
 def _arrow_text(path, docs: int, stream: bool = False) -> None:
