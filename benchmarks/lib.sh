@@ -36,9 +36,10 @@ bench() {
 # plan_layers FILE MODE: how many layers of the planned shape the plan printed in FILE says MODE fits
 # (MODE: the start of its row, e.g. "compact (optim.state 8bit)" or "LoRA"); empty if it has no such row
 plan_layers() { sed -n "s/^  $2.*(\([0-9]*\) layer(s) of this shape.*/\1/p" "$1"; }
-# shape_args PRESET [LAYERS]: the --set model.* words of a preset's shape (cut to LAYERS decoder layers)
+# shape_args PRESET [LAYERS]: the --set model.* words of a preset's shape (cut to LAYERS decoder layers);
+# a mapping's value (gpt-oss's rope_scaling) as JSON without spaces, so that it stays one word
 shape_args() {
-  python3 -c "from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}={v}' for k, v in p('$1', ${2:-None}).items()))"
+  python3 -c "import json; from megatrain_ray.model.presets import preset_shape as p; print(' '.join(f'--set model.{k}=' + (json.dumps(v, separators=(',', ':')) if isinstance(v, (dict, list)) else str(v)) for k, v in p('$1', ${2:-None}).items()))"
 }
 # real_text FILE MiB: English prose on any machine, offline: this repository's documents, then the
 # installed Python packages' descriptions (METADATA) and READMEs, concatenated up to MiB mebibytes.

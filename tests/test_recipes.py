@@ -99,6 +99,9 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     if recipe == "gpt_oss.sh":  # both 100B+ families' stand-ins, each over its quantized base
         for tag, fmt in (("gpt-oss-tiny-mxfp4", "mxfp4"), ("glm-tiny-nf4", "nf4")):
             assert f"lora.base_format={fmt}" in _bench(tmp_path, tag)["overrides"]
+        for preset in ("gpt-oss-120b", "glm-4.5-air"):  # the real shapes' plans, as the GPU part runs them
+            plan = (tmp_path / f"log_plan-{preset}.txt").read_text()
+            assert "expected step time" in plan and re.search(r"^total GPU .*: ok\)$", plan, re.M), plan[-2000:]
     assert printed.strip().splitlines()[-1].endswith("done")
 
 
