@@ -72,6 +72,7 @@ def test_defaults_7b_smoke(ray_cluster, tmp_path):
     ("qlora.sh", ["qlora-tiny"]),
     ("moe_lora.sh", ["moe-lora-tiny"]),
     ("gpt_oss.sh", ["gpt-oss-tiny-mxfp4", "glm-tiny-nf4"]),
+    ("update_placement.sh", ["placement-host", "placement-device"]),
 ])
 def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
     printed = _smoke(recipe, tmp_path)
@@ -102,6 +103,13 @@ def test_recipe_smoke(ray_cluster, tmp_path, recipe, tags):
         for preset in ("gpt-oss-120b", "glm-4.5-air"):  # the real shapes' plans, as the GPU part runs them
             plan = (tmp_path / f"log_plan-{preset}.txt").read_text()
             assert "expected step time" in plan and re.search(r"^total GPU .*: ok\)$", plan, re.M), plan[-2000:]
+    if recipe == "update_placement.sh":  # each placement's updates where it says, and the table with the plan's time
+        host, device = (_bench(tmp_path, f"placement-{p}")["systems"]["megatrain_ray"] for p in ("host", "device"))
+        assert host["update_busy_frac"] > 0 and host["device_update_busy_frac"] == 0
+        assert device["device_update_busy_frac"] > 0 and device["update_busy_frac"] == 0
+        table = (tmp_path / "placement.txt").read_text()
+        assert re.search(r"^host\s+[\d.]+\s+[\d.]+\s+[-+][\d.]+%", table, re.M), table
+        assert re.search(r"^device\s+[\d.]+\s+[\d.]+\s+[-+][\d.]+%", table, re.M), table
     assert printed.strip().splitlines()[-1].endswith("done")
 
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Where should the optimizer update run? The Qwen3-30B-A3B shape at 8 layers (5.6B, exact AdamW), 65,536
+# tokens a step (4 micro-batches of 4 x 4,096), whose host update outlasts the GPU's step, trained with
+# optim.placement host, device and auto side by side in one call: s/step, GPU busy, the sink's and the
+# device's update busy time, and the plan's expected step time for each (pace.UpdatePace).
+#   bash benchmarks/update_placement.sh OUT [PLACEMENTS]   # one H200; PLACEMENTS: any of "host device auto"
+#   SMOKE=1 bash benchmarks/update_placement.sh OUT        # the CPU, small-moe at 2 layers: host and device
+# Writes OUT/bench-placement-<placement>.json, OUT/plan-placement-<placement>.txt and OUT/placement.txt (the
+# table). BUDGET (s, default 570) bounds the whole; STEPS (default 6) the steps of each run.
+source "$(dirname "$0")/lib.sh"
+placements=${2:-host device auto}
+rc=0
+if smoke; then
+  placements="host device"
+  shape=(--preset small-moe --layers 2 --tokens 1024 --seq-len 128 --micro-batches 2 --steps 3 --set compute.device=cpu)
+  plan_shape=($(shape_args small-moe 2) --set train.seq_len=128 --set train.micro_batch_size=4
+              --set train.num_micro_batches=2 --set compute.device=cpu)
+  device=cpu
+else
+  shape=(--preset qwen3-30b-a3b --layers 8 --tokens 65536 --seq-len 4096 --micro-batches 4 --steps "${STEPS:-6}")
+  plan_shape=($(shape_args qwen3-30b-a3b 8) --set model.max_position_embeddings=4096 --set train.seq_len=4096
+              --set train.micro_batch_size=4 --set train.num_micro_batches=4)
+  device=cuda
+fi
+for p in $placements; do
+  run "plan-placement-$p" 120 python3 -m megatrain_ray.cli plan --device "$device" "${plan_shape[@]}" \
+    --set optim.placement="$p" || rc=$?
+  cp "$out/log_plan-placement-$p.txt" "$out/plan-placement-$p.txt"
+  bench "placement-$p" "$(left 300)" "${shape[@]}" --set optim.placement="$p"
+done
+python3 - "$out" $placements > "$out/placement.txt" <<'PY' || rc=$?
+import json, os, re, sys
+
+out, rows = sys.argv[1], []
+print(f"{'placement':<10} {'s/step':>8} {'plan s':>8} {'vs plan':>8} {'GPU busy':>9} {'host update':>12} "
+      f"{'device update':>14}")
+for p in sys.argv[2:]:
+    ours = json.load(open(os.path.join(out, f"bench-placement-{p}.json")))["systems"]["megatrain_ray"]
+    plan = open(os.path.join(out, f"plan-placement-{p}.txt")).read()
+    expected = re.search(r"expected step time with them: ~([\d.]+) (ms|s)\b", plan)
+    plan_s = float(expected.group(1)) / (1e3 if expected.group(2) == "ms" else 1) if expected else float("nan")
+    print(f"{p:<10} {ours['step_s']:>8.3f} {plan_s:>8.3f} {ours['step_s'] / plan_s - 1:>+8.1%} "
+          f"{ours['compute_busy_frac']:>9.1%} {ours.get('update_busy_frac', float('nan')):>12.1%} "
+          f"{ours.get('device_update_busy_frac', float('nan')):>14.1%}")
+PY
+cat "$out/placement.txt"
+stamp done; exit $rc
