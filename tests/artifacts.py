@@ -267,3 +267,8 @@ def read_tensors(directory) -> dict[str, torch.Tensor]:
     for path in sorted(glob.glob(os.path.join(str(directory), "*.safetensors"))):
         out.update(load_file(path))
     return out
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    """The names whose tensors differ between two {name: tensor} dicts (or are missing on one side)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))

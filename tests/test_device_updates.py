@@ -24,6 +24,7 @@ from megatrain_ray.config import load_config
 from megatrain_ray.engine.compute.device import CpuBackend
 from megatrain_ray.engine.compute import device_updates
 from megatrain_ray.engine.compute.device_updates import StreamedUpdates
+from megatrain_ray.engine.compute.resident import STATE_KINDS
 from megatrain_ray.engine.optim import AdamWRunner
 from megatrain_ray.engine.policy import STREAMED_ON_DEVICE, UnitPolicy
 from megatrain_ray.engine.sink.updates import ExactAdamW
@@ -37,7 +38,7 @@ from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 from megatrain_ray.orchestration.resolve import Facts, resolve
 
-from artifacts import read_tensors
+from artifacts import differing, read_tensors
 from conftest import interrupt_after_checkpoint, kill_in_turn
 
 STEPS = 8
@@ -45,18 +46,12 @@ CLIPPED = ("optim.max_grad_norm=0.5", "optim.weight_decay=0.1", "optim.warmup_st
 """Clipping active every step (the tiny model's norms are 2-3), decay on, a warmup: the factor, the spans
 and the schedule matter."""
 DEVICE = "optim.placement=device"
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _cfg(shm_dir, run_dir, *extra):
     return load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={run_dir}", "compute.device=cpu",
                               f"train.steps={STEPS}", "train.seq_len=32", "train.micro_batch_size=2",
                               "cluster.actor_timeout_s=120", *CLIPPED, *extra])
-
-
-def _equal(a: dict, b: dict) -> list[str]:
-    """The names whose tensors differ (or are missing on one side)."""
-    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
 
 
 @pytest.mark.parametrize("extra", [
@@ -205,13 +200,13 @@ def test_checkpoints_interrupt_resume_and_export_with_device_updates_match_the_h
         ours = read_tensors(os.path.join(b_run, "checkpoints", name))
         theirs = read_tensors(os.path.join(a_ckpts, name))
         assert any("exp_avg" in k for k in ours)
-        assert not _equal(ours, theirs), (name, _equal(ours, theirs)[:4])
+        assert not differing(ours, theirs), (name, differing(ours, theirs)[:4])
 
     # C: resume B (its newest checkpoint) in place, the updates on the device again, to the end.
     assert cli.main(["train", "--resume", b_run]) == 0
     c_run = Path(b_run)
-    assert not _equal(read_tensors(host_run.final_dir), read_tensors(c_run / "final"))  # the export at the end
-    assert not _equal(read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")),
+    assert not differing(read_tensors(host_run.final_dir), read_tensors(c_run / "final"))  # the export at the end
+    assert not differing(read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")),
                       read_tensors(c_run / "checkpoints" / f"step-{STEPS:06d}"))
     rows_a = [json.loads(line) for line in open(os.path.join(host_run.run_dir, "metrics.jsonl"))]
     rows_c = [json.loads(line) for line in open(c_run / "metrics.jsonl")]
@@ -229,8 +224,8 @@ def test_a_killed_compute_worker_mid_run_restarts_from_the_checkpoint_and_still_
     result = train(_cfg(shm_dir, tmp_path, DEVICE, "train.checkpoint_every=2", f"train.keep_checkpoints={STEPS}",
                         "cluster.max_restarts=2"), log=kill_in_turn(["compute", "grad-sink"], lines))
     assert sum(line.startswith("restart ") for line in lines) == 2, "\n".join(lines)
-    assert not _equal(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
-    assert not _equal(read_tensors(os.path.join(host_run.run_dir, "checkpoints", f"step-{STEPS:06d}")),
+    assert not differing(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
+    assert not differing(read_tensors(os.path.join(host_run.run_dir, "checkpoints", f"step-{STEPS:06d}")),
                       read_tensors(os.path.join(result.run_dir, "checkpoints", f"step-{STEPS:06d}")))
     assert os.listdir(shm_dir) == []
 

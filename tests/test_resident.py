@@ -30,7 +30,7 @@ from megatrain_ray.orchestration.device_memory import _fixed_device_rows, resolv
 from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 
-from artifacts import read_tensors
+from artifacts import differing, read_tensors
 from conftest import interrupt_after_checkpoint, kill_in_turn
 
 STEPS = 12
@@ -44,11 +44,6 @@ def _cfg(shm_dir, run_dir, *extra):
                               "cluster.actor_timeout_s=120", *CLIPPED, *extra])
 
 
-
-
-def _equal(a: dict, b: dict) -> list[str]:
-    """The names whose tensors differ (or are missing on one side)."""
-    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
 
 
 @pytest.mark.parametrize("layers", [0, 1])
@@ -97,14 +92,14 @@ def test_checkpoints_interrupt_resume_and_export_with_resident_embed_head_match_
         ours = read_tensors(os.path.join(b_run, "checkpoints", name))
         theirs = read_tensors(os.path.join(a_ckpts, name))
         assert any("embed_tokens" in k for k in ours) and any("exp_avg" in k for k in ours)
-        assert not _equal(ours, theirs), (name, _equal(ours, theirs)[:4])
+        assert not differing(ours, theirs), (name, differing(ours, theirs)[:4])
 
     # C: resume B (its newest checkpoint, the boundary) in place, with embed_head on the device (from the host
     # copy the worker synced), to the end.
     assert cli.main(["train", "--resume", b_run]) == 0
     c_run = Path(b_run)
-    assert not _equal(read_tensors(host_run.final_dir), read_tensors(c_run / "final"))  # the export at the end
-    assert not _equal(read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")),
+    assert not differing(read_tensors(host_run.final_dir), read_tensors(c_run / "final"))  # the export at the end
+    assert not differing(read_tensors(os.path.join(a_ckpts, f"step-{STEPS:06d}")),
                       read_tensors(c_run / "checkpoints" / f"step-{STEPS:06d}"))
     rows_a = [json.loads(line) for line in open(os.path.join(host_run.run_dir, "metrics.jsonl"))]
     rows_c = [json.loads(line) for line in open(c_run / "metrics.jsonl")]
@@ -122,8 +117,8 @@ def test_a_killed_compute_worker_takes_its_units_along_and_the_restart_still_end
                         f"train.keep_checkpoints={STEPS}", "cluster.max_restarts=2"),
                    log=kill_in_turn(["compute", "grad-sink"], lines))
     assert sum(line.startswith("restart ") for line in lines) == 2, "\n".join(lines)
-    assert not _equal(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
-    assert not _equal(read_tensors(os.path.join(host_run.run_dir, "checkpoints", f"step-{STEPS:06d}")),
+    assert not differing(read_tensors(host_run.final_dir), read_tensors(result.final_dir))
+    assert not differing(read_tensors(os.path.join(host_run.run_dir, "checkpoints", f"step-{STEPS:06d}")),
                       read_tensors(os.path.join(result.run_dir, "checkpoints", f"step-{STEPS:06d}")))
     assert os.listdir(shm_dir) == []
 
