@@ -12,7 +12,9 @@
 # Writes OUT/bench-<tag>.json (megatrain-ray bench: s/step, tokens/s, TFLOPS in both conventions as a
 # LoRA step runs them with active parameters, GPU busy, host B/param, peaks), OUT/plan-*.txt, and with
 # part resident (after 20b) OUT/resident-lora-<tag>.json and OUT/ratio-20b.txt. Each part is one
-# command: BUDGET (s, default 570) bounds each, STEPS (default 4) the steps of each run.
+# command: BUDGET (s, default 570) bounds each, STEPS (default 4) the steps of each run, LIMIT (s, default
+# 600) each bench run (a whole-model start draws and quantizes the ~117B base first: run such a part
+# detached across calls, `setsid nohup env BUDGET=1200 LIMIT=1200 bash benchmarks/gpt_oss.sh OUT 120b-262k &`).
 source "$(dirname "$0")/lib.sh"
 parts=${2:-plan 120b-65k 120b-262k air-65k air-262k 20b resident}
 rc=0
@@ -51,7 +53,7 @@ for row in "120b-65k gpt-oss-120b mxfp4 65536" "120b-262k gpt-oss-120b mxfp4 262
            "air-65k glm-4.5-air nf4 65536" "air-262k glm-4.5-air nf4 262144" "20b gpt-oss-20b mxfp4 65536"; do
   read -r part preset base tokens <<< "$row"
   case " $parts " in *" $part "*)
-    bench "$preset-$base-$tokens" "$(left 600)" --preset "$preset" --tokens "$tokens" "${steps[@]}" "${LORA[@]}" \
+    bench "$preset-$base-$tokens" "$(left "${LIMIT:-600}")" --preset "$preset" --tokens "$tokens" "${steps[@]}" "${LORA[@]}" \
       --set lora.base_format="$base" ;;
   esac
 done
