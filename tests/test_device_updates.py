@@ -23,6 +23,7 @@ from megatrain_ray import cli
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.compute.device import CpuBackend
 from megatrain_ray.engine.compute import device_updates
+from megatrain_ray.engine.compute.activations import KEEP
 from megatrain_ray.engine.compute.device_updates import StreamedUpdates
 from megatrain_ray.engine.compute.resident import STATE_KINDS
 from megatrain_ray.engine.optim import AdamWRunner
@@ -33,7 +34,7 @@ from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.model.presets import preset_shape
-from megatrain_ray.orchestration.device_memory import _fixed_device_rows, device_total
+from megatrain_ray.orchestration.device_memory import GPU_USABLE, _fixed_device_rows, device_total
 from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
 from megatrain_ray.orchestration.resolve import Facts, resolve
@@ -290,7 +291,12 @@ def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_a
     layers = [u.index for u in auto.layout.layers]
     assert moved and moved == layers[len(layers) - len(moved):]  # the last layers (the head is resident)
     assert auto.updates.step_s(auto.pace) < host.updates.step_s(host.pace)
-    assert device_total(auto.memory.rows) <= auto.facts.device_bytes  # their held gradients are counted, and fit
+    # their held gradients are counted, and fit the share of the device the plan allows
+    assert device_total(auto.memory.rows) <= auto.facts.device_bytes * GPU_USABLE
+    # the activations placed again beside them: the moved units' gradients took room kept layers had,
+    # and the recompute that brings is in the pace the move was weighed with
+    assert auto.decisions.placement.count(KEEP) < host.decisions.placement.count(KEEP)
+    assert auto.pace.step_s > host.pace.step_s
     held = [r for r in auto.memory.rows if r.component.startswith(f"gradients of the {len(moved)} streamed units")]
     assert len(held) == 1 and held[0].nbytes == 4 * sum(auto.layout.templates[u].numel for u in moved)
     # The sink updates the others.

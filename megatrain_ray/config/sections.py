@@ -63,8 +63,9 @@ class OptimConfig:
     or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
     on the host where the host's update of all of them takes no longer than the device's step, else
     units from the last layers on to the device while that shortens the step (the host's AdamW rate
-    per thread against each unit's state crossing the link) and their held gradients fit the device
-    memory the plan leaves; all on the host where the device update cannot serve the run (the cpu
+    per thread against each unit's state crossing the link), each move weighed with the activations
+    placed again beside the moved units' held gradients (recompute included), and while the plan's
+    GPU total fits; all on the host where the device update cannot serve the run (the cpu
     device, the 8-bit state, bf16 master weights, several compute workers, LoRA). ``plan`` prints
     where each unit's update runs. Units resident on the device (memory.resident) are updated there
     either way."""

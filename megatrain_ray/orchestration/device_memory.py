@@ -318,13 +318,15 @@ def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) ->
 
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None,
-                         resident: tuple[int, ...] | None = None, host_bytes: int | None = None) -> tuple[str, ...]:
+                         resident: tuple[int, ...] | None = None, host_bytes: int | None = None,
+                         on_device: tuple[int, ...] | None = None) -> tuple[str, ...]:
     """Each decoder layer's activation placement (:func:`megatrain_ray.engine.compute.activations.layer_modes`)
     for the run's micro-batch on a device of ``device_bytes`` (None: unknown; nothing is kept or
     offloaded then unless memory.activations says so), with ``host_bytes`` of host RAM free for
-    offloaded checkpoints (None: unlimited)."""
+    offloaded checkpoints (None: unlimited), beside the streamed units ``on_device`` updated on the
+    device (None: as optim.placement names them)."""
     mbs = cfg.train.micro_batch_size
-    fixed = device_total(_fixed_device_rows(cfg, device, mbs, resident))
+    fixed = device_total(_fixed_device_rows(cfg, device, mbs, resident, on_device))
     return layer_modes(cfg.model.num_hidden_layers, *activation_counts(cfg, device, mbs, device_bytes, fixed, host_bytes))
 
 

@@ -9,9 +9,11 @@
   each unit moved there adds its state's trip over the link to the device's step. Auto keeps every
   unit on the host where that host path is no longer than the device's step (most dense runs at
   their FLOPs per parameter), else moves units to the device, from the end of the update order (the last the next
-  forward needs), one at a time while that shortens the step (both paths finish closer together),
-  and only as many as the device memory the plan leaves holds (their fp32 gradients until the step's
-  end, the pieces of a unit's state on the device while it is updated). It moves none where the
+  forward needs), one at a time while that shortens the step (both paths finish closer together).
+  Each move is weighed with the activations placed again beside it: the moved units' fp32 gradients,
+  held until the step's end, and the pieces of a unit's state on the device while it is updated take
+  device memory that kept activations had, so a move may bring recompute with it; moving stops where
+  the plan's device total would exceed the device's usable memory. It moves none where the
   device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state;
   bf16 master weights; several compute workers; LoRA; gradients held on the device for the host,
   experimental.hold_grads) or where the GPU memory is not known.
@@ -19,15 +21,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..config import TrainConfig
-from ..engine.compute.device_updates import IN_FLIGHT, PIECE
 from ..engine.policy import updated_on_device
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
 from .pace import Pace, UpdatePace
-
-MEMORY_MARGIN = 0.9
-"""Share of the device memory the plan leaves that auto's held gradients may take."""
 
 
 def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, precision: Precision) -> UpdatePace:
@@ -38,31 +38,30 @@ def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, p
                       12, 12 + (precision.compute.itemsize if precision.separate_stream_copy else 0))
 
 
-def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], pace: Pace,
-                    host_threads: int, precision: Precision, free_bytes: int | None) -> tuple[int, ...]:
-    """The streamed units whose update runs on the device, in layout order (see the module docstring);
-    ``free_bytes``: the device memory the plan leaves (None: unknown)."""
+def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], host_threads: int,
+                    precision: Precision, plan_for: Callable[[tuple[int, ...]], tuple[Pace, bool]] | None
+                    ) -> tuple[int, ...]:
+    """The streamed units whose update runs on the device, in layout order (see the module docstring).
+    ``plan_for(units)``: the pace with the activations placed beside ``units`` updated on the device,
+    and whether the plan's device total then fits (None: the GPU memory is unknown)."""
     placement, n = cfg.optim.placement, len(layout.units)
     if cfg.lora.enabled or placement != "auto":
         return () if cfg.lora.enabled else updated_on_device(n, resident, placement)
-    if (device != "cuda" or free_bytes is None or cfg.optim.state != "fp32" or precision.master.itemsize != 4
+    if (device != "cuda" or plan_for is None or cfg.optim.state != "fp32" or precision.master.itemsize != 4
             or cfg.parallel.workers > 1):
         return ()
     streamed = [u for u in range(n) if u not in resident]
-    budget = free_bytes * MEMORY_MARGIN
-    moved: list[int] = []
 
-    def step_s(device_units: list[int]) -> float:
+    def step_s(device_units: list[int], pace: Pace) -> float:
         host = [u for u in streamed if u not in device_units]
         return update_pace(layout, host, host_threads, device_units, precision).step_s(pace)
 
-    def held(device_units: list[int]) -> int:
-        numel = [layout.templates[u].numel for u in device_units]
-        stream = precision.compute.itemsize if precision.separate_stream_copy else 0
-        return 4 * sum(numel) + IN_FLIGHT * (12 + stream) * min(PIECE, max(numel, default=0))
-
+    moved: list[int] = []
+    best = step_s(moved, plan_for(())[0])
     for u in reversed(streamed):
-        if step_s(moved + [u]) >= step_s(moved) or held(moved + [u]) > budget:
+        pace, fits = plan_for(tuple(sorted(moved + [u])))
+        if not fits or step_s(moved + [u], pace) >= best:
             break
         moved.append(u)
+        best = step_s(moved, pace)
     return tuple(sorted(moved))

@@ -41,7 +41,7 @@ from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
 from ..engine.compute.activations import recompute_spans, recomputed_layers
-from .device_memory import activation_placement, device_total, placed_rows, resolve_resident
+from .device_memory import GPU_USABLE, activation_placement, device_total, placed_rows, resolve_resident
 from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
 from .pace import Pace, UpdatePace, expected_pace, role_wait_s
 from .placement import units_on_device, update_pace
@@ -225,8 +225,15 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     host = preflight.host_for(facts.host_bytes)
     decisions = _decide(cfg, facts, store, resident, host)
     threads = cfg.parallel.resolved_optimizer_threads()
-    on_device = units_on_device(cfg, device, layout, resident, decisions.pace, threads, precision,
-                                None if store.hold_grads else _device_room(cfg, decisions))  # held: all to the host
+
+    def plan_for(units: tuple[int, ...]) -> tuple[Pace, bool]:
+        decided = _decide(cfg, facts, store, resident, host, units)
+        return decided.pace, _fits_device(cfg, decided, units)
+
+    on_device = units_on_device(cfg, device, layout, resident, threads, precision,  # held gradients: all to the host
+                                None if store.hold_grads or decisions.device_bytes is None else plan_for)
+    if on_device:  # the activations placed beside them
+        decisions = _decide(cfg, facts, store, resident, host, on_device)
     decisions = dataclasses.replace(decisions, on_device=on_device)
     memory = preflight.count(cfg, decisions, host, facts.starts_ray)
     activations = decisions.placement  # every GPU alike: the same share of the micro-batches
@@ -261,27 +268,26 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
 
 
 def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[int, ...],
-            host: int) -> preflight.Decisions:
+            host: int, on_device: tuple[int, ...] | None = None) -> preflight.Decisions:
     """The memory plan's decisions beyond the store and the resident units: the GPU memory it is
     planned against (the facts', or where they do not say, the whole of this process's GPU 0), each
-    layer's activation placement in what that leaves (offloaded checkpoints within what ``host``
+    layer's activation placement in what that leaves beside the streamed units ``on_device`` updated
+    on the device (None: as optim.placement names them; offloaded checkpoints within what ``host``
     bytes of host RAM leave), and the pace that placement gives."""
     device = facts.device
     device_bytes = gpu_memory() if device == "cuda" and facts.device_bytes is None else facts.device_bytes
     room = preflight.offload_room(cfg, device, store, facts.starts_ray, host)
-    placement = activation_placement(cfg, device, device_bytes, resident, room)
+    placement = activation_placement(cfg, device, device_bytes, resident, room, on_device)
     pace = expected_pace(cfg, device, *recomputed_layers(placement), tflops=facts.device_tflops,
                          gpu_name=gpu_name() if device == "cuda" else None)
     return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
 
 
-def _device_room(cfg: TrainConfig, decided: preflight.Decisions) -> int | None:
-    """The device memory the plan leaves with the activations placed and no unit updated on the device
-    (None: unknown)."""
-    if decided.device_bytes is None:
-        return None
-    rows = placed_rows(cfg, decided.device, cfg.train.micro_batch_size, decided.resident, decided.placement, ())
-    return decided.device_bytes - device_total(rows)
+def _fits_device(cfg: TrainConfig, decided: preflight.Decisions, on_device: tuple[int, ...]) -> bool:
+    """Whether the plan's device total, with the activations placed as ``decided`` and the streamed
+    units ``on_device`` updated on the device, fits the device's usable memory (GPU_USABLE of it)."""
+    rows = placed_rows(cfg, decided.device, cfg.train.micro_batch_size, decided.resident, decided.placement, on_device)
+    return device_total(rows) <= decided.device_bytes * GPU_USABLE
 
 
 def _fits_an_idle_machine(result: preflight.MemoryPlan, cfg: TrainConfig) -> bool:
