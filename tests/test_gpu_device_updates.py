@@ -2,12 +2,13 @@
 ``torch._fused_adamw_`` on the device, their state copied in from the host store and written back,
 against the host's update of the same fp32 gradient (megatrain_ray.engine.compute.device_updates).
 
-The two are the same arithmetic in different kernels (the host's native C kernel or torch's CPU
-kernel; the GPU's fused kernel), so they differ only in rounding: each element's update is a few
-fp32 operations (the moments' two multiply-adds, the bias corrections, a square root, a division),
-so a moment differs by a few units in the last place (rtol 2**-20, ~8 ulps) and the master weights by
-one rounding of their own plus a few ulps of the step, which is at most ~lr in size (atol lr * 2**-18
-per step, over 3 steps). The stream copy is the master's own rounding to bf16, written beside it.
+The two are the same arithmetic in different kernels (the host's native C kernel; the GPU's fused
+kernel), so they differ only in rounding; but not by a few ulps of each moment: a first moment
+summed from gradients of both signs cancels to near zero while its rounding stays that of its terms
+(on the H200 the two kernels' first moments differed by up to 0.09% of themselves on 2% of the
+elements, 5.5e-11 absolute). So each is held to the float64 truth of the same steps, within the
+bound fp32 rounding of each term allows (tests/adamw_truth.py derives it); the stream copy is the
+master's own rounding to bf16, written beside it.
 """
 
 import os
@@ -18,11 +19,13 @@ import torch
 from megatrain_ray.config import load_config
 from megatrain_ray.engine.compute.device import CudaBackend
 from megatrain_ray.engine.compute.device_updates import StreamedUpdates
-from megatrain_ray.engine.optim import AdamWRunner
+from megatrain_ray.engine.optim import AdamWRunner, decay_ranges
 from megatrain_ray.engine.sink.updates import ExactAdamW
 from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
 from megatrain_ray.model.precision import Precision
 from megatrain_ray.orchestration.local import train_local
+
+from adamw_truth import AdamWTruth
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,23 +45,26 @@ def test_the_gpu_update_of_a_streamed_unit_matches_the_host_update_within_roundi
         units = tuple(range(len(host.store.layout.units)))
         exact = ExactAdamW(host.store, runner, cfg.optim, 10)
         updates = StreamedUpdates(dev.store, backend, units, cfg.optim, 10, timeout_s=60)
+        o, templates = cfg.optim, host.store.layout.templates
+        truth = {u: AdamWTruth(host.store.block("master", u), decay_ranges(templates[u].numel,
+                               templates[u].decay_numel, o), o.beta1, o.beta2, o.eps) for u in units}
         gen = torch.Generator().manual_seed(0)
         for step in range(STEPS):
-            grads = {u: torch.randn(host.store.layout.templates[u].numel, generator=gen) for u in units}
+            grads = {u: torch.randn(templates[u].numel, generator=gen) for u in units}
             sq = [torch.dot(g, g) for g in grads.values()]
-            coef = min(1.0, cfg.optim.max_grad_norm / (sum(float(s) for s in sq) ** 0.5 + 1e-6))
+            coef = min(1.0, o.max_grad_norm / (sum(float(s) for s in sq) ** 0.5 + 1e-6))
+            assert coef < 1.0  # clipped: the factor matters
             for u in units:
                 exact.update(u, grads[u].clone(), coef, step)
                 updates.take_grad(u, grads[u].cuda())
+                truth[u].step(grads[u], coef, exact.lr(step))
             updates.end_step(step, [s.cuda() for s in sq], sync=False, for_checkpoint=False)
             for u in units:
                 assert dev.store.version(u) == step + 1
-        lr = cfg.optim.lr
         for u in units:
-            for kind in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(dev.store.block(kind, u), host.store.block(kind, u), rtol=2**-20, atol=1e-30)
-            torch.testing.assert_close(dev.store.block("master", u), host.store.block("master", u), rtol=2**-23,
-                                       atol=STEPS * lr * 2**-18)
+            for name, store in (("device", dev), ("host", host)):
+                truth[u].assert_close(*(store.store.block(k, u) for k in ("master", "exp_avg", "exp_avg_sq")),
+                                      f"{name} update, unit {u}:")
             assert torch.equal(dev.store.block("stream", u), dev.store.block("master", u).to(torch.bfloat16))
         updates.close()
     finally:
