@@ -14,9 +14,10 @@
   held until the step's end, and the pieces of a unit's state on the device while it is updated take
   device memory that kept activations had, so a move may bring recompute with it; moving stops where
   the plan's device total would exceed the device's usable memory. It moves none where the
-  device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state;
-  bf16 master weights; several compute workers; LoRA; gradients held on the device for the host,
-  experimental.hold_grads) or where the GPU memory is not known.
+  device update cannot serve the run (the cpu device, whose "device" is the host; bf16 master
+  weights; several compute workers; LoRA), where its arithmetic is not weighed here (the 8-bit state,
+  which ``device`` takes; gradients held on the device for the host, experimental.hold_grads) or
+  where the GPU memory is not known.
 """
 
 from __future__ import annotations
