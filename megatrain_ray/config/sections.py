@@ -67,7 +67,7 @@ class OptimConfig:
     per thread against each unit's state crossing the link), each move weighed with the activations
     placed again beside the moved units' held gradients (recompute included), and while the plan's
     GPU total fits; all on the host where the device update cannot serve the run (the cpu
-    device, bf16 master weights, several compute workers, LoRA) and, for now, with the 8-bit state
+    device, bf16 master weights, several compute workers, LoRA) and with the 8-bit state
     (device takes it). ``plan`` prints
     where each unit's update runs. Units resident on the device (memory.resident) are updated there
     either way."""
