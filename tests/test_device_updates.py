@@ -28,11 +28,11 @@ from megatrain_ray.engine.compute.device_updates import StreamedUpdates
 from megatrain_ray.engine.compute.resident import STATE_KINDS
 from megatrain_ray.engine.optim import AdamWRunner
 from megatrain_ray.engine.policy import STREAMED_ON_DEVICE, UnitPolicy
-from megatrain_ray.engine.sink.updates import ExactAdamW
-from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
+from megatrain_ray.engine.sink.updates import CompactAdamW, ExactAdamW
+from megatrain_ray.engine.store.host_store import SCALE_KINDS, ParameterStore, StoreSpec
 from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint
-from megatrain_ray.model.precision import Precision
+from megatrain_ray.model.precision import Precision, resolve_precision
 from megatrain_ray.model.presets import preset_shape
 from megatrain_ray.orchestration.device_memory import GPU_USABLE, _fixed_device_rows, device_total
 from megatrain_ray.orchestration.local import train_local
@@ -60,6 +60,7 @@ def _cfg(shm_dir, run_dir, *extra):
     ("optim.max_grad_norm=0",),  # no clipping: the host updates each unit as its gradient arrives
     ("optim.decay_norms_and_biases=true", "model.tie_word_embeddings=true"),
     ("memory.resident=embed_head",),  # beside resident units, which the worker updates first
+    ("optim.state=8bit",),  # the compact state: torch's form of the sink's kernel, the same bits
 ])
 def test_streamed_units_updated_on_the_device_give_the_host_update_bit_for_bit(extra, shm_dir, tmp_path):
     rows = {placement: train_local(_cfg(shm_dir, tmp_path, f"optim.placement={placement}", *extra), 0)
@@ -138,6 +139,50 @@ def test_one_device_update_equals_the_host_update_on_the_same_gradient(decay_nor
         runner.close()
         host.close()
         dev.close()
+
+
+@pytest.mark.parametrize("piece,chunk", [(device_updates.PIECE, device_updates.COMPACT_CHUNK), (4096, 2048)])
+def test_the_compact_state_updated_on_the_device_equals_the_sink_update_bit_for_bit(piece, chunk, shm_dir,
+                                                                                     monkeypatch):
+    """The 8-bit state (bf16 master weights, uint8 codes, fp32 block scales) updated by StreamedUpdates
+    (:func:`~megatrain_ray.engine.compact.step_reference`, the code a GPU runs) and by the sink's compact
+    kernel, unit by unit over 3 clipped steps: every array equal, the stream copy too, whether a unit is
+    one piece or many (4,096 elements: pieces across the decay spans, 2,048-element chunks within them)."""
+    monkeypatch.setattr(device_updates, "PIECE", piece)
+    monkeypatch.setattr(device_updates, "COMPACT_CHUNK", chunk)
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "compute.device=cpu", "optim.weight_decay=0.1",
+                             "optim.state=8bit", "optim.warmup_steps=1"])
+    precision = resolve_precision(cfg.precision, "cpu", "8bit")
+    stores = [ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), run), seed=0) for run in ("h", "d")]
+    host, dev = (p.store for p in stores)
+    assert host.separate_stream_copy  # the CPU computes in fp32: the stream copy is written beside the state
+    runner = AdamWRunner(2)
+    try:
+        units = tuple(range(len(host.layout.units)))
+        sink = CompactAdamW(host, runner, cfg.optim, 10)
+        updates = StreamedUpdates(dev, CpuBackend(1, 1, torch.float32), units, cfg.optim, 10, timeout_s=60)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            grads = {u: torch.randn(host.layout.templates[u].numel, generator=gen) for u in units}
+            sq = [torch.dot(g, g) for g in grads.values()]
+            coef = min(1.0, cfg.optim.max_grad_norm / (math.sqrt(sum(float(s) for s in sq)) + 1e-6))
+            assert coef < 1.0
+            for u in units:
+                sink.update(u, grads[u].clone(), coef, step)
+                updates.take_grad(u, grads[u].clone())
+            updates.end_step(step, sq, sync=False, for_checkpoint=False)
+            for u in units:
+                for kind in (*STATE_KINDS, "stream"):
+                    assert torch.equal(host.block(kind, u), dev.block(kind, u)), (step, u, kind)
+                for kind in SCALE_KINDS:
+                    assert torch.equal(host.scale_block(kind, u), dev.scale_block(kind, u)), (step, u, kind)
+                assert dev.version(u) == step + 1
+        assert not torch.equal(dev.block("exp_avg", 0), torch.zeros_like(dev.block("exp_avg", 0)))  # it moved
+        updates.close()
+    finally:
+        runner.close()
+        for p in stores:
+            p.close()
 
 
 def test_the_write_back_waits_while_a_checkpoint_reads_an_earlier_boundary_and_holds_its_own(shm_dir):
@@ -233,8 +278,6 @@ def test_a_killed_compute_worker_mid_run_restarts_from_the_checkpoint_and_still_
 
 @pytest.mark.parametrize("extra,says", [
     (("optim.placement=gpu",), "optim.placement must be one of host, device, auto, got 'gpu'"),
-    ((DEVICE, "optim.state=8bit"), "optim.placement device needs optim.state fp32 (got 8bit): the 8-bit state is "
-     "updated on the host only; set optim.placement host"),
     ((DEVICE, "precision.master_dtype=bfloat16"), "optim.placement device needs fp32 master weights"),
     ((DEVICE, "parallel.compute_workers=2"), "optim.placement device needs one compute worker in the whole run "
      "(got 2 x 1)"),

@@ -20,9 +20,9 @@ from megatrain_ray.config import load_config
 from megatrain_ray.engine.compute.device import CudaBackend
 from megatrain_ray.engine.compute.device_updates import StreamedUpdates
 from megatrain_ray.engine.optim import AdamWRunner, decay_ranges
-from megatrain_ray.engine.sink.updates import ExactAdamW
-from megatrain_ray.engine.store.host_store import ParameterStore, StoreSpec
-from megatrain_ray.model.precision import Precision
+from megatrain_ray.engine.sink.updates import CompactAdamW, ExactAdamW
+from megatrain_ray.engine.store.host_store import SCALE_KINDS, ParameterStore, StoreSpec
+from megatrain_ray.model.precision import Precision, resolve_precision
 from megatrain_ray.orchestration.local import train_local
 
 from adamw_truth import AdamWTruth
@@ -72,6 +72,46 @@ def test_the_gpu_update_of_a_streamed_unit_matches_the_host_update_within_roundi
         backend.close()
         host.close()
         dev.close()
+
+
+def test_the_gpu_update_of_the_compact_state_is_the_sink_update_bit_for_bit(shm_dir, monkeypatch):
+    """The 8-bit state on the GPU (:func:`~megatrain_ray.engine.compact.step_reference` in torch's CUDA
+    kernels: correctly rounded fp32 operations one at a time, the root in float64, integer hashing and
+    bit codes) against the sink's native kernel on the same gradients: every array equal, over pieces
+    and chunks smaller than a unit."""
+    from megatrain_ray.engine.compute import device_updates
+    monkeypatch.setattr(device_updates, "PIECE", 1 << 14)
+    monkeypatch.setattr(device_updates, "COMPACT_CHUNK", 1 << 12)
+    cfg = load_config(None, [f"memory.shm_dir={shm_dir}", "optim.weight_decay=0.1", "optim.warmup_steps=1",
+                             "optim.state=8bit", "model.hidden_size=128", "model.intermediate_size=352"])
+    precision = resolve_precision(cfg.precision, "cuda", "8bit")
+    stores = [ParameterStore(StoreSpec(cfg.model, precision, shm_dir, os.getpid(), run), seed=0) for run in ("h", "d")]
+    host, dev = (p.store for p in stores)
+    runner, backend = AdamWRunner(2), CudaBackend(1, 1, torch.bfloat16)
+    try:
+        units = tuple(range(len(host.layout.units)))
+        sink = CompactAdamW(host, runner, cfg.optim, 10)
+        updates = StreamedUpdates(dev, backend, units, cfg.optim, 10, timeout_s=60)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(STEPS):
+            grads = {u: torch.randn(host.layout.templates[u].numel, generator=gen) for u in units}
+            sq = [torch.dot(g, g) for g in grads.values()]
+            coef = min(1.0, cfg.optim.max_grad_norm / (sum(float(s) for s in sq) ** 0.5 + 1e-6))
+            for u in units:
+                sink.update(u, grads[u].clone(), coef, step)
+                updates.take_grad(u, grads[u].cuda())
+            updates.end_step(step, [s.cuda() for s in sq], sync=False, for_checkpoint=False)
+        for u in units:
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(dev.block(kind, u), host.block(kind, u)), (u, kind)
+            for kind in SCALE_KINDS:
+                assert torch.equal(dev.scale_block(kind, u), host.scale_block(kind, u)), (u, kind)
+        updates.close()
+    finally:
+        runner.close()
+        backend.close()
+        for p in stores:
+            p.close()
 
 
 def test_a_run_with_its_updates_on_the_gpu_follows_the_host_run(shm_dir, tmp_path):

@@ -58,15 +58,17 @@ class OptimConfig:
     """Where the AdamW update of each streamed unit runs: host (default: the gradient sink, on the
     host's CPU threads, from the gradient the compute worker sends) or device (the compute worker's
     device: the unit's gradient stays there, and after the step's norm its fp32 master weights and
-    moments are copied in, updated with the same AdamW and written back to the host store, so the
-    host's CPUs update nothing; needs one compute worker, fp32 master weights and optim.state fp32),
+    moments, or with optim.state 8bit its bf16 master weights, 8-bit codes and block scales, are copied
+    in, updated with the same AdamW and written back to the host store, so the host's CPUs update
+    nothing; needs one compute worker and precision.master_dtype float32),
     or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
     on the host where the host's update of all of them takes no longer than the device's step, else
     units from the last layers on to the device while that shortens the step (the host's AdamW rate
     per thread against each unit's state crossing the link), each move weighed with the activations
     placed again beside the moved units' held gradients (recompute included), and while the plan's
     GPU total fits; all on the host where the device update cannot serve the run (the cpu
-    device, the 8-bit state, bf16 master weights, several compute workers, LoRA). ``plan`` prints
+    device, bf16 master weights, several compute workers, LoRA) and with the 8-bit state
+    (device takes it). ``plan`` prints
     where each unit's update runs. Units resident on the device (memory.resident) are updated there
     either way."""
 
@@ -345,9 +347,6 @@ class TrainConfig:
 
     def _validate_device_updates(self, par) -> None:
         """What optim.placement device does not combine with, each in one sentence naming the key."""
-        _require(self.optim.state == "fp32", "optim.placement",
-                 f"device needs optim.state fp32 (got {self.optim.state}): the 8-bit state is updated on the host "
-                 "only; set optim.placement host")
         _require(self.precision.master_dtype == "float32", "optim.placement",
                  f"device needs fp32 master weights (precision.master_dtype {self.precision.master_dtype}); set "
                  "optim.placement host")

@@ -184,7 +184,8 @@ class StepConstants:
 def step_reference(master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
                    sm: torch.Tensor, sv: torch.Tensor, decay_numel: int, c: StepConstants, key: int,
                    index0: int = 0) -> None:
-    """One compact AdamW step on one unit, in place, with torch operations (see the module docstring).
+    """One compact AdamW step on one unit, in place, with torch operations (see the module docstring), on
+    whichever device the tensors share (the scalars are 0-dim CPU tensors, which torch takes as scalars).
 
     master: [n] bf16; grad: [n] bf16 or fp32; qm, qv: [n] uint8 codes of exp_avg and sqrt(exp_avg_sq);
     sm, sv: [ceil(n / BLOCK)] fp32 block scales; the first ``decay_numel`` elements decay with
@@ -197,7 +198,7 @@ def step_reference(master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, q
     m0 = dequantize(qm, sm, signed=True)
     s0 = dequantize(qv, sv, signed=False)
     v0 = s0 * s0
-    decay = torch.full((n,), c.decay_b, dtype=f32)
+    decay = torch.full((n,), c.decay_b, dtype=f32, device=master.device)
     decay[:max(0, decay_numel)] = c.decay_a
     param = master.to(f32) * decay
     m1 = m0 + torch.tensor(c.w1, dtype=f32) * (g - m0)
@@ -207,7 +208,7 @@ def step_reference(master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, q
     s1 = torch.sqrt(v1.double()).float()
     denom = s1 / torch.tensor(c.bc2_sqrt, dtype=f32) + torch.tensor(c.eps, dtype=f32)
     param = param - torch.tensor(c.step_size, dtype=f32) * m1 / denom
-    h1, h2, h3 = random_bits(torch.arange(index0, index0 + n, dtype=torch.int64), key)
+    h1, h2, h3 = random_bits(torch.arange(index0, index0 + n, dtype=torch.int64, device=master.device), key)
     master.copy_(round_bf16(param, h1))
     codes, scales = quantize(m1, h2, signed=True)
     qm.copy_(codes)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..config import TrainConfig
 from ..engine.compute.activations import (HOST, KEEP, SPAN, kept_bytes_per_token, layer_modes, recompute_spans,
                                           recomputed_layers, sparse_kept_bytes_per_token)
-from ..engine.compute.device_updates import IN_FLIGHT, PIECE
+from ..engine.compute.device_updates import COMPACT_CHUNK, COMPACT_WORK_BYTES, IN_FLIGHT, PIECE, state_bytes
 from ..engine.compute.sequence import tiled_backward_bytes
 from ..engine.policy import updated_on_device
 from ..engine.store.host_store import StoreSpec, largest_streamed, resident_units
@@ -129,7 +129,8 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
                "experimental.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
           if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
-        *_device_update_rows(cfg, layout, resident, on_device, c if precision.separate_stream_copy else 0),
+        *_device_update_rows(cfg, layout, resident, on_device, precision.compact,
+                             c if precision.separate_stream_copy else 0),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * _logit_bytes(c, cfg.compute.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
@@ -139,20 +140,24 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
 
 
 def _device_update_rows(cfg: TrainConfig, layout: StoreLayout, resident: tuple[int, ...],
-                        units: tuple[int, ...] | None, stream: int) -> list[Row]:
+                        units: tuple[int, ...] | None, compact_state: bool, stream: int) -> list[Row]:
     """The streamed units updated on the device (``units``; None: as optim.placement device names them):
     their fp32 gradients, held until the step's end, and the pieces of a unit's state on the device
-    while it is updated (fp32 master and moments, and its ``stream``-byte stream copy)."""
+    while it is updated (fp32 master and moments and its ``stream``-byte stream copy; the 8-bit state's
+    master, codes and scales, and the compact update's temporaries)."""
     if units is None:
         units = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
     if not units:
         return []
     held = sum(layout.templates[u].numel for u in units)
     largest = min(PIECE, max(layout.templates[u].numel for u in units))
+    per = max(state_bytes(compact_state, stream))
+    work = [Row(f"the 8-bit update's temporaries ({COMPACT_CHUNK:,} elements at a time)", "device",
+                min(COMPACT_CHUNK, largest) * COMPACT_WORK_BYTES)] if compact_state else []
     return [Row(f"gradients of the {len(units)} streamed units updated on the device (fp32, optim.placement device)",
                 "device", held * 4),
             Row(f"{IN_FLIGHT} pieces of a unit's AdamW state while it is updated on the device (in, updated, out)",
-                "device", IN_FLIGHT * largest * (12 + stream))]
+                "device", int(IN_FLIGHT * largest * per)), *work]
 
 
 def _logit_bytes(c: int, compiled: bool) -> int:

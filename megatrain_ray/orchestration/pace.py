@@ -299,9 +299,10 @@ class UpdatePace:
     """The sink's AdamW threads."""
     device_params: int
     """Parameters of the streamed units updated on the compute worker's device (optim.placement device)."""
-    device_bytes_in: int
-    """Bytes per such parameter copied in: fp32 master weights and two moments."""
-    device_bytes_out: int
+    device_bytes_in: float
+    """Bytes per such parameter copied in: fp32 master weights and two moments (the 8-bit state: bf16
+    master weights, two codes and their block scales)."""
+    device_bytes_out: float
     """Bytes per such parameter written back: the same, and the stream copy where the store keeps one."""
 
     @property
@@ -329,8 +330,8 @@ class UpdatePace:
                 f"~{duration(self.host_s)} at {HOST_ADAMW_PARAMS_PER_THREAD_S / 1e6:.0f}M parameters/s per thread, "
                 "beside the next step")
         device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step "
-                  f"(their state over the link: {self.device_bytes_in} bytes per parameter in and "
-                  f"{self.device_bytes_out} out at "
+                  f"(their state over the link: {self.device_bytes_in:.3g} bytes per parameter in and "
+                  f"{self.device_bytes_out:.3g} out at "
                   f"{LINK_GBPS:.0f} GB/s each way, {LINK_BOTH_GBPS:.0f} both)")
         return f"optimizer updates: {host}; {device}; expected step time with them: ~{duration(self.step_s(pace))}"
 

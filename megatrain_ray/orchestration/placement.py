@@ -14,9 +14,10 @@
   held until the step's end, and the pieces of a unit's state on the device while it is updated take
   device memory that kept activations had, so a move may bring recompute with it; moving stops where
   the plan's device total would exceed the device's usable memory. It moves none where the
-  device update cannot serve the run (the cpu device, whose "device" is the host; the 8-bit state;
-  bf16 master weights; several compute workers; LoRA; gradients held on the device for the host,
-  experimental.hold_grads) or where the GPU memory is not known.
+  device update cannot serve the run (the cpu device, whose "device" is the host; bf16 master
+  weights; several compute workers; LoRA), where its arithmetic is not weighed here (the 8-bit state,
+  which ``device`` takes; gradients held on the device for the host, experimental.hold_grads) or
+  where the GPU memory is not known.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import TrainConfig
+from ..engine.compute.device_updates import state_bytes
 from ..engine.policy import updated_on_device
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
@@ -32,10 +34,11 @@ from .pace import Pace, UpdatePace
 
 def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, precision: Precision) -> UpdatePace:
     """The arithmetic of a split: ``host_units`` updated on ``host_threads`` CPU threads, ``on_device``
-    on the device (fp32 master and moments in, the same and the stream copy out)."""
+    on the device (their state in and out, :func:`~megatrain_ray.engine.compute.device_updates.state_bytes`)."""
     numel = layout.templates
+    stream = precision.compute.itemsize if precision.separate_stream_copy else 0
     return UpdatePace(sum(numel[u].numel for u in host_units), host_threads, sum(numel[u].numel for u in on_device),
-                      12, 12 + (precision.compute.itemsize if precision.separate_stream_copy else 0))
+                      *state_bytes(precision.compact, stream))
 
 
 def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], host_threads: int,

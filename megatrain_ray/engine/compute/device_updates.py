@@ -14,7 +14,11 @@ backend the sink's own kernel, :class:`~megatrain_ray.engine.optim.AdamWRunner`,
 host update where the gradient dtype is fp32: the update is elementwise, so its pieces do not
 change its bits; on a GPU ``torch._fused_adamw_``, :func:`~megatrain_ray.engine.optim.adamw_unit`),
 each piece's decay span as the unit's, and written back (with the stream copy, where the store keeps
-one); then its versions say ``step + 1`` and the prefetcher may stream it for the next step. The
+one); then its versions say ``step + 1`` and the prefetcher may stream it for the next step. With
+the 8-bit state (optim.state 8bit) the pieces are its bf16 master weights, the two uint8 codes and
+their fp32 block scales (whole blocks: a piece starts on a block boundary), updated by
+:func:`~megatrain_ray.engine.compact.step_reference` on every backend, :data:`COMPACT_CHUNK`
+elements at a time: the torch form of the sink's compact kernel, the same bits. The
 span from the first copy in to the last copy out is the step's ``device_update`` interval (the
 step metrics' ``device_update_busy_s``, beside the sink's ``update_busy_s``). So the host
 store holds each such unit's state at every step boundary (checkpoints, the export and an interrupt
@@ -42,7 +46,9 @@ import torch
 
 from ...config import OptimConfig, lr_at
 from ...errors import Diverged, PipelineError
+from .. import compact
 from ..optim import AdamWRunner, adamw_unit, step_clipping
+from ..store.host_store import SCALE_KINDS
 from .resident import STATE_KINDS, step_sq_norm
 
 PIECE = 1 << 26
@@ -51,6 +57,21 @@ are on the device at once (one coming in, one updated, one going out): what the 
 update beside the held gradients."""
 IN_FLIGHT = 3
 """Pieces of state on the device at once (see :data:`PIECE`)."""
+COMPACT_CHUNK = 1 << 24
+"""Elements the compact state's update (:func:`~megatrain_ray.engine.compact.step_reference`) takes at once
+on the device: its temporaries (fp32 values, int64 random words and bit patterns) stay ~2 GiB."""
+COMPACT_WORK_BYTES = 128
+"""Bytes per element of :data:`COMPACT_CHUNK` that the compact update's temporaries take at their peak
+(measured on the CPU: 123 at 8 M elements, the peak resident set's growth over one call)."""
+
+
+def state_bytes(compact_state: bool, stream: int) -> tuple[float, float]:
+    """(bytes in, bytes out) per parameter of a unit updated on the device: fp32 master weights and
+    moments, or the compact state's bf16 master weights, two uint8 codes and their fp32 block scales;
+    out with a ``stream``-byte stream copy where the store keeps one (not on a GPU with the compact
+    state: its bf16 master weights are the copy streamed)."""
+    state = 2 + 1 + 1 + 2 * 4 / compact.BLOCK if compact_state else 12
+    return state, state + stream
 
 
 class StreamedUpdates:
@@ -65,14 +86,18 @@ class StreamedUpdates:
         self.store, self.backend, self.units = store, backend, units
         self.names = {u: store.layout.units[u] for u in units}
         self.optim, self.total_steps, self.timeout_s = optim, total_steps, timeout_s
-        self.runner = AdamWRunner(threads) if backend.device.type == "cpu" else None
-        """The sink's kernel on the CPU backend (the same bits as a host update); None on a GPU."""
+        self.compact = store.spec.precision.compact
+        """The 8-bit state (optim.state 8bit): bf16 master weights, uint8 codes and their block scales,
+        updated by :func:`~megatrain_ray.engine.compact.step_reference` on every backend (bit for bit the
+        sink's kernel); else fp32 state."""
+        self.runner = AdamWRunner(threads) if backend.device.type == "cpu" and not self.compact else None
+        """The sink's exact kernel on the CPU backend (the same bits as a host update); None on a GPU."""
         self.grads: dict[int, torch.Tensor] = {}
         """unit -> this step's gradient [numel] fp32 on the device, until the update."""
-        for kind in STATE_KINDS:
+        for kind in STATE_KINDS + (SCALE_KINDS if self.compact else ()):
             if kind not in registered:
                 for u in units:
-                    backend.register_host(store.block(kind, u))
+                    backend.register_host(self._host(kind, u))
 
     def take_grad(self, unit: int, grad: torch.Tensor) -> None:
         """Keep ``unit``'s gradient of this step (grad: [numel] fp32 on the device) for :meth:`end_step`."""
@@ -108,30 +133,67 @@ class StreamedUpdates:
             state, ahead = ahead, self._load(*pieces[i + 1]) if i + 1 < len(pieces) else {}
             for _, ready in state.values():
                 self.backend.wait(ready)
-            master, exp_avg, exp_avg_sq = (state[kind][0] for kind in STATE_KINDS)
-            stream = (torch.empty(b - a, dtype=store.spec.precision.compute, device=self.backend.device)
-                      if store.separate_stream_copy else None)
+            values = {kind: value for kind, (value, _) in state.items()}
             decay = min(max(store.layout.templates[unit].decay_numel - a, 0), b - a)
-            args = (master, grads[unit][a:b], exp_avg, exp_avg_sq, stream, decay, step + 1, lr, self.optim)
             with self.backend.compute(f"{self.names[unit]} update"):
-                if self.runner is not None:  # the gradient: fp32, scaled in place
-                    self.runner.update(*args, grad_scale=coef, unit=unit)
+                if self.compact:
+                    self._update_compact(values, grads[unit][a:b], unit, a, decay, coef, step, lr)
+                    values["stream"] = (values["master"].to(store.spec.precision.compute)
+                                        if store.separate_stream_copy else None)
                 else:
-                    adamw_unit(*args, grad_scale=coef, unit=unit, pieces=False)
+                    values["stream"] = self._update_exact(values, grads[unit][a:b], unit, decay, coef, step, lr)
             done = None
-            for kind, value in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
-                done = self.backend.stash(value, store.block(kind, unit)[a:b], f"{self.names[unit]} {kind} out")
-            if stream is not None:
-                done = self.backend.stash(stream, store.block("stream", unit)[a:b], f"{self.names[unit]} stream out")
+            for kind, value in values.items():
+                if value is not None:
+                    done = self.backend.stash(value, self._host(kind, unit, a, b), f"{self.names[unit]} {kind} out")
             if b == grads[unit].numel():  # the unit's last piece: the one before may move on
                 self._written(written, step)
                 written = (unit, done)
         self._written(written, step)
 
+    def _update_exact(self, state: dict[str, torch.Tensor], grad: torch.Tensor, unit: int, decay: int, coef: float,
+                      step: int, lr: float) -> torch.Tensor | None:
+        """AdamW on one piece of fp32 state (kind -> [n] on the device), in place; returns the piece's new
+        stream copy (None where the store keeps none). grad: [n] fp32, scaled in place."""
+        stream = (torch.empty(grad.numel(), dtype=self.store.spec.precision.compute, device=self.backend.device)
+                  if self.store.separate_stream_copy else None)
+        args = (state["master"], grad, state["exp_avg"], state["exp_avg_sq"], stream, decay, step + 1, lr, self.optim)
+        if self.runner is not None:
+            self.runner.update(*args, grad_scale=coef, unit=unit)
+        else:
+            adamw_unit(*args, grad_scale=coef, unit=unit, pieces=False)
+        return stream
+
+    def _update_compact(self, state: dict[str, torch.Tensor], grad: torch.Tensor, unit: int, a: int, decay: int,
+                        coef: float, step: int, lr: float) -> None:
+        """The compact AdamW step on one piece (kind -> [n] or its block scales, on the device; ``a``: the
+        piece's first element in the unit, a block boundary), in place, :data:`COMPACT_CHUNK` elements
+        at a time: the sink's arithmetic (:meth:`~megatrain_ray.engine.optim.AdamWRunner.update_compact`)."""
+        o = self.optim
+        rest = o.weight_decay if o.decay_norms_and_biases else 0.0
+        c = compact.StepConstants.of(step + 1, lr, o.beta1, o.beta2, o.eps, o.weight_decay, rest, coef)
+        key = compact.rng_key(step + 1, unit)
+        for lo in range(0, grad.numel(), COMPACT_CHUNK):
+            hi = min(grad.numel(), lo + COMPACT_CHUNK)
+            blocks = slice(lo // compact.BLOCK, compact.num_blocks(hi))
+            compact.step_reference(state["master"][lo:hi], grad[lo:hi], state["exp_avg"][lo:hi],
+                                   state["exp_avg_sq"][lo:hi], state["exp_avg_scale"][blocks],
+                                   state["exp_avg_sq_scale"][blocks], decay - lo, c, key, a + lo)
+
+    def _host(self, kind: str, unit: int, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """The host store's block of ``kind`` for ``unit``'s elements [a, b) (a scale kind: the blocks that
+        hold them)."""
+        if kind in SCALE_KINDS:
+            block = self.store.scale_block(kind, unit)
+            return block[a // compact.BLOCK:len(block) if b is None else compact.num_blocks(b)]
+        block = self.store.block(kind, unit)
+        return block[a:b]
+
     def _load(self, unit: int, a: int, b: int) -> dict[str, tuple[torch.Tensor, object]]:
         """Start the copy of ``unit``'s state [a, b) to the device: kind -> (tensor, its ready handle)."""
-        return {kind: self.backend.unstash(self.store.block(kind, unit)[a:b], self.backend.mark(),
-                                           f"{self.names[unit]} {kind} in") for kind in STATE_KINDS}
+        kinds = STATE_KINDS + (SCALE_KINDS if self.compact else ())
+        return {kind: self.backend.unstash(self._host(kind, unit, a, b), self.backend.mark(),
+                                           f"{self.names[unit]} {kind} in") for kind in kinds}
 
     def _written(self, written: tuple[int, object] | None, step: int) -> None:
         """Once a unit's last copy-out is complete, it is at ``step + 1`` updates (its state, then its
