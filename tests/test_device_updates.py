@@ -327,6 +327,21 @@ def _moe_run(*extra, gib: float = 139):
     return resolve(cfg, Facts("cuda", device_bytes=int(gib * 2**30), host_bytes=2**40, device_tflops=989.0))
 
 
+def test_the_plan_of_the_8bit_state_on_a_gpu_counts_each_gradient_once():
+    """On a GPU the 8-bit state holds the host units' gradients there for the norm (experimental.hold_grads);
+    the units updated on the device keep their own fp32 gradients instead, counted once, with the 8-bit
+    pieces (4 bytes per parameter each way) and the update's temporaries."""
+    host, dev = (_moe_run("optim.state=8bit", f"optim.placement={p}") for p in ("host", "device"))
+    rows = {p: {r.component: r.nbytes for r in run.memory.rows} for p, run in (("host", host), ("device", dev))}
+    numel = dev.layout.num_params
+    held = [v for k, v in rows["host"].items() if k.startswith("the step's gradients, held")]
+    assert host.store.hold_grads and held == [numel * 2]  # bf16, every unit
+    assert not any(k.startswith("the step's gradients, held") for k in rows["device"])  # every unit moved
+    assert [v for k, v in rows["device"].items() if k.startswith("gradients of the")] == [numel * 4]
+    assert any(k.startswith("the 8-bit update's temporaries") for k in rows["device"])
+    assert (dev.updates.device_bytes_in, dev.updates.device_bytes_out) == (4 + 8 / 2048, 4 + 8 / 2048)
+
+
 def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_and_their_gradients_fit():
     host, auto = _moe_run("optim.placement=host"), _moe_run("optim.placement=auto")
     moved = [u for u, p in enumerate(auto.policies) if p == STREAMED_ON_DEVICE]

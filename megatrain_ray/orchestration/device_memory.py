@@ -111,6 +111,9 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     resident_numel = sum(layout.templates[i].numel for i in resident)
     lora = cfg.lora
     adapters, full = AdapterLayout.build(m, lora).num_params, AdapterLayout.build(m, lora).full
+    if on_device is None:  # as optim.placement names them
+        on_device = () if lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
+    held = layout.num_params - sum(layout.templates[u].numel for u in on_device)  # not those updated on the device
     rows = [
         *(_slot_rows(cfg, layout, depth, c, precision.compute, resident)),
         *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
@@ -127,10 +130,9 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
                f"and gradient{', compute copy' if c != 4 else ''}", "device",
                sum(t.param_count for t in full) * (16 + (c if c != 4 else 0)))] if full else []),
         *([Row(f"the step's gradients, held until its norm is known ({str(precision.grad).removeprefix('torch.')}, "
-               "experimental.hold_grads)", "device", layout.num_params * precision.grad.itemsize)]
-          if StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
-        *_device_update_rows(cfg, layout, resident, on_device, precision.compact,
-                             c if precision.separate_stream_copy else 0),
+               "experimental.hold_grads)", "device", held * precision.grad.itemsize)]
+          if held and StoreSpec.of_run(cfg, precision, device, 0, "plan", resident).hold_grads else []),
+        *_device_update_rows(layout, on_device, precision.compact, c if precision.separate_stream_copy else 0),
         Row(f"loss chunk ({chunk} tokens x {m.vocab_size} logits)", "device",
             chunk * m.vocab_size * _logit_bytes(c, cfg.compute.compile_on(device)) + 3 * chunk * h * 4, "head"),
     ]
@@ -139,14 +141,11 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     return rows
 
 
-def _device_update_rows(cfg: TrainConfig, layout: StoreLayout, resident: tuple[int, ...],
-                        units: tuple[int, ...] | None, compact_state: bool, stream: int) -> list[Row]:
-    """The streamed units updated on the device (``units``; None: as optim.placement device names them):
-    their fp32 gradients, held until the step's end, and the pieces of a unit's state on the device
-    while it is updated (fp32 master and moments and its ``stream``-byte stream copy; the 8-bit state's
-    master, codes and scales, and the compact update's temporaries)."""
-    if units is None:
-        units = () if cfg.lora.enabled else updated_on_device(len(layout.units), resident, cfg.optim.placement)
+def _device_update_rows(layout: StoreLayout, units: tuple[int, ...], compact_state: bool, stream: int) -> list[Row]:
+    """The streamed units updated on the device (``units``): their fp32 gradients, held until the
+    step's end, and the pieces of a unit's state on the device while it is updated (fp32 master and
+    moments and its ``stream``-byte stream copy; the 8-bit state's master, codes and scales, and the
+    compact update's temporaries)."""
     if not units:
         return []
     held = sum(layout.templates[u].numel for u in units)
