@@ -63,8 +63,9 @@ def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident
     best = step_s(moved, plan_for(())[0])
     for u in reversed(streamed):
         pace, fits = plan_for(tuple(sorted(moved + [u])))
-        if not fits or step_s(moved + [u], pace) >= best:
+        shorter = step_s(moved + [u], pace)
+        if not fits or shorter >= best:
             break
         moved.append(u)
-        best = step_s(moved, pace)
+        best = shorter
     return tuple(sorted(moved))

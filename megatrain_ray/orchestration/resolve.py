@@ -226,15 +226,15 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     decisions = _decide(cfg, facts, store, resident, host)
     threads = cfg.parallel.resolved_optimizer_threads()
 
+    tried = {(): decisions}  # units on the device -> the decisions with the activations placed beside them
+
     def plan_for(units: tuple[int, ...]) -> tuple[Pace, bool]:
-        decided = _decide(cfg, facts, store, resident, host, units)
+        tried[units] = decided = tried.get(units) or _decide(cfg, facts, store, resident, host, units)
         return decided.pace, _fits_device(cfg, decided, units)
 
     on_device = units_on_device(cfg, device, layout, resident, threads, precision,  # held gradients: all to the host
                                 None if store.hold_grads or decisions.device_bytes is None else plan_for)
-    if on_device:  # the activations placed beside them
-        decisions = _decide(cfg, facts, store, resident, host, on_device)
-    decisions = dataclasses.replace(decisions, on_device=on_device)
+    decisions = dataclasses.replace(tried.get(on_device) or decisions, on_device=on_device)
     memory = preflight.count(cfg, decisions, host, facts.starts_ray)
     activations = decisions.placement  # every GPU alike: the same share of the micro-batches
     # a LoRA run's embedding / head trained in full: on the compute worker's device beside the adapters

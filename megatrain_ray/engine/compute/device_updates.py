@@ -185,9 +185,8 @@ class StreamedUpdates:
         hold them)."""
         if kind in SCALE_KINDS:
             block = self.store.scale_block(kind, unit)
-            return block[a // compact.BLOCK:len(block) if b is None else compact.num_blocks(b)]
-        block = self.store.block(kind, unit)
-        return block[a:b]
+            return block[a // compact.BLOCK:None if b is None else compact.num_blocks(b)]
+        return self.store.block(kind, unit)[a:b]
 
     def _load(self, unit: int, a: int, b: int) -> dict[str, tuple[torch.Tensor, object]]:
         """Start the copy of ``unit``'s state [a, b) to the device: kind -> (tensor, its ready handle)."""
