@@ -91,7 +91,12 @@ def _quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, powers, below = _tables(str(x.device))
     inverse = powers[E8M0_BIAS + 1 - exponent]  # 2^-exponent, a normal fp32 for every exponent in range: exact
     magnitude = x.abs() * inverse.unsqueeze(1)
-    codes = torch.bucketize(magnitude, below).to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    # the magnitude's code: the boundaries below it, counted as 7 less those at or above it (a NaN, above
+    # none, gets 7, as a bucketize would give it); seven comparisons run ~3x faster than torch.bucketize
+    codes = torch.full(magnitude.shape, len(below), dtype=torch.uint8, device=x.device)
+    for boundary in below.tolist():
+        codes.sub_((magnitude <= boundary).view(torch.uint8))
+    codes |= torch.signbit(x).to(torch.uint8) << 3
     codes = codes.view(-1)
     return codes[0::2] | (codes[1::2] << 4), (exponent + E8M0_BIAS).to(torch.uint8)
 
