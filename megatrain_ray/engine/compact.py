@@ -185,7 +185,8 @@ def step_reference(master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, q
                    sm: torch.Tensor, sv: torch.Tensor, decay_numel: int, c: StepConstants, key: int,
                    index0: int = 0) -> None:
     """One compact AdamW step on one unit, in place, with torch operations (see the module docstring), on
-    whichever device the tensors share (the scalars are 0-dim CPU tensors, which torch takes as scalars).
+    whichever device the tensors share (the scalars are 0-dim CPU tensors, which torch takes as scalars, but
+    the divisor, which lives on that device).
 
     master: [n] bf16; grad: [n] bf16 or fp32; qm, qv: [n] uint8 codes of exp_avg and sqrt(exp_avg_sq);
     sm, sv: [ceil(n / BLOCK)] fp32 block scales; the first ``decay_numel`` elements decay with
@@ -206,7 +207,9 @@ def step_reference(master: torch.Tensor, grad: torch.Tensor, qm: torch.Tensor, q
     # Correctly rounded, as C's sqrtf: torch's fp32 sqrt is 1 ulp off on some CPUs (an AMD EPYC, AVX512);
     # a float64 root rounded to fp32 is the correctly rounded fp32 root (53 >= 2 * 24 + 2 bits).
     s1 = torch.sqrt(v1.double()).float()
-    denom = s1 / torch.tensor(c.bc2_sqrt, dtype=f32) + torch.tensor(c.eps, dtype=f32)
+    # the divisor on the tensors' device: torch's CUDA division by a CPU scalar multiplies by its
+    # reciprocal (two roundings), which the native kernel's division does not
+    denom = s1 / torch.tensor(c.bc2_sqrt, dtype=f32, device=master.device) + torch.tensor(c.eps, dtype=f32)
     param = param - torch.tensor(c.step_size, dtype=f32) * m1 / denom
     h1, h2, h3 = random_bits(torch.arange(index0, index0 + n, dtype=torch.int64, device=master.device), key)
     master.copy_(round_bf16(param, h1))
