@@ -107,6 +107,7 @@ def build_gpt_oss(directory: str, vocab_size: int) -> None:
     save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_dict()
     hf.update(architectures=["GptOssForCausalLM"], dtype="bfloat16", quantization_config={"quant_method": "mxfp4"})
+    hf.pop("transformers_version", None)  # the model's config, not the version that wrote it
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
 
