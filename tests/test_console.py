@@ -185,3 +185,27 @@ def test_the_gcs_lines_of_actors_already_gone_go_to_the_file_only(tmp_path):
     assert printed == []
     kept = (tmp_path / console.LOG_FILE).read_text()
     assert "(pid=gcs_server)" in kept and "Failed to kill actor 0123" in kept and "Failed to remove 4 bundle(s)" in kept
+
+
+def test_the_start_up_says_what_the_store_holds_and_where_its_weights_come_from():
+    """A large model's start-up takes minutes (its weights drawn or read into the store): the line before it."""
+    import dataclasses
+
+    from megatrain_ray.config import load_config
+    from megatrain_ray.engine.store.host_store import StoreSpec
+    from megatrain_ray.model.layout import StoreLayout
+    from megatrain_ray.model.precision import resolve_precision
+    from megatrain_ray.orchestration.pipeline import _start_line
+
+    cfg = load_config(None, ["memory.shm_dir=/dev/shm", "model.hidden_size=256", "model.num_hidden_layers=4"])
+    spec = StoreSpec.of_run(cfg, resolve_precision(cfg.precision, "cpu"), "cpu", os.getpid(), "x")
+    params = StoreLayout.build(cfg.model).num_params
+    line = _start_line(spec, None, None, 1)
+    assert line == (f"starting the roles: the store fills {spec.nbytes() / 2**20:.1f} MiB of /dev/shm with "
+                    f"{params / 1e6:.1f}M parameters from random weights (train.seed)")
+    assert _start_line(spec, "/ckpt/step-10", None, 2).endswith("on each node with "
+                                                               f"{params / 1e6:.1f}M parameters from the checkpoint /ckpt/step-10")
+    lora = dataclasses.replace(spec, lora=dataclasses.replace(spec.lora, rank=4))
+    assert lora.lora.enabled
+    assert _start_line(lora, "/ckpt/step-10", "/hf/base", 1).endswith(
+        "from /hf/base, the adapters from the checkpoint /ckpt/step-10")

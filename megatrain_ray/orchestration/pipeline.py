@@ -51,11 +51,13 @@ from ..errors import ActorDied, ConfigError, Interrupted, MegatrainError, Pipeli
 from ..io import checkpoint, run_lock
 from ..io.lora_checkpoint import check_adapters
 from ..io.resume import continued_run
+from ..model.flops import fmt_count
+from ..model.layout import StoreLayout
 from ..model.precision import resolve_device
 from . import calls, cluster, console, metrics_file, preflight, trackers
 from .calls import get as _get
 from .cluster import connect_ray
-from .device_memory import placement_line
+from .device_memory import fmt, placement_line
 from .driver import Driver, RunResult
 from .health import Health
 from .labels import loop_task
@@ -337,6 +339,17 @@ def _data_state(source) -> dict:
     return {**{k: v for k, v in state.items() if k != "next_step"}, "order": getattr(source, "ORDER", None)}
 
 
+def _start_line(spec, resume: str | None, init_from: str | None, nodes: int) -> str:
+    """What the start-up does before the first step: the store's size and where its weights come from
+    (a 100B model's take minutes to draw or read)."""
+    base = init_from or "random weights (train.seed)"
+    weights = (f"the checkpoint {resume}" if resume and not spec.lora.enabled
+               else f"{base}, the adapters from the checkpoint {resume}" if resume else base)
+    per_node = " on each node" if nodes > 1 else ""
+    return (f"starting the roles: the store fills {fmt(spec.nbytes())} of {spec.shm_dir}{per_node} with "
+            f"{fmt_count(StoreLayout.build(spec.model).num_params)} parameters from {weights}")
+
+
 def _raise_interrupt(signum, frame):
     # A repeated SIGTERM (GNU timeout signals the driver and then its group; a scheduler may repeat
     # it) waits for the interrupt's checkpoint; the run's end restores the handler.
@@ -356,7 +369,10 @@ def _run(run: ResolvedRun, spec, run_dir: str, active: _Active, log, loader: tup
     specs = [spec] if nodes == 1 else [dataclasses.replace(spec, run_id=f"{spec.run_id}-n{k}") for k in range(nodes)]
     timeout, start_s = run.call_timeout_s, cfg.cluster.start_timeout_s
     active.spawner = spawner = RaySpawner(cfg, device, spec.run_id, lambda ref, role: calls.get_started(ref, role, start_s))
+    log(_start_line(spec, resume, cfg.train.init_from, nodes))
+    began = time.time()
     roles = spawn_roles(run, specs, spawner, resume, checkpoints, loader)
+    log(f"roles started in {time.time() - began:.0f} s")
     spawner.form_group(roles.computes, run.call_timeout_s)
     spawner.form_shards([n.sink for n in roles.nodes])
     place_cpus(run, roles, spawner.get, log)
