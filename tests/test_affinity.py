@@ -95,3 +95,19 @@ def test_a_gpu_has_a_pci_address_and_local_cpus():
     assert pci is not None and os.path.isdir(f"/sys/bus/pci/devices/{pci}"), pci
     node, cpus = local_cpus(pci)
     assert cpus and set(cpus) <= set(range(os.cpu_count())), (pci, node, cpus)
+
+
+def test_the_cpus_left_to_adamw_are_counted_as_the_pinning_picks_them(monkeypatch):
+    """What the plan counts AdamW's threads from (Facts.adamw_cpus): the CPUs pick_cpus leaves after each
+    worker's 4 near its GPU, on the usable CPUs; None where no GPU's neighbours are known."""
+    usable = set(range(16))
+    monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: usable)
+    monkeypatch.setattr(affinity, "gpu_pci_address", lambda index: f"0000:{index:02x}:00.0")
+    near = {"0000:00:00.0": list(range(8)), "0000:01:00.0": list(range(8, 16))}
+    monkeypatch.setattr(affinity, "local_cpus", lambda pci: (0, near.get(pci)))
+    assert affinity.adamw_cpus_near(1) == 12
+    assert affinity.adamw_cpus_near(2) == 8
+    usable = set(range(4, 16))  # the process may not run on CPUs 0-3: worker 0 takes 4-7
+    assert affinity.adamw_cpus_near(1) == 8
+    monkeypatch.setattr(affinity, "local_cpus", lambda pci: (None, None))
+    assert affinity.adamw_cpus_near(1) is None

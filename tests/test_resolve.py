@@ -74,3 +74,18 @@ def test_auto_settings_resolve_from_the_facts_and_the_plan_counts_them():
         n_kept = run.compute.activations.count(KEEP)
         assert (kept[0].component.startswith(f"activations kept whole ({n_kept} layers") if n_kept else not kept)
     assert resolve(cfg, Facts("cpu")).resident_layers is None and cfg.memory.resident == "auto"
+
+
+def test_adamw_threads_are_the_cpus_the_pinning_leaves_it():
+    """With parallel.optimizer_threads 0 and experimental.cpu_affinity on a GPU, the sink runs one AdamW
+    thread per CPU it is pinned to: the plan counts those (Facts.adamw_cpus), and its update time with them."""
+    sets = ["compute.device=cuda", "model.hidden_size=256", "model.num_hidden_layers=4"]
+    facts = dict(device_bytes=80 * 2**30, host_bytes=2**40, device_tflops=989.0)
+    pinned = resolve(load_config(None, sets), Facts("cuda", adamw_cpus=12, **facts))
+    assert pinned.sink.optimizer_threads == 12 and pinned.updates.host_threads == 12
+    assert "AdamW on 12 CPU threads" in pinned.describe()
+    unknown = resolve(load_config(None, sets), Facts("cuda", **facts))
+    assert unknown.sink.optimizer_threads == load_config(None, sets).parallel.resolved_optimizer_threads()
+    for extra in ("parallel.optimizer_threads=5", "experimental.cpu_affinity=false"):
+        run = resolve(load_config(None, [*sets, extra]), Facts("cuda", adamw_cpus=12, **facts))
+        assert run.sink.optimizer_threads == load_config(None, [*sets, extra]).parallel.resolved_optimizer_threads()

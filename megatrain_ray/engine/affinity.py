@@ -118,6 +118,15 @@ def pick_cpus(worker_local: list[list[int] | None], usable: list[int],
     return picks, (rest if taken and rest else None)
 
 
+def adamw_cpus_near(workers: int) -> int | None:
+    """How many CPUs :func:`pick_cpus` leaves the gradient sink's AdamW on this machine, its ``workers``
+    compute workers taking CUDA devices 0, 1, ... as Ray gives them out on one node (None where the
+    topology does not say which CPUs are near those GPUs, or none would be left: nothing is pinned)."""
+    usable = sorted(os.sched_getaffinity(0))
+    picks, rest = pick_cpus([local_cpus(gpu_pci_address(w))[1] for w in range(workers)], usable)
+    return len(rest) if rest and any(picks) else None
+
+
 def pin_process(cpus: list[int]) -> int:
     """Restrict every thread of this process (and the threads it starts later) to ``cpus``;
     returns how many threads were pinned. (``sched_setaffinity(0)`` alone would move only the

@@ -40,6 +40,7 @@ from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
 from ..model.precision import Precision, resolve_precision
 from . import preflight
+from ..engine.affinity import adamw_cpus_near
 from ..engine.compute.activations import recompute_spans, recomputed_layers
 from .device_memory import GPU_USABLE, activation_placement, device_total, placed_rows, resolve_resident
 from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
@@ -63,16 +64,27 @@ class Facts:
     host_bytes: int | None = None
     """Host RAM available to the run (None: what this machine has available when it is planned),
     which also bounds the activation checkpoints it may offload."""
+    adamw_cpus: int | None = None
+    """The CPUs the gradient sink's AdamW gets where experimental.cpu_affinity pins the roles beside the
+    GPUs (:func:`~megatrain_ray.engine.affinity.adamw_cpus_near`; None: not pinned, or not known here):
+    with parallel.optimizer_threads 0, its threads, one per CPU."""
 
     @classmethod
     def here(cls, cfg: TrainConfig, device: str | None = None, device_bytes: int | None = None,
              starts_ray: bool = False, device_tflops: float | None = None, host_bytes: int | None = None) -> Facts:
         """The facts of this machine: ``device`` (default: compute.device, auto = cuda where this
-        process sees a GPU) and ``device_bytes`` (default: what is free on GPU 0 now)."""
+        process sees a GPU), ``device_bytes`` (default: what is free on GPU 0 now) and, on cuda, the
+        CPUs the pinning would leave AdamW."""
         device = device or guess_device(cfg)
         if device == "cuda" and device_bytes is None:
             device_bytes = gpu_free_memory()
-        return cls(device, device_bytes if device == "cuda" else None, starts_ray, device_tflops, host_bytes)
+        adamw = None
+        if device == "cuda" and cfg.experimental.cpu_affinity and torch.cuda.is_available():
+            try:
+                adamw = adamw_cpus_near(min(cfg.parallel.compute_workers, torch.cuda.device_count()))
+            except (RuntimeError, OSError):
+                adamw = None  # the topology unread: the threads as configured
+        return cls(device, device_bytes if device == "cuda" else None, starts_ray, device_tflops, host_bytes, adamw)
 
 
 @dataclass(frozen=True)
@@ -225,6 +237,8 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     host = preflight.host_for(facts.host_bytes)
     decisions = _decide(cfg, facts, store, resident, host)
     threads = cfg.parallel.resolved_optimizer_threads()
+    if facts.adamw_cpus and not cfg.parallel.optimizer_threads and cfg.experimental.cpu_affinity and device == "cuda":
+        threads = facts.adamw_cpus  # one per CPU the pinning leaves AdamW, as the sink will run
 
     tried = {(): decisions}  # units on the device -> the decisions with the activations placed beside them
 
