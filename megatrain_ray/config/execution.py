@@ -230,7 +230,8 @@ class ParallelSection:
     saves no checkpoint of its own). See megatrain_ray.engine.sink.shards."""
     optimizer_threads: int = 0
     """CPU threads of the gradient sink's AdamW; 0 = one per CPU of the node but one (left to the
-    compute worker's kernel launches)."""
+    compute worker's kernel launches), or, where experimental.cpu_affinity pins the roles beside a
+    GPU, one per CPU left to AdamW (each compute worker takes 4 near its GPU)."""
 
     @property
     def workers(self) -> int:
