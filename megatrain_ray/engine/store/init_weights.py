@@ -54,10 +54,11 @@ def draw_random(store, spec, seed: int, processes: bool | None = None) -> None:
 
     The workers are threads for a small model and, from :data:`PROCESS_DRAW_MIN` parameters on
     (``processes`` None), processes that map the store's segments: a quantizer issues hundreds of
-    small torch operations per parameter, and every one takes the interpreter lock, and each
-    parameter's transients are mapped and unmapped again, which in one process takes its memory map's
-    lock; threads on a machine of many cores then wait on each other more than they draw. A process
-    costs a second or two to start (an interpreter that imports torch), which only a large model repays.
+    small torch operations per parameter, each taking the interpreter lock, and each parameter's
+    transients are mapped and unmapped again under the process's memory-map lock, so threads of one
+    process on many cores contend (a 117B MXFP4 base drawn by 16 threads on 16 cores had not
+    finished after 9 minutes, over 4x what one thread's rate gives). A process costs a second or two
+    to start (an interpreter that imports torch), which only a large model repays.
     """
     units = sorted(range(len(store.layout.units)), key=lambda i: -store.layout.templates[i].numel)
     workers = max(1, torch.get_num_threads())
