@@ -318,13 +318,14 @@ def test_the_plan_says_where_each_update_runs_and_counts_the_held_gradients():
 
 
 def _moe_run(*extra, gib: float = 139):
-    """The Qwen3-30B-A3B shape at 8 layers, 4 x 4 x 4,096 tokens a step, planned for an H200 (16
-    AdamW threads): its host update (~4.4 G params) outlasts the GPU's step (~0.5 s of FLOPs)."""
+    """The Qwen3-30B-A3B shape at 8 layers, 4 x 4 x 4,096 tokens a step, planned for an H200 box (12
+    AdamW threads: the pinning leaves AdamW 12 of its 16 CPUs): its host update (~4.4 G params)
+    outlasts the GPU's step (~0.5 s of FLOPs)."""
     shape = [f"model.{k}={v}" for k, v in preset_shape("qwen3-30b-a3b", 8).items()]
     cfg = load_config(None, ["compute.device=cuda", *shape, "model.max_position_embeddings=4096", "train.seq_len=4096",
-                             "train.micro_batch_size=4", "train.num_micro_batches=4", "parallel.optimizer_threads=16",
-                             *extra])
-    return resolve(cfg, Facts("cuda", device_bytes=int(gib * 2**30), host_bytes=2**40, device_tflops=989.0))
+                             "train.micro_batch_size=4", "train.num_micro_batches=4", *extra])
+    return resolve(cfg, Facts("cuda", device_bytes=int(gib * 2**30), host_bytes=2**40, device_tflops=989.0,
+                              adamw_cpus=12))
 
 
 def test_the_plan_of_the_8bit_state_on_a_gpu_counts_each_gradient_once():
@@ -366,10 +367,9 @@ def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_a
 
 def test_auto_keeps_every_update_on_the_host_where_the_step_hides_it_and_on_the_cpu():
     shape = [f"model.{k}={v}" for k, v in preset_shape("7b").items()]
-    cfg = load_config(None, ["compute.device=cuda", *shape, "optim.placement=auto", "parallel.optimizer_threads=16",
-                             "model.max_position_embeddings=4096",
+    cfg = load_config(None, ["compute.device=cuda", *shape, "optim.placement=auto", "model.max_position_embeddings=4096",
                              "train.seq_len=4096", "train.micro_batch_size=4", "train.num_micro_batches=4"])
-    dense = resolve(cfg, Facts("cuda", device_bytes=139 * 2**30, host_bytes=2**40, device_tflops=989.0))
+    dense = resolve(cfg, Facts("cuda", device_bytes=139 * 2**30, host_bytes=2**40, device_tflops=989.0, adamw_cpus=12))
     assert dense.updates.host_s < dense.pace.step_s and STREAMED_ON_DEVICE not in dense.policies
     cpu = resolve(load_config(None, ["compute.device=cpu", "optim.placement=auto"]), Facts("cpu"))
     assert STREAMED_ON_DEVICE not in cpu.policies

@@ -125,11 +125,12 @@ CPU_UNIT_S = 0.012
 units, 101 ms a step on 2 cores against 51 ms of FLOPs at the rate above)."""
 WAIT_STEPS = 3
 """Expected step times a role waits for its next message before giving up (see the module docstring)."""
-HOST_ADAMW_PARAMS_PER_THREAD_S = 3.25e9 / 16
+HOST_ADAMW_PARAMS_PER_THREAD_S = 3.25e9 / 12
 """Parameters one of the gradient sink's threads updates per second with exact AdamW, as a run keeps
-it up: the sink busy 82% of a 1.632 s step for 4.36 G parameters on the H200 box's 16 threads (the
-Qwen3-30B-A3B shape at 8 layers, 65,536 tokens, the host pacing it); the bare kernel reaches 3.9 G
-parameters/s there."""
+it up: the sink busy 82% of a 1.632 s step for 4.36 G parameters on the H200 box's 12 AdamW threads
+(pinned to CPUs 4-15, the compute worker to 0-3; the Qwen3-30B-A3B shape at 8 layers, 65,536 tokens,
+the host pacing it); the bare kernel reaches 3.9 G parameters/s there on 16. Beside device updates
+(optim.placement auto, their state crossing host memory too) the same 12 threads kept up 2.6 G/s."""
 LINK_BOTH_GBPS = 100.0
 """GB/s of the host-to-GPU link both ways at once (the H200 box): a device update's state in and out
 run side by side."""
