@@ -6,11 +6,11 @@ settings since renamed are written under their new names, execution settings tha
 arithmetic does not read are left out), its activation placement is the one the run recorded (the
 layers kept whole; every layer recomputed where the run recorded none, as the engines of those
 commits did), and :func:`megatrain_ray.orchestration.pace.expected_pace` is asked for the step time
-on the recorded GPU; a run that placed its optimizer updates (optim.placement device or auto) adds them
-as its plan placed them and with the AdamW threads it ran (:func:`_recorded_updates`). Every prediction must be within 10% of the recorded steady step time
-(``systems.megatrain_ray.step_s``), but for the runs whose step the pace counts only in part
-(:data:`HELD_GRADIENTS`), which it may not exceed by more than that. The runs of older commits in a side
-by side of code versions (benchmarks/code_side_by_side.sh's ``old-N``) are left out: the plan is the
+on the recorded GPU; a run that placed its optimizer updates (optim.placement device or auto) adds
+them as its plan placed them and with the AdamW threads it ran (:func:`_recorded_updates`). Every
+prediction must be within 10% of the recorded steady step time (``systems.megatrain_ray.step_s``),
+but for the runs whose step the pace counts only in part (:data:`HELD_GRADIENTS`), which it may not
+exceed by more than that. The runs of older commits in a side by side of code versions (benchmarks/code_side_by_side.sh's ``old-N``) are left out: the plan is the
 current code's. The constants of pace.py were fitted on these same runs (its
 docstrings say which); the table printed (``pytest -s``) is the one pace.py's docstring quotes.
 """
@@ -66,7 +66,7 @@ def _override(item: str) -> str | None:
     return f"{key}={value}"
 
 
-def recorded_runs() -> list[tuple[str, object, int, float, str]]:
+def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
     """(name, config, recomputed layers, measured step_s, GPU name, recorded update placement or None) of every
     single-H200 bench result."""
     runs = []
@@ -92,8 +92,9 @@ def recorded_runs() -> list[tuple[str, object, int, float, str]]:
         recomputed = cfg.model.num_hidden_layers - kept
         placed = None
         if any(o.startswith("optim.placement=") and o != "optim.placement=host" for o in overrides):
-            placed = _recorded_updates(cfg, os.path.join(os.path.dirname(path), f"plan-{os.path.basename(path)[6:]}"
-                                                         .replace(".json", ".txt")), ours.get("cpu_placement") or [])
+            tag = os.path.basename(path)[len("bench-"):-len(".json")]
+            placed = _recorded_updates(cfg, os.path.join(os.path.dirname(path), f"plan-{tag}.txt"),
+                                       ours.get("cpu_placement") or [])
         runs.append((f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
                      ours["step_s"], report["device"], placed))
     return runs + [_long_context()]
@@ -127,7 +128,7 @@ def expected_step_s(cfg, recomputed: int, gpu: str, placed) -> tuple[float, obje
     return (p.step_s if placed is None else placed.step_s(p)), p
 
 
-def _long_context() -> tuple[str, object, int, float, str]:
+def _long_context() -> tuple[str, object, int, float, str, None]:
     """configs/long-context-512k.yaml's one step (2026-12-01_h200_long-context-512k: metrics.jsonl, its
     only step, compile included; plan.txt: no layer kept whole, every one recomputed)."""
     directory = os.path.join(RESULTS, "2026-12-01_h200_long-context-512k")
