@@ -199,14 +199,16 @@ def _wait(browser, css: str, timeout: float = 120):
 
 def _until_not_stale(act, timeout: float = 120):
     """``act()``, done again while the page re-renders the elements it found under it (selenium's
-    StaleElementReferenceException: the element was replaced between finding and using it)."""
-    from selenium.common.exceptions import StaleElementReferenceException
+    StaleElementReferenceException: the element was replaced between finding and using it;
+    NoSuchElementException or StopIteration: what it looked up next, a label's input or a button,
+    is not rendered yet, or was taken out in the re-render)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
     deadline = time.monotonic() + timeout
     while True:
         try:
             return act()
-        except StaleElementReferenceException:
+        except (StaleElementReferenceException, NoSuchElementException, StopIteration):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
