@@ -24,6 +24,7 @@ import pytest
 
 from megatrain_ray.bench import base_sections, bench_config
 from megatrain_ray.config.moved import MOVED
+from megatrain_ray.engine.affinity import parse_cpulist
 from megatrain_ray.engine.store.host_store import resident_units
 from megatrain_ray.io.hf_io import load_train_config
 from megatrain_ray.model.layout import StoreLayout
@@ -109,7 +110,7 @@ def _recorded_updates(cfg, plan_path: str, placement: list[str]):
     where = re.search(r"updated where: (\d+) units on the host's CPU threads, (\d+) streamed units on the device", plan)
     spans = re.search(r"AdamW on CPUs ([\d,-]+)", " ".join(placement))
     assert where and spans, f"{plan_path} or the run's cpu placement does not say where the updates ran"
-    threads = sum(int(b) - int(a) + 1 if b else 1 for a, _, b in (p.partition("-") for p in spans.group(1).split(",")))
+    threads = len(parse_cpulist(spans.group(1)))
     layout = StoreLayout.build(cfg.model)
     resident = resident_units(cfg.model, resolve_resident(cfg, "cuda", H200_BYTES))
     streamed = [u for u in range(len(layout.units)) if u not in resident]

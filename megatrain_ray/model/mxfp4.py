@@ -74,6 +74,12 @@ def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return pairs.to(device), powers.to(device), below.to(device)
 
 
+@lru_cache(maxsize=None)
+def _boundaries() -> tuple[float, ...]:
+    """The rounding boundaries of :func:`_tables` as Python floats (the quantizer compares with each)."""
+    return tuple(_tables("cpu")[2].tolist())
+
+
 def mxfp4_bytes(shape: tuple[int, ...]) -> tuple[int, int]:
     """(code bytes, scale bytes) of an MXFP4 weight of ``shape`` [out, in] (``in`` a multiple of
     :data:`MX_BLOCK`; a ValueError otherwise)."""
@@ -88,13 +94,14 @@ def _quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = x.abs().amax(dim=1)
     floor_log2 = ((absmax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS  # the exponent bits (-127 below 2^-126)
     exponent = (floor_log2 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
-    _, powers, below = _tables(str(x.device))
+    _, powers, _ = _tables(str(x.device))
     inverse = powers[E8M0_BIAS + 1 - exponent]  # 2^-exponent, a normal fp32 for every exponent in range: exact
     magnitude = x.abs() * inverse.unsqueeze(1)
     # the magnitude's code: the boundaries below it, counted as 7 less those at or above it (a NaN, above
     # none, gets 7, as a bucketize would give it); seven comparisons run ~3x faster than torch.bucketize
-    codes = torch.full(magnitude.shape, len(below), dtype=torch.uint8, device=x.device)
-    for boundary in below.tolist():
+    boundaries = _boundaries()
+    codes = torch.full(magnitude.shape, len(boundaries), dtype=torch.uint8, device=x.device)
+    for boundary in boundaries:
         codes.sub_((magnitude <= boundary).view(torch.uint8))
     codes |= torch.signbit(x).to(torch.uint8) << 3
     codes = codes.view(-1)

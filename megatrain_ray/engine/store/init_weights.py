@@ -67,13 +67,12 @@ def draw_random(store, spec, seed: int, processes: bool | None = None) -> None:
     if processes:
         _draw_in_processes(type(store), spec, seed, units, min(workers, len(units)))
         return
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # process-wide: the pool's threads see it too; restored below
     try:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda i: draw_unit(store, seed, i), units))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(workers)
 
 
 _attached = None
