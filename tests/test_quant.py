@@ -95,3 +95,14 @@ def test_dequantization_in_chunks_is_whole(monkeypatch):
     monkeypatch.setattr(Q, "DEQUANT_CHUNK", 3 * Q.NF4_BLOCK)  # 3 blocks (or rows) at a time, a partial last
     assert torch.equal(Q.dequantize_nf4(*nf4, torch.empty(w.numel())), whole[0])
     assert torch.equal(Q.dequantize_int8(*int8, torch.empty(w.numel())), whole[1])
+
+
+def test_levels_and_midpoints_are_picked_as_bitsandbytes_picks_them():
+    """Values at the NF4 levels, at the fp32 midpoints between them and at the fp32 numbers either side
+    of each midpoint (blocks whose absmax is 1, so the scaled value is the value itself)."""
+    levels = torch.tensor(Q.NF4_LEVELS, dtype=torch.float32)
+    mids = (levels[:-1] + levels[1:]) / 2
+    values = torch.cat([levels, mids, torch.nextafter(mids, torch.tensor(-2.0)), torch.nextafter(mids, torch.tensor(2.0))])
+    w = torch.cat([torch.cat([torch.ones(1), part]) for part in values.split(63)])  # each block's absmax: 1.0
+    packed, state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert torch.equal(Q.quantize_nf4(w, use_bnb=False)[0][:packed.numel()], packed.view(-1))

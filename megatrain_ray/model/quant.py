@@ -81,10 +81,22 @@ def nf4_bytes(numel: int) -> tuple[int, int, int]:
     return blocks * NF4_BLOCK // 2, blocks, -(-blocks // STATS_BLOCK)
 
 
-def _nearest(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The index of the nearest entry of the ascending ``table`` for each value in [-1, 1] (a tie to
-    the lower): how bitsandbytes picks a weight's NF4 level."""
-    return torch.bucketize(scaled, (table[:-1] + table[1:]) / 2, out_int32=True)
+@lru_cache(maxsize=None)
+def _midpoints() -> tuple[float, ...]:
+    """The 15 midpoints between neighbouring NF4 levels, each rounded to fp32, as Python floats."""
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32)
+    return tuple(((levels[:-1] + levels[1:]) / 2).tolist())
+
+
+def _nearest(scaled: torch.Tensor) -> torch.Tensor:
+    """scaled: any shape, fp32 in [-1, 1] -> uint8 of its shape: the index of the nearest NF4 level
+    (a tie to the lower), how bitsandbytes picks a weight's level: the midpoints below the value,
+    counted as 15 less those at or above it (15 comparisons run ~2.5x faster than torch.bucketize)."""
+    midpoints = _midpoints()
+    codes = torch.full(scaled.shape, len(midpoints), dtype=torch.uint8, device=scaled.device)
+    for midpoint in midpoints:
+        codes.sub_((scaled <= midpoint).view(torch.uint8))
+    return codes
 
 
 LUT_SIZE = 65536
@@ -145,12 +157,10 @@ def quantize_nf4(w: torch.Tensor, use_bnb: bool = False) -> tuple[torch.Tensor, 
         codes = torch.full((size,), PAD_BYTE, dtype=torch.uint8)
         codes[:packed.numel()] = packed.view(-1)
         return codes, state.absmax.view(-1), state.state2.absmax.view(-1).float(), state.offset.view(1).float()
-    levels, _, dyn = _tables(str(w.device))
     flat, codes = w.detach().reshape(-1), torch.empty(size, dtype=torch.uint8, device=w.device)
     absmax = torch.empty(size // (NF4_BLOCK // 2), dtype=torch.float32, device=w.device)
     for a in range(0, n, CHUNK):  # a chunk's temporaries stay in cache
-        q, amax = _blockwise(flat[a:a + CHUNK].float(), NF4_BLOCK, lambda x: _nearest(x, levels))
-        q = q.to(torch.uint8)
+        q, amax = _blockwise(flat[a:a + CHUNK].float(), NF4_BLOCK, _nearest)
         codes[a // 2:a // 2 + q.numel() // 2] = (q[0::2] << 4) | q[1::2]
         absmax[a // NF4_BLOCK:a // NF4_BLOCK + amax.numel()] = amax
     offset = absmax.mean()
