@@ -10,8 +10,9 @@ on the recorded GPU; a run that placed its optimizer updates (optim.placement de
 them as its plan placed them and with the AdamW threads it ran (:func:`_recorded_updates`). Every
 prediction must be within 10% of the recorded steady step time (``systems.megatrain_ray.step_s``),
 but for the runs whose step the pace counts only in part (:data:`HELD_GRADIENTS`), which it may not
-exceed by more than that, and the runs it does not yet predict (:data:`PACE_MISSES`), which must stay off. The runs of older commits in a side by side of code versions (benchmarks/code_side_by_side.sh's ``old-N``) are left out: the plan is the
-current code's. The constants of pace.py were fitted on these same runs (its
+exceed by more than that, and the runs it does not yet predict (:data:`PACE_MISSES`), which must stay
+off. The runs of older commits in a side by side of code versions (benchmarks/code_side_by_side.sh's
+``old-N``) are left out: the plan is the current code's. The constants of pace.py were fitted on these same runs (its
 docstrings say which); the table printed (``pytest -s``) is the one pace.py's docstring quotes.
 """
 

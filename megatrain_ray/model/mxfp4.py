@@ -44,7 +44,7 @@ from functools import lru_cache
 
 import torch
 
-from .quant import CHUNK, DEQUANT_CHUNK
+from .quant import CHUNK, DEQUANT_CHUNK, boundaries_below
 
 MX_BLOCK = 32
 """Elements per MXFP4 block (one e8m0 scale each), along a weight's input dimension."""
@@ -59,25 +59,24 @@ _TIE_UP = (0.75, 1.75, 3.5)
 
 
 @lru_cache(maxsize=None)
-def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(each byte's two values doubled [256, 2] fp32, low nibble first; 2^(s - 128) [256] fp32 for each
-    scale byte s; the rounding boundaries [7] fp32 of the magnitudes) on ``device``."""
+    scale byte s) on ``device``."""
     values = torch.tensor(FP4_VALUES, dtype=torch.float32)
     byte = torch.arange(256)
     pairs = 2 * torch.stack((values[byte & 15], values[byte >> 4]), dim=1)
     powers = torch.tensor([2.0 ** (s - E8M0_BIAS - 1) for s in range(256)], dtype=torch.float64).float()
-    mids = (values[:7] + values[1:8]) / 2  # 0.25, 0.75, ..., 5
-    # a magnitude m gets the code of the boundaries below it (bucketize counts b < m): a tie that goes
-    # up counts its boundary, so that boundary is moved to the fp32 number just under it
-    below = torch.tensor([float(torch.nextafter(m, torch.tensor(0.0))) if float(m) in _TIE_UP else float(m)
-                          for m in mids], dtype=torch.float32)
-    return pairs.to(device), powers.to(device), below.to(device)
+    return pairs.to(device), powers.to(device)
 
 
 @lru_cache(maxsize=None)
 def _boundaries() -> tuple[float, ...]:
-    """The rounding boundaries of :func:`_tables` as Python floats (the quantizer compares with each)."""
-    return tuple(_tables("cpu")[2].tolist())
+    """The 7 rounding boundaries of the e2m1 magnitudes, fp32 values as Python floats: a magnitude m
+    gets the code of the boundaries below it, so a tie that goes up (:data:`_TIE_UP`) has its boundary
+    moved to the fp32 number just under it."""
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    mids = (values[:7] + values[1:8]) / 2  # 0.25, 0.75, ..., 5
+    return tuple(float(torch.nextafter(m, torch.tensor(0.0))) if float(m) in _TIE_UP else float(m) for m in mids)
 
 
 def mxfp4_bytes(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -94,15 +93,10 @@ def _quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = x.abs().amax(dim=1)
     floor_log2 = ((absmax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS  # the exponent bits (-127 below 2^-126)
     exponent = (floor_log2 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
-    _, powers, _ = _tables(str(x.device))
+    _, powers = _tables(str(x.device))
     inverse = powers[E8M0_BIAS + 1 - exponent]  # 2^-exponent, a normal fp32 for every exponent in range: exact
     magnitude = x.abs() * inverse.unsqueeze(1)
-    # the magnitude's code: the boundaries below it, counted as 7 less those at or above it (a NaN, above
-    # none, gets 7, as a bucketize would give it); seven comparisons run ~3x faster than torch.bucketize
-    boundaries = _boundaries()
-    codes = torch.full(magnitude.shape, len(boundaries), dtype=torch.uint8, device=x.device)
-    for boundary in boundaries:
-        codes.sub_((magnitude <= boundary).view(torch.uint8))
+    codes = boundaries_below(magnitude, _boundaries())  # a NaN gets 7
     codes |= torch.signbit(x).to(torch.uint8) << 3
     codes = codes.view(-1)
     return codes[0::2] | (codes[1::2] << 4), (exponent + E8M0_BIAS).to(torch.uint8)
@@ -132,7 +126,7 @@ def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
         return dequantize_mxfp4(codes[None], scales[None], out[None])[0]
     k, n = out.shape
     blocks = n // MX_BLOCK
-    pairs, powers, _ = _tables(str(codes.device))
+    pairs, powers = _tables(str(codes.device))
     step = max(1, DEQUANT_CHUNK // (k * MX_BLOCK))  # blocks at a time: the temporaries stay O(chunk)
     for a in range(0, blocks, step):
         b = min(blocks, a + step)

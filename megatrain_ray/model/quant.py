@@ -66,12 +66,12 @@ def dynamic_map() -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(NF4 levels [16], each byte's two levels [256, 2] high nibble first, dynamic map [256]) on ``device``."""
+def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each byte's two NF4 levels [256, 2] high nibble first, dynamic map [256]) on ``device``."""
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32)
     byte = torch.arange(256)
     pairs = torch.stack((levels[byte >> 4], levels[byte & 15]), dim=1)
-    return levels.to(device), pairs.to(device), dynamic_map().to(device)
+    return pairs.to(device), dynamic_map().to(device)
 
 
 def nf4_bytes(numel: int) -> tuple[int, int, int]:
@@ -88,15 +88,21 @@ def _midpoints() -> tuple[float, ...]:
     return tuple(((levels[:-1] + levels[1:]) / 2).tolist())
 
 
+def boundaries_below(x: torch.Tensor, boundaries: tuple[float, ...]) -> torch.Tensor:
+    """x: any shape, fp32 -> uint8 of its shape: how many of the ascending ``boundaries`` (fp32 values
+    as Python floats) are below each value, counted as their number less those at or above it (a NaN,
+    above none, gets their number, as torch.bucketize gives it); a comparison per boundary runs
+    ~2.5-3x faster than torch.bucketize for the few boundaries of a 4-bit code."""
+    codes = torch.full(x.shape, len(boundaries), dtype=torch.uint8, device=x.device)
+    for boundary in boundaries:
+        codes.sub_((x <= boundary).view(torch.uint8))
+    return codes
+
+
 def _nearest(scaled: torch.Tensor) -> torch.Tensor:
     """scaled: any shape, fp32 in [-1, 1] -> uint8 of its shape: the index of the nearest NF4 level
-    (a tie to the lower), how bitsandbytes picks a weight's level: the midpoints below the value,
-    counted as 15 less those at or above it (15 comparisons run ~2.5x faster than torch.bucketize)."""
-    midpoints = _midpoints()
-    codes = torch.full(scaled.shape, len(midpoints), dtype=torch.uint8, device=scaled.device)
-    for midpoint in midpoints:
-        codes.sub_((scaled <= midpoint).view(torch.uint8))
-    return codes
+    (a tie to the lower), how bitsandbytes picks a weight's level: the midpoints below the value."""
+    return boundaries_below(scaled, _midpoints())
 
 
 LUT_SIZE = 65536
@@ -179,7 +185,7 @@ def dequantize_nf4(codes: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Te
         return dequantize_nf4(codes[None], qabsmax[None], absmax2[None], offset.view(1, 1), out[None])[0]
     k, n = out.shape
     blocks = qabsmax.shape[1]
-    _, pairs, dyn = _tables(str(codes.device))
+    pairs, dyn = _tables(str(codes.device))
     absmax = dyn[qabsmax.long()] * absmax2.repeat_interleave(STATS_BLOCK, dim=1)[:, :blocks] + offset
     step = max(1, DEQUANT_CHUNK // (k * NF4_BLOCK))  # blocks at a time: the temporaries stay O(chunk)
     for a in range(0, blocks, step):
