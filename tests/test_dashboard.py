@@ -201,14 +201,23 @@ def _until_not_stale(act, timeout: float = 120):
     """``act()``, done again while the page re-renders the elements it found under it (selenium's
     StaleElementReferenceException: the element was replaced between finding and using it;
     NoSuchElementException or StopIteration: what it looked up next, a label's input or a button,
-    is not rendered yet, or was taken out in the re-render)."""
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    is not rendered yet, or was taken out in the re-render; ElementNotInteractableException or
+    ElementClickInterceptedException: it is rendered but not usable yet, under the token dialog
+    while that closes or before the table's filters are laid out)."""
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        ElementNotInteractableException,
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
 
+    retried = (StaleElementReferenceException, NoSuchElementException, StopIteration,
+               ElementNotInteractableException, ElementClickInterceptedException)
     deadline = time.monotonic() + timeout
     while True:
         try:
             return act()
-        except (StaleElementReferenceException, NoSuchElementException, StopIteration):
+        except retried:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
