@@ -34,6 +34,7 @@ from megatrain_ray.errors import ConfigError
 from megatrain_ray.io import checkpoint
 from megatrain_ray.model.precision import Precision, resolve_precision
 from megatrain_ray.model.presets import preset_shape
+from megatrain_ray.orchestration import pace
 from megatrain_ray.orchestration.device_memory import GPU_USABLE, _fixed_device_rows, device_total
 from megatrain_ray.orchestration.local import train_local
 from megatrain_ray.orchestration.pipeline import Interrupted, train
@@ -89,6 +90,34 @@ def test_a_mixture_of_experts_updated_on_the_device_gives_the_host_update_bit_fo
         assert [r[key] for r in rows["host"]] == [r[key] for r in rows["device"]], key
     assert any(b for r in rows["host"] for layer in r["expert_grad_bytes"] for b in layer)
     assert not any(b for r in rows["device"] for layer in r["expert_grad_bytes"] for b in layer)
+    assert os.listdir(shm_dir) == []
+
+
+def test_gradients_held_for_the_norm_beside_units_updated_on_the_device_train_as_with_a_host_gradient_array(
+        shm_dir, tmp_path, monkeypatch):
+    """The 8-bit state with the last two layers' updates on the device (as optim.placement auto places
+    them on a GPU) and the others' gradients held on the device until the step's norm is known
+    (experimental.hold_grads): every unit is clipped by the whole step's norm, the device units' with
+    the held ones' and the held ones' with the device units' (their tickets, sent during the backward,
+    carry no norm), summed in the same order as with a host gradient array: losses, norms and
+    learning rates bit for bit."""
+    from megatrain_ray.orchestration import resolve as resolve_module
+
+    def last_two_layers(cfg, device, layout, resident, host_threads, precision, held, plan_for):
+        return tuple(u.index for u in layout.layers)[-2:]
+
+    monkeypatch.setattr(resolve_module, "units_on_device", last_two_layers)
+    base = ("precision.compute_dtype=bfloat16", "optim.state=8bit", "model.num_hidden_layers=4")
+    runs = {hold: resolve(_cfg(shm_dir, tmp_path, *base, f"experimental.hold_grads={hold}"), Facts("cpu"))
+            for hold in ("false", "true")}
+    assert runs["true"].store.hold_grads and not runs["false"].store.hold_grads
+    for run in runs.values():
+        assert [p == STREAMED_ON_DEVICE for p in run.policies] == [False] * 3 + [True] * 2 + [False]
+    rows = {hold: train_local(run.config, 0) for hold, run in runs.items()}
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in rows["true"]] == [r[key] for r in rows["false"]], key
+    assert all(r["grad_norm"] > 0.5 for r in rows["true"])  # clipped every step
+    assert all(r["update_busy_s"] > 0 and r["device_update_busy_s"] > 0 for r in rows["true"])
     assert os.listdir(shm_dir) == []
 
 
@@ -317,11 +346,11 @@ def test_the_plan_says_where_each_update_runs_and_counts_the_held_gradients():
         load_config(None, ["compute.device=cpu"]), "cpu", 1)))
 
 
-def _moe_run(*extra, gib: float = 139):
+def _moe_run(*extra, gib: float = 139, layers: int = 8):
     """The Qwen3-30B-A3B shape at 8 layers, 4 x 4 x 4,096 tokens a step, planned for an H200 box (12
     AdamW threads: the pinning leaves AdamW 12 of its 16 CPUs): its host update (~4.4 G params)
     outlasts the GPU's step (~0.5 s of FLOPs)."""
-    shape = [f"model.{k}={v}" for k, v in preset_shape("qwen3-30b-a3b", 8).items()]
+    shape = [f"model.{k}={v}" for k, v in preset_shape("qwen3-30b-a3b", layers).items()]
     cfg = load_config(None, ["compute.device=cuda", *shape, "model.max_position_embeddings=4096", "train.seq_len=4096",
                              "train.micro_batch_size=4", "train.num_micro_batches=4", *extra])
     return resolve(cfg, Facts("cuda", device_bytes=int(gib * 2**30), host_bytes=2**40, device_tflops=989.0,
@@ -360,9 +389,35 @@ def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_a
     assert len(held) == 1 and held[0].nbytes == 4 * sum(auto.layout.templates[u].numel for u in moved)
     # The sink updates the others.
     assert auto.sink.updates == tuple(u for u in host.sink.updates if u not in moved)
-    # Where the device update cannot serve the run, auto leaves every unit on the host (no refusal).
-    for extra in (("optim.state=8bit",), ("precision.master_dtype=bfloat16",)):
-        assert STREAMED_ON_DEVICE not in _moe_run("optim.placement=auto", *extra).policies, extra
+    # Where the device update cannot serve the run (bf16 master weights with the exact state), auto
+    # leaves every unit on the host (no refusal).
+    assert STREAMED_ON_DEVICE not in _moe_run("optim.placement=auto", "precision.master_dtype=bfloat16").policies
+
+
+def test_auto_moves_units_of_the_8bit_state_whose_host_update_the_next_forward_waits_for():
+    """The 8-bit state on a GPU holds the host units' gradients there for the step's norm: the sink's
+    updates start at the step's end and the next forward follows them, so where they outlast that
+    forward the step grows by the difference (the 36-layer Qwen3-30B-A3B shape at 262,144 tokens:
+    23.1 G parameters, ~8 s of host updates on 12 threads). Auto moves the last layers to the device
+    while that shortens the step; the moved units' fp32 gradients replace their held bf16 ones."""
+    host, auto = (_moe_run("optim.state=8bit", f"optim.placement={p}", "train.num_micro_batches=16", layers=36)
+                  for p in ("host", "auto"))
+    assert host.store.hold_grads and auto.store.hold_grads and host.updates.held and auto.updates.held
+    assert host.updates.thread_rate == pace.HOST_COMPACT_PARAMS_PER_THREAD_S
+    # the host path paces the host-only run: its updates, then the step after its forward
+    assert host.updates.step_s(host.pace) == pytest.approx(host.updates.host_s + host.pace.step_s - host.pace.forward_s)
+    assert host.updates.step_s(host.pace) > host.pace.step_s
+    moved = [u for u, p in enumerate(auto.policies) if p == STREAMED_ON_DEVICE]
+    assert auto.schedule.resident == () and moved == list(range(len(auto.layout.units)))[-len(moved):]  # the head too
+    assert auto.updates.step_s(auto.pace) < host.updates.step_s(host.pace)
+    assert device_total(auto.memory.rows) <= auto.facts.device_bytes * GPU_USABLE
+    rows = {r.component: r.nbytes for r in auto.memory.rows}
+    on_device = sum(auto.layout.templates[u].numel for u in moved)
+    assert [v for k, v in rows.items() if k.startswith("the step's gradients, held")] == [
+        2 * (auto.layout.num_params - on_device)]
+    assert [v for k, v in rows.items() if k.startswith(f"gradients of the {len(moved)} streamed units")] == [
+        4 * on_device]
+    assert "after the step's backward (its gradients held on the device for the norm)" in auto.describe()
 
 
 def test_auto_keeps_every_update_on_the_host_where_the_step_hides_it_and_on_the_cpu():

@@ -40,3 +40,25 @@ def test_compact_modes_and_held_gradients_track_the_exact_run(ray_cluster, shm_d
     # Held on the GPU or in host memory, the same gradients and the same clipping factor: the runs differ
     # only by the GPU's run-to-run nondeterminism (the embedding gradient's atomics).
     np.testing.assert_allclose(losses["bf16"], losses["bf16_host_grads"], rtol=2e-3)
+
+
+def test_the_8bit_state_split_between_held_gradients_and_device_updates_tracks_the_host_run(
+        ray_cluster, shm_dir, tmp_path, monkeypatch):
+    """optim.placement auto's split of the 8-bit state on a GPU: the last two layers updated there (their
+    fp32 gradients kept), the others' bf16 gradients held for the norm and updated by the sink, every
+    unit clipped by the whole step's norm. Against every unit on the host: the moved layers' updates
+    read the fp32 gradient instead of its bf16 rounding (2^-9 relative, unbiased), with the GPU's
+    run-to-run nondeterminism; held or sent at once, the same split gives the same clipping."""
+    from megatrain_ray.orchestration import resolve as resolve_module
+
+    host = _run(shm_dir, tmp_path / "host", "optim.state=8bit")
+    monkeypatch.setattr(resolve_module, "units_on_device",
+                        lambda cfg, device, layout, *rest: tuple(u.index for u in layout.layers)[-2:])
+    split = {hold: _run(shm_dir, tmp_path / f"split-{hold}", "optim.state=8bit", "optim.placement=auto",
+                        f"experimental.hold_grads={hold}") for hold in ("true", "false")}
+    losses = {name: np.array([loss for loss, _ in r]) for name, r in {"host": host, **split}.items()}
+    print({k: np.round(v, 4).tolist() for k, v in losses.items()})
+    assert max(n for _, n in host) > 0.5  # clipping was active
+    for hold in split:
+        np.testing.assert_allclose(losses[hold], losses["host"], rtol=2e-3, err_msg=hold)
+    np.testing.assert_allclose(losses["true"], losses["false"], rtol=2e-3)

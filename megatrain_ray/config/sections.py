@@ -62,15 +62,15 @@ class OptimConfig:
     in, updated with the same AdamW and written back to the host store, so the host's CPUs update
     nothing; needs one compute worker and precision.master_dtype float32),
     or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
-    on the host where the host's update of all of them takes no longer than the device's step, else
-    units from the last layers on to the device while that shortens the step (the host's AdamW rate
-    per thread against each unit's state crossing the link), each move weighed with the activations
-    placed again beside the moved units' held gradients (recompute included), and while the plan's
-    GPU total fits; all on the host where the device update cannot serve the run (the cpu
-    device, bf16 master weights, several compute workers, LoRA) and with the 8-bit state
-    (device takes it). ``plan`` prints
-    where each unit's update runs. Units resident on the device (memory.resident) are updated there
-    either way."""
+    on the host where the host's update of all of them does not lengthen the step, else units from
+    the last layers on to the device while that shortens the step (the host's AdamW rate per thread,
+    exact or 8-bit, against each unit's state crossing the link; with the 8-bit state's gradients
+    held on the device for the norm, the host's updates run after the backward and the next forward
+    follows them), each move weighed with the activations placed again beside the moved units' held
+    gradients (recompute included), and while the plan's GPU total fits; all on the host where the
+    device update cannot serve the run (the cpu device, bf16 master weights with the exact state,
+    several compute workers, LoRA). ``plan`` prints where each unit's update runs. Units resident on
+    the device (memory.resident) are updated there either way."""
 
     def validate(self) -> None:
         for key in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"):

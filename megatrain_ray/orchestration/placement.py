@@ -13,10 +13,12 @@
   Each move is weighed with the activations placed again beside it: the moved units' fp32 gradients,
   held until the step's end, and the pieces of a unit's state on the device while it is updated take
   device memory that kept activations had, so a move may bring recompute with it; moving stops where
-  the plan's device total would exceed the device's usable memory. It moves none where the
-  device update cannot serve the run (the cpu device, whose "device" is the host; bf16 master
-  weights; several compute workers; LoRA), where its arithmetic is not weighed here (the 8-bit state,
-  which ``device`` takes; gradients held on the device for the host, experimental.hold_grads) or
+  the plan's device total would exceed the device's usable memory. With the gradients held on the
+  device for the step's norm (experimental.hold_grads, the 8-bit state's default on a GPU) the host's
+  updates start at the step's end and the next forward follows them, so a unit moved shortens that
+  path by its host update; the units moved keep their fp32 gradients on the device instead of the
+  held ones. It moves none where the device update cannot serve the run (the cpu device, whose
+  "device" is the host; bf16 master weights with the exact state; several compute workers; LoRA) or
   where the GPU memory is not known.
 """
 
@@ -29,35 +31,40 @@ from ..engine.compute.device_updates import state_bytes
 from ..engine.policy import updated_on_device
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
-from .pace import Pace, UpdatePace
+from .pace import HOST_ADAMW_PARAMS_PER_THREAD_S, HOST_COMPACT_PARAMS_PER_THREAD_S, Pace, UpdatePace
 
 
-def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, precision: Precision) -> UpdatePace:
-    """The arithmetic of a split: ``host_units`` updated on ``host_threads`` CPU threads, ``on_device``
-    on the device (their state in and out, :func:`~megatrain_ray.engine.compute.device_updates.state_bytes`)."""
+def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, precision: Precision,
+                held: bool) -> UpdatePace:
+    """The arithmetic of a split: ``host_units`` updated on ``host_threads`` CPU threads (at the rate of
+    the run's optimizer state; ``held``: their gradients wait on the device for the step's norm),
+    ``on_device`` on the device (their state in and out,
+    :func:`~megatrain_ray.engine.compute.device_updates.state_bytes`)."""
     numel = layout.templates
     stream = precision.compute.itemsize if precision.separate_stream_copy else 0
+    rate = HOST_COMPACT_PARAMS_PER_THREAD_S if precision.compact else HOST_ADAMW_PARAMS_PER_THREAD_S
     return UpdatePace(sum(numel[u].numel for u in host_units), host_threads, sum(numel[u].numel for u in on_device),
-                      *state_bytes(precision.compact, stream))
+                      *state_bytes(precision.compact, stream), rate, held)
 
 
 def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], host_threads: int,
-                    precision: Precision, plan_for: Callable[[tuple[int, ...]], tuple[Pace, bool]] | None
+                    precision: Precision, held: bool, plan_for: Callable[[tuple[int, ...]], tuple[Pace, bool]] | None
                     ) -> tuple[int, ...]:
     """The streamed units whose update runs on the device, in layout order (see the module docstring).
+    ``held``: the host units' gradients wait on the device for the step's norm (``StoreSpec.hold_grads``);
     ``plan_for(units)``: the pace with the activations placed beside ``units`` updated on the device,
     and whether the plan's device total then fits (None: the GPU memory is unknown)."""
     placement, n = cfg.optim.placement, len(layout.units)
     if cfg.lora.enabled or placement != "auto":
         return () if cfg.lora.enabled else updated_on_device(n, resident, placement)
-    if (device != "cuda" or plan_for is None or cfg.optim.state != "fp32" or precision.master.itemsize != 4
+    if (device != "cuda" or plan_for is None or (precision.master.itemsize != 4 and not precision.compact)
             or cfg.parallel.workers > 1):
         return ()
     streamed = [u for u in range(n) if u not in resident]
 
     def step_s(device_units: list[int], pace: Pace) -> float:
         host = [u for u in streamed if u not in device_units]
-        return update_pace(layout, host, host_threads, device_units, precision).step_s(pace)
+        return update_pace(layout, host, host_threads, device_units, precision, held).step_s(pace)
 
     moved: list[int] = []
     best = step_s(moved, plan_for(())[0])

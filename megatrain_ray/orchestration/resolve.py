@@ -246,8 +246,8 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         tried[units] = decided = tried.get(units) or _decide(cfg, facts, store, resident, host, units)
         return decided.pace, _fits_device(cfg, decided, units)
 
-    on_device = units_on_device(cfg, device, layout, resident, threads, precision,  # held gradients: all to the host
-                                None if store.hold_grads or decisions.device_bytes is None else plan_for)
+    on_device = units_on_device(cfg, device, layout, resident, threads, precision, store.hold_grads,
+                                None if decisions.device_bytes is None else plan_for)
     decisions = dataclasses.replace(tried.get(on_device) or decisions, on_device=on_device)
     memory = preflight.count(cfg, decisions, host, facts.starts_ray)
     activations = decisions.placement  # every GPU alike: the same share of the micro-batches
@@ -276,7 +276,7 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
-    updates = update_pace(layout, sink.updates, threads, on_device, precision)
+    updates = update_pace(layout, sink.updates, threads, on_device, precision, store.hold_grads)
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
                        decisions, memory, wait, cfg.cluster.actor_timeout_s, updates)
 

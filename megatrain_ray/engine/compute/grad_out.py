@@ -39,7 +39,7 @@ import torch
 from ...errors import PipelineError
 from ..experts import ExpertTraffic
 from .device_updates import NoStreamedUpdates, StreamedUpdates
-from .resident import NoResidentUnits, ResidentUnits
+from .resident import NoResidentUnits, ResidentUnits, step_sq_norm
 from ..policy import NONE, ROUTED, UnitPolicy
 from .worker_group import GroupOfOne
 from ..tickets import NO_PROGRESS, GradTicket, drain, wait_while_moving
@@ -133,18 +133,18 @@ class GradOut:
     def _send_held(self, step: int, norms: list, sync: bool, for_checkpoint: bool) -> None:
         """With ``hold_grads``: the step's gradients, held on the device, through the ring in update order
         (embedding, layers, head: the next forward's first weights are updated first), every ticket with
-        the step's squared norm, summed in the order the sink would have (the order they were computed).
+        the step's squared norm: every unit's (``norms``: the held ones' and those of the streamed units
+        updated on the device, whose tickets went during the backward), summed in the order they were
+        computed, as the sink sums tickets and the device updates sum ``norms``: the same float.
 
         The waits (for the norm, for free ring slots: the sink updating) are the grad-sender thread's,
         so this step returns at once and the next step's forward runs while the updates do."""
         held, self.held = self.held, []
         total: list[float] = []
 
-        def step_sq() -> float:
+        def step_sq() -> float:  # every unit's, the held ones' and those updated on the device
             if not total:
-                total.append(0.0)
-                for _, _, sq_norm in held:
-                    total[0] += float(sq_norm)
+                total.append(step_sq_norm(norms))
             return total[0]
 
         def send(unit: int, grad: torch.Tensor, sq_norm: torch.Tensor, ranges):
@@ -207,7 +207,9 @@ class HeldToHost(Sender):
 
     def send(self, unit: int, step: int, grad: torch.Tensor) -> None:
         out = self.out
-        out.held.append((unit, grad.to(out.store.spec.precision.grad), torch.dot(grad, grad)))
+        sq_norm = torch.dot(grad, grad)
+        out.sq_norms.append(sq_norm)
+        out.held.append((unit, grad.to(out.store.spec.precision.grad), sq_norm))
 
 
 class NormOnly(Sender):

@@ -149,14 +149,19 @@ class InUpdateOrder(StepNorm):
 
 
 class Carried(StepNorm):
-    """Held gradients: each ticket carries the step's squared norm, so each unit's update as it comes."""
+    """Held gradients: each ticket carries the step's squared norm, so each unit's update as it comes.
+    The tickets of the streamed units updated on the device went during the backward, before the norm
+    was known: they carry none (a negative one), and no update here. Where no ticket carries one
+    (every unit updated on the device), the step's norm sums the tickets' own."""
 
     def updates(self, step: int) -> Updates:
-        step_sq_norm = 0.0
+        step_sq_norm = -1.0
         for ticket in self.tickets(step):
+            if ticket.step_sq_norm < 0:
+                continue  # a unit updated on the device: its gradient is done, the norm not yet known
             step_sq_norm = ticket.step_sq_norm
             coef = self.factor(step, math.sqrt(step_sq_norm))
             if ticket.unit in self._updated:
                 yield ticket, coef
-        self.value = math.sqrt(step_sq_norm)
+        self.value = math.sqrt(step_sq_norm if step_sq_norm >= 0 else self.tickets.sq_norm)
         self.factor(step, self.value)
