@@ -373,7 +373,10 @@ def test_the_plan_of_the_8bit_state_on_a_gpu_counts_each_gradient_once():
 
 
 def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_and_their_gradients_fit():
-    host, auto = _moe_run("optim.placement=host"), _moe_run("optim.placement=auto")
+    # memory.resident as its first fit (auto would make 4 layers resident here and leave the host nothing
+    # to pace: test_resident.py), on 130 GiB of GPU memory, where the moved units' gradients take a kept layer's room
+    one = ("memory.resident=embed_head", "memory.resident_layers=1")
+    host, auto = (_moe_run(f"optim.placement={p}", *one, gib=130) for p in ("host", "auto"))
     moved = [u for u, p in enumerate(auto.policies) if p == STREAMED_ON_DEVICE]
     assert host.updates.host_s > host.pace.step_s and STREAMED_ON_DEVICE not in host.policies  # the host paces it
     layers = [u.index for u in auto.layout.layers]

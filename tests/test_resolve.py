@@ -64,7 +64,7 @@ def test_the_spawned_roles_hold_what_the_run_resolved(shm_dir, tmp_path):
 def test_auto_settings_resolve_from_the_facts_and_the_plan_counts_them():
     cfg = load_config(None, ["model.hidden_size=1024", "model.num_hidden_layers=8", "model.intermediate_size=2816",
                              "model.num_attention_heads=8", "model.vocab_size=32000", "train.seq_len=2048"])
-    runs = [resolve(cfg, Facts("cuda", gib * 2**30)) for gib in (80, 8, 3)]
+    runs = [resolve(cfg, Facts("cuda", gib * 2**30, adamw_cpus=12)) for gib in (80, 8, 3)]
     assert [r.resident_layers for r in runs] == [1, 1, None]  # as much as fits, by the GPU's memory
     assert [r.compute.activations.count(KEEP) for r in runs] == [8, 4, 0]
     assert [r.schedule.resident for r in runs] == [(0, 1, 9), (0, 1, 9), ()]

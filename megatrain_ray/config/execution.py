@@ -141,13 +141,18 @@ class MemorySection:
     """Units resident on the compute worker's device, their fp32 master weights and moments there
     and their AdamW run there: auto (default: embed_head and memory.resident_layers 1 on one GPU
     where the plan fits it with every activation checkpoint on the GPU, else embed_head, else none;
-    none on the CPU, with several compute workers, a bf16 master or 8-bit moments; see
-    megatrain_ray.orchestration.device_memory.resolve_resident), none (every unit on the host) or
+    from there one decoder layer more at a time while that shortens the plan's expected step time
+    with the host's updates and still fits, so where the host's AdamW would pace the step, as a
+    mixture of experts' few FLOPs per parameter make it, the layers the GPU has room for keep their
+    state there; none on the CPU, with several compute workers, a bf16 master or 8-bit moments; see
+    megatrain_ray.orchestration.device_memory.resolve_resident and
+    megatrain_ray.orchestration.resolve), none (every unit on the host) or
     embed_head = the embedding and the LM head (with the final norm). They sit at the step boundary:
     the next forward needs the embedding first, its gradient comes last, and on the host its update
     and the copies around it are time the GPU waits (~0.2 s a step at 7B). 14 bytes per parameter of
     those units in device memory (fp32 master and moments, compute-dtype weights; Qwen2.5-7B shape:
-    14.2 GiB, less 1.8 GiB of weight slots that shrink to a decoder layer's; ``plan`` counts both),
+    14.2 GiB, less 1.8 GiB of weight slots that shrink to a decoder layer's; ``plan`` counts both;
+    the fp32 gradient of a resident decoder layer after layer 0, 4 more, stays there until the step's end),
     never streamed; their host copy is brought up to date at checkpoint boundaries and at the end.
     One compute worker, fp32 master weights and moments (see megatrain_ray.engine.compute.resident)."""
     resident_layers: int = 0

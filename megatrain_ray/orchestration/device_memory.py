@@ -109,6 +109,10 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
     chunk, depth = min(cfg.memory.loss_chunk_size_on(device), tokens), cfg.memory.buffer_depth_on(device)
     resident = configured_resident(cfg, resident)
     resident_numel = sum(layout.templates[i].numel for i in resident)
+    # the resident decoder layers' fp32 gradients wait for the step's end; the last of them the backward
+    # reaches (layer 0) is the working set's gradient at that point, so it is not counted again
+    held_resident = [u.index for u in layout.layers if u.index in resident][1:]
+    resident_layer_numel = sum(layout.templates[u].numel for u in held_resident)
     lora = cfg.lora
     adapters, full = AdapterLayout.build(m, lora).num_params, AdapterLayout.build(m, lora).full
     if on_device is None:  # as optim.placement names them
@@ -118,6 +122,9 @@ def _fixed_device_rows(cfg: TrainConfig, device: str, micro_batch_size: int,
         *(_slot_rows(cfg, layout, depth, c, precision.compute, resident)),
         *([Row(f"{', '.join(layout.units[i] for i in resident)}: fp32 master, AdamW moments and weights "
                "(memory.resident)", "device", resident_numel * (12 + (c if c != 4 else 0)))] if resident else []),
+        *([Row(f"fp32 gradients of {len(held_resident)} resident decoder layers until the step's end "
+               "(memory.resident; layer 0's is the working set's)", "device", 4 * resident_layer_numel)]
+          if resident_layer_numel else []),
         Row("input gradients of every micro-batch", "device", mbs * tokens * h * c),
         _layer_working_set(cfg, device, tokens, c, 0 if lora.enabled else layer_numel),  # LoRA: no base gradient
         Row(f"LoRA adapters (rank {lora.rank}, {adapters:,} parameters): fp32 master, AdamW moments and gradient"
@@ -307,18 +314,25 @@ def resolve_resident(cfg: TrainConfig, device: str, device_bytes: int | None) ->
     it (none offloaded to host memory). Measured at 7B on an H200: the host update of the embedding,
     layer 0 and the head is ~0.2 s a step that the GPU waits at the step boundary, more than the two
     kept layers' recompute the resident states take the memory of. Else (a LoRA run among them: its
-    base has no optimizer) none.
+    base has no optimizer) none. The resolved run grows auto's first fit where the host's update
+    paces the step (:func:`~megatrain_ray.orchestration.resolve.resolve`, with :func:`resident_fits`).
     """
     if cfg.memory.resident != "auto":
         return cfg.memory.resident_given
     if (device == "cuda" and not cfg.lora.enabled and cfg.parallel.workers == 1 and device_bytes
             and cfg.precision.master_dtype == "float32" and cfg.optim.state == "fp32" and cfg.model.num_hidden_layers > 0):
         for layers in AUTO_RESIDENT_LAYERS:
-            rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident_units(cfg.model, layers))
-            offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory
-            if not offloaded and device_total(rows) <= device_bytes * GPU_USABLE:
+            if resident_fits(cfg, device, device_bytes, layers):
                 return layers
     return None
+
+
+def resident_fits(cfg: TrainConfig, device: str, device_bytes: int, layers: int) -> bool:
+    """Whether the plan fits a GPU of ``device_bytes`` with the embedding, the head and the first
+    ``layers`` decoder layers resident, every activation checkpoint on the GPU (none offloaded)."""
+    rows = device_rows(cfg, device, cfg.train.micro_batch_size, device_bytes, resident_units(cfg.model, layers))
+    offloaded = any(r.where == "host" for r in rows)  # checkpoints pushed out to host memory
+    return not offloaded and device_total(rows) <= device_bytes * GPU_USABLE
 
 
 def activation_placement(cfg: TrainConfig, device: str, device_bytes: int | None,

@@ -337,9 +337,13 @@ class UpdatePace:
         the gradients held (:attr:`held`) the host's updates start at the step's end, beside the device's
         own, and the next forward follows them unit by unit: the host's path is its updates, then the
         step after its forward."""
-        device = pace.step_s - HOST_PARAM_S * self.device_params
-        host = self.host_s + (device - pace.forward_s if self.held else pace.forward_s)
-        return max(device + self.device_s, host)
+        return max(pace.step_s - HOST_PARAM_S * self.device_params + self.device_s, self.host_path_s(pace))
+
+    def host_path_s(self, pace: Pace) -> float:
+        """The host's path of :meth:`step_s`: its updates after the forward, or held, its updates and then
+        the step after its forward."""
+        after = pace.step_s - HOST_PARAM_S * self.device_params - pace.forward_s if self.held else pace.forward_s
+        return self.host_s + after
 
     def line(self, pace: Pace) -> str:
         """The plan's line on the updates."""

@@ -42,7 +42,8 @@ from ..model.precision import Precision, resolve_precision
 from . import preflight
 from ..engine.affinity import adamw_cpus_near
 from ..engine.compute.activations import recompute_spans, recomputed_layers
-from .device_memory import GPU_USABLE, activation_placement, device_total, placed_rows, resolve_resident
+from .device_memory import (GPU_USABLE, activation_placement, device_total, placed_rows, resident_fits,
+                            resolve_resident)
 from .machine import gpu_free_memory, gpu_memory, gpu_name, guess_device
 from .pace import Pace, UpdatePace, expected_pace, role_wait_s
 from .placement import units_on_device, update_pace
@@ -231,14 +232,14 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     device = facts.device
     precision = resolve_precision(cfg.precision, device, cfg.optim.state)
     layout = StoreLayout.build(cfg.model)
-    resident_layers = resolve_resident(cfg, device, facts.device_bytes)
-    resident = resident_units(cfg.model, resident_layers)
-    store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
     host = preflight.host_for(facts.host_bytes)
-    decisions = _decide(cfg, facts, store, resident, host)
     threads = cfg.parallel.resolved_optimizer_threads()
     if facts.adamw_cpus and not cfg.parallel.optimizer_threads and cfg.experimental.cpu_affinity and device == "cuda":
         threads = facts.adamw_cpus  # one per CPU the pinning leaves AdamW, as the sink will run
+    resident_layers = _resident_layers(cfg, facts, precision, layout, host, threads)
+    resident = resident_units(cfg.model, resident_layers)
+    store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
+    decisions = _decide(cfg, facts, store, resident, host)
 
     tried = {(): decisions}  # units on the device -> the decisions with the activations placed beside them
 
@@ -279,6 +280,47 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     updates = update_pace(layout, sink.updates, threads, on_device, precision, store.hold_grads)
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
                        decisions, memory, wait, cfg.cluster.actor_timeout_s, updates)
+
+
+HOST_SLACK = 0.10
+"""How close to the expected step the host's path may come before memory.resident auto takes one
+resident layer more at an equal expected step time: the pace's own tolerance against the recorded
+runs (tests/test_pace_recorded.py), so a GPU that much faster than the pace does not wait for the host."""
+
+
+def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLayout, host: int,
+                     threads: int) -> int | None:
+    """The decoder layers resident besides the embedding and the head (None: no unit resident):
+    :func:`~megatrain_ray.orchestration.device_memory.resolve_resident`'s, and with memory.resident auto
+    one layer more at a time from there while that shortens the expected step time with the host's
+    updates (:class:`~megatrain_ray.orchestration.pace.UpdatePace`: the host updates fewer parameters;
+    the resident layers' state and gradients take device memory kept activations had, so a layer more
+    may bring recompute) and the plan still fits with every checkpoint on the GPU; at an equal step
+    time, while the host's path is within :data:`HOST_SLACK` of it (a GPU that much faster than the
+    pace would wait for the host). Where the host's update paces the step (a mixture of experts' few
+    FLOPs per parameter), the state of the layers the GPU has room for moves there for good; where
+    the step hides it, nothing changes."""
+    first = resolve_resident(cfg, facts.device, facts.device_bytes)
+    if first is None or cfg.memory.resident != "auto":
+        return first
+
+    def expected(layers: int) -> tuple[float, float]:  # (step, the host's path), seconds
+        resident = resident_units(cfg.model, layers)
+        store = StoreSpec.of_run(cfg, precision, facts.device, 0, "plan", resident)
+        streamed = [u for u in range(len(layout.units)) if u not in resident]
+        pace = _decide(cfg, facts, store, resident, host).pace
+        updates = update_pace(layout, streamed, threads, (), precision, store.hold_grads)
+        return updates.step_s(pace), updates.host_path_s(pace)
+
+    best, (best_s, host_s) = first, expected(first)
+    for layers in range(first + 1, cfg.model.num_hidden_layers + 1):
+        if not resident_fits(cfg, facts.device, facts.device_bytes, layers):
+            break
+        step_s, next_host_s = expected(layers)
+        if step_s > best_s or (step_s == best_s and host_s < best_s * (1 - HOST_SLACK)):
+            break
+        best, best_s, host_s = layers, step_s, next_host_s
+    return best
 
 
 def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[int, ...],
