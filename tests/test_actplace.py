@@ -366,7 +366,7 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     gib = 2**30
     # the benchmark's 7B step (64k tokens), its memory.resident (auto) resolved as a run resolves it
     cfg = _seven_b(16384, 4)
-    run = resolve(cfg, Facts("cuda", 140 * gib))
+    run = resolve(cfg, Facts("cuda", 140 * gib, adamw_cpus=12))  # the H200 box's 12 AdamW threads
     assert run.resident_layers == 1
     resident = run.schedule.resident
     modes = run.compute.activations
@@ -384,7 +384,7 @@ def test_the_planner_keeps_graphs_in_free_gpu_memory_and_offloads_only_what_does
     assert plan.total("device") == device_total(keep, 0)
     assert f"{keep} layers kept whole on the GPU" in plan.table()
 
-    run = resolve(cfg, Facts("cuda", 24 * gib, host_bytes=120 * gib))  # a 128 GiB box's host RAM: room to offload
+    run = resolve(cfg, Facts("cuda", 24 * gib, host_bytes=120 * gib, adamw_cpus=12))  # a 128 GiB box's host RAM: room to offload
     assert run.resident_layers is None  # what it would hold on the GPU would push checkpoints out
     resident = ()
     small = run.compute.activations  # not even every checkpoint fits

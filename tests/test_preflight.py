@@ -64,7 +64,8 @@ def test_gpu_plan_has_a_bf16_stream_copy_and_a_largest_micro_batch():
     assert best and best > 0
 
     run = resolve(cfg, Facts("cuda", 8 * 2**30))  # as the plan resolves it
-    assert run.resident_layers == 1 and run.memory.resident == run.schedule.resident  # auto, on one GPU where it fits
+    # auto, on one GPU where it fits (from layer 0 on, more while the host's update would pace the step)
+    assert run.resident_layers >= 1 and run.memory.resident == run.schedule.resident
     assert cfg.memory.resident == "auto"  # the config is as written
 
     def device_total(b):  # activations placed by auto for that GPU, as the run would place them
