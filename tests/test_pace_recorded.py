@@ -126,7 +126,11 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
     assert spans, f"{plan_path or 'a run'}: its cpu placement does not say where the updates ran"
     threads = len(parse_cpulist(spans.group(1)))
     layout = StoreLayout.build(cfg.model)
-    resident = resident_units(cfg.model, resolve_resident(cfg, "cuda", H200_BYTES))
+    layers = resolve_resident(cfg, "cuda", H200_BYTES)
+    grown = plan_path and re.search(r"memory\.resident=auto: embed_head, resident_layers (\d+)", open(plan_path).read())
+    if grown:  # the decoder layers its plan made resident, with the machine's own AdamW threads
+        layers = int(grown.group(1))
+    resident = resident_units(cfg.model, layers)
     streamed = [u for u in range(len(layout.units)) if u not in resident]
     on_device = []
     if plan_path is not None:
