@@ -126,8 +126,9 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
     assert spans, f"{plan_path or 'a run'}: its cpu placement does not say where the updates ran"
     threads = len(parse_cpulist(spans.group(1)))
     layout = StoreLayout.build(cfg.model)
+    plan = open(plan_path).read() if plan_path is not None else ""
     layers = resolve_resident(cfg, "cuda", H200_BYTES)
-    grown = plan_path and re.search(r"memory\.resident=auto: embed_head, resident_layers (\d+)", open(plan_path).read())
+    grown = re.search(r"memory\.resident=auto: embed_head, resident_layers (\d+)", plan)
     if grown:  # the decoder layers its plan made resident, with the machine's own AdamW threads
         layers = int(grown.group(1))
     resident = resident_units(cfg.model, layers)
@@ -135,7 +136,7 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
     on_device = []
     if plan_path is not None:
         where = re.search(r"updated where: (\d+) units on the host's CPU threads, (\d+) streamed units on the device",
-                          open(plan_path).read())
+                          plan)
         assert where, f"{plan_path} does not say where the updates ran"
         on_device = streamed[len(streamed) - int(where.group(2)):]
         assert len(streamed) - len(on_device) == int(where.group(1)), (plan_path, on_device)
