@@ -9,6 +9,7 @@ and moment of every checkpoint, the export). Any difference is a bug of the prot
 missed write-back, a wrong clipping factor, step or decay range), not rounding.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -103,7 +104,7 @@ def test_gradients_held_for_the_norm_beside_units_updated_on_the_device_train_as
     learning rates bit for bit."""
     from megatrain_ray.orchestration import resolve as resolve_module
 
-    def last_two_layers(cfg, device, layout, resident, host_threads, precision, held, plan_for):
+    def last_two_layers(cfg, device, layout, *rest):
         return tuple(u.index for u in layout.layers)[-2:]
 
     monkeypatch.setattr(resolve_module, "units_on_device", last_two_layers)
@@ -373,10 +374,10 @@ def test_the_plan_of_the_8bit_state_on_a_gpu_counts_each_gradient_once():
 
 
 def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_and_their_gradients_fit():
-    # memory.resident as its first fit (auto would make 4 layers resident here and leave the host nothing
-    # to pace: test_resident.py), on 130 GiB of GPU memory, where the moved units' gradients take a kept layer's room
+    # memory.resident as its first fit (auto would make more layers resident here and leave the host nothing
+    # to pace: test_resident.py), on 126 GiB of GPU memory, where the moved units' gradients take a kept layer's room
     one = ("memory.resident=embed_head", "memory.resident_layers=1")
-    host, auto = (_moe_run(f"optim.placement={p}", *one, gib=130) for p in ("host", "auto"))
+    host, auto = (_moe_run(f"optim.placement={p}", *one, gib=126) for p in ("host", "auto"))
     moved = [u for u, p in enumerate(auto.policies) if p == STREAMED_ON_DEVICE]
     assert host.updates.host_s > host.pace.step_s and STREAMED_ON_DEVICE not in host.policies  # the host paces it
     layers = [u.index for u in auto.layout.layers]
@@ -395,6 +396,27 @@ def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_a
     # Where the device update cannot serve the run (bf16 master weights with the exact state), auto
     # leaves every unit on the host (no refusal).
     assert STREAMED_ON_DEVICE not in _moe_run("optim.placement=auto", "precision.master_dtype=bfloat16").policies
+
+
+def test_the_host_path_of_clipped_split_updates_starts_at_the_backward_s_end_and_waits_on_the_first_pass():
+    """With clipping the sink's updates wait for the step's norm: they start at the backward's end, in
+    the order the next forward needs the units, and that forward follows the first pass of the split
+    update (the moments and the stream copy, 24 of its 40 bytes per parameter). Without clipping each
+    update runs as its gradient arrives, after the forward."""
+    one = ("memory.resident=embed_head", "memory.resident_layers=1", "optim.placement=host")
+    clipped, unclipped = _moe_run(*one), _moe_run(*one, "optim.max_grad_norm=0")
+    u, p = clipped.updates, clipped.pace
+    assert u.after_norm and not u.held and u.first_pass == pace.SPLIT_FIRST_PASS == 0.6
+    assert {q.optimizer for q in clipped.policies[2:-1]} == {"split"}  # layers 1-7, streamed
+    assert u.host_path_s(p) == pytest.approx(0.6 * u.host_s + p.step_s - p.forward_s)
+    assert u.host_path_s(p) > p.step_s and u.step_s(p) == u.host_path_s(p)  # the host paces this run
+    assert "after the step's backward (they wait for its norm)" in clipped.describe()
+    v, q = unclipped.updates, unclipped.pace
+    assert not v.after_norm and v.first_pass == 1.0 and {q.optimizer for q in unclipped.policies[2:-1]} == {"exact"}
+    assert v.host_path_s(q) == pytest.approx(v.host_s + q.forward_s)
+    # never shorter than the updates themselves, which the threads run one step at a time
+    slow = dataclasses.replace(u, thread_rate=u.thread_rate / 10)
+    assert slow.host_path_s(p) == pytest.approx(slow.host_s)
 
 
 def test_auto_moves_units_of_the_8bit_state_whose_host_update_the_next_forward_waits_for():

@@ -32,6 +32,7 @@ from megatrain_ray.model.precision import resolve_precision
 from megatrain_ray.orchestration import pace
 from megatrain_ray.orchestration.device_memory import resolve_resident
 from megatrain_ray.orchestration.placement import update_pace
+from megatrain_ray.orchestration.resolve import updates_split, updates_wait_for_norm
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 H200_BYTES = 143_771 * 2**20
@@ -146,7 +147,9 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
         assert len(streamed) - len(on_device) == int(where.group(1)), (plan_path, on_device)
     host = [u for u in streamed if u not in on_device]
     precision = resolve_precision(cfg.precision, "cuda", cfg.optim.state)
-    return update_pace(layout, host, threads, on_device, precision, _holds_grads(cfg))
+    store = StoreSpec.of_run(cfg, precision, "cuda", 0, "plan", resident)
+    return update_pace(layout, host, threads, on_device, precision, store.hold_grads, updates_wait_for_norm(cfg),
+                       updates_split(cfg, precision, store))
 
 
 def expected_step_s(cfg, recomputed: int, gpu: str, placed) -> tuple[float, object]:

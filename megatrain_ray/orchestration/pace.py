@@ -139,6 +139,11 @@ threads (pinned to CPUs 4-15; the 32B width at 38 layers, 65,536 tokens)."""
 LINK_BOTH_GBPS = 100.0
 """GB/s of the host-to-GPU link both ways at once (the H200 box): a device update's state in and out
 run side by side."""
+SPLIT_FIRST_PASS = 24 / 40
+"""The share of a split update's time (an fp32 master with a bf16 stream copy, in two passes) that its
+first pass takes, the one the next forward waits on: its bytes, 24 of the two passes' 40 per parameter
+(the first reads the master, the gradient and both moments, and writes the moments and the stream
+copy; the second reads the master and the moments and writes the master)."""
 HOST_TURN = "the host update's turn"
 """The name of the part of :attr:`Pace.parts` that :data:`HOST_PARAM_S` counts."""
 
@@ -316,6 +321,12 @@ class UpdatePace:
     held: bool = False
     """Whether the host units' gradients wait on the device until the step's norm is known
     (``StoreSpec.hold_grads``): their updates then start after the step's whole backward."""
+    after_norm: bool = False
+    """Whether the host's updates wait for the step's norm (clipping, a sharded optimizer, or the
+    gradients held): they start after the step's whole backward, in the order the next forward needs them."""
+    first_pass: float = 1.0
+    """The share of the host's update time the next forward waits on: its first pass where the update
+    runs in two (:data:`SPLIT_FIRST_PASS`), else all of it."""
 
     @property
     def host_s(self) -> float:
@@ -332,25 +343,30 @@ class UpdatePace:
     def step_s(self, pace: Pace) -> float:
         """The expected step time with the updates, the longer of two paths: the device's step with its
         own updates (the units it updates leave the host update's turn, :data:`HOST_PARAM_S`), or the
-        host's updates after the forward that comes before the backward's first gradient (a step's
-        updates cannot start earlier, and the next forward waits for its first units' updates). With
-        the gradients held (:attr:`held`) the host's updates start at the step's end, beside the device's
-        own, and the next forward follows them unit by unit: the host's path is its updates, then the
-        step after its forward."""
+        host's path (:meth:`host_path_s`)."""
         return max(pace.step_s - HOST_PARAM_S * self.device_params + self.device_s, self.host_path_s(pace))
 
     def host_path_s(self, pace: Pace) -> float:
-        """The host's path of :meth:`step_s`: its updates after the forward, or held, its updates and then
-        the step after its forward."""
-        after = pace.step_s - HOST_PARAM_S * self.device_params - pace.forward_s if self.held else pace.forward_s
-        return self.host_s + after
+        """The host's path of :meth:`step_s`. Updated as their gradients arrive, the host's updates start
+        after the forward that comes before the backward's first gradient: the path is the forward, then
+        the updates. Waiting for the step's norm (:attr:`after_norm`), they start at the backward's end,
+        in the order the next forward needs the units, and that forward follows them unit by unit: the
+        path is the share of the updates it waits on (:attr:`first_pass`), then the step after its
+        forward; and never shorter than the updates themselves, which the threads run one step at a time."""
+        if not self.after_norm:
+            return self.host_s + pace.forward_s
+        after = pace.step_s - HOST_PARAM_S * self.device_params - pace.forward_s
+        return max(self.first_pass * self.host_s + after, self.host_s)
 
     def line(self, pace: Pace) -> str:
         """The plan's line on the updates."""
         host = (f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), "
                 f"~{duration(self.host_s)} at {self.thread_rate / 1e6:.0f}M parameters/s per thread, "
                 + ("after the step's backward (its gradients held on the device for the norm), the next "
-                   "forward following them" if self.held else "beside the next step"))
+                   "forward following them" if self.held else
+                   "after the step's backward (they wait for its norm), the next forward following "
+                   + (f"their first pass ({self.first_pass:.0%} of it)" if self.first_pass < 1 else "them")
+                   if self.after_norm else "beside the next step"))
         device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step "
                   f"(their state over the link: {self.device_bytes_in:.3g} bytes per parameter in and "
                   f"{self.device_bytes_out:.3g} out at "

@@ -5,7 +5,10 @@
   (:mod:`megatrain_ray.engine.compute.device_updates`), its state copied in and written back;
 - ``auto``: from the plan's arithmetic (:class:`~megatrain_ray.orchestration.pace.UpdatePace`). The
   host's updates of a step run beside the device's next step, so they cost nothing while they and the
-  forward before the first gradient take less than it; the device's updates run at the step's end, so
+  forward before the first gradient take less than it; with clipping they wait for the step's norm,
+  start at its backward's end and the next forward follows them (their first pass, where the update
+  runs in two: :meth:`~megatrain_ray.orchestration.pace.UpdatePace.host_path_s`), so they cost nothing
+  while that share of them takes less than that forward; the device's updates run at the step's end, so
   each unit moved there adds its state's trip over the link to the device's step. Auto keeps every
   unit on the host where that host path is no longer than the device's step (most dense runs at
   their FLOPs per parameter), else moves units to the device, from the end of the update order (the last the next
@@ -31,27 +34,31 @@ from ..engine.compute.device_updates import state_bytes
 from ..engine.policy import updated_on_device
 from ..model.layout import StoreLayout
 from ..model.precision import Precision
-from .pace import HOST_ADAMW_PARAMS_PER_THREAD_S, HOST_COMPACT_PARAMS_PER_THREAD_S, Pace, UpdatePace
+from .pace import (HOST_ADAMW_PARAMS_PER_THREAD_S, HOST_COMPACT_PARAMS_PER_THREAD_S, SPLIT_FIRST_PASS, Pace,
+                   UpdatePace)
 
 
 def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, precision: Precision,
-                held: bool) -> UpdatePace:
+                held: bool, after_norm: bool = False, split: bool = False) -> UpdatePace:
     """The arithmetic of a split: ``host_units`` updated on ``host_threads`` CPU threads (at the rate of
-    the run's optimizer state; ``held``: their gradients wait on the device for the step's norm),
-    ``on_device`` on the device (their state in and out,
+    the run's optimizer state; ``held``: their gradients wait on the device for the step's norm;
+    ``after_norm``: their updates wait for it, ``split``: in two passes, the next forward waiting on
+    the first), ``on_device`` on the device (their state in and out,
     :func:`~megatrain_ray.engine.compute.device_updates.state_bytes`)."""
     numel = layout.templates
     stream = precision.compute.itemsize if precision.separate_stream_copy else 0
     rate = HOST_COMPACT_PARAMS_PER_THREAD_S if precision.compact else HOST_ADAMW_PARAMS_PER_THREAD_S
     return UpdatePace(sum(numel[u].numel for u in host_units), host_threads, sum(numel[u].numel for u in on_device),
-                      *state_bytes(precision.compact, stream), rate, held)
+                      *state_bytes(precision.compact, stream), rate, held, held or after_norm,
+                      SPLIT_FIRST_PASS if split else 1.0)
 
 
 def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], host_threads: int,
-                    precision: Precision, held: bool, plan_for: Callable[[tuple[int, ...]], tuple[Pace, bool]] | None
-                    ) -> tuple[int, ...]:
+                    precision: Precision, held: bool, plan_for: Callable[[tuple[int, ...]], tuple[Pace, bool]] | None,
+                    after_norm: bool = False, split: bool = False) -> tuple[int, ...]:
     """The streamed units whose update runs on the device, in layout order (see the module docstring).
     ``held``: the host units' gradients wait on the device for the step's norm (``StoreSpec.hold_grads``);
+    ``after_norm``, ``split``: the host's updates wait for it, in two passes (:func:`update_pace`);
     ``plan_for(units)``: the pace with the activations placed beside ``units`` updated on the device,
     and whether the plan's device total then fits (None: the GPU memory is unknown)."""
     placement, n = cfg.optim.placement, len(layout.units)
@@ -64,7 +71,7 @@ def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident
 
     def step_s(device_units: list[int], pace: Pace) -> float:
         host = [u for u in streamed if u not in device_units]
-        return update_pace(layout, host, host_threads, device_units, precision, held).step_s(pace)
+        return update_pace(layout, host, host_threads, device_units, precision, held, after_norm, split).step_s(pace)
 
     moved: list[int] = []
     best = step_s(moved, plan_for(())[0])

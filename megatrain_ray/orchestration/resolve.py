@@ -248,7 +248,8 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
         return decided.pace, _fits_device(cfg, decided, units)
 
     on_device = units_on_device(cfg, device, layout, resident, threads, precision, store.hold_grads,
-                                None if decisions.device_bytes is None else plan_for)
+                                None if decisions.device_bytes is None else plan_for, updates_wait_for_norm(cfg),
+                                updates_split(cfg, precision, store))
     decisions = dataclasses.replace(tried.get(on_device) or decisions, on_device=on_device)
     memory = preflight.count(cfg, decisions, host, facts.starts_ray)
     activations = decisions.placement  # every GPU alike: the same share of the micro-batches
@@ -256,11 +257,8 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     trained = tuple(layout.units.index(t.unit) for t in AdapterLayout.build(cfg.model, cfg.lora).full)
     schedule = Schedule.build(layout, cfg.model.tie_word_embeddings, resident + trained, recompute_spans(activations))
     wait = role_wait_s(decisions.pace, cfg.cluster.actor_timeout_s)  # a role's wait for its next message
-    host_sum = cfg.experimental.grad_reduce == "host" and cfg.parallel.compute_workers > 1
-    # Two passes where the updates wait for the norm and one optimizer has the node's whole gradient
-    # (no host sum, no shards, no gradients held on the device), from fp32 master weights to a stream copy.
-    splits = (cfg.optim.max_grad_norm > 0 and not cfg.parallel.sharded_optimizer and not host_sum
-              and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
+    host_sum = host_sums(cfg)
+    splits = updates_split(cfg, precision, store)
     sparse = tuple(u.index for u in layout.layers if u.parts)  # data-parallel workers: each sees part of the routing
     policies = policies_of_run(len(layout.units), resident + trained, host_optimizer(precision.compact, splits),
                                cfg.lora.enabled, sparse, ALL if cfg.parallel.workers > 1 else ROUTED, on_device)
@@ -277,9 +275,27 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
                         host_sum=host_sum, sharded=cfg.parallel.sharded_optimizer, policies=policies,
                         updates=tuple(u for u in schedule.update if policies[u].optimizer in HOST_OPTIMIZERS),
                         version_only=tuple(u for u in schedule.update if policies[u] == FROZEN))
-    updates = update_pace(layout, sink.updates, threads, on_device, precision, store.hold_grads)
+    updates = update_pace(layout, sink.updates, threads, on_device, precision, store.hold_grads, sink.after_norm, splits)
     return ResolvedRun(cfg, facts, precision, layout, schedule, policies, resident_layers, store, compute, sink,
                        decisions, memory, wait, cfg.cluster.actor_timeout_s, updates)
+
+
+def host_sums(cfg: TrainConfig) -> bool:
+    """Whether the sink sums the node's compute workers' whole gradients (experimental.grad_reduce=host)."""
+    return cfg.experimental.grad_reduce == "host" and cfg.parallel.compute_workers > 1
+
+
+def updates_wait_for_norm(cfg: TrainConfig) -> bool:
+    """Whether the host's updates wait for the step's norm (``SinkSettings.after_norm``)."""
+    return cfg.optim.max_grad_norm > 0 or cfg.parallel.sharded_optimizer
+
+
+def updates_split(cfg: TrainConfig, precision: Precision, store: StoreSpec) -> bool:
+    """Whether the host's updates run in two passes: where they wait for the norm and one optimizer
+    has the node's whole gradient (no host sum, no shards, no gradients held on the device), from fp32
+    master weights to a stream copy."""
+    return (cfg.optim.max_grad_norm > 0 and not cfg.parallel.sharded_optimizer and not host_sums(cfg)
+            and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
 
 
 HOST_SLACK = 0.10
@@ -309,7 +325,8 @@ def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLay
         store = StoreSpec.of_run(cfg, precision, facts.device, 0, "plan", resident)
         streamed = [u for u in range(len(layout.units)) if u not in resident]
         pace = _decide(cfg, facts, store, resident, host).pace
-        updates = update_pace(layout, streamed, threads, (), precision, store.hold_grads)
+        updates = update_pace(layout, streamed, threads, (), precision, store.hold_grads, updates_wait_for_norm(cfg),
+                              updates_split(cfg, precision, store))
         return updates.step_s(pace), updates.host_path_s(pace)
 
     best, (best_s, host_s) = first, expected(first)
