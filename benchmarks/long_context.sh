@@ -5,7 +5,7 @@
 #         replaced by a pre-tokenized .npy made here (random ids), nothing else changed but
 #         the step count (1, so no warmup), checkpoints and the final export off. A step takes ~9 minutes.
 #   1m:   one 1,048,576-token sequence through the 7B width at 4 layers (`megatrain-ray bench`),
-#         two steps (the first compiles).
+#         two steps (the first compiles), ~5 minutes each; STEPS=1: its one step, compile included.
 # Each part runs detached (setsid), longer than one device call may last; collect afterwards:
 #   bash benchmarks/long_context.sh OUT start 512k     # returns at once; the run goes on
 #   bash benchmarks/long_context.sh OUT collect        # running or done; the table of what is done
@@ -55,7 +55,7 @@ run_512k() {
 }
 
 run_1m() {
-  local args=(--preset 7b --layers 4 --tokens 1048576 --seq-len 1048576 --micro-batches 1 --steps 2
+  local args=(--preset 7b --layers 4 --tokens 1048576 --seq-len 1048576 --micro-batches 1 --steps "${STEPS:-2}"
               --set memory.mlp_chunk_size=16384 --set model.max_position_embeddings=1048576)
   smoke && args=("${SMOKE_ARGS[@]}")
   local plan_args=("${shape_1m[@]}")
