@@ -401,14 +401,15 @@ def test_auto_moves_the_last_layers_to_the_device_while_that_shortens_the_step_a
 def test_the_host_path_of_clipped_split_updates_starts_at_the_backward_s_end_and_waits_on_the_first_pass():
     """With clipping the sink's updates wait for the step's norm: they start at the backward's end, in
     the order the next forward needs the units, and that forward follows the first pass of the split
-    update (the moments and the stream copy, 24 of its 40 bytes per parameter). Without clipping each
-    update runs as its gradient arrives, after the forward."""
+    update (the moments and the stream copy) as far as the last unit the host updates, from which the
+    rest of the step follows. Without clipping each update runs as its gradient arrives, after the forward."""
     one = ("memory.resident=embed_head", "memory.resident_layers=1", "optim.placement=host")
     clipped, unclipped = _moe_run(*one), _moe_run(*one, "optim.max_grad_norm=0")
     u, p = clipped.updates, clipped.pace
-    assert u.after_norm and not u.held and u.first_pass == pace.SPLIT_FIRST_PASS == 0.6
+    assert u.after_norm and not u.held and u.first_pass == pace.SPLIT_FIRST_PASS < 1
+    assert u.gate_share == 8 / 10  # layers.7, the last the host updates, after 8 of the 10 units
     assert {q.optimizer for q in clipped.policies[2:-1]} == {"split"}  # layers 1-7, streamed
-    assert u.host_path_s(p) == pytest.approx(0.6 * u.host_s + p.step_s - p.forward_s)
+    assert u.host_path_s(p) == pytest.approx(pace.SPLIT_FIRST_PASS * u.host_s + p.step_s - 0.8 * p.forward_s)
     assert u.host_path_s(p) > p.step_s and u.step_s(p) == u.host_path_s(p)  # the host paces this run
     assert "after the step's backward (they wait for its norm)" in clipped.describe()
     v, q = unclipped.updates, unclipped.pace
@@ -423,14 +424,17 @@ def test_auto_moves_units_of_the_8bit_state_whose_host_update_the_next_forward_w
     """The 8-bit state on a GPU holds the host units' gradients there for the step's norm: the sink's
     updates start at the step's end and the next forward follows them, so where they outlast that
     forward the step grows by the difference (the 36-layer Qwen3-30B-A3B shape at 262,144 tokens:
-    23.1 G parameters, ~8 s of host updates on 12 threads). Auto moves the last layers to the device
-    while that shortens the step; the moved units' fp32 gradients replace their held bf16 ones."""
+    23.1 G parameters, ~8 s of host updates on 12 threads). Auto moves as many of the last layers to the
+    device as give the shortest step; the moved units' fp32 gradients replace their held bf16 ones."""
     host, auto = (_moe_run("optim.state=8bit", f"optim.placement={p}", "train.num_micro_batches=16", layers=36)
                   for p in ("host", "auto"))
     assert host.store.hold_grads and auto.store.hold_grads and host.updates.held and auto.updates.held
     assert host.updates.thread_rate == pace.HOST_COMPACT_PARAMS_PER_THREAD_S
-    # the host path paces the host-only run: its updates, then the step after its forward
-    assert host.updates.step_s(host.pace) == pytest.approx(host.updates.host_s + host.pace.step_s - host.pace.forward_s)
+    # the host path paces the host-only run: its updates, then the step from the last unit they update
+    # (the head, after 37 of the 38 units)
+    assert host.updates.gate_share == 37 / 38
+    assert host.updates.step_s(host.pace) == pytest.approx(host.updates.host_s + host.pace.step_s
+                                                           - 37 / 38 * host.pace.forward_s)
     assert host.updates.step_s(host.pace) > host.pace.step_s
     moved = [u for u, p in enumerate(auto.policies) if p == STREAMED_ON_DEVICE]
     assert auto.schedule.resident == () and moved == list(range(len(auto.layout.units)))[-len(moved):]  # the head too

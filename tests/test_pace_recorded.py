@@ -78,8 +78,8 @@ def _override(item: str) -> str | None:
 
 
 def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
-    """(name, config, recomputed layers, measured step_s, GPU name, recorded update placement or None) of every
-    single-H200 bench result."""
+    """(name, config, recomputed layers, measured step_s, GPU name, recorded update placement or None, resident
+    parameters) of every single-H200 bench result."""
     runs = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "*_h200_*", "bench-*.json"))):
         if os.path.basename(path).startswith("bench-old-"):
@@ -101,16 +101,30 @@ def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
         kept = re.search(r"(\d+) of \d+ layers kept whole", ours.get("activations", ""))
         kept = 0 if kept is None or report.get("name") in RECOMPUTED_EVERY_LAYER else int(kept.group(1))
         recomputed = cfg.model.num_hidden_layers - kept
-        placed = None
+        placed, plan = None, None
         if any(o.startswith("optim.placement=") and o != "optim.placement=host" for o in overrides):
             tag = os.path.basename(path)[len("bench-"):-len(".json")]
-            placed = _recorded_updates(cfg, os.path.join(os.path.dirname(path), f"plan-{tag}.txt"),
-                                       ours.get("cpu_placement") or [])
+            plan = os.path.join(os.path.dirname(path), f"plan-{tag}.txt")
+            placed = _recorded_updates(cfg, plan, ours.get("cpu_placement") or [])
         elif _holds_grads(cfg):
             placed = _recorded_updates(cfg, None, ours.get("cpu_placement") or [])
         runs.append((f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
-                     ours["step_s"], report["device"], placed))
+                     ours["step_s"], report["device"], placed, _resident_params(cfg, plan)))
     return runs + [_long_context()]
+
+
+def _resident_layers(cfg, plan_path: str | None) -> int | None:
+    """The decoder layers a run kept resident: those its plan (``plan_path``) grew to with memory.resident
+    auto, else the config's first fit (:func:`~megatrain_ray.orchestration.device_memory.resolve_resident`)."""
+    grown = re.search(r"memory\.resident=auto: embed_head, resident_layers (\d+)",
+                      open(plan_path).read()) if plan_path is not None else None
+    return int(grown.group(1)) if grown else resolve_resident(cfg, "cuda", H200_BYTES)
+
+
+def _resident_params(cfg, plan_path: str | None) -> int:
+    """The parameters of the units a run kept resident on the GPU (:func:`_resident_layers`)."""
+    layout = StoreLayout.build(cfg.model)
+    return sum(layout.templates[u].numel for u in resident_units(cfg.model, _resident_layers(cfg, plan_path)))
 
 
 def _holds_grads(cfg) -> bool:
@@ -132,11 +146,7 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
     threads = len(parse_cpulist(spans.group(1)))
     layout = StoreLayout.build(cfg.model)
     plan = open(plan_path).read() if plan_path is not None else ""
-    layers = resolve_resident(cfg, "cuda", H200_BYTES)
-    grown = re.search(r"memory\.resident=auto: embed_head, resident_layers (\d+)", plan)
-    if grown:  # the decoder layers its plan made resident, with the machine's own AdamW threads
-        layers = int(grown.group(1))
-    resident = resident_units(cfg.model, layers)
+    resident = resident_units(cfg.model, _resident_layers(cfg, plan_path))
     streamed = [u for u in range(len(layout.units)) if u not in resident]
     on_device = []
     if plan_path is not None:
@@ -152,16 +162,17 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
                        updates_split(cfg, precision, store))
 
 
-def expected_step_s(cfg, recomputed: int, gpu: str, placed) -> tuple[float, object]:
+def expected_step_s(cfg, recomputed: int, gpu: str, placed, resident_params: int = 0) -> tuple[float, object]:
     """The plan's expected step time of a recorded run (and its pace): the device's step at the recorded
-    activation placement and, for a run that placed its updates (optim.placement device or auto) or held its
+    activation placement with its resident units' parameters (``resident_params``, updated on the GPU)
+    and, for a run that placed its updates (optim.placement device or auto) or held its
     gradients (``placed``, :func:`_recorded_updates`), the longer of that step with its device updates and
     the host's path (:meth:`~megatrain_ray.orchestration.pace.UpdatePace.step_s`)."""
-    p = pace.expected_pace(cfg, "cuda", recomputed, gpu_name=gpu)
+    p = pace.expected_pace(cfg, "cuda", recomputed, gpu_name=gpu, resident_params=resident_params)
     return (p.step_s if placed is None else placed.step_s(p)), p
 
 
-def _long_context() -> tuple[str, object, int, float, str, None]:
+def _long_context() -> tuple[str, object, int, float, str, None, int]:
     """configs/long-context-512k.yaml's one step (2026-12-01_h200_long-context-512k: metrics.jsonl, its
     only step, compile included; plan.txt: no layer kept whole, every one recomputed)."""
     directory = os.path.join(RESULTS, "2026-12-01_h200_long-context-512k")
@@ -171,15 +182,16 @@ def _long_context() -> tuple[str, object, int, float, str, None]:
     cfg = load_train_config(os.path.join(os.path.dirname(__file__), "..", "configs", "long-context-512k.yaml"),
                             skip=("data",))
     gpu = re.search(r"the (NVIDIA [^']+)'s nominal", placement).group(1)
-    return "long-context-512k/train", cfg, cfg.model.num_hidden_layers - kept, step["step_s"], gpu, None
+    return ("long-context-512k/train", cfg, cfg.model.num_hidden_layers - kept, step["step_s"], gpu, None,
+            _resident_params(cfg, None))
 
 
 def test_the_expected_step_time_is_within_a_tenth_of_every_recorded_h200_step():
     runs = recorded_runs()
     assert len(runs) >= 28, "the recorded H200 results are missing"
     rows, misses = [], []
-    for name, cfg, recomputed, measured, gpu, placed in runs:
-        step_s, p = expected_step_s(cfg, recomputed, gpu, placed)
+    for name, cfg, recomputed, measured, gpu, placed, resident_params in runs:
+        step_s, p = expected_step_s(cfg, recomputed, gpu, placed, resident_params)
         ratio = step_s / measured
         parts = " ".join(f"{what} {s:.2f}" for what, _, s in p.parts if s)
         rows.append(f"| {name} | {measured:.2f} | {step_s:.2f} | {ratio - 1:+.1%} | {parts} fixed {p.fixed_s:.2f} "

@@ -83,7 +83,7 @@ def gemm_tflops(hidden_size: int) -> float:
     return GEMM_TFLOPS * hidden_size / (hidden_size + GEMM_HALF_WIDTH)
 
 
-ATTENTION_TFLOPS = 492.0
+ATTENTION_TFLOPS = 475.0
 """TFLOP/s of the attention kernels (scores and values, forward, backward and recompute), counting
 the causal half of the S x S matrix that they compute (PaLM's convention counts all of it): fitted
 on the same runs, pinned by the 7B width's 524,288-token sequences, where attention is ~87-90% of
@@ -92,6 +92,19 @@ EXPERT_TFLOPS = 216.0
 """TFLOP/s of a mixture of experts' grouped expert GEMMs (the routed experts' gate, up and down
 projections): fitted on the same runs, pinned by the Qwen3-30B-A3B runs at 16 x 4 x 4,096 tokens
 (~1,000 tokens per expert per micro-batch), where the experts are 57-60% of the step."""
+EXPERT_TRAINED_TFLOPS = 290.0
+"""TFLOP/s of the routed experts' grouped GEMMs where the experts train (a full-parameter step: their
+weight gradients too, grouped GEMMs whose reduced dimension is each expert's rows): fitted on the
+Qwen3-30B-A3B shape's full-parameter runs (12 layers at 262,144 tokens; 8 layers at 65,536 with 5, 6
+and 8 layers resident), with :data:`ATTENTION_TFLOPS` refitted beside it."""
+
+
+def expert_tflops(cfg: TrainConfig) -> float:
+    """TFLOP/s of the routed experts' GEMMs on an H200: :data:`EXPERT_TFLOPS` over a frozen base (LoRA),
+    :data:`EXPERT_TRAINED_TFLOPS` where the experts train."""
+    return EXPERT_TFLOPS if cfg.lora.enabled else EXPERT_TRAINED_TFLOPS
+
+
 UNIT_PASS_S = 0.00144
 """Seconds each unit (decoder layer, embedding, head) costs per micro-batch beyond its FLOPs (the
 launches, tickets and copies of one micro-batch through one unit, forward and backward together):
@@ -136,14 +149,23 @@ HOST_COMPACT_PARAMS_PER_THREAD_S = 2.88e9 / 12
 8bit: the codes decoded, AdamW, the codes, scales and bf16 master weights rounded back), as a run
 keeps it up: the sink busy 36% of a 19.24 s step for 20.1 G parameters on the H200 box's 12 AdamW
 threads (pinned to CPUs 4-15; the 32B width at 38 layers, 65,536 tokens)."""
-LINK_BOTH_GBPS = 100.0
+LINK_BOTH_GBPS = 64.0
 """GB/s of the host-to-GPU link both ways at once (the H200 box): a device update's state in and out
 run side by side."""
-SPLIT_FIRST_PASS = 24 / 40
-"""The share of a split update's time (an fp32 master with a bf16 stream copy, in two passes) that its
-first pass takes, the one the next forward waits on: its bytes, 24 of the two passes' 40 per parameter
-(the first reads the master, the gradient and both moments, and writes the moments and the stream
-copy; the second reads the master and the moments and writes the master)."""
+SPLIT_FIRST_PASS = 0.8
+"""The share of a split update's time (an fp32 master with a bf16 stream copy, in two passes) that the
+next forward waits on: its first pass, whose bytes are 24 of the two passes' 40 per parameter (the
+first reads the master, the gradient and both moments, and writes the moments and the stream copy;
+the second reads the master and the moments and writes the master), with what follows it before the
+forward may use the unit (its stream copy over the link; the second passes of the units before it
+beside it on the same threads). Fitted: the 8-layer Qwen3-30B-A3B shape with 5 of 8 layers resident
+(1.19 s measured; its bytes' 0.6 would say 1.06 s)."""
+RESIDENT_PARAM_S = 30 / 4.0e12
+"""Seconds per parameter of the resident units' update on an H200 at the step's end (memory.resident):
+AdamW in the GPU's memory, ~30 bytes a parameter (the fp32 master weights and both moments read and
+written, the fp32 gradient read, the bf16 copy written) at ~4 TB/s."""
+RESIDENT_TURN = "the resident units' update"
+"""The name of the part of :attr:`Pace.parts` that :data:`RESIDENT_PARAM_S` counts."""
 HOST_TURN = "the host update's turn"
 """The name of the part of :attr:`Pace.parts` that :data:`HOST_PARAM_S` counts."""
 
@@ -166,12 +188,15 @@ class StepWork:
     """Bytes the layers stream in over the link a step (each layer twice)."""
     host_updated: float
     """Parameters the host's optimizer updates a step (none in a LoRA run: its adapters stay on the GPU)."""
+    resident_updated: float = 0.0
+    """Parameters of the units resident on the device, updated there at the step's end."""
 
 
-def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0) -> StepWork:
+def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0, resident_params: int = 0) -> StepWork:
     """The work of one GPU's step of ``cfg`` with ``recomputed`` decoder layers' forwards run again
-    (up to the down projection) and ``reforwarded`` whole forwards within recompute spans. A frozen
-    base (LoRA) runs no weight-gradient GEMMs: 4 FLOPs per parameter per token instead of 6."""
+    (up to the down projection) and ``reforwarded`` whole forwards within recompute spans, and
+    ``resident_params`` parameters resident on the device (memory.resident: updated there, not by the
+    host). A frozen base (LoRA) runs no weight-gradient GEMMs: 4 FLOPs per parameter per token instead of 6."""
     m, t = cfg.model, cfg.train
     tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers
     layers, sparse = m.num_hidden_layers, len(m.sparse_layers)
@@ -196,7 +221,8 @@ def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0) -> StepWo
     micro_batches = -(-t.num_micro_batches // cfg.parallel.workers)
     return StepWork(dense, attention, experts, 2.0 * layer_params if quantized else 0.0,
                     (layers + 2) * micro_batches, 2.0 * layer_params * per_byte,
-                    0.0 if cfg.lora.enabled else float(num_params(m)))
+                    0.0 if cfg.lora.enabled else float(num_params(m) - resident_params),
+                    0.0 if cfg.lora.enabled else float(resident_params))
 
 
 @dataclass(frozen=True)
@@ -237,7 +263,7 @@ class Pace:
     def forward_s(self) -> float:
         """The step's work before its backward sends the first gradient: its forward, a third of the
         FLOPs' and fixed costs' time (the host update's turn left out)."""
-        return (self.compute_s - sum(s for what, _, s in self.parts if what == HOST_TURN)) / 3
+        return (self.compute_s - sum(s for what, _, s in self.parts if what in (HOST_TURN, RESIDENT_TURN))) / 3
 
     def line(self) -> str:
         """The plan's line: ``expected step time: ~9 min (...)``."""
@@ -261,11 +287,12 @@ _FLOP_PARTS = ("dense GEMMs", "attention", "expert GEMMs")
 
 
 def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: int = 0, tflops: float | None = None,
-                  gpu_name: str | None = None) -> Pace:
+                  gpu_name: str | None = None, resident_params: int = 0) -> Pace:
     """The pace of ``cfg`` on ``device`` with ``recomputed`` decoder layers' forwards run again in
     the backward and ``reforwarded`` more within recompute spans (see
     :func:`~megatrain_ray.engine.compute.activations.recomputed_layers`); ``tflops``: the device's
-    nominal rate (default: by ``gpu_name`` on cuda)."""
+    nominal rate (default: by ``gpu_name`` on cuda); ``resident_params``: the parameters of the units
+    resident on the device (memory.resident), updated there."""
     t, m = cfg.train, cfg.model
     tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers
     if cfg.lora.enabled:  # no weight-gradient GEMMs for the frozen base (megatrain_ray.model.flops)
@@ -290,12 +317,13 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
         else:
             note = f"at an H200's rates x {nominal:,.0f}/{REFERENCE_TFLOPS:,.0f} (the {gpu_name}'s nominal bf16)"
     scale = nominal / REFERENCE_TFLOPS
-    w = step_work(cfg, recomputed, reforwarded)
+    w = step_work(cfg, recomputed, reforwarded, resident_params)
     parts = (("dense GEMMs", w.dense, w.dense / (gemm_tflops(cfg.model.hidden_size) * 1e12 * scale)),
              ("attention", w.attention, w.attention / (ATTENTION_TFLOPS * 1e12 * scale)),
-             ("expert GEMMs", w.experts, w.experts / (EXPERT_TFLOPS * 1e12 * scale)),
+             ("expert GEMMs", w.experts, w.experts / (expert_tflops(cfg) * 1e12 * scale)),
              ("dequantization", w.dequantized, w.dequantized / (DEQUANT_PARAMS_PER_S * scale)),
-             (HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S))
+             (HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S),
+             (RESIDENT_TURN, w.resident_updated, w.resident_updated * RESIDENT_PARAM_S / scale))
     return Pace(palm, six, recompute, nominal, note, UNIT_PASS_S * w.unit_passes, w.unit_passes, parts,
                 w.link_bytes / (LINK_GBPS * 1e9))
 
@@ -327,6 +355,9 @@ class UpdatePace:
     first_pass: float = 1.0
     """The share of the host's update time the next forward waits on: its first pass where the update
     runs in two (:data:`SPLIT_FIRST_PASS`), else all of it."""
+    gate_share: float = 1.0
+    """The share of the next forward that runs before the last unit the host updates (the units before
+    it in the forward's order, of all of them): the forward runs that far beside the host's updates."""
 
     @property
     def host_s(self) -> float:
@@ -351,11 +382,12 @@ class UpdatePace:
         after the forward that comes before the backward's first gradient: the path is the forward, then
         the updates. Waiting for the step's norm (:attr:`after_norm`), they start at the backward's end,
         in the order the next forward needs the units, and that forward follows them unit by unit: the
-        path is the share of the updates it waits on (:attr:`first_pass`), then the step after its
-        forward; and never shorter than the updates themselves, which the threads run one step at a time."""
+        path is the share of the updates it waits on (:attr:`first_pass`), then the step from the last
+        unit they update on (:attr:`gate_share`); and never shorter than the updates themselves, which
+        the threads run one step at a time."""
         if not self.after_norm:
             return self.host_s + pace.forward_s
-        after = pace.step_s - HOST_PARAM_S * self.device_params - pace.forward_s
+        after = pace.step_s - HOST_PARAM_S * self.device_params - self.gate_share * pace.forward_s
         return max(self.first_pass * self.host_s + after, self.host_s)
 
     def line(self, pace: Pace) -> str:

@@ -12,7 +12,8 @@
   each unit moved there adds its state's trip over the link to the device's step. Auto keeps every
   unit on the host where that host path is no longer than the device's step (most dense runs at
   their FLOPs per parameter), else moves units to the device, from the end of the update order (the last the next
-  forward needs), one at a time while that shortens the step (both paths finish closer together).
+  forward needs): as many as give the shortest step (both paths finish closer together), weighing every
+  count that fits (a move that does not shorten the step alone may let the next ones do).
   Each move is weighed with the activations placed again beside it: the moved units' fp32 gradients,
   held until the step's end, and the pieces of a unit's state on the device while it is updated take
   device memory that kept activations had, so a move may bring recompute with it; moving stops where
@@ -48,9 +49,10 @@ def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, p
     numel = layout.templates
     stream = precision.compute.itemsize if precision.separate_stream_copy else 0
     rate = HOST_COMPACT_PARAMS_PER_THREAD_S if precision.compact else HOST_ADAMW_PARAMS_PER_THREAD_S
+    last = max(host_units, default=len(numel))  # the last unit of the forward's order the host updates
     return UpdatePace(sum(numel[u].numel for u in host_units), host_threads, sum(numel[u].numel for u in on_device),
                       *state_bytes(precision.compact, stream), rate, held, held or after_norm,
-                      SPLIT_FIRST_PASS if split else 1.0)
+                      SPLIT_FIRST_PASS if split else 1.0, min(1.0, last / len(numel)))
 
 
 def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], host_threads: int,
@@ -74,12 +76,13 @@ def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident
         return update_pace(layout, host, host_threads, device_units, precision, held, after_norm, split).step_s(pace)
 
     moved: list[int] = []
-    best = step_s(moved, plan_for(())[0])
+    best, chosen = step_s(moved, plan_for(())[0]), 0
     for u in reversed(streamed):
         pace, fits = plan_for(tuple(sorted(moved + [u])))
-        shorter = step_s(moved + [u], pace)
-        if not fits or shorter >= best:
+        if not fits:
             break
         moved.append(u)
-        best = shorter
-    return tuple(sorted(moved))
+        shorter = step_s(moved, pace)
+        if shorter < best:
+            best, chosen = shorter, len(moved)
+    return tuple(sorted(moved[:chosen]))

@@ -239,12 +239,12 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     resident_layers = _resident_layers(cfg, facts, precision, layout, host, threads)
     resident = resident_units(cfg.model, resident_layers)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
-    decisions = _decide(cfg, facts, store, resident, host)
+    decisions = _decide(cfg, facts, layout, store, resident, host)
 
     tried = {(): decisions}  # units on the device -> the decisions with the activations placed beside them
 
     def plan_for(units: tuple[int, ...]) -> tuple[Pace, bool]:
-        tried[units] = decided = tried.get(units) or _decide(cfg, facts, store, resident, host, units)
+        tried[units] = decided = tried.get(units) or _decide(cfg, facts, layout, store, resident, host, units)
         return decided.pace, _fits_device(cfg, decided, units)
 
     on_device = units_on_device(cfg, device, layout, resident, threads, precision, store.hold_grads,
@@ -298,24 +298,16 @@ def updates_split(cfg: TrainConfig, precision: Precision, store: StoreSpec) -> b
             and not store.hold_grads and precision.separate_stream_copy and precision.master == torch.float32)
 
 
-HOST_SLACK = 0.10
-"""How close to the expected step the host's path may come before memory.resident auto takes one
-resident layer more at an equal expected step time: the pace's own tolerance against the recorded
-runs (tests/test_pace_recorded.py), so a GPU that much faster than the pace does not wait for the host."""
-
-
 def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLayout, host: int,
                      threads: int) -> int | None:
     """The decoder layers resident besides the embedding and the head (None: no unit resident):
-    :func:`~megatrain_ray.orchestration.device_memory.resolve_resident`'s, and with memory.resident auto
-    one layer more at a time from there while that shortens the expected step time with the host's
-    updates (:class:`~megatrain_ray.orchestration.pace.UpdatePace`: the host updates fewer parameters;
-    the resident layers' state and gradients take device memory kept activations had, so a layer more
-    may bring recompute) and the plan still fits with every checkpoint on the GPU; at an equal step
-    time, while the host's path is within :data:`HOST_SLACK` of it (a GPU that much faster than the
-    pace would wait for the host). Where the host's update paces the step (a mixture of experts' few
-    FLOPs per parameter), the state of the layers the GPU has room for moves there for good; where
-    the step hides it, nothing changes."""
+    :func:`~megatrain_ray.orchestration.device_memory.resolve_resident`'s, and with memory.resident auto,
+    where the host's path paces that first fit (a mixture of experts' few FLOPs per parameter), the
+    count, of those that fit with every checkpoint on the GPU, whose expected step time with the host's
+    updates is the shortest (:class:`~megatrain_ray.orchestration.pace.UpdatePace`: the host updates fewer parameters; the
+    resident layers' state and gradients take device memory kept activations had, so a layer more may
+    bring recompute). Where the host's update paces the step, the state of the layers the GPU has room
+    for moves there for good; where the step hides it (the 7B's), nothing changes."""
     first = resolve_resident(cfg, facts.device, facts.device_bytes)
     if first is None or cfg.memory.resident != "auto":
         return first
@@ -324,23 +316,24 @@ def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLay
         resident = resident_units(cfg.model, layers)
         store = StoreSpec.of_run(cfg, precision, facts.device, 0, "plan", resident)
         streamed = [u for u in range(len(layout.units)) if u not in resident]
-        pace = _decide(cfg, facts, store, resident, host).pace
+        pace = _decide(cfg, facts, layout, store, resident, host).pace
         updates = update_pace(layout, streamed, threads, (), precision, store.hold_grads, updates_wait_for_norm(cfg),
                               updates_split(cfg, precision, store))
         return updates.step_s(pace), updates.host_path_s(pace)
 
     best, (best_s, host_s) = first, expected(first)
+    if host_s < best_s:
+        return first  # the step hides the host's updates
     for layers in range(first + 1, cfg.model.num_hidden_layers + 1):
         if not resident_fits(cfg, facts.device, facts.device_bytes, layers):
             break
-        step_s, next_host_s = expected(layers)
-        if step_s > best_s or (step_s == best_s and host_s < best_s * (1 - HOST_SLACK)):
-            break
-        best, best_s, host_s = layers, step_s, next_host_s
+        step_s, _ = expected(layers)
+        if step_s < best_s:
+            best, best_s = layers, step_s
     return best
 
 
-def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[int, ...],
+def _decide(cfg: TrainConfig, facts: Facts, layout: StoreLayout, store: StoreSpec, resident: tuple[int, ...],
             host: int, on_device: tuple[int, ...] | None = None) -> preflight.Decisions:
     """The memory plan's decisions beyond the store and the resident units: the GPU memory it is
     planned against (the facts', or where they do not say, the whole of this process's GPU 0), each
@@ -352,7 +345,8 @@ def _decide(cfg: TrainConfig, facts: Facts, store: StoreSpec, resident: tuple[in
     room = preflight.offload_room(cfg, device, store, facts.starts_ray, host)
     placement = activation_placement(cfg, device, device_bytes, resident, room, on_device)
     pace = expected_pace(cfg, device, *recomputed_layers(placement), tflops=facts.device_tflops,
-                         gpu_name=gpu_name() if device == "cuda" else None)
+                         gpu_name=gpu_name() if device == "cuda" else None,
+                         resident_params=sum(layout.templates[u].numel for u in resident))
     return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
 
 
