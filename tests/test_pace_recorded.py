@@ -51,10 +51,10 @@ RECOMPUTED_EVERY_LAYER = {"qwen3-30b-a3b-12l-262144": "its NOTES.md: the log's '
 """Runs whose recorded activation placement is not what their engine ran, by the bench's tag."""
 
 PACE_MISSES = {
-    "gpt-oss-120b-mxfp4-262144": "LoRA on 128 experts of the gpt-oss-120b width: the pace expects 31.4 s, 16.5% over",
-    "gpt-oss-120b-mxfp4-65536": "the same at a quarter of the tokens: 9.9 s expected, 26.6% short",
+    "gpt-oss-120b-mxfp4-262144": "LoRA on 128 experts of the gpt-oss-120b width: the pace expects 31.4 s, 16.7% over",
+    "gpt-oss-120b-mxfp4-65536": "the same at a quarter of the tokens: 9.9 s expected, 26.5% short",
     "glm-4.5-air-nf4-262144": "LoRA on GLM-4.5-Air's 128 experts at 1,024 rows an expert a micro-batch: the pace expects "
-                              "70.7 s, 10.7% over; at 256 rows (65,536 tokens) it is within 3.4%",
+                              "71.0 s, 11.3% over; at 256 rows (65,536 tokens) it is within 3.8%",
 }
 """Runs the pace does not yet predict within the tolerance, by the bench's tag. Fitted on the two with
 the gpt-oss-20b run (step = dense GEMMs + attention + dequantization + c x expert GEMMs + a cost per
