@@ -402,7 +402,8 @@ class UpdatePace:
 
     def line(self, pace: Pace) -> str:
         """The plan's line on the updates."""
-        host = (f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), "
+        host = "host none" if not self.host_params else (
+                f"host {_count(self.host_params)} parameters on {self.host_threads} CPU thread(s), "
                 f"~{duration(self.host_s)} at {self.thread_rate / 1e6:.0f}M parameters/s per thread, "
                 + ("after the step's backward (its gradients held on the device for the norm), the next "
                    "forward following them" if self.held else
