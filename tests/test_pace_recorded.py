@@ -6,7 +6,7 @@ settings since renamed are written under their new names, execution settings tha
 arithmetic does not read are left out), its activation placement is the one the run recorded (the
 layers kept whole; every layer recomputed where the run recorded none, as the engines of those
 commits did), and :func:`megatrain_ray.orchestration.pace.expected_pace` is asked for the step time
-on the recorded GPU; a run that placed its optimizer updates (optim.placement device or auto) or held
+on the recorded GPU with the units the run kept resident (:func:`_resident_layers`); a run that placed its optimizer updates (optim.placement device or auto) or held
 its gradients on the GPU for the norm adds them as its plan placed them and with the AdamW threads it
 ran (:func:`_recorded_updates`). Every prediction must be within 10% of the recorded steady step time
 (``systems.megatrain_ray.step_s``), but for the runs it does not yet predict (:data:`PACE_MISSES`),

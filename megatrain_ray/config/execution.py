@@ -144,7 +144,8 @@ class MemorySection:
     where the host's updates pace that first fit, the number of decoder layers, of those that fit,
     with the shortest expected step time with the host's updates, so where the host's AdamW would
     pace the step, as a mixture of experts' few FLOPs per parameter make it, the layers the GPU has
-    room for keep their state there; none on the CPU, with several compute workers, a bf16 master or 8-bit moments; see
+    room for keep their state there; none on the CPU, with several compute workers, a bf16 master or
+    8-bit moments; see
     megatrain_ray.orchestration.device_memory.resolve_resident and
     megatrain_ray.orchestration.resolve), none (every unit on the host) or
     embed_head = the embedding and the LM head (with the final norm). They sit at the step boundary:

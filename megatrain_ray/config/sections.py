@@ -65,9 +65,9 @@ class OptimConfig:
     on the host where the host's update of all of them does not lengthen the step, else units from
     the last layers on to the device, as many as give the shortest step (the host's AdamW rate per
     thread, exact or 8-bit, against each unit's state crossing the link; with clipping, the host's
-    updates run after the backward and the next forward follows them), each move weighed with the activations placed again beside the moved units' held
-    gradients (recompute included), and while the plan's GPU total fits; all on the host where the
-    device update cannot serve the run (the cpu device, bf16 master weights with the exact state,
+    updates run after the backward and the next forward follows them), each move weighed with the
+    activations placed again beside the moved units' held gradients (recompute included), and while
+    the plan's GPU total fits; all on the host where the device update cannot serve the run (the cpu device, bf16 master weights with the exact state,
     several compute workers, LoRA). ``plan`` prints where each unit's update runs. Units resident on
     the device (memory.resident) are updated there either way."""
 

@@ -48,9 +48,9 @@ tests/test_pace_recorded.py lists as misses (the table, ``pytest -s``):
   65,536 tokens: 19.10, 19.83 (+3.8%).
 
 The largest misses (9.5-9.9%) bound one another: the same 7B step measured 5.35 to 6.52 s on
-different commits, and the 7B width's short steps are under its long sequences' (-9.9% to +9.5%). On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S`
-for each unit the step passes through: the fixed cost of its fetch, tickets and small GEMMs, which is
-most of a small model's step. It is an estimate to plan by, and a bound for the timeouts:
+different commits, and the 7B width's short steps fall on both sides (-9.9% to +9.5%). On the CPU,
+:data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit the step passes
+through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small model's step. It is an estimate to plan by, and a bound for the timeouts:
 
 every queue of the pipeline carries messages every step, so no wait for the next message should
 last longer than a step. Whether the run is stalled is the health check's verdict alone
@@ -272,7 +272,7 @@ class Pace:
     @property
     def forward_s(self) -> float:
         """The step's work before its backward sends the first gradient: its forward, a third of the
-        FLOPs' and fixed costs' time (the host update's turn left out)."""
+        FLOPs' and fixed costs' time (the updates' turns left out)."""
         return (self.compute_s - sum(s for what, _, s in self.parts if what in (HOST_TURN, RESIDENT_TURN))) / 3
 
     def line(self) -> str:

@@ -304,10 +304,11 @@ def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLay
     :func:`~megatrain_ray.orchestration.device_memory.resolve_resident`'s, and with memory.resident auto,
     where the host's path paces that first fit (a mixture of experts' few FLOPs per parameter), the
     count, of those that fit with every checkpoint on the GPU, whose expected step time with the host's
-    updates is the shortest (:class:`~megatrain_ray.orchestration.pace.UpdatePace`: the host updates fewer parameters; the
-    resident layers' state and gradients take device memory kept activations had, so a layer more may
-    bring recompute). Where the host's update paces the step, the state of the layers the GPU has room
-    for moves there for good; where the step hides it (the 7B's), nothing changes."""
+    updates is the shortest (:class:`~megatrain_ray.orchestration.pace.UpdatePace`: the host updates
+    fewer parameters; the resident layers' state and gradients take device memory kept activations
+    had, so a layer more may bring recompute). Where the host's update paces the step, the state of
+    the layers the GPU has room for moves there for good; where the step hides it (the 7B's), nothing
+    changes."""
     first = resolve_resident(cfg, facts.device, facts.device_bytes)
     if first is None or cfg.memory.resident != "auto":
         return first
