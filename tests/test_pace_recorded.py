@@ -12,7 +12,7 @@ ran (:func:`_recorded_updates`). Every prediction must be within 10% of the reco
 (``systems.megatrain_ray.step_s``), but for the runs it does not yet predict (:data:`PACE_MISSES`),
 which must stay off. The runs of older commits in a side by side of code versions (benchmarks/code_side_by_side.sh's
 ``old-N``) are left out: the plan is the current code's. The constants of pace.py were fitted on these same runs (its
-docstrings say which); the table printed (``pytest -s``) is the one pace.py's docstring quotes.
+docstrings say which); the table printed (``pytest -s``) is the one pace.py's docstring points to.
 """
 
 import glob

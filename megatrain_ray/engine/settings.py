@@ -52,6 +52,12 @@ class ComputeSettings:
     """train.seed: a LoRA run's adapters are initialised from it (:mod:`megatrain_ray.engine.compute.adapters`)."""
 
 
+def updates_after_norm(optim: OptimConfig, sharded: bool) -> bool:
+    """Whether the host's updates wait for the step's norm: clipping, or an optimizer sharded across
+    nodes (then in update order, after the last gradient)."""
+    return optim.max_grad_norm > 0 or sharded
+
+
 @dataclass(frozen=True, kw_only=True)
 class SinkSettings:
     """A gradient sink's part of the run."""
@@ -86,7 +92,7 @@ class SinkSettings:
     def after_norm(self) -> bool:
         """Whether the updates wait for the step's norm (clipping, or a sharded optimizer: then in
         update order, after the last gradient), unless it comes with the tickets (held gradients)."""
-        return self.optim.max_grad_norm > 0 or self.sharded
+        return updates_after_norm(self.optim, self.sharded)
 
     def pinned_optimizer_threads(self, cpus: int) -> int:
         """AdamW's threads once the sink is pinned to ``cpus`` CPUs (see ``optimizer_threads_per_cpu``)."""

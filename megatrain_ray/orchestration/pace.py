@@ -26,31 +26,13 @@ one of 1,048,576 at 4, the Qwen3-30B-A3B shape at 12 layers, at 8 with its updat
 and 8 layers resident, and with LoRA at 48 over bf16 and nf4 bases, LoRA at the 32B width over 100
 layers and over the 70B shape's nf4 base, LoRA over gpt-oss-20b and GLM-4.5-Air's mxfp4 and nf4
 bases); each prediction is within 10% of its run's step but for the runs
-tests/test_pace_recorded.py lists as misses (the table, ``pytest -s``):
-
-- peers' 1b, 3b, 7b at 14 and 28 layers: 1.32, 3.20, 3.73, 6.52 s measured; 1.19, 2.98, 3.36, 6.32
-  expected (-9.9, -7.0, -9.9, -3.0%);
-- the 7B's defaults and placements (8 runs, 2026-12-01): 5.43-5.72 measured, 5.78-5.90 expected
-  (+1.2 to +7.8%); 9 layers kept, auto, every layer recomputed: 6.20, 6.15, 6.50 measured; 5.98,
-  6.32, 6.32 expected (-3.7, +2.8, -2.7%); the current code's defaults (2026-12-03): 5.35, 5.86 (+9.5%);
-- the 20.1 B with the 8-bit state: 19.24 measured, 18.53 expected (-3.7%: its gradients held on the
-  GPU for the norm, its host updates after the backward and the next forward following them,
-  :meth:`UpdatePace.step_s`, at :data:`HOST_COMPACT_PARAMS_PER_THREAD_S`);
-- one sequence at the 7B width: 524,288 tokens, 4 layers: 77.30, 75.73 (-2.0%); 28 layers
-  (configs/long-context-512k.yaml, its only step, compile included): 549.98, 512.11 (-6.9%);
-  1,048,576 tokens, 4 layers (its only step, compile included): 309.77, 284.19 (-8.3%);
-- Qwen3-30B-A3B, 12 layers: 6.45, 6.07 (-5.8%); 8 layers with exact AdamW, its updates placed
-  (2026-12-03) and with 5, 6, 8 (twice) layers resident: 1.58, 1.19, 1.12, 1.05, 1.07 measured;
-  1.59, 1.24, 1.10, 1.07, 1.07 expected (+0.2, +4.5, -2.0, +2.1, -0.2%); with LoRA at 48 layers over
-  bf16 and nf4 bases: 19.72, 20.38, 20.16 measured; 19.64, 20.19, 20.19 expected (-0.4, -1.0, +0.2%);
-- LoRA at the 32B width, 100 layers: 33.08, 33.05 (-0.1%); over the 70B shape's nf4 base: 43.44,
-  46.30 (+6.6%); over gpt-oss-20b's mxfp4 base: 5.50, 5.44 (-1.1%); over GLM-4.5-Air's nf4 base at
-  65,536 tokens: 19.10, 19.83 (+3.8%).
-
-The largest misses (9.5-9.9%) bound one another: the same 7B step measured 5.35 to 6.52 s on
-different commits, and the 7B width's short steps fall on both sides (-9.9% to +9.5%). On the CPU,
+tests/test_pace_recorded.py lists as misses: ``pytest -s tests/test_pace_recorded.py`` prints the
+table, measured and expected by run. The largest of the rest (9.5-9.9%) bound one another: the same
+7B step measured 5.35 to 6.52 s on different commits, and the 7B width's short steps fall on both
+sides (-9.9% to +9.5%). On the CPU,
 :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit the step passes
-through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small model's step. It is an estimate to plan by, and a bound for the timeouts:
+through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small model's
+step. It is an estimate to plan by, and a bound for the timeouts:
 
 every queue of the pipeline carries messages every step, so no wait for the next message should
 last longer than a step. Whether the run is stalled is the health check's verdict alone

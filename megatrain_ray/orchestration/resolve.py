@@ -34,7 +34,7 @@ from ..errors import PreflightError
 from ..engine.policy import (ALL, DEVICE, FROZEN, HOST_OPTIMIZERS, ROUTED, STREAMED_ON_DEVICE, UnitPolicy,
                              host_optimizer, policies_of_run)
 from ..engine.schedule import Schedule
-from ..engine.settings import ComputeSettings, SinkSettings
+from ..engine.settings import ComputeSettings, SinkSettings, updates_after_norm
 from ..engine.store.host_store import StoreSpec, resident_units
 from ..model.layout import StoreLayout
 from ..model.lora import AdapterLayout
@@ -286,8 +286,8 @@ def host_sums(cfg: TrainConfig) -> bool:
 
 
 def updates_wait_for_norm(cfg: TrainConfig) -> bool:
-    """Whether the host's updates wait for the step's norm (``SinkSettings.after_norm``)."""
-    return cfg.optim.max_grad_norm > 0 or cfg.parallel.sharded_optimizer
+    """Whether the host's updates of a run of ``cfg`` wait for the step's norm (:func:`updates_after_norm`)."""
+    return updates_after_norm(cfg.optim, cfg.parallel.sharded_optimizer)
 
 
 def updates_split(cfg: TrainConfig, precision: Precision, store: StoreSpec) -> bool:
