@@ -148,7 +148,7 @@ static inline uint32_t code_of(float r, uint32_t rnd, int mb) {  /* r in [0, 1] 
             param = param - step_size * m1 / (s1 / bc2_sqrt + eps);                         \
             uint32_t h = mix32((uint32_t)(idx0 + i) ^ key);                                 \
             p[i] = (uint16_t)((f_bits(param) + (h & 0xffffu)) >> 16);                       \
-            bm[k] = m1; bs[k] = s1;                                                         \
+            bm[k] = m1; bs[k] = s1; bh[k] = h;                                              \
         }                                                                                   \
         for (int k = 0; k < nb; k++) {                                                      \
             uint32_t a = f_bits(bm[k]) & 0x7fffffffu, b = f_bits(bs[k]) & 0x7fffffffu;      \
@@ -159,7 +159,7 @@ static inline uint32_t code_of(float r, uint32_t rnd, int mb) {  /* r in [0, 1] 
         sm[j0 / QBLOCK] = smn; sv[j0 / QBLOCK] = svn;                                       \
         for (int k = 0; k < nb; k++) {                                                      \
             int64_t i = j0 + k;                                                             \
-            uint32_t h1 = mix32((uint32_t)(idx0 + i) ^ key);                                \
+            uint32_t h1 = bh[k];  /* the element's random bits, as the master's rounding took them */ \
             uint32_t h2 = mix32(h1 + 0x9e3779b9u), h3 = mix32(h2 + 0x9e3779b9u);            \
             uint32_t c = code_of(fabsf(bm[k]) * im, h2, 3);                                 \
             qm[i] = (uint8_t)(c | (bm[k] < 0.0f ? 0x80u : 0u));                             \
@@ -172,6 +172,7 @@ void compact_piece(uint16_t *restrict p, const void *g_, int g_bf16, uint8_t *re
                    float decay_b, float w1, float b2, float omb2, float step_size, float bc2_sqrt, float eps,
                    float scale, uint32_t key, int64_t idx0) {
     float bm[QBLOCK], bs[QBLOCK];
+    uint32_t bh[QBLOCK];
     const float *restrict gf = (const float *)g_; const uint16_t *restrict gh = (const uint16_t *)g_;
     if (g_bf16) { CBODY(bf16_to_f32(gh[i])) }
     else        { CBODY(gf[i]) }
