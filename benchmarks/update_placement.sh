@@ -5,14 +5,17 @@
 # device's update busy time, and the plan's expected step time for each (pace.UpdatePace).
 #   bash benchmarks/update_placement.sh OUT [PLACEMENTS]   # one H200; PLACEMENTS: any of "host device auto"
 #   SHAPE=moe36-8bit bash benchmarks/update_placement.sh OUT "host auto"   # the same shape at 36 layers (23.1B)
-#                        with optim.state=8bit, 262,144 tokens a step (16 micro-batches of 4 x 4,096), 4 steps
+#                        with optim.state=8bit, 262,144 tokens a step (16 micro-batches of 4 x 4,096; MICRO_BATCH=8:
+#                        8 of 8 x 4,096), 4 steps
 #   SMOKE=1 bash benchmarks/update_placement.sh OUT        # the CPU, small-moe at 2 layers: host and device
 # Writes OUT/bench-<name>-<placement>.json, OUT/plan-<name>-<placement>.txt and OUT/<name>.txt (the table);
 # <name> is "placement", or "placement-moe36-8bit" with that SHAPE. BUDGET (s, default 570) bounds the
-# whole; STEPS (default 6, 4 for moe36-8bit) the steps of each run.
+# whole; STEPS (default 6, 4 for moe36-8bit) the steps of each run; each run gets at most 300 s (540 s at
+# moe36-8bit, whose store takes a minute to fill).
 source "$(dirname "$0")/lib.sh"
 placements=${2:-host device auto}
 name=placement
+cap=300
 rc=0
 if smoke; then
   placements="host device"
@@ -22,10 +25,12 @@ if smoke; then
   device=cpu
 elif [ "${SHAPE:-}" = moe36-8bit ]; then
   name=placement-moe36-8bit
-  shape=(--preset qwen3-30b-a3b --layers 36 --tokens 262144 --seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}"
-         --set optim.state=8bit)
+  cap=540
+  mbs=${MICRO_BATCH:-4}  # sequences a micro-batch: 262,144 tokens in 64 / MICRO_BATCH micro-batches
+  shape=(--preset qwen3-30b-a3b --layers 36 --tokens 262144 --seq-len 4096 --micro-batches $((64 / mbs))
+         --steps "${STEPS:-4}" --set optim.state=8bit)
   plan_shape=($(shape_args qwen3-30b-a3b 36) --set model.max_position_embeddings=4096 --set train.seq_len=4096
-              --set train.micro_batch_size=4 --set train.num_micro_batches=16 --set optim.state=8bit)
+              --set train.micro_batch_size="$mbs" --set train.num_micro_batches=$((64 / mbs)) --set optim.state=8bit)
   device=cuda
 else
   shape=(--preset qwen3-30b-a3b --layers 8 --tokens 65536 --seq-len 4096 --micro-batches 4 --steps "${STEPS:-6}")
@@ -37,7 +42,7 @@ for p in $placements; do
   run "plan-$name-$p" 120 python3 -m megatrain_ray.cli plan --device "$device" "${plan_shape[@]}" \
     --set optim.placement="$p" || rc=$?
   cp "$out/log_plan-$name-$p.txt" "$out/plan-$name-$p.txt"
-  bench "$name-$p" "$(left 300)" "${shape[@]}" --set optim.placement="$p"
+  bench "$name-$p" "$(left $cap)" "${shape[@]}" --set optim.placement="$p"
 done
 python3 - "$out" "$name" $placements > "$out/$name.txt" <<'PY' || rc=$?
 import json, os, re, sys

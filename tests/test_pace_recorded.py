@@ -138,7 +138,8 @@ def _holds_grads(cfg) -> bool:
 def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
     """The update placement a run recorded, as an :class:`~megatrain_ray.orchestration.pace.UpdatePace`:
     the units its plan (``plan_path``, the plan its recipe printed beside it, of a run of optim.placement
-    device or auto; None: optim.placement host) put on the device (the last units, as auto moves them)
+    device or auto; None: optim.placement host) put on the device (the first units, as auto moves them
+    where the device's updates run beside the next forward; the last in the runs recorded before)
     and on the host, whether it held the gradients for the norm, and the AdamW threads its cpu placement
     line gave the sink ("AdamW on CPUs 4-15": one per CPU)."""
     spans = re.search(r"AdamW on CPUs ([\d,-]+)", " ".join(placement))
@@ -153,7 +154,8 @@ def _recorded_updates(cfg, plan_path: str | None, placement: list[str]):
         where = re.search(r"updated where: (\d+) units on the host's CPU threads, (\d+) streamed units on the device",
                           plan)
         assert where, f"{plan_path} does not say where the updates ran"
-        on_device = streamed[len(streamed) - int(where.group(2)):]
+        moved = int(where.group(2))  # the first units where the device's updates lead the next forward, else the last
+        on_device = streamed[:moved] if "beside the next forward" in plan else streamed[len(streamed) - moved:]
         assert len(streamed) - len(on_device) == int(where.group(1)), (plan_path, on_device)
     host = [u for u in streamed if u not in on_device]
     precision = resolve_precision(cfg.precision, "cuda", cfg.optim.state)

@@ -59,13 +59,14 @@ class OptimConfig:
     host's CPU threads, from the gradient the compute worker sends) or device (the compute worker's
     device: the unit's gradient stays there, and after the step's norm its fp32 master weights and
     moments, or with optim.state 8bit its bf16 master weights, 8-bit codes and block scales, are copied
-    in, updated with the same AdamW and written back to the host store, so the host's CPUs update
-    nothing; needs one compute worker and precision.master_dtype float32),
-    or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
+    in, updated with the same AdamW and written back to the host store, beside the next step's
+    forward, so the host's CPUs update nothing; needs one compute worker and precision.master_dtype
+    float32), or auto: a split from the plan's arithmetic (megatrain_ray.orchestration.placement): every unit
     on the host where the host's update of all of them does not lengthen the step, else units from
-    the last layers on to the device, as many as give the shortest step (the host's AdamW rate per
-    thread, exact or 8-bit, against each unit's state crossing the link; with clipping, the host's
-    updates run after the backward and the next forward follows them), each move weighed with the
+    the first the next forward needs on to the device, as many as give the shortest step (the host's
+    AdamW rate per thread, exact or 8-bit, against each unit's state crossing the link beside that
+    forward; with clipping, the host's updates run after the backward and the next forward follows
+    them), each move weighed with the
     activations placed again beside the moved units' held gradients (recompute included), and while
     the plan's GPU total fits; all on the host where the device update cannot serve the run (the cpu device, bf16 master weights with the exact state,
     several compute workers, LoRA). ``plan`` prints where each unit's update runs. Units resident on

@@ -19,17 +19,11 @@ rate, :data:`NOMINAL_TFLOPS`, or the one ``megatrain-ray plan --gpu-tflops`` giv
 and never less than the layers' streamed bytes over the link (:data:`LINK_GBPS`). The PaLM model
 FLOPs (:mod:`megatrain_ray.model.flops`) and the recomputed ones are printed beside it. The fitted
 constants were fitted (least largest relative error) on the recorded single-H200 runs of
-benchmarks/results that tests/test_pace_recorded.py reads (the 1b, 3b and 7b of the peers'
-comparison, the 7B defaults and placements and the current code's 7B beside older commits', the
-20.1 B with the 8-bit state, one sequence of 524,288 tokens at 4 and 28 layers of the 7B width and
-one of 1,048,576 at 4, the Qwen3-30B-A3B shape at 12 layers, at 8 with its updates placed and 5, 6
-and 8 layers resident, and with LoRA at 48 over bf16 and nf4 bases, LoRA at the 32B width over 100
-layers and over the 70B shape's nf4 base, LoRA over gpt-oss-20b and GLM-4.5-Air's mxfp4 and nf4
-bases); each prediction is within 10% of its run's step but for the runs
-tests/test_pace_recorded.py lists as misses: ``pytest -s tests/test_pace_recorded.py`` prints the
-table, measured and expected by run. The largest of the rest (9.5-9.9%) bound one another: the same
-7B step measured 5.35 to 6.52 s on different commits, and the 7B width's short steps fall on both
-sides (-9.9% to +9.5%). On the CPU,
+benchmarks/results that tests/test_pace_recorded.py reads (dense, long-context, mixture-of-experts,
+8-bit and LoRA runs: ``pytest -s tests/test_pace_recorded.py`` prints them, measured and expected);
+each prediction is within 10% of its run's step but for the runs that test lists as misses. The
+largest of the rest (9.5-9.9%) bound one another: the same 7B step measured 5.35 to 6.52 s on
+different commits, and the 7B width's short steps fall on both sides (-9.9% to +9.5%). On the CPU,
 :data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit the step passes
 through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small model's
 step. It is an estimate to plan by, and a bound for the timeouts:
@@ -132,9 +126,8 @@ WAIT_STEPS = 3
 HOST_ADAMW_PARAMS_PER_THREAD_S = 3.25e9 / 12
 """Parameters one of the gradient sink's threads updates per second with exact AdamW, as a run keeps
 it up: the sink busy 82% of a 1.632 s step for 4.36 G parameters on the H200 box's 12 AdamW threads
-(pinned to CPUs 4-15, the compute worker to 0-3; the Qwen3-30B-A3B shape at 8 layers, 65,536 tokens,
-the host pacing it); the bare kernel reaches 3.9 G parameters/s there on 16. Beside device updates
-(optim.placement auto, their state crossing host memory too) the same 12 threads kept up 2.6 G/s."""
+(pinned to CPUs 4-15; the Qwen3-30B-A3B shape at 8 layers, 65,536 tokens, the host pacing it); the
+bare kernel reaches 3.9 G/s there on 16, and beside device updates the 12 threads kept up 2.6 G/s."""
 HOST_COMPACT_PARAMS_PER_THREAD_S = 2.88e9 / 12
 """Parameters one of the gradient sink's threads updates per second with the 8-bit state (optim.state
 8bit: the codes decoded, AdamW, the codes, scales and bf16 master weights rounded back), as a run
@@ -339,8 +332,7 @@ class UpdatePace:
     """Parameters one AdamW thread of the sink updates per second: exact AdamW's
     (:data:`HOST_ADAMW_PARAMS_PER_THREAD_S`) or the 8-bit state's (:data:`HOST_COMPACT_PARAMS_PER_THREAD_S`)."""
     held: bool = False
-    """Whether the host units' gradients wait on the device until the step's norm is known
-    (``StoreSpec.hold_grads``): their updates then start after the step's whole backward."""
+    """Whether the host units' gradients wait on the device for the step's norm (``StoreSpec.hold_grads``)."""
     after_norm: bool = False
     """Whether the host's updates wait for the step's norm (clipping, a sharded optimizer, or the
     gradients held): they start after the step's whole backward, in the order the next forward needs them."""
@@ -350,6 +342,8 @@ class UpdatePace:
     gate_share: float = 1.0
     """The share of the next forward that runs before the last unit the host updates (the units before
     it in the forward's order, of all of them): the forward runs that far beside the host's updates."""
+    device_lead: float = 0.0
+    """The share of the next forward up to the last unit the device updates (first in its order)."""
 
     @property
     def host_s(self) -> float:
@@ -359,15 +353,20 @@ class UpdatePace:
     @property
     def device_s(self) -> float:
         """The device updates' time per step: their state across the link, in and out side by side (the
-        update itself, memory-bound on the device, is a small fraction of it), added to the device's step."""
+        update itself, memory-bound on the device, is a small fraction of it)."""
         n, i, o = self.device_params, self.device_bytes_in, self.device_bytes_out
         return max(n * i, n * o, n * (i + o) * LINK_GBPS / LINK_BOTH_GBPS) / (LINK_GBPS * 1e9)
 
+    def device_wait_s(self, pace: Pace) -> float:
+        """What the device's updates add to its step: what they outlast the next forward over its first
+        :attr:`device_lead` by (they run beside it, and it follows them)."""
+        return max(0.0, self.device_s - self.device_lead * pace.forward_s)
+
     def step_s(self, pace: Pace) -> float:
         """The expected step time with the updates, the longer of two paths: the device's step with its
-        own updates (the units it updates leave the host update's turn, :data:`HOST_PARAM_S`), or the
-        host's path (:meth:`host_path_s`)."""
-        return max(pace.step_s - HOST_PARAM_S * self.device_params + self.device_s, self.host_path_s(pace))
+        own updates (:meth:`device_wait_s`; the units it updates leave the host update's turn,
+        :data:`HOST_PARAM_S`), or the host's path (:meth:`host_path_s`)."""
+        return max(pace.step_s - HOST_PARAM_S * self.device_params + self.device_wait_s(pace), self.host_path_s(pace))
 
     def host_path_s(self, pace: Pace) -> float:
         """The host's path of :meth:`step_s`. Updated as their gradients arrive, the host's updates start
@@ -392,7 +391,9 @@ class UpdatePace:
                    "after the step's backward (they wait for its norm), the next forward following "
                    + (f"their first pass ({self.first_pass:.0%} of it)" if self.first_pass < 1 else "them")
                    if self.after_norm else "beside the next step"))
-        device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} added to the step "
+        device = (f"device {_count(self.device_params)} parameters, ~{duration(self.device_s)} beside the next "
+                  f"forward, which follows them over its first {self.device_lead:.0%}: "
+                  f"~{duration(self.device_wait_s(pace))} added to the step "
                   f"(their state over the link: {self.device_bytes_in:.3g} bytes per parameter in and "
                   f"{self.device_bytes_out:.3g} out at "
                   f"{LINK_GBPS:.0f} GB/s each way, {LINK_BOTH_GBPS:.0f} both)")

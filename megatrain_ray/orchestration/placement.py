@@ -8,14 +8,16 @@
   forward before the first gradient take less than it; with clipping they wait for the step's norm,
   start at its backward's end and the next forward follows them (their first pass, where the update
   runs in two: :meth:`~megatrain_ray.orchestration.pace.UpdatePace.host_path_s`), so they cost nothing
-  while that share of them takes less than that forward; the device's updates run at the step's end, so
-  each unit moved there adds its state's trip over the link to the device's step. Auto keeps every
-  unit on the host where that host path is no longer than the device's step (most dense runs at
-  their FLOPs per parameter), else moves units to the device, from the end of the update order (the last the next
-  forward needs): as many as give the shortest step (both paths finish closer together), weighing every
-  count that fits (a move that does not shorten the step alone may let the next ones do).
+  while that share of them takes less than that forward; the device's updates run from the step's end
+  beside the next forward (:mod:`megatrain_ray.engine.compute.device_updates`), which follows them, so
+  they cost what their state's trip over the link outlasts the forward over their units by. Auto keeps
+  every unit on the host where that host path is no longer than the device's step (most dense runs at
+  their FLOPs per parameter), else moves units to the device, from the front of the forward's order
+  (the first it needs: the host's, last, then have that forward's time too): as many as give the
+  shortest step (both paths finish closer together), weighing every count that fits (a move that does
+  not shorten the step alone may let the next ones do).
   Each move is weighed with the activations placed again beside it: the moved units' fp32 gradients,
-  held until the step's end, and the pieces of a unit's state on the device while it is updated take
+  held until their update, and the pieces of a unit's state on the device while it is updated take
   device memory that kept activations had, so a move may bring recompute with it; moving stops where
   the plan's device total would exceed the device's usable memory. With the gradients held on the
   device for the step's norm (experimental.hold_grads, the 8-bit state's default on a GPU) the host's
@@ -50,9 +52,10 @@ def update_pace(layout: StoreLayout, host_units, host_threads: int, on_device, p
     stream = precision.compute.itemsize if precision.separate_stream_copy else 0
     rate = HOST_COMPACT_PARAMS_PER_THREAD_S if precision.compact else HOST_ADAMW_PARAMS_PER_THREAD_S
     last = max(host_units, default=len(numel))  # the last unit of the forward's order the host updates
+    lead = max(on_device, default=-1) + 1  # the units of the forward's order up to the last the device updates
     return UpdatePace(sum(numel[u].numel for u in host_units), host_threads, sum(numel[u].numel for u in on_device),
                       *state_bytes(precision.compact, stream), rate, held, held or after_norm,
-                      SPLIT_FIRST_PASS if split else 1.0, min(1.0, last / len(numel)))
+                      SPLIT_FIRST_PASS if split else 1.0, min(1.0, last / len(numel)), lead / len(numel))
 
 
 def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident: tuple[int, ...], host_threads: int,
@@ -71,18 +74,21 @@ def units_on_device(cfg: TrainConfig, device: str, layout: StoreLayout, resident
         return ()
     streamed = [u for u in range(n) if u not in resident]
 
-    def step_s(device_units: list[int], pace: Pace) -> float:
+    def updates(device_units: list[int]) -> UpdatePace:
         host = [u for u in streamed if u not in device_units]
-        return update_pace(layout, host, host_threads, device_units, precision, held, after_norm, split).step_s(pace)
+        return update_pace(layout, host, host_threads, device_units, precision, held, after_norm, split)
 
     moved: list[int] = []
-    best, chosen = step_s(moved, plan_for(())[0]), 0
-    for u in reversed(streamed):
+    pace = plan_for(())[0]
+    if updates(moved).host_path_s(pace) <= pace.step_s:
+        return ()  # the step hides the host's updates
+    best, chosen = updates(moved).step_s(pace), 0
+    for u in streamed:
         pace, fits = plan_for(tuple(sorted(moved + [u])))
         if not fits:
             break
         moved.append(u)
-        shorter = step_s(moved, pace)
+        shorter = updates(moved).step_s(pace)
         if shorter < best:
             best, chosen = shorter, len(moved)
     return tuple(sorted(moved[:chosen]))

@@ -135,7 +135,7 @@ class ComputeWorker(GroupMember):
         self.policies = s.policies
         on_device = tuple(u for u in s.update_order if s.policies[u] == STREAMED_ON_DEVICE)
         self.device_updates = StreamedUpdates(self.store, self.backend, on_device, s.optim, s.total_steps, timeout_s,
-                                              s.threads or 1, pinned) if on_device else NoStreamedUpdates()
+                                              s.threads or 1, pinned, self._updates_failed) if on_device else NoStreamedUpdates()
         """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
         gets no weight gradient computed, only its input gradient (and its adapters')."""
         self._stop = threading.Event()
@@ -166,6 +166,11 @@ class ComputeWorker(GroupMember):
             self._failed = (name, doing)
             self._error = e
             self._arrived.put(None)
+
+    def _updates_failed(self, e: BaseException) -> None:
+        """The device-updates thread failed: raised by the compute thread, maybe waiting for weights (:meth:`_take`)."""
+        self._failed, self._error = ("device-updates", "updating the streamed units"), e
+        self._arrived.put(None)
 
     def _thread_error(self) -> MegatrainError:
         """The error a helper thread ended with (:func:`~megatrain_ray.errors.thread_failed`)."""
@@ -390,7 +395,7 @@ class ComputeWorker(GroupMember):
         extra.update(self.traffic.report(step))
         return {"step": step, "loss": loss, "tokens": n_tokens, "fetches": dict(self.fetches),
                 "start": start, "step_s": time.time() - start, **busy, **moved, "intervals": intervals,
-                "device_peak_bytes": self.backend.peak_bytes(), **extra}
+                "device_peak_bytes": self.backend.peak_bytes(), "device_alloc_retries": self.backend.alloc_retries(), **extra}
 
     def _head(self, step: int, hidden: list[torch.Tensor], labels: torch.Tensor, n_tokens: int,
               embed_grad: torch.Tensor, evaluation: tuple[list[torch.Tensor], torch.Tensor] | None = None

@@ -12,6 +12,8 @@ A backend owns the device weight slots and the two copy directions:
   host bytes are complete and returns the scalar as a float; ``scalar(value)``: the same for a
   device scalar alone;
 - ``compute(label)``: a context around one unit's compute;
+- ``beside(after, tensors)``: a context whose device work runs beside the compute, after its point
+  ``after`` (a ``mark()``), reading ``tensors`` the compute made (the streamed units' device updates);
 - ``begin_step()`` / ``end_step()``: the step's timeline, as (lane, label, start, end) intervals in
   wall-clock seconds, for lanes ``h2d``, ``compute`` and ``d2h``.
 
@@ -136,6 +138,11 @@ class CpuBackend:
         yield
         self._intervals.add("compute", label, t0, time.time(), 0)
 
+    @contextlib.contextmanager
+    def beside(self, after: None, tensors=()):
+        """The CPU runs what the calling thread does as it comes: nothing to order."""
+        yield
+
     def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
@@ -145,10 +152,11 @@ class CpuBackend:
         host.copy_(dev)
         self._intervals.add("d2h", label, t0, time.time(), host.numel() * host.element_size())
 
-    def unstash(self, host: torch.Tensor, done: None, label: str = "") -> tuple[torch.Tensor, None]:
-        """A device copy of a stashed activation, and the handle to :meth:`wait` on before use."""
+    def unstash(self, host: torch.Tensor, done: None, label: str = "", into: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """A device copy of a stashed activation (in ``into`` where given), and the handle to :meth:`wait` on before use."""
         t0 = time.time()
-        dev = host.clone()
+        dev = host.clone() if into is None else into.copy_(host)
         self._intervals.add("h2d", label, t0, time.time(), host.numel() * host.element_size())
         return dev, None
 
@@ -167,6 +175,9 @@ class CpuBackend:
         self._intervals.take()
 
     def peak_bytes(self) -> int:
+        return 0
+
+    def alloc_retries(self) -> int:
         return 0
 
     def end_step(self) -> list[tuple]:
@@ -209,6 +220,8 @@ class CudaBackend:
         self.slots = [torch.empty(slot_numel, dtype=dtype, device=self.device) for _ in range(num_slots)]
         self.h2d = torch.cuda.Stream(self.device)
         self.d2h = torch.cuda.Stream(self.device)
+        self.side = torch.cuda.Stream(self.device)
+        """The stream of work run :meth:`beside` the compute."""
         self._slot_free = [None] * num_slots
         self._registered: list[int] = []
         self._intervals = _Intervals()
@@ -277,6 +290,19 @@ class CudaBackend:
         yield
         self._intervals.add("compute", label, start, self._event(), 0)
 
+    @contextlib.contextmanager
+    def beside(self, after: torch.cuda.Event, tensors=()):
+        """Make a stream of its own the calling thread's current one, after the compute stream's point
+        ``after``: device work queued in the context runs beside the compute's (the copies stay on the
+        copy streams). ``tensors`` [any], made on the compute stream, are read there: their memory is
+        reused only once that stream is done with them."""
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(after)
+            for t in tensors:
+                t.record_stream(self.side)
+            tensors = t = None  # noqa: F841 (the caller frees each as it is done with it)
+            yield
+
     def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
@@ -302,10 +328,13 @@ class CudaBackend:
             self._intervals.add("d2h", label, start, done, _nbytes(pairs[:1]) if nbytes is None else nbytes)
         return done
 
-    def unstash(self, host: torch.Tensor, done: torch.cuda.Event, label: str = "") -> tuple[torch.Tensor, torch.cuda.Event]:
+    def unstash(self, host: torch.Tensor, done: torch.cuda.Event, label: str = "", into: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A device copy of a stashed activation, started on the copy-in stream once its copy-out
-        (``done``) is complete; :meth:`wait` on the returned event before using the tensor."""
-        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        (``done``) is complete; :meth:`wait` on the returned event before using the tensor. ``into``: a
+        device tensor of the host's shape and dtype to copy into (the caller's own buffer, whose last
+        reader ``done`` follows) instead of new memory."""
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device) if into is None else into
         allocated = self._event()  # the new memory's previous user on the compute stream is done
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(allocated)
@@ -333,6 +362,11 @@ class CudaBackend:
 
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def alloc_retries(self) -> int:
+        """Allocations so far that found the device full and waited for the caching allocator to free
+        its cache (a whole-device synchronisation each): a sign of memory planned too tight."""
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     def end_step(self) -> list[tuple]:
         """Wait for the device, then turn the step's event pairs into wall-clock intervals."""
