@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 FACTOR = 4.0
-"""Ours may be up to 4x as far from the truth as the farther of two fp32 references (the same
-reference with another attention kernel and accumulation order). Which of two correct fp32 runs
+"""Ours may be up to 4x as far from the truth as the farthest of the fp32 references a test runs (at
+least two: the same reference with another attention kernel and accumulation order; more where two
+share too much of their rounding, as tests/test_lora_moe.py says). Which of two correct fp32 runs
 lands closer to the truth is luck of rounding: across 35 seeded runs of the parity test the two
 references' distances differed by up to 13x on one tensor and 3.4x over the model, so one
 reference alone is no yardstick; the farther of two is a steadier one. Against it ours was at most

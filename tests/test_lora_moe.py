@@ -10,8 +10,14 @@ adapters on attention, the shared expert and every routed expert (peft's ``targe
 ``modules_to_save``), the load-balancing loss on for two of them; so does the reference: a peft
 model whose adapters start from ours, ``torch.optim.AdamW`` and ``clip_grad_norm_`` over what it
 trains. The reference also runs in float64 (the truth, transformers' per-expert loop) and once more
-in fp32 with eager attention and experts and the micro-batches reversed; ours must be about as
-close to the truth as the farther fp32 run (tests/float64_truth.py).
+in fp32 with eager attention and experts and the micro-batches reversed, and each of those two
+again with the head and loss taken over chunks of 3 and of 5 tokens; ours must be about as close to
+the truth as the farthest fp32 run (tests/float64_truth.py). The chunked runs are there because
+two runs that share transformers' head and loss share much of their rounding: with a clip that
+leaves layer 0's MLP gradients near AdamW's eps, the head in chunks of 5 (other GEMM shapes, other
+rounding of the same logits) moved layer 0's ``gate_proj.lora_A`` 7x farther from the truth than
+the unchunked run, and the farther of ref and alt alone then understates what a valid fp32 run
+does by as much.
 
 An idle expert's adapter follows peft + torch: its rows of peft's fused lora_A / lora_B get a zero
 gradient, so AdamW decays their moments and weights and moves them by the decayed moments; an
@@ -80,9 +86,11 @@ def _peft(base, cfg, double=False):
     return model.double() if double else model
 
 
-def _reference(model, cfg, source, reverse=False):
+def _reference(model, cfg, source, reverse=False, head_chunk=None):
     """peft training as users write it, the load-balancing loss per micro-batch as transformers adds
-    it; returns per-step losses, what trained by its key in peft's adapter file, and the routing."""
+    it; returns per-step losses, what trained by its key in peft's adapter file, and the routing.
+    With ``head_chunk``, the head and the loss run over that many tokens at a time, as a chunked
+    loss does (the same math, rounded through other GEMM shapes)."""
     recorded = record_routing(model)
     trained = {n.replace(".modules_to_save.default.", ".").replace(".default.weight", ".weight"): p
                for n, p in model.named_parameters() if p.requires_grad}
@@ -97,10 +105,8 @@ def _reference(model, cfg, source, reverse=False):
         n_tokens, num_mb = int((labels != IGNORE_INDEX).sum()), ids.shape[0]
         total, counts = 0.0, None
         for m in reversed(range(num_mb)) if reverse else range(num_mb):
-            out = model(input_ids=ids[m], output_router_logits=True)
-            logits = out.logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[m].reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
+            out = model(input_ids=ids[m], output_router_logits=True, output_hidden_states=head_chunk is not None)
+            loss = _token_loss(model, out, labels[m].reshape(-1), head_chunk) / n_tokens
             if cfg.model.output_router_logits:
                 loss = loss + cfg.model.router_aux_loss_coef * out.aux_loss / num_mb
             loss.backward()
@@ -112,6 +118,18 @@ def _reference(model, cfg, source, reverse=False):
         losses.append(total)
         routed.append(counts.tolist())
     return losses, {n: p.detach().clone() for n, p in trained.items()}, routed
+
+
+def _token_loss(model, out, labels, head_chunk):
+    """The summed cross-entropy of one micro-batch: of ``out.logits``, or with ``head_chunk`` of the
+    head applied to the final (normed) hidden states that many tokens at a time. labels: [S]."""
+    if head_chunk is None:
+        return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]).float(), labels,
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    h = out.hidden_states[-1].reshape(labels.shape[0], -1)
+    head = model.get_output_embeddings()
+    return sum(F.cross_entropy(head(h[i:i + head_chunk]).float(), labels[i:i + head_chunk],
+                               ignore_index=IGNORE_INDEX, reduction="sum") for i in range(0, len(labels), head_chunk))
 
 
 @pytest.mark.parametrize("arch,aux,lora", [
@@ -141,6 +159,8 @@ def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, 
                          cfg.train.num_micro_batches, cfg.train.seed, cfg.model.vocab_size)
     ref_losses, ref, ref_routed = _reference(_peft(_model(arch, aux), cfg), cfg, source)
     alt_losses, alt, _ = _reference(_peft(_model(arch, aux, "eager", "eager"), cfg), cfg, source, reverse=True)
+    chunked = [_reference(_peft(_model(arch, aux, *kernels), cfg), cfg, source, reverse=reverse, head_chunk=c)
+               for c in (3, 5) for kernels, reverse in ((("sdpa", "grouped_mm"), False), (("eager", "eager"), True))]
     exact = _peft(to_float64(_model(arch, aux, experts="eager")), cfg, double=True)
     with float64_only():
         true_losses, truth, _ = _reference(exact, cfg, source)
@@ -154,8 +174,8 @@ def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, 
                for e, n in enumerate(routed[step][layer])), "no routed expert went idle: the test does not exercise it"
     assert max(result.grad_norms) > cfg.optim.max_grad_norm  # clipping was active
     steps = [f"loss of step {i}" for i in range(STEPS)]
-    assert_as_close_to_truth(dict(zip(steps, result.losses)), [dict(zip(steps, ref_losses)),
-                             dict(zip(steps, alt_losses))], dict(zip(steps, true_losses)))
+    assert_as_close_to_truth(dict(zip(steps, result.losses)), [dict(zip(steps, losses)) for losses in
+                             (ref_losses, alt_losses, *(c[0] for c in chunked))], dict(zip(steps, true_losses)))
 
     from safetensors.torch import load_file
     ours = load_file(str(run / "adapter" / "adapter_model.safetensors"))
@@ -166,7 +186,7 @@ def test_moe_lora_training_matches_peft_and_adamw(arch, aux, lora, ray_cluster, 
     assert all(torch.equal(v, init[k.removeprefix("base_model.model.")]) for k, v in biases.items())
     assert set(ours) == set(ref)
     assert any(".experts." in k for k in ours) and (("mlp.gate.weight" in " ".join(ours)) == cfg.lora.train_router)
-    assert_as_close_to_truth(ours, [ref, alt], truth)
+    assert_as_close_to_truth(ours, [ref, alt, *(c[1] for c in chunked)], truth)
     assert all(v.abs().max() > 1e-3 for k, v in ours.items() if k.endswith("experts.lora_B.weight"))  # they trained
 
     # peft loads the adapters on transformers' model, and gives the merged final/'s logits.
