@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -104,12 +105,15 @@ def summarize(rows: list[dict]) -> dict:
 
     A step's period is the time between the end of its run_step and the previous step's (the
     driver keeps steps queued, so this is the pipeline's throughput, overlap included); s/step is
-    the median period of the steps after the warm-up: with 5 steps, of the last 3.
+    the median period of the steps after the warm-up: with 5 steps, of the last 3. A step that
+    torch.profiler recorded (train.profile_steps: its row names its profile) is left out: the
+    profiler slows it.
     """
     warm = 2 if len(rows) > 3 else 1  # the first steps fault pages in and warm caches up
-    steady = rows[warm:] if len(rows) > warm else rows
+    steady = [r for r in rows[warm:] if "profile" not in r] or rows
     ends = [r["start"] + r["step_s"] for r in rows]
-    periods = [b - a for a, b in zip(ends, ends[1:])][warm - 1:] or [rows[-1]["step_s"]]
+    periods = [b - a for i, (a, b) in enumerate(zip(ends, ends[1:]))
+               if i >= warm - 1 and "profile" not in rows[i + 1]] or [rows[-1]["step_s"]]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     step_s = statistics.median(periods)
     out = {"step_s": step_s, "steady_periods": len(periods), "losses": [r["loss"] for r in rows],
@@ -292,6 +296,10 @@ def run_ours(b: Bench, cfg: TrainConfig, data: str, tmp: str) -> tuple[dict, dic
         tokens_of[f"megatrain_ray_{n}gpu"] = tokens * n
     rows = systems["megatrain_ray"].pop("rows")
     b.report["rows"] = rows
+    for r in rows:  # train.profile_steps: each profile goes beside the report, out of the run's temporary directory
+        if "profile" in r:
+            shutil.copytree(r["profile"], os.path.join(b.args.out, f"profile-{b.name}", os.path.basename(r["profile"])),
+                            dirs_exist_ok=True)
     print("step  start(s)  run_step(s)  waiting(s)  compute(s)  adamw(s)")
     for r in rows:
         print(f"{r['step']:>4}{r['start'] - rows[0]['start']:>10.3f}{r['step_s']:>13.3f}"

@@ -3,9 +3,11 @@
 One real run through the pipeline (session Ray: ``include_dashboard=False`` still runs the
 metrics agent), then: every ``ray_megatrain_*`` gauge, and every metric the shipped Grafana
 dashboard reads, is on the endpoint with this run's id and the values of its last step;
-``megatrain-ray plot`` turns its metrics.jsonl into PNGs whose series are those gauges, in their units.
+``megatrain-ray plot`` turns its metrics.jsonl into PNGs whose series are those gauges, in their units;
+the step it profiled (train.profile_steps) left its trace and summary where its row says.
 """
 
+import gzip
 import json
 import os
 import re
@@ -46,7 +48,8 @@ def finished_run(ray_cluster, tmp_path_factory, shm_dirs):
     with shm_dirs() as shm_dir:
         cfg = load_config(None, [f"memory.shm_dir={shm_dir}", f"train.run_dir={base / 'runs'}", "compute.device=cpu",
                                  f"train.steps={STEPS}", "train.checkpoint_every=2", "cluster.actor_timeout_s=120",
-                                 "train.eval_every=2", "data.val_fraction=0.1", "data.format=text"])
+                                 "train.eval_every=2", "data.val_fraction=0.1", "data.format=text",
+                                 "train.profile_steps=3"])
         lines = []
         result = train(cfg, log=lines.append)
         assert os.listdir(shm_dir) == []
@@ -330,3 +333,20 @@ def test_a_metrics_file_whose_steps_count_from_0_is_read_as_the_updates_done(tmp
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(3)))
     assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [(1, 9.0), (2, 8.0), (3, 7.0)]
+
+
+def test_a_profiled_step_leaves_its_trace_and_summary_where_its_row_says(finished_run):
+    _, result, lines, _, _ = finished_run
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    where = os.path.join(result.run_dir, "profile", "step-3")
+    assert [r.get("profile") for r in rows] == [None, None, where, None]
+    assert any(line.startswith(f"profile: step 3 recorded in {where} ") for line in lines)
+    worker = os.path.join(where, "worker-0")
+    with gzip.open(os.path.join(worker, "trace.json.gz")) as f:
+        ops = {e["name"] for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op"}
+    assert {"aten::mm", "aten::addmm"} & ops and "aten::scaled_dot_product_attention" in ops  # the step's own work
+    with open(os.path.join(worker, "kernels.txt")) as f:
+        text = f.read()
+    assert text.startswith("No device kernels in this step") and "Operators (torch.profiler):" in text
+    assert "aten::" in text.split("Operators (torch.profiler):")[1]

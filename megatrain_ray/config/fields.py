@@ -34,8 +34,12 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
         raise ConfigError(f"{key} may not be empty (null).")
     if typing.get_origin(hint) is tuple:  # tuple[str, ...]: a list, or one comma-separated string
         items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        if isinstance(items, int) and args[0] is int:  # tuple[int, ...]: one number is a list of one
+            items = [items]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{key} must be a list (or a comma-separated string), got {value!r}.")
+        if args[0] is int:  # "3,5" from --set
+            items = [int(v) if isinstance(v, str) and v.lstrip("-").isdigit() else v for v in items]
         return tuple(coerce(v, args[0], key) for v in items)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if base is bool:

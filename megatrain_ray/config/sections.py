@@ -152,6 +152,14 @@ class TrainSection:
     Their libraries are optional: ``pip install 'megatrain-ray[trackers]'``. See
     megatrain_ray.orchestration.trackers."""
 
+    profile_steps: tuple[int, ...] = ()
+    """Steps (numbered from 1, as the progress lines count them) that torch.profiler records on each
+    compute worker, into <run dir>/profile/step-<n>/worker-<rank>: trace.json.gz, a Chrome trace of
+    the step (Perfetto or chrome://tracing opens it: every kernel and copy on every GPU stream, the
+    CPU operators), and kernels.txt, where the device's time went (busy and idle, the largest idle
+    gaps, time by kind of kernel and by kernel, then torch's table of operators). A profiled step
+    runs somewhat slower; its metrics row names its profile. E.g. ``[3]``: a step after the compiles."""
+
     def eval_due(self, step: int) -> bool:
         """Whether step ``step`` (0-based) carries the validation batch (see ``eval_every``)."""
         return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps - 1)
@@ -163,6 +171,9 @@ class TrainSection:
         _require(self.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every",
                  f"must be >= 0 (0 = only on interrupt), got {self.checkpoint_every}")
+        _require(all(1 <= n <= self.steps for n in self.profile_steps) and len(set(self.profile_steps)) == len(self.profile_steps),
+                 "train.profile_steps", f"must be distinct step numbers from 1 to train.steps ({self.steps}), "
+                 f"got {list(self.profile_steps)!r}")
         _require(self.checkpoint_staging_gib >= 0, "train.checkpoint_staging_gib",
                  f"must be >= 0 (0 = no staging copies), got {self.checkpoint_staging_gib}")
         _require(isinstance(self.loggers, tuple) and all(name in LOGGERS for name in self.loggers)

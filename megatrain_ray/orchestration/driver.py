@@ -173,9 +173,11 @@ class Driver:
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
             resident = (sync_due(self.checkpoints, step, self.start, self.steps),  # the resident units' copy (engine.compute.resident)
                      checkpoint_due(self.checkpoints, step, self.start, self.steps))
+            profile = (os.path.join(self.result.run_dir, "profile", f"step-{step + 1}")
+                       if step + 1 in self.cfg.train.profile_steps else None)  # each worker's goes into it
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
                                                                          self.eval_ref if due and rank == 0 else None,
-                                                                         *resident)
+                                                                         *resident, profile=profile)
                                     for rank, c in enumerate(self.roles.computes)]
 
     def _collect(self, step: int) -> None:
@@ -298,7 +300,8 @@ class Driver:
                **({"val_loss": out["val_loss"]} if "val_loss" in out else {}),
                **{k: out[k] for k in ROUTING_KEYS if k in out},
                **expert_load.fields(self.cfg.model.sparse_layers, out.get("expert_tokens")),
-               **({"workers": out["workers"]} if "workers" in out else {})}
+               **({"workers": out["workers"]} if "workers" in out else {}),
+               **({"profile": os.path.dirname(out["profile"])} if "profile" in out else {})}
         self.step_s = out["step_s"]
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
@@ -309,6 +312,9 @@ class Driver:
             self.log(f"step {step + 1:>5}/{self.steps} | loss {out['loss']:.4f} | grad norm {stats['grad_norm']:.3f} | "
                      f"lr {stats['lr']:.2e} | {self.tokens / elapsed:,.0f} tok/s | eta {_duration(eta)}{val}"
                      f"{expert_load.summary(row)}")
+        if "profile" in row:
+            self.log(f"profile: step {step + 1} recorded in {row['profile']} (each worker's trace.json.gz for Perfetto "
+                     "or chrome://tracing, kernels.txt: where the device's time went)")
 
     def _expected(self, boundary: int) -> str:
         """How long the interrupt takes: the steps still to finish at the pace of the last, and a save as

@@ -8,8 +8,22 @@ from __future__ import annotations
 
 import contextlib
 
+from ...errors import ConfigError
+
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 """Values of compute.attention_backend: auto leaves the choice to torch."""
+CPU_BACKENDS = ("auto", "flash", "math")
+"""Those the CPU has."""
+
+
+def checked_backend(name: str, device: str) -> str:
+    """``name`` (compute.attention_backend) where ``device`` (cpu or cuda) has that kernel, else a
+    ConfigError that names those it has."""
+    offered = CPU_BACKENDS if device == "cpu" else SDPA_BACKENDS
+    if name not in offered:
+        raise ConfigError(f"compute.attention_backend {name!r} is not available on {device}; use one of "
+                          f"{', '.join(offered)}.")
+    return name
 
 
 def sdpa_backend(name: str):

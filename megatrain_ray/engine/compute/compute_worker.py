@@ -34,13 +34,13 @@ With several compute workers (data parallel, see :mod:`megatrain_ray.engine.grad
 runs this loop over its own share of the step's micro-batches, normalising its loss by the whole
 step's token count, and each gradient is summed over all workers before its shard goes out.
 
-The resident units, the adapters and the data-parallel group are always there, each chosen once
-when the worker is built: a run without them holds the empty set (no resident unit, no adapter)
-and a group of one (:class:`~megatrain_ray.engine.compute.worker_group.GroupOfOne`), so the step
-asks them and never whether they exist.
+The resident units, the adapters and the data-parallel group are always there, chosen once: a run
+without them holds the empty set and a group of one (:class:`~.worker_group.GroupOfOne`), so the
+step asks them and never whether they exist.
 
 Every model call of the step runs under the SDPA backend of ``compute.attention_backend``
-(:func:`sdpa_backend`), applied around the model, which stays a pure function.
+(:func:`sdpa_backend`), applied around the model, which stays a pure function; a step of
+train.profile_steps, under torch.profiler too (:mod:`megatrain_ray.engine.compute.profiling`).
 
 Three helper threads keep Python and queue round trips off the critical path: the *loader* takes
 fetch tickets as they come and starts each copy into its slot, the *releaser* hands freed slots
@@ -51,6 +51,7 @@ complete before sending its ticket to the sink (:mod:`megatrain_ray.engine.compu
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -63,12 +64,13 @@ from ...model.layout import DECODER_LAYER, Unit
 from ...model.transformer import embed
 from .activations import KEEP, ActivationStore
 from .adapters import DeviceAdapters, NoAdapters
-from .attention import SDPA_BACKENDS, sdpa_backend
+from .attention import checked_backend, sdpa_backend
 from .device import make_backend
 from .embed_grad import add_embedding_grad
 from ..experts import ExpertTraffic
 from .grad_out import GradOut
 from .passes import LayerWeights, StepLayers, layer_passes
+from .profiling import profiled
 from .head import chunk_loss_sum, head_forward_backward, head_loss
 from .device_updates import NoStreamedUpdates, StreamedUpdates
 from .resident import NoResidentUnits, ResidentUnits
@@ -119,11 +121,7 @@ class ComputeWorker(GroupMember):
         self.activations = ActivationStore(self.backend, placement)  # host buffers kept across steps
         self.passes = layer_passes(self.cfg, placement)
         """Each decoder layer's pass (:mod:`megatrain_ray.engine.compute.passes`): kept, recomputed or routed."""
-        offered = ("auto", "flash", "math") if device == "cpu" else SDPA_BACKENDS
-        if s.attention_backend not in offered:
-            raise ConfigError(f"compute.attention_backend {s.attention_backend!r} is not available on {device}; "
-                              f"use one of {', '.join(offered)}.")
-        self.attention_backend = s.attention_backend
+        self.attention_backend = checked_backend(s.attention_backend, device)
         pinned = ("stream", "grad") if self.store.separate_stream_copy else ("master", "grad")
         for kind in pinned:
             if kind in self.store.arrays:
@@ -133,18 +131,17 @@ class ComputeWorker(GroupMember):
         self.adapters = DeviceAdapters(self.store, s.seed, self.backend.device, s.optim, s.total_steps, s.threads or 1,
                                        checkpoint, resume_from) if spec.lora.enabled else NoAdapters()
         self.policies = s.policies
+        """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
+        gets no weight gradient computed, only its input gradient (and its adapters')."""
         on_device = tuple(u for u in s.update_order if s.policies[u] == STREAMED_ON_DEVICE)
         self.device_updates = StreamedUpdates(self.store, self.backend, on_device, s.optim, s.total_steps, timeout_s,
                                               s.threads or 1, pinned, self._updates_failed) if on_device else NoStreamedUpdates()
-        """Each unit's policy: a unit that does not train (:attr:`~megatrain_ray.engine.policy.UnitPolicy.trains`)
-        gets no weight gradient computed, only its input gradient (and its adapters')."""
         self._stop = threading.Event()
         self.traffic = ExpertTraffic(self.layout, self.backend, self._stop)
         self.grads_out = GradOut(self.store, self.backend, grad_q, grad_slot_q, timeout_s, self.resident, self.policies,
                                  s.update_order, self.adapters, self.traffic, self.device_updates)
         self.fetches: collections.Counter[str] = collections.Counter()
-        self._arrived: queue.Queue = queue.Queue()
-        self._releases: queue.Queue = queue.Queue()
+        self._arrived, self._releases = queue.Queue(), queue.Queue()  # a slot's arrival; a slot to hand back
         self._error: BaseException | None = None
         self._failed: tuple[str, str] = ("", "")
         """(the helper thread whose error ``_error`` is, what it was doing: see :meth:`_thread_error`)."""
@@ -242,7 +239,7 @@ class ComputeWorker(GroupMember):
     # -- one step ----------------------------------------------------------------------------
 
     def run_step(self, step: int, batch: dict[str, Any], eval_batch: dict[str, Any] | None = None,
-                 sync: bool = False, for_checkpoint: bool = False) -> dict[str, Any]:
+                 sync: bool = False, for_checkpoint: bool = False, profile: str | None = None) -> dict[str, Any]:
         """batch: input_ids, labels: [M, B, S] int; eval_batch: the same for validation data, or None;
         sync: the boundary after this step is a checkpoint's or the run's end, so the resident units'
         state goes to the host store after their update; for_checkpoint: a checkpoint's, so that copy stays
@@ -251,11 +248,14 @@ class ComputeWorker(GroupMember):
         Returns the loss, token count, fetch counts, the step's wall time, and its timeline: busy
         seconds and bytes per lane (h2d, compute, d2h) and the intervals themselves. With an
         ``eval_batch``, also ``val_loss``: its loss under the weights this step's forward uses (after
-        ``step`` updates), computed alongside the forward and the head, without gradients.
+        ``step`` updates), computed alongside the forward and the head, without gradients. With
+        ``profile`` (train.profile_steps), the step's profile goes to its ``worker-<rank>`` (:mod:`.profiling`).
         """
+        into = None if profile is None else os.path.join(profile, f"worker-{self.reducer.rank}")
         try:
-            with sdpa_backend(self.attention_backend):
-                return self._step(step, batch, eval_batch, sync, for_checkpoint)
+            with sdpa_backend(self.attention_backend), profiled(into, self.backend.device):
+                out = self._step(step, batch, eval_batch, sync, for_checkpoint)
+            return out if into is None else {**out, "profile": into}
         except torch.OutOfMemoryError as e:
             kept = self.activations.modes.count(KEEP)
             if not kept:

@@ -160,12 +160,15 @@ class StreamedUpdates:
 
     def join(self) -> None:
         """Wait for the updates under way (none: at once); raise what they failed with."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._wait()
         if self.error is not None:
             error, self.error = self.error, None
             raise thread_failed(error, "the compute worker's device-updates thread", "updating the streamed units")
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def _run(self, step: int, grads: dict[int, torch.Tensor], coef: float, for_checkpoint: bool, computed) -> None:
         """The updater thread's work for step ``step`` (see :meth:`end_step`); a failure is kept for
@@ -286,9 +289,7 @@ class StreamedUpdates:
 
     def close(self) -> None:
         """Wait for the updates under way (what they failed with went to ``failed`` already)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._wait()
         if self.runner is not None:
             self.runner.close()
 
