@@ -1,12 +1,17 @@
 """train.profile_steps' parts without a run: the device summary of a Chrome trace's kernels, the
 setting as a config and the command line give it, and the benchmark's s/step leaving a profiled
-step out (tests/test_metrics.py profiles a step of a real run)."""
+step out (tests/test_metrics.py profiles a step of a real run on the CPU); on a GPU, a profiled
+piece of CUDA work and its kernels."""
+
+import gzip
+import json
 
 import pytest
+import torch
 
 from megatrain_ray.bench import summarize
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.compute.profiling import OTHER, kind_of, summary
+from megatrain_ray.engine.compute.profiling import OTHER, kind_of, profiled, summary
 from megatrain_ray.errors import ConfigError
 
 
@@ -69,3 +74,19 @@ def test_the_benchmark_leaves_a_profiled_step_out_of_its_step_time():
         r["start"] += 20.0
     out = summarize(rows)
     assert out["step_s"] == 10.0 and out["steady_periods"] == 3  # step 4's period (30 s) left out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_profiled_cuda_step_names_its_kernels(tmp_path):
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    with profiled(str(tmp_path), "cuda"):
+        for _ in range(3):
+            b = torch.nn.functional.silu(a @ a)
+    assert b.shape == a.shape
+    with gzip.open(tmp_path / "trace.json.gz") as f:
+        kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    assert len(kernels) >= 6
+    text = (tmp_path / "kernels.txt").read_text()
+    assert text.startswith("Device time of the step:") and f"{len(kernels):,} kernels" in text.splitlines()[0]
+    kinds = text.splitlines()[1]
+    assert "GEMM" in kinds and OTHER in kinds  # the matmuls, and silu's elementwise kernel

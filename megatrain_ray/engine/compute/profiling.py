@@ -62,7 +62,7 @@ def profiled(directory: str | None, device: str):
     with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.remove(raw)
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=KERNELS_LISTED, max_name_column_width=90)
     with open(os.path.join(directory, "kernels.txt"), "w") as f:
         f.write(summary(events) + "\nOperators (torch.profiler):\n" + table + "\n")
