@@ -173,12 +173,17 @@ class Driver:
             name = step_task(step, self.steps)  # what the dashboard lists as the worker's running task
             resident = (sync_due(self.checkpoints, step, self.start, self.steps),  # the resident units' copy (engine.compute.resident)
                      checkpoint_due(self.checkpoints, step, self.start, self.steps))
-            profile = (os.path.join(self.result.run_dir, "profile", f"step-{step + 1}")
-                       if step + 1 in self.cfg.train.profile_steps else None)  # each worker's goes into it
+            profile = self._profile_dir(step)  # each worker's profile goes into it
             self.submitted[step] = [c.run_step.options(name=name).remote(step, batch,
                                                                          self.eval_ref if due and rank == 0 else None,
                                                                          *resident, profile=profile)
                                     for rank, c in enumerate(self.roles.computes)]
+
+    def _profile_dir(self, step: int) -> str | None:
+        """Where step ``step`` (0-based)'s profiles go (train.profile_steps counts from 1); None: not profiled."""
+        if step + 1 not in self.cfg.train.profile_steps:
+            return None
+        return os.path.join(self.result.run_dir, "profile", f"step-{step + 1}")
 
     def _collect(self, step: int) -> None:
         """Wait for run_step(step) of every worker, watching the prefetcher and sink loops and the
@@ -301,7 +306,7 @@ class Driver:
                **{k: out[k] for k in ROUTING_KEYS if k in out},
                **expert_load.fields(self.cfg.model.sparse_layers, out.get("expert_tokens")),
                **({"workers": out["workers"]} if "workers" in out else {}),
-               **({"profile": os.path.dirname(out["profile"])} if "profile" in out else {})}
+               **({"profile": where} if (where := self._profile_dir(step)) else {})}
         self.step_s = out["step_s"]
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()

@@ -254,8 +254,7 @@ class ComputeWorker(GroupMember):
         into = None if profile is None else os.path.join(profile, f"worker-{self.reducer.rank}")
         try:
             with sdpa_backend(self.attention_backend), profiled(into, self.backend.device):
-                out = self._step(step, batch, eval_batch, sync, for_checkpoint)
-            return out if into is None else {**out, "profile": into}
+                return self._step(step, batch, eval_batch, sync, for_checkpoint)
         except torch.OutOfMemoryError as e:
             kept = self.activations.modes.count(KEEP)
             if not kept:
