@@ -23,7 +23,7 @@ from megatrain_ray.engine import tickets
 from megatrain_ray.engine.tickets import wait_while_moving
 from megatrain_ray.errors import ActorDied
 from megatrain_ray.model import flops
-from megatrain_ray.orchestration import pace
+from megatrain_ray.orchestration import gpu_work, pace
 from megatrain_ray.orchestration.health import Health
 from megatrain_ray.orchestration.queues import LocalQueue, QueueClient, QueueHost
 
@@ -59,7 +59,7 @@ def test_plan_prints_the_expected_step_time_from_the_flops_and_the_rates(capsys)
     # backward 4), 2 S d more per recomputed layer, d = 28 heads x 128
     attention = tokens * 28 * 128 * tokens * (6 * 28 + 2 * (28 - kept))
     assert float(line.group(9)) == pytest.approx(attention / 1e15, abs=0.05)
-    rate = pace.ATTENTION_TFLOPS * 1e12 * 800 / 989
+    rate = gpu_work.ATTENTION_TFLOPS * 1e12 * 800 / 989
     assert int(line.group(8)) == round(attention / rate / 60)
     # attention dominates at this length: more than nine tenths of the model FLOPs and of the step
     assert palm - 6 * flops.matmul_params(cfg.model) * tokens > 0.9 * palm
@@ -195,4 +195,4 @@ def test_the_tiny_cpu_step_is_expected_near_its_measured_time(monkeypatch):
     cfg = load_config(None)  # on a GPU: a fixed cost per unit per micro-batch instead
     gpu = pace.expected_pace(cfg, "cuda", 2)
     assert gpu.units == (cfg.model.num_hidden_layers + 2) * cfg.train.num_micro_batches
-    assert gpu.fixed_s == pytest.approx(pace.UNIT_PASS_S * gpu.units)
+    assert gpu.fixed_s == pytest.approx(gpu_work.UNIT_PASS_S * gpu.units)

@@ -1,32 +1,24 @@
 """The pace a run should keep: its expected step time, and the queue timeouts that follow from it.
 
-On a GPU the step time is the step's work, by the kind of kernel that runs it
-(:func:`step_work`), over the rate each kind reaches on an H200 (scaled by the GPU's nominal bf16
-rate, :data:`NOMINAL_TFLOPS`, or the one ``megatrain-ray plan --gpu-tflops`` gives, over
-:data:`REFERENCE_TFLOPS`):
-
-- the dense GEMMs (projections, dense MLPs, routers, shared experts, the LM head, adapters; a frozen
-  base's weight gradients not run) at :func:`gemm_tflops` of the model's width, with the forwards the backward
-  recomputes (:func:`~megatrain_ray.engine.compute.activations.recomputed_layers`);
-- attention's scores and values, the causal half of the S x S matrix, at :data:`ATTENTION_TFLOPS`;
-- a mixture of experts' routed expert GEMMs at :data:`EXPERT_TFLOPS` over a frozen base,
-  :data:`EXPERT_TRAINED_TFLOPS` where the experts train (:func:`expert_tflops`);
-- a quantized base's dequantization, each layer twice a step, at :data:`DEQUANT_PARAMS_PER_S`;
-- :data:`UNIT_PASS_S` for each unit (decoder layers, embedding, head) and micro-batch;
-- in a full-parameter run, :data:`HOST_PARAM_S` per parameter the host updates (the host update's
-  turn) and :data:`RESIDENT_PARAM_S` per parameter resident on the GPU (their update there);
-
-and never less than the layers' streamed bytes over the link (:data:`LINK_GBPS`). The PaLM model
-FLOPs (:mod:`megatrain_ray.model.flops`) and the recomputed ones are printed beside it. The fitted
-constants were fitted (least largest relative error) on the recorded single-H200 runs of
-benchmarks/results that tests/test_pace_recorded.py reads (dense, long-context, mixture-of-experts,
-8-bit and LoRA runs: ``pytest -s tests/test_pace_recorded.py`` prints them, measured and expected);
-each prediction is within 10% of its run's step but for the runs that test lists as misses. The
-largest of the rest (9.5-9.9%) bound one another: the same 7B step measured 5.35 to 6.52 s on
-different commits, and the 7B width's short steps fall on both sides (-9.9% to +9.5%). On the CPU,
-:data:`CPU_TFLOPS_PER_CORE` per usable core, plus :data:`CPU_UNIT_S` for each unit the step passes
-through: the fixed cost of its fetch, tickets and small GEMMs, which is most of a small model's
-step. It is an estimate to plan by, and a bound for the timeouts:
+On a GPU the step time is the step's work by the kind of kernel that runs it, over the rate each
+kind reaches on an H200 (:mod:`~megatrain_ray.orchestration.gpu_work`: the dense GEMMs, attention
+through SDPA and through FlexAttention, the routed experts' GEMMs and the weights they read, a
+quantized base's dequantization, a fixed cost per unit and micro-batch), scaled by the GPU's nominal
+bf16 rate (:data:`NOMINAL_TFLOPS`, or the one ``megatrain-ray plan --gpu-tflops`` gives) over
+:data:`REFERENCE_TFLOPS`; in a full-parameter run, plus :data:`HOST_PARAM_S` per parameter the host
+updates (the host update's turn) and :data:`RESIDENT_PARAM_S` per parameter resident on the GPU
+(their update there); and never less than the layers' streamed bytes over the link
+(:data:`LINK_GBPS`). The PaLM model FLOPs (:mod:`megatrain_ray.model.flops`) and the recomputed ones
+are printed beside it. The rates were fitted (least largest relative error) or measured on the
+recorded single-H200 runs of benchmarks/results that tests/test_pace_recorded.py reads (dense,
+long-context, mixture-of-experts, 8-bit, LoRA and quantized-base runs: ``pytest -s
+tests/test_pace_recorded.py`` prints them, measured and expected, with the seconds of each part);
+each prediction is within 10% of its run's step. The largest (9.5-9.9%) bound one another: the same
+7B step measured 5.35 to 6.52 s on different commits, and the 7B width's short steps fall on both
+sides (-9.9% to +9.5%). On the CPU, :data:`CPU_TFLOPS_PER_CORE` per usable core, plus
+:data:`CPU_UNIT_S` for each unit the step passes through: the fixed cost of its fetch, tickets and
+small GEMMs, which is most of a small model's step. It is an estimate to plan by, and a bound for
+the timeouts:
 
 every queue of the pipeline carries messages every step, so no wait for the next message should
 last longer than a step. Whether the run is stalled is the health check's verdict alone
@@ -43,62 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import TrainConfig, usable_cpus
-import torch
+from ..model.flops import flops_6nt, lora_flops, palm_model_flops, recompute_flops
+from .gpu_work import BYTE_PARTS, FLOP_PARTS, UNIT_PASS_S, step_work, work_parts
 
-from ..model.flops import attended, flops_6nt, lora_flops, num_params, palm_model_flops, recompute_flops
-from ..model.lora import AdapterLayout
-from ..model.quant_layout import bytes_per_param
-
-GEMM_TFLOPS = 588.0
-"""TFLOP/s an H200 reaches in a step's dense GEMMs (the decoder's projections, dense MLPs, routers and
-the LM head, forward, backward and recompute) as the model's width grows, with the elementwise work
-between them (norms, rotary embedding, activations, the loss) counted in: :func:`gemm_tflops`.
-Fitted, with :data:`GEMM_HALF_WIDTH`, on the recorded H200 runs the module docstring lists
-(tests/test_pace_recorded.py reads them), :data:`ATTENTION_TFLOPS`, :data:`EXPERT_TFLOPS`,
-:data:`UNIT_PASS_S` and :data:`HOST_PARAM_S` as fitted before on the same runs. The bench's
-bare-GEMM probe reaches ~790 (``gemm_tflops`` in those bench-*.json)."""
-GEMM_HALF_WIDTH = 100.0
-"""The hidden size at which the dense GEMMs would run at half :data:`GEMM_TFLOPS`: a narrow model's GEMMs
-run slower (561 TFLOP/s at 2,048, 572 at 3,584, 581 at 8,192)."""
-
-
-def gemm_tflops(hidden_size: int) -> float:
-    """TFLOP/s of a step's dense GEMMs on an H200 for a model of ``hidden_size`` (:data:`GEMM_TFLOPS`)."""
-    return GEMM_TFLOPS * hidden_size / (hidden_size + GEMM_HALF_WIDTH)
-
-
-ATTENTION_TFLOPS = 475.0
-"""TFLOP/s of the attention kernels (scores and values, forward, backward and recompute), counting
-the causal half of the S x S matrix that they compute (PaLM's convention counts all of it): fitted
-on the same runs, pinned by the 7B width's 524,288- and 1,048,576-token sequences, where attention
-is ~87-92% of the step."""
-EXPERT_TFLOPS = 216.0
-"""TFLOP/s of a mixture of experts' grouped expert GEMMs over a frozen base (the routed experts' gate,
-up and down projections, forward, input gradients and recompute): fitted on the same runs, pinned
-by the Qwen3-30B-A3B LoRA runs at 16 x 4 x 4,096 tokens (~1,000 tokens per expert per micro-batch),
-where the experts are 57-60% of the step."""
-EXPERT_TRAINED_TFLOPS = 290.0
-"""TFLOP/s of the routed experts' grouped GEMMs where the experts train (a full-parameter step: their
-weight gradients too, grouped GEMMs whose reduced dimension is each expert's rows): fitted on the
-Qwen3-30B-A3B shape's full-parameter runs (12 layers at 262,144 tokens; 8 layers at 65,536 with 5, 6
-and 8 layers resident, the last GPU-bound: 98.8% busy)."""
-
-
-def expert_tflops(cfg: TrainConfig) -> float:
-    """TFLOP/s of the routed experts' GEMMs on an H200: :data:`EXPERT_TFLOPS` over a frozen base (LoRA),
-    :data:`EXPERT_TRAINED_TFLOPS` where the experts train."""
-    return EXPERT_TFLOPS if cfg.lora.enabled else EXPERT_TRAINED_TFLOPS
-
-
-UNIT_PASS_S = 0.00144
-"""Seconds each unit (decoder layer, embedding, head) costs per micro-batch beyond its FLOPs (the
-launches, tickets and copies of one micro-batch through one unit, forward and backward together):
-fitted on the same runs (8-9% of the 1b's and 3b's steps: 18 and 38 units x 4 micro-batches)."""
-DEQUANT_PARAMS_PER_S = 110e9
-"""Parameters an H200 dequantizes per second from a quantized base (nf4) into bf16, each layer twice
-a step (its forward and its backward fetch): the nf4 base's step less the bf16 base's, both LoRA over
-the whole Qwen3-30B-A3B shape (20.16-20.38 s against 19.72 s for 61 G parameters dequantized), ~8 ms
-per layer of the 70B shape. Measured, not fitted; int8 and mxfp4 bases are assumed alike (not measured)."""
 HOST_PARAM_S = 1.735e-11
 """Seconds per parameter the host's optimizer updates that a full-parameter step waits beyond its GPU
 work: the gradients out, the update and the weights back in, of the units at the step's turn, which
@@ -156,61 +95,6 @@ HOST_TURN = "the host update's turn"
 
 
 @dataclass(frozen=True)
-class StepWork:
-    """One GPU's work in a step, by the kind of kernel that runs it (see the module docstring)."""
-
-    dense: float
-    """FLOPs of the dense GEMMs: projections, dense MLPs, routers, shared experts, LM head, adapters."""
-    attention: float
-    """FLOPs of the attention scores and values, the causal half of the S x S matrix."""
-    experts: float
-    """FLOPs of the routed experts' grouped GEMMs."""
-    dequantized: float
-    """Parameters a quantized base dequantizes (each layer twice a step)."""
-    unit_passes: int
-    """Units x micro-batches: each unit's fixed cost per micro-batch (:data:`UNIT_PASS_S`)."""
-    link_bytes: float
-    """Bytes the layers stream in over the link a step (each layer twice)."""
-    host_updated: float
-    """Parameters the host's optimizer updates a step (none in a LoRA run: its adapters stay on the GPU)."""
-    resident_updated: float = 0.0
-    """Parameters of the units resident on the device, updated there at the step's end."""
-
-
-def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0, resident_params: int = 0) -> StepWork:
-    """The work of one GPU's step of ``cfg`` with ``recomputed`` decoder layers' forwards run again
-    (up to the down projection) and ``reforwarded`` whole forwards within recompute spans, and
-    ``resident_params`` parameters resident on the device (memory.resident: updated there, not by the
-    host). A frozen base (LoRA) runs no weight-gradient GEMMs: 4 FLOPs per parameter per token instead of 6."""
-    m, t = cfg.model, cfg.train
-    tokens = t.seq_len * t.micro_batch_size * t.num_micro_batches / cfg.parallel.workers
-    layers, sparse = m.num_hidden_layers, len(m.sparse_layers)
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
-    attn = 2 * h * q + 2 * h * kv
-    mlp = 3 * h * m.intermediate_size * (layers - sparse)  # the dense layers' MLPs, all layers together
-    shared = sparse * (3 * h * m.shared_expert_size + (h if m.shared_expert_intermediate_size else 0))
-    router = sparse * m.num_experts * h
-    routed = sparse * m.num_experts_per_tok * 3 * h * m.expert_size
-    per_param = 4.0 if cfg.lora.enabled else 6.0
-    adapters = AdapterLayout.build(m, cfg.lora).active_params(m) if cfg.lora.enabled else 0
-    again = (recomputed + reforwarded) / layers  # share of the layers whose forward runs again
-    down = reforwarded / layers  # ... with the down projection (a third of the MLP) too
-    dense = tokens * (per_param * (layers * attn + mlp + shared + router + m.vocab_size * h) + 6.0 * adapters
-                      + 2.0 * (again * (layers * attn + router + 2 / 3 * (mlp + shared)) + down / 3 * (mlp + shared)))
-    experts = tokens * (per_param * routed + 2.0 * (again * 2 / 3 + down / 3) * routed)
-    span = attended(m, t.seq_len)
-    attention = tokens * q * (6.0 * span + 2.0 * (recomputed + reforwarded) * span / layers)
-    layer_params = num_params(m) - m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    quantized = cfg.lora.quantized
-    per_byte = bytes_per_param(m, cfg.lora.base_format, torch.bfloat16)[0] if quantized else 2.0
-    micro_batches = -(-t.num_micro_batches // cfg.parallel.workers)
-    return StepWork(dense, attention, experts, 2.0 * layer_params if quantized else 0.0,
-                    (layers + 2) * micro_batches, 2.0 * layer_params * per_byte,
-                    0.0 if cfg.lora.enabled else float(num_params(m) - resident_params),
-                    0.0 if cfg.lora.enabled else float(resident_params))
-
-
-@dataclass(frozen=True)
 class Pace:
     """One GPU's share of a step: its FLOPs and the time they should take."""
 
@@ -226,11 +110,13 @@ class Pace:
     rate_note: str
     """Where the rate comes from, for the plan's line."""
     fixed_s: float = 0.0
-    """Seconds beyond the FLOPs: the units' fixed costs (:data:`CPU_UNIT_S` or :data:`UNIT_PASS_S` each)."""
+    """Seconds beyond the FLOPs: the units' fixed costs (:data:`CPU_UNIT_S` or
+    :data:`~megatrain_ray.orchestration.gpu_work.UNIT_PASS_S` each)."""
     units: int = 0
     """Units a step passes through (what ``fixed_s`` counts; on a GPU, units x micro-batches)."""
     parts: tuple[tuple[str, float, float], ...] = ()
-    """On a GPU: (what, FLOPs or parameters, seconds) of each kind of work (:class:`StepWork`)."""
+    """On a GPU: (what, its amount: FLOPs, bytes or parameters, seconds) of each kind of work
+    (:func:`~megatrain_ray.orchestration.gpu_work.work_parts`, and the updates' turns)."""
     link_s: float = 0.0
     """On a GPU: the streamed bytes' time over the link (:data:`LINK_GBPS`)."""
 
@@ -259,16 +145,18 @@ class Pace:
             return (head + f", at {_flop(self.tflops * 1e12)}/s: {self.rate_note}"
                     + (f"; + {duration(self.fixed_s)} of fixed costs, {self.units} units x "
                        f"{duration(self.fixed_s / self.units)}" if self.fixed_s else "") + ")")
-        parts = ", ".join(f"{what} {duration(s)}" + (f" ({_flop(n)})" if what in _FLOP_PARTS
-                                                     else f" ({n / 1e9:,.1f} G parameters)")
-                          for what, n, s in self.parts if s)
+        parts = ", ".join(f"{what} {duration(s)} ({_amount(what, n)})" for what, n, s in self.parts if s)
         bound = (f"; the link, {duration(self.link_s)} for the streamed weights, is the longer"
                  if self.link_s > self.compute_s else f"; the link {duration(self.link_s)}, overlapped")
         return (head + f"; {self.rate_note}: {parts}, {duration(self.fixed_s)} for {self.units} unit x "
                 f"micro-batch passes{bound})")
 
 
-_FLOP_PARTS = ("dense GEMMs", "attention", "expert GEMMs")
+def _amount(what: str, n: float) -> str:
+    """A part's amount of work: FLOPs, bytes or parameters (:mod:`~megatrain_ray.orchestration.gpu_work`)."""
+    if what in FLOP_PARTS:
+        return _flop(n)
+    return f"{n / 1e9:,.0f} GB" if what in BYTE_PARTS else f"{n / 1e9:,.1f} G parameters"
 
 
 def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: int = 0, tflops: float | None = None,
@@ -303,12 +191,8 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
             note = f"at an H200's rates x {nominal:,.0f}/{REFERENCE_TFLOPS:,.0f} (the {gpu_name}'s nominal bf16)"
     scale = nominal / REFERENCE_TFLOPS
     w = step_work(cfg, recomputed, reforwarded, resident_params)
-    parts = (("dense GEMMs", w.dense, w.dense / (gemm_tflops(cfg.model.hidden_size) * 1e12 * scale)),
-             ("attention", w.attention, w.attention / (ATTENTION_TFLOPS * 1e12 * scale)),
-             ("expert GEMMs", w.experts, w.experts / (expert_tflops(cfg) * 1e12 * scale)),
-             ("dequantization", w.dequantized, w.dequantized / (DEQUANT_PARAMS_PER_S * scale)),
-             (HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S),
-             (RESIDENT_TURN, w.resident_updated, w.resident_updated * RESIDENT_PARAM_S / scale))
+    parts = work_parts(cfg, w, scale) + ((HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S),
+                                         (RESIDENT_TURN, w.resident_updated, w.resident_updated * RESIDENT_PARAM_S / scale))
     return Pace(palm, six, recompute, nominal, note, UNIT_PASS_S * w.unit_passes, w.unit_passes, parts,
                 w.link_bytes / (LINK_GBPS * 1e9))
 
