@@ -42,7 +42,7 @@ HOST_PARAM_S = 1.735e-11
 """Seconds per parameter the host's optimizer updates that a full-parameter step waits beyond its GPU
 work: the gradients out, the update and the weights back in, of the units at the step's turn, which
 the pipeline does not hide (the GPU is 81-99% busy in those runs, 99.8% in LoRA runs, whose adapters
-stay on the GPU). Fitted on the same runs (1 / 57 G parameters per second)."""
+stay on the GPU). Fitted on the recorded runs the module docstring names (1 / 57 G parameters per second)."""
 LINK_GBPS = 55.0
 """GB/s of the host-to-GPU link each way (the H200's PCIe: h2d_gbps 53-55 in the bench-*.json of
 the runs the link was busy in). A step is never shorter than its streamed bytes over it."""
