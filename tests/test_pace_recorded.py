@@ -52,8 +52,8 @@ RECOMPUTED_EVERY_LAYER = {"qwen3-30b-a3b-12l-262144": "its NOTES.md: the log's '
 
 def _override(item: str) -> str | None:
     key, value = item.split("=", 1)
-    if key.startswith("data."):
-        return None  # the run's own data: the step's arithmetic does not read it
+    if key.startswith("data.") and key != "data.pack_documents":
+        return None  # the run's own data: the step's arithmetic reads only whether it packs documents
     if key.startswith("runtime."):  # renamed since; runtime.device_adamw and runtime.activations place work only
         if key[len("runtime."):] not in MOVED:
             return None
