@@ -33,6 +33,8 @@ of :data:`TFLOPS_KEYS` (metrics.jsonl, the Ray gauges, the benchmark's JSON).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..config import LoraSection, ModelConfig
 from .lora import AdapterLayout
 from .transformer import unit_names, unit_params
@@ -83,10 +85,11 @@ def matmul_params(model: ModelConfig) -> int:
             + model.vocab_size * h)
 
 
-def attended(model: ModelConfig, seq_len: int) -> int:
-    """The keys each query's row spans, summed over the layers: S per layer, min(S, window) per
-    sliding-window layer (L S for a model without one)."""
-    return sum(min(seq_len, model.window(i) or seq_len) for i in range(model.num_hidden_layers))
+def attended(model: ModelConfig, seq_len: int, layers: Iterable[int] | None = None) -> int:
+    """The keys each query's row spans, summed over the decoder ``layers`` (None: all of them): S per
+    layer, min(S, window) per sliding-window layer (L S for a model without one)."""
+    layers = range(model.num_hidden_layers) if layers is None else layers
+    return sum(min(seq_len, model.window(i) or seq_len) for i in layers)
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TrainConfig
-from ..model.flops import num_params
+from ..model.flops import attended, num_params
 from ..model.lora import AdapterLayout
 from ..model.quant_layout import bytes_per_param
 
@@ -156,35 +156,32 @@ def step_work(cfg: TrainConfig, recomputed: int, reforwarded: int = 0, resident_
     dense = tokens * (per_param * (layers * attn + mlp + shared + router + m.vocab_size * h) + 6.0 * adapters
                       + 2.0 * (again * (layers * attn + router + 2 / 3 * (mlp + shared)) + down / 3 * (mlp + shared)))
     experts = tokens * (per_param * routed + 2.0 * (again * 2 / 3 + down / 3) * routed)
-    flex = set(flex_layers(cfg))
-    spans = [min(t.seq_len, m.window(i) or t.seq_len) for i in range(layers)]  # keys a query's row spans
-    per_span = tokens * q * (6.0 + 2.0 * again)
+    flex = flex_layers(cfg)
+    per_span = tokens * q * (6.0 + 2.0 * again)  # per key a query's row spans, summed over the layers
     layer_params = num_params(m) - m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
     quantized = cfg.lora.quantized
     per_byte = bytes_per_param(m, cfg.lora.base_format, torch.bfloat16)[0] if quantized else 2.0
     micro_batches = -(-t.num_micro_batches // cfg.parallel.workers)
-    return StepWork(dense, per_span * sum(s for i, s in enumerate(spans) if i not in flex), experts,
+    sdpa = (i for i in range(layers) if i not in flex)
+    return StepWork(dense, per_span * attended(m, t.seq_len, sdpa), experts,
                     2.0 * layer_params if quantized else 0.0, (layers + 2) * micro_batches,
                     2.0 * layer_params * per_byte,
                     0.0 if cfg.lora.enabled else float(num_params(m) - resident_params),
                     0.0 if cfg.lora.enabled else float(resident_params),
-                    per_span * sum(spans[i] for i in flex), expert_weight_bytes(cfg, again * 2 / 3 + down / 3))
+                    per_span * attended(m, t.seq_len, flex),
+                    expert_weight_bytes(cfg, micro_batches, again * 2 / 3 + down / 3))
 
 
-def expert_weight_bytes(cfg: TrainConfig, recomputed: float) -> float:
-    """Bytes of routed expert weights one GPU's expert GEMMs read a step: each expert that gets a row
-    of a micro-batch, in the compute dtype (2 bytes), once a micro-batch for each pass over it: the
-    forward, ``recomputed`` of a forward again in the backward (its share of the layers recomputed,
-    up to the down projection: 2/3 of the GEMMs), the input gradients, and where the experts train
-    :data:`EXPERT_TRAINED_PASS` for their weight gradients."""
+def expert_weight_bytes(cfg: TrainConfig, micro_batches: int, recomputed: float) -> float:
+    """Bytes of routed expert weights one GPU's expert GEMMs read a step of ``micro_batches``: each
+    expert that gets a row of a micro-batch, in the compute dtype (2 bytes), once a micro-batch for
+    each pass over it: the forward, ``recomputed`` of a forward again in the backward (its share of
+    the layers recomputed, up to the down projection: 2/3 of the GEMMs), the input gradients, and
+    where the experts train :data:`EXPERT_TRAINED_PASS` for their weight gradients."""
     m, t = cfg.model, cfg.train
-    sparse = len(m.sparse_layers)
-    if not sparse:
-        return 0.0
     experts = min(m.num_experts, t.seq_len * t.micro_batch_size * m.num_experts_per_tok)
-    micro_batches = -(-t.num_micro_batches // cfg.parallel.workers)
     passes = 2.0 + recomputed + (0.0 if cfg.lora.enabled else EXPERT_TRAINED_PASS)
-    return sparse * micro_batches * experts * 3 * m.hidden_size * m.expert_size * 2.0 * passes
+    return len(m.sparse_layers) * micro_batches * experts * 3 * m.hidden_size * m.expert_size * 2.0 * passes
 
 
 def work_parts(cfg: TrainConfig, w: StepWork, scale: float) -> tuple[tuple[str, float, float], ...]:

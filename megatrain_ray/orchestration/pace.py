@@ -191,8 +191,9 @@ def expected_pace(cfg: TrainConfig, device: str, recomputed: int, reforwarded: i
             note = f"at an H200's rates x {nominal:,.0f}/{REFERENCE_TFLOPS:,.0f} (the {gpu_name}'s nominal bf16)"
     scale = nominal / REFERENCE_TFLOPS
     w = step_work(cfg, recomputed, reforwarded, resident_params)
-    parts = work_parts(cfg, w, scale) + ((HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S),
-                                         (RESIDENT_TURN, w.resident_updated, w.resident_updated * RESIDENT_PARAM_S / scale))
+    turns = ((HOST_TURN, w.host_updated, w.host_updated * HOST_PARAM_S),
+             (RESIDENT_TURN, w.resident_updated, w.resident_updated * RESIDENT_PARAM_S / scale))
+    parts = work_parts(cfg, w, scale) + turns
     return Pace(palm, six, recompute, nominal, note, UNIT_PASS_S * w.unit_passes, w.unit_passes, parts,
                 w.link_bytes / (LINK_GBPS * 1e9))
 
