@@ -84,7 +84,7 @@ def bench_config(base: dict, tokens: int, seq_len: int, micro_batches: int, step
         f"train.seq_len={seq_len}", f"train.micro_batch_size={mbs}", f"train.num_micro_batches={micro_batches}",
         f"train.steps={steps}", *([f"data.path={data}"] if data else []),
         "optim.lr=1e-4", "optim.weight_decay=0.1", "optim.warmup_steps=0", "train.checkpoint_every=0",
-        "train.save_final=false", *extra], base=base)
+        "train.checkpoint_on_interrupt=false", "train.save_final=false", *extra], base=base)
 
 
 def random_tokens(path: str, vocab_size: int, n: int = 4_000_000) -> str:

@@ -598,6 +598,33 @@ def test_interrupt_and_resume_give_the_same_weights_bit_for_bit(straight_run, sh
     assert os.listdir(shm_dir) == []
 
 
+def test_the_benchmarks_run_interrupted_stops_without_saving_anything(ray_cluster, shm_dir, tmp_path):
+    """The run `megatrain-ray bench` trains (train.checkpoint_on_interrupt=false) stopped as by Ctrl-C
+    at step 2: no checkpoint is written (a benchmark's random weights are not worth the disk, nor the
+    wait: 85 GiB at 7B), the interrupt says why, and the shared memory is gone."""
+    from megatrain_ray import bench
+
+    cfg = bench.bench_config(bench.base_sections("tiny", None, None, 2), 256, 32, 2, STEPS, None,
+                             [f"memory.shm_dir={shm_dir}", f"train.run_dir={tmp_path}", "compute.device=cpu",
+                              "cluster.actor_timeout_s=120"])
+    assert not cfg.train.checkpoint_on_interrupt and cfg.train.checkpoint_every == 0
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if re.match(r"step\s+2/", line):
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted) as info:
+        train(cfg, log=log)
+    assert info.value.checkpoint is None and info.value.note == "train.checkpoint_on_interrupt is false", lines
+    assert not any(line.startswith("interrupted: finishing") for line in lines)
+    (run_dir,) = tmp_path.iterdir()
+    assert checkpoint.latest(str(run_dir / "checkpoints"), missing_ok=True) is None
+    assert [r["step"] for r in _metrics(run_dir)][:2] == [1, 2]
+    assert os.listdir(shm_dir) == []
+
+
 def test_a_finished_run_is_extended_only_explicitly_with_its_schedule_recomputed(straight_run, shm_dir, tmp_path,
                                                                               capsys):
     """Resuming a run that reached train.steps is refused with how to extend it; a larger train.steps

@@ -125,7 +125,12 @@ class TrainSection:
     checkpoint_every: int = 100
     """Save a checkpoint (weights, AdamW states, step, data position, config) to <run dir>/checkpoints
     every this many steps and at the end of the run; 0 saves only when the run is interrupted
-    (Ctrl-C, SIGTERM, ``ray job stop``) and, with save_final, at the end before the export."""
+    (Ctrl-C, SIGTERM, ``ray job stop``; see checkpoint_on_interrupt) and, with save_final, at the end
+    before the export."""
+    checkpoint_on_interrupt: bool = True
+    """Ctrl-C, SIGTERM or ``ray job stop`` finish the steps in flight and save a checkpoint at the
+    boundary they reach before the run stops; false: the run stops at once and saves nothing (a
+    benchmark or a throwaway experiment, whose weights are not worth the disk or the wait)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
     checkpoint_staging_gib: float = 0.0

@@ -336,6 +336,8 @@ class Driver:
         ``by_sigterm``: the interrupt was a SIGTERM (a scheduler, ``ray job stop``), whose repeat waits."""
         if self.checkpoints is None:
             return None, "checkpoints are off"
+        if not self.cfg.train.checkpoint_on_interrupt:
+            return None, "train.checkpoint_on_interrupt is false"
         if self.cfg.parallel.sharded_optimizer:
             return None, ("with parallel.optimizer_sharding=sharded each node holds its own units' AdamW states, "
                           "gathered only at train.checkpoint_every boundaries; resume from the last of those")
