@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatrain_ray import cli
@@ -87,6 +88,22 @@ def test_plan_prints_the_table_and_fits(tmp_path, capsys, monkeypatch):
     assert "DOES NOT FIT" not in out
     assert re.search(r"largest micro-batch that fits: \d+ \(train.micro_batch_size is 8\)", out)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sets,when", [
+    ((), "every 100 steps, at the end and when interrupted"),
+    (("train.checkpoint_every=0",), "at the end before the export and when interrupted"),
+    (("train.checkpoint_on_interrupt=false",), "every 100 steps, at the end, not when interrupted"),
+    (("train.checkpoint_every=0", "train.save_final=false"), "only when interrupted"),
+    (("train.checkpoint_every=0", "train.save_final=false", "train.checkpoint_on_interrupt=false"), "none"),
+])
+def test_plan_says_when_checkpoints_are_written(sets, when, tmp_path, capsys, monkeypatch):
+    """train.checkpoint_every, save_final and checkpoint_on_interrupt as the plan's checkpoint line says them
+    (the settings of `megatrain-ray bench`, the last: none)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "--set", "compute.device=cpu", *sum((["--set", s] for s in sets), [])]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("checkpoints: ")]
+    assert re.match(rf"checkpoints: [\d.]+ [KMG]iB each \({when}; up to 2 kept", line), line
 
 
 def test_plan_of_an_absurd_model_says_it_does_not_fit(tmp_path, capsys, monkeypatch):

@@ -88,8 +88,9 @@ class CheckpointSettings:
     directory: str
     """The run's checkpoint directory (``<run dir>/checkpoints``); step-NNNNNN subdirectories go here."""
     every: int
-    """Save after every this many steps and at the end of the run; 0: only when interrupted, and by the
-    driver at the end before the final export (so the trained weights are on disk before it is tried)."""
+    """Save after every this many steps and at the end of the run; 0: only when interrupted (unless
+    train.checkpoint_on_interrupt is false), and by the driver at the end before the final export (so
+    the trained weights are on disk before it is tried)."""
     keep: int
     """How many of the newest checkpoints to keep; older ones are removed after each save."""
     run_config: dict

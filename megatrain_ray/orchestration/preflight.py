@@ -363,8 +363,13 @@ def _checkpoint_note(cfg: TrainConfig, nbytes: int) -> str:
         where = os.path.dirname(where.rstrip("/")) or "."
     free = shutil.disk_usage(where or ".").free
     keep = (t.keep_checkpoints + 1) * nbytes
-    when = f"every {t.checkpoint_every} steps" if t.checkpoint_every else "only when interrupted"
-    return (f"checkpoints: {fmt(nbytes)} each ({when}, up to {t.keep_checkpoints} kept + 1 being written = "
+    when = (f"every {t.checkpoint_every} steps, at the end" if t.checkpoint_every else
+            "at the end before the export" if t.save_final and not cfg.lora.enabled else "")
+    if not when:
+        when = "only when interrupted" if t.checkpoint_on_interrupt else "none"
+    else:
+        when += " and when interrupted" if t.checkpoint_on_interrupt else ", not when interrupted"
+    return (f"checkpoints: {fmt(nbytes)} each ({when}; up to {t.keep_checkpoints} kept + 1 being written = "
             f"{fmt(keep)}; {fmt(free)} free in train.run_dir{'' if keep <= free else ': NOT ENOUGH'}); "
             f"it is written while training goes on, but a unit's next update waits until its bytes are written, so "
             f"cluster.actor_timeout_s ({cfg.cluster.actor_timeout_s:.0f} s) must exceed its write time")
