@@ -10,7 +10,8 @@ on the recorded GPU with the units the run kept resident (:func:`_resident_layer
 its gradients on the GPU for the norm adds them as its plan placed them and with the AdamW threads it
 ran (:func:`_recorded_updates`). Every prediction must be within 10% of the recorded steady step time
 (``systems.megatrain_ray.step_s``). The runs of older commits in a side by side of code versions (benchmarks/code_side_by_side.sh's
-``old-N``) are left out: the plan is the current code's. The rates of pace.py and gpu_work.py were fitted or measured
+``old-N``) are left out: the plan is the current code's; so is a run of which a later day recorded the same run
+(:func:`_newest`). The rates of pace.py and gpu_work.py were fitted or measured
 on these same runs (their docstrings say which); the table printed (``pytest -s``) is the one their
 docstrings point to.
 """
@@ -92,9 +93,24 @@ def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
             placed = _recorded_updates(cfg, plan, ours.get("cpu_placement") or [])
         elif _holds_grads(cfg):
             placed = _recorded_updates(cfg, None, ours.get("cpu_placement") or [])
-        runs.append((f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
-                     ours["step_s"], report["device"], placed, _resident_params(cfg, plan)))
-    return runs + [_long_context()]
+        runs.append((directory[:len("2026-12-01")],
+                     (f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
+                      ours["step_s"], report["device"], placed, _resident_params(cfg, plan))))
+    return _newest(runs) + [_long_context()]
+
+
+def _newest(dated: list[tuple[str, tuple]]) -> list[tuple]:
+    """The runs of ``dated`` ((date, run) pairs) but those of which a later day recorded the same run (the
+    same config, activation placement, GPU, update placement and resident units): the newer one measured
+    the code the plan is closer to."""
+    def same(run) -> str:
+        _, cfg, recomputed, _, gpu, placed, resident_params = run
+        return json.dumps([cfg.to_dict(), recomputed, gpu, repr(placed), resident_params], sort_keys=True, default=str)
+
+    last = {}
+    for day, run in dated:
+        last[same(run)] = max(last.get(same(run), day), day)
+    return [run for day, run in dated if day == last[same(run)]]
 
 
 def _resident_layers(cfg, plan_path: str | None) -> int | None:
