@@ -220,6 +220,7 @@ def _plan(args) -> int:
     from .io.hf_io import load_train_config
     from .orchestration.cluster import cluster_to_join
     from .orchestration.resolve import Facts, resolve
+    from .orchestration.splits import split_note
 
     cfg = load_train_config(args.config, args.overrides)
     gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
@@ -227,6 +228,9 @@ def _plan(args) -> int:
     run = resolve(cfg, Facts.here(cfg, args.device, gpu, starts_ray=cluster_to_join(cfg.cluster)[0] is None,
                                   device_tflops=args.gpu_tflops, host_bytes=host))
     print(run.describe())
+    note = split_note(run)
+    if note:
+        print(note)
     problems = run.memory.problems()
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)

@@ -239,13 +239,13 @@ def resolve(cfg: TrainConfig, facts: Facts) -> ResolvedRun:
     resident_layers = _resident_layers(cfg, facts, precision, layout, host, threads)
     resident = resident_units(cfg.model, resident_layers)
     store = StoreSpec.of_run(cfg, precision, device, 0, "plan", resident)
-    decisions = _decide(cfg, facts, layout, store, resident, host)
+    decisions = decide(cfg, facts, layout, store, resident, host)
 
     tried = {(): decisions}  # units on the device -> the decisions with the activations placed beside them
 
     def plan_for(units: tuple[int, ...]) -> tuple[Pace, bool]:
-        tried[units] = decided = tried.get(units) or _decide(cfg, facts, layout, store, resident, host, units)
-        return decided.pace, _fits_device(cfg, decided, units)
+        tried[units] = decided = tried.get(units) or decide(cfg, facts, layout, store, resident, host, units)
+        return decided.pace, fits_device(cfg, decided, units)
 
     on_device = units_on_device(cfg, device, layout, resident, threads, precision, store.hold_grads,
                                 None if decisions.device_bytes is None else plan_for, updates_wait_for_norm(cfg),
@@ -317,7 +317,7 @@ def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLay
         resident = resident_units(cfg.model, layers)
         store = StoreSpec.of_run(cfg, precision, facts.device, 0, "plan", resident)
         streamed = [u for u in range(len(layout.units)) if u not in resident]
-        pace = _decide(cfg, facts, layout, store, resident, host).pace
+        pace = decide(cfg, facts, layout, store, resident, host).pace
         updates = update_pace(layout, streamed, threads, (), precision, store.hold_grads, updates_wait_for_norm(cfg),
                               updates_split(cfg, precision, store))
         return updates.step_s(pace), updates.host_path_s(pace)
@@ -334,7 +334,7 @@ def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLay
     return best
 
 
-def _decide(cfg: TrainConfig, facts: Facts, layout: StoreLayout, store: StoreSpec, resident: tuple[int, ...],
+def decide(cfg: TrainConfig, facts: Facts, layout: StoreLayout, store: StoreSpec, resident: tuple[int, ...],
             host: int, on_device: tuple[int, ...] | None = None) -> preflight.Decisions:
     """The memory plan's decisions beyond the store and the resident units: the GPU memory it is
     planned against (the facts', or where they do not say, the whole of this process's GPU 0), each
@@ -351,7 +351,7 @@ def _decide(cfg: TrainConfig, facts: Facts, layout: StoreLayout, store: StoreSpe
     return preflight.Decisions(device, device_bytes, store, resident, placement, pace)
 
 
-def _fits_device(cfg: TrainConfig, decided: preflight.Decisions, on_device: tuple[int, ...]) -> bool:
+def fits_device(cfg: TrainConfig, decided: preflight.Decisions, on_device: tuple[int, ...]) -> bool:
     """Whether the plan's device total, with the activations placed as ``decided`` and the streamed
     units ``on_device`` updated on the device, fits the device's usable memory (GPU_USABLE of it)."""
     rows = placed_rows(cfg, decided.device, cfg.train.micro_batch_size, decided.resident, decided.placement, on_device)
