@@ -81,6 +81,28 @@ def test_store_layout_is_page_aligned_and_counts_parameters():
     assert all(len(shape) == 1 for _, shape, off in t.params if off >= t.decay_numel)
 
 
+def test_a_configs_layouts_are_built_once_and_equal_a_fresh_build():
+    """StoreLayout, a quantized base's and the adapters' layouts are built once per config and shared
+    (planning asks for them hundreds of times); each equals a fresh build, and another config gets its own."""
+    from megatrain_ray.config import LoraSection
+    from megatrain_ray.model.lora import AdapterLayout
+    from megatrain_ray.model.quant_layout import QuantLayout
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2)
+    same = ModelConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2)
+    deeper = ModelConfig(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2)
+    lora = LoraSection(rank=4, target_modules=("q_proj", "v_proj"))
+    for build, fresh in ((lambda c: StoreLayout.build(c), lambda c: StoreLayout._build(c)),
+                         (lambda c: QuantLayout.build(c, "nf4", torch.bfloat16),
+                          lambda c: QuantLayout._build(c, "nf4", torch.bfloat16)),
+                         (lambda c: AdapterLayout.build(c, lora), lambda c: AdapterLayout._build(c, lora))):
+        assert build(cfg) is build(same) == fresh(cfg)
+        assert build(deeper) is not build(cfg) and build(deeper) == fresh(deeper) != fresh(cfg)
+
+
 def _layout(layers: int, tied: bool) -> StoreLayout:
     return StoreLayout.build(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,

@@ -37,6 +37,7 @@ read with no copy.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,26 @@ class Unit:
             else:
                 out.append([a, b])
         return [(a, b) for a, b in out]
+
+
+_BUILT: dict[tuple, object] = {}
+"""The layouts :func:`built_once` made, by their key (the oldest dropped first)."""
+_BUILT_KEPT = 16
+_BUILDING = threading.Lock()
+
+
+def built_once(key: tuple, build):
+    """``build()``, made once per ``key`` and shared: for immutable layouts (this module's, the adapters'
+    and a quantized base's), which planning asks for hundreds of times per config; a mixture's have
+    a record per expert per layer. ``key``: what the layout is of (its kind, the repr of its config)."""
+    layout = _BUILT.get(key)
+    if layout is None:
+        layout = build()
+        with _BUILDING:
+            while len(_BUILT) >= _BUILT_KEPT:
+                _BUILT.pop(next(iter(_BUILT)))
+            _BUILT[key] = layout
+    return layout
 
 
 def _unit_record(index: int, name: str, template: LayerTemplate) -> Unit:
@@ -273,6 +294,11 @@ class StoreLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig) -> "StoreLayout":
+        """The layout of ``cfg`` (built once per config, :func:`built_once`)."""
+        return built_once(("store", repr(cfg)), lambda: cls._build(cfg))
+
+    @classmethod
+    def _build(cls, cfg: ModelConfig) -> "StoreLayout":
         units = tuple(unit_names(cfg))
         templates = tuple(LayerTemplate.build(cfg, u) for u in units)
         offsets, pos = [], 0

@@ -44,7 +44,7 @@ import torch
 
 from ..config import EXPERT_TARGETS, LoraSection, ModelConfig
 from . import moe
-from .layout import LayerTemplate
+from .layout import LayerTemplate, built_once
 from .transformer import Params, hf_name, unit_names, unit_params
 
 PEFT_PREFIX = "base_model.model."
@@ -115,6 +115,12 @@ class AdapterLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig, lora: LoraSection) -> "AdapterLayout":
+        """The adapters of ``cfg`` as ``lora`` sets them (built once per config,
+        :func:`~megatrain_ray.model.layout.built_once`)."""
+        return built_once(("adapters", repr(cfg), repr(lora)), lambda: cls._build(cfg, lora))
+
+    @classmethod
+    def _build(cls, cfg: ModelConfig, lora: LoraSection) -> "AdapterLayout":
         units = tuple(u for u in unit_names(cfg) if adapter_params(cfg, lora, u))
         shape = (cfg.vocab_size, cfg.hidden_size)
         full = (((LayerTemplate.of("embed", [("weight", shape)]),) if lora.enabled and lora.train_embedding else ())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .layout import PARAM_ALIGN, UNIT_ALIGN, StoreLayout
+from .layout import PARAM_ALIGN, UNIT_ALIGN, StoreLayout, built_once
 from .moe import EXPERT, part_of
 from .mxfp4 import mxfp4_bytes
 from .quant import int8_bytes, nf4_bytes
@@ -151,16 +151,20 @@ class QuantLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> "QuantLayout":
-        """The layout of ``cfg``'s base in format ``fmt`` (:data:`FORMATS`), raw parameters in ``dtype``."""
+        """The layout of ``cfg``'s base in format ``fmt`` (:data:`FORMATS`), raw parameters in ``dtype``
+        (built once per config, :func:`~megatrain_ray.model.layout.built_once`)."""
         if fmt not in FORMATS:
             raise ValueError(f"a quantized base's format is one of {', '.join(FORMATS)}, got {fmt!r}")
+        return built_once(("quant", repr(cfg), fmt, str(dtype)), lambda: cls._build(cfg, fmt, dtype))
+
+    @classmethod
+    def _build(cls, cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> "QuantLayout":
         layout, itemsize = StoreLayout.build(cfg), dtype.itemsize
         units, offsets, total = [], [], 0
         for unit, template in zip(layout.units, layout.templates):
             records, pos = [], 0
-            for name, shape, _ in sorted(template.params, key=lambda p: p[2]):
+            for name, shape, offset in sorted(template.params, key=lambda p: p[2]):
                 kind = fmt if quantized(unit, name, shape, fmt) else RAW
-                offset = next(o for n, _, o in template.params if n == name)
                 pos = _round_up(pos, PARAM_ALIGN * itemsize)
                 pieces = _pieces(kind, shape, pos, itemsize)
                 records.append(Record(name, shape, offset, kind, pos, pieces))
