@@ -335,7 +335,7 @@ def _resident_layers(cfg: TrainConfig, facts: Facts, precision, layout: StoreLay
 
 
 def decide(cfg: TrainConfig, facts: Facts, layout: StoreLayout, store: StoreSpec, resident: tuple[int, ...],
-            host: int, on_device: tuple[int, ...] | None = None) -> preflight.Decisions:
+           host: int, on_device: tuple[int, ...] | None = None) -> preflight.Decisions:
     """The memory plan's decisions beyond the store and the resident units: the GPU memory it is
     planned against (the facts', or where they do not say, the whole of this process's GPU 0), each
     layer's activation placement in what that leaves beside the streamed units ``on_device`` updated

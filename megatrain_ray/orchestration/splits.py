@@ -3,12 +3,12 @@
 Layer-major order passes every unit once per micro-batch (its fixed costs, the addition of its weight
 gradient into the fp32 accumulator) and, in a mixture of experts, reads every routed expert's weights
 once per micro-batch and pass: where each expert gets few rows, those reads rival its GEMMs. The same
-sequences a step in fewer micro-batches give the same gradient (their sum, up to the order of the
-additions) and may be faster. :func:`split_note` asks the pace
-for each such split that fits the device with the run's other decisions (its resident units, its
-updates' placement; each layer's activations placed again for the larger micro-batch) and says the
-splits that save at least :data:`ADVISED_SAVING` of the step; the run itself trains the split its
-config names.
+sequences a step in fewer micro-batches are the same data (a router's load-balancing loss, where the
+model adds one, is taken per micro-batch) and may be faster. :func:`split_note` asks the pace for
+each such split that fits the device with the run's other decisions (its resident units, its
+updates' placement; each layer's activations placed again for the larger micro-batch) and names the
+splits that save at least :data:`ADVISED_SAVING` of the step; the run trains the split its config
+names.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from .pace import duration
-from .resolve import ResolvedRun, decide, fits_device
 from .preflight import host_for
+from .resolve import ResolvedRun, decide, fits_device
 
 ADVISED_SAVING = 0.05
 """The least share of the expected step a split must save to be advised."""
