@@ -107,10 +107,11 @@ def _newest(dated: list[tuple[str, tuple]]) -> list[tuple]:
         _, cfg, recomputed, _, gpu, placed, resident_params = run
         return json.dumps([cfg.to_dict(), recomputed, gpu, repr(placed), resident_params], sort_keys=True, default=str)
 
+    keyed = [(day, same(run), run) for day, run in dated]
     last = {}
-    for day, run in dated:
-        last[same(run)] = max(last.get(same(run), day), day)
-    return [run for day, run in dated if day == last[same(run)]]
+    for day, key, _ in keyed:
+        last[key] = max(last.get(key, day), day)
+    return [run for day, key, run in keyed if day == last[key]]
 
 
 def _resident_layers(cfg, plan_path: str | None) -> int | None:

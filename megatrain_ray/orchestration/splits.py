@@ -32,14 +32,13 @@ def faster_splits(run: ResolvedRun) -> list[tuple[int, int, float]]:
     if run.device != "cuda" or not largest:
         return []
     sequences = t.micro_batch_size * t.num_micro_batches
-    decided, out = run.decisions, []
+    decided, host, out = run.decisions, host_for(run.facts.host_bytes), []
     for n in range(cfg.parallel.workers, t.num_micro_batches, cfg.parallel.workers):
         if sequences % n or sequences // n > largest:
             continue
         other = dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batch_size=sequences // n,
                                                                    num_micro_batches=n))
-        placed = decide(other, run.facts, run.layout, run.store, decided.resident, host_for(run.facts.host_bytes),
-                        decided.on_device)
+        placed = decide(other, run.facts, run.layout, run.store, decided.resident, host, decided.on_device)
         if fits_device(other, placed, decided.on_device):
             out.append((n, sequences // n, run.updates.step_s(placed.pace)))
     return sorted(out, key=lambda split: split[2])
