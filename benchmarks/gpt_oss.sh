@@ -15,11 +15,14 @@
 # command: BUDGET (s, default 570) bounds each, STEPS (default 4) the steps of each run, LIMIT (s, default
 # 600) each bench run (a whole-model start draws and quantizes the ~117B base first: run such a part
 # detached across calls, `setsid nohup env BUDGET=1200 LIMIT=1200 bash benchmarks/gpt_oss.sh OUT 120b-262k &`).
+# MICRO_BATCHES (default 16) splits each bench run's step otherwise (`plan` advises splits: e.g. 1, the
+# 65,536 tokens in one micro-batch of 16 sequences); a run of another split is tagged -mbN.
 source "$(dirname "$0")/lib.sh"
 parts=${2:-plan 120b-65k 120b-262k air-65k air-262k 20b resident}
 rc=0
 LORA=(--set lora.rank=16 --set lora.alpha=32 --set lora.target_modules=q_proj,k_proj,v_proj,o_proj)
-steps=(--seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}")
+mb=${MICRO_BATCHES:-16}; sfx=$( (( mb == 16 )) || echo "-mb$mb")
+steps=(--seq-len 4096 --micro-batches "$mb" --steps "${STEPS:-4}")
 # plan_real PRESET BASE: the plan of the preset's whole shape for one H200 and 128 GiB at 262,144 tokens a step
 # (exit status 2 where it does not fit this machine)
 plan_real() {
@@ -53,16 +56,16 @@ for row in "120b-65k gpt-oss-120b mxfp4 65536" "120b-262k gpt-oss-120b mxfp4 262
            "air-65k glm-4.5-air nf4 65536" "air-262k glm-4.5-air nf4 262144" "20b gpt-oss-20b mxfp4 65536"; do
   read -r part preset base tokens <<< "$row"
   case " $parts " in *" $part "*)
-    bench "$preset-$base-$tokens" "$(left "${LIMIT:-600}")" --preset "$preset" --tokens "$tokens" "${steps[@]}" "${LORA[@]}" \
+    bench "$preset-$base-$tokens$sfx" "$(left "${LIMIT:-600}")" --preset "$preset" --tokens "$tokens" "${steps[@]}" "${LORA[@]}" \
       --set lora.base_format="$base" ;;
   esac
 done
 case " $parts " in *" resident "*)  # transformers + peft resident, experts bf16: all 24 layers, or the most that fit
   run resident-lora-20b "$(left 600)" python3 benchmarks/lora_resident.py --preset gpt-oss-20b --layers 24 --rank 16 \
-    --targets q_proj,k_proj,v_proj,o_proj --tokens 65536 --seq-len 4096 --micro-batches 16 --steps "${STEPS:-4}" \
-    --tag gpt-oss-20b-65536 --out "$out" || rc=$?
+    --targets q_proj,k_proj,v_proj,o_proj --tokens 65536 --seq-len 4096 --micro-batches "$mb" --steps "${STEPS:-4}" \
+    --tag "gpt-oss-20b-65536$sfx" --out "$out" || rc=$?
   grep "^resident-lora" "$out/log_resident-lora-20b.txt"
-  lora_ratio "$out/ratio-20b.txt" "$out/bench-gpt-oss-20b-mxfp4-65536.json" "$out/resident-lora-gpt-oss-20b-65536.json" \
+  lora_ratio "$out/ratio-20b$sfx.txt" "$out/bench-gpt-oss-20b-mxfp4-65536$sfx.json" "$out/resident-lora-gpt-oss-20b-65536$sfx.json" \
     || rc=$? ;;
 esac
 stamp done; exit $rc
