@@ -101,11 +101,11 @@ def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
 
 def _newest(dated: list[tuple[str, tuple]]) -> list[tuple]:
     """The runs of ``dated`` ((date, run) pairs) but those of which a later day recorded the same run (the
-    same config, activation placement, GPU, update placement and resident units): the newer one measured
-    the code the plan is closer to."""
+    same config on the same GPU): the newer one measured the code the plan is closer to, with the activation
+    placement, resident units and update placement that code chose for it."""
     def same(run) -> str:
-        _, cfg, recomputed, _, gpu, placed, resident_params = run
-        return json.dumps([cfg.to_dict(), recomputed, gpu, repr(placed), resident_params], sort_keys=True, default=str)
+        _, cfg, _, _, gpu, _, _ = run
+        return json.dumps([cfg.to_dict(), gpu], sort_keys=True, default=str)
 
     keyed = [(day, same(run), run) for day, run in dated]
     last = {}
@@ -191,7 +191,7 @@ def _long_context() -> tuple[str, object, int, float, str, None, int]:
 
 def test_the_expected_step_time_is_within_a_tenth_of_every_recorded_h200_step():
     runs = recorded_runs()
-    assert len(runs) >= 28, "the recorded H200 results are missing"
+    assert len(runs) >= 24, "the recorded H200 results are missing"
     rows, misses = [], []
     for name, cfg, recomputed, measured, gpu, placed, resident_params in runs:
         step_s, p = expected_step_s(cfg, recomputed, gpu, placed, resident_params)

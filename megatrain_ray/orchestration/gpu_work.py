@@ -33,16 +33,16 @@ from ..model.flops import attended, num_params
 from ..model.lora import AdapterLayout
 from ..model.quant_layout import bytes_per_param
 
-GEMM_TFLOPS = 588.0
+GEMM_TFLOPS = 620.0
 """TFLOP/s an H200 reaches in a step's dense GEMMs (the decoder's projections, dense MLPs, routers and
 the LM head, forward, backward and recompute) as the model's width grows, with the elementwise work
 between them (norms, rotary embedding, activations, the loss) counted in: :func:`gemm_tflops`.
 Fitted, with :data:`GEMM_HALF_WIDTH`, on the recorded H200 runs (the module docstring),
 :data:`ATTENTION_TFLOPS`, :data:`UNIT_PASS_S` and the host update's turn as fitted on the same runs.
 The bench's bare-GEMM probe reaches ~790 (``gemm_tflops`` in those bench-*.json)."""
-GEMM_HALF_WIDTH = 100.0
+GEMM_HALF_WIDTH = 200.0
 """The hidden size at which the dense GEMMs would run at half :data:`GEMM_TFLOPS`: a narrow model's GEMMs
-run slower (561 TFLOP/s at 2,048, 572 at 3,584, 581 at 8,192)."""
+run slower (565 TFLOP/s at 2,048, 587 at 3,584, 605 at 8,192)."""
 ATTENTION_TFLOPS = 475.0
 """TFLOP/s of torch's SDPA attention kernels (scores and values, forward, backward and recompute),
 counting the causal half of the S x S matrix that they compute (PaLM's convention counts all of it):
