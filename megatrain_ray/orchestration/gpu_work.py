@@ -79,7 +79,7 @@ gradient GEMM's output is the size of the weights)."""
 UNIT_PASS_S = 0.00144
 """Seconds each unit (decoder layer, embedding, head) costs per micro-batch beyond its FLOPs (the
 launches, tickets and copies of one micro-batch through one unit, forward and backward together):
-fitted on the same runs (8-9% of the 1b's and 3b's steps: 18 and 38 units x 4 micro-batches)."""
+fitted on the same runs (11% and 9% of the 1b's and 3b's steps: 18 and 38 units x 4 micro-batches)."""
 DEQUANT_PARAMS_PER_S = 71e9
 """Parameters an H200 dequantizes per second from a quantized base into bf16, each layer twice a step
 (its forward's fetch and its backward's), a span of the compute stream of its own. Measured in the
