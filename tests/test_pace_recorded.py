@@ -62,16 +62,14 @@ def _override(item: str) -> str | None:
     return f"{key}={value}"
 
 
-def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
+def recorded_runs() -> list[tuple[str, object, int, float, str, object, int]]:
     """(name, config, recomputed layers, measured step_s, GPU name, recorded update placement or None, resident
-    parameters) of every single-H200 bench result."""
-    runs = []
+    parameters) of every single-H200 bench result but those :func:`_newest` leaves out."""
+    dated = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "*_h200_*", "bench-*.json"))):
         if os.path.basename(path).startswith("bench-old-"):
             continue  # benchmarks/code_side_by_side.sh's runs of older commits: the plan is the current code's
         report = json.load(open(path))
-        ours = report["systems"]["megatrain_ray"]
-        directory = os.path.basename(os.path.dirname(path))
         tokens, overrides = report["tokens_per_step"], report.get("overrides") or []
         if "seq_len" in report:
             seq_len, micro_batches = report["seq_len"], report["micro_batches"]
@@ -83,31 +81,34 @@ def recorded_runs() -> list[tuple[str, object, int, float, str, object]]:
             seq_len, micro_batches = 1024, 4
         cfg = bench_config(base_sections(report["preset"], None, None, report["layers"]), tokens, seq_len,
                            micro_batches, 3, None, [o for o in map(_override, overrides) if o])
-        kept = re.search(r"(\d+) of \d+ layers kept whole", ours.get("activations", ""))
-        kept = 0 if kept is None or report.get("name") in RECOMPUTED_EVERY_LAYER else int(kept.group(1))
-        recomputed = cfg.model.num_hidden_layers - kept
-        placed, plan = None, None
-        if any(o.startswith("optim.placement=") and o != "optim.placement=host" for o in overrides):
-            tag = os.path.basename(path)[len("bench-"):-len(".json")]
-            plan = os.path.join(os.path.dirname(path), f"plan-{tag}.txt")
-            placed = _recorded_updates(cfg, plan, ours.get("cpu_placement") or [])
-        elif _holds_grads(cfg):
-            placed = _recorded_updates(cfg, None, ours.get("cpu_placement") or [])
-        runs.append((directory[:len("2026-12-01")],
-                     (f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg, recomputed,
-                      ours["step_s"], report["device"], placed, _resident_params(cfg, plan))))
-    return _newest(runs) + [_long_context()]
+        dated.append((os.path.basename(os.path.dirname(path))[:len("2026-12-01")], (path, report, cfg)))
+    return [_recorded_run(*run) for run in _newest(dated)] + [_long_context()]
+
+
+def _recorded_run(path: str, report: dict, cfg) -> tuple[str, object, int, float, str, object, int]:
+    """One bench result (``path``, its ``report`` and rebuilt ``cfg``) as :func:`recorded_runs` gives it: the
+    activation placement, update placement and resident units it recorded."""
+    ours, overrides = report["systems"]["megatrain_ray"], report.get("overrides") or []
+    kept = re.search(r"(\d+) of \d+ layers kept whole", ours.get("activations", ""))
+    kept = 0 if kept is None or report.get("name") in RECOMPUTED_EVERY_LAYER else int(kept.group(1))
+    placed, plan = None, None
+    if any(o.startswith("optim.placement=") and o != "optim.placement=host" for o in overrides):
+        tag = os.path.basename(path)[len("bench-"):-len(".json")]
+        plan = os.path.join(os.path.dirname(path), f"plan-{tag}.txt")
+        placed = _recorded_updates(cfg, plan, ours.get("cpu_placement") or [])
+    elif _holds_grads(cfg):
+        placed = _recorded_updates(cfg, None, ours.get("cpu_placement") or [])
+    directory = os.path.basename(os.path.dirname(path))
+    return (f"{directory[len('2026-12-01_h200_'):]}/{os.path.basename(path)[6:-5]}", cfg,
+            cfg.model.num_hidden_layers - kept, ours["step_s"], report["device"], placed, _resident_params(cfg, plan))
 
 
 def _newest(dated: list[tuple[str, tuple]]) -> list[tuple]:
-    """The runs of ``dated`` ((date, run) pairs) but those of which a later day recorded the same run (the
-    same config on the same GPU): the newer one measured the code the plan is closer to, with the activation
-    placement, resident units and update placement that code chose for it."""
-    def same(run) -> str:
-        _, cfg, _, _, gpu, _, _ = run
-        return json.dumps([cfg.to_dict(), gpu], sort_keys=True, default=str)
-
-    keyed = [(day, same(run), run) for day, run in dated]
+    """The results of ``dated`` ((date, (path, report, config)) pairs) but those of which a later day recorded
+    the same run (the same config on the same GPU): the newer one measured the code the plan is closer to,
+    with the activation placement, resident units and update placement that code chose for it."""
+    keyed = [(day, json.dumps([run[2].to_dict(), run[1]["device"]], sort_keys=True, default=str), run)
+             for day, run in dated]
     last = {}
     for day, key, _ in keyed:
         last[key] = max(last.get(key, day), day)
