@@ -255,6 +255,10 @@ def attention(p: Params, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    else:  # v in storage of its own (a copy where it is a slice of the fused q/k/v output): the
+        # attention's backward saves v, and a slice would hold q's and k's parts of that output too
+        # (with qk_norm the norms' backward holds them anyway)
+        v = v.contiguous()
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.reshape(b, s, -1, d).transpose(1, 2)
     cos, sin = rope
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)

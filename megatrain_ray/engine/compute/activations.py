@@ -87,11 +87,11 @@ LEAN_PARTITIONER = {"ban_recompute_used_far_apart": False, "ban_recompute_long_f
 """torch._functorch.config settings under which :class:`~megatrain_ray.engine.compute.sequence.CompiledLayer`
 compiles the layer's training graph: the min-cut partitioner with three of its bans on recomputation
 lifted, so it recomputes the norms' outputs and silu(gate) * up in the backward (elementwise work
-fused into the backward's kernels) instead of saving them: -31% kept bytes at the 7B shape. The
+fused into the backward's kernels) instead of saving them: -33% kept bytes at the 7B shape. The
 allowlist of recomputable ops stays, so no GEMM and no attention is ever recomputed. This is the
 first step of ``activation_memory_budget`` < 1 (its "more aggressive" min cut, taken when it meets
-the budget: it keeps 0.66-0.68 of the default's activations at the Qwen2.5-7B, Llama-3-8B and
-Qwen3-8B shapes, 0.77 for a small qk_norm layer), without the budget's later steps, which recompute
+the budget: it keeps about two thirds of the default's activations at the Qwen2.5-7B, Llama-3-8B
+and Qwen3-8B shapes, 0.77 for a small qk_norm layer), without the budget's later steps, which recompute
 attention (0.6 on the CPU) or GEMMs where that first cut does not meet it."""
 
 
@@ -122,8 +122,8 @@ def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False, lean: bool 
       backward needs as the leaf it differentiates to. Compiled: the input, the attention's output
       projection (2cH: the residual between the norms is their sum) and the two reciprocal RMS (8),
       and, not lean, both norms' outputs (2cH more);
-    - attention, both: the fused q/k/v output (c(q + 2kv), held whole by v, a view of it; where
-      SDPA copies v instead, as with q/k/v biases on the CPU, less), the rotated q and k
+    - attention, both: v (ckv, a copy of its own where it is a slice of the fused q/k/v output;
+      with qk_norm the whole fused output, c(q + 2kv), v a view of it), the rotated q and k
       (c(q + kv)), the attention output (cq, the o_proj input is a view of it) and the fp32
       log-sum-exp per head (4 heads); with qk_norm, the norms over q and k: eager, each its fp32
       upcast (for fp32, a view of the fused output), its normalised value and the reciprocal RMS
@@ -134,7 +134,7 @@ def kept_bytes_per_token(cfg, itemsize: int, compiled: bool = False, lean: bool 
     c, h, i = itemsize, cfg.hidden_size, cfg.intermediate_size
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
     q, kv = heads * d, kv_heads * d
-    attn = c * (q + 2 * kv) + c * (q + kv) + c * q + 4 * heads
+    attn = c * (q + 2 * kv if cfg.qk_norm else kv) + c * (q + kv) + c * q + 4 * heads
     if cfg.qk_norm:
         attn += (0 if compiled else (4 * (c < 4) + c) * (q + kv)) + 4 * (heads + kv_heads)
     if compiled:
