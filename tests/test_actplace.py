@@ -63,8 +63,9 @@ def test_compiled_kept_graph_bytes_match_what_the_partitioner_saves(lean, family
     settings (lean, the default) or torch's, for a Llama-shaped layer, with qk_norm (qwen3) and with
     q/k/v biases (qwen2): AOTAutograd with Inductor's partitioner (min-cut rematerialisation) and no
     code generation, so the saved set is Inductor's (checked against the inductor backend on this
-    CPU for each case here: the same bytes) in seconds. Lean, the backward recomputes elementwise work only: as many GEMMs as with torch's
-    settings (2 per fused projection: input and weight gradients), no attention forward."""
+    CPU for each case here: the same bytes) in seconds. Lean, the backward recomputes elementwise
+    work only: as many GEMMs as with torch's settings (2 per fused projection: input and weight
+    gradients), no attention forward."""
     from megatrain_ray.engine.compute.activations import LEAN_PARTITIONER
     from megatrain_ray.engine.compute.compute_worker import CompiledLayer
 
