@@ -50,7 +50,7 @@ def test_every_script_parses_and_every_recipe_and_probe_is_listed():
     folders = set(re.findall(r"results/([\w.-]+)/", readme))
     assert folders and all(os.path.isdir(os.path.join(BENCH, "results", f)) for f in folders), folders
     for folder in glob.glob(os.path.join(BENCH, "results", "*")):
-        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_(h200|h200x2|cpu)_[\w.-]+", os.path.basename(folder)), folder
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_(h200|h200x2|h100|cpu)_[\w.-]+", os.path.basename(folder)), folder
         assert os.path.isfile(os.path.join(folder, "NOTES.md")), f"{folder} has no NOTES.md"
 
 
