@@ -106,14 +106,14 @@ def summarize(rows: list[dict]) -> dict:
     A step's period is the time between the end of its run_step and the previous step's (the
     driver keeps steps queued, so this is the pipeline's throughput, overlap included); s/step is
     the median period of the steps after the warm-up: with 5 steps, of the last 3. A step that
-    torch.profiler recorded (train.profile_steps: its row names its profile) is left out: the
-    profiler slows it.
+    torch.profiler recorded (train.profile_steps: its row names its profile) is left out, and so is
+    the step after it: the profiler slows the one, and writing its trace the next one's start.
     """
     warm = 2 if len(rows) > 3 else 1  # the first steps fault pages in and warm caches up
     steady = [r for r in rows[warm:] if "profile" not in r] or rows
     ends = [r["start"] + r["step_s"] for r in rows]
-    periods = [b - a for i, (a, b) in enumerate(zip(ends, ends[1:]))
-               if i >= warm - 1 and "profile" not in rows[i + 1]] or [rows[-1]["step_s"]]
+    periods = [b - a for i, (a, b) in enumerate(zip(ends, ends[1:]))  # step i+1's period, after step i's end
+               if i >= warm - 1 and not ("profile" in rows[i] or "profile" in rows[i + 1])] or [rows[-1]["step_s"]]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     step_s = statistics.median(periods)
     out = {"step_s": step_s, "steady_periods": len(periods), "losses": [r["loss"] for r in rows],

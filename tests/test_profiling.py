@@ -11,7 +11,7 @@ import torch
 
 from megatrain_ray.bench import summarize
 from megatrain_ray.config import load_config
-from megatrain_ray.engine.compute.profiling import OTHER, kind_of, profiled, summary
+from megatrain_ray.engine.compute.profiling import OTHER, kind_of, profiled, records_kernels, summary
 from megatrain_ray.errors import ConfigError
 
 
@@ -69,17 +69,23 @@ def test_the_benchmark_leaves_a_profiled_step_out_of_its_step_time():
     rows = [{"start": 10.0 * i, "step_s": 9.0, "device_peak_bytes": 0, "loss": 1.0, "fetches": {}, "tokens": 1}
             for i in range(6)]
     assert summarize(rows)["step_s"] == 10.0
-    rows[3]["step_s"], rows[3]["profile"] = 29.0, "runs/x/profile/step-4"  # its end 20 s late
-    for r in rows[4:]:
+    rows[3]["step_s"], rows[3]["profile"] = 9.5, "runs/x/profile/step-4"  # slowed by the profiler
+    for r in rows[4:]:  # its trace written before step 5 starts: 20 s
         r["start"] += 20.0
     out = summarize(rows)
-    assert out["step_s"] == 10.0 and out["steady_periods"] == 3  # step 4's period (30 s) left out
+    assert out["step_s"] == 10.0 and out["steady_periods"] == 2  # step 4's period and step 5's (30 s) left out
+
+
+def test_a_gpu_worker_records_its_kernels_whatever_the_device_index():
+    """The compute worker passes its backend's torch.device (cuda:0), not the name "cuda"."""
+    assert records_kernels(torch.device("cuda", 0)) and records_kernels("cuda") and records_kernels("cuda:1")
+    assert not records_kernels(torch.device("cpu")) and not records_kernels("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_profiled_cuda_step_names_its_kernels(tmp_path):
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    with profiled(str(tmp_path), "cuda"):
+    with profiled(str(tmp_path), torch.device("cuda", 0)):  # as the compute worker calls it
         for _ in range(3):
             b = torch.nn.functional.silu(a @ a)
     assert b.shape == a.shape

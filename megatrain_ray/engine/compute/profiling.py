@@ -37,17 +37,26 @@ def kind_of(name: str) -> str:
     return next((kind for kind, marks in KINDS if any(m in low for m in marks)), OTHER)
 
 
+def records_kernels(device) -> bool:
+    """Whether a profile on ``device`` (a torch.device or its name) records device kernels: on a GPU,
+    whatever its index."""
+    import torch
+
+    return torch.device(device).type == "cuda"
+
+
 @contextlib.contextmanager
-def profiled(directory: str | None, device: str):
+def profiled(directory: str | None, device):
     """Record what runs inside into ``directory`` (trace.json.gz and kernels.txt, see the module
-    docstring), made if missing; None: record nothing. device: cpu or cuda."""
+    docstring), made if missing; None: record nothing. device: the worker's (a torch.device or its
+    name: cpu, cuda, cuda:1), whose kernels are recorded where it is a GPU."""
     if directory is None:
         yield
         return
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device == "cuda"
+    cuda = records_kernels(device)
     if cuda:
         torch.cuda.synchronize()  # the step's work starts inside, not before
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
