@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .grad_sum import accumulate
+
 LEAD = 2
 """Layers the compute thread may run ahead of the device while activations are offloaded."""
 KEEP, GPU, HOST, SPAN = "keep", "gpu", "host", "span"
@@ -190,9 +192,7 @@ def graph_backward(leaves: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Te
     """
     names = [name for name, w in leaves.items() if w.requires_grad]  # a LoRA run's base: frozen, no gradient
     *gws, dx = torch.autograd.grad(y, [*(leaves[n] for n in names), x], dy, allow_unused=True)
-    for name, gw in zip(names, gws):
-        if gw is not None:  # the parts of a fused projection get theirs through the fused view
-            grads[name].add_(gw)
+    accumulate(grads, names, gws)  # the parts of a fused projection get none: theirs comes through the fused view
     return dx
 
 

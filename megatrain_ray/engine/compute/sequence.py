@@ -46,6 +46,7 @@ from ...model.sink_attention import window_mask
 from ...model.transformer import (IGNORE_INDEX, attention_block, decoder_layer, document_ids, document_mask,
                                  low_rank, mlp_activation, mlp_block, rope_at, rope_cache, routed_layer)
 from .activations import lean_partitioner
+from .grad_sum import accumulate, add_into
 
 DOWN_PROJ = "mlp.down_proj"
 DOWN = f"{DOWN_PROJ}.weight"
@@ -66,7 +67,7 @@ def down_backward(leaves: dict[str, torch.Tensor], grads: dict[str, torch.Tensor
     ``grads``), and returns a's gradient dy W. a: [B, S, I] (no graph needed), dy: [B, S, H] -> [B, S, I].
     An adapter of the down projection is differentiated with the rest (:func:`down_adapter`)."""
     if DOWN in grads:
-        grads[DOWN].add_(dy.reshape(-1, dy.shape[-1]).t().mm(a.reshape(-1, a.shape[-1])))
+        add_into(grads[DOWN], dy.reshape(-1, dy.shape[-1]).t().mm(a.reshape(-1, a.shape[-1])))
     return dy.matmul(leaves[DOWN])
 
 
@@ -144,7 +145,7 @@ class LayerRunner:
             y, stats = self.routed(leaves, x, rope, cfg, mask, tokens, chosen)
         outputs, grads_out = ([y], [dy]) if dprobs is None else ([y, stats.prob_sum], [dy, dprobs])
         *gws, dx = torch.autograd.grad(outputs, [*weights, x], grads_out, allow_unused=True)
-        _accumulate(grads, names, gws)
+        accumulate(grads, names, gws)
         return dx
 
     def tiles(self, x: torch.Tensor) -> bool:
@@ -184,7 +185,7 @@ class LayerRunner:
             da = down_backward(leaves, grads, act.detach(), dy)
             extra, d_extra = down_adapter(leaves, act, dy)
             *gws, dx = torch.autograd.grad([h, act, *extra], [*weights, x], [dy, da, *d_extra], allow_unused=True)
-            _accumulate(grads, names, gws)
+            accumulate(grads, names, gws)
             return dx
         with torch.enable_grad():
             h = self.attn(leaves, x, rope, cfg, mask)
@@ -199,9 +200,9 @@ class LayerRunner:
             *gws, dhc = torch.autograd.grad([act, *extra], [*weights, hc], [da, *d_extra], allow_unused=True)
             dh[:, a:b] = dhc + dy[:, a:b]  # and the residual's share
             del act, da, dhc
-            _accumulate(grads, names, gws)
+            accumulate(grads, names, gws)
         *gws, dx = torch.autograd.grad(h, [*weights, x], dh, allow_unused=True)
-        _accumulate(grads, names, gws)
+        accumulate(grads, names, gws)
         return dx
 
 
@@ -342,12 +343,6 @@ class CompiledLayer:
                           f"{str(cause).splitlines()[0] if str(cause) else ''}); "
                           "running it eagerly (set compute.compile=false to skip the attempt).")
         return self.fn(*args)
-
-
-def _accumulate(grads: dict[str, torch.Tensor], names: list[str], gws) -> None:
-    for name, gw in zip(names, gws):
-        if gw is not None:
-            grads[name].add_(gw)
 
 
 def attention_mask(position_ids: torch.Tensor, window: int | None = None):
