@@ -3,8 +3,8 @@
 Autograd gives a weight's gradient of one micro-batch in the weights' dtype (bf16); the step's sum
 over its micro-batches is kept in fp32, in views of the layer's flat gradient buffer. torch's
 ``add_`` of a bf16 tensor into an fp32 one runs its mixed-dtype kernel, which loads one element at a
-time: ~57% of an H100's memory bandwidth, 136 ms (2.4%) of a 7B step. On a CUDA device where Triton
-is installed, :func:`add_into` runs one kernel that loads both in wide vectors. It computes what
+time: on an H100, ~57% of the memory's bandwidth, and 136 ms (2.4%) of a 7B step. On a CUDA device
+where Triton is installed, :func:`add_into` runs one kernel that loads both in wide vectors. It computes what
 ``add_`` does, element by element: the gradient upcast to fp32 (exact) and one rounded fp32 add, so
 the same bits (tests/test_grad_sum.py holds it to that on a GPU).
 """
