@@ -97,6 +97,28 @@ def test_lines_of_rays_daemons_and_of_gloo_go_to_the_file_only(tmp_path):
     assert "(GradientSink pid=123) [../third_party/gloo" in kept
 
 
+def test_the_crash_report_of_a_ray_worker_killed_mid_call_goes_to_the_file_only(tmp_path):
+    """A tokenizer actor killed (SIGTERM) as it took a call: Ray's failed check and its stack trace,
+    which Ray forwards in more than one batch (as Ray 2.60 printed it), go to the file; another
+    process's line still shows, and so do the killed process's lines before its crash."""
+    shown = []
+    forward = console._QuietLines(lambda data: shown.extend(data["lines"]))
+    worker = {"pid": 18511, "actor_name": "MapWorker(MapBatches(TokenizeBatch))"}
+    with console.Console(lambda line: None) as out:
+        out.attach(str(tmp_path))
+        forward({**worker, "lines": ["a line of the tokenizer's own",
+                                     "[2026-12-05 20:36:27,487 C 18511 18554] core_worker.cc:515:  An unexpected "
+                                     "system state has occurred. You have likely discovered a bug in Ray. Check "
+                                     "failed: raylet_ipc_client_->WaitForActorCallArgs(args, task_id, attempt_number) "
+                                     "Status not OK: IOError: Broken pipe", "*** StackTrace Information ***"]})
+        forward({**worker, "lines": ["/venv/lib/python3.11/site-packages/ray/_raylet.so(+0x114e42b) "
+                                     "[0x7f8626f4e42b] EventTracker::RecordExecution()"]})
+        forward({"pid": 4711, "actor_name": "GradientSink", "lines": ["a line of the sink's own"]})
+    assert shown == ["a line of the tokenizer's own", "a line of the sink's own"]
+    kept = (tmp_path / console.LOG_FILE).read_text()
+    assert "Check failed: raylet_ipc_client_" in kept and "EventTracker::RecordExecution" in kept
+
+
 def test_errors_the_gcs_publishes_as_the_raylets_go_to_the_file_only(tmp_path, capfd):
     """The errors the GCS publishes to the driver (a raylet that died, a node marked dead), which Ray's
     error listener prints as lines of the raylet: to the file; a worker's line printed the same way shows."""

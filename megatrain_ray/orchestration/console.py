@@ -16,7 +16,8 @@ Output that the user cannot act on goes to the active console's file only (:func
   died in its own sentence). Ray reports those when the calls' references are freed, which may be
   after the run has ended (its error being printed, the process exiting): they go to that run's
   file too, until another run starts;
-- lines Ray forwards from its processes (``(pid=...) ...``) that match :data:`QUIET_LINES`, and
+- lines Ray forwards from its processes (``(pid=...) ...``) that match :data:`QUIET_LINES`, the
+  crash report of a Ray process whose internal check failed as it died (:data:`RAY_FATAL`), and
   every line of Ray's own daemons (:data:`QUIET_DAEMONS`: the raylet, the GCS), whose accounts of a
   worker, an actor or a node that died the run gives in its own sentence (the role that died, Ray
   or a node gone: :mod:`megatrain_ray.orchestration.calls`, :mod:`megatrain_ray.orchestration.cluster`);
@@ -77,6 +78,12 @@ QUIET_LINES = (
 
 QUIET_DAEMONS = ("raylet", "gcs_server", "autoscaler")
 """The ``pid`` Ray forwards the lines of its own daemons under; all of them go to the run's file only."""
+
+RAY_FATAL = "An unexpected system state has occurred"
+"""What a Ray process prints when one of its internal checks fails, as it dies (e.g. a worker whose
+call arguments' pipe broke as it was killed): that line and every later one of that process (its
+stack trace, in as many batches as Ray forwards it in) go to the run's file only; the run says what
+died in its own sentence."""
 
 QUIET_WARNINGS = (
     # Ray Data's actor pool (the tokenizers, data.num_workers of them) was given fewer blocks than
@@ -257,20 +264,25 @@ class _QuietRecords(logging.Filter):
 
 
 class _QuietLines:
-    """Ray's handler of lines forwarded from its processes, minus :data:`QUIET_LINES` and the lines of
-    :data:`QUIET_DAEMONS` (kept in the run's file, with every line shown)."""
+    """Ray's handler of lines forwarded from its processes, minus :data:`QUIET_LINES`, the lines of
+    :data:`QUIET_DAEMONS` and those of a process from its :data:`RAY_FATAL` line on (kept in the
+    run's file, with every line shown)."""
 
     def __init__(self, handler):
         self.handler = handler
+        self.dying: set = set()
+        """The processes that printed :data:`RAY_FATAL`."""
 
     def __call__(self, data: dict, *args, **kwargs) -> None:
         lines, shown, skip = data.get("lines") or [], [], 0
         name = data.get("actor_name") or data.get("task_name")
-        who = f"({name + ' ' if name else ''}pid={data.get('pid')})"
-        daemon = data.get("pid") in QUIET_DAEMONS
+        pid = data.get("pid")
+        who = f"({name + ' ' if name else ''}pid={pid})"
         for line in lines:
             _keep_only(f"{who} {line}")
-            if daemon:
+            if RAY_FATAL in line:
+                self.dying.add(pid)
+            if pid in QUIET_DAEMONS or pid in self.dying:
                 continue
             if skip:
                 skip -= 1
