@@ -5,7 +5,8 @@ The compute worker runs each decoder layer through ``torch.compile``
 kernels, and everything between them is Triton code that Inductor generates. How Inductor lowers a
 concatenation (SwiGLU's backward writes the fused gate/up gradient, RoPE's the fused q/k/v gradient)
 and which block sizes it picks decide how fast those kernels run. Each setting below runs in a
-process of its own (its own compile cache), one Qwen2.5-7B layer, 4 micro-batches of [16, 1024]
+process of its own (its own compile cache; ``concat-bw``: the ``concat`` settings for the
+backward graphs alone), one Qwen2.5-7B layer, 4 micro-batches of [16, 1024]
 tokens, as the compute worker runs it:
 
 - the forward without gradients, a kept layer's forward (with its graph) and backward, and a
@@ -15,7 +16,7 @@ tokens, as the compute worker runs it:
   so that a setting which changes a single bit shows it.
 
     python3 benchmarks/inductor_variants_probe.py OUT                     # a CUDA GPU box (~1-2 min a setting)
-    python3 benchmarks/inductor_variants_probe.py OUT --variants default,concat
+    python3 benchmarks/inductor_variants_probe.py OUT --variants default,concat,concat-bw
     python3 benchmarks/inductor_variants_probe.py OUT --smoke --variants default  # the CPU, a small layer
 
 Writes OUT/inductor_variants.json, and OUT/code-<setting>.tgz: the Triton code Inductor generated.
@@ -45,6 +46,22 @@ VARIANTS = {
 writing its slice (never one pointwise kernel with masked loads of every input); coordinate-descent
 tuning of the generated kernels' block sizes; both; kernels tiled in more than one dimension where
 Inductor can (transposes)."""
+BACKWARD_ONLY = {"concat-bw": "concat"}
+"""Settings of :data:`VARIANTS` applied to the backward graphs alone (the forwards' as by default)."""
+
+
+def backward_only(settings: dict):
+    """A torch.compile backend: Inductor, with ``settings`` while it compiles a backward graph."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            with inductor_config.patch(settings):
+                return compile_fx_inner(gm, example_inputs, **kwargs)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
 
 
 def digest(*tensors: torch.Tensor) -> str:
@@ -66,7 +83,8 @@ def child(variant: str, out_path: str, smoke: bool) -> None:
     from megatrain_ray.model.layout import LayerTemplate
     from megatrain_ray.model.presets import preset_model
 
-    for key, value in VARIANTS[variant].items():
+    backend = backward_only(VARIANTS[BACKWARD_ONLY[variant]]) if variant in BACKWARD_ONLY else "inductor"
+    for key, value in ({} if variant in BACKWARD_ONLY else VARIANTS[variant]).items():
         *path, name = key.split(".")
         owner = inductor_config
         for part in path:
@@ -83,7 +101,7 @@ def child(variant: str, out_path: str, smoke: bool) -> None:
     dys = [torch.randn_like(x) * 1e-2 for x in xs]
     ctx = [(M.rope_cache(cfg, seq, device, torch.bfloat16), None)] * len(xs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    runner = LayerRunner(wrap=lambda fn: CompiledLayer(threads=8, fn=fn))
+    runner = LayerRunner(wrap=lambda fn: CompiledLayer(backend=backend, threads=8, fn=fn))
     params, grads = t.bind(flat, fused=True), t.bind(grad, fused=True)
 
     def forward():
@@ -111,7 +129,7 @@ def child(variant: str, out_path: str, smoke: bool) -> None:
     grad.zero_()
     rec_dx = recompute()
     sync()
-    row = {"variant": variant, "settings": VARIANTS[variant],
+    row = {"variant": variant, "settings": VARIANTS[BACKWARD_ONLY.get(variant, variant)],
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "compile_s": round(time.perf_counter() - t0, 1),
            "digest": {"forward": digest(*out), "kept dx": digest(*kept_dx), "kept grads": digest(kept_grad),
@@ -157,7 +175,8 @@ def child(variant: str, out_path: str, smoke: bool) -> None:
 
 def main() -> None:
     out_dir = sys.argv[1]
-    names = (sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else list(VARIANTS))
+    names = (sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv
+             else [*VARIANTS, *BACKWARD_ONLY])
     os.makedirs(out_dir, exist_ok=True)
     results = []
     for name in names:
