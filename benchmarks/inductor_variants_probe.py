@@ -25,6 +25,7 @@ Writes OUT/inductor_variants.json, and OUT/code-<setting>.tgz: the Triton code I
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -183,18 +184,24 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix=f"inductor-{name}-")
         path = os.path.join(out_dir, f"variant-{name}.json")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, path,
-                               *(["--smoke"] if "--smoke" in sys.argv else [])], env=env,
-                              capture_output=True, text=True, timeout=400)
-        if proc.returncode:
-            print(f"{name}: failed\n{proc.stderr[-3000:]}")
-            results.append({"variant": name, "error": proc.stderr[-3000:]})
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, path,
+                                   *(["--smoke"] if "--smoke" in sys.argv else [])], env=env,
+                                  capture_output=True, text=True, timeout=400)
+            error = proc.stderr[-3000:] if proc.returncode else None
+        except subprocess.TimeoutExpired:
+            error = "did not finish in 400 s"
+        if error is None:
+            with tarfile.open(os.path.join(out_dir, f"code-{name}.tgz"), "w:gz") as tar:
+                for root, _, files in os.walk(cache):
+                    for f in files:
+                        if f.endswith(".py") and os.path.getsize(os.path.join(root, f)) < 4 << 20:
+                            tar.add(os.path.join(root, f), arcname=os.path.relpath(os.path.join(root, f), cache))
+        shutil.rmtree(cache, ignore_errors=True)
+        if error is not None:
+            print(f"{name}: failed\n{error}")
+            results.append({"variant": name, "error": error})
             continue
-        with tarfile.open(os.path.join(out_dir, f"code-{name}.tgz"), "w:gz") as tar:
-            for root, _, files in os.walk(cache):
-                for f in files:
-                    if f.endswith(".py") and os.path.getsize(os.path.join(root, f)) < 4 << 20:
-                        tar.add(os.path.join(root, f), arcname=os.path.relpath(os.path.join(root, f), cache))
         with open(path) as f:
             row = json.load(f)
         os.remove(path)
