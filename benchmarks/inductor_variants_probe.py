@@ -13,7 +13,10 @@ tokens, as the compute worker runs it:
   recomputed layer's recompute + backward: ms each (CUDA events, the median of 3);
 - the kernels of the forward and of the two backwards, by name, with their time and calls;
 - a digest of the outputs (the forward's output, the input gradients, the fp32 weight gradients),
-  so that a setting which changes a single bit shows it.
+  so that a setting which changes a single bit shows it. The first setting runs twice: where its
+  two runs differ (e.g. Inductor times candidate block sizes of some kernels as it compiles, and a
+  reduction summed in other blocks differs in its last bits), the digests cannot tell a setting's
+  change from that variation. A setting this torch does not have is left out and named.
 
     python3 benchmarks/inductor_variants_probe.py OUT                     # a CUDA GPU box (~1-2 min a setting)
     python3 benchmarks/inductor_variants_probe.py OUT --variants default,concat,concat-bw
@@ -65,6 +68,16 @@ def backward_only(settings: dict):
     return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
 
 
+def has_setting(config, key: str) -> bool:
+    """Whether torch._inductor.config ``config`` has the (dotted) setting ``key``: each torch version
+    has its own."""
+    for part in key.split("."):
+        if not hasattr(config, part):
+            return False
+        config = getattr(config, part)
+    return True
+
+
 def digest(*tensors: torch.Tensor) -> str:
     """The first 16 hex digits of the SHA-256 of the tensors' bytes."""
     h = hashlib.sha256()
@@ -84,8 +97,11 @@ def child(variant: str, out_path: str, smoke: bool) -> None:
     from megatrain_ray.model.layout import LayerTemplate
     from megatrain_ray.model.presets import preset_model
 
-    backend = backward_only(VARIANTS[BACKWARD_ONLY[variant]]) if variant in BACKWARD_ONLY else "inductor"
-    for key, value in ({} if variant in BACKWARD_ONLY else VARIANTS[variant]).items():
+    settings = VARIANTS[BACKWARD_ONLY.get(variant, variant)]
+    missing = [key for key in settings if not has_setting(inductor_config, key)]
+    settings = {key: value for key, value in settings.items() if key not in missing}
+    backend = backward_only(settings) if variant in BACKWARD_ONLY else "inductor"
+    for key, value in ({} if variant in BACKWARD_ONLY else settings).items():
         *path, name = key.split(".")
         owner = inductor_config
         for part in path:
@@ -130,7 +146,7 @@ def child(variant: str, out_path: str, smoke: bool) -> None:
     grad.zero_()
     rec_dx = recompute()
     sync()
-    row = {"variant": variant, "settings": VARIANTS[BACKWARD_ONLY.get(variant, variant)],
+    row = {"variant": variant, "settings": settings, "not in this torch": missing,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "compile_s": round(time.perf_counter() - t0, 1),
            "digest": {"forward": digest(*out), "kept dx": digest(*kept_dx), "kept grads": digest(kept_grad),
@@ -180,9 +196,14 @@ def main() -> None:
              else [*VARIANTS, *BACKWARD_ONLY])
     os.makedirs(out_dir, exist_ok=True)
     results = []
-    for name in names:
+    # the first setting twice: a layer's bits may differ between processes (e.g. Inductor picks some
+    # kernels' block sizes by timing them as it compiles, and a reduction summed in other blocks
+    # differs in its last bits); where the first setting's two runs differ, "same bits" says nothing
+    # about the settings
+    for i, name in enumerate([names[0], *names]):
+        label = f"{name} again" if i == 1 else name
         cache = tempfile.mkdtemp(prefix=f"inductor-{name}-")
-        path = os.path.join(out_dir, f"variant-{name}.json")
+        path = os.path.join(out_dir, f"variant-{i}.json")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         try:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, path,
@@ -191,7 +212,7 @@ def main() -> None:
             error = proc.stderr[-3000:] if proc.returncode else None
         except subprocess.TimeoutExpired:
             error = "did not finish in 400 s"
-        if error is None:
+        if error is None and i != 1:
             with tarfile.open(os.path.join(out_dir, f"code-{name}.tgz"), "w:gz") as tar:
                 for root, _, files in os.walk(cache):
                     for f in files:
@@ -199,14 +220,16 @@ def main() -> None:
                             tar.add(os.path.join(root, f), arcname=os.path.relpath(os.path.join(root, f), cache))
         shutil.rmtree(cache, ignore_errors=True)
         if error is not None:
-            print(f"{name}: failed\n{error}")
-            results.append({"variant": name, "error": error})
+            print(f"{label}: failed\n{error}")
+            results.append({"variant": label, "error": error})
             continue
         with open(path) as f:
-            row = json.load(f)
+            row = {**json.load(f), "variant": label}
         os.remove(path)
         results.append(row)
-        print(f"{name} ({row['device']}, compiled in {row['compile_s']} s): ms {row['ms']}")
+        print(f"{label} ({row['device']}, compiled in {row['compile_s']} s): ms {row['ms']}")
+        if row["not in this torch"]:
+            print(f"    not in this torch {row['torch']}, left out: {', '.join(row['not in this torch'])}")
         print(f"    digest {row['digest']}")
         for part, ks in row["kernels"].items():
             print(f"  {part}:")
@@ -219,6 +242,10 @@ def main() -> None:
             if "ms" in r:
                 same = all(r["digest"][k] == base["digest"][k] for k in base["digest"])
                 print(f"{r['variant']:16s} " + "".join(f"{v:22.2f}" for v in r["ms"].values()) + f"   {same}")
+        again = next((r for r in results if r["variant"] == f"{base['variant']} again" and "ms" in r), None)
+        if again is not None and again["digest"] != base["digest"]:
+            print(f"{base['variant']}'s two runs differ in their bits: a setting's 'False' above may be that "
+                  "variation, not the setting")
     with open(os.path.join(out_dir, "inductor_variants.json"), "w") as f:
         json.dump(results, f, indent=1)
 
