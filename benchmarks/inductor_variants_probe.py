@@ -10,7 +10,7 @@ backward graphs alone), one Qwen2.5-7B layer, 4 micro-batches of [16, 1024]
 tokens, as the compute worker runs it:
 
 - the forward without gradients, a kept layer's forward (with its graph) and backward, and a
-  recomputed layer's recompute + backward: ms each (CUDA events, the median of 3);
+  recomputed layer's recompute + backward: ms each (wall time between device synchronizations, the median of 3);
 - the kernels of the forward and of the two backwards, by name, with their time and calls;
 - a digest of the outputs (the forward's output, the input gradients, the fp32 weight gradients),
   so that a setting which changes a single bit shows it. The first setting runs twice: where its
